@@ -1,0 +1,143 @@
+"""The command-line front end shared by every entry point: help, errors, dry run."""
+
+from __future__ import annotations
+
+import sys
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from prime_core.config.loader import ConfigError, _models_in, _unwrap, collect_sources, validate
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def _type_name(annotation: Any) -> str:
+    alts = _unwrap(annotation)
+    names = []
+    for a in alts:
+        if typing.get_origin(a) is typing.Literal:
+            names.append("|".join(str(x) for x in typing.get_args(a)))
+        elif typing.get_origin(a) is not None:
+            names.append(str(a).replace("typing.", ""))
+        else:
+            names.append(getattr(a, "__name__", str(a)))
+    return " | ".join(names) if names else "any"
+
+
+def _default_text(info: Any) -> str:
+    if info.default is not PydanticUndefined:
+        return repr(info.default)
+    if info.default_factory is not None:
+        try:
+            value = info.default_factory()
+        except TypeError:
+            return "(computed)"
+        return "(section)" if isinstance(value, BaseModel) else repr(value)
+    return "(required)"
+
+
+def format_help(model: type[BaseModel], prog: str, description: str | None = None) -> str:
+    lines = [f"usage: {prog} [@ config.toml ...] [--key.subkey VALUE ...] [--dry-run] [--help]", ""]
+    if description:
+        lines += [description.strip(), ""]
+    lines += [
+        "Sources, highest first: CLI --key.subkey VALUE > TOML files (@ file.toml; later files win) >",
+        "environment PRIME_KEY__SUBKEY > defaults. Booleans: --flag / --no-flag. Lists: a,b or JSON.",
+        "",
+    ]
+
+    def walk(cls: type[BaseModel], prefix: str, title: str) -> None:
+        leaves, sections = [], []
+        for name, info in cls.model_fields.items():
+            subs = _models_in(info.annotation)
+            if subs and all(not typing.get_origin(a) for a in _unwrap(info.annotation)):
+                sections.append((name, info, subs))
+            else:
+                leaves.append((name, info))
+        if leaves:
+            lines.append(f"{title}:")
+            for name, info in leaves:
+                flag = f"--{prefix}{name}".replace("_", "-")
+                lines.append(f"  {flag} {_type_name(info.annotation)}  (default: {_default_text(info)})")
+                if info.description:
+                    for doc_line in info.description.strip().splitlines():
+                        lines.append(f"      {doc_line.strip()}")
+            lines.append("")
+        for name, info, subs in sections:
+            sub_title = f"{prefix}{name}".replace("_", "-")
+            doc = f" - {info.description.strip().splitlines()[0]}" if info.description else ""
+            if len(subs) > 1:
+                lines.append(f"[{sub_title}]{doc} (one of: {', '.join(s.__name__ for s in subs)})")
+                lines.append("")
+            for sub in subs:
+                walk(sub, f"{prefix}{name}.", f"[{sub_title}]" + (f" ({sub.__name__})" if len(subs) > 1 else doc))
+
+    walk(model, "", "options")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def config_to_toml(config: BaseModel) -> str:
+    """Serialize a resolved config to TOML that ``@`` loads back to an equal object (None omitted)."""
+    import tomli_w
+
+    def strip_none(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip_none(v) for k, v in value.items() if v is not None}
+        if isinstance(value, list):
+            return [strip_none(v) for v in value]
+        return value
+
+    data = strip_none(config.model_dump(mode="json", exclude_none=True))
+    return tomli_w.dumps(data)
+
+
+def write_config(config: BaseModel, path: str | Path) -> Path:
+    from prime_core.io import atomic_write_text
+
+    atomic_write_text(path, config_to_toml(config))
+    return Path(path)
+
+
+def fail(message: str) -> typing.NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_cli(
+    model: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str,
+    description: str | None = None,
+    on_dry_run: Callable[[T], None] | None = None,
+) -> T:
+    """Resolve a config for an entry point. Prints help, one-line errors (exit 2), or handles --dry-run.
+
+    Dry run: resolve, validate, write the resolved config to ``<output_dir>/configs/<prog>.toml`` (or call
+    ``on_dry_run``) and exit 0.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parsed = collect_sources(model, argv)
+        if parsed.help:
+            sys.stdout.write(format_help(model, prog, description))
+            raise SystemExit(0)
+        config = validate(model, parsed.sources)
+    except ConfigError as e:
+        fail(str(e))
+    if parsed.dry_run:
+        if on_dry_run is not None:
+            on_dry_run(config)
+        else:
+            output_dir = getattr(config, "output_dir", None)
+            if output_dir is None:
+                fail("--dry-run: this config has no output_dir to write the resolved config to")
+            path = write_config(config, Path(output_dir) / "configs" / f"{prog}.toml")
+            print(f"resolved config written to {path}")
+        raise SystemExit(0)
+    return config

@@ -1,0 +1,411 @@
+"""Resolve a config from CLI flags, TOML files, environment variables and defaults.
+
+Precedence, highest first: CLI ``--a.b value`` > TOML files given with ``@ file.toml`` (later files
+win) > environment ``PRIME_A__B`` > defaults. ``--a @ file.toml`` loads a file into the ``a`` section.
+Every user error is a ``ConfigError`` whose one-line message names the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+
+ENV_PREFIX = "PRIME_"
+
+
+class ConfigError(ValueError):
+    """A user error in configuration input; the message is one line meant for the console."""
+
+
+@dataclass
+class _Sources:
+    """Nested values plus, for every leaf path, a description of where it came from."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    origin: dict[tuple[str, ...], str] = field(default_factory=dict)
+
+    def set(self, path: tuple[str, ...], value: Any, origin: str) -> None:
+        node = self.values
+        for i, key in enumerate(path[:-1]):
+            child = node.get(key)
+            if not isinstance(child, dict):
+                child = {}
+                node[key] = child
+                self.origin.pop(path[: i + 1], None)
+            node = child
+        node[path[-1]] = value
+        self.origin[path] = origin
+
+    def merge_tree(self, prefix: tuple[str, ...], tree: Mapping[str, Any], origin: str) -> None:
+        for key, value in tree.items():
+            path = prefix + (key,)
+            if isinstance(value, Mapping) and value:
+                self.merge_tree(path, value, origin)
+            else:
+                self.set(path, dict(value) if isinstance(value, Mapping) else value, origin)
+
+    def origin_below(self, path: Sequence[str | int]) -> str | None:
+        """The origin of some value set inside ``path`` (for errors reported on a whole section)."""
+        keys = tuple(str(p) for p in path)
+        found = [o for p, o in self.origin.items() if p[: len(keys)] == keys]
+        return found[-1] if found else None
+
+    def origin_of(self, path: Sequence[str | int]) -> str | None:
+        keys = tuple(str(p) for p in path)
+        for n in range(len(keys), 0, -1):
+            if keys[:n] in self.origin:
+                return self.origin[keys[:n]]
+        return None
+
+
+# ---------------------------------------------------------------- type introspection
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The concrete alternatives of an annotation (Optional/Union/Annotated flattened)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        out: list[Any] = []
+        for arg in typing.get_args(annotation):
+            if arg is not type(None):
+                out.extend(_unwrap(arg))
+        return out
+    return [annotation]
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    return [a for a in _unwrap(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+
+
+def _fields_of(models: list[type[BaseModel]]) -> dict[str, Any]:
+    """Union of the fields of several models (for discriminated unions): name -> annotation."""
+    fields: dict[str, Any] = {}
+    for model in models:
+        for name, info in model.model_fields.items():
+            fields.setdefault(name, info.annotation)
+            if info.alias:
+                fields.setdefault(info.alias, info.annotation)
+    return fields
+
+
+def _is_dict_type(annotation: Any) -> bool:
+    return any(typing.get_origin(a) in (dict, Mapping) or a is dict for a in _unwrap(annotation))
+
+
+def _is_list_type(annotation: Any) -> bool:
+    return any(typing.get_origin(a) in (list, tuple, set, Sequence) or a in (list, tuple) for a in _unwrap(annotation))
+
+
+def _is_bool_type(annotation: Any) -> bool:
+    alts = _unwrap(annotation)
+    return bool(alts) and all(a is bool for a in alts)
+
+
+def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of a config class (for suggestions and help)."""
+    keys = []
+    for name, annotation in _fields_of([model]).items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        for sub in _models_in(annotation):
+            keys.extend(all_keys(sub, dotted + "."))
+    return sorted(set(keys))
+
+
+def _suggest(bad: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(bad, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _normalize_key(key: str) -> str:
+    return key.strip().replace("-", "_")
+
+
+def resolve_path(model: type[BaseModel], dotted: str, origin: str) -> tuple[tuple[str, ...], Any]:
+    """Check a dotted key against the config class; return its normalized path and leaf annotation."""
+    parts = tuple(_normalize_key(p) for p in dotted.split("."))
+    if any(not p for p in parts):
+        raise ConfigError(f"{origin}: malformed key {dotted!r}")
+    models: list[type[BaseModel]] = [model]
+    annotation: Any = model
+    for i, part in enumerate(parts):
+        if not models:
+            if _is_dict_type(annotation):
+                return parts, Any  # free-form dict: anything below is the user's
+            parent = ".".join(parts[:i])
+            raise ConfigError(f"{origin}: key {dotted!r} goes below {parent!r}, which is not a section")
+        fields = _fields_of(models)
+        if part not in fields:
+            prefix = ".".join(parts[:i])
+            candidates = [f"{prefix}.{k}" if prefix else k for k in fields]
+            full = ".".join(parts).replace("_", "-")
+            suggestion = _suggest(".".join(parts), candidates + all_keys(model))
+            raise ConfigError(f"{origin}: unknown key {full!r}{suggestion.replace('_', '-')}")
+        annotation = fields[part]
+        models = _models_in(annotation)
+    return parts, annotation
+
+
+# ---------------------------------------------------------------- value parsing
+
+
+def parse_scalar_text(text: str, annotation: Any) -> Any:
+    """Turn CLI/env text into a Python value; pydantic does the final type check."""
+    stripped = text.strip()
+    if stripped[:1] in "[{":
+        try:
+            return json.loads(stripped)
+        except json.JSONDecodeError:
+            try:
+                return tomllib.loads(f"v = {stripped}")["v"]
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"cannot parse {text!r} as a list or table: {e}") from None
+    if _is_list_type(annotation) and not _models_in(annotation):
+        return [p.strip() for p in text.split(",") if p.strip()] if text.strip() else []
+    if _is_dict_type(annotation):
+        raise ValueError(f"expected a JSON or TOML table like '{{\"k\": 1}}', got {text!r}")
+    if stripped.lower() in ("none", "null") and type(None) in typing.get_args(annotation):
+        return None
+    return text
+
+
+# ---------------------------------------------------------------- sources
+
+
+def load_toml(path_text: str, origin: str) -> dict[str, Any]:
+    if not path_text:
+        raise ConfigError(f"{origin}: '@' must be followed by a TOML file path")
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{origin}: config file {path_text!r} not found")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{origin}: cannot parse TOML file {path_text!r}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{origin}: cannot read config file {path_text!r}: {e}") from None
+
+
+def _normalize_tree(
+    model: type[BaseModel], tree: Mapping[str, Any], prefix: tuple[str, ...], origin: str
+) -> dict[str, Any]:
+    """Normalize kebab-case keys of a TOML tree and check every key exists."""
+    out: dict[str, Any] = {}
+    for raw_key, value in tree.items():
+        dotted = ".".join(prefix + (str(raw_key),))
+        path, annotation = resolve_path(model, dotted, origin)
+        key = path[-1]
+        if key in out:
+            raise ConfigError(f"{origin}: key {dotted!r} is given twice (kebab and snake case)")
+        if isinstance(value, Mapping) and _models_in(annotation):
+            out[key] = _normalize_tree(model, value, path, origin)
+        else:
+            out[key] = value
+    return out
+
+
+@dataclass
+class ParsedArgs:
+    """The result of splitting argv: sources and the flags the loader itself handles."""
+
+    sources: _Sources
+    help: bool = False
+    dry_run: bool = False
+
+
+def _split_flag(token: str) -> tuple[str, str | None]:
+    body = token[2:]
+    if "=" in body:
+        key, value = body.split("=", 1)
+        return key, value
+    return body, None
+
+
+def collect_sources(
+    model: type[BaseModel],
+    argv: Sequence[str],
+    *,
+    environ: Mapping[str, str] | None = None,
+    env_prefix: str = ENV_PREFIX,
+    extra_flags: Sequence[str] = (),
+) -> ParsedArgs:
+    """Merge defaults < env < TOML files < CLI into one nested dict with origins (not yet validated)."""
+    environ = os.environ if environ is None else environ
+    merged = _Sources()
+    parsed = ParsedArgs(sources=merged)
+
+    # Environment: PRIME_A__B=value. Unknown PRIME_ names are left alone: several processes share an env.
+    known_top = set(_fields_of([model]))
+    for name in sorted(environ):
+        if not name.startswith(env_prefix):
+            continue
+        dotted = ".".join(p.lower() for p in name[len(env_prefix) :].split("__"))
+        if dotted.split(".")[0] not in known_top:
+            continue
+        origin = f"env {name}"
+        path, annotation = resolve_path(model, dotted, origin)
+        try:
+            value = parse_scalar_text(environ[name], annotation)
+        except ValueError as e:
+            raise ConfigError(f"{origin}: {e}") from None
+        merged.set(path, value, origin)
+
+    toml_layers: list[tuple[tuple[str, ...], dict[str, Any], str]] = []
+    cli: list[tuple[tuple[str, ...], Any, str, str]] = []
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token.startswith("@"):
+            path_text = token[1:] or (tokens[i + 1] if i + 1 < len(tokens) else "")
+            i += 1 if token[1:] else 2
+            origin = f"file {path_text}" if path_text else "CLI"
+            tree = load_toml(path_text, "CLI" if not path_text else origin)
+            toml_layers.append(((), _normalize_tree(model, tree, (), origin), origin))
+            continue
+        if token in ("-h", "--help"):
+            parsed.help = True
+            i += 1
+            continue
+        if token == "--dry-run" or token == "--dry_run":
+            parsed.dry_run = True
+            i += 1
+            continue
+        if not token.startswith("--") or token == "--":
+            raise ConfigError(f"CLI: unexpected argument {token!r} (options look like --key value or @ file.toml)")
+        key, inline = _split_flag(token)
+        if key in extra_flags:
+            i += 1
+            continue
+        i += 1
+        # --section @ file.toml loads a file into that section.
+        if inline is None and i < len(tokens) and tokens[i].startswith("@"):
+            path_text = tokens[i][1:] or (tokens[i + 1] if i + 1 < len(tokens) else "")
+            i += 1 if tokens[i][1:] else 2
+            path, annotation = resolve_path(model, key, f"CLI --{key}")
+            if not _models_in(annotation):
+                raise ConfigError(f"CLI --{key}: '@ file' can only load a section, and {key!r} is a value")
+            origin = f"file {path_text}" if path_text else f"CLI --{key}"
+            tree = load_toml(path_text, origin)
+            toml_layers.append((path, _normalize_tree(model, tree, path, origin), origin))
+            continue
+        negated = False
+        try:
+            path, annotation = resolve_path(model, key, f"CLI --{key}")
+        except ConfigError:
+            if not key.startswith("no-") and not key.startswith("no_"):
+                raise
+            path, annotation = resolve_path(model, key[3:], f"CLI --{key}")
+            negated = True
+        origin = f"CLI --{key}"
+        if negated:
+            if not _is_bool_type(annotation):
+                raise ConfigError(f"{origin}: --no- only applies to boolean options, and {key[3:]!r} is not one")
+            if inline is not None:
+                raise ConfigError(f"{origin}: --{key} takes no value")
+            value: Any = False
+        elif inline is not None:
+            value = inline
+        elif _is_bool_type(annotation):
+            if i < len(tokens) and tokens[i].lower() in ("true", "false", "1", "0", "yes", "no"):
+                value = tokens[i]
+                i += 1
+            else:
+                value = True
+        else:
+            values = []
+            while i < len(tokens) and not tokens[i].startswith("--") and not tokens[i].startswith("@"):
+                values.append(tokens[i])
+                i += 1
+            if not values:
+                raise ConfigError(f"{origin}: missing value")
+            if len(values) > 1 and not _is_list_type(annotation):
+                raise ConfigError(f"{origin}: expected one value, got {len(values)}: {' '.join(values)}")
+            value = values if len(values) > 1 else values[0]
+        if isinstance(value, str):
+            try:
+                value = parse_scalar_text(value, annotation)
+            except ValueError as e:
+                raise ConfigError(f"{origin}: {e}") from None
+        elif isinstance(value, list):
+            flat: list[Any] = []
+            for v in value:
+                flat.extend(parse_scalar_text(v, annotation) if "," in v else [v])
+            value = flat
+        cli.append((path, value, origin, key))
+
+    for prefix, tree, origin in toml_layers:
+        merged.merge_tree(prefix, tree, origin)
+    seen: dict[tuple[str, ...], tuple[Any, str]] = {}
+    for path, value, origin, _ in cli:
+        if path in seen and seen[path][0] != value:
+            raise ConfigError(
+                f"{origin}: conflicts with {seen[path][1]} ({'.'.join(path)} given {seen[path][0]!r} and {value!r})"
+            )
+        seen[path] = (value, origin)
+        merged.set(path, value, origin)
+    return parsed
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _clean_loc(model: type[BaseModel], loc: Sequence[Any]) -> list[str]:
+    """Drop the union tags pydantic puts in error locations (e.g. ``loss.grpo.clip``), keep field names."""
+    out: list[str] = []
+    models: list[type[BaseModel]] = [model]
+    for part in loc:
+        text = str(part)
+        fields = _fields_of(models) if models else {}
+        if models and text not in fields:
+            continue
+        out.append(text)
+        models = _models_in(fields[text]) if text in fields else []
+    return out
+
+
+def _format_validation_error(err: ValidationError, sources: _Sources, model: type[BaseModel]) -> str:
+    first = err.errors()[0]
+    loc = _clean_loc(model, first["loc"])
+    key = ".".join(loc) if loc else "(config)"
+    origin = sources.origin_of(loc) or sources.origin_below(loc) or "defaults"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        return f"{origin}: unknown key {key.replace('_', '-')!r}"
+    inp = first.get("input")
+    shown = "" if isinstance(inp, dict) or inp is None else f", got {inp!r}"
+    return f"{origin}: {key.replace('_', '-')}: {msg}{shown}"
+
+
+def validate(model: type[T], sources: _Sources) -> T:
+    try:
+        return model.model_validate(sources.values)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, sources, model)) from None
+
+
+def load_config(
+    model: type[T],
+    argv: Sequence[str] = (),
+    *,
+    environ: Mapping[str, str] | None = None,
+    env_prefix: str = ENV_PREFIX,
+) -> T:
+    """Resolve ``model`` from argv, TOML files and env. Raises ``ConfigError`` (one line) on bad input."""
+    parsed = collect_sources(model, argv, environ=environ, env_prefix=env_prefix)
+    return validate(model, parsed.sources)

@@ -1,0 +1,110 @@
+"""Atomic file hand-off between processes.
+
+Every file one process hands to another is written under a temporary name in the same directory and
+renamed into place, so readers either see nothing or the complete file. Directories are published by
+writing a ``STABLE`` marker last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+STABLE_MARKER = "STABLE"
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success rename it onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike, *, stable: bool = True) -> Iterator[Path]:
+    """Build a directory under a temporary name, rename it onto ``path``, then write the STABLE marker.
+
+    An existing directory at ``path`` is replaced. Readers wait for ``path/STABLE`` (see ``wait_stable``).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        if stable:
+            mark_stable(path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def mark_stable(directory: str | os.PathLike) -> None:
+    atomic_write_text(Path(directory) / STABLE_MARKER, f"{time.time()}\n")
+
+
+def is_stable(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / STABLE_MARKER).is_file()
+
+
+def wait_for_path(
+    path: str | os.PathLike,
+    *,
+    timeout: float | None,
+    poll_interval: float = 0.05,
+    on_wait: Any = None,
+    log_every: float = 30.0,
+) -> Path:
+    """Block until ``path`` exists. ``on_wait(elapsed)`` is called every ``log_every`` seconds.
+
+    Raises ``TimeoutError`` naming the path after ``timeout`` seconds (``None`` waits forever).
+    """
+    path = Path(path)
+    start = last_log = time.monotonic()
+    while not path.exists():
+        now = time.monotonic()
+        if timeout is not None and now - start > timeout:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {path}")
+        if on_wait is not None and now - last_log >= log_every:
+            on_wait(now - start)
+            last_log = now
+        time.sleep(poll_interval)
+    return path
+
+
+def wait_stable(directory: str | os.PathLike, *, timeout: float | None, **kwargs: Any) -> Path:
+    wait_for_path(Path(directory) / STABLE_MARKER, timeout=timeout, **kwargs)
+    return Path(directory)

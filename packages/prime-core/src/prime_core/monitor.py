@@ -1,0 +1,125 @@
+"""Per-step metric sinks: metrics.jsonl (always safe to tail) and W&B."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from prime_core.config.shared import MonitorConfig, WandbConfig
+from prime_core.schemas.metrics import MetricsRecord
+
+
+class Monitor(Protocol):
+    def log(self, step: int, values: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlMonitor:
+    """Appends one ``MetricsRecord`` line per call; each line is written with a single ``write``."""
+
+    def __init__(self, path: str | Path, process: str):
+        self.path = Path(path)
+        self.process = process
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        record = MetricsRecord(step=step, process=self.process, values=_jsonable(values))
+        line = record.model_dump_json() + "\n"
+        # O_APPEND writes of one line are atomic w.r.t. other appenders (trainer and orchestrator share it).
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        pass
+
+
+class WandbMonitor:
+    """Logs to W&B; imported only when enabled."""
+
+    def __init__(
+        self, config: WandbConfig, process: str, run_config: dict[str, Any] | None = None, dir: Path | None = None
+    ):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError("W&B logging needs wandb: pip install 'prime-core[wandb]'") from e
+        name = f"{config.name}-{process}" if config.name else None
+        self._run = wandb.init(
+            project=config.project,
+            entity=config.entity,
+            name=name,
+            group=config.group,
+            tags=config.tags,
+            mode="offline" if config.offline else "online",
+            config=run_config,
+            dir=str(dir) if dir else None,
+            reinit=True,
+        )
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        self._run.log({k: v for k, v in values.items() if isinstance(v, int | float)}, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        import wandb
+
+        self._run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MultiMonitor:
+    def __init__(self, monitors: list[Any]):
+        self.monitors = monitors
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        for m in self.monitors:
+            m.log(step, values)
+
+    def close(self) -> None:
+        for m in self.monitors:
+            m.close()
+
+
+def build_monitor(
+    config: MonitorConfig, *, output_dir: str | Path, process: str, run_config: dict[str, Any] | None = None
+) -> MultiMonitor:
+    monitors: list[Any] = []
+    if config.jsonl:
+        monitors.append(JsonlMonitor(Path(output_dir) / "metrics.jsonl", process))
+    if config.wandb.enabled:
+        monitors.append(WandbMonitor(config.wandb, process, run_config, dir=Path(output_dir)))
+    return MultiMonitor(monitors)
+
+
+def read_metrics(path: str | Path, process: str | None = None) -> list[MetricsRecord]:
+    """Read metrics.jsonl, optionally only one process's records (skips a torn last line)."""
+    records = []
+    path = Path(path)
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            record = MetricsRecord.model_validate_json(line)
+        except ValueError:
+            continue
+        if process is None or record.process == process:
+            records.append(record)
+    return records
+
+
+def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in values.items():
+        if hasattr(v, "item"):
+            v = v.item()
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+            v = None
+        out[k] = v if isinstance(v, int | float | str) or v is None else json.dumps(v)
+    return out

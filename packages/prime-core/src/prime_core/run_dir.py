@@ -1,0 +1,92 @@
+"""The run-directory layout shared by every process (DESIGN.md "Run directory")."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from prime_core.io import is_stable
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside ``--output-dir``. Creating the object touches nothing on disk."""
+
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def configs(self) -> Path:
+        return self.root / "configs"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    def config_file(self, process: str) -> Path:
+        return self.configs / f"{process}.toml"
+
+    def log_file(self, process: str) -> Path:
+        return self.logs / f"{process}.log"
+
+    def rollout_step(self, step: int) -> Path:
+        return self.rollouts / f"step_{step}"
+
+    def rollout_file(self, step: int, rank: int) -> Path:
+        return self.rollout_step(step) / f"rank_{rank}.safetensors"
+
+    def weight_step(self, step: int) -> Path:
+        return self.weights / f"step_{step}"
+
+    def checkpoint_step(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step}"
+
+    def trainer_checkpoint(self, step: int) -> Path:
+        return self.checkpoint_step(step) / "trainer"
+
+    def orchestrator_checkpoint(self, step: int) -> Path:
+        return self.checkpoint_step(step) / "orchestrator"
+
+    def stable_weight_steps(self) -> list[int]:
+        """Steps under ``weights/`` whose directory carries the STABLE marker, ascending."""
+        return [s for s, p in _steps(self.weights) if is_stable(p)]
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps under ``checkpoints/`` with a STABLE marker, ascending."""
+        return [s for s, p in _steps(self.checkpoints) if is_stable(p)]
+
+    def latest_stable_weight_step(self) -> int | None:
+        steps = self.stable_weight_steps()
+        return steps[-1] if steps else None
+
+
+def _steps(parent: Path) -> list[tuple[int, Path]]:
+    if not parent.is_dir():
+        return []
+    found = []
+    for child in parent.iterdir():
+        m = _STEP_RE.match(child.name)
+        if m and child.is_dir():
+            found.append((int(m.group(1)), child))
+    return sorted(found)

@@ -1,0 +1,160 @@
+"""The micro-batch file: what the orchestrator hands one trainer rank for one step.
+
+One file per trainer rank per step (``rollouts/step_N/rank_R.safetensors``), written atomically. The
+payload is a safetensors file (numpy arrays, readable zero-copy by ``safetensors.torch``) whose
+``__metadata__`` carries a JSON ``RolloutBatchMeta`` under the key ``prime``.
+
+A micro-batch is ``[rows, seq_len]`` packed rows. Conventions, per row position ``t``:
+
+- ``input_ids[t]``: the token at ``t``. ``position_ids[t]`` restarts at 0 at every sample start, so
+  sample boundaries are where ``position_ids`` drops to 0 (padding continues counting from 0 too and has
+  ``sample_ids == -1``).
+- ``loss_mask[t]``: 1 when token ``t`` was sampled by the policy and is trained on (completion tokens);
+  its log-prob is predicted from position ``t - 1`` of the same sample, so a sample's first token never
+  has ``loss_mask == 1``.
+- ``advantages[t]``: the advantage of the sample owning ``t`` (0 where ``loss_mask == 0``).
+- ``inference_logprobs[t]``: the log-prob the inference engine assigned to token ``t`` when sampling it
+  (0 where ``loss_mask == 0``).
+- ``sample_ids[t]``: the sample's index in the step (``-1`` on padding), for sequence-level losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from prime_core.io import atomic_path
+
+MICROBATCH_SCHEMA_VERSION = 1
+
+# name -> dtype; the order is the on-disk order.
+MICROBATCH_FIELDS: dict[str, np.dtype] = {
+    "input_ids": np.dtype(np.int64),
+    "position_ids": np.dtype(np.int64),
+    "loss_mask": np.dtype(np.bool_),
+    "advantages": np.dtype(np.float32),
+    "inference_logprobs": np.dtype(np.float32),
+    "sample_ids": np.dtype(np.int64),
+}
+
+
+class RolloutBatchMeta(BaseModel):
+    """Header of a micro-batch file."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    schema_version: int = MICROBATCH_SCHEMA_VERSION
+    """Version of this file format; readers refuse versions they do not know."""
+    step: int
+    """Training step these rollouts are for."""
+    rank: int
+    """Trainer rank this file is for."""
+    num_micro_batches: int
+    """Number of micro-batches in the file (equal across ranks of one step)."""
+    seq_len: int
+    """Row length in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature used by inference; the trainer scales its logits by it."""
+    global_loss_tokens: int = 0
+    """Number of loss tokens in this step over all ranks (for global token-count normalization)."""
+    global_num_samples: int = 0
+    """Number of samples in this step over all ranks (for per-sequence normalization)."""
+    weight_steps: list[int] = Field(default_factory=list)
+    """Weight step that generated each sample of this file, by local sample index (off-policy lag)."""
+    extras: dict[str, float | int | str] = Field(default_factory=dict)
+    """Free-form scalar annotations (e.g. environment mix); ignored by the trainer."""
+
+
+@dataclass
+class MicroBatch:
+    """``[rows, seq_len]`` arrays of one micro-batch (see the module docstring for their meaning)."""
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    inference_logprobs: np.ndarray
+    sample_ids: np.ndarray
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        shape = None
+        for name, dtype in MICROBATCH_FIELDS.items():
+            arr = np.ascontiguousarray(np.asarray(getattr(self, name)), dtype=dtype)
+            if arr.ndim == 1:
+                arr = arr[None, :]
+            if arr.ndim != 2:
+                raise ValueError(f"micro-batch field {name!r} must be [rows, seq_len], got shape {arr.shape}")
+            if shape is None:
+                shape = arr.shape
+            elif arr.shape != shape:
+                raise ValueError(f"micro-batch field {name!r} has shape {arr.shape}, expected {shape}")
+            setattr(self, name, arr)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.input_ids.shape  # type: ignore[return-value]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @classmethod
+    def empty(cls, rows: int, seq_len: int) -> MicroBatch:
+        """An all-padding micro-batch (used to keep ranks in lockstep when one has less data)."""
+        zeros = {n: np.zeros((rows, seq_len), dtype=d) for n, d in MICROBATCH_FIELDS.items()}
+        zeros["sample_ids"][:] = -1
+        zeros["position_ids"][:] = np.arange(seq_len)
+        return cls(**zeros)
+
+
+def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_batches: list[MicroBatch]) -> None:
+    """Write one rank's micro-batches for one step, atomically."""
+    from safetensors.numpy import save_file
+
+    if meta.num_micro_batches != len(micro_batches):
+        raise ValueError(f"meta says {meta.num_micro_batches} micro-batches, got {len(micro_batches)}")
+    tensors: dict[str, np.ndarray] = {}
+    for i, mb in enumerate(micro_batches):
+        for name in MICROBATCH_FIELDS:
+            arr = getattr(mb, name)
+            # safetensors has no bool in its numpy bridge on all versions; store masks as uint8.
+            tensors[f"{i}.{name}"] = arr.astype(np.uint8) if arr.dtype == np.bool_ else arr
+        for name, arr in mb.extra.items():
+            tensors[f"{i}.extra.{name}"] = np.ascontiguousarray(arr)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"prime": meta.model_dump_json()})
+
+
+def read_microbatch_meta(path: str | os.PathLike) -> RolloutBatchMeta:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        raw = (f.metadata() or {}).get("prime")
+    if raw is None:
+        raise ValueError(f"{path}: not a prime micro-batch file (no 'prime' metadata)")
+    data = json.loads(raw)
+    version = data.get("schema_version")
+    if version != MICROBATCH_SCHEMA_VERSION:
+        raise ValueError(f"{path}: micro-batch schema version {version}, this reader knows {MICROBATCH_SCHEMA_VERSION}")
+    return RolloutBatchMeta.model_validate(data)
+
+
+def read_microbatches(path: str | os.PathLike) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
+    """Read a file written by ``write_microbatches`` (numpy arrays)."""
+    from safetensors.numpy import load_file
+
+    meta = read_microbatch_meta(path)
+    tensors = load_file(str(Path(path)))
+    micro_batches = []
+    for i in range(meta.num_micro_batches):
+        fields = {name: tensors[f"{i}.{name}"] for name in MICROBATCH_FIELDS}
+        prefix = f"{i}.extra."
+        extra = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        micro_batches.append(MicroBatch(**fields, extra=extra))
+    return meta, micro_batches
