@@ -1,0 +1,62 @@
+"""Word-problem generator and math-verify scoring (no verifiers import)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+SYSTEM_PROMPT = "Solve the problem. Put the final number in \\boxed{}."
+
+NAMES = ["Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gus", "Hana"]
+ITEMS = ["apples", "books", "coins", "pens", "shells", "stamps", "cards", "marbles"]
+
+_TEMPLATES = (
+    ("+", "{n} has {a} {item}. {n} finds {b} more. How many {item} does {n} have now?"),
+    ("-", "{n} has {a} {item} and gives away {b}. How many {item} are left?"),
+    ("*", "{n} buys {a} boxes with {b} {item} each. How many {item} is that?"),
+    ("+", "{n} read {a} pages on Monday and {b} pages on Tuesday. How many pages in total?"),
+)
+
+
+def generate_examples(n: int, seed: int = 0, max_operand: int = 20) -> list[dict[str, str]]:
+    """``n`` problems ``{"prompt", "answer", "completion", "system_prompt"}``, deterministic in ``seed``."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        op, template = rng.choice(_TEMPLATES)
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        if op == "-" and b > a:
+            a, b = b, a
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        prompt = template.format(n=rng.choice(NAMES), item=rng.choice(ITEMS), a=a, b=b)
+        out.append(
+            {
+                "prompt": prompt,
+                "answer": str(value),
+                "completion": f"\\boxed{{{value}}}",
+                "system_prompt": SYSTEM_PROMPT,
+            }
+        )
+    return out
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def score_answer(reply: str, answer: str) -> float:
+    """1.0 when math-verify finds the reply's answer equal to ``answer``, else 0.0."""
+    import logging
+
+    from math_verify import parse, verify
+
+    # Timeouts are off (they need SIGALRM, i.e. the main thread); the inputs here are tiny.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+    boxed = _BOXED.findall(reply)
+    candidate = f"${boxed[-1]}$" if boxed else reply
+    try:
+        gold = parse(f"${answer}$", parsing_timeout=None)
+        pred = parse(candidate, parsing_timeout=None)
+        return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+    except Exception:  # math-verify raises on malformed LaTeX; that is a wrong answer
+        return 0.0

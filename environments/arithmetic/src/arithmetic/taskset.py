@@ -1,0 +1,36 @@
+"""The arithmetic verifiers Taskset."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import verifiers.v1 as vf
+
+from arithmetic.data import SYSTEM_PROMPT, generate_examples, score_answer
+
+
+class ArithmeticData(vf.TaskData):
+    answer: str
+    """The exact numeric answer."""
+
+
+class ArithmeticTask(vf.Task[ArithmeticData]):
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        return score_answer(trace.last_reply, self.data.answer)
+
+
+class ArithmeticConfig(vf.TasksetConfig):
+    num_examples: int = 10_000
+    """Problems generated."""
+    seed: int = 0
+    """Generator seed."""
+    max_operand: int = 20
+    """Largest operand."""
+
+
+class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
+    def load(self) -> Iterable[ArithmeticTask]:
+        c = self.config
+        for ex in generate_examples(c.num_examples, c.seed, c.max_operand):
+            yield ArithmeticTask(ArithmeticData(prompt=ex["prompt"], system_prompt=SYSTEM_PROMPT, answer=ex["answer"]))

@@ -1,0 +1,58 @@
+"""The reverse-text dataset and reward, without verifiers (usable for SFT data)."""
+
+from __future__ import annotations
+
+import difflib
+import random
+import re
+
+SYSTEM_PROMPT = "Reverse the text character by character. Put your answer in <reversed> tags."
+
+WORDS = (
+    "cat dog sun moon tree bird fish rain snow wind star leaf rock sand sea sky red blue green gold "
+    "apple bread milk tea cup pen book door road hill lake rose king queen ship boat song word"
+).split()
+
+_TAG_RE = re.compile(r"<reversed>(.*?)</reversed>", re.DOTALL)
+
+
+def generate_examples(n: int, seed: int = 0, min_chars: int = 5, max_chars: int = 20) -> list[dict[str, str]]:
+    """``n`` examples ``{"prompt", "answer", "completion", "system_prompt"}``, deterministic in ``seed``.
+
+    Each prompt is a few words from a fixed list, 5-20 characters; ``answer`` is it reversed and
+    ``completion`` the ideal reply (for SFT).
+    """
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        target = rng.randint(min_chars, max_chars)
+        words: list[str] = []
+        while len(" ".join(words)) < target:
+            words.append(rng.choice(WORDS))
+        text = " ".join(words)[:target].strip()
+        if len(text) < min_chars:
+            text = (text + " " + rng.choice(WORDS))[:min_chars].ljust(min_chars, "a")
+        answer = text[::-1]
+        examples.append(
+            {
+                "prompt": text,
+                "answer": answer,
+                "completion": f"<reversed>{answer}</reversed>",
+                "system_prompt": SYSTEM_PROMPT,
+            }
+        )
+    return examples
+
+
+def parse_answer(reply: str) -> str | None:
+    """Content of the first ``<reversed>...</reversed>`` (stripped), or None without the tags."""
+    m = _TAG_RE.search(reply)
+    return m.group(1).strip() if m else None
+
+
+def lcs_ratio(reply: str, answer: str) -> float:
+    """LCS ratio ``2 M / (len(a) + len(b))`` between the tagged answer and ``answer``, in [0, 1]."""
+    parsed = parse_answer(reply)
+    if parsed is None:
+        return 0.0
+    return difflib.SequenceMatcher(None, parsed, answer).ratio()

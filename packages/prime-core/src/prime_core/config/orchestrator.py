@@ -1,0 +1,244 @@
+"""Configs of the ``orchestrator`` and ``eval`` entry points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from prime_core.config.base import BaseConfig
+from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
+from prime_core.transport import RolloutTransportConfig
+
+
+class ClientConfig(BaseConfig):
+    """How the orchestrator reaches the inference servers."""
+
+    base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """Base URLs of the inference servers (no trailing /v1); requests are spread over them round-robin."""
+    api_key: str | None = None
+    """API key sent as a bearer token to every route (None: no auth)."""
+    api_key_var: str | None = None
+    """Name of an environment variable holding the API key (used when ``api_key`` is unset)."""
+    timeout: float = Field(default=600.0, gt=0)
+    """Seconds before a single generation request fails."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries of a failed generation or admin request (connection errors, 5xx)."""
+    generate_path: str = "/inference/v1/generate"
+    """Token-in generation route (prompt token ids in; token ids and log-probs out)."""
+    max_concurrent: int = Field(default=64, ge=1)
+    """Cap on concurrent rollouts in flight (each holds at most one inference request at a time)."""
+    health_timeout: float = Field(default=300.0, gt=0)
+    """Seconds to wait for every server's /health at start-up."""
+    update_weights_timeout: float = Field(default=720.0, gt=0)
+    """Seconds one POST /update_weights may take before it is retried."""
+
+    def resolved_api_key(self) -> str | None:
+        import os
+
+        if self.api_key is not None:
+            return self.api_key
+        return os.environ.get(self.api_key_var) if self.api_key_var else None
+
+
+class EnvConfig(BaseConfig):
+    """One environment (a verifiers Taskset package) and its worker pool."""
+
+    id: str
+    """Taskset id: an installed package exporting one Taskset in ``__all__`` (e.g. reverse-text)."""
+    name: str | None = None
+    """Name in metrics (default: the id); must be unique."""
+    ratio: float = Field(default=1.0, gt=0)
+    """Relative sampling weight of this environment in a training batch."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Taskset config fields (e.g. num_examples, seed)."""
+    num_workers: int = Field(default=1, ge=1)
+    """Env worker subprocesses running this environment's rollouts."""
+    max_turns: int = Field(default=8, ge=1)
+    """Upper bound on model turns per episode (multi-turn environments)."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or self.id
+
+
+class SamplingConfig(BaseConfig):
+    """Sampling parameters of training rollouts."""
+
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature (also sent to the trainer to scale its logits)."""
+    max_tokens: int = Field(default=128, ge=1)
+    """Maximum new tokens per model turn."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+
+
+class LengthPenaltyConfig(BaseConfig):
+    """Linear length penalty on rewards before the baseline is taken."""
+
+    enabled: bool = False
+    """Subtract ``|mean reward| * weight * len / max(len)`` from each reward of a group, then center."""
+    weight: float = Field(default=0.25, ge=0)
+    """Weight of the completion-length term."""
+
+
+class AdvantageConfig(BaseConfig):
+    """How rewards of a group become per-sample advantages (see docs/algorithms.md ## Advantages)."""
+
+    type: Literal["grpo", "rloo", "opo"] = "grpo"
+    """grpo: r - mean(r); rloo: leave-one-out baseline; opo: length-weighted mean baseline."""
+    std_norm: bool = False
+    """Divide by the group's reward std (+eps); off is Dr.GRPO style."""
+    length_penalty: LengthPenaltyConfig = Field(default_factory=LengthPenaltyConfig)
+    """Optional length penalty."""
+
+
+class FilterConfig(BaseConfig):
+    """What is kept out of the training batch."""
+
+    zero_advantage_groups: bool = True
+    """Drop groups whose advantages are all zero (they carry no gradient); counted in filtered/groups."""
+    long_samples: Literal["truncate", "drop"] = "truncate"
+    """Samples longer than seq_len: cut at seq_len, or drop them (counted in filtered/long_samples)."""
+
+
+class EvalEnvsConfig(BaseConfig):
+    """Evaluation during training."""
+
+    envs: list[EnvConfig] = Field(default_factory=list)
+    """Eval environments (separate from the training mix)."""
+    interval: int = Field(default=100, ge=1)
+    """Evaluate every N steps (on the weights loaded at that moment)."""
+    num_examples: int = Field(default=32, ge=1)
+    """Examples per eval environment."""
+    rollouts_per_example: int = Field(default=1, ge=1)
+    """Rollouts per example (pass@k for k up to this)."""
+    eval_base: bool = True
+    """Evaluate the base weights at step 0."""
+
+
+class LogExtrasConfig(BaseConfig):
+    """Sample tables (prompt, completion, reward) written next to the metrics."""
+
+    enabled: bool = True
+    """Write samples tables."""
+    interval: int = Field(default=10, ge=1)
+    """Every N steps."""
+    num_samples: int = Field(default=8, ge=1)
+    """Rows per table."""
+
+
+class BenchConfig(BaseConfig):
+    """``orchestrator --bench``: inference throughput in isolation (no trainer, no weights)."""
+
+    num_requests: int = Field(default=64, ge=1)
+    """Generation requests sent."""
+    max_tokens: int = Field(default=64, ge=1)
+    """New tokens per request."""
+
+
+class OrchestratorConfig(BaseConfig):
+    """The orchestrator: rollouts from environments, advantages, packing, transport and weight relay."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Policy model; its directory provides the tokenizer and the served model name."""
+    output_dir: Path = Path("outputs")
+    """Run directory shared with trainer and inference."""
+    seq_len: int = Field(default=2048, ge=8)
+    """Tokens per packed trainer row."""
+    max_steps: int = Field(default=20, ge=1)
+    """Number of training steps to produce rollouts for."""
+    async_level: int = Field(default=1, ge=0)
+    """Rollouts of step n use weights of step >= n - async_level (0 = synchronous on-policy)."""
+    batch_size: int = Field(default=128, ge=1)
+    """Samples per step (groups of rollouts_per_example)."""
+    rollouts_per_example: int = Field(default=8, ge=1)
+    """Group size: rollouts of one prompt whose rewards share a baseline."""
+    micro_batch_rows: int = Field(default=1, ge=1)
+    """Packed rows per micro-batch."""
+    num_trainer_ranks: int = Field(default=1, ge=1)
+    """Trainer data-parallel ranks (filled by the launcher); one file per rank per step."""
+    seed: int = 0
+    """Seed of environment mixing, prompt order and per-request sampling seeds."""
+    client: ClientConfig = Field(default_factory=ClientConfig)
+    """Inference servers."""
+    env: list[EnvConfig] = Field(default_factory=lambda: [EnvConfig(id="reverse-text")])
+    """Training environments, mixed by ratio."""
+    eval: EvalEnvsConfig = Field(default_factory=EvalEnvsConfig)
+    """Evaluation during training."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Sampling of training rollouts."""
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    """Advantage estimator."""
+    filters: FilterConfig = Field(default_factory=FilterConfig)
+    """Filters."""
+    transport: RolloutTransportConfig = Field(default_factory=RolloutTransportConfig)
+    """Rollout transport to the trainer."""
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoint interval (shared with the trainer) and resume step."""
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    """Metrics sinks."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    log_extras: LogExtrasConfig = Field(default_factory=LogExtrasConfig)
+    """Samples tables."""
+    weights_timeout: float = Field(default=1200.0, gt=0)
+    """Seconds to wait for the weights a step needs before failing."""
+    max_rollout_retries: int = Field(default=3, ge=0)
+    """Times a rollout is retried after its env worker crashed or it errored."""
+    bench: bool = False
+    """Measure inference throughput in isolation and exit."""
+    bench_config: BenchConfig = Field(default_factory=BenchConfig)
+    """Benchmark settings."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OrchestratorConfig:
+        if self.batch_size % self.rollouts_per_example:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_example "
+                f"({self.rollouts_per_example})"
+            )
+        names = [e.resolved_name for e in self.env]
+        if len(set(names)) != len(names):
+            raise ValueError(f"environment names must be unique, got {names}")
+        if not self.env:
+            raise ValueError("at least one training environment is needed (env)")
+        return self
+
+
+class EvalConfig(BaseConfig):
+    """``eval``: score a model (and optionally its checkpoints) on environments through an OpenAI-style server."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model name sent to the server."""
+    output_dir: Path = Path("outputs")
+    """Results go to <output_dir>/eval/."""
+    environment_ids: list[str] = Field(default_factory=lambda: ["reverse-text"])
+    """Environments to evaluate (comma separated on the CLI)."""
+    env_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Per environment id: taskset config fields."""
+    client: ClientConfig = Field(default_factory=ClientConfig)
+    """Inference server (the first base URL is used for weight loading)."""
+    num_examples: int = Field(default=32, ge=1)
+    """Examples per environment."""
+    rollouts_per_example: int = Field(default=1, ge=1)
+    """Rollouts per example; pass@k is reported for k = 1, 2, 4, ... up to this."""
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    """Sampling of eval rollouts."""
+    max_turns: int = Field(default=8, ge=1)
+    """Upper bound on model turns per episode."""
+    num_workers: int = Field(default=1, ge=1)
+    """Env workers per environment."""
+    use_chat: bool = True
+    """Talk to /v1/chat/completions (any OpenAI server); off uses token-in generation with the local tokenizer."""
+    weights_dir: Path | None = None
+    """Directory with step_N weight folders to evaluate (loaded through /update_weights)."""
+    steps: list[int] = Field(default_factory=list)
+    """Checkpoint steps under weights_dir to evaluate."""
+    eval_base: bool = True
+    """Also evaluate the weights the server started with (first)."""
+    seed: int = 0
+    """Seed of example selection and sampling."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
