@@ -1,0 +1,66 @@
+"""Optional kernels, each with a pure-PyTorch fallback and a flag.
+
+`HAS_FLASH_ATTN` is True when the `flash-attn` extra is importable; `HAS_GROUPED_MM` when this torch build ships
+`torch._grouped_mm`. Tests may flip `FORCE_GROUPED_MM_FALLBACK` to exercise the fallback path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+HAS_FLASH_ATTN: bool = importlib.util.find_spec("flash_attn") is not None
+HAS_GROUPED_MM: bool = hasattr(torch, "_grouped_mm")
+FORCE_GROUPED_MM_FALLBACK: bool = False
+
+FLASH_ATTN_INSTALL_HINT = "pip install prime-models[flash-attn]"
+
+
+def flash_attn_varlen_func():
+    """Return flash-attn's varlen kernel, importing it only when the flash path is actually used."""
+    if not HAS_FLASH_ATTN:
+        raise ValueError(f"attn='flash_attn' needs the flash-attn extra: {FLASH_ATTN_INSTALL_HINT}")
+    from flash_attn import flash_attn_varlen_func as fn
+
+    return fn
+
+
+@functools.cache
+def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    # Support depends on the device (CUDA needs sm90+ in some builds) and dtype, so probe once instead of guessing.
+    if not HAS_GROUPED_MM:
+        return False
+    try:
+        a = torch.zeros(8, 16, device=device_type, dtype=dtype)
+        b = torch.zeros(2, 16, 16, device=device_type, dtype=dtype)
+        torch._grouped_mm(a, b, offs=torch.tensor([4, 8], device=device_type, dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` can run `x @ w[e]` per group for these operands."""
+    if FORCE_GROUPED_MM_FALLBACK or x.dtype != w.dtype:
+        return False
+    # The kernel requires 16-byte aligned row strides for both operands.
+    elem = x.element_size()
+    if (x.shape[-1] * elem) % 16 or (w.shape[-1] * elem) % 16 or (w.shape[-2] * elem) % 16:
+        return False
+    return _grouped_mm_works(x.device.type, x.dtype)
+
+
+def grouped_mm(x_TK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """Per-expert matmul over rows sorted by expert: rows `offs[e-1]:offs[e]` of `x` are multiplied by `w[e]`.
+
+    `w` may be a transposed view (e.g. `[E, N, K].transpose(-2, -1)`). Uses `torch._grouped_mm` when it runs on this
+    device/dtype, else loops over the experts that actually received tokens.
+    """
+    if grouped_mm_available(x_TK, w_EKN):
+        return torch._grouped_mm(x_TK, w_EKN, offs=offs_E)
+    # One host sync for the split sizes; empty experts are skipped so the loop runs over active experts only.
+    sizes = counts_E.tolist()
+    pieces = [torch.mm(seg, w_EKN[e]) for e, seg in enumerate(torch.split(x_TK, sizes)) if sizes[e]]
+    return torch.cat(pieces) if pieces else x_TK.new_zeros(0, w_EKN.shape[-1])

@@ -1,0 +1,141 @@
+"""Causal self-attention over packed rows.
+
+A row may hold several samples; `position_ids` restart at 0 at each sample start and attention never crosses a sample
+boundary. Two backends:
+
+* ``sdpa``: `torch.nn.functional.scaled_dot_product_attention`. Unpacked rows use `is_causal=True`; packed rows use a
+  block-diagonal causal boolean mask `[B, 1, S, S]` (S^2 bytes per row, e.g. 64 MiB at 8k tokens).
+* ``flash_attn``: `flash_attn_varlen_func` over the flattened `[B*S]` tokens with `cu_seqlens` derived from
+  `position_ids` (no mask at all).
+
+Shape legend: B batch, S sequence, T = B*S tokens, H hidden, N query heads, K kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prime_models import kernels
+from prime_models.layers.common import RMSNorm, apply_rotary
+
+ATTN_BACKENDS = ("sdpa", "flash_attn")
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-forward attention layout, computed once from `position_ids` and shared by every layer."""
+
+    backend: str
+    mask_B1SS: torch.Tensor | None = None  # sdpa, packed rows only
+    cu_seqlens: torch.Tensor | None = None  # flash_attn: int32 [num_samples + 1] over the flattened tokens
+    max_seqlen: int = 0
+
+
+def sample_starts(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Boolean `[B, S]`: True where a new sample begins (position 0, and always at the row start)."""
+    starts = position_ids_BS == 0
+    starts[:, 0] = True
+    return starts
+
+
+def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Cumulative sample lengths over the flattened batch, as flash-attn's varlen kernels expect."""
+    starts = sample_starts(position_ids_BS).flatten()
+    total = starts.numel()
+    idx = starts.nonzero().squeeze(-1)
+    cu = torch.cat([idx, idx.new_tensor([total])]).to(torch.int32)
+    max_seqlen = int((cu[1:] - cu[:-1]).max().item())
+    return cu, max_seqlen
+
+
+def build_attention_metadata(position_ids_BS: torch.Tensor, backend: str) -> AttentionMetadata:
+    if backend == "flash_attn":
+        cu, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
+        return AttentionMetadata(backend, cu_seqlens=cu, max_seqlen=max_seqlen)
+    if backend != "sdpa":
+        raise ValueError(f"unknown attention backend {backend!r}; known: {ATTN_BACKENDS}")
+    starts = sample_starts(position_ids_BS)
+    if bool((starts.sum(-1) == 1).all()):
+        return AttentionMetadata(backend)
+    seq = position_ids_BS.shape[1]
+    doc_BS = starts.cumsum(-1)
+    causal_SS = torch.ones(seq, seq, dtype=torch.bool, device=position_ids_BS.device).tril()
+    mask = (doc_BS[:, :, None] == doc_BS[:, None, :]) & causal_SS
+    return AttentionMetadata(backend, mask_B1SS=mask.unsqueeze(1))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, norm_eps)
+            self.k_norm = RMSNorm(head_dim, norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        q = self.q_proj(x_BSH).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if meta.backend == "flash_attn":
+            out = self._flash(q, k, v, meta)
+        else:
+            out = self._sdpa(q, k, v, meta)
+        return self.o_proj(out.reshape(B, S, -1))
+
+    def _sdpa(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:
+            # Expanding K/V (rather than enable_gqa) keeps every SDPA backend eligible, masked ones included.
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if meta.mask_B1SS is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask_B1SS, scale=self.scale)
+        return out.transpose(1, 2)
+
+    def _flash(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
+        B, S = q_BSND.shape[:2]
+        fn = kernels.flash_attn_varlen_func()
+        out = fn(
+            q_BSND.reshape(B * S, self.num_heads, self.head_dim),
+            k_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
+            v_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
+            meta.cu_seqlens,
+            meta.cu_seqlens,
+            meta.max_seqlen,
+            meta.max_seqlen,
+            softmax_scale=self.scale,
+            causal=True,
+        )
+        return out.view(B, S, self.num_heads, self.head_dim)

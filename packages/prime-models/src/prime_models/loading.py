@@ -1,0 +1,133 @@
+"""`load_model`: HF directory or config -> our model, with real or random weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from prime_models import kernels
+from prime_models.models.common_converting import EMBED, LM_HEAD
+from prime_models.models.transformer import CausalLM
+from prime_models.registry import get_model_spec
+
+logger = logging.getLogger(__name__)
+
+ATTN_CHOICES = ("sdpa", "flash_attn", "auto")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def resolve_attn(attn: str, device: torch.device) -> str:
+    """Map the user's choice to a backend; "auto" prefers flash-attn on CUDA and says so when it falls back."""
+    if attn not in ATTN_CHOICES:
+        raise ValueError(f"unknown attn {attn!r}; choose one of {ATTN_CHOICES}")
+    if attn == "sdpa":
+        return "sdpa"
+    if attn == "flash_attn":
+        if not kernels.HAS_FLASH_ATTN:
+            raise ValueError(f"attn='flash_attn' needs the flash-attn extra: {kernels.FLASH_ATTN_INSTALL_HINT}")
+        if device.type != "cuda":
+            raise ValueError(f"attn='flash_attn' needs a CUDA device, got {device}")
+        return "flash_attn"
+    if kernels.HAS_FLASH_ATTN and device.type == "cuda":
+        return "flash_attn"
+    reason = "not installed" if not kernels.HAS_FLASH_ATTN else f"unavailable on {device.type}"
+    logger.warning("attn='auto': flash-attn %s, falling back to SDPA (%s)", reason, kernels.FLASH_ATTN_INSTALL_HINT)
+    return "sdpa"
+
+
+def resolve_config(path_or_config: Any) -> tuple[Any, Path | None]:
+    """Return (HF config object, checkpoint dir or None) for a dir, a config.json path, a dict or an HF config."""
+    ckpt_dir = None
+    if isinstance(path_or_config, str | Path):
+        path = Path(path_or_config)
+        if path.is_dir():
+            ckpt_dir, path = path, path / "config.json"
+        if not path.is_file():
+            raise ValueError(f"no config.json at {path}")
+        config_dict = json.loads(path.read_text())
+    elif isinstance(path_or_config, dict):
+        config_dict = dict(path_or_config)
+    elif hasattr(path_or_config, "model_type") and hasattr(path_or_config, "to_dict"):
+        get_model_spec(path_or_config.model_type)
+        return path_or_config, None
+    else:
+        raise ValueError(f"expected a directory, config.json path, dict or HF config, got {type(path_or_config)}")
+    if "model_type" not in config_dict:
+        raise ValueError("config has no 'model_type'")
+    spec = get_model_spec(config_dict["model_type"])
+    return spec.config_class.from_dict(config_dict), ckpt_dir
+
+
+def checkpoint_files(ckpt_dir: Path) -> list[Path]:
+    """Safetensors files of an HF dir: the index's shards, else model.safetensors, else every *.safetensors."""
+    index = ckpt_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [ckpt_dir / name for name in sorted(set(weight_map.values()))]
+    single = ckpt_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    return sorted(ckpt_dir.glob("*.safetensors"))
+
+
+def load_model(
+    path_or_config: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    attn: str = "sdpa",
+    seed: int | None = None,
+) -> CausalLM:
+    """Build a model from an HF directory (config.json + safetensors, sharded or not) or from a config.
+
+    Args:
+        path_or_config: HF model dir, path to a config.json, a config dict with `model_type`, or an HF config object.
+            Without safetensors files the weights are random (HF-style init).
+        dtype: parameter dtype; default float32 (training master weights).
+        device: target device; default CPU. "meta" returns an uninitialized model (e.g. to shard before loading).
+        attn: "sdpa", "flash_attn" (needs the flash-attn extra and CUDA) or "auto".
+        seed: seeds the random init (ignored when weights are loaded).
+    """
+    hf_config, ckpt_dir = resolve_config(path_or_config)
+    spec = get_model_spec(hf_config.model_type)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    dtype = dtype or torch.float32
+    backend = resolve_attn(attn, device) if device.type != "meta" else ("sdpa" if attn == "auto" else attn)
+
+    with torch.device("meta"):
+        model = spec.model_cls.from_config(hf_config, attn=backend)
+    model.to(dtype=dtype)
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    # to_empty allocates per module, which unties a shared embedding/lm_head parameter.
+    model.tie_weights()
+
+    files = checkpoint_files(ckpt_dir) if ckpt_dir is not None else []
+    if files:
+        hf_state: dict[str, torch.Tensor] = {}
+        for f in files:
+            hf_state.update(load_file(f, device=str(device)))
+        state = spec.from_hf(hf_state, model.args)
+        if model.args.tie_word_embeddings and EMBED in state:
+            state[LM_HEAD] = state[EMBED]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {ckpt_dir} does not match {spec.model_type}: missing={missing} unexpected={unexpected}"
+            )
+        for module in model.modules():
+            if hasattr(module, "inv_freq"):
+                module.reset_parameters()
+        gen_cfg = ckpt_dir / "generation_config.json"
+        if gen_cfg.is_file():
+            model.generation_config_dict = json.loads(gen_cfg.read_text())
+    else:
+        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        model.init_weights(generator)
+    return model

@@ -1,0 +1,1 @@
+"""Model families. Each subpackage registers one `ModelSpec` keyed by HF `model_type`."""

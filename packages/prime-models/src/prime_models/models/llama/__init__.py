@@ -1,0 +1,3 @@
+from prime_models.models.llama.modeling_llama import LlamaForCausalLM
+
+__all__ = ["LlamaForCausalLM"]

@@ -1,0 +1,3 @@
+from prime_models.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
+
+__all__ = ["Qwen3MoeForCausalLM"]

@@ -1,0 +1,31 @@
+"""Activation checkpointing for decoder layers that expose an `ac_mode` attribute.
+
+Modes:
+* ``none``: keep every activation.
+* ``full``: recompute every decoder layer in backward (only layer inputs are kept).
+* ``selective``: recompute every `every`-th decoder layer fully (every=2 halves the kept activations), or, with
+  `every=0`, recompute only each layer's attention block (norm + projections + attention) while MLP activations are
+  kept.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+AC_MODES = ("none", "full", "selective")
+
+
+def apply_activation_checkpointing(layers: nn.ModuleList, mode: str = "none", every: int = 2) -> None:
+    if mode not in AC_MODES:
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}; known: {AC_MODES}")
+    if every < 0:
+        raise ValueError(f"every must be >= 0, got {every}")
+    for i, layer in enumerate(layers):
+        if mode == "none":
+            layer.ac_mode = "none"
+        elif mode == "full":
+            layer.ac_mode = "full"
+        elif every == 0:
+            layer.ac_mode = "attn"
+        else:
+            layer.ac_mode = "full" if i % every == 0 else "none"
