@@ -1,0 +1,205 @@
+"""Config of the ``rl`` launcher: the three process configs plus shared fields that fill them.
+
+A shared top-level field (``model``, ``output_dir``, ``seq_len``, ``max_steps``, ``async_level``, ``seed``,
+``ckpt``, ``log``, ``transport``, ``wandb``) is copied into every sub-config that has the field and does
+not set it itself; sections are filled key by key. A key set both at the top and in a sub-config with a
+different value is an error listing every conflict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from prime_core.config.base import BaseConfig
+from prime_core.config.inference import InferenceConfig
+from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, WandbConfig
+from prime_core.config.trainer import TrainerConfig
+from prime_core.transport import RolloutTransportConfig
+
+PROCESSES = ("trainer", "orchestrator", "inference")
+SHARED_FIELDS = ("model", "output_dir", "seq_len", "max_steps", "async_level", "seed", "ckpt", "log", "transport")
+_PROCESS_CLASSES: dict[str, type[BaseModel]] = {
+    "trainer": TrainerConfig,
+    "orchestrator": OrchestratorConfig,
+    "inference": InferenceConfig,
+}
+# Launcher-owned variables: set per process by rl, never by the user.
+PROTECTED_ENV_VARS = frozenset({"CUDA_VISIBLE_DEVICES", "PRIME_RUN_ID"})
+
+
+class DevicesConfig(BaseConfig):
+    """Which devices each process gets. Inference takes the first GPUs, the trainer the next ones."""
+
+    type: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto uses GPUs when any are visible (``CUDA_VISIBLE_DEVICES`` or ``nvidia-smi``), else runs everything
+    on CPU (torch inference engine, trainer over gloo)."""
+    gpu_ids: list[int] | None = None
+    """GPU ids to split between inference and trainer; default: ``CUDA_VISIBLE_DEVICES``, else every GPU."""
+    num_inference_gpus: int = Field(default=1, ge=1)
+    """GPUs of the inference server (vLLM data parallelism over them: DP = GPUs / tensor parallel)."""
+    num_trainer_gpus: int = Field(default=1, ge=1)
+    """GPUs of the trainer; more than one runs it under ``torchrun --nproc-per-node``."""
+    num_cpu_trainer_procs: int = Field(default=1, ge=1)
+    """CPU only: trainer ranks (more than one runs ``torchrun`` over gloo)."""
+
+
+def _is_set(value: Any) -> bool:
+    return value is not None
+
+
+def _as_dict(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a == b:
+        return True
+    if isinstance(a, bool) or isinstance(b, bool):
+        return False
+    return str(a) == str(b)
+
+
+def _fill(target: dict[str, Any], key: str, value: Any, path: str, conflicts: list[str]) -> None:
+    """Copy ``value`` into ``target[key]`` where absent; recurse into sections; record differing leaves."""
+    value = _as_dict(value)
+    if key not in target or target[key] is None:
+        target[key] = value
+        return
+    existing = _as_dict(target[key])
+    if isinstance(value, dict) and isinstance(existing, dict):
+        merged = dict(existing)
+        for sub_key, sub_value in value.items():
+            _fill(merged, sub_key, sub_value, f"{path}.{sub_key}", conflicts)
+        target[key] = merged
+    elif not _same(existing, value):
+        conflicts.append(f"{path} is {existing!r} but the shared value is {value!r}")
+
+
+class RLConfig(BaseConfig):
+    """``rl``: start inference, orchestrator and trainer on this node, wired together, and watch them."""
+
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Trainer config (``[trainer]`` table or ``--trainer @ train.toml``)."""
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    """Orchestrator config (``[orchestrator]`` table or ``--orchestrator @ orch.toml``)."""
+    inference: InferenceConfig | None = None
+    """Inference server config. Unset: no server is started; the orchestrator uses the one at
+    ``orchestrator.client.base_urls`` (started separately)."""
+
+    model: ModelConfig | None = None
+    """Shared: model of all three processes."""
+    output_dir: Path | None = None
+    """Shared: run directory (configs/, logs/, rollouts/, weights/, checkpoints/, metrics.jsonl);
+    the trainer's ``output_dir`` (default ``outputs``) when unset."""
+    seq_len: int | None = Field(default=None, ge=2)
+    """Shared: tokens per packed row (trainer and orchestrator)."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Shared: number of training steps (trainer and orchestrator)."""
+    async_level: int | None = Field(default=None, ge=0)
+    """Shared: how many steps rollouts may lag the trainer (trainer and orchestrator)."""
+    seed: int | None = None
+    """Shared: seed of all three processes."""
+    ckpt: CheckpointConfig | None = None
+    """Shared: checkpoint interval, retention and resume step (trainer and orchestrator)."""
+    log: LogConfig | None = None
+    """Shared: log level of all three processes."""
+    transport: RolloutTransportConfig | None = None
+    """Shared: rollout transport (trainer and orchestrator)."""
+    wandb: WandbConfig | None = None
+    """Shared: W&B for trainer and orchestrator (``monitor.wandb``). Setting any field enables it; the run
+    names get the suffixes -trainer and -orchestrator."""
+
+    devices: DevicesConfig = Field(default_factory=DevicesConfig)
+    """Device assignment."""
+    overwrite: bool = False
+    """Start afresh in an output directory that holds another run: its configs, logs, metrics, rollouts,
+    weights and checkpoints are deleted first."""
+    resume: bool = False
+    """Resume the run in ``output_dir`` from its newest checkpoint (``ckpt.resume_step`` picks another)."""
+    health_timeout: float = Field(default=900.0, gt=0)
+    """Seconds to wait for the inference server's ``/health`` before giving up."""
+    stop_grace: float = Field(default=5.0, gt=0, le=8)
+    """On shutdown, seconds between SIGTERM and SIGKILL of the process groups."""
+    console: Literal["progress", "logs", "quiet"] = "progress"
+    """Console output: a live step/reward/throughput line, every process's log lines, or launcher messages only."""
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for every process (CUDA_VISIBLE_DEVICES and PRIME_RUN_ID are the launcher's)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        conflicts: list[str] = []
+        wandb = _as_dict(data.get("wandb"))
+        if isinstance(wandb, dict):
+            data["wandb"] = wandb = {"enabled": True, **wandb}
+        for name in PROCESSES:
+            sub = _as_dict(data.get(name))
+            if sub is None:
+                if name == "inference":
+                    continue
+                sub = {}
+            if not isinstance(sub, dict):
+                continue
+            sub = dict(sub)
+            fields = _PROCESS_CLASSES[name].model_fields
+            for key in SHARED_FIELDS:
+                value = data.get(key)
+                if _is_set(value) and key in fields:
+                    _fill(sub, key, value, f"{name}.{key}", conflicts)
+            if isinstance(wandb, dict) and "monitor" in fields:
+                _fill(sub, "monitor", {"wandb": wandb}, f"{name}.monitor", conflicts)
+            data[name] = sub
+        if conflicts:
+            raise ValueError("shared fields conflict with sub-configs: " + "; ".join(conflicts))
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> RLConfig:
+        processes = self.processes()
+        dirs = {name: Path(cfg.output_dir).resolve() for name, cfg in processes.items() if hasattr(cfg, "output_dir")}
+        if len(set(dirs.values())) > 1:
+            raise ValueError(f"output_dir differs between processes ({dirs}); set the shared output_dir")
+        t, o = self.trainer, self.orchestrator
+        if t.max_steps != o.max_steps:
+            raise ValueError(f"trainer.max_steps ({t.max_steps}) != orchestrator.max_steps ({o.max_steps})")
+        if t.async_level != o.async_level:
+            raise ValueError(f"trainer.async_level ({t.async_level}) != orchestrator.async_level ({o.async_level})")
+        if t.seq_len < o.seq_len:
+            raise ValueError(f"trainer.seq_len ({t.seq_len}) < orchestrator.seq_len ({o.seq_len})")
+        if t.ckpt.interval != o.ckpt.interval or t.ckpt.resume_step != o.ckpt.resume_step:
+            raise ValueError("trainer.ckpt and orchestrator.ckpt must agree on interval and resume_step; set ckpt.*")
+        if self.inference is not None and self.inference.model.name != o.model.name:
+            raise ValueError(
+                f"inference.model.name ({self.inference.model.name!r}) != orchestrator.model.name "
+                f"({o.model.name!r}); set the shared model.name"
+            )
+        if t.model.name != o.model.name:
+            raise ValueError(f"trainer.model.name ({t.model.name!r}) != orchestrator.model.name ({o.model.name!r})")
+        protected = PROTECTED_ENV_VARS & set(self.env_vars)
+        if protected:
+            raise ValueError(f"env_vars may not set {sorted(protected)}: the launcher sets them per process")
+        if self.overwrite and self.resume:
+            raise ValueError("overwrite and resume exclude each other")
+        return self
+
+    def processes(self) -> dict[str, BaseModel]:
+        """The process configs that will run, in start order (inference first)."""
+        out: dict[str, BaseModel] = {}
+        if self.inference is not None:
+            out["inference"] = self.inference
+        out["orchestrator"] = self.orchestrator
+        out["trainer"] = self.trainer
+        return out
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.output_dir)

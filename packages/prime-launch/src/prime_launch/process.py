@@ -1,0 +1,315 @@
+"""Start a set of child processes, watch them, and stop the whole tree when one fails.
+
+Every child runs in its own session (so its process group id is its pid and a terminal's Ctrl-C reaches
+only the launcher), with ``PR_SET_PDEATHSIG`` so the kernel kills it if the launcher dies. Grandchildren
+(torchrun workers, engine workers) are covered by killing the child's process group and, before that,
+every descendant found under ``/proc``. A watchdog process, started first, kills every group the launcher
+registered if the launcher disappears without saying goodbye (``kill -9``), which ``PDEATHSIG`` alone
+cannot do for grandchildren.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ProcessSpec:
+    """One child: its name (used in messages and the log file name), command, environment and log file."""
+
+    name: str
+    cmd: list[str]
+    log_file: Path
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables set on top of the launcher's environment."""
+    cwd: Path | None = None
+
+
+class ProcessFailed(RuntimeError):
+    """A child exited unexpectedly; carries its name, exit code and the tail of its log."""
+
+    def __init__(self, name: str, returncode: int | None, log_file: Path, reason: str = ""):
+        self.name = name
+        self.returncode = returncode
+        self.log_file = log_file
+        self.reason = reason or f"exited with code {returncode}"
+        super().__init__(f"{name} {self.reason}")
+
+    def report(self, num_lines: int = 30) -> str:
+        tail = tail_lines(self.log_file, num_lines)
+        lines = [f"error: {self.name} {self.reason} (log: {self.log_file})"]
+        if tail:
+            lines.append(f"---- last {len(tail)} lines of {self.log_file.name} ----")
+            lines.extend(tail)
+            lines.append("----")
+        return "\n".join(lines)
+
+
+def tail_lines(path: Path, num_lines: int) -> list[str]:
+    """The last ``num_lines`` lines of a (possibly large) text file; [] if it does not exist."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return []
+    return [line for line in data.decode(errors="replace").splitlines()][-num_lines:]
+
+
+def _set_pdeathsig() -> None:
+    """Runs in the child between fork and exec: die with SIGKILL when the launcher thread dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the watchdog still covers us
+        pass
+
+
+def _proc_table() -> list[tuple[int, int, int, str]]:
+    """(pid, ppid, pgrp, state) of every process in /proc."""
+    table = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        # The command name (field 2) may contain spaces and parentheses: split after its last ')'.
+        rest = stat[stat.rfind(")") + 2 :].split()
+        if len(rest) >= 3:
+            table.append((int(entry), int(rest[1]), int(rest[2]), rest[0]))
+    return table
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for child, ppid, _, state in _proc_table():
+        if state != "Z":
+            children.setdefault(ppid, []).append(child)
+    found, queue = [], deque(children.get(pid, []))
+    while queue:
+        child = queue.popleft()
+        found.append(child)
+        queue.extend(children.get(child, []))
+    return found
+
+
+def _live_pids(pids: set[int], pgids: set[int]) -> list[int]:
+    """Processes (not zombies) among ``pids`` or in one of the groups ``pgids``."""
+    return [pid for pid, _, pgrp, state in _proc_table() if state != "Z" and (pid in pids or pgrp in pgids)]
+
+
+def _signal_tree(pid: int, pgid: int, sig: int) -> None:
+    for target in descendants(pid):
+        try:
+            os.kill(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# Runs as `python -c`: reads "add <pgid>", "del <pgid>" and "exit" lines; on EOF without "exit" (the launcher
+# died) it stops every registered group: SIGTERM, then SIGKILL after the grace period.
+_WATCHDOG = r"""
+import os, signal, sys, time
+grace = float(sys.argv[1])
+groups = set()
+for line in sys.stdin:
+    cmd, _, arg = line.strip().partition(" ")
+    if cmd == "add":
+        groups.add(int(arg))
+    elif cmd == "del":
+        groups.discard(int(arg))
+    elif cmd == "exit":
+        sys.exit(0)
+def alive(g):
+    try:
+        os.killpg(g, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGTERM)
+    except OSError:
+        pass
+deadline = time.monotonic() + grace
+while time.monotonic() < deadline and any(alive(g) for g in groups):
+    time.sleep(0.1)
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+class ProcessManager:
+    """Owns the children of one launch. Use as a context manager: leaving it always stops everything.
+
+    ``start`` launches a child with stdout and stderr appended to its log file. ``poll`` raises
+    ``ProcessFailed`` for the first child that died unexpectedly. ``stop_all`` sends SIGTERM to every
+    group, waits ``grace_s`` and then SIGKILLs what is left, so a stop takes at most ``grace_s`` plus a
+    fraction of a second.
+    """
+
+    def __init__(self, grace_s: float = 5.0, watchdog: bool = True):
+        self.grace_s = grace_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.specs: dict[str, ProcessSpec] = {}
+        self.finished: dict[str, int] = {}
+        """Children that exited and were accepted (expected exit), name -> return code."""
+        self._log_handles: list = []
+        self._watchdog: subprocess.Popen | None = None
+        if watchdog:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(grace_s)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                text=True,
+            )
+
+    def __enter__(self) -> ProcessManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+        self.close()
+
+    def _tell_watchdog(self, message: str) -> None:
+        if self._watchdog is None or self._watchdog.stdin is None:
+            return
+        try:
+            self._watchdog.stdin.write(message + "\n")
+            self._watchdog.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+
+    def start(self, spec: ProcessSpec, *, append_log: bool = False) -> subprocess.Popen:
+        if spec.name in self.procs:
+            raise ValueError(f"a process named {spec.name!r} is already running")
+        spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log = open(spec.log_file, "ab" if append_log else "wb")
+        self._log_handles.append(log)
+        env = {**os.environ, **spec.env}
+        proc = subprocess.Popen(
+            spec.cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=spec.cwd,
+            start_new_session=True,
+            preexec_fn=_set_pdeathsig,
+        )
+        self.procs[spec.name] = proc
+        self.specs[spec.name] = spec
+        self._tell_watchdog(f"add {proc.pid}")
+        return proc
+
+    def running(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is None]
+
+    def poll(self, expected_exits: dict[str, bool] | None = None) -> str | None:
+        """Check every child once. Raise ``ProcessFailed`` for an unexpected exit.
+
+        ``expected_exits[name]`` says whether exiting with code 0 is normal for that child. Returns the
+        name of a child that just finished normally, else None.
+        """
+        expected_exits = expected_exits or {}
+        for name, proc in self.procs.items():
+            if name in self.finished:
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            if code == 0 and expected_exits.get(name, False):
+                self.finished[name] = code
+                return name
+            reason = f"exited with code {code}" if code >= 0 else f"was killed by {_signal_name(-code)}"
+            if code == 0:
+                reason = "exited (code 0) before the run finished"
+            raise ProcessFailed(name, code, self.specs[name].log_file, reason)
+        return None
+
+    def stop_all(self) -> float:
+        """Stop every child and its descendants; return the seconds it took."""
+        start = time.monotonic()
+        pgids = {p.pid for p in self.procs.values()}
+        # Remember descendants before the parents die: orphans are reparented and would be lost to the walk.
+        tree = {pid for p in self.procs.values() for pid in [p.pid, *descendants(p.pid)]}
+        if _live_pids(tree, pgids):
+            for p in reversed(list(self.procs.values())):
+                _signal_tree(p.pid, p.pid, signal.SIGTERM)
+            deadline = start + self.grace_s
+            while time.monotonic() < deadline:
+                for p in self.procs.values():
+                    p.poll()
+                if not _live_pids(tree, pgids):
+                    break
+                time.sleep(0.05)
+            for pid in _live_pids(tree, pgids):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for pgid in pgids:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            self._tell_watchdog(f"del {p.pid}")
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        """Release log files and let the watchdog go (only after ``stop_all``)."""
+        for handle in self._log_handles:
+            handle.close()
+        self._log_handles.clear()
+        if self._watchdog is not None:
+            self._tell_watchdog("exit")
+            try:
+                if self._watchdog.stdin:
+                    self._watchdog.stdin.close()
+                self._watchdog.wait(timeout=5)
+            except (subprocess.TimeoutExpired, OSError):
+                self._watchdog.kill()
+            self._watchdog = None
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
