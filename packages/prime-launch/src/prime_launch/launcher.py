@@ -1,0 +1,230 @@
+"""The local ``rl`` launch: write configs, start inference, wait for health, start orchestrator and trainer,
+show progress, and stop everything when the trainer finishes, a process fails, or the user interrupts."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import TextIO
+
+from prime_core.config import write_config
+from prime_core.config.rl import RLConfig
+
+from prime_launch.metrics import MetricsFollower, format_summary, summarize
+from prime_launch.plan import (
+    DRY_RUN_MARKER,
+    RunPlan,
+    build_plan,
+    check_output_dir,
+    clear_run,
+    command_line,
+)
+from prime_launch.process import ProcessFailed, ProcessManager, tail_lines
+
+POLL_S = 0.2
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+class StartupFailed(Exception):
+    """A process did not come up (e.g. inference never became healthy)."""
+
+
+def write_configs(plan: RunPlan, *, dry_run: bool) -> dict[str, Path]:
+    paths = {}
+    plan.run_dir.configs.mkdir(parents=True, exist_ok=True)
+    for name, cfg in plan.configs.items():
+        paths[name] = write_config(cfg, plan.run_dir.config_file(name))
+    marker = plan.run_dir.configs / DRY_RUN_MARKER
+    if dry_run:
+        marker.touch()
+    else:
+        marker.unlink(missing_ok=True)
+    return paths
+
+
+def dry_run(rl: RLConfig, out: TextIO = sys.stdout) -> None:
+    """Resolve and write the per-process configs; print the commands ``rl`` would run."""
+    plan = build_plan(rl)
+    check_output_dir(plan.run_dir, overwrite=rl.overwrite, resume=rl.resume)
+    paths = write_configs(plan, dry_run=True)
+    print(f"rl dry run: resolved configs written to {plan.run_dir.configs}", file=out)
+    for name, path in paths.items():
+        print(f"  {name:<13}{path}  ({plan.devices.get(name, '')})", file=out)
+    for note in plan.notes:
+        print(f"  note: {note}", file=out)
+    if plan.resume_step is not None:
+        print(f"  resuming from step {plan.resume_step}", file=out)
+    print("commands (in start order; the orchestrator waits for " + ", ".join(plan.health_urls) + "):", file=out)
+    for spec in plan.specs:
+        print(f"  {command_line(spec)}", file=out)
+
+
+def wait_healthy(urls: list[str], api_key: str | None, timeout: float, manager: ProcessManager) -> None:
+    """Poll each URL until it answers 200; fail early if a started process dies."""
+    deadline = time.monotonic() + timeout
+    pending = list(urls)
+    while pending:
+        url = pending[0]
+        request = urllib.request.Request(url)
+        if api_key:
+            request.add_header("Authorization", f"Bearer {api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                if response.status == 200:
+                    pending.pop(0)
+                    continue
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        manager.poll()
+        if time.monotonic() > deadline:
+            raise StartupFailed(f"{url} did not answer within {timeout:.0f} s (health_timeout)")
+        time.sleep(0.5)
+
+
+class _Console:
+    """The live status line (redrawn in place on a terminal, one line per new step otherwise) and log echo."""
+
+    def __init__(self, rl: RLConfig, plan: RunPlan, out: TextIO):
+        self.mode = rl.console
+        self.out = out
+        self.tty = out.isatty()
+        self.max_steps = rl.trainer.max_steps
+        self.follower = MetricsFollower(plan.run_dir.metrics)
+        self.start = time.monotonic()
+        self._last_step: int | None = None
+        self._drawn = False
+        self._log_offsets: dict[str, int] = {}
+        self._logs = {spec.name: spec.log_file for spec in plan.specs}
+
+    def message(self, text: str) -> None:
+        self.clear()
+        print(text, file=self.out, flush=True)
+
+    def clear(self) -> None:
+        if self._drawn:
+            self.out.write("\r\033[K")
+            self.out.flush()
+            self._drawn = False
+
+    def tick(self) -> None:
+        if self.mode == "logs":
+            self._echo_logs()
+        if self.mode != "progress":
+            return
+        self.follower.poll()
+        line = self.follower.line(self.max_steps, time.monotonic() - self.start)
+        if self.tty:
+            self.out.write("\r\033[K" + line[: 200])
+            self.out.flush()
+            self._drawn = True
+        else:
+            step = self.follower.latest_step.get("trainer")
+            if step is not None and step != self._last_step:
+                self._last_step = step
+                print(line, file=self.out, flush=True)
+
+    def _echo_logs(self) -> None:
+        for name, path in self._logs.items():
+            offset = self._log_offsets.get(name, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                continue
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:
+                continue
+            self._log_offsets[name] = offset + cut
+            for line in data[:cut].decode(errors="replace").splitlines():
+                print(f"[{name}] {line}", file=self.out)
+        self.out.flush()
+
+
+def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
+    """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal)."""
+    plan = build_plan(rl)
+    check_output_dir(plan.run_dir, overwrite=rl.overwrite, resume=rl.resume)
+    if rl.overwrite:
+        clear_run(plan.run_dir)
+    write_configs(plan, dry_run=False)
+    console = _Console(rl, plan, out)
+    console.message(f"rl: run directory {plan.run_dir.root}")
+    for spec in plan.specs:
+        console.message(f"rl: {spec.name:<13}{plan.devices.get(spec.name, '')}  log {spec.log_file}")
+    for note in plan.notes:
+        console.message(f"rl: {note}")
+    if plan.resume_step is not None:
+        console.message(f"rl: resuming from step {plan.resume_step}")
+
+    def on_signal(signum, frame):
+        raise Interrupted(signum)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, on_signal) for s in handled}
+    manager = ProcessManager(grace_s=rl.stop_grace)
+    code = 0
+    finished_ok = False
+    try:
+        specs = {spec.name: spec for spec in plan.specs}
+        append = rl.resume or plan.resume_step is not None
+        if "inference" in specs:
+            manager.start(specs["inference"], append_log=append)
+            console.message(f"rl: waiting for inference at {', '.join(plan.health_urls)}")
+        else:
+            console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
+        wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager)
+        console.message("rl: inference is healthy; starting orchestrator and trainer")
+        manager.start(specs["orchestrator"], append_log=append)
+        manager.start(specs["trainer"], append_log=append)
+        expected = {"trainer": True, "orchestrator": True}
+        while True:
+            done = manager.poll(expected)
+            if done == "trainer":
+                finished_ok = True
+                break
+            if done == "orchestrator":
+                console.message("rl: orchestrator finished its rollouts; waiting for the trainer")
+            console.tick()
+            time.sleep(POLL_S)
+        console.tick()
+        console.message("rl: trainer finished; stopping the other processes")
+    except ProcessFailed as e:
+        console.message(e.report())
+        code = 1
+    except StartupFailed as e:
+        console.message(f"error: {e}")
+        if "inference" in manager.procs:
+            log = plan.run_dir.log_file("inference")
+            console.message("\n".join([f"---- last lines of {log} ----", *tail_lines(log, 30), "----"]))
+        code = 1
+    except Interrupted as e:
+        console.message(f"rl: received {e}; stopping every process")
+        code = 128 + e.signum
+    finally:
+        for s in handled:
+            signal.signal(s, signal.SIG_IGN)
+        took = manager.stop_all()
+        manager.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if code != 0 or not finished_ok:
+            console.message(f"rl: stopped every process in {took:.1f} s")
+    summary = summarize(plan.run_dir.metrics)
+    if summary["trainer_steps"] or summary["rollout_steps"]:
+        console.message(format_summary(summary))
+    if finished_ok and code == 0:
+        latest = plan.run_dir.latest_stable_weight_step()
+        if latest is not None:
+            console.message(f"rl: final weights {plan.run_dir.weight_step(latest)}")
+        console.message("rl: done")
+    return code

@@ -1,0 +1,152 @@
+"""Read ``metrics.jsonl``: follow it for the live console line, and summarize a finished run."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every complete record of a metrics file (a torn last line is skipped)."""
+    records = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and "step" in record and isinstance(record.get("values"), dict):
+                    records.append(record)
+    except OSError:
+        pass
+    return records
+
+
+def series(records: list[dict[str, Any]], process: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of one metric of one process, by step; a step logged twice keeps its last value."""
+    by_step: dict[int, float] = {}
+    for r in records:
+        if r.get("process") != process:
+            continue
+        value = r["values"].get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            by_step[int(r["step"])] = float(value)
+    return sorted(by_step.items())
+
+
+class MetricsFollower:
+    """Incrementally reads new lines of a metrics file and keeps the latest values per process."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+        self._partial = ""
+        self.latest: dict[str, dict[str, Any]] = defaultdict(dict)
+        self.latest_step: dict[str, int] = {}
+
+    def poll(self) -> bool:
+        """Read what was appended since the last call; True if anything new arrived."""
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+                self._offset = f.tell()
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        text = self._partial + chunk
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        new = False
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict) or not isinstance(record.get("values"), dict):
+                continue
+            process = str(record.get("process", "?"))
+            self.latest[process].update(record["values"])
+            self.latest_step[process] = max(int(record.get("step", 0)), self.latest_step.get(process, -1))
+            new = True
+        return new
+
+    def line(self, max_steps: int | None, elapsed_s: float) -> str:
+        trainer, orch = self.latest.get("trainer", {}), self.latest.get("orchestrator", {})
+        parts = []
+        step = self.latest_step.get("trainer")
+        if step is not None:
+            parts.append(f"step {step}" + (f"/{max_steps}" if max_steps else ""))
+        else:
+            parts.append("step -")
+        if "reward/mean" in orch:
+            parts.append(f"reward {_fmt(orch['reward/mean'])} (rollout step {self.latest_step.get('orchestrator')})")
+        if "loss/mean" in trainer:
+            parts.append(f"loss {_fmt(trainer['loss/mean'])}")
+        if "mismatch_kl/mean" in trainer:
+            parts.append(f"kl {_fmt(trainer['mismatch_kl/mean'])}")
+        if "throughput/tokens_per_s" in trainer:
+            parts.append(f"{_fmt_rate(trainer['throughput/tokens_per_s'])} tok/s")
+        parts.append(_fmt_time(elapsed_s))
+        return " | ".join(parts)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _fmt_rate(value: Any) -> str:
+    if not isinstance(value, int | float):
+        return str(value)
+    return f"{value / 1000:.1f}k" if value >= 1000 else f"{value:.0f}"
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s" if seconds >= 3600 else (
+        f"{seconds // 60}m{seconds % 60:02d}s"
+    )
+
+
+def summarize(path: Path, num: int = 3) -> dict[str, Any]:
+    """First-``num`` vs last-``num`` mean reward, max mismatch KL, last trainer step and loss."""
+    records = read_records(path)
+    rewards = [v for _, v in series(records, "orchestrator", "reward/mean")]
+    kls = [v for _, v in series(records, "trainer", "mismatch_kl/mean")]
+    losses = series(records, "trainer", "loss/mean")
+    trainer_steps = [int(r["step"]) for r in records if r.get("process") == "trainer"]
+    summary: dict[str, Any] = {
+        "trainer_steps": (max(trainer_steps) + 1) if trainer_steps else 0,
+        "rollout_steps": len(rewards),
+        "reward_first": sum(rewards[:num]) / len(rewards[:num]) if rewards else None,
+        "reward_last": sum(rewards[-num:]) / len(rewards[-num:]) if rewards else None,
+        "mismatch_kl_max": max(kls) if kls else None,
+        "loss_last": losses[-1][1] if losses else None,
+    }
+    return summary
+
+
+def format_summary(summary: dict[str, Any], num: int = 3) -> str:
+    def f(v: Any) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
+    return "\n".join(
+        [
+            "summary:",
+            f"  trainer steps logged     {summary['trainer_steps']}",
+            f"  reward, first {num} steps  {f(summary['reward_first'])}",
+            f"  reward, last {num} steps   {f(summary['reward_last'])}",
+            f"  max mismatch KL          {f(summary['mismatch_kl_max'])}",
+            f"  last loss                {f(summary['loss_last'])}",
+        ]
+    )

@@ -1,0 +1,281 @@
+"""Turn an ``RLConfig`` into a launch plan: resolved per-process configs, devices, commands, environments."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel
+
+from prime_core.config.inference import InferenceConfig
+from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.config.rl import RLConfig
+from prime_core.config.trainer import TrainerConfig
+from prime_core.run_dir import RunDir
+
+from prime_launch.process import ProcessSpec
+
+BIN_DIR_ENV = "PRIME_LAUNCH_BIN_DIR"
+"""Directory searched first for the ``trainer``/``orchestrator``/``inference``/``torchrun`` executables."""
+
+# Run artifacts of a launch; anything else in the output directory is left alone.
+RUN_ARTIFACTS = ("configs", "logs", "rollouts", "weights", "checkpoints", "metrics.jsonl", "samples", "eval")
+DRY_RUN_MARKER = ".dry-run"
+
+
+@dataclass
+class RunPlan:
+    """Everything the launcher starts, in start order, plus what it waits for."""
+
+    run_dir: RunDir
+    configs: dict[str, BaseModel]
+    specs: list[ProcessSpec]
+    health_urls: list[str]
+    """``/health`` URLs to wait for before the orchestrator starts."""
+    api_key: str | None
+    devices: dict[str, str]
+    """Per process, a description of its devices (for messages)."""
+    resume_step: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def find_executable(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """An entry point of this environment: the override dir, then next to the interpreter, then PATH."""
+    environ = os.environ if environ is None else environ
+    dirs = [environ[BIN_DIR_ENV]] if environ.get(BIN_DIR_ENV) else []
+    dirs.append(str(Path(sys.executable).parent))
+    for d in dirs:
+        candidate = Path(d) / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"cannot find the {name!r} executable (is its package installed in this environment?)")
+    return found
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[int]:
+    """GPU ids from ``CUDA_VISIBLE_DEVICES``, else counted with ``nvidia-smi -L``; [] without GPUs."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if not ids or ids == ["-1"]:
+            return []
+        try:
+            return [int(v) for v in ids]
+        except ValueError:  # GPU UUIDs: use positions (children see them renumbered anyway)
+            return list(range(len(ids)))
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return list(range(sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))))
+
+
+def _update(model: BaseModel, path: str, value: Any) -> BaseModel:
+    """A copy of ``model`` with the dotted field ``path`` set (re-validated)."""
+    data = model.model_dump(mode="python")
+    node = data
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    return type(model).model_validate(data)
+
+
+def _url_port(url: str) -> tuple[str, int | None]:
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    return parsed.hostname or "", parsed.port
+
+
+def latest_checkpoint_step(run_dir: RunDir) -> int | None:
+    steps = run_dir.checkpoint_steps()
+    return steps[-1] if steps else None
+
+
+def build_plan(rl: RLConfig, environ: Mapping[str, str] | None = None, *, run_id: str | None = None) -> RunPlan:
+    """Resolve devices, wiring and commands. Raises ``ValueError`` for impossible requests."""
+    environ = dict(os.environ if environ is None else environ)
+    run_dir = RunDir(rl.run_dir)
+    trainer: TrainerConfig = rl.trainer
+    orchestrator: OrchestratorConfig = rl.orchestrator
+    inference: InferenceConfig | None = rl.inference
+    notes: list[str] = []
+    devices: dict[str, str] = {}
+    base_urls_given = "base_urls" in orchestrator.client.model_fields_set
+
+    # Devices: inference first, then trainer.
+    gpus: list[int] = []
+    if rl.devices.type != "cpu":
+        gpus = list(rl.devices.gpu_ids) if rl.devices.gpu_ids is not None else visible_gpus(environ)
+        if rl.devices.type == "cuda" and not gpus:
+            raise ValueError("devices.type = cuda but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
+    use_gpu = bool(gpus)
+    env_of: dict[str, dict[str, str]] = {"inference": {}, "orchestrator": {"CUDA_VISIBLE_DEVICES": ""}, "trainer": {}}
+    if use_gpu:
+        num_inf = rl.devices.num_inference_gpus if inference is not None else 0
+        num_train = rl.devices.num_trainer_gpus
+        if num_inf + num_train > len(gpus):
+            raise ValueError(
+                f"{num_inf} inference + {num_train} trainer GPUs requested but only {len(gpus)} available ({gpus}); "
+                "lower devices.num_inference_gpus / devices.num_trainer_gpus or set devices.gpu_ids"
+            )
+        inf_ids, train_ids = gpus[:num_inf], gpus[num_inf : num_inf + num_train]
+        env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, train_ids))
+        trainer = _update(trainer, "device", "cuda") if trainer.device == "auto" else trainer
+        num_trainer_ranks = num_train
+        devices["trainer"] = f"GPU {','.join(map(str, train_ids))}"
+        if inference is not None:
+            env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, inf_ids))
+            devices["inference"] = f"GPU {','.join(map(str, inf_ids))}"
+            tp = inference.vllm.tensor_parallel_size
+            if num_inf % tp:
+                raise ValueError(f"devices.num_inference_gpus ({num_inf}) is not a multiple of tensor_parallel_size ({tp})")
+            if inference.vllm.data_parallel_size == 1 and num_inf // tp > 1:
+                inference = _update(inference, "vllm.data_parallel_size", num_inf // tp)
+                notes.append(f"inference: data parallel size {num_inf // tp} (x tensor parallel {tp})")
+    else:
+        env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ""
+        if trainer.device == "cuda":
+            raise ValueError("trainer.device = cuda but no GPU is visible")
+        trainer = _update(trainer, "device", "cpu")
+        num_trainer_ranks = rl.devices.num_cpu_trainer_procs
+        devices["trainer"] = f"CPU x{num_trainer_ranks}" if num_trainer_ranks > 1 else "CPU"
+        if inference is not None:
+            env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ""
+            devices["inference"] = "CPU (torch engine)"
+            if inference.engine == "vllm":
+                raise ValueError("inference.engine = vllm needs a GPU; use engine = torch (or auto) on CPU")
+            inference = _update(inference, "engine", "torch")
+            if inference.torch.device not in ("auto", "cpu"):
+                raise ValueError(f"inference.torch.device = {inference.torch.device} but no GPU is visible")
+    devices["orchestrator"] = "CPU"
+    orchestrator = _update(orchestrator, "num_trainer_ranks", num_trainer_ranks)
+
+    # Wiring: the orchestrator talks to the server rl starts (or the external one it names).
+    api_key = orchestrator.client.resolved_api_key()
+    if inference is not None:
+        host = inference.server.host
+        connect = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        port = inference.server.port
+        if port == 0:
+            raise ValueError("inference.server.port = 0 (a free port) cannot be wired to the orchestrator; set a port")
+        if base_urls_given:
+            for url in orchestrator.client.base_urls:
+                _, url_port = _url_port(url)
+                if url_port != port:
+                    raise ValueError(
+                        f"orchestrator.client.base-urls {url!r} does not point at the inference server rl starts "
+                        f"(port {port}); drop the base URL or give both the same port"
+                    )
+        else:
+            orchestrator = _update(orchestrator, "client.base_urls", [f"http://{connect}:{port}"])
+        if inference.server.api_key and api_key is None:
+            orchestrator = _update(orchestrator, "client.api_key", inference.server.api_key)
+        api_key = inference.server.api_key or api_key
+    health_urls = [url.rstrip("/").removesuffix("/v1") + "/health" for url in orchestrator.client.base_urls]
+
+    # Resume: the newest checkpoint (or the step given with ckpt.resume_step) on both sides.
+    resume_step = trainer.ckpt.resume_step
+    if rl.resume and resume_step is None:
+        resume_step = latest_checkpoint_step(run_dir)
+        if resume_step is None:
+            raise ValueError(f"--resume: no checkpoint under {run_dir.checkpoints} (with a STABLE marker) to resume from")
+        trainer = _update(trainer, "ckpt.resume_step", resume_step)
+        orchestrator = _update(orchestrator, "ckpt.resume_step", resume_step)
+
+    configs: dict[str, BaseModel] = {}
+    if inference is not None:
+        configs["inference"] = inference
+    configs["orchestrator"] = orchestrator
+    configs["trainer"] = trainer
+
+    run_id = run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12]
+    common_env = {"PYTHONUNBUFFERED": "1", "PRIME_RUN_ID": run_id, **rl.env_vars}
+    specs = []
+    for name in configs:
+        cfg_path = run_dir.config_file(name)
+        # Each child logs to stdout only: the launcher redirects stdout into logs/<name>.log.
+        args = ["@", str(cfg_path), "--log.file", "false"]
+        if name == "trainer" and num_trainer_ranks > 1:
+            cmd = [
+                find_executable("torchrun", environ),
+                "--standalone",
+                "--nproc-per-node",
+                str(num_trainer_ranks),
+                "--no-python",
+                find_executable("trainer", environ),
+                *args,
+            ]
+        else:
+            cmd = [find_executable(name, environ), *args]
+        env = {**common_env, **env_of[name]}
+        if name == "trainer" and use_gpu:
+            env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        specs.append(ProcessSpec(name=name, cmd=cmd, log_file=run_dir.log_file(name), env=env))
+    return RunPlan(
+        run_dir=run_dir,
+        configs=configs,
+        specs=specs,
+        health_urls=health_urls,
+        api_key=api_key,
+        devices=devices,
+        resume_step=resume_step,
+        notes=notes,
+    )
+
+
+def existing_artifacts(run_dir: RunDir) -> list[str]:
+    """Artifacts of another run in ``run_dir`` (a dry run's configs do not count)."""
+    found = []
+    for name in RUN_ARTIFACTS:
+        path = run_dir.root / name
+        if name == "configs" and (path / DRY_RUN_MARKER).exists():
+            continue
+        if path.is_file() or (path.is_dir() and any(path.iterdir())):
+            found.append(name)
+    return found
+
+
+def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool) -> None:
+    """Refuse an output directory holding another run unless resuming or overwriting."""
+    found = existing_artifacts(run_dir)
+    if found and not (overwrite or resume):
+        raise FileExistsError(
+            f"output directory {run_dir.root} holds another run ({', '.join(found)}); pass --resume to continue it, "
+            "--overwrite to delete it and start afresh, or choose another --output-dir"
+        )
+
+
+def clear_run(run_dir: RunDir) -> None:
+    """Delete the artifacts of a previous run (only the names a run writes; nothing else in the directory)."""
+    for name in RUN_ARTIFACTS:
+        path = run_dir.root / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+
+
+def command_line(spec: ProcessSpec) -> str:
+    """A copy-pasteable shell line for a process (devices and run id included)."""
+    import shlex
+
+    shown = {k: v for k, v in spec.env.items() if k in ("CUDA_VISIBLE_DEVICES", "PRIME_RUN_ID")}
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())
+    cmd = " ".join(shlex.quote(c) for c in spec.cmd)
+    return f"{prefix} {cmd} > {shlex.quote(str(spec.log_file))} 2>&1" if prefix else cmd
