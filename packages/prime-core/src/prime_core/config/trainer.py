@@ -1,0 +1,333 @@
+"""Configs of the RL trainer (``trainer``) and the SFT trainer (``sft``).
+
+Both share the sections below: model init, optimizer, scheduler, parallelism, checkpoints, performance
+accounting and bench mode. The RL objective is a discriminated union on ``loss.type``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from prime_core.config.base import BaseConfig
+from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
+from prime_core.transport import RolloutTransportConfig
+
+# ---------------------------------------------------------------- model, parallelism, performance
+
+
+class ModelInitConfig(BaseConfig):
+    """How the trainer builds its model from ``model.name``."""
+
+    random: bool = False
+    """Random init from the model's config.json instead of loading its weights (e.g. to train from scratch)."""
+    config_overrides: dict[str, Any] = Field(default_factory=dict)
+    """HF config fields to override before building (e.g. ``{"num_hidden_layers": 2}``); implies nothing else."""
+    tokenizer: str | None = None
+    """Tokenizer directory or hub id when it is not next to the weights (default: ``model.name``)."""
+    attn: Literal["auto", "sdpa", "flash_attn"] = "auto"
+    """Attention kernel; ``auto`` picks flash-attn on GPU when installed, else SDPA."""
+    logprob_chunk_size: int = Field(default=2048, ge=1)
+    """Tokens per chunk of the fused log-prob head (bounds the memory of the [tokens, vocab] logits)."""
+
+
+class ParallelConfig(BaseConfig):
+    """FSDP2 data parallelism and memory savers."""
+
+    dp_shard: int = -1
+    """FSDP shard degree; -1 uses every rank. Must divide the world size (the rest replicates: HSDP)."""
+    ac: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing: ``full`` recomputes every decoder layer, ``selective`` only attention."""
+    cpu_offload: bool = False
+    """Keep FSDP parameters, gradients and optimizer state on CPU (GPU only)."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each layer's forward (ZeRO-3); false keeps them (ZeRO-2, faster)."""
+    timeout_s: int = Field(default=3600, ge=1)
+    """Timeout of collective operations, in seconds."""
+
+
+class PerfConfig(BaseConfig):
+    """Throughput and MFU accounting."""
+
+    peak_tflops: float | None = None
+    """Peak bf16 TFLOP/s of one device for MFU; unset uses the GPU table (MFU is null on CPU)."""
+
+
+class AdamWConfig(BaseConfig):
+    """AdamW with decoupled weight decay and gradient-norm clipping."""
+
+    type: Literal["adamw"] = "adamw"
+    """Optimizer type."""
+    lr: float = Field(default=1e-6, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.01, ge=0)
+    """Decoupled weight decay (not applied to norms and biases)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    max_norm: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value; unset disables clipping (the norm is still logged)."""
+
+
+class ConstantSchedulerConfig(BaseConfig):
+    """Linear warmup, then a constant learning rate."""
+
+    type: Literal["constant"] = "constant"
+    """Scheduler type."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warmup from 0 to ``optim.lr`` (the first step trains at lr/warmup_steps)."""
+
+
+class CosineSchedulerConfig(BaseConfig):
+    """Linear warmup, then cosine decay to ``min_lr`` at ``max_steps``."""
+
+    type: Literal["cosine"] = "cosine"
+    """Scheduler type."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warmup from 0 to ``optim.lr``."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate reached at the last step."""
+
+
+SchedulerConfig = Annotated[ConstantSchedulerConfig | CosineSchedulerConfig, Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------- RL losses
+
+
+class _LossOptions(BaseConfig):
+    """Options shared by every RL objective."""
+
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty between the trainer policy and the inference (sampling) policy."""
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator of KL(inference || trainer) on sampled tokens: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus: subtract this times the token entropy of the trainer policy from the loss."""
+    normalization: Literal["token", "sequence"] = "token"
+    """token: sum over every loss token of the step divided by the global token count; sequence: mean over each
+    sample's tokens, then mean over the step's samples."""
+
+
+class GRPOLossConfig(_LossOptions):
+    """Token-level importance ratio r = pi_theta / pi_inference with PPO-style asymmetric clipping and/or masking."""
+
+    type: Literal["grpo"] = "grpo"
+    """Objective type."""
+    clip_low: float | None = Field(default=0.2, ge=0, le=1)
+    """Clip r below at 1 - clip_low (PPO epsilon); unset disables clipping from below."""
+    clip_high: float | None = Field(default=0.28, ge=0)
+    """Clip r above at 1 + clip_high (DAPO's clip-higher); unset disables clipping from above."""
+    mask_low: float | None = Field(default=None, ge=0)
+    """Drop (zero loss and gradient) tokens whose ratio is below this value, e.g. 0.125; unset keeps them."""
+    mask_high: float | None = Field(default=None, gt=0)
+    """Drop tokens whose ratio is above this value, e.g. 8; unset keeps them."""
+
+
+class GSPOLossConfig(_LossOptions):
+    """Sequence-level ratio s = geometric mean of the token ratios of a sample, clipped PPO-style."""
+
+    type: Literal["gspo"] = "gspo"
+    """Objective type."""
+    clip_low: float = Field(default=3e-4, ge=0, le=1)
+    """Clip s below at 1 - clip_low (GSPO uses much smaller ranges than token-level PPO)."""
+    clip_high: float = Field(default=4e-4, ge=0)
+    """Clip s above at 1 + clip_high."""
+    normalization: Literal["token", "sequence"] = "sequence"
+    """Normalization; GSPO defines its objective per sequence."""
+
+
+class CISPOLossConfig(_LossOptions):
+    """Clipped stop-gradient importance weight times the log-prob: -sg(clip(r)) * A * log pi_theta."""
+
+    type: Literal["cispo"] = "cispo"
+    """Objective type."""
+    clip_low: float | None = Field(default=None, ge=0, le=1)
+    """Clip the weight below at 1 - clip_low; unset leaves it unbounded below (as in MiniMax-M1)."""
+    clip_high: float | None = Field(default=0.28, ge=0)
+    """Clip the weight above at 1 + clip_high."""
+
+
+LossConfig = Annotated[GRPOLossConfig | GSPOLossConfig | CISPOLossConfig, Field(discriminator="type")]
+
+
+# ---------------------------------------------------------------- data
+
+
+class FakeDataConfig(BaseConfig):
+    """Synthetic data for benchmarks and smoke tests (no orchestrator, no dataset)."""
+
+    batch_size: int = Field(default=8, ge=1)
+    """Rows per optimizer step over all ranks."""
+    micro_batch_size: int = Field(default=1, ge=1)
+    """Rows per forward/backward pass."""
+    seq_len: int | None = Field(default=None, ge=2)
+    """Row length; unset uses the top-level ``seq_len``."""
+    variable_lengths: bool = False
+    """Pack random-length samples into each row (position ids restart) instead of one full-length sample."""
+
+    @model_validator(mode="after")
+    def _divisible(self) -> FakeDataConfig:
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class RLDataConfig(BaseConfig):
+    """Where the RL trainer's micro-batches come from."""
+
+    fake: FakeDataConfig | None = None
+    """Train on synthetic micro-batches instead of the orchestrator's rollouts (set by ``--bench``)."""
+    wait_timeout_s: float | None = Field(default=3600.0, gt=0)
+    """Fail with a clear error when a step's rollouts have not arrived after this many seconds; unset waits forever."""
+
+
+class WeightsConfig(BaseConfig):
+    """Publishing of HF weights under ``weights/step_N`` for inference."""
+
+    publish: bool = True
+    """Write ``weights/step_{n+1}`` after every step (off in bench mode)."""
+    keep_all: bool = False
+    """Keep every published step instead of only the ones the async window and checkpoints need."""
+
+
+class LossMaskConfig(BaseConfig):
+    """Which message roles the SFT loss trains on."""
+
+    system: bool = False
+    """Train on system messages."""
+    user: bool = False
+    """Train on user messages."""
+    assistant: bool = True
+    """Train on assistant messages (the role header the template adds is never trained)."""
+    tool: bool = False
+    """Train on tool results."""
+
+
+class SFTDataConfig(BaseConfig):
+    """SFT dataset: rows in prompt-completion or ``messages`` format (``messages`` wins when both exist)."""
+
+    path: str | None = None
+    """A .jsonl/.json/.parquet file, a directory of them, or a ``datasets`` save_to_disk directory."""
+    split: str = "train"
+    """Split to read from a ``datasets`` DatasetDict directory."""
+    fake: FakeDataConfig | None = None
+    """Train on random tokens instead of a dataset (set by ``--bench``)."""
+    batch_size: int = Field(default=32, ge=1)
+    """Packed rows per optimizer step over all ranks."""
+    micro_batch_size: int = Field(default=1, ge=1)
+    """Packed rows per forward/backward pass."""
+    shuffle: bool = True
+    """Shuffle samples every epoch (with ``seed + epoch``)."""
+    chat_template: str | None = None
+    """A Jinja chat template (or a path to one) replacing the tokenizer's."""
+    loss_mask: LossMaskConfig = Field(default_factory=LossMaskConfig)
+    """Roles trained on."""
+
+    @model_validator(mode="after")
+    def _divisible(self) -> SFTDataConfig:
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+            )
+        return self
+
+
+class SFTValConfig(BaseConfig):
+    """Validation loss on a held-out split."""
+
+    path: str | None = None
+    """A separate validation dataset (same formats as ``data.path``); unset holds out ``fraction`` of the data."""
+    fraction: float = Field(default=0.0, ge=0, lt=1)
+    """Fraction of ``data.path``'s samples held out for validation when ``path`` is unset (0 disables)."""
+    interval: int = Field(default=50, ge=1)
+    """Evaluate every this many steps (and before the first and after the last step)."""
+    max_rows: int | None = Field(default=None, ge=1)
+    """Evaluate on at most this many packed rows."""
+
+
+# ---------------------------------------------------------------- process configs
+
+
+class _TrainerBase(BaseConfig):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model to train (HF directory or hub id)."""
+    init: ModelInitConfig = Field(default_factory=ModelInitConfig)
+    """How the model is built (random init, config overrides, tokenizer, attention kernel)."""
+    output_dir: Path = Path("outputs")
+    """Run directory shared with the other processes."""
+    seq_len: int = Field(default=2048, ge=2)
+    """Maximum row length in tokens."""
+    max_steps: int = Field(default=20, ge=1)
+    """Number of optimizer steps (absolute: a resumed run stops at the same step)."""
+    seed: int = 0
+    """Seed of model init and data order."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device type; auto uses CUDA when available (NCCL), else CPU (gloo)."""
+    optim: AdamWConfig = Field(default_factory=AdamWConfig)
+    """Optimizer."""
+    scheduler: SchedulerConfig = Field(default_factory=ConstantSchedulerConfig)
+    """Learning-rate schedule."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Data parallelism and memory savers."""
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """DCP checkpoints under ``checkpoints/step_N/trainer`` and resume."""
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    """HF weight export under ``weights/step_N``."""
+    perf: PerfConfig = Field(default_factory=PerfConfig)
+    """Throughput and MFU accounting."""
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    """Per-step metrics."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    bench: bool = False
+    """Benchmark: a few steps on fake data (default shape unless ``data.fake`` is set), no checkpoints or weights;
+    prints and writes a JSON summary."""
+    bench_file: Path | None = None
+    """Where ``--bench`` writes its JSON summary (default ``<output-dir>/bench/<process>.json``)."""
+
+    @model_validator(mode="after")
+    def _bench_defaults(self) -> _TrainerBase:
+        if self.bench:
+            if "max_steps" not in self.model_fields_set:
+                self.max_steps = 5
+            if self.data.fake is None:
+                self.data.fake = FakeDataConfig()
+        return self
+
+
+class TrainerConfig(_TrainerBase):
+    """The RL trainer: consumes the orchestrator's micro-batches and publishes new weights every step."""
+
+    async_level: int = Field(default=1, ge=0)
+    """Rollouts of step n may come from weights n - async_level; sets which published weight steps are kept."""
+    loss: LossConfig = Field(default_factory=GRPOLossConfig)
+    """RL objective (grpo, gspo, cispo) and its options."""
+    data: RLDataConfig = Field(default_factory=RLDataConfig)
+    """Rollout input (or fake data)."""
+    transport: RolloutTransportConfig = Field(default_factory=RolloutTransportConfig)
+    """How micro-batches arrive from the orchestrator."""
+
+
+class SFTConfig(_TrainerBase):
+    """The SFT trainer: chat-formatted datasets, role-based loss masking, packing, validation loss."""
+
+    async_level: int = Field(default=0, ge=0)
+    """Unused by SFT (kept so ``rl``-style shared configs validate)."""
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    """Training data."""
+    val: SFTValConfig = Field(default_factory=SFTValConfig)
+    """Validation loss."""
+    weights_interval: int | None = Field(default=None, ge=1)
+    """Also publish HF weights every N steps (the final step is always published)."""
+
+    @model_validator(mode="after")
+    def _needs_data(self) -> SFTConfig:
+        if self.data.fake is None and self.data.path is None:
+            raise ValueError("set data.path (a dataset) or data.fake (synthetic tokens)")
+        return self

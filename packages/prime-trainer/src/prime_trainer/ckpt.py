@@ -1,0 +1,158 @@
+"""DCP checkpoints: ``checkpoints/step_N/trainer/`` holds model + optimizer (sharded, loadable at another world
+size), ``progress.json`` (step, schedule, data position) and ``rng/rank_R.pt``.
+
+Checkpoint N is the state after N optimizer steps (its model equals ``weights/step_N``); resuming from it trains
+step N next. The trainer part is built under a temporary name and renamed into place, then ``trainer/STABLE`` and
+``checkpoints/step_N/STABLE`` are written (the orchestrator's part, ``step_N/orchestrator``, carries its own).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from prime_core.config.shared import CheckpointConfig
+from prime_core.io import STABLE_MARKER, atomic_write_json, is_stable, mark_stable
+from prime_core.run_dir import RunDir
+from prime_trainer.world import World
+
+logger = logging.getLogger("prime.trainer")
+
+PROGRESS_FILE = "progress.json"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, config: CheckpointConfig, run_dir: RunDir, world: World):
+        self.config = config
+        self.run_dir = run_dir
+        self.world = world
+        self._pending: tuple[Future, int, Path, dict] | None = None
+        # A separate gloo group keeps the background writer's collectives off the training process group.
+        self._pg = dist.new_group(backend="gloo") if config.save_async else None
+
+    def due(self, step: int, max_steps: int) -> bool:
+        """Save after ``step`` optimizer steps? Every ``interval`` steps and at the end, when an interval is set."""
+        return self.config.interval is not None and (step % self.config.interval == 0 or step == max_steps)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, progress: dict[str, Any]) -> None:
+        self.wait()
+        final = self.run_dir.trainer_checkpoint(step)
+        tmp = final.parent / ".trainer.tmp"
+        if self.world.is_master:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
+        progress = {**progress, "step": step, "world_size": self.world.world_size}
+        if self.config.save_async:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+            self._pending = (future, step, tmp, progress)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._finalize(step, tmp, progress)
+
+    def poll(self) -> None:
+        """Finalize a background save once every rank's writer is done (one tiny collective per call)."""
+        if self._pending is None:
+            return
+        done = torch.tensor([float(self._pending[0].done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._pg)
+        if done.item() == 1.0:
+            self.wait()
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        future, step, tmp, progress = self._pending
+        future.result()
+        self._pending = None
+        self._finalize(step, tmp, progress)
+
+    def _finalize(self, step: int, tmp: Path, progress: dict[str, Any]) -> None:
+        dist.barrier(group=self._pg)
+        if self.world.is_master:
+            atomic_write_json(tmp / PROGRESS_FILE, progress)
+            final = self.run_dir.trainer_checkpoint(step)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            mark_stable(final)
+            mark_stable(final.parent)
+            logger.info("saved checkpoint %s", final)
+            self._cleanup()
+        dist.barrier(group=self._pg)
+
+    def _cleanup(self) -> None:
+        if self.config.keep is None:
+            return
+        steps = self.saved_steps()
+        for old in steps[: -self.config.keep]:
+            step_dir = self.run_dir.checkpoint_step(old)
+            shutil.rmtree(step_dir / "trainer", ignore_errors=True)
+            (step_dir / STABLE_MARKER).unlink(missing_ok=True)
+            if step_dir.is_dir() and not any(step_dir.iterdir()):
+                step_dir.rmdir()
+
+    def saved_steps(self) -> list[int]:
+        """Steps with a complete trainer checkpoint, ascending."""
+        if not self.run_dir.checkpoints.is_dir():
+            return []
+        steps = []
+        for child in self.run_dir.checkpoints.iterdir():
+            if child.name.startswith("step_") and child.name[5:].isdigit() and is_stable(child / "trainer"):
+                steps.append(int(child.name[5:]))
+        return sorted(steps)
+
+    def load(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore model, optimizer and this rank's RNG from checkpoint ``step``; return its progress dict."""
+        path = self.run_dir.trainer_checkpoint(step)
+        if not is_stable(path):
+            have = ", ".join(map(str, self.saved_steps())) or "none"
+            raise ValueError(f"no complete trainer checkpoint at {path} (complete checkpoints: {have})")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        progress = json.loads((path / PROGRESS_FILE).read_text())
+        rng_file = self._rng_file(path, self.world.rank)
+        if progress["world_size"] == self.world.world_size and rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            logger.warning("checkpoint %s was saved by %d ranks: RNG state not restored", path, progress["world_size"])
+        logger.info("resumed from checkpoint %s (step %d)", path, step)
+        return progress
+
+    @staticmethod
+    def _rng_file(root: Path, rank: int, mkdir: bool = False) -> Path:
+        if mkdir:
+            (root / "rng").mkdir(parents=True, exist_ok=True)
+        return root / "rng" / f"rank_{rank}.pt"

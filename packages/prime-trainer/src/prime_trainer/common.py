@@ -1,0 +1,203 @@
+"""Setup and per-step plumbing shared by the RL and SFT trainers (everything but the step's loss)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from prime_core.config import write_config
+from prime_core.config.trainer import SFTConfig, TrainerConfig
+from prime_core.io import atomic_write_json, is_stable
+from prime_core.logging import setup_logging
+from prime_core.monitor import build_monitor
+from prime_core.run_dir import RunDir
+from prime_models import flops_per_token
+from prime_trainer import perf
+from prime_trainer.ckpt import CheckpointManager
+from prime_trainer.model import ModelSource, build_model
+from prime_trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from prime_trainer.weights import WeightPublisher
+from prime_trainer.world import World, init_world
+
+
+@dataclass
+class Components:
+    config: TrainerConfig | SFTConfig
+    process: str
+    world: World
+    run_dir: RunDir
+    logger: logging.Logger
+    model: nn.Module
+    source: ModelSource
+    optimizer: torch.optim.Optimizer
+    ckpt: CheckpointManager
+    publisher: WeightPublisher
+    monitor: Any
+    peak_flops: float | None
+    step_times: list[dict[str, float]] = field(default_factory=list)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return flops_per_token(self.source.hf_config, seq_len)
+
+
+def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
+    world = init_world(config.device, config.parallel.timeout_s)
+    run_dir = RunDir(config.output_dir)
+    log_file = run_dir.log_file(process) if config.log.file and world.is_master else None
+    logger = setup_logging(process, level=config.log.level if world.is_master else "warning", log_file=log_file)
+    torch.manual_seed(config.seed)
+    if world.is_master:
+        write_config(config, run_dir.config_file(process))
+    model, source = build_model(config.model.name, config.model.dtype, config.init, config.parallel, world, config.seed)
+    optimizer = build_optimizer(model, config.optim)
+    monitor = build_monitor(
+        config.monitor, output_dir=config.output_dir, process=process, run_config=config.model_dump(mode="json")
+    ) if world.is_master and not config.bench else None
+    num_params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global size
+    logger.info(
+        "%s: %s (%.2fM parameters) on %d x %s",
+        process, config.model.name, num_params / 1e6, world.world_size, perf.device_name(world.device),
+    )
+    return Components(
+        config=config,
+        process=process,
+        world=world,
+        run_dir=run_dir,
+        logger=logger,
+        model=model,
+        source=source,
+        optimizer=optimizer,
+        ckpt=CheckpointManager(config.ckpt, run_dir, world),
+        publisher=WeightPublisher(run_dir, world, source.tokenizer, config.async_level, config.weights.keep_all),
+        monitor=monitor,
+        peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
+    )
+
+
+def resume(c: Components) -> dict[str, Any]:
+    """Load ``ckpt.resume_step`` if set; returns its progress (``{"step": 0}`` for a fresh run)."""
+    if c.config.ckpt.resume_step is None:
+        return {"step": 0}
+    return c.ckpt.load(c.config.ckpt.resume_step, c.model, c.optimizer)
+
+
+def publish_initial(c: Components, step: int, random_init: bool) -> None:
+    """Make sure inference can load the weights of ``step`` (the base model dir covers step 0 unless random)."""
+    if c.config.bench or not c.config.weights.publish:
+        return
+    if (step == 0 and random_init) or (step > 0 and not is_stable(c.run_dir.weight_step(step))):
+        c.publisher.publish(step, c.model, c.ckpt.saved_steps())
+
+
+def set_grad_sync(model: nn.Module, index: int, count: int) -> None:
+    """Reduce-scatter gradients only after the last micro-batch of a step (FSDP accumulates unsharded before)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(index == count - 1)
+
+
+def optimizer_step(c: Components, step: int) -> tuple[float, float]:
+    """Clip, set the scheduled learning rate, step, zero grads. Returns (grad norm, lr)."""
+    grad_norm = clip_grad_norm(c.model, c.config.optim.max_norm)
+    lr = lr_at(step, c.config.optim.lr, c.config.scheduler, c.config.max_steps)
+    set_lr(c.optimizer, lr)
+    c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
+def perf_metrics(c: Components, num_tokens: float, seq_len: int, compute_s: float) -> dict[str, Any]:
+    tokens_per_s = num_tokens / max(compute_s, 1e-9)
+    return {
+        "throughput/tokens_per_s": tokens_per_s,
+        "mfu": perf.mfu(c.flops_per_token(seq_len), tokens_per_s, c.peak_flops, c.world.world_size),
+        "peak_memory_gib": perf.peak_memory_gib(c.world.device),
+    }
+
+
+def after_step(c: Components, step: int, metrics: dict[str, Any], extra_state: dict[str, Any], publish: bool) -> None:
+    """Publish weights step+1 and checkpoint (both collective), then log. ``step`` is the 0-indexed step just done."""
+    done = step + 1
+    t0 = time.perf_counter()
+    if publish and not c.config.bench and c.config.weights.publish:
+        ckpt_steps = c.ckpt.saved_steps() + ([done] if c.ckpt.due(done, c.config.max_steps) else [])
+        c.publisher.publish(done, c.model, ckpt_steps)
+    metrics["time/publish"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    c.ckpt.poll()
+    if not c.config.bench and c.ckpt.due(done, c.config.max_steps):
+        c.ckpt.save(done, c.model, c.optimizer, extra_state)
+    metrics["time/checkpoint"] = time.perf_counter() - t0
+    if c.world.is_master:
+        if c.monitor is not None:
+            c.monitor.log(step, metrics)
+        c.logger.info(format_line(step, metrics))
+    c.step_times.append(metrics)
+
+
+def format_line(step: int, m: dict[str, Any]) -> str:
+    parts = [f"step {step}"]
+    for key, label, fmt in [
+        ("loss/mean", "loss", "{:.4f}"),
+        ("val/loss", "val loss", "{:.4f}"),
+        ("entropy/mean", "entropy", "{:.4f}"),
+        ("mismatch_kl/mean", "mismatch kl", "{:.2e}"),
+        ("masked_fraction", "masked", "{:.3f}"),
+        ("clipped_fraction", "clipped", "{:.3f}"),
+        ("grad_norm", "grad norm", "{:.4f}"),
+        ("lr", "lr", "{:.2e}"),
+        ("throughput/tokens_per_s", "tok/s", "{:.0f}"),
+        ("mfu", "mfu %", "{:.2f}"),
+        ("peak_memory_gib", "mem GiB", "{:.2f}"),
+        ("time/step", "time s", "{:.2f}"),
+    ]:
+        if m.get(key) is not None:
+            parts.append(f"{label} {fmt.format(m[key])}")
+    return " | ".join(parts)
+
+
+def finish(c: Components) -> None:
+    c.ckpt.wait()
+    if c.config.bench and c.world.is_master:
+        write_bench(c)
+    if c.monitor is not None:
+        c.monitor.close()
+
+
+def write_bench(c: Components) -> dict[str, Any]:
+    """Summarize the bench steps (the first is warmup and skipped when there are more) as JSON."""
+    steps = c.step_times[1:] if len(c.step_times) > 1 else c.step_times
+
+    def mean(key: str) -> float | None:
+        values = [s[key] for s in steps if s.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    fake = c.config.data.fake
+    result = {
+        "process": c.process,
+        "device_name": perf.device_name(c.world.device),
+        "world_size": c.world.world_size,
+        "model": c.config.model.name,
+        "seq_len": fake.seq_len or c.config.seq_len,
+        "batch_size": fake.batch_size,
+        "micro_batch_size": fake.micro_batch_size,
+        "variable_lengths": fake.variable_lengths,
+        "steps_measured": len(steps),
+        "tokens_per_s": mean("throughput/tokens_per_s"),
+        "mfu": mean("mfu"),
+        "step_time_s": mean("time/step"),
+        "peak_memory_gib": max((s["peak_memory_gib"] for s in steps), default=None),
+    }
+    path = Path(c.config.bench_file or c.run_dir.root / "bench" / f"{c.process}.json")
+    atomic_write_json(path, result)
+    print(json.dumps(result, indent=2))
+    c.logger.info("bench results written to %s", path)
+    return result

@@ -1,0 +1,26 @@
+"""``sft``: supervised fine-tuning on chat data. Run it directly (one process) or under torchrun.
+
+    sft @ sft.toml
+    torchrun --nproc-per-node 8 -m prime_trainer.entrypoints.sft @ sft.toml
+    sft --bench --model.name <dir>
+"""
+
+from __future__ import annotations
+
+from prime_core.config import parse_cli
+from prime_core.config.trainer import SFTConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_cli(SFTConfig, argv, prog="sft", description=__doc__)
+    from prime_trainer.sft.train import train
+    from prime_trainer.world import shutdown_world
+
+    try:
+        train(config)
+    finally:
+        shutdown_world()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""``trainer``: the RL trainer. Run it directly (one process) or under torchrun (several processes and nodes).
+
+    trainer @ train.toml
+    torchrun --nproc-per-node 8 -m prime_trainer.entrypoints.trainer @ train.toml
+    trainer --bench --model.name <dir> --data.fake.batch-size 8
+"""
+
+from __future__ import annotations
+
+from prime_core.config import parse_cli
+from prime_core.config.trainer import TrainerConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_cli(TrainerConfig, argv, prog="trainer", description=__doc__)
+    from prime_trainer.rl.train import train
+    from prime_trainer.world import shutdown_world
+
+    try:
+        train(config)
+    finally:
+        shutdown_world()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Build the trainer's model (prime_models family + its parallelize function) and run the log-prob forward.
+
+Shape legend: R rows of a micro-batch, S sequence length.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from prime_core.config.trainer import ModelInitConfig, ParallelConfig
+from prime_models import ParallelDims, get_model_spec, load_model
+from prime_models.parallel import apply_fsdp, default_mp_policy
+from prime_trainer.world import World
+
+logger = logging.getLogger("prime.trainer")
+
+
+@dataclass
+class ModelSource:
+    """Where the model came from: its HF config (as a dict) and the directory to copy tokenizer files from."""
+
+    hf_config: dict
+    tokenizer: str
+
+
+def resolve_source(name: str, init: ModelInitConfig) -> tuple[object, ModelSource]:
+    """What to pass to ``load_model`` (a dir for real weights, a config dict for random init) and the source."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model {name!r}: no config.json in {path}")
+    hf_config = {**json.loads(config_file.read_text()), **init.config_overrides}
+    tokenizer = init.tokenizer or str(path)
+    has_weights = any(path.glob("*.safetensors"))
+    if init.config_overrides and has_weights and not init.random:
+        raise ValueError("init.config_overrides change the architecture: use them with init.random")
+    target = hf_config if (init.random or not has_weights) else path
+    if not init.random and not has_weights:
+        logger.warning("model %s has no safetensors weights: initializing randomly", name)
+    return target, ModelSource(hf_config=hf_config, tokenizer=tokenizer)
+
+
+def build_model(
+    name: str, dtype: str, init: ModelInitConfig, parallel: ParallelConfig, world: World, seed: int
+) -> tuple[nn.Module, ModelSource]:
+    """Load (or randomly init) the model on this rank's device and apply AC + FSDP2 through the family's spec."""
+    target, source = resolve_source(name, init)
+    torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"model.dtype={dtype!r} is not supported for training (use auto, float32 or bfloat16)")
+    model = load_model(target, dtype=torch_dtype, device=world.device, attn=init.attn, seed=seed)
+    if parallel.dp_shard != -1 and world.world_size % parallel.dp_shard:
+        raise ValueError(f"parallel.dp_shard={parallel.dp_shard} does not divide the world size {world.world_size}")
+    dp_shard = world.world_size if parallel.dp_shard == -1 else parallel.dp_shard
+    dims = ParallelDims(dp_replicate=world.world_size // dp_shard, dp_shard=dp_shard, world_size=world.world_size)
+    spec = get_model_spec(source.hf_config["model_type"])
+    model = spec.parallelize_fn(
+        model,
+        dims,
+        ac=parallel.ac,
+        ac_every=0 if parallel.ac == "selective" else 2,
+        cpu_offload=parallel.cpu_offload,
+        reshard_after_forward=parallel.reshard_after_forward,
+    )
+    if dims.dp == 1 and world.device.type == "cuda":
+        # parallelize_fn skips FSDP at dp=1; wrap anyway for bf16 compute with fp32 master weights.
+        mesh = dims.fsdp_mesh(dims.build_mesh("cuda"))
+        model = apply_fsdp(model, model.model.layers, mesh, mp_policy=default_mp_policy("cuda"))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss is already divided by the global token count: sum gradients over ranks, do not average.
+            module.set_gradient_divide_factor(1.0)
+    return model, source
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids_RS: torch.Tensor,
+    position_ids_RS: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_size: int,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of every token given its prefix, and the entropy of the distribution that predicted it.
+
+    Position t holds the values for token t, predicted from position t - 1; position 0 holds 0 (never a loss token).
+    """
+    targets_RS = torch.roll(input_ids_RS, shifts=-1, dims=1)
+    lp_RS, ent_RS = model(
+        input_ids_RS, position_ids_RS, targets=targets_RS, temperature=temperature, chunk_size=chunk_size
+    )
+    if not entropy_grad:
+        ent_RS = ent_RS.detach()
+    zero = lp_RS.new_zeros(lp_RS.shape[0], 1)
+    return torch.cat([zero, lp_RS[:, :-1]], dim=1), torch.cat([zero, ent_RS[:, :-1]], dim=1)

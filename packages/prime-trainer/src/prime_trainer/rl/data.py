@@ -1,0 +1,119 @@
+"""This rank's micro-batches of a step: from the orchestrator (via the rollout transport) or synthetic."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from prime_core.config.trainer import FakeDataConfig, TrainerConfig
+from prime_core.run_dir import RunDir
+from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
+from prime_core.transport import make_receiver
+from prime_trainer.world import World
+
+logger = logging.getLogger("prime.trainer")
+
+
+@dataclass
+class TensorMicroBatch:
+    """A micro-batch on the training device; every field [R, S]."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    inference_logprobs: torch.Tensor
+    sample_ids: torch.Tensor
+
+    @classmethod
+    def from_numpy(cls, mb: MicroBatch, device: torch.device) -> TensorMicroBatch:
+        return cls(
+            input_ids=torch.from_numpy(mb.input_ids).to(device),
+            position_ids=torch.from_numpy(mb.position_ids).to(device),
+            loss_mask=torch.from_numpy(mb.loss_mask).to(device),
+            advantages=torch.from_numpy(mb.advantages).to(device),
+            inference_logprobs=torch.from_numpy(mb.inference_logprobs).to(device),
+            sample_ids=torch.from_numpy(mb.sample_ids).to(device),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        return int((self.sample_ids >= 0).sum())
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_loss_samples(self) -> int:
+        return int(torch.unique(self.sample_ids[self.loss_mask]).numel())
+
+
+class RolloutSource:
+    """Receives ``rollouts/step_n`` for this rank through the configured transport."""
+
+    def __init__(self, config: TrainerConfig, world: World):
+        self.rank = world.rank
+        self.timeout = config.data.wait_timeout_s
+        self.transport = config.transport.type
+        self._step = 0
+        self.receiver = make_receiver(config.transport, RunDir(config.output_dir), world.rank, on_wait=self._on_wait)
+
+    def _on_wait(self, elapsed: float) -> None:
+        logger.info("step %d: rank %d waiting for rollouts for %.0fs", self._step, self.rank, elapsed)
+
+    def get(self, step: int) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
+        self._step = step
+        try:
+            return self.receiver.receive(step, timeout=self.timeout)
+        except TimeoutError as e:
+            raise RuntimeError(
+                f"step {step}: no rollouts for rank {self.rank} after {self.timeout:.0f}s ({self.transport} "
+                f"transport: {e}). Is the orchestrator running with the same --output-dir? "
+                f"Raise --data.wait-timeout-s to wait longer."
+            ) from None
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def fake_micro_batches(
+    config: FakeDataConfig, seq_len: int, vocab_size: int, step: int, world: World, seed: int
+) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
+    """Deterministic synthetic micro-batches for (step, rank): prompt tokens then trained completion tokens."""
+    rows_per_rank, rest = divmod(config.batch_size, world.world_size)
+    if rest or rows_per_rank % config.micro_batch_size:
+        raise ValueError(
+            f"data.fake.batch_size={config.batch_size} must split into {world.world_size} ranks x "
+            f"micro_batch_size={config.micro_batch_size}"
+        )
+    rng = np.random.default_rng([seed, step, world.rank])
+    seq_len = config.seq_len or seq_len
+    micro_batches = []
+    sample = world.rank * rows_per_rank * seq_len  # globally unique sample ids
+    for _ in range(rows_per_rank // config.micro_batch_size):
+        mb = MicroBatch.empty(config.micro_batch_size, seq_len)
+        for row in range(config.micro_batch_size):
+            pos = 0
+            while pos < seq_len:
+                length = int(rng.integers(2, seq_len + 1)) if config.variable_lengths else seq_len
+                length = min(length, seq_len - pos)
+                span = slice(pos, pos + length)
+                mb.input_ids[row, span] = rng.integers(0, vocab_size, length)
+                mb.position_ids[row, span] = np.arange(length)
+                mb.sample_ids[row, span] = sample
+                completion = slice(pos + max(length // 2, 1), pos + length)
+                mb.loss_mask[row, completion] = True
+                mb.advantages[row, completion] = rng.standard_normal()
+                # Near a random-init model's log-probs, so ratios stay O(1) as in a real on-policy run.
+                n = completion.stop - completion.start
+                mb.inference_logprobs[row, completion] = -np.log(vocab_size) + 0.05 * rng.standard_normal(n)
+                pos += length
+                sample += 1
+        micro_batches.append(mb)
+    meta = RolloutBatchMeta(step=step, rank=world.rank, num_micro_batches=len(micro_batches), seq_len=seq_len)
+    return meta, micro_batches

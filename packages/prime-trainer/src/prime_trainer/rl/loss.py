@@ -1,0 +1,190 @@
+"""RL objectives. Each is a named class in ``LOSSES`` keyed by ``loss.type``.
+
+An objective maps one micro-batch to a per-token policy-gradient term; ``compute_loss`` adds the shared
+options (KL penalty, entropy bonus) and normalizes (global token count or per sequence). Shapes are
+``[rows, seq]`` (R, S); token ``t``'s log-prob was predicted from position ``t - 1``.
+
+Notation: lp = trainer log-prob, lp_inf = inference log-prob, rho = lp - lp_inf, r = exp(rho), A = advantage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from prime_core.config.trainer import CISPOLossConfig, GRPOLossConfig, GSPOLossConfig, LossConfig
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch as the loss sees it (every tensor [R, S] on the training device)."""
+
+    logprobs: Tensor
+    """Trainer log-probs of each token (differentiable)."""
+    inference_logprobs: Tensor
+    advantages: Tensor
+    loss_mask: Tensor
+    """bool: tokens trained on."""
+    sample_ids: Tensor
+    """Sample index per token (-1 on padding); a sample never spans micro-batches."""
+    entropy: Tensor | None = None
+    """Trainer entropy per position (differentiable when the entropy bonus is on)."""
+
+
+@dataclass
+class PolicyTerm:
+    """An objective's per-token policy-gradient loss and which tokens it dropped or clipped."""
+
+    loss: Tensor
+    """[R, S] per-token loss; already zero on dropped and non-loss tokens."""
+    masked: Tensor
+    """bool [R, S]: loss tokens dropped (no policy gradient)."""
+    clipped: Tensor
+    """bool [R, S]: loss tokens whose ratio was clipped (no policy gradient from the clipped branch)."""
+
+
+class Objective(Protocol):
+    def __call__(self, b: LossInputs) -> PolicyTerm: ...
+
+
+def _clamp(x: Tensor, low: float | None, high: float | None) -> Tensor:
+    return x.clamp(min=low, max=high)
+
+
+def _bounds(clip_low: float | None, clip_high: float | None) -> tuple[float | None, float | None]:
+    return (None if clip_low is None else 1.0 - clip_low, None if clip_high is None else 1.0 + clip_high)
+
+
+def _segments(sample_ids: Tensor, mask: Tensor) -> tuple[Tensor, int]:
+    """Dense segment index (0..K-1) of every loss token's sample, and K. Non-loss tokens get index 0."""
+    ids = torch.where(mask, sample_ids, sample_ids.new_full((), -1))
+    uniq, inverse = torch.unique(ids, return_inverse=True)
+    # uniq is sorted, so -1 (non-loss tokens), when present, is segment 0; drop it from the numbering.
+    has_pad = bool((uniq < 0).any())
+    inverse = (inverse - int(has_pad)).clamp(min=0)
+    return inverse, uniq.numel() - int(has_pad)
+
+
+def segment_mean(values: Tensor, sample_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample mean of ``values`` over loss tokens. Returns (mean per segment [K], count [K], token seg [R, S])."""
+    seg, k = _segments(sample_ids, mask)
+    flat_seg, flat_mask = seg.reshape(-1), mask.reshape(-1)
+    sums = values.new_zeros(k).index_add(0, flat_seg[flat_mask], values.reshape(-1)[flat_mask])
+    counts = values.new_zeros(k).index_add(0, flat_seg[flat_mask], torch.ones_like(values.reshape(-1)[flat_mask]))
+    return sums / counts.clamp(min=1), counts, seg
+
+
+class GRPOLoss:
+    """PPO-clip on the token ratio: max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A), plus optional ratio masking."""
+
+    def __init__(self, config: GRPOLossConfig):
+        self.low, self.high = _bounds(config.clip_low, config.clip_high)
+        self.mask_low, self.mask_high = config.mask_low, config.mask_high
+
+    def __call__(self, b: LossInputs) -> PolicyTerm:
+        ratio = torch.exp(b.logprobs - b.inference_logprobs)
+        unclipped = -ratio * b.advantages
+        clipped_branch = -_clamp(ratio, self.low, self.high) * b.advantages
+        per_token = torch.maximum(unclipped, clipped_branch)
+        clipped = b.loss_mask & (clipped_branch > unclipped)
+        keep = b.loss_mask.clone()
+        with torch.no_grad():
+            if self.mask_low is not None:
+                keep &= ratio >= self.mask_low
+            if self.mask_high is not None:
+                keep &= ratio <= self.mask_high
+        return PolicyTerm(loss=per_token * keep, masked=b.loss_mask & ~keep, clipped=clipped & keep)
+
+
+class GSPOLoss:
+    """Sequence ratio s_i = exp(mean_t rho_t) over sample i's loss tokens: max(-s A, -clip(s) A) on every token of i."""
+
+    def __init__(self, config: GSPOLossConfig):
+        self.low, self.high = _bounds(config.clip_low, config.clip_high)
+
+    def __call__(self, b: LossInputs) -> PolicyTerm:
+        log_ratio = (b.logprobs - b.inference_logprobs) * b.loss_mask
+        seq_log_ratio, _, seg = segment_mean(log_ratio, b.sample_ids, b.loss_mask)
+        seq_ratio = torch.exp(seq_log_ratio)[seg]  # [R, S]: each token carries its sample's ratio
+        unclipped = -seq_ratio * b.advantages
+        clipped_branch = -_clamp(seq_ratio, self.low, self.high) * b.advantages
+        per_token = torch.maximum(unclipped, clipped_branch) * b.loss_mask
+        clipped = b.loss_mask & (clipped_branch > unclipped)
+        return PolicyTerm(loss=per_token, masked=torch.zeros_like(b.loss_mask), clipped=clipped)
+
+
+class CISPOLoss:
+    """REINFORCE with a clipped, stop-gradient importance weight: -sg(clip(r)) A lp. Every token keeps a gradient."""
+
+    def __init__(self, config: CISPOLossConfig):
+        self.low, self.high = _bounds(config.clip_low, config.clip_high)
+
+    def __call__(self, b: LossInputs) -> PolicyTerm:
+        with torch.no_grad():
+            ratio = torch.exp(b.logprobs - b.inference_logprobs)
+            weight = _clamp(ratio, self.low, self.high)
+            clipped = b.loss_mask & (weight != ratio)
+        per_token = -weight * b.advantages * b.logprobs * b.loss_mask
+        return PolicyTerm(loss=per_token, masked=torch.zeros_like(b.loss_mask), clipped=clipped)
+
+
+LOSSES: dict[str, type] = {"grpo": GRPOLoss, "gspo": GSPOLoss, "cispo": CISPOLoss}
+
+
+def build_objective(config: LossConfig) -> Objective:
+    return LOSSES[config.type](config)
+
+
+def kl_penalty(log_ratio: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(inference || trainer) from tokens sampled by inference; log_ratio = lp - lp_inf."""
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(log_ratio) - 1.0 - log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+# Sums each rank accumulates over its micro-batches; the trainer all-reduces them and divides by the token count.
+STAT_KEYS = ("loss", "entropy", "mismatch_kl", "masked", "clipped", "kl")
+
+
+def compute_loss(
+    objective: Objective, config: LossConfig, b: LossInputs, *, num_tokens: int, num_samples: int
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The micro-batch's share of the step loss, and summed statistics.
+
+    ``num_tokens`` / ``num_samples``: loss tokens / samples with a loss token in the whole step over all ranks,
+    so that summing every micro-batch's loss over every rank gives the step objective.
+    """
+    mask = b.loss_mask
+    term = objective(b)
+    per_token = term.loss
+    log_ratio = (b.logprobs - b.inference_logprobs) * mask
+    kl = kl_penalty(log_ratio, config.kl_type) * mask
+    if config.kl_coef:
+        per_token = per_token + config.kl_coef * kl
+    if config.entropy_coef:
+        assert b.entropy is not None, "the entropy bonus needs the trainer entropy"
+        per_token = per_token - config.entropy_coef * b.entropy * mask
+
+    if config.normalization == "token":
+        loss = per_token.sum() / max(num_tokens, 1)
+    else:
+        seq_mean, _, _ = segment_mean(per_token, b.sample_ids, mask)
+        loss = seq_mean.sum() / max(num_samples, 1)
+
+    with torch.no_grad():
+        stats = {
+            "loss": loss.detach() * max(num_tokens, 1),  # re-divided by the token count after the all-reduce
+            "entropy": (b.entropy * mask).sum() if b.entropy is not None else mask.new_zeros((), dtype=torch.float32),
+            "mismatch_kl": kl_penalty(log_ratio.detach(), "k3").mul(mask).sum(),
+            "masked": term.masked.sum().float(),
+            "clipped": term.clipped.sum().float(),
+            "kl": kl.detach().sum(),
+        }
+    return loss, stats

@@ -1,0 +1,112 @@
+"""The RL trainer: step n trains on ``rollouts/step_n`` and publishes ``weights/step_{n+1}``.
+
+Setup (``common.setup``) builds the world, model, optimizer, checkpointing and weight publishing; ``train_step``
+is one optimizer step over this rank's micro-batches; ``train`` is the loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prime_core.config.trainer import TrainerConfig
+from prime_core.schemas.microbatch import MicroBatch
+from prime_trainer import common
+from prime_trainer.model import token_logprobs
+from prime_trainer.rl.data import RolloutSource, TensorMicroBatch, fake_micro_batches
+from prime_trainer.rl.loss import STAT_KEYS, LossInputs, Objective, build_objective, compute_loss
+from prime_trainer.world import all_reduce_sum
+
+
+def pad_to_common_count(micro_batches: list[MicroBatch], device: torch.device) -> list[MicroBatch]:
+    """Every rank must run as many forward/backward passes (FSDP collectives): pad with all-padding batches."""
+    count = torch.tensor([len(micro_batches)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    rows, seq_len = micro_batches[0].shape if micro_batches else (1, 2)
+    return micro_batches + [MicroBatch.empty(rows, seq_len) for _ in range(int(count) - len(micro_batches))]
+
+
+def train_step(
+    c: common.Components, objective: Objective, step: int, micro_batches: list[TensorMicroBatch], temperature: float
+) -> dict[str, Any]:
+    """Forward/backward every micro-batch, then one optimizer step. Returns the step's metrics (global)."""
+    cfg: TrainerConfig = c.config
+    local = [
+        sum(mb.num_loss_tokens for mb in micro_batches),
+        sum(mb.num_loss_samples for mb in micro_batches),
+        sum(mb.num_tokens for mb in micro_batches),
+    ]
+    num_loss_tokens, num_samples, num_tokens = (int(x) for x in all_reduce_sum(local, c.world.device))
+    sums = dict.fromkeys(STAT_KEYS, 0.0)
+    for i, mb in enumerate(micro_batches):
+        common.set_grad_sync(c.model, i, len(micro_batches))
+        logprobs, entropy = token_logprobs(
+            c.model,
+            mb.input_ids,
+            mb.position_ids,
+            temperature=temperature,
+            chunk_size=cfg.init.logprob_chunk_size,
+            entropy_grad=cfg.loss.entropy_coef > 0,
+        )
+        inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy)
+        loss, stats = compute_loss(objective, cfg.loss, inputs, num_tokens=num_loss_tokens, num_samples=num_samples)
+        loss.backward()
+        for k in STAT_KEYS:
+            sums[k] += float(stats[k])
+    grad_norm, lr = common.optimizer_step(c, step)
+
+    totals = dict(zip(STAT_KEYS, all_reduce_sum([sums[k] for k in STAT_KEYS], c.world.device), strict=True))
+    n = max(num_loss_tokens, 1)
+    return {
+        "loss/mean": totals["loss"] / n,
+        "entropy/mean": totals["entropy"] / n,
+        "mismatch_kl/mean": totals["mismatch_kl"] / n,
+        "kl/mean": totals["kl"] / n,
+        "masked_fraction": totals["masked"] / n,
+        "clipped_fraction": totals["clipped"] / n,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens": num_tokens,
+        "loss_tokens": num_loss_tokens,
+        "samples": num_samples,
+    }
+
+
+def train(config: TrainerConfig) -> None:
+    c = common.setup(config, "trainer")
+    objective = build_objective(config.loss)
+    start = common.resume(c)["step"]
+    common.publish_initial(c, start, config.init.random)
+    source = None if config.data.fake else RolloutSource(config, c.world)
+    vocab_size = c.source.hf_config["vocab_size"]
+    c.logger.info("training steps %d..%d with %s loss", start, config.max_steps - 1, config.loss.type)
+
+    for step in range(start, config.max_steps):
+        t0 = time.perf_counter()
+        if source is None:
+            meta, batches = fake_micro_batches(config.data.fake, config.seq_len, vocab_size, step, c.world, config.seed)
+        else:
+            meta, batches = source.get(step)
+        wait_s = time.perf_counter() - t0
+        batches = pad_to_common_count(batches, c.world.device)
+        micro_batches = [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
+
+        common.perf.reset_peak_memory(c.world.device)
+        t1 = time.perf_counter()
+        metrics = train_step(c, objective, step, micro_batches, meta.temperature)
+        compute_s = time.perf_counter() - t1
+        metrics.update(common.perf_metrics(c, metrics["tokens"], meta.seq_len, compute_s))
+        metrics.update({"time/step": compute_s, "time/wait": wait_s, "temperature": meta.temperature})
+        if meta.global_loss_tokens and meta.global_loss_tokens != metrics["loss_tokens"]:
+            c.logger.warning(
+                "step %d: orchestrator announced %d loss tokens, ranks received %d",
+                step, meta.global_loss_tokens, metrics["loss_tokens"],
+            )
+        common.after_step(c, step, metrics, {"loss": config.loss.type}, publish=True)
+
+    if source is not None:
+        source.close()
+    common.finish(c)
