@@ -1,0 +1,130 @@
+"""``prime-launch``: SLURM jobs (``slurm rl`` / ``slurm sft``) and run reports (``report``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+USAGE = """usage: prime-launch <command> ...
+
+commands:
+  slurm rl  @ rl.toml  [--slurm.KEY VALUE ...] [--dry-run]   render (and sbatch) an RL job
+  slurm sft @ sft.toml [--slurm.KEY VALUE ...] [--dry-run]   render (and sbatch) an SFT job
+  report [--output-dir DIR] [--out PNG]                      plot reward and loss curves (alias: plot)
+
+`prime-launch <command> --help` lists every option of a command.
+"""
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _slurm(kind: str, argv: list[str]) -> int:
+    from pydantic import Field, create_model
+
+    from prime_core.config import parse_cli
+    from prime_core.config.slurm import SlurmConfig
+
+    if kind == "rl":
+        from prime_core.config.rl import RLConfig as Base
+
+        extra = {}
+    else:
+        from prime_core.config.trainer import SFTConfig as Base
+
+        extra = {
+            "overwrite": (
+                bool,
+                Field(default=False, description="Submit even if the output directory holds another run."),
+            )
+        }
+    model = create_model(
+        f"Slurm{Base.__name__}",
+        __base__=Base,
+        __doc__=f"A SLURM job running {kind}: the {kind} config plus a [slurm] section.",
+        slurm=(SlurmConfig, Field(default_factory=SlurmConfig, description="SLURM job settings.")),
+        **extra,
+    )
+    from prime_launch import slurm_jobs
+
+    config = parse_cli(
+        model,
+        argv,
+        prog=f"prime-launch slurm {kind}",
+        description=f"Render the sbatch script of a {kind} job from its template and submit it with sbatch "
+        "(--dry-run: write and print the script only).",
+        on_dry_run=lambda c: _run_slurm(slurm_jobs, kind, c, dry_run=True),
+    )
+    return _run_slurm(slurm_jobs, kind, config, dry_run=False)
+
+
+def _run_slurm(slurm_jobs, kind: str, config, *, dry_run: bool) -> int:
+    try:
+        job = slurm_jobs.prepare(kind, config, dry_run=dry_run)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
+        raise SystemExit(_fail(str(e))) from None
+    if dry_run:
+        print(job.script, end="")
+        print(f"# dry run: script written to {job.script_path}; submit with: sbatch {job.script_path}", file=sys.stderr)
+        return 0
+    try:
+        from prime_launch.slurm import submit
+
+        job_id = submit(job.script_path)
+    except RuntimeError as e:
+        return _fail(str(e))
+    print(f"submitted job {job_id} ({job.template}): {job.script_path}")
+    print(f"  job log: {str(job.job_log).replace('%j', job_id)}")
+    for log in job.process_logs:
+        print(f"  log:     {log}")
+    print(f"  follow:  tail -f {str(job.job_log).replace('%j', job_id)}    cancel: scancel {job_id}")
+    return 0
+
+
+def _report(argv: list[str]) -> int:
+    from prime_core.config import BaseConfig, parse_cli
+
+    class ReportConfig(BaseConfig):
+        """Plot the reward, loss, mismatch KL and throughput curves of a run to a PNG."""
+
+        output_dir: Path = Path("outputs")
+        """Run directory holding metrics.jsonl."""
+        out: Path | None = None
+        """PNG path; default ``<output-dir>/report.png``."""
+        title: str | None = None
+        """Figure title; default the run directory."""
+
+    config = parse_cli(ReportConfig, argv, prog="prime-launch report")
+    from prime_launch.report import plot_run
+
+    out = config.out or config.output_dir / "report.png"
+    try:
+        path = plot_run(config.output_dir / "metrics.jsonl", out, title=config.title)
+    except ValueError as e:
+        return _fail(str(e))
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "slurm":
+        if not rest or rest[0] not in ("rl", "sft"):
+            if rest and rest[0] in ("-h", "--help"):
+                sys.stdout.write(USAGE)
+                return 0
+            return _fail("prime-launch slurm needs the job kind first: `prime-launch slurm rl ...` or `... slurm sft ...`")
+        return _slurm(rest[0], rest[1:])
+    if command in ("report", "plot"):
+        return _report(rest)
+    return _fail(f"unknown command {command!r} (slurm, report)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
