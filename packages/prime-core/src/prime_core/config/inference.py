@@ -1,0 +1,124 @@
+"""Config of the ``inference`` process: an OpenAI-compatible server on the vLLM or the PyTorch engine."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from prime_core.config.base import BaseConfig
+from prime_core.config.shared import LogConfig, ModelConfig
+
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable from this machine only."""
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServerConfig(BaseConfig):
+    """HTTP server: address, authentication and where weight updates may be read from."""
+
+    host: str = "127.0.0.1"
+    """Address to bind. Anything but loopback requires ``weight_roots`` (and should set ``api_key``)."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port (0 picks a free one)."""
+    api_key: str | None = None
+    """When set, every route requires ``Authorization: Bearer <api_key>``."""
+    weight_roots: list[Path] = Field(default_factory=list)
+    """Directories that ``/update_weights`` may read from (a ``weight_dir`` must resolve inside one). Empty
+    allows any directory, which is only accepted on a loopback host."""
+    served_model_name: str | None = None
+    """Model name reported by ``/v1/models`` and accepted in requests; defaults to ``model.name``."""
+    timeout_keep_alive: int = Field(default=30, ge=1)
+    """Seconds an idle HTTP keep-alive connection stays open."""
+
+
+class TorchEngineConfig(BaseConfig):
+    """The embedded PyTorch engine (CPU or a single GPU): continuous batching over a slotted KV cache."""
+
+    device: str = "auto"
+    """Torch device: auto is cuda when available, else cpu."""
+    attn: Literal["sdpa"] = "sdpa"
+    """Attention backend of the prefill and decode kernels."""
+    num_threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads on CPU; unset keeps torch's default."""
+
+
+class VllmConfig(BaseConfig):
+    """Options passed through to vLLM's engine (``vllm serve`` flag names, snake_case)."""
+
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may use for weights, activations and KV cache."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Tensor-parallel degree."""
+    data_parallel_size: int = Field(default=1, ge=1)
+    """Data-parallel replicas behind this server."""
+    data_parallel_size_local: int | None = Field(default=None, ge=1)
+    """Data-parallel replicas on this node (multi-node DP)."""
+    data_parallel_address: str | None = None
+    """Address of the data-parallel head node (multi-node DP)."""
+    data_parallel_rpc_port: int | None = Field(default=None, ge=1, le=65535)
+    """RPC port of the data-parallel head node (multi-node DP)."""
+    headless: bool = False
+    """Run engine cores only, without an API server (secondary DP nodes)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Maximum number of sequences per engine step; unset keeps vLLM's default."""
+    enable_prefix_caching: bool | None = None
+    """Prefix caching; unset keeps vLLM's default."""
+    enable_fp32_lm_head: bool = True
+    """Compute the LM head in fp32 (log-prob fidelity with the trainer); ignored when vLLM lacks the option."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further ``vllm serve`` flags, e.g. ``["--kv-cache-dtype", "fp8"]``; parsed by vLLM's own parser."""
+
+
+class InferenceConfig(BaseConfig):
+    """The ``inference`` process."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model to serve (HF directory or hub id); its tokenizer and chat template come from the same place."""
+    engine: Literal["auto", "vllm", "torch"] = "auto"
+    """Engine: auto picks vLLM when CUDA and the ``vllm`` extra are available, else the PyTorch engine."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """HTTP server settings."""
+    max_model_len: int | None = Field(default=None, ge=2)
+    """Longest prompt + completion in tokens; unset uses the model's ``max_position_embeddings``."""
+    max_batch_size: int = Field(default=32, ge=1)
+    """Torch engine: sequences decoded together (the running batch); more requests wait in a queue."""
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+    """Which distribution returned log-probs come from: processed is log_softmax(logits / temperature) over
+    the full vocabulary (what the trainer recomputes; temperature 0 counts as 1), raw is log_softmax(logits).
+    Top-k/top-p never renormalize returned log-probs. vLLM: processed_logprobs / raw_logprobs."""
+    seed: int = 0
+    """Seed of requests that carry no seed of their own (and of vLLM's engine)."""
+    output_dir: Path = Path("outputs")
+    """Run directory; the log goes to ``<output_dir>/logs/inference.log``."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging settings."""
+    torch: TorchEngineConfig = Field(default_factory=TorchEngineConfig)
+    """PyTorch engine settings."""
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    """vLLM engine settings (passed through)."""
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> InferenceConfig:
+        if not is_loopback(self.server.host) and not self.server.weight_roots:
+            raise ValueError(
+                f"server.host={self.server.host!r} is not loopback: set server.weight_roots so /update_weights "
+                "cannot load arbitrary directories (and consider server.api_key)"
+            )
+        return self
+
+    @property
+    def served_model_name(self) -> str:
+        return self.server.served_model_name or self.model.name

@@ -1,0 +1,86 @@
+"""The interface the HTTP server drives: one `Engine` per process, vLLM or PyTorch.
+
+An engine generates one sequence per `EngineRequest` and streams `EngineOutput` deltas (new token ids, their
+log-probs, and finally a finish reason). The server owns tokenization, chat templates, `n` fan-out and response
+formatting, so both engines present the same HTTP surface.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prime_inference.protocol import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class EngineOutput:
+    """A delta: tokens sampled since the previous output of the same request."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    """Per new token: {token id: log-prob} of the top-k alternatives (k = params.logprobs)."""
+    finish_reason: str | None = None
+    """None while running; then "stop" (EOS, stop token or stop string), "length" or "abort"."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the sequence, if any."""
+    weight_step: int | None = None
+    """Weight step the engine served when this delta was sampled."""
+
+
+@dataclass
+class EngineInfo:
+    engine: str
+    model: str
+    max_model_len: int
+    vocab_size: int
+    weight_step: int = 0
+    weight_dir: str | None = None
+    paused: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """Generation plus the admin operations of an RL inference server."""
+
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    async def start(self) -> None:
+        """Called once inside the server's event loop before the first request."""
+
+    async def shutdown(self) -> None:
+        """Called once when the server stops."""
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream deltas until one carries a finish reason. Closing the iterator early aborts the request."""
+
+    @abc.abstractmethod
+    async def update_weights(self, weight_dir: str, step: int | None) -> None:
+        """Load weights from a checked HF directory (see `prime_inference.weights.check_weight_dir`)."""
+
+    @abc.abstractmethod
+    async def reload_weights(self) -> None:
+        """Go back to the base weights of ``model.name``."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop scheduling: in-flight requests keep their state and wait; new requests queue."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Undo `pause` (idempotent)."""

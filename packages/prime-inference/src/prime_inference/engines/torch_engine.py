@@ -1,0 +1,346 @@
+"""The embedded PyTorch engine: continuous batching on one device.
+
+A scheduler thread owns the model. Each iteration it (1) applies a pending weight swap when allowed, (2) admits
+waiting requests into free KV-cache slots (prefill + first token), (3) runs one batched decode step for every
+running sequence, and (4) hands each sequence's new token to its asyncio consumer. Requests therefore join and
+leave the running batch between decode steps.
+
+Weight updates and pause:
+* ``update_weights`` loads the new model off the scheduler thread, then swaps it in between steps. When not paused
+  it drains first: no new request is admitted, running ones finish on the old weights, then the swap happens and
+  queued requests start on the new ones, so every completion comes from a single weight step.
+* ``pause`` freezes the scheduler: running sequences keep their KV cache and wait, new requests queue. A swap while
+  paused happens at once, and frozen sequences continue on the new weights after ``resume`` (like vLLM's
+  ``pause_generation(mode="keep")``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import random
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prime_core.config.inference import InferenceConfig
+
+from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
+from prime_inference.engines.model_runner import build_decoder, load_causal_lm, resolve_dtype
+from prime_inference.engines.sampling import sample_token, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    request: EngineRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    generator: torch.Generator
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    next_input: int | None = None
+    aborted: bool = False
+    finished: bool = False
+
+    def emit(self, out: EngineOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+@dataclass
+class _Swap:
+    model: Any
+    hf_config: Any
+    step: int
+    weight_dir: str | None
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self, config: InferenceConfig, tokenizer: Any):
+        self.config = config
+        self.tokenizer = tokenizer
+        dev = config.torch.device
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
+        if config.torch.num_threads is not None:
+            torch.set_num_threads(config.torch.num_threads)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        model, source, hf_config = self._load(config.model.name)
+        self.source = source
+        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or max_pos
+        if self.max_model_len > max_pos:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len, max_pos)
+        self.vocab_size = hf_config.vocab_size
+        self.eos_ids = self._eos_ids(hf_config)
+        self.decoder = build_decoder(
+            model, hf_config, num_slots=config.max_batch_size, max_len=self.max_model_len, device=self.device
+        )
+        self.model, self.hf_config = model, hf_config
+        self.weight_step, self.weight_dir = 0, None
+        self._rng = random.Random(config.seed)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._free_slots = list(range(config.max_batch_size))
+        self._paused = False
+        self._swap: _Swap | None = None
+        self._stop = False
+        self._admin_lock: asyncio.Lock | None = None
+        self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
+        logger.info(
+            "torch engine: %s via %s on %s (%s), %s, max_model_len=%d, max_batch_size=%d",
+            config.model.name, source, self.device, self.dtype, type(self.decoder).__name__,
+            self.max_model_len, config.max_batch_size,
+        )  # fmt: skip
+
+    def _load(self, path: str) -> tuple[Any, str, Any]:
+        model, source = load_causal_lm(
+            path, dtype=self.dtype, device=self.device, trust_remote_code=self.config.model.trust_remote_code
+        )
+        hf_config = getattr(model, "config", None)
+        if hf_config is None or not hasattr(hf_config, "vocab_size"):
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=self.config.model.trust_remote_code)
+        return model, source, hf_config
+
+    def _eos_ids(self, hf_config: Any) -> set[int]:
+        ids: set[int] = set()
+        for value in (getattr(hf_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list | tuple):
+                ids.update(int(v) for v in value)
+        return ids
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            engine=self.name,
+            model=self.config.served_model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            weight_step=self.weight_step,
+            weight_dir=self.weight_dir,
+            paused=self._paused,
+            extra={
+                "implementation": self.source,
+                "decoder": type(self.decoder).__name__,
+                "device": str(self.device),
+                "running": len(self._running),
+                "waiting": len(self._waiting),
+            },
+        )
+
+    async def start(self) -> None:
+        self._admin_lock = asyncio.Lock()
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        await asyncio.to_thread(self._thread.join, 30)
+
+    # ---- requests (event-loop side) ----
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        seed = request.params.seed if request.params.seed is not None else self._rng.getrandbits(63)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed % (2**63))
+        seq = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue(), generator)
+        with self._cond:
+            self._waiting.append(seq)
+            self._cond.notify_all()
+        try:
+            while True:
+                out = await seq.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:
+                with self._cond:
+                    seq.aborted = True
+                    self._cond.notify_all()
+
+    # ---- admin (event-loop side) ----
+
+    async def update_weights(self, weight_dir: str, step: int | None) -> None:
+        assert self._admin_lock is not None
+        async with self._admin_lock:
+            model, _, hf_config = await asyncio.to_thread(self._load, weight_dir)
+            self._check_compatible(hf_config)
+            await self._apply_swap(_Swap(model, hf_config, self.weight_step + 1 if step is None else step, weight_dir))
+
+    async def reload_weights(self) -> None:
+        assert self._admin_lock is not None
+        async with self._admin_lock:
+            model, _, hf_config = await asyncio.to_thread(self._load, self.config.model.name)
+            await self._apply_swap(_Swap(model, hf_config, 0, None))
+
+    def _check_compatible(self, hf_config: Any) -> None:
+        from prime_inference.protocol import RequestError
+
+        for key in ("vocab_size", "num_hidden_layers", "hidden_size", "num_key_value_heads", "model_type"):
+            new, old = getattr(hf_config, key, None), getattr(self.hf_config, key, None)
+            if new != old:
+                raise RequestError(f"weight_dir has {key}={new!r}, the served model has {old!r}", param="weight_dir")
+
+    async def _apply_swap(self, swap: _Swap) -> None:
+        with self._cond:
+            self._swap = swap
+            self._cond.notify_all()
+        await asyncio.wrap_future(swap.future)
+
+    async def pause(self) -> None:
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+
+    async def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    # ---- scheduler thread ----
+
+    def _has_work(self) -> bool:
+        if self._swap is not None and (self._paused or not self._running):
+            return True
+        if self._paused:
+            return False
+        return bool(self._running) or (bool(self._waiting) and self._swap is None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._has_work():
+                    self._cond.wait()
+                if self._stop:
+                    break
+                swap = None
+                if self._swap is not None and (self._paused or not self._running):
+                    swap, self._swap = self._swap, None
+                admitted: list[_Sequence] = []
+                if swap is None and not self._paused and self._swap is None:
+                    while self._waiting and self._free_slots:
+                        seq = self._waiting.popleft()
+                        if not seq.aborted:
+                            seq.slot = self._free_slots.pop(0)
+                            admitted.append(seq)
+                self._running.extend(admitted)
+                self._running = [s for s in self._running if not self._reap_aborted(s)]
+                if not self._running:
+                    self.decoder.release()
+            try:
+                if swap is not None:
+                    self._do_swap(swap)
+                    continue
+                self._step(admitted)
+            except Exception as e:  # an engine bug must not hang clients: fail the batch, keep serving
+                logger.exception("engine step failed")
+                with self._cond:
+                    for seq in self._running:
+                        seq.emit(e)
+                        self._finish(seq)
+                    self._running = []
+                    self.decoder.release()
+
+    def _reap_aborted(self, seq: _Sequence) -> bool:
+        if seq.aborted and not seq.finished:
+            self._finish(seq)
+            return True
+        return seq.finished
+
+    def _finish(self, seq: _Sequence) -> None:
+        seq.finished = True
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            self._free_slots.sort()
+            seq.slot = -1
+
+    def _do_swap(self, swap: _Swap) -> None:
+        try:
+            self.decoder.set_model(swap.model, swap.hf_config)
+            old = self.model
+            self.model, self.hf_config = swap.model, swap.hf_config
+            self.weight_step, self.weight_dir = swap.step, swap.weight_dir
+            del old
+            logger.info("serving weight step %d (%s)", swap.step, swap.weight_dir or self.config.model.name)
+            swap.future.set_result(None)
+        except Exception as e:
+            swap.future.set_exception(e)
+
+    def _step(self, admitted: list[_Sequence]) -> None:
+        for seq in admitted:
+            logits = self.decoder.prefill(seq.slot, seq.request.prompt_ids)
+            self._sample_and_emit(seq, logits)
+        running = [s for s in self._running if not s.finished and s.next_input is not None]
+        if running:
+            slots = [s.slot for s in running]
+            inputs = [s.next_input for s in running]
+            positions = [len(s.request.prompt_ids) + len(s.output_ids) - 1 for s in running]
+            logits = self.decoder.decode(slots, inputs, positions)
+            for row, seq in enumerate(running):
+                self._sample_and_emit(seq, logits[row])
+        with self._cond:
+            self._running = [s for s in self._running if not s.finished]
+            if not self._running:
+                self.decoder.release()
+
+    def _sample_and_emit(self, seq: _Sequence, logits_V: torch.Tensor) -> None:
+        params = seq.request.params
+        banned = None
+        if len(seq.output_ids) < params.min_tokens:
+            banned = sorted((self.eos_ids if not params.ignore_eos else set()) | set(params.stop_token_ids))
+        token = sample_token(logits_V, params, seq.generator, banned)
+        logprobs = top = None
+        if params.logprobs is not None:
+            lp = token_logprobs(logits_V, params, self.config.logprobs_mode)
+            logprobs = [float(lp[token])]
+            top = [{}]
+            if params.logprobs > 0:
+                values, ids = torch.topk(lp, min(params.logprobs, lp.numel()))
+                top = [dict(zip(ids.tolist(), values.tolist(), strict=True))]
+        seq.output_ids.append(token)
+        seq.next_input = token
+        finish, reason = self._finish_reason(seq, token)
+        out = EngineOutput([token], logprobs, top, finish, reason, self.weight_step)
+        if finish is not None:
+            with self._cond:
+                self._finish(seq)
+        seq.emit(out)
+
+    def _finish_reason(self, seq: _Sequence, token: int) -> tuple[str | None, int | str | None]:
+        params = seq.request.params
+        n_out = len(seq.output_ids)
+        if n_out > params.min_tokens or n_out == params.min_tokens:
+            if not params.ignore_eos and token in self.eos_ids:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+            if params.stop:
+                text = self._decode(seq.output_ids)
+                tail_start = max(0, len(text) - max(len(s) for s in params.stop) - 32)
+                for stop in params.stop:
+                    if text.find(stop, tail_start) >= 0:
+                        return "stop", stop
+        if n_out >= params.max_tokens or len(seq.request.prompt_ids) + n_out >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+

@@ -1,0 +1,45 @@
+"""`inference`: serve a model over HTTP (OpenAI routes, token-in generate, weight updates) with vLLM or PyTorch.
+
+    inference --model.name DIR_OR_HUB_ID --server.port 8000 --engine auto|vllm|torch
+    inference @ inference.toml --server.api-key KEY
+"""
+
+from __future__ import annotations
+
+from prime_core.config import parse_cli, write_config
+from prime_core.config.inference import InferenceConfig
+
+
+def serve(config: InferenceConfig) -> None:
+    """Run the server until interrupted. Heavy imports (fastapi, torch, vLLM) happen here, after parsing."""
+    import uvicorn
+
+    from prime_core.logging import setup_logging
+    from prime_core.run_dir import RunDir
+
+    from prime_inference.engines import build_engine
+    from prime_inference.server import build_app
+
+    run_dir = RunDir(config.output_dir)
+    log_file = run_dir.log_file("inference") if config.log.file else None
+    logger = setup_logging("inference", level=config.log.level, log_file=log_file)
+    write_config(config, run_dir.config_file("inference"))
+    app = build_app(config, lambda: build_engine(config))
+    logger.info("listening on http://%s:%d", config.server.host, config.server.port)
+    uvicorn.run(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level=config.log.level,
+        timeout_keep_alive=config.server.timeout_keep_alive,
+        log_config=None,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_cli(InferenceConfig, argv, prog="inference", description=__doc__)
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()
