@@ -25,11 +25,9 @@ class GuessNumberTask(vf.Task[GuessNumberData]):
     def env_response(self, messages: list[dict[str, Any]], info: dict[str, Any]) -> list[dict[str, Any]] | None:
         """The tool turn answering the last assistant message, or None when the game is over."""
         guess = parse_tool_call(messages[-1]["content"])
-        if guess is None:
-            info["stop"] = "no_tool_call"
-            return None
         info["num_guesses"] = info.get("num_guesses", 0) + 1
-        result = feedback(guess, self.data.secret)
+        # A reply without a valid call uses up a guess and gets a reminder, so the game stays multi-turn.
+        result = "invalid: call the guess tool" if guess is None else feedback(guess, self.data.secret)
         if result == "correct":
             info["solved"] = True
             return None

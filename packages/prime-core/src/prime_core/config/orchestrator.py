@@ -17,6 +17,8 @@ class ClientConfig(BaseConfig):
 
     base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """Base URLs of the inference servers (no trailing /v1); requests are spread over them round-robin."""
+    base_url: str | None = None
+    """One server (shorthand that replaces base_urls when set)."""
     api_key: str | None = None
     """API key sent as a bearer token to every route (None: no auth)."""
     api_key_var: str | None = None
@@ -33,6 +35,14 @@ class ClientConfig(BaseConfig):
     """Seconds to wait for every server's /health at start-up."""
     update_weights_timeout: float = Field(default=720.0, gt=0)
     """Seconds one POST /update_weights may take before it is retried."""
+
+    @model_validator(mode="after")
+    def _one_url(self) -> ClientConfig:
+        if self.base_url is not None:
+            self.base_urls = [self.base_url]
+        if not self.base_urls:
+            raise ValueError("client.base_urls is empty")
+        return self
 
     def resolved_api_key(self) -> str | None:
         import os

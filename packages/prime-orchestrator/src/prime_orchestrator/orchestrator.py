@@ -1,0 +1,361 @@
+"""The orchestrator: two loops joined by a bounded buffer.
+
+``rollout_loop`` produces step batches: before dispatching step n it waits until inference serves weights
+of step >= n - async_level, then schedules the step's groups (each rollout tagged with the weight step
+served when it was dispatched) and moves on to step n + 1 while they run, so inference stays busy while
+the trainer trains. ``ship_loop`` takes the batches in step order: advantages, filters, packing, transport,
+metrics and checkpoints. ``Policy.watch`` relays every new ``weights/step_N`` to inference. Because
+weights N + 1 only exist after the trainer consumed step N, step n is never dispatched before the trainer
+finished step n - async_level - 1: the orchestrator is at most async_level steps ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
+from prime_core.io import atomic_dir, atomic_write_json
+from prime_core.monitor import build_monitor
+from prime_core.run_dir import RunDir
+from prime_core.transport import make_sender
+from prime_orchestrator import client as inference
+from prime_orchestrator.advantages import compute_advantages
+from prime_orchestrator.env_pool import EnvPool, worker_spec
+from prime_orchestrator.evals import evaluate_envs
+from prime_orchestrator.packing import Sample, pack
+from prime_orchestrator.policy import Policy
+
+logger = logging.getLogger("prime.orchestrator")
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """Per-request sampling seed from (run seed, step, sample index): a resumed run samples the same."""
+    digest = hashlib.sha256(f"{seed}:{step}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class Rollout:
+    env: str
+    example: int
+    group: int
+    weight_step: int
+    result: dict[str, Any]
+
+
+@dataclass
+class StepBatch:
+    step: int
+    groups: list[list[Rollout]]
+    started: float
+    wait_for_policy: float
+    finished: float = 0.0
+    cursors: dict[str, int] = field(default_factory=dict)
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig):
+        self.config = config
+        self.run_dir = RunDir(config.output_dir)
+        self.pools: dict[str, EnvPool] = {}
+        self.eval_pools: dict[str, EnvPool] = {}
+        self.envs: dict[str, EnvConfig] = {e.resolved_name: e for e in config.env}
+        self.cursors = {name: 0 for name in self.envs}
+        self.start_step = 0
+        self.policy = Policy(config, self.run_dir)
+        self.semaphore = asyncio.Semaphore(config.client.max_concurrent)
+        self.monitor = None
+        self.sender = None
+        self.shipped: list[int] = []
+        self.cursor_history: dict[int, dict[str, int]] = {}
+        self._eval_tasks: list[asyncio.Task] = []
+
+    # ----- setup -----
+    def _spec(self, env: EnvConfig, mode: str = "generate") -> dict[str, Any]:
+        c = self.config
+        return worker_spec(env_id=env.id, env_args=env.args, model=c.model.name, model_dir=c.model.name,
+                           client=c.client, mode=mode, max_turns=env.max_turns)
+
+    async def setup(self) -> None:
+        c = self.config
+        self.monitor = build_monitor(c.monitor, output_dir=c.output_dir, process="orchestrator",
+                                     run_config=c.model_dump(mode="json"))
+        await inference.wait_healthy(c.client.base_urls, api_key=c.client.resolved_api_key(),
+                                     timeout=c.client.health_timeout)
+        for env in c.env:
+            self.pools[env.resolved_name] = EnvPool(env.resolved_name, self._spec(env), env.num_workers,
+                                                    max_retries=c.max_rollout_retries)
+        for env in c.eval.envs:
+            self.eval_pools[env.resolved_name] = EnvPool(f"eval/{env.resolved_name}", self._spec(env),
+                                                         env.num_workers, max_retries=c.max_rollout_retries)
+        await asyncio.gather(*(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]))
+        if c.ckpt.resume_step:
+            self._load_checkpoint(c.ckpt.resume_step)
+        if self.start_step > 0:
+            # Re-send the policy an uninterrupted run would serve here: the newest stable weights <= start.
+            stable = [s for s in self.run_dir.stable_weight_steps() if s <= self.start_step]
+            if stable and stable[-1] > 0:
+                await self.policy.load(stable[-1])
+        self.sender = make_sender(c.transport, self.run_dir, c.num_trainer_ranks)
+
+    # ----- checkpoints -----
+    def _save_checkpoint(self, next_step: int) -> None:
+        cursors = self.cursor_history.get(next_step, self.cursors)
+        with atomic_dir(self.run_dir.orchestrator_checkpoint(next_step)) as tmp:
+            atomic_write_json(tmp / "progress.json", {"step": next_step, "cursors": cursors,
+                                                      "seed": self.config.seed})
+        logger.info("saved orchestrator checkpoint %s", self.run_dir.orchestrator_checkpoint(next_step))
+
+    def _load_checkpoint(self, step: int) -> None:
+        path = self.run_dir.orchestrator_checkpoint(step) / "progress.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no orchestrator checkpoint at {path}")
+        state = json.loads(path.read_text())
+        self.start_step = int(state["step"])
+        self.cursors.update({k: int(v) for k, v in state["cursors"].items() if k in self.cursors})
+        logger.info("resuming at step %d", self.start_step)
+
+    # ----- rollouts -----
+    def _plan_step(self, step: int) -> list[tuple[str, int]]:
+        """(env, example) for each group of the step: envs mixed by ratio with a per-step seeded RNG."""
+        c = self.config
+        rng = random.Random(f"{c.seed}:{step}")
+        names = list(self.envs)
+        weights = [self.envs[n].ratio for n in names]
+        plan = []
+        for name in rng.choices(names, weights=weights, k=c.batch_size // c.rollouts_per_example):
+            plan.append((name, self.cursors[name] % max(1, self.pools[name].num_examples)))
+            self.cursors[name] += 1
+        return plan
+
+    async def _rollout(self, step: int, env: str, example: int, group: int, index: int) -> Rollout:
+        c = self.config
+        async with self.semaphore:
+            weight_step = self.policy.version
+            request = {
+                "example": example,
+                "seed": request_seed(c.seed, step, index),
+                "sampling": {"temperature": c.sampling.temperature, "top_p": c.sampling.top_p,
+                             "max_tokens": c.sampling.max_tokens},
+            }
+            result = await self.pools[env].run(request)
+        return Rollout(env, example, group, weight_step, result)
+
+    async def _generate_step(self, step: int, plan: list[tuple[str, int]], batch: StepBatch) -> StepBatch:
+        g = self.config.rollouts_per_example
+        tasks = [
+            self._rollout(step, env, example, gi, gi * g + j)
+            for gi, (env, example) in enumerate(plan)
+            for j in range(g)
+        ]
+        results = await asyncio.gather(*tasks)
+        batch.groups = [list(results[i * g : (i + 1) * g]) for i in range(len(plan))]
+        batch.finished = time.perf_counter()
+        return batch
+
+    async def rollout_loop(self, buffer: asyncio.Queue) -> None:
+        c = self.config
+        for step in range(self.start_step, c.max_steps):
+            waited = await self.policy.wait_for(step - c.async_level, c.weights_timeout)
+            self.cursor_history[step] = dict(self.cursors)
+            plan = self._plan_step(step)
+            batch = StepBatch(step, [], time.perf_counter(), waited)
+            logger.debug("dispatching step %d on weights %d", step, self.policy.version)
+            await buffer.put(asyncio.create_task(self._generate_step(step, plan, batch)))
+        await buffer.put(None)
+
+    # ----- training side -----
+    def _samples(self, batch: StepBatch) -> tuple[list[Sample], dict[str, float]]:
+        c = self.config
+        samples: list[Sample] = []
+        filtered = 0
+        for group in batch.groups:
+            rewards = [r.result["reward"] for r in group]
+            lengths = [r.result["completion_len"] for r in group]
+            adv = compute_advantages(rewards, lengths, c.advantage)
+            if c.filters.zero_advantage_groups and np.all(np.abs(adv) < 1e-9):
+                filtered += 1
+                continue
+            for r, a in zip(group, adv, strict=True):
+                res = r.result
+                samples.append(Sample(res["token_ids"], res["loss_mask"], res["logprobs"], float(a),
+                                      r.weight_step, r.env, res["reward"]))
+        return samples, {"filtered/groups": filtered}
+
+    def _metrics(self, batch: StepBatch, samples: list[Sample], extra: dict[str, Any]) -> dict[str, Any]:
+        rollouts = [r for g in batch.groups for r in g]
+        rewards = np.array([r.result["reward"] for r in rollouts])
+        lengths = np.array([len(r.result["token_ids"]) for r in rollouts])
+        completion = np.array([r.result["completion_len"] for r in rollouts])
+        lags = np.array([batch.step - r.weight_step for r in rollouts])
+        gen_time = max(batch.finished - batch.started, 1e-9)
+        m: dict[str, Any] = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "pass_rate": float((rewards >= 1.0).mean()),
+            "seq_len/mean": float(lengths.mean()),
+            "seq_len/max": int(lengths.max()),
+            "completion_len/mean": float(completion.mean()),
+            "num_turns/mean": float(np.mean([r.result["num_turns"] for r in rollouts])),
+            "truncated/mean": float(np.mean([r.result["truncated"] for r in rollouts])),
+            "throughput/rollout_tokens_per_s": float(completion.sum() / gen_time),
+            "inference/latency_mean": float(np.mean([r.result["latency"] for r in rollouts])),
+            "off_policy_lag/max": int(lags.max()),
+            "off_policy_lag/mean": float(lags.mean()),
+            "policy/version": self.policy.version,
+            "time/rollouts": gen_time,
+            "time/wait_for_policy": batch.wait_for_policy,
+            "samples/trained": len(samples),
+            "env_workers/restarts": sum(p.num_restarts for p in self.pools.values()),
+            "env_workers/retries": sum(p.num_retries for p in self.pools.values()),
+            **extra,
+        }
+        for env in self.envs:
+            env_rewards = np.array([r.result["reward"] for r in rollouts if r.env == env])
+            if len(env_rewards):
+                m[f"reward/{env}/mean"] = float(env_rewards.mean())
+                m[f"reward/{env}/std"] = float(env_rewards.std())
+                m[f"pass_rate/{env}"] = float((env_rewards >= 1.0).mean())
+                m[f"batch/{env}"] = len(env_rewards)
+        return m
+
+    def _log_extras(self, step: int, batch: StepBatch) -> None:
+        cfg = self.config.log_extras
+        if not cfg.enabled or step % cfg.interval:
+            return
+        rows = [
+            {"step": step, "env": r.env, "example": r.example, "weight_step": r.weight_step,
+             "reward": r.result["reward"], "prompt": r.result["prompt"], "completion": r.result["completion"]}
+            for g in batch.groups for r in g
+        ][: cfg.num_samples]
+        path = self.run_dir.root / "samples" / f"orchestrator_step_{step}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for m in getattr(self.monitor, "monitors", []):
+            if hasattr(m, "log_table"):
+                cols = list(rows[0]) if rows else []
+                m.log_table("samples", cols, [[r[k] for k in cols] for r in rows], step)
+
+    async def ship(self, batch: StepBatch) -> None:
+        c = self.config
+        t0 = time.perf_counter()
+        samples, extra = self._samples(batch)
+        packed = pack(samples, step=batch.step, seq_len=c.seq_len, num_ranks=c.num_trainer_ranks,
+                      micro_batch_rows=c.micro_batch_rows, temperature=c.sampling.temperature,
+                      long_samples=c.filters.long_samples,
+                      extras={f"batch/{k}": v for k, v in self._env_counts(batch).items()})
+        for rank in range(c.num_trainer_ranks):
+            await asyncio.to_thread(self.sender.send, batch.step, rank, packed.metas[rank], packed.micro_batches[rank])
+        extra.update({"filtered/long_samples": packed.num_truncated + packed.num_dropped,
+                      "truncated/long_samples": packed.num_truncated, "dropped/long_samples": packed.num_dropped,
+                      "micro_batches": packed.metas[0].num_micro_batches, "time/pack_and_send": time.perf_counter() - t0})
+        metrics = self._metrics(batch, samples, extra)
+        self.monitor.log(batch.step, metrics)
+        self.shipped.append(batch.step)
+        logger.info(
+            "Step %d | Reward %.4f | Lag max %d | Filtered %d groups | Samples %d | %.0f tok/s | wait %.1fs",
+            batch.step, metrics["reward/mean"], metrics["off_policy_lag/max"], metrics["filtered/groups"],
+            len(samples), metrics["throughput/rollout_tokens_per_s"], batch.wait_for_policy,
+        )
+        self._log_extras(batch.step, batch)
+        nxt = batch.step + 1
+        if c.ckpt.interval and nxt % c.ckpt.interval == 0 and nxt < c.max_steps:
+            self._save_checkpoint(nxt)
+        if self.eval_pools and (batch.step % c.eval.interval == 0) and (batch.step > 0 or c.eval.eval_base):
+            self._eval_tasks.append(asyncio.create_task(self._eval(batch.step)))
+
+    def _env_counts(self, batch: StepBatch) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for g in batch.groups:
+            counts[g[0].env] = counts.get(g[0].env, 0) + len(g)
+        return counts
+
+    async def _eval(self, step: int) -> None:
+        e = self.config.eval
+        results = await evaluate_envs(self.eval_pools, num_examples=e.num_examples,
+                                      rollouts_per_example=e.rollouts_per_example, sampling=self.config.sampling,
+                                      seed=self.config.seed, semaphore=self.semaphore)
+        values = {"eval/policy_version": self.policy.version}
+        for env, summary in results.items():
+            values.update({f"eval/{env}/{k}": v for k, v in summary.items() if isinstance(v, int | float)})
+        self.monitor.log(step, values)
+
+    async def ship_loop(self, buffer: asyncio.Queue) -> None:
+        while (item := await buffer.get()) is not None:
+            await self.ship(await item)
+
+    async def run(self) -> None:
+        await self.setup()
+        # The buffer holds dispatched steps; the policy gate bounds how far it runs ahead.
+        buffer: asyncio.Queue = asyncio.Queue(maxsize=self.config.async_level + 1)
+        watcher = asyncio.create_task(self.policy.watch())
+        producer = asyncio.create_task(self.rollout_loop(buffer))
+        consumer = asyncio.create_task(self.ship_loop(buffer))
+        try:
+            done, _ = await asyncio.wait([producer, consumer, watcher], return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            await consumer
+            await producer
+            if self._eval_tasks:
+                await asyncio.gather(*self._eval_tasks)
+            logger.info("finished %d steps", len(self.shipped))
+        finally:
+            for t in (watcher, producer, consumer, *self._eval_tasks):
+                t.cancel()
+            while not buffer.empty():
+                if (item := buffer.get_nowait()) is not None:
+                    item.cancel()
+            await self.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.close() for p in [*self.pools.values(), *self.eval_pools.values()]),
+                             return_exceptions=True)
+        if self.sender is not None:
+            await asyncio.to_thread(self.sender.close)
+        if self.monitor is not None:
+            self.monitor.close()
+
+    # ----- bench -----
+    async def bench(self) -> dict[str, Any]:
+        c = self.config
+        await inference.wait_healthy(c.client.base_urls, api_key=c.client.resolved_api_key(),
+                                     timeout=c.client.health_timeout)
+        env = c.env[0]
+        pool = EnvPool(env.resolved_name, {**self._spec(env), "max_turns": 1}, env.num_workers)
+        await pool.start()
+        try:
+            sampling = {"temperature": c.sampling.temperature, "top_p": c.sampling.top_p,
+                        "max_tokens": c.bench_config.max_tokens}
+            t0 = time.perf_counter()
+
+            async def one(i: int) -> dict[str, Any]:
+                async with self.semaphore:
+                    return await pool.run({"example": i, "seed": request_seed(c.seed, -1, i), "sampling": sampling})
+
+            results = await asyncio.gather(*(one(i) for i in range(c.bench_config.num_requests)))
+            wall = time.perf_counter() - t0
+        finally:
+            await pool.close()
+        tokens = sum(r["completion_len"] for r in results)
+        report = {
+            "num_requests": len(results),
+            "completion_tokens": tokens,
+            "wall_s": wall,
+            "output_tokens_per_s": tokens / wall,
+            "requests_per_s": len(results) / wall,
+            "latency_mean_s": float(np.mean([r["latency"] for r in results])),
+            "max_concurrent": c.client.max_concurrent,
+        }
+        atomic_write_json(self.run_dir.root / "bench" / "orchestrator.json", report)
+        return report

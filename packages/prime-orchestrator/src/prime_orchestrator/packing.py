@@ -1,0 +1,169 @@
+"""Samples -> per-rank micro-batches.
+
+1. Truncate or drop samples longer than ``seq_len``.
+2. Balance samples across trainer ranks by token count (longest first onto the lightest rank), so the
+   ranks' token totals differ by at most one sample's length.
+3. On each rank, pack samples into rows of ``seq_len`` with first-fit-decreasing (no sample is split).
+4. Group rows into micro-batches of ``micro_batch_rows``; every rank gets the same number of
+   micro-batches (short ranks are padded with ``MicroBatch.empty``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
+
+
+@dataclass
+class Sample:
+    """One trainable sequence: prompt + completion (+ env turns) tokens of one rollout."""
+
+    token_ids: list[int]
+    loss_mask: list[bool]
+    logprobs: list[float]
+    advantage: float
+    weight_step: int
+    env: str = ""
+    reward: float = 0.0
+    extras: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class PackResult:
+    micro_batches: list[list[MicroBatch]]  # [rank][i]
+    metas: list[RolloutBatchMeta]
+    num_truncated: int
+    num_dropped: int
+
+
+def fit_to_seq_len(samples: list[Sample], seq_len: int, mode: str) -> tuple[list[Sample], int, int]:
+    """Apply the long-sample policy; returns (kept samples, truncated count, dropped count)."""
+    kept, truncated, dropped = [], 0, 0
+    for s in samples:
+        if len(s) <= seq_len:
+            kept.append(s)
+        elif mode == "drop":
+            dropped += 1
+        else:
+            truncated += 1
+            kept.append(
+                Sample(
+                    s.token_ids[:seq_len], s.loss_mask[:seq_len], s.logprobs[:seq_len], s.advantage,
+                    s.weight_step, s.env, s.reward, s.extras,
+                )
+            )
+    return kept, truncated, dropped
+
+
+def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
+    """Indices per rank; greedy longest-processing-time: max-min token totals <= the longest sample."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    loads = [0] * num_ranks
+    assignment: list[list[int]] = [[] for _ in range(num_ranks)]
+    for i in order:
+        r = min(range(num_ranks), key=lambda k: (loads[k], k))
+        assignment[r].append(i)
+        loads[r] += lengths[i]
+    return assignment
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of indices with total length <= capacity; each index in exactly one bin."""
+    bins: list[list[int]] = []
+    space: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > capacity:
+            raise ValueError(f"sample of {lengths[i]} tokens does not fit a row of {capacity}")
+        for b, free in enumerate(space):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                space[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            space.append(capacity - lengths[i])
+    return bins
+
+
+def _row(samples: list[Sample], local_ids: list[int], seq_len: int) -> dict[str, np.ndarray]:
+    row = {
+        "input_ids": np.zeros(seq_len, np.int64),
+        "position_ids": np.zeros(seq_len, np.int64),
+        "loss_mask": np.zeros(seq_len, np.bool_),
+        "advantages": np.zeros(seq_len, np.float32),
+        "inference_logprobs": np.zeros(seq_len, np.float32),
+        "sample_ids": np.full(seq_len, -1, np.int64),
+    }
+    pos = 0
+    for s, sid in zip(samples, local_ids, strict=True):
+        n = len(s)
+        sl = slice(pos, pos + n)
+        mask = np.asarray(s.loss_mask, np.bool_)
+        row["input_ids"][sl] = s.token_ids
+        row["position_ids"][sl] = np.arange(n)
+        row["loss_mask"][sl] = mask
+        row["advantages"][sl] = np.where(mask, s.advantage, 0.0)
+        row["inference_logprobs"][sl] = np.where(mask, np.asarray(s.logprobs, np.float32), 0.0)
+        row["sample_ids"][sl] = sid
+        pos += n
+    row["position_ids"][pos:] = np.arange(seq_len - pos)  # padding counts from 0 as its own segment
+    return row
+
+
+def pack(
+    samples: list[Sample],
+    *,
+    step: int,
+    seq_len: int,
+    num_ranks: int,
+    micro_batch_rows: int,
+    temperature: float,
+    long_samples: str = "truncate",
+    extras: dict | None = None,
+) -> PackResult:
+    """Pack one step's samples for every trainer rank (see the module docstring)."""
+    samples, num_truncated, num_dropped = fit_to_seq_len(samples, seq_len, long_samples)
+    per_rank = balance_across_ranks([len(s) for s in samples], num_ranks)
+    global_loss_tokens = sum(int(sum(s.loss_mask)) for s in samples)
+    rank_batches: list[list[MicroBatch]] = []
+    rank_weight_steps: list[list[int]] = []
+    for idxs in per_rank:
+        local = [samples[i] for i in sorted(idxs)]
+        rows = []
+        for b in first_fit_decreasing([len(s) for s in local], seq_len):
+            b = sorted(b)
+            rows.append(_row([local[i] for i in b], b, seq_len))
+        mbs = []
+        for start in range(0, len(rows), micro_batch_rows):
+            chunk = rows[start : start + micro_batch_rows]
+            while len(chunk) < micro_batch_rows:
+                empty = MicroBatch.empty(1, seq_len)
+                chunk.append({k: getattr(empty, k)[0] for k in chunk[0]})
+            mbs.append(MicroBatch(**{k: np.stack([r[k] for r in chunk]) for k in chunk[0]}))
+        rank_batches.append(mbs)
+        rank_weight_steps.append([s.weight_step for s in local])
+    num_mb = max(1, max(len(m) for m in rank_batches))
+    for mbs in rank_batches:
+        while len(mbs) < num_mb:
+            mbs.append(MicroBatch.empty(micro_batch_rows, seq_len))
+    metas = [
+        RolloutBatchMeta(
+            step=step,
+            rank=r,
+            num_micro_batches=num_mb,
+            seq_len=seq_len,
+            temperature=temperature,
+            global_loss_tokens=global_loss_tokens,
+            global_num_samples=len(samples),
+            weight_steps=rank_weight_steps[r],
+            extras=dict(extras or {}),
+        )
+        for r in range(num_ranks)
+    ]
+    return PackResult(rank_batches, metas, num_truncated, num_dropped)

