@@ -1,0 +1,61 @@
+"""A stand-in for the trainer / orchestrator / inference entry points (chosen by the program name).
+
+inference serves /health on the configured port; orchestrator and trainer append metrics records and the
+trainer exits 0 after max_steps. FAKE_HANG=1 keeps trainer and orchestrator running (for teardown tests).
+Every process writes its pid (and that of a `sleep` grandchild) to <output_dir>/pids/.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+name = Path(sys.argv[0]).name
+args = sys.argv[1:]
+config = tomllib.loads(Path(args[args.index("@") + 1]).read_text())
+out = Path(config["output_dir"])
+(out / "pids").mkdir(parents=True, exist_ok=True)
+grandchild = subprocess.Popen(["sleep", "1000"])
+(out / "pids" / name).write_text(f"{os.getpid()} {grandchild.pid}")
+print(f"{name} started with {' '.join(args)}", flush=True)
+print(f"{name} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}", flush=True)
+
+
+def log(step, values):
+    line = json.dumps({"step": step, "process": name, "time": time.time(), "values": values})
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+if name == "inference":
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    HTTPServer(("127.0.0.1", config["server"]["port"]), Handler).serve_forever()
+elif name in ("orchestrator", "trainer"):
+    hang = os.environ.get("FAKE_HANG") == "1"
+    if name == "trainer" and os.environ.get("FAKE_TRAINER_FAIL") == "1":
+        print("Traceback: something broke in the trainer", flush=True)
+        sys.exit(3)
+    for step in range(config["max_steps"]):
+        if name == "orchestrator":
+            log(step, {"reward/mean": 0.1 * step})
+        else:
+            log(step, {"loss/mean": 1.0 / (step + 1), "mismatch_kl/mean": 0.001 * step, "throughput/tokens_per_s": 1234.0})
+        print(f"{name} step {step}", flush=True)
+        time.sleep(0.05)
+    print(f"{name} ready", flush=True)
+    while hang:
+        time.sleep(0.1)
+    grandchild.kill()
+    sys.exit(0)

@@ -1,0 +1,165 @@
+"""The rl launcher with fake process commands: dry run, normal finish, failure and signal teardown, reuse guard."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch_fakes import HERE, free_port
+
+TEARDOWN_LIMIT_S = 10.0
+
+
+def rl_cmd(out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "prime_launch.entrypoints.rl",
+        "@",
+        str(HERE / "rl_example.toml"),
+        "--output-dir",
+        str(out),
+        "--inference.server.port",
+        str(free_port()),
+        "--stop-grace",
+        "3",
+        *extra,
+    ]
+
+
+def pids_of(out: Path) -> dict[str, list[int]]:
+    found = {}
+    for f in (out / "pids").glob("*"):
+        found[f.name] = [int(p) for p in f.read_text().split()]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return state[state.rfind(")") + 2] != "Z"
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_hanging_run(out: Path, env: dict[str, str]) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        rl_cmd(out), env={**env, "FAKE_HANG": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    log = out / "logs" / "trainer.log"
+    wait_for(lambda: log.exists() and "trainer ready" in log.read_text(), 60, "the fake trainer")
+    wait_for(lambda: len(pids_of(out)) == 3, 10, "three pid files")
+    return proc
+
+
+def test_dry_run_writes_configs_and_prints_commands(tmp_path, rl_env):
+    out = tmp_path / "run"
+    result = subprocess.run(rl_cmd(out, "--dry-run"), env=rl_env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for name in ("trainer", "orchestrator", "inference"):
+        assert (out / "configs" / f"{name}.toml").is_file()
+        assert f"{name} @ {out / 'configs' / name}.toml --log.file false" in result.stdout
+    assert not (out / "logs").exists(), "a dry run starts nothing"
+    orch = (out / "configs" / "orchestrator.toml").read_text()
+    assert "max_steps = 5" in orch and 'name = "tiny-model"' in orch
+    # A dry run does not make the directory "another run": a second dry run and a real launch are allowed.
+    again = subprocess.run(rl_cmd(out, "--dry-run"), env=rl_env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0, again.stderr
+
+
+def test_normal_finish_exits_zero_and_summarizes(tmp_path, rl_env):
+    out = tmp_path / "run"
+    result = subprocess.run(rl_cmd(out), env=rl_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "trainer finished" in result.stdout
+    assert "reward, first 3 steps  0.1000" in result.stdout  # mean(0.0, 0.1, 0.2)
+    assert "reward, last 3 steps   0.3000" in result.stdout  # mean(0.2, 0.3, 0.4)
+    assert "max mismatch KL          0.0040" in result.stdout
+    assert "inference started with @" in (out / "logs" / "inference.log").read_text()
+    assert "CUDA_VISIBLE_DEVICES=''" in (out / "logs" / "trainer.log").read_text()
+    for pid in [p for pids in pids_of(out).values() for p in pids]:
+        wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
+
+
+def test_refuses_output_dir_of_another_run(tmp_path, rl_env):
+    out = tmp_path / "run"
+    (out).mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0, "process": "trainer", "values": {}}\n')
+    result = subprocess.run(rl_cmd(out), env=rl_env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "holds another run" in result.stderr and "--overwrite" in result.stderr
+    assert not (out / "logs").exists()
+    # --overwrite clears it and runs.
+    result = subprocess.run(rl_cmd(out, "--overwrite"), env=rl_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # --resume without a checkpoint is an error naming the checkpoints dir.
+    result = subprocess.run(rl_cmd(out, "--resume"), env=rl_env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no checkpoint" in result.stderr
+
+
+def test_child_killed_tears_down_everything(tmp_path, rl_env):
+    out = tmp_path / "run"
+    proc = start_hanging_run(out, rl_env)
+    pids = pids_of(out)
+    start = time.monotonic()
+    os.kill(pids["orchestrator"][0], signal.SIGKILL)
+    output, _ = proc.communicate(timeout=30)
+    took = time.monotonic() - start
+    print(f"teardown after kill -9 of a child: {took:.2f} s")
+    assert took < TEARDOWN_LIMIT_S
+    assert proc.returncode != 0
+    assert "error: orchestrator was killed by SIGKILL" in output
+    for name, group in pids.items():
+        for pid in group:
+            assert not alive(pid), f"{name} (or its child) {pid} survived"
+
+
+def test_failing_trainer_reports_log_tail(tmp_path, rl_env):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        rl_cmd(out), env={**rl_env, "FAKE_TRAINER_FAIL": "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "error: trainer exited with code 3" in result.stdout
+    assert "Traceback: something broke in the trainer" in result.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_stops_everything(tmp_path, rl_env, sig):
+    out = tmp_path / "run"
+    proc = start_hanging_run(out, rl_env)
+    pids = pids_of(out)
+    start = time.monotonic()
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=30)
+    assert time.monotonic() - start < TEARDOWN_LIMIT_S
+    assert proc.returncode == 128 + sig
+    assert f"received {signal.Signals(sig).name}" in output
+    for group in pids.values():
+        for pid in group:
+            assert not alive(pid)
+
+
+def test_launcher_killed_leaves_no_orphans(tmp_path, rl_env):
+    out = tmp_path / "run"
+    proc = start_hanging_run(out, rl_env)
+    pids = pids_of(out)
+    start = time.monotonic()
+    proc.kill()
+    proc.wait()
+    everything = [p for group in pids.values() for p in group]
+    wait_for(lambda: not any(alive(p) for p in everything), TEARDOWN_LIMIT_S, "every child and grandchild to die")
+    print(f"orphans gone {time.monotonic() - start:.2f} s after kill -9 of the launcher")
