@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import httpx
-import pytest
 import torch
 
 
@@ -67,7 +66,10 @@ def test_generate_matches_vllm_schema_and_default_max_tokens(server):
 def test_seeded_sampling_is_reproducible_regardless_of_batching(server):
     async def run() -> list[list[int]]:
         async with httpx.AsyncClient(timeout=60) as client:
-            body = {"token_ids": [9, 10, 11], "sampling_params": {"max_tokens": 10, "seed": 42, "top_k": 50, "top_p": 0.9}}
+            body = {
+                "token_ids": [9, 10, 11],
+                "sampling_params": {"max_tokens": 10, "seed": 42, "top_k": 50, "top_p": 0.9},
+            }
             noise = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 20}}
             rs = await asyncio.gather(*[client.post(f"{server.url}/v1/generate", json=b) for b in [body, noise] * 4])
             return [r.json()["choices"][0]["token_ids"] for r in rs[::2]]
@@ -84,7 +86,9 @@ def test_stop_strings_and_stop_token_ids(server, tokenizer):
     full = tokenizer.decode(ids, skip_special_tokens=True)
     stop = full[len(full) // 2 : len(full) // 2 + 2]
     if stop.strip():
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "stop": stop})
+        r = httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "stop": stop}
+        )
         assert r.json()["choices"][0]["text"] == full[: full.find(stop)]
         assert r.json()["choices"][0]["finish_reason"] == "stop"
 
@@ -127,7 +131,9 @@ def test_update_weights_changes_output_and_reload_restores(server, model_dir, ot
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["weight_step"] == 3
     updated = greedy(server.url, prompt)
     hf = AutoModelForCausalLM.from_pretrained(other_weights_dir, dtype=torch.float32)
-    expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, attention_mask=torch.ones(1, 4, dtype=torch.long))
+    expected = hf.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=12, attention_mask=torch.ones(1, 4, dtype=torch.long)
+    )
     assert updated != base
     assert updated == expected[0, len(prompt) :].tolist()
 
@@ -145,7 +151,9 @@ def test_pause_holds_requests_until_resume(server):
         async with httpx.AsyncClient(timeout=60) as client:
             assert (await client.post(f"{server.url}/pause")).json() == {"status": "paused"}
             task = asyncio.ensure_future(
-                client.post(f"{server.url}/v1/generate", json={"token_ids": [3, 4], "sampling_params": {"max_tokens": 4}})
+                client.post(
+                    f"{server.url}/v1/generate", json={"token_ids": [3, 4], "sampling_params": {"max_tokens": 4}}
+                )
             )
             await asyncio.sleep(0.5)
             assert not task.done()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -63,6 +63,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Bool = Annotated[bool, Strict()]
 Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
@@ -101,18 +102,18 @@ class _OpenAISampling(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stream: bool = False
+    stream: Bool = False
     stream_options: dict[str, Any] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: Bool = False
     min_tokens: int = Field(default=0, ge=0)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    return_token_ids: bool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    return_token_ids: Bool = False
     """vLLM extension: include ``prompt_token_ids`` and per-choice ``token_ids`` in the response."""
 
     @field_validator("top_k")
@@ -190,14 +191,14 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -222,7 +223,7 @@ class ChatCompletionRequest(_OpenAISampling):
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False
+    echo: Bool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -253,7 +254,7 @@ class GenerateSamplingParams(_Strict):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
+    ignore_eos: Bool = False
     max_tokens: int | None = Field(default=16, ge=1)
     min_tokens: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=-1, le=MAX_TOP_LOGPROBS)
@@ -261,17 +262,17 @@ class GenerateSamplingParams(_Strict):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: float = 1.0
-    detokenize: bool = True
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    detokenize: Bool = True
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     extra_args: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     routed_experts_prompt_start: int = Field(default=0, ge=0)
-    flat_logprobs: bool = False
+    flat_logprobs: Bool = False
 
     @field_validator("top_k")
     @classmethod
@@ -299,7 +300,7 @@ class GenerateRequest(_Strict):
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     model: str | None = None
     request_id: str | None = Field(default=None, max_length=256)
-    stream: bool = False
+    stream: Bool = False
     stream_options: dict[str, Any] | None = None
     cache_salt: str | None = None
     priority: int = 0
@@ -308,7 +309,7 @@ class GenerateRequest(_Strict):
     features: dict[str, Any] | None = None
     content_parts: list[dict[str, Any]] | None = None
     """Sent by verifiers' renderer client for text-only prompts; text is already in ``token_ids``."""
-    return_token_ids: bool = False
+    return_token_ids: Bool = False
     """Accepted for the renderer client; ``prompt_token_ids`` is always returned."""
 
     @model_validator(mode="after")

@@ -20,11 +20,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from prime_core.config.inference import InferenceConfig
 from prime_core.schemas.weights import WeightUpdateRequest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prime_inference.engines.base import Engine, EngineOutput, EngineRequest
 from prime_inference.protocol import (

@@ -59,10 +59,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def info(self) -> EngineInfo: ...
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027
         """Called once inside the server's event loop before the first request."""
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> None:  # noqa: B027
         """Called once when the server stops."""
 
     @abc.abstractmethod

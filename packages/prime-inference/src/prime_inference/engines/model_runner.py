@@ -135,14 +135,14 @@ def find_decoder_parts(model: nn.Module, hf_config: Any) -> DecoderParts:
         if any(p is None for p in projs):
             raise ValueError("attention lacks q/k/v/o projections")
         first_attn = first_attn or attn
-        parts.append(_LayerParts(in_norm, post_norm, *projs, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), mlp))
+        parts.append(
+            _LayerParts(in_norm, post_norm, *projs, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), mlp)
+        )
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     scale = float(_first_attr(first_attn, ("scaling", "scale")) or head_dim**-0.5)
-    return DecoderParts(
-        embed, parts, norm, lm_head, inv_freq, rope_scaling, num_heads, num_kv_heads, head_dim, scale
-    )
+    return DecoderParts(embed, parts, norm, lm_head, inv_freq, rope_scaling, num_heads, num_kv_heads, head_dim, scale)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from prime_core.config.inference import InferenceConfig
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
@@ -78,7 +77,9 @@ class TorchEngine(Engine):
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = config.max_model_len or max_pos
         if self.max_model_len > max_pos:
-            logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len, max_pos)
+            logger.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len, max_pos
+            )
         self.vocab_size = hf_config.vocab_size
         self.eos_ids = self._eos_ids(hf_config)
         self.decoder = build_decoder(
@@ -343,4 +344,3 @@ class TorchEngine(Engine):
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-

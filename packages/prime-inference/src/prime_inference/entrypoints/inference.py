@@ -1,7 +1,7 @@
 """`inference`: serve a model over HTTP (OpenAI routes, token-in generate, weight updates) with vLLM or PyTorch.
 
-    inference --model.name DIR_OR_HUB_ID --server.port 8000 --engine auto|vllm|torch
-    inference @ inference.toml --server.api-key KEY
+inference --model.name DIR_OR_HUB_ID --server.port 8000 --engine auto|vllm|torch
+inference @ inference.toml --server.api-key KEY
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from prime_core.config.inference import InferenceConfig
 def serve(config: InferenceConfig) -> None:
     """Run the server until interrupted. Heavy imports (fastapi, torch, vLLM) happen here, after parsing."""
     import uvicorn
-
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
