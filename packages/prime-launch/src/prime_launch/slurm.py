@@ -44,9 +44,7 @@ def choose_template(kind: str, slurm: SlurmConfig) -> str:
         return slurm.template
     if kind == "sft":
         return "multi-node-sft"
-    if slurm.num_inference_nodes + slurm.num_trainer_nodes <= 1 and slurm.num_inference_nodes <= 1:
-        return "single-node-rl"
-    return "multi-node-rl"
+    return "multi-node-rl" if slurm.rl_multi_node else "single-node-rl"
 
 
 def _environment(search_dir: Path | None = None) -> jinja2.Environment:

@@ -50,11 +50,12 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
     output_dir = rl.run_dir.resolve()
     run_dir = RunDir(output_dir)
     check_output_dir(run_dir, overwrite=rl.overwrite, resume=rl.resume)
-    single = template == "single-node-rl" or (
-        template not in ("multi-node-rl",) and slurm.num_inference_nodes + slurm.num_trainer_nodes <= 1
-    )
-    num_nodes = 1 if single else slurm.num_inference_nodes + slurm.num_trainer_nodes
-    ctx = base_context(slurm, template, output_dir, num_nodes)
+    ctx: dict = {}
+    single = not slurm.rl_multi_node
+    num_trainer_nodes = slurm.rl_num_trainer_nodes
+    num_nodes = 1 if single else slurm.num_inference_nodes + num_trainer_nodes
+    ctx["num_trainer_nodes"] = num_trainer_nodes
+    ctx.update(base_context(slurm, template, output_dir, num_nodes))
     slurm_dir = output_dir / "slurm"
     slurm_dir.mkdir(parents=True, exist_ok=True)
     process_logs = [run_dir.log_file(p) for p in ("inference", "orchestrator", "trainer")]
@@ -80,7 +81,7 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
         trainer = _update(trainer, "output_dir", output_dir)
         trainer = _update(trainer, "device", "cuda" if slurm.gpus_per_node > 0 else "cpu")
         orchestrator = _update(orchestrator, "output_dir", output_dir)
-        orchestrator = _update(orchestrator, "num_trainer_ranks", slurm.num_trainer_nodes * procs)
+        orchestrator = _update(orchestrator, "num_trainer_ranks", num_trainer_nodes * procs)
         if rl.resume and trainer.ckpt.resume_step is None:
             steps = run_dir.checkpoint_steps()
             if not steps:

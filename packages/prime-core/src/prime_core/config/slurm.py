@@ -29,13 +29,15 @@ class SlurmConfig(BaseConfig):
     time: str = "24:00:00"
     """``#SBATCH --time`` limit, e.g. ``2-00:00:00`` or ``30:00``."""
     num_nodes: int = Field(default=1, ge=1)
-    """Nodes of an SFT job (all run the trainer under torchrun)."""
+    """Nodes of the job. SFT: all run the trainer under torchrun. RL: 1 runs the ``rl`` launcher on one node;
+    more (or setting ``num_inference_nodes`` / ``num_trainer_nodes``) splits the nodes into inference nodes
+    and trainer nodes (multi-node-rl)."""
     num_inference_nodes: int = Field(default=1, ge=0)
-    """RL: nodes that run an inference server (the first nodes of the allocation). 0 with
+    """RL multi-node: nodes that run an inference server (the first nodes of the allocation). 0 with
     ``inference_url`` uses a server outside the job."""
-    num_trainer_nodes: int = Field(default=1, ge=1)
-    """RL: nodes that run the trainer under torchrun (after the inference nodes); the orchestrator runs on
-    the first of them, beside trainer rank 0."""
+    num_trainer_nodes: int | None = Field(default=None, ge=1)
+    """RL multi-node: nodes that run the trainer under torchrun (after the inference nodes); the orchestrator
+    runs on the first of them, beside trainer rank 0. Default: ``num_nodes - num_inference_nodes`` (at least 1)."""
     inference_url: str | None = None
     """RL with ``num_inference_nodes = 0``: base URL of an inference server started elsewhere."""
     gpus_per_node: int = Field(default=8, ge=0)
@@ -70,9 +72,22 @@ class SlurmConfig(BaseConfig):
     inference_port: int = Field(default=8000, ge=1, le=65535)
     """Port of the inference server on every inference node."""
 
+    @property
+    def rl_multi_node(self) -> bool:
+        """Whether an RL job spans several nodes (multi-node-rl) rather than running ``rl`` on one."""
+        if self.template != "auto" or self.template_path is not None:
+            return self.template == "multi-node-rl"
+        return self.num_nodes > 1 or bool({"num_inference_nodes", "num_trainer_nodes"} & self.model_fields_set)
+
+    @property
+    def rl_num_trainer_nodes(self) -> int:
+        if self.num_trainer_nodes is not None:
+            return self.num_trainer_nodes
+        return max(1, self.num_nodes - self.num_inference_nodes)
+
     @model_validator(mode="after")
     def _check(self) -> SlurmConfig:
-        if self.num_inference_nodes == 0 and self.template in ("multi-node-rl",) and not self.inference_url:
+        if self.num_inference_nodes == 0 and not self.inference_url and self.rl_multi_node:
             raise ValueError("num_inference_nodes = 0 needs inference_url (a server started outside the job)")
         if self.template_path is not None and self.template != "auto":
             raise ValueError("set either template or template_path, not both")

@@ -1,0 +1,92 @@
+"""prime-launch report, RLConfig shared-field filling, device assignment."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prime_core.config import ConfigError, load_config
+from prime_core.config.rl import RLConfig
+from prime_launch.plan import build_plan
+
+
+def test_report_writes_png(tmp_path):
+    lines = []
+    for step in range(12):
+        lines.append({"step": step, "process": "orchestrator", "time": 0, "values": {"reward/mean": step / 12}})
+        lines.append({"step": step, "process": "trainer", "time": 0, "values": {"loss/mean": 1 / (step + 1)}})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n{torn")
+    result = subprocess.run(
+        [sys.executable, "-m", "prime_launch.entrypoints.cli", "report", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    png = tmp_path / "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_without_metrics_is_an_error(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "prime_launch.entrypoints.cli", "plot", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "no metrics" in result.stderr
+
+
+def test_shared_fields_fill_sub_configs_unless_set():
+    cfg = load_config(
+        RLConfig,
+        ["--max-steps", "9", "--model.name", "m", "--orchestrator.seed", "4", "--seed", "4", "--inference.engine", "torch"],
+    )
+    assert cfg.trainer.max_steps == cfg.orchestrator.max_steps == 9
+    assert cfg.trainer.model.name == cfg.orchestrator.model.name == cfg.inference.model.name == "m"
+    with pytest.raises(ConfigError, match="trainer.max_steps"):
+        load_config(RLConfig, ["--max-steps", "9", "--trainer.max-steps", "3"])
+
+
+def test_wandb_shared_section_enables_both_sides():
+    cfg = load_config(RLConfig, ["--wandb.project", "p", "--wandb.name", "exp"])
+    for sub in (cfg.trainer, cfg.orchestrator):
+        assert sub.monitor.wandb.enabled and sub.monitor.wandb.project == "p" and sub.monitor.wandb.name == "exp"
+
+
+def test_devices_inference_first_then_trainer(monkeypatch):
+    cfg = load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-trainer-gpus", "2"])
+    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "PATH": "/usr/bin"})
+    env = {s.name: s.env for s in plan.specs}
+    assert env["inference"]["CUDA_VISIBLE_DEVICES"] == "4"
+    assert env["trainer"]["CUDA_VISIBLE_DEVICES"] == "5,6"
+    assert env["orchestrator"]["CUDA_VISIBLE_DEVICES"] == ""
+    trainer_cmd = next(s.cmd for s in plan.specs if s.name == "trainer")
+    assert "--nproc-per-node" in trainer_cmd and trainer_cmd[trainer_cmd.index("--nproc-per-node") + 1] == "2"
+    assert plan.configs["orchestrator"].num_trainer_ranks == 2
+    with pytest.raises(ValueError, match="only 4 available"):
+        build_plan(load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-trainer-gpus", "4"]),
+                   {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+
+
+def test_cpu_only_uses_torch_engine_and_gloo_ranks():
+    cfg = load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-cpu-trainer-procs", "2"])
+    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": ""})
+    assert plan.configs["inference"].engine == "torch"
+    assert plan.configs["trainer"].device == "cpu"
+    trainer_cmd = next(s.cmd for s in plan.specs if s.name == "trainer")
+    assert trainer_cmd[0].endswith("torchrun") and "--no-python" in trainer_cmd
+
+
+def test_without_inference_uses_external_server():
+    cfg = load_config(RLConfig, ["--orchestrator.client.base-urls", "http://10.0.0.5:8000"])
+    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": ""})
+    assert [s.name for s in plan.specs] == ["orchestrator", "trainer"]
+    assert plan.health_urls == ["http://10.0.0.5:8000/health"]
+
+
+def test_base_url_must_match_the_started_server():
+    cfg = load_config(RLConfig, ["--inference.server.port", "8001", "--orchestrator.client.base-urls", "http://127.0.0.1:8000"])
+    with pytest.raises(ValueError, match="port 8001"):
+        build_plan(cfg, {"CUDA_VISIBLE_DEVICES": ""})

@@ -1,0 +1,213 @@
+"""prime-launch slurm: rendered scripts (always) and a real single-node SLURM cluster (slow, root + apt)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch_fakes import HERE
+
+CLI = [sys.executable, "-m", "prime_launch.entrypoints.cli", "slurm"]
+
+
+def render(tmp_path: Path, kind: str, *args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CLI, kind, *args, "--output-dir", str(tmp_path / "run"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_single_node_rl_script(tmp_path):
+    result = render(
+        tmp_path, "rl", "@", str(HERE / "rl_example.toml"),
+        "--slurm.partition", "gpu", "--slurm.account", "acct", "--slurm.time", "02:00:00",
+        "--slurm.gpus-per-node", "4", "--slurm.setup", "source .venv/bin/activate",
+    )
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=acct", "#SBATCH --time=02:00:00",
+                 "#SBATCH --gres=gpu:4", "#SBATCH --nodes=1", "source .venv/bin/activate"):
+        assert line in script
+    rl_toml = tmp_path / "run" / "slurm" / "rl.toml"
+    assert f"rl @ {rl_toml}" in script and rl_toml.is_file()
+    assert subprocess.run(["bash", "-n", str(tmp_path / "run" / "slurm" / "rl.sbatch")]).returncode == 0
+
+
+def test_multi_node_rl_script(tmp_path):
+    result = render(
+        tmp_path, "rl", "@", str(HERE / "rl_example.toml"),
+        "--slurm.num-inference-nodes", "2", "--slurm.num-trainer-nodes", "2", "--slurm.gpus-per-node", "8",
+        "--slurm.container-image", "nvcr.io/x:1",
+    )
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    assert "#SBATCH --nodes=4" in script
+    assert "--nnodes 2 --nproc-per-node 8 --node-rank $SLURM_PROCID --rdzv-backend c10d" in script
+    assert "--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT" in script
+    assert 'run_on "$MASTER_ADDR"' in script and "--client.base-urls $BASE_URLS" in script
+    assert "--container-image=nvcr.io/x:1" in script
+    configs = tmp_path / "run" / "configs"
+    assert "data_parallel_size = 8" in (configs / "inference.toml").read_text()
+    assert "num_trainer_ranks = 16" in (configs / "orchestrator.toml").read_text()
+    assert subprocess.run(["bash", "-n", str(tmp_path / "run" / "slurm" / "rl.sbatch")]).returncode == 0
+
+
+def test_multi_node_sft_script(tmp_path):
+    result = render(tmp_path, "sft", "--data.fake.batch-size", "4", "--slurm.num-nodes", "3", "--slurm.gpus-per-node", "8")
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --nodes=3" in result.stdout
+    assert "torchrun --nnodes 3 --nproc-per-node 8" in result.stdout and "--no-python sft @" in result.stdout
+
+
+def test_slurm_refuses_other_run(tmp_path):
+    (tmp_path / "run" / "weights" / "step_1").mkdir(parents=True)
+    result = render(tmp_path, "rl", "@", str(HERE / "rl_example.toml"))
+    assert result.returncode == 2 and "holds another run" in result.stderr
+
+
+# ---------------------------------------------------------------- a real single-node cluster
+
+SLURM_CONF = """\
+ClusterName=primetest
+SlurmctldHost={host}(127.0.0.1)
+AuthType=auth/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={state}/ctld
+SlurmdSpoolDir={state}/d
+SlurmctldPidFile={state}/slurmctld.pid
+SlurmdPidFile={state}/slurmd.pid
+SlurmctldLogFile={state}/slurmctld.log
+SlurmdLogFile={state}/slurmd.log
+SlurmctldPort=16817
+SlurmdPort=16818
+MpiDefault=none
+NodeName={host} NodeAddr=127.0.0.1 {resources} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """Install Debian's SLURM and start munged, slurmctld and slurmd for one node (PLATFORM.md recipe)."""
+    if os.geteuid() != 0:
+        pytest.skip("a local SLURM cluster needs root")
+    if shutil.which("apt-get") is None:
+        pytest.skip("apt-get not available")
+    if shutil.which("slurmctld") is None:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        _run(["apt-get", "update"], env=env, timeout=300)
+        install = _run(["apt-get", "install", "-y", "slurmctld", "slurmd", "slurm-client", "munge"], env=env, timeout=600)
+        if install.returncode != 0:
+            pytest.skip(f"cannot install SLURM: {install.stderr[-500:]}")
+    state = tmp_path_factory.mktemp("slurm")
+    host = _run(["hostname", "-s"]).stdout.strip()
+    node_line = _run(["slurmd", "-C"]).stdout.splitlines()[0]
+    resources = " ".join(
+        part for part in node_line.split() if part.split("=")[0] in ("CPUs", "Boards", "SocketsPerBoard",
+                                                                    "CoresPerSocket", "ThreadsPerCore", "RealMemory")
+    )
+    for sub in ("ctld", "d"):
+        (state / sub).mkdir()
+    conf = state / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=host, state=state, resources=resources))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    Path("/run/munge").mkdir(exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    if not Path("/etc/munge/munge.key").exists():
+        _run(["mungekey", "--create"])
+        shutil.chown("/etc/munge/munge.key", "munge", "munge")
+    if _run(["pgrep", "-x", "munged"]).returncode != 0:
+        _run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"])
+    _run(["slurmctld"], env=env)
+    _run(["slurmd"], env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        info = _run(["sinfo", "-h", "-o", "%T"], env=env)
+        if info.returncode == 0 and info.stdout.strip() in ("idle", "mixed"):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"SLURM did not come up: {_run(['sinfo'], env=env)} {(state / 'slurmctld.log').read_text()[-2000:]}")
+    yield env
+    _run(["scontrol", "shutdown"], env=env)
+
+
+def _wait_job(job_id: str, env, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _run(["squeue", "-h", "-j", job_id], env=env).stdout.strip():
+            return _run(["scontrol", "show", "job", job_id], env=env).stdout
+        time.sleep(1)
+    _run(["scancel", job_id], env=env)
+    raise AssertionError(f"job {job_id} still queued/running after {timeout} s")
+
+
+@pytest.mark.slow
+def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin):
+    """Submit a CPU-only single-node RL job (fake process commands) and wait for the launcher's normal finish."""
+    from launch_fakes import free_port
+
+    env = {**slurm_cluster, "PRIME_LAUNCH_BIN_DIR": str(fake_bin)}
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [*CLI, "rl", "@", str(HERE / "rl_example.toml"), "--output-dir", str(out),
+         "--inference.server.port", str(free_port()), "--slurm.gpus-per-node", "0", "--slurm.no-exclusive",
+         "--slurm.time", "5:00", "--slurm.launcher", "", "--slurm.job-name", "prime-test",
+         "--slurm.setup", f"export PATH={Path(sys.executable).parent}:$PATH",
+         "--slurm.setup", f"export PRIME_LAUNCH_BIN_DIR={fake_bin}", "--slurm.setup", "export CUDA_VISIBLE_DEVICES="],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.split()[2]
+    assert "job log:" in result.stdout
+    state = _wait_job(job_id, env, 180)
+    job_log = (out / "slurm" / f"job_{job_id}.log").read_text()
+    assert "JobState=COMPLETED" in state, state + job_log
+    assert "rl: trainer finished" in job_log and "reward, last 3 steps   0.3000" in job_log, job_log
+    assert "trainer step 4" in (out / "logs" / "trainer.log").read_text()
+
+
+@pytest.mark.slow
+def test_sft_job_under_srun_and_torchrun_on_local_slurm(tmp_path, slurm_cluster):
+    """multi-node-sft on one node, 2 CPU ranks: srun -> torchrun (c10d rendezvous) -> a fake `sft` per rank."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake_sft = bin_dir / "sft"
+    fake_sft.write_text('#!/bin/bash\necho "fake sft rank $RANK of $WORLD_SIZE master $MASTER_ADDR args $*"\n')
+    fake_sft.chmod(0o755)
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [*CLI, "sft", "--data.fake.batch-size", "4", "--output-dir", str(out), "--slurm.gpus-per-node", "0",
+         "--slurm.cpu-procs-per-node", "2", "--slurm.no-exclusive", "--slurm.time", "5:00", "--slurm.launcher", "",
+         "--slurm.master-port", "29517",
+         "--slurm.setup", f"export PATH={bin_dir}:{Path(sys.executable).parent}:$PATH"],
+        capture_output=True, text=True, timeout=60, env=slurm_cluster,
+    )
+    assert result.returncode == 0, result.stderr
+    job_id = result.stdout.split()[2]
+    state = _wait_job(job_id, slurm_cluster, 180)
+    log = (out / "logs" / "sft.log").read_text()
+    assert "JobState=COMPLETED" in state, state + log
+    assert "fake sft rank 0 of 2" in log and "fake sft rank 1 of 2" in log
+    assert f"args @ {out / 'configs' / 'sft.toml'} --log.file false" in log
