@@ -172,10 +172,10 @@ def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin):
     out = tmp_path / "run"
     result = subprocess.run(
         [*CLI, "rl", "@", str(HERE / "rl_example.toml"), "--output-dir", str(out),
-         "--inference.server.port", str(free_port()), "--slurm.gpus-per-node", "0", "--slurm.no-exclusive",
-         "--slurm.time", "5:00", "--slurm.launcher", "", "--slurm.job-name", "prime-test",
+         "--inference.server.port", str(free_port()), "--slurm.gpus-per-node", "0", "--slurm.exclusive", "false",
+         "--slurm.time", "5:00", "--slurm.launcher", "none", "--slurm.job-name", "prime-test",
          "--slurm.setup", f"export PATH={Path(sys.executable).parent}:$PATH",
-         "--slurm.setup", f"export PRIME_LAUNCH_BIN_DIR={fake_bin}", "--slurm.setup", "export CUDA_VISIBLE_DEVICES="],
+         f"export PRIME_LAUNCH_BIN_DIR={fake_bin}", "export CUDA_VISIBLE_DEVICES="],
         capture_output=True, text=True, timeout=60, env=env,
     )
     assert result.returncode == 0, result.stderr
@@ -199,7 +199,7 @@ def test_sft_job_under_srun_and_torchrun_on_local_slurm(tmp_path, slurm_cluster)
     out = tmp_path / "run"
     result = subprocess.run(
         [*CLI, "sft", "--data.fake.batch-size", "4", "--output-dir", str(out), "--slurm.gpus-per-node", "0",
-         "--slurm.cpu-procs-per-node", "2", "--slurm.no-exclusive", "--slurm.time", "5:00", "--slurm.launcher", "",
+         "--slurm.cpu-procs-per-node", "2", "--slurm.exclusive", "false", "--slurm.time", "5:00", "--slurm.launcher", "none",
          "--slurm.master-port", "29517",
          "--slurm.setup", f"export PATH={bin_dir}:{Path(sys.executable).parent}:$PATH"],
         capture_output=True, text=True, timeout=60, env=slurm_cluster,

@@ -83,7 +83,7 @@ def container_args(slurm: SlurmConfig) -> str:
 def base_context(slurm: SlurmConfig, template: str, output_dir: Path, num_nodes: int) -> dict[str, Any]:
     output_dir = output_dir.resolve()
     project_dir = (slurm.project_dir or Path.cwd()).resolve()
-    launcher = slurm.launcher.strip()
+    launcher = (slurm.launcher or "").strip()
     procs_per_node = slurm.gpus_per_node if slurm.gpus_per_node > 0 else slurm.cpu_procs_per_node
     return {
         "slurm": slurm,

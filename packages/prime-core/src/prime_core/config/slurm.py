@@ -65,8 +65,8 @@ class SlurmConfig(BaseConfig):
     """Run each node's processes in this container (pyxis ``srun --container-image``)."""
     container_mounts: list[str] = Field(default_factory=list)
     """pyxis ``--container-mounts`` entries, like ``/data:/data``; the output directory must be shared."""
-    launcher: str = "uv run"
-    """Prefix of every prime command inside the job (``uv run``; empty when the venv is activated in ``setup``)."""
+    launcher: str | None = "uv run"
+    """Prefix of every prime command inside the job; ``none`` when ``setup`` activates the environment."""
     master_port: int = Field(default=29500, ge=1, le=65535)
     """torchrun rendezvous port on the first trainer node."""
     inference_port: int = Field(default=8000, ge=1, le=65535)
