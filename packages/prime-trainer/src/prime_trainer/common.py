@@ -23,7 +23,7 @@ from prime_core.run_dir import RunDir
 from prime_models import flops_per_token
 from prime_trainer import perf
 from prime_trainer.ckpt import CheckpointManager
-from prime_trainer.model import ModelSource, build_model
+from prime_trainer.model import ModelSource, build_model, loss_scale
 from prime_trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from prime_trainer.weights import WeightPublisher
 from prime_trainer.world import World, init_world
@@ -43,6 +43,7 @@ class Components:
     publisher: WeightPublisher
     monitor: Any
     peak_flops: float | None
+    loss_scale: float
     step_times: list[dict[str, float]] = field(default_factory=list)
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -53,7 +54,7 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
     world = init_world(config.device, config.parallel.timeout_s)
     run_dir = RunDir(config.output_dir)
     log_file = run_dir.log_file(process) if config.log.file and world.is_master else None
-    logger = setup_logging(process, level=config.log.level if world.is_master else "warning", log_file=log_file)
+    logger = setup_logging(process, level=config.log.level if world.is_master else "error", log_file=log_file)
     torch.manual_seed(config.seed)
     if world.is_master:
         write_config(config, run_dir.config_file(process))
@@ -80,6 +81,7 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         publisher=WeightPublisher(run_dir, world, source.tokenizer, config.async_level, config.weights.keep_all),
         monitor=monitor,
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
+        loss_scale=loss_scale(model, world),
     )
 
 

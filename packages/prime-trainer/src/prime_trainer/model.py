@@ -77,11 +77,17 @@ def build_model(
         # parallelize_fn skips FSDP at dp=1; wrap anyway for bf16 compute with fp32 master weights.
         mesh = dims.fsdp_mesh(dims.build_mesh("cuda"))
         model = apply_fsdp(model, model.model.layers, mesh, mp_policy=default_mp_policy("cuda"))
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # The loss is already divided by the global token count: sum gradients over ranks, do not average.
-            module.set_gradient_divide_factor(1.0)
     return model, source
+
+
+def loss_scale(model: nn.Module, world: World) -> float:
+    """Factor undoing FSDP's gradient averaging over data-parallel ranks.
+
+    Losses are already divided by the global token (or sample) count, so rank gradients must be summed. FSDP averages
+    them; scaling the loss by the world size instead of ``set_gradient_divide_factor(1)`` also works on gloo, which
+    lacks the PREMUL_SUM reduction that the divide factor needs.
+    """
+    return float(world.world_size) if isinstance(model, FSDPModule) else 1.0
 
 
 def token_logprobs(

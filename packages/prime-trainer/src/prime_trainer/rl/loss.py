@@ -51,7 +51,7 @@ class Objective(Protocol):
 
 
 def _clamp(x: Tensor, low: float | None, high: float | None) -> Tensor:
-    return x.clamp(min=low, max=high)
+    return x if low is None and high is None else x.clamp(min=low, max=high)
 
 
 def _bounds(clip_low: float | None, clip_high: float | None) -> tuple[float | None, float | None]:

@@ -53,7 +53,7 @@ def train_step(
         )
         inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy)
         loss, stats = compute_loss(objective, cfg.loss, inputs, num_tokens=num_loss_tokens, num_samples=num_samples)
-        loss.backward()
+        (loss * c.loss_scale).backward()
         for k in STAT_KEYS:
             sums[k] += float(stats[k])
     grad_norm, lr = common.optimizer_step(c, step)
