@@ -604,6 +604,16 @@ def build_app(config: InferenceConfig, engine_factory: Callable[[], tuple[Engine
         await server().engine.reload_weights()
         return {"status": "ok", "weight_step": server().engine.info.weight_step}
 
+    async def weight_transfer(op: str, request: Request):
+        raw = await request.body()
+        try:
+            payload = json.loads(raw) if raw else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"request body is not valid JSON: {e}") from e
+        if not isinstance(payload, dict):
+            raise RequestError("request body must be a JSON object")
+        return await server().engine.weight_transfer(op, payload)
+
     async def pause():
         await server().engine.pause()
         return {"status": "paused"}
@@ -624,4 +634,5 @@ def build_app(config: InferenceConfig, engine_factory: Callable[[], tuple[Engine
         app.add_api_route(f"{prefix}/reload_weights", reload_weights, methods=["POST"])
         app.add_api_route(f"{prefix}/pause", pause, methods=["POST"])
         app.add_api_route(f"{prefix}/resume", resume, methods=["POST"])
+        app.add_api_route(f"{prefix}/weight_transfer/{{op}}", weight_transfer, methods=["POST"])
     return app

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prime_inference.protocol import SamplingParams
+from prime_inference.protocol import RequestError, SamplingParams
 
 
 @dataclass
@@ -76,6 +76,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def reload_weights(self) -> None:
         """Go back to the base weights of ``model.name``."""
+
+    async def weight_transfer(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """Engine-native weight transfer (NCCL broadcast); only the vLLM engine has one."""
+        raise RequestError(f"the {self.name} engine has no weight transfer; use /update_weights", status_code=404)
 
     @abc.abstractmethod
     async def pause(self) -> None:

@@ -19,6 +19,11 @@ def serve(config: InferenceConfig) -> None:
     from prime_inference.engines import build_engine
     from prime_inference.server import build_app
 
+    if config.vllm.headless:
+        from prime_inference.engines.vllm_engine import run_headless
+
+        run_headless(config)
+        return
     run_dir = RunDir(config.output_dir)
     log_file = run_dir.log_file("inference") if config.log.file else None
     logger = setup_logging("inference", level=config.log.level, log_file=log_file)

@@ -1,0 +1,235 @@
+"""The vLLM engine (GPU): vLLM 0.26's `AsyncLLM` behind prime's HTTP surface. Every vllm import lives here.
+
+vLLM is extended through its seams, not forked:
+* engine options: ``[vllm]`` config keys and ``vllm.extra_args`` go through vLLM's own argument parser;
+* a worker extension (`prime_inference.vllm_plugin.PrimeWorkerExtension`, passed as ``worker_extension_cls``)
+  adds worker-side RPCs (plugin liveness, STABLE-checked reload, a weight checksum for tests);
+* the ``vllm.general_plugins`` entry point (`prime_inference.vllm_plugin.register`) runs in every vLLM process;
+* weight updates from a directory use vLLM's native layerwise reload (``collective_rpc("reload_weights",
+  kwargs={"weights_path": dir})``); NCCL broadcast from trainer rank 0 uses vLLM's native weight-transfer engine
+  (``weight_transfer_config={"backend": "nccl"}``: init / start / update / finish RPCs, see `weight_transfer`).
+
+Pause semantics match the torch engine: ``/pause`` is ``pause_generation(mode="keep", clear_cache=False)`` (running
+requests freeze with their KV cache, new ones queue); an update while not paused is bracketed by
+``pause_generation(mode="wait")`` so in-flight requests finish on the old weights, then ``resume_generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prime_core.config.inference import InferenceConfig
+
+from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
+from prime_inference.protocol import RequestError
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION_CLS = "prime_inference.vllm_plugin.PrimeWorkerExtension"
+LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+
+
+def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[str]:
+    """The ``vllm serve``-style argv for this config (engine flags only)."""
+    v = config.vllm
+    args = [
+        "--model", config.model.name,
+        "--dtype", config.model.dtype,
+        "--seed", str(config.seed),
+        "--gpu-memory-utilization", str(v.gpu_memory_utilization),
+        "--tensor-parallel-size", str(v.tensor_parallel_size),
+        "--data-parallel-size", str(v.data_parallel_size),
+        "--logprobs-mode", LOGPROBS_MODES[config.logprobs_mode],
+        "--worker-extension-cls", WORKER_EXTENSION_CLS,
+        "--weight-transfer-config", '{"backend": "nccl"}',
+    ]  # fmt: skip
+    if config.model.trust_remote_code:
+        args.append("--trust-remote-code")
+    if config.max_model_len is not None:
+        args += ["--max-model-len", str(config.max_model_len)]
+    if config.server.served_model_name:
+        args += ["--served-model-name", config.server.served_model_name]
+    if v.data_parallel_size_local is not None:
+        args += ["--data-parallel-size-local", str(v.data_parallel_size_local)]
+    if v.data_parallel_address is not None:
+        args += ["--data-parallel-address", v.data_parallel_address]
+    if v.data_parallel_rpc_port is not None:
+        args += ["--data-parallel-rpc-port", str(v.data_parallel_rpc_port)]
+    if v.enforce_eager:
+        args.append("--enforce-eager")
+    if v.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(v.max_num_seqs)]
+    if v.enable_prefix_caching is not None:
+        args.append("--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching")
+    if headless:
+        args.append("--headless")
+    return args + list(v.extra_args)
+
+
+def engine_args(config: InferenceConfig) -> Any:
+    """Parse the argv with vLLM's own parser, so ``extra_args`` accepts exactly what ``vllm serve`` does."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="inference --vllm.extra-args"))
+    namespace = parser.parse_args(vllm_cli_args(config))
+    args = AsyncEngineArgs.from_cli_args(namespace)
+    if config.vllm.enable_fp32_lm_head and hasattr(args, "enable_fp32_lm_head"):
+        args.enable_fp32_lm_head = True
+    return args
+
+
+def run_headless(config: InferenceConfig) -> None:
+    """Secondary data-parallel node: engine cores only, no HTTP server (vLLM's own ``serve --headless``)."""
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *vllm_cli_args(config, headless=True)]
+    vllm_main()
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, config: InferenceConfig):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.config = config
+        self.llm = AsyncLLM.from_engine_args(engine_args(config))
+        self.tokenizer = self.llm.get_tokenizer()
+        model_config = self.llm.vllm_config.model_config
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.get_vocab_size()
+        self.weight_step, self.weight_dir = 0, None
+        self._paused = False
+        self._admin_lock: asyncio.Lock | None = None
+        self._plugin: dict[str, Any] = {}
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            engine=self.name,
+            model=self.config.served_model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            weight_step=self.weight_step,
+            weight_dir=self.weight_dir,
+            paused=self._paused,
+            extra={"vllm_plugin": self._plugin},
+        )
+
+    async def start(self) -> None:
+        self._admin_lock = asyncio.Lock()
+        # vLLM swallows plugin failures, so check that the worker extension really answers on every worker.
+        replies = await self.llm.collective_rpc("prime_plugin_status")
+        self._plugin = {"workers": len(replies), "loaded": all(r.get("general_plugin") for r in replies)}
+        if not self._plugin["loaded"]:
+            logger.warning("prime's vllm.general_plugins entry point did not run in every worker: %s", replies)
+
+    async def shutdown(self) -> None:
+        self.llm.shutdown()
+
+    def _sampling_params(self, request: EngineRequest) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        p = request.params
+        return SamplingParams(
+            n=1,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else -1,
+            seed=p.seed,
+            stop=p.stop or None,
+            stop_token_ids=p.stop_token_ids or None,
+            ignore_eos=p.ignore_eos,
+            max_tokens=p.max_tokens,
+            min_tokens=p.min_tokens,
+            logprobs=p.logprobs,
+            include_stop_str_in_output=p.include_stop_str_in_output,
+            # The server detokenizes; vLLM only needs text to match stop strings.
+            detokenize=bool(p.stop),
+            skip_special_tokens=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        params = self._sampling_params(request)
+        prompt = {"prompt_token_ids": list(request.prompt_ids)}
+        # Closing this generator early closes vLLM's, which aborts the request inside the engine.
+        async for result in self.llm.generate(prompt, params, request.request_id):
+            out = result.outputs[0]
+            logprobs = top = None
+            if request.params.logprobs is not None and out.logprobs is not None:
+                logprobs, top = [], []
+                for tid, entry in zip(out.token_ids, out.logprobs, strict=True):
+                    logprobs.append(entry[tid].logprob)
+                    ranked = sorted(((t, lp) for t, lp in entry.items() if t != tid), key=lambda x: x[1].rank or 0)
+                    top.append({t: lp.logprob for t, lp in ranked[: request.params.logprobs]})
+            finish = out.finish_reason if result.finished else None
+            yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
+
+    async def _with_weights_swapped(self, weights_path: str) -> None:
+        was_paused = self._paused
+        if not was_paused:
+            await self.llm.pause_generation(mode="wait", clear_cache=False)
+        try:
+            await self.llm.collective_rpc("prime_reload_weights", kwargs={"weights_path": weights_path})
+            # Cached prefixes were computed with the old weights.
+            await self.llm.reset_prefix_cache()
+        finally:
+            if not was_paused:
+                await self.llm.resume_generation()
+
+    async def update_weights(self, weight_dir: str, step: int | None) -> None:
+        assert self._admin_lock is not None
+        async with self._admin_lock:
+            await self._with_weights_swapped(weight_dir)
+            self.weight_step = self.weight_step + 1 if step is None else step
+            self.weight_dir = weight_dir
+
+    async def reload_weights(self) -> None:
+        assert self._admin_lock is not None
+        async with self._admin_lock:
+            await self._with_weights_swapped(self.config.model.name)
+            self.weight_step, self.weight_dir = 0, None
+
+    async def pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        self._paused = True
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+        self._paused = False
+
+    async def weight_transfer(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's native weight transfer (NCCL from trainer rank 0). Ops, in order per update:
+
+        * ``init`` once: ``{"init_info": {"master_address", "master_port", "rank_offset", "world_size"}}``; every
+          worker joins a stateless NCCL group where the trainer is rank 0 (rank = rank_offset + worker rank + 1);
+        * ``start``: opens an update (call after ``/pause`` or let it drain: see `update_weights`);
+        * ``update``: ``{"update_info": {"names", "dtype_names", "shapes", "packed"}}``, matching the trainer's
+          ``NCCLWeightTransferEngine.trainer_send_weights`` broadcast;
+        * ``finish``: ``{"step": n}``; finalizes layerwise loading and records the served step.
+        """
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+        if op == "init":
+            await self.llm.init_weight_transfer_engine(
+                WeightTransferInitRequest(init_info=payload.get("init_info", {}))
+            )
+        elif op == "start":
+            await self.llm.start_weight_update()
+        elif op == "update":
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=payload.get("update_info", {})))
+        elif op == "finish":
+            await self.llm.finish_weight_update()
+            await self.llm.reset_prefix_cache()
+            step = payload.get("step")
+            self.weight_step = self.weight_step + 1 if step is None else int(step)
+            self.weight_dir = None
+        else:
+            raise RequestError(f"unknown weight transfer op {op!r}", status_code=404)
+        return {"status": "ok", "weight_step": self.weight_step}

@@ -1,0 +1,52 @@
+"""vLLM seams: the ``vllm.general_plugins`` entry point and the worker extension class.
+
+`register` runs in every vLLM process (API server, engine core, workers) through the entry point declared in
+prime-inference's pyproject. `PrimeWorkerExtension` is mixed into vLLM's GPU worker (``worker_extension_cls``), so
+its methods are callable with ``collective_rpc``; ``self`` is the worker (``self.model_runner`` etc.).
+
+This module imports neither torch nor vllm at import time: vLLM resolves the extension by name in its workers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``. Idempotent: vLLM may call it several times per process."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    _REGISTERED = True
+    # The engine core must run in spawned processes (CUDA cannot be re-initialized in a fork).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def plugin_registered() -> bool:
+    return _REGISTERED
+
+
+class PrimeWorkerExtension:
+    """Worker-side RPCs for prime (``collective_rpc("prime_...")``)."""
+
+    def prime_plugin_status(self) -> dict[str, Any]:
+        """Proves the extension is mixed in and whether the general plugin ran in this worker process."""
+        return {"general_plugin": plugin_registered(), "pid": os.getpid()}
+
+    def prime_reload_weights(self, weights_path: str) -> None:
+        """Layerwise in-place reload from an HF directory (or the base model id) via vLLM's own reload.
+
+        The server has already confined the path to the weight roots and checked its STABLE marker.
+        """
+        self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+
+    def prime_weights_checksum(self) -> float:
+        """Sum of every parameter in fp64 (tests use it to see that an update landed on every worker)."""
+        import torch
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            return float(sum(p.detach().double().sum().item() for p in model.parameters()))

@@ -1,0 +1,122 @@
+"""The `inference` entry point and InferenceConfig validation, without starting an engine (except one subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prime_core.config import ConfigError, load_config
+from prime_core.config.inference import InferenceConfig
+
+from .helpers import free_port
+
+
+def test_help_is_fast_and_lists_options():
+    start = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_inference.entrypoints.inference", "--help"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    for flag in ("--model.name", "--engine", "--server.port", "--server.api-key", "--server.weight-roots",
+                 "--max-model-len", "--max-batch-size", "--logprobs-mode", "--vllm.tensor-parallel-size",
+                 "--vllm.extra-args"):  # fmt: skip
+        assert flag in out.stdout
+    print(f"inference --help: {elapsed:.2f}s")
+    assert elapsed < 5
+
+
+def test_help_imports_nothing_heavy():
+    code = (
+        "import sys\nfrom prime_inference.entrypoints.inference import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'vllm', 'transformers', 'fastapi'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_non_loopback_host_requires_weight_roots(tmp_path):
+    with pytest.raises(ConfigError, match="weight_roots"):
+        load_config(InferenceConfig, ["--server.host", "0.0.0.0"])
+    config = load_config(InferenceConfig, ["--server.host", "0.0.0.0", "--server.weight-roots", str(tmp_path)])
+    assert config.server.weight_roots == [tmp_path]
+    assert load_config(InferenceConfig, ["--server.host", "::1"]).server.host == "::1"
+
+
+def test_toml_and_cli_sources(tmp_path):
+    toml = tmp_path / "i.toml"
+    toml.write_text(
+        'engine = "torch"\nmax_model_len = 512\n[server]\nport = 9001\n[vllm]\nextra_args = ["--kv-cache-dtype", "fp8"]\n'
+    )
+    config = load_config(InferenceConfig, ["@", str(toml), "--server.port", "9002"])
+    assert (config.engine, config.max_model_len, config.server.port) == ("torch", 512, 9002)
+    assert config.vllm.extra_args == ["--kv-cache-dtype", "fp8"]
+
+
+def test_auto_engine_is_torch_without_cuda():
+    import torch
+    from prime_inference.engines import select_engine
+
+    expected = "vllm" if torch.cuda.is_available() and _has("vllm") else "torch"
+    assert select_engine(InferenceConfig()) == expected
+    assert select_engine(InferenceConfig(engine="torch")) == "torch"
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_weight_dir_checks(tmp_path, other_weights_dir):
+    from prime_inference.protocol import RequestError
+    from prime_inference.weights import check_weight_dir
+
+    assert check_weight_dir(str(other_weights_dir), []) == other_weights_dir.resolve()
+    assert check_weight_dir(str(other_weights_dir), [other_weights_dir.parent]) == other_weights_dir.resolve()
+    with pytest.raises(RequestError, match="outside"):
+        check_weight_dir(str(other_weights_dir), [tmp_path])
+    link = tmp_path / "link"
+    link.symlink_to(other_weights_dir)
+    with pytest.raises(RequestError, match="outside"):  # a symlink inside the root pointing out is refused
+        check_weight_dir(str(link), [tmp_path])
+    (tmp_path / "half").mkdir()
+    with pytest.raises(RequestError, match="STABLE"):
+        check_weight_dir(str(tmp_path / "half"), [tmp_path])
+
+
+@pytest.mark.integration
+def test_inference_command_serves_chat(model_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_inference.entrypoints.inference", "--model.name", str(model_dir),
+         "--engine", "torch", "--server.port", str(port), "--output-dir", str(tmp_path), "--max-model-len", "64",
+         "--server.api-key", "k"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url, headers = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health", headers=headers, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
+        assert (Path(tmp_path) / "logs" / "inference.log").is_file()
+        assert (Path(tmp_path) / "configs" / "inference.toml").is_file()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -1,0 +1,90 @@
+"""The vLLM engine: import-level checks on CPU, real serving on a GPU (marker `gpu`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import httpx
+import pytest
+from prime_core.config.inference import InferenceConfig
+
+from .helpers import start_server
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_plugin_module_imports_without_vllm_or_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, prime_inference.vllm_plugin as p\np.register(); p.register()\n"
+        "assert p.plugin_registered()\n"
+        "assert p.PrimeWorkerExtension().prime_plugin_status()['general_plugin']\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'vllm'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_plugin_entry_point_is_declared():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("prime") == "prime_inference.vllm_plugin:register"
+
+
+def test_vllm_cli_args_pass_options_through():
+    from prime_inference.engines.vllm_engine import WORKER_EXTENSION_CLS, vllm_cli_args
+
+    config = InferenceConfig.model_validate(
+        {"model": {"name": "m"}, "max_model_len": 4096,
+         "vllm": {"tensor_parallel_size": 2, "data_parallel_size": 4, "data_parallel_size_local": 2,
+                  "data_parallel_address": "10.0.0.1", "enforce_eager": True, "extra_args": ["--kv-cache-dtype", "fp8"]}}
+    )  # fmt: skip
+    args = vllm_cli_args(config, headless=True)
+    joined = " ".join(args)
+    for part in ("--model m", "--tensor-parallel-size 2", "--data-parallel-size 4", "--data-parallel-size-local 2",
+                 "--data-parallel-address 10.0.0.1", "--enforce-eager", "--max-model-len 4096", "--headless",
+                 f"--worker-extension-cls {WORKER_EXTENSION_CLS}", "--logprobs-mode processed_logprobs"):  # fmt: skip
+        assert part in joined
+    assert args[-2:] == ["--kv-cache-dtype", "fp8"]
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
+def test_vllm_engine_args_parse_with_vllms_parser():
+    from prime_inference.engines.vllm_engine import engine_args
+
+    config = InferenceConfig.model_validate(
+        {"model": {"name": "Qwen/Qwen3-0.6B"}, "vllm": {"extra_args": ["--max-num-batched-tokens", "4096"]}}
+    )
+    args = engine_args(config)
+    assert args.max_num_batched_tokens == 4096
+    assert args.worker_extension_cls == "prime_inference.vllm_plugin.PrimeWorkerExtension"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
+def test_vllm_serves_updates_and_reloads(model_dir, other_weights_dir):
+    server = start_server(model_dir, engine="vllm", vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True})
+    try:
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["engine"] == "vllm" and health["vllm_plugin"]["loaded"]
+        body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 12, "temperature": 0, "logprobs": 0}}
+        base = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
+        r = httpx.post(
+            f"{server.url}/update_weights", json={"weight_dir": str(other_weights_dir), "step": 1}, timeout=600
+        )
+        assert r.status_code == 200, r.text
+        updated = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
+        assert updated["token_ids"] != base["token_ids"]
+        assert httpx.post(f"{server.url}/reload_weights", timeout=600).status_code == 200
+        again = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
+        assert again["token_ids"] == base["token_ids"]
+        start = time.perf_counter()
+        assert httpx.post(f"{server.url}/pause").json() == {"status": "paused"}
+        assert httpx.post(f"{server.url}/resume").json() == {"status": "resumed"}
+        assert time.perf_counter() - start < 30
+    finally:
+        server.stop()
