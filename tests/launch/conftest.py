@@ -4,7 +4,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from launch_fakes import HERE
 
 

@@ -51,7 +51,10 @@ elif name in ("orchestrator", "trainer"):
         if name == "orchestrator":
             log(step, {"reward/mean": 0.1 * step})
         else:
-            log(step, {"loss/mean": 1.0 / (step + 1), "mismatch_kl/mean": 0.001 * step, "throughput/tokens_per_s": 1234.0})
+            log(
+                step,
+                {"loss/mean": 1.0 / (step + 1), "mismatch_kl/mean": 0.001 * step, "throughput/tokens_per_s": 1234.0},
+            )
         print(f"{name} step {step}", flush=True)
         time.sleep(0.05)
     print(f"{name} ready", flush=True)

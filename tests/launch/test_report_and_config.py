@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from prime_core.config import ConfigError, load_config
 from prime_core.config.rl import RLConfig
 from prime_launch.plan import build_plan
@@ -41,7 +40,18 @@ def test_report_without_metrics_is_an_error(tmp_path):
 def test_shared_fields_fill_sub_configs_unless_set():
     cfg = load_config(
         RLConfig,
-        ["--max-steps", "9", "--model.name", "m", "--orchestrator.seed", "4", "--seed", "4", "--inference.engine", "torch"],
+        [
+            "--max-steps",
+            "9",
+            "--model.name",
+            "m",
+            "--orchestrator.seed",
+            "4",
+            "--seed",
+            "4",
+            "--inference.engine",
+            "torch",
+        ],
     )
     assert cfg.trainer.max_steps == cfg.orchestrator.max_steps == 9
     assert cfg.trainer.model.name == cfg.orchestrator.model.name == cfg.inference.model.name == "m"
@@ -66,8 +76,10 @@ def test_devices_inference_first_then_trainer(monkeypatch):
     assert "--nproc-per-node" in trainer_cmd and trainer_cmd[trainer_cmd.index("--nproc-per-node") + 1] == "2"
     assert plan.configs["orchestrator"].num_trainer_ranks == 2
     with pytest.raises(ValueError, match="only 4 available"):
-        build_plan(load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-trainer-gpus", "4"]),
-                   {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+        build_plan(
+            load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-trainer-gpus", "4"]),
+            {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+        )
 
 
 def test_cpu_only_uses_torch_engine_and_gloo_ranks():
@@ -87,6 +99,8 @@ def test_without_inference_uses_external_server():
 
 
 def test_base_url_must_match_the_started_server():
-    cfg = load_config(RLConfig, ["--inference.server.port", "8001", "--orchestrator.client.base-urls", "http://127.0.0.1:8000"])
+    cfg = load_config(
+        RLConfig, ["--inference.server.port", "8001", "--orchestrator.client.base-urls", "http://127.0.0.1:8000"]
+    )
     with pytest.raises(ValueError, match="port 8001"):
         build_plan(cfg, {"CUDA_VISIBLE_DEVICES": ""})

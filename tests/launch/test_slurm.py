@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch_fakes import HERE
 
 CLI = [sys.executable, "-m", "prime_launch.entrypoints.cli", "slurm"]
@@ -26,14 +25,31 @@ def render(tmp_path: Path, kind: str, *args: str, env=None) -> subprocess.Comple
 
 def test_single_node_rl_script(tmp_path):
     result = render(
-        tmp_path, "rl", "@", str(HERE / "rl_example.toml"),
-        "--slurm.partition", "gpu", "--slurm.account", "acct", "--slurm.time", "02:00:00",
-        "--slurm.gpus-per-node", "4", "--slurm.setup", "source .venv/bin/activate",
+        tmp_path,
+        "rl",
+        "@",
+        str(HERE / "rl_example.toml"),
+        "--slurm.partition",
+        "gpu",
+        "--slurm.account",
+        "acct",
+        "--slurm.time",
+        "02:00:00",
+        "--slurm.gpus-per-node",
+        "4",
+        "--slurm.setup",
+        "source .venv/bin/activate",
     )
     assert result.returncode == 0, result.stderr
     script = result.stdout
-    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=acct", "#SBATCH --time=02:00:00",
-                 "#SBATCH --gres=gpu:4", "#SBATCH --nodes=1", "source .venv/bin/activate"):
+    for line in (
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=acct",
+        "#SBATCH --time=02:00:00",
+        "#SBATCH --gres=gpu:4",
+        "#SBATCH --nodes=1",
+        "source .venv/bin/activate",
+    ):
         assert line in script
     rl_toml = tmp_path / "run" / "slurm" / "rl.toml"
     assert f"rl @ {rl_toml}" in script and rl_toml.is_file()
@@ -42,9 +58,18 @@ def test_single_node_rl_script(tmp_path):
 
 def test_multi_node_rl_script(tmp_path):
     result = render(
-        tmp_path, "rl", "@", str(HERE / "rl_example.toml"),
-        "--slurm.num-inference-nodes", "2", "--slurm.num-trainer-nodes", "2", "--slurm.gpus-per-node", "8",
-        "--slurm.container-image", "nvcr.io/x:1",
+        tmp_path,
+        "rl",
+        "@",
+        str(HERE / "rl_example.toml"),
+        "--slurm.num-inference-nodes",
+        "2",
+        "--slurm.num-trainer-nodes",
+        "2",
+        "--slurm.gpus-per-node",
+        "8",
+        "--slurm.container-image",
+        "nvcr.io/x:1",
     )
     assert result.returncode == 0, result.stderr
     script = result.stdout
@@ -60,7 +85,9 @@ def test_multi_node_rl_script(tmp_path):
 
 
 def test_multi_node_sft_script(tmp_path):
-    result = render(tmp_path, "sft", "--data.fake.batch-size", "4", "--slurm.num-nodes", "3", "--slurm.gpus-per-node", "8")
+    result = render(
+        tmp_path, "sft", "--data.fake.batch-size", "4", "--slurm.num-nodes", "3", "--slurm.gpus-per-node", "8"
+    )
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=3" in result.stdout
     assert "torchrun --nnodes 3 --nproc-per-node 8" in result.stdout and "--no-python sft @" in result.stdout
@@ -117,15 +144,18 @@ def slurm_cluster(tmp_path_factory):
     if shutil.which("slurmctld") is None:
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         _run(["apt-get", "update"], env=env, timeout=300)
-        install = _run(["apt-get", "install", "-y", "slurmctld", "slurmd", "slurm-client", "munge"], env=env, timeout=600)
+        install = _run(
+            ["apt-get", "install", "-y", "slurmctld", "slurmd", "slurm-client", "munge"], env=env, timeout=600
+        )
         if install.returncode != 0:
             pytest.skip(f"cannot install SLURM: {install.stderr[-500:]}")
     state = tmp_path_factory.mktemp("slurm")
     host = _run(["hostname", "-s"]).stdout.strip()
     node_line = _run(["slurmd", "-C"]).stdout.splitlines()[0]
     resources = " ".join(
-        part for part in node_line.split() if part.split("=")[0] in ("CPUs", "Boards", "SocketsPerBoard",
-                                                                    "CoresPerSocket", "ThreadsPerCore", "RealMemory")
+        part
+        for part in node_line.split()
+        if part.split("=")[0] in ("CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore", "RealMemory")
     )
     for sub in ("ctld", "d"):
         (state / sub).mkdir()
@@ -148,7 +178,9 @@ def slurm_cluster(tmp_path_factory):
             break
         time.sleep(1)
     else:
-        pytest.fail(f"SLURM did not come up: {_run(['sinfo'], env=env)} {(state / 'slurmctld.log').read_text()[-2000:]}")
+        pytest.fail(
+            f"SLURM did not come up: {_run(['sinfo'], env=env)} {(state / 'slurmctld.log').read_text()[-2000:]}"
+        )
     yield env
     _run(["scontrol", "shutdown"], env=env)
 
@@ -171,12 +203,34 @@ def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin):
     env = {**slurm_cluster, "PRIME_LAUNCH_BIN_DIR": str(fake_bin)}
     out = tmp_path / "run"
     result = subprocess.run(
-        [*CLI, "rl", "@", str(HERE / "rl_example.toml"), "--output-dir", str(out),
-         "--inference.server.port", str(free_port()), "--slurm.gpus-per-node", "0", "--slurm.exclusive", "false",
-         "--slurm.time", "5:00", "--slurm.launcher", "none", "--slurm.job-name", "prime-test",
-         "--slurm.setup", f"export PATH={Path(sys.executable).parent}:$PATH",
-         f"export PRIME_LAUNCH_BIN_DIR={fake_bin}", "export CUDA_VISIBLE_DEVICES="],
-        capture_output=True, text=True, timeout=60, env=env,
+        [
+            *CLI,
+            "rl",
+            "@",
+            str(HERE / "rl_example.toml"),
+            "--output-dir",
+            str(out),
+            "--inference.server.port",
+            str(free_port()),
+            "--slurm.gpus-per-node",
+            "0",
+            "--slurm.exclusive",
+            "false",
+            "--slurm.time",
+            "5:00",
+            "--slurm.launcher",
+            "none",
+            "--slurm.job-name",
+            "prime-test",
+            "--slurm.setup",
+            f"export PATH={Path(sys.executable).parent}:$PATH",
+            f"export PRIME_LAUNCH_BIN_DIR={fake_bin}",
+            "export CUDA_VISIBLE_DEVICES=",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.split()[2]
@@ -198,11 +252,32 @@ def test_sft_job_under_srun_and_torchrun_on_local_slurm(tmp_path, slurm_cluster)
     fake_sft.chmod(0o755)
     out = tmp_path / "run"
     result = subprocess.run(
-        [*CLI, "sft", "--data.fake.batch-size", "4", "--output-dir", str(out), "--slurm.gpus-per-node", "0",
-         "--slurm.cpu-procs-per-node", "2", "--slurm.exclusive", "false", "--slurm.time", "5:00", "--slurm.launcher", "none",
-         "--slurm.master-port", "29517",
-         "--slurm.setup", f"export PATH={bin_dir}:{Path(sys.executable).parent}:$PATH"],
-        capture_output=True, text=True, timeout=60, env=slurm_cluster,
+        [
+            *CLI,
+            "sft",
+            "--data.fake.batch-size",
+            "4",
+            "--output-dir",
+            str(out),
+            "--slurm.gpus-per-node",
+            "0",
+            "--slurm.cpu-procs-per-node",
+            "2",
+            "--slurm.exclusive",
+            "false",
+            "--slurm.time",
+            "5:00",
+            "--slurm.launcher",
+            "none",
+            "--slurm.master-port",
+            "29517",
+            "--slurm.setup",
+            f"export PATH={bin_dir}:{Path(sys.executable).parent}:$PATH",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=slurm_cluster,
     )
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.split()[2]

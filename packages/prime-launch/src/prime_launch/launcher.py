@@ -123,7 +123,7 @@ class _Console:
         self.follower.poll()
         line = self.follower.line(self.max_steps, time.monotonic() - self.start)
         if self.tty:
-            self.out.write("\r\033[K" + line[: 200])
+            self.out.write("\r\033[K" + line[:200])
             self.out.flush()
             self._drawn = True
         else:

@@ -113,8 +113,10 @@ def _fmt_rate(value: Any) -> str:
 
 def _fmt_time(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s" if seconds >= 3600 else (
-        f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
+        if seconds >= 3600
+        else (f"{seconds // 60}m{seconds % 60:02d}s")
     )
 
 

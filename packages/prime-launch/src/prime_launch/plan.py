@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from pydantic import BaseModel
-
 from prime_core.config.inference import InferenceConfig
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.config.rl import RLConfig
 from prime_core.config.trainer import TrainerConfig
 from prime_core.run_dir import RunDir
+from pydantic import BaseModel
 
 from prime_launch.process import ProcessSpec
 
@@ -144,7 +143,9 @@ def build_plan(rl: RLConfig, environ: Mapping[str, str] | None = None, *, run_id
             devices["inference"] = f"GPU {','.join(map(str, inf_ids))}"
             tp = inference.vllm.tensor_parallel_size
             if num_inf % tp:
-                raise ValueError(f"devices.num_inference_gpus ({num_inf}) is not a multiple of tensor_parallel_size ({tp})")
+                raise ValueError(
+                    f"devices.num_inference_gpus ({num_inf}) is not a multiple of tensor_parallel_size ({tp})"
+                )
             if inference.vllm.data_parallel_size == 1 and num_inf // tp > 1:
                 inference = _update(inference, "vllm.data_parallel_size", num_inf // tp)
                 notes.append(f"inference: data parallel size {num_inf // tp} (x tensor parallel {tp})")
@@ -194,7 +195,9 @@ def build_plan(rl: RLConfig, environ: Mapping[str, str] | None = None, *, run_id
     if rl.resume and resume_step is None:
         resume_step = latest_checkpoint_step(run_dir)
         if resume_step is None:
-            raise ValueError(f"--resume: no checkpoint under {run_dir.checkpoints} (with a STABLE marker) to resume from")
+            raise ValueError(
+                f"--resume: no checkpoint under {run_dir.checkpoints} (with a STABLE marker) to resume from"
+            )
         trainer = _update(trainer, "ckpt.resume_step", resume_step)
         orchestrator = _update(orchestrator, "ckpt.resume_step", resume_step)
 

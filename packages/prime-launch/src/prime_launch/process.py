@@ -10,6 +10,7 @@ cannot do for grandchildren.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -120,14 +121,10 @@ def _live_pids(pids: set[int], pgids: set[int]) -> list[int]:
 
 def _signal_tree(pid: int, pgid: int, sig: int) -> None:
     for target in descendants(pid):
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(target, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # Runs as `python -c`: reads "add <pgid>", "del <pgid>" and "exit" lines; on EOF without "exit" (the launcher
@@ -215,7 +212,7 @@ class ProcessManager:
         if spec.name in self.procs:
             raise ValueError(f"a process named {spec.name!r} is already running")
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(spec.log_file, "ab" if append_log else "wb")
+        log = open(spec.log_file, "ab" if append_log else "wb")  # noqa: SIM115 (closed in close())
         self._log_handles.append(log)
         env = {**os.environ, **spec.env}
         proc = subprocess.Popen(
@@ -275,20 +272,14 @@ class ProcessManager:
                     break
                 time.sleep(0.05)
             for pid in _live_pids(tree, pgids):
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
             for pgid in pgids:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pgid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
         for p in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
             self._tell_watchdog(f"del {p.pid}")
         return time.monotonic() - start
 

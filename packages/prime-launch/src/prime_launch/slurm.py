@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-
 from prime_core.config.slurm import SlurmConfig
 
 TEMPLATES = {
@@ -107,7 +106,9 @@ def submit(script_path: Path) -> str:
         raise RuntimeError("sbatch not found on PATH: run on a SLURM login node, or use --dry-run to only render")
     result = subprocess.run([sbatch, "--parsable", str(script_path)], capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"sbatch failed (exit {result.returncode}): {result.stderr.strip() or result.stdout.strip()}")
+        raise RuntimeError(
+            f"sbatch failed (exit {result.returncode}): {result.stderr.strip() or result.stdout.strip()}"
+        )
     match = re.match(r"\s*(\d+)", result.stdout)
     if not match:
         raise RuntimeError(f"sbatch printed no job id: {result.stdout.strip()!r}")

@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from pydantic import BaseModel
-
 from prime_core.config import write_config
 from prime_core.config.slurm import SlurmConfig
 from prime_core.io import atomic_write_text
 from prime_core.run_dir import RunDir
+from pydantic import BaseModel
 
 from prime_launch.plan import DRY_RUN_MARKER, _update, check_output_dir, clear_run
 from prime_launch.slurm import SlurmJob, base_context, choose_template, render
@@ -92,7 +91,9 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
         configs["orchestrator"] = write_config(orchestrator, run_dir.config_file("orchestrator"))
         if slurm.num_inference_nodes > 0:
             if inference is None:
-                raise ValueError("num_inference_nodes > 0 needs an [inference] config (or set it to 0 with inference_url)")
+                raise ValueError(
+                    "num_inference_nodes > 0 needs an [inference] config (or set it to 0 with inference_url)"
+                )
             inference = _update(inference, "output_dir", output_dir)
             roots = list(inference.server.weight_roots) or [run_dir.weights]
             data = inference.model_dump(mode="python")
@@ -101,7 +102,9 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
                 data["engine"] = "vllm" if data["engine"] == "auto" else data["engine"]
                 tp = inference.vllm.tensor_parallel_size
                 if slurm.gpus_per_node % tp:
-                    raise ValueError(f"gpus_per_node ({slurm.gpus_per_node}) is not a multiple of tensor_parallel_size ({tp})")
+                    raise ValueError(
+                        f"gpus_per_node ({slurm.gpus_per_node}) is not a multiple of tensor_parallel_size ({tp})"
+                    )
                 data["vllm"]["data_parallel_size"] = slurm.gpus_per_node // tp
             else:
                 data["engine"] = "torch"

@@ -22,10 +22,9 @@ def _fail(message: str) -> int:
 
 
 def _slurm(kind: str, argv: list[str]) -> int:
-    from pydantic import Field, create_model
-
     from prime_core.config import parse_cli
     from prime_core.config.slurm import SlurmConfig
+    from pydantic import Field, create_model
 
     if kind == "rl":
         from prime_core.config.rl import RLConfig as Base
@@ -119,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
             if rest and rest[0] in ("-h", "--help"):
                 sys.stdout.write(USAGE)
                 return 0
-            return _fail("prime-launch slurm needs the job kind first: `prime-launch slurm rl ...` or `... slurm sft ...`")
+            return _fail(
+                "prime-launch slurm needs the job kind first: `prime-launch slurm rl ...` or `... slurm sft ...`"
+            )
         return _slurm(rest[0], rest[1:])
     if command in ("report", "plot"):
         return _report(rest)
