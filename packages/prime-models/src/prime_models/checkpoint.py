@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
 from prime_models.loading import INDEX_FILE
 from prime_models.registry import spec_for_model
@@ -38,6 +37,8 @@ def hf_state_dict(
     FSDP2-sharded (DTensor) parameters are gathered with `full_tensor()`, a collective: every rank must consume the
     iterator in the same order, even though usually only rank 0 uses the tensors.
     """
+    from torch.distributed.tensor import DTensor  # heavy import (sympy); only needed when exporting
+
     spec = spec_for_model(model)
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -60,6 +63,8 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """2D mesh (dp_replicate, dp_shard); FSDP uses both axes (HSDP) when dp_replicate > 1."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
         )

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def default_mp_policy(device_type: str) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 gradient reduction on GPU; plain fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if device_type == "cuda":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -24,6 +30,9 @@ def apply_fsdp(
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
+    # Imported here: torch.distributed.fsdp pulls in DTensor and sympy, too heavy for `import prime_models`.
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
