@@ -127,6 +127,9 @@ def test_cli_syntax_forms(tmp_path):
     assert isinstance(cfg.loss, GspoLoss) and cfg.loss.seq_clip == 0.01
     assert load_config(Cfg, ["--envs", "x,y"], environ={}).envs == ["x", "y"]
     assert load_config(Cfg, ["--bench", "false"], environ={}).bench is False
+    assert load_config(Cfg, ["--wandb.no-enabled"], environ={}).wandb.enabled is False
+    assert load_config(Cfg, ["--envs", ""], environ={}).envs == []
+    assert load_config(Cfg, ["--wandb.name", ""], environ={}).wandb.name == ""
 
 
 def test_section_file(tmp_path):

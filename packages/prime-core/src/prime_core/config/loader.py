@@ -166,7 +166,7 @@ def resolve_path(model: type[BaseModel], dotted: str, origin: str) -> tuple[tupl
 def parse_scalar_text(text: str, annotation: Any) -> Any:
     """Turn CLI/env text into a Python value; pydantic does the final type check."""
     stripped = text.strip()
-    if stripped[:1] in "[{":
+    if stripped and stripped[0] in "[{":
         try:
             return json.loads(stripped)
         except json.JSONDecodeError:
@@ -308,14 +308,20 @@ def collect_sources(
         try:
             path, annotation = resolve_path(model, key, f"CLI --{key}")
         except ConfigError:
-            if not key.startswith("no-") and not key.startswith("no_"):
+            # --no-a.flag and --a.no-flag both negate a.flag.
+            head, _, leaf = key.rpartition(".")
+            if leaf.startswith(("no-", "no_")):
+                positive = f"{head}.{leaf[3:]}" if head else leaf[3:]
+            elif key.startswith(("no-", "no_")):
+                positive = key[3:]
+            else:
                 raise
-            path, annotation = resolve_path(model, key[3:], f"CLI --{key}")
+            path, annotation = resolve_path(model, positive, f"CLI --{key}")
             negated = True
         origin = f"CLI --{key}"
         if negated:
             if not _is_bool_type(annotation):
-                raise ConfigError(f"{origin}: --no- only applies to boolean options, and {key[3:]!r} is not one")
+                raise ConfigError(f"{origin}: --no- only applies to boolean options, and {'.'.join(path)!r} is not one")
             if inline is not None:
                 raise ConfigError(f"{origin}: --{key} takes no value")
             value: Any = False
