@@ -101,3 +101,46 @@ def load_weights(path: Path) -> dict:
     for f in sorted(path.glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Rewrites earlier assistant turns (like Qwen3 stripping past reasoning): breaks the prefix property.
+STRIPPING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_char_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """A character-level fast tokenizer (printable ASCII + newline + chat specials) saved as an HF directory."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    chars = ["\n"] + [chr(i) for i in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = chat_template
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    return path
+
+
+def write_reverse_dataset(path: Path, n: int, seed: int = 0) -> Path:
+    """Prompt-completion rows: a short lowercase word and its reversal."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(n):
+        word = "".join(chr(ord("a") + int(c)) for c in rng.integers(0, 6, int(rng.integers(3, 7))))
+        lines.append(json.dumps({"prompt": word, "completion": word[::-1]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path

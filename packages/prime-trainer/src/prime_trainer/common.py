@@ -78,7 +78,10 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         source=source,
         optimizer=optimizer,
         ckpt=CheckpointManager(config.ckpt, run_dir, world),
-        publisher=WeightPublisher(run_dir, world, source.tokenizer, config.async_level, config.weights.keep_all),
+        # SFT exports are few and each is a result; RL keeps only what the async window and checkpoints need.
+        publisher=WeightPublisher(
+            run_dir, world, source.tokenizer, config.async_level, config.weights.keep_all or process == "sft"
+        ),
         monitor=monitor,
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
         loss_scale=loss_scale(model, world),

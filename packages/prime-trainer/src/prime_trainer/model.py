@@ -98,16 +98,25 @@ def token_logprobs(
     temperature: float,
     chunk_size: int,
     entropy_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, and the entropy of the distribution that predicted it.
 
     Position t holds the values for token t, predicted from position t - 1; position 0 holds 0 (never a loss token).
     """
     targets_RS = torch.roll(input_ids_RS, shifts=-1, dims=1)
     lp_RS, ent_RS = model(
-        input_ids_RS, position_ids_RS, targets=targets_RS, temperature=temperature, chunk_size=chunk_size
+        input_ids_RS,
+        position_ids_RS,
+        targets=targets_RS,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
     )
+    zero = lp_RS.new_zeros(lp_RS.shape[0], 1)
+    lp_RS = torch.cat([zero, lp_RS[:, :-1]], dim=1)
+    if ent_RS is None:
+        return lp_RS, None
     if not entropy_grad:
         ent_RS = ent_RS.detach()
-    zero = lp_RS.new_zeros(lp_RS.shape[0], 1)
-    return torch.cat([zero, lp_RS[:, :-1]], dim=1), torch.cat([zero, ent_RS[:, :-1]], dim=1)
+    return lp_RS, torch.cat([zero, ent_RS[:, :-1]], dim=1)

@@ -1,0 +1,122 @@
+"""The SFT trainer: masked next-token NLL over packed chat rows, normalized by the step's global trained-token count.
+
+Setup (``common.setup`` + the dataset), ``sft_step`` (one optimizer step), ``evaluate`` (validation loss), ``train``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from prime_core.config.trainer import SFTConfig
+from prime_core.schemas.microbatch import MicroBatch
+from prime_trainer import common
+from prime_trainer.model import token_logprobs
+from prime_trainer.rl.data import TensorMicroBatch, fake_micro_batches
+from prime_trainer.sft.data import PackedData, build_samples, eval_batches, load_rows, load_tokenizer
+from prime_trainer.world import all_reduce_sum
+
+
+def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
+    logprobs, _ = token_logprobs(
+        c.model, mb.input_ids, mb.position_ids, temperature=1.0, chunk_size=c.config.init.logprob_chunk_size,
+        entropy_grad=False, return_entropy=False,
+    )
+    return -(logprobs * mb.loss_mask).sum()
+
+
+def sft_step(c: common.Components, step: int, micro_batches: list[TensorMicroBatch]) -> dict[str, Any]:
+    local = [sum(mb.num_loss_tokens for mb in micro_batches), sum(mb.num_tokens for mb in micro_batches)]
+    num_loss_tokens, num_tokens = (int(x) for x in all_reduce_sum(local, c.world.device))
+    total = 0.0
+    for i, mb in enumerate(micro_batches):
+        common.set_grad_sync(c.model, i, len(micro_batches))
+        loss = nll_sum(c, mb) / max(num_loss_tokens, 1)
+        (loss * c.loss_scale).backward()
+        total += float(loss)
+    grad_norm, lr = common.optimizer_step(c, step)
+    (loss_mean,) = all_reduce_sum([total], c.world.device)
+    return {"loss/mean": loss_mean, "grad_norm": grad_norm, "lr": lr, "tokens": num_tokens,
+            "loss_tokens": num_loss_tokens}
+
+
+@torch.no_grad()
+def evaluate(c: common.Components, batches: list[MicroBatch]) -> float:
+    total, count = 0.0, 0
+    for mb in batches:
+        t = TensorMicroBatch.from_numpy(mb, c.world.device)
+        total += float(nll_sum(c, t))
+        count += t.num_loss_tokens
+    total, count = all_reduce_sum([total, count], c.world.device)
+    return total / max(count, 1)
+
+
+def build_data(config: SFTConfig, tokenizer_name: str, world) -> tuple[PackedData | None, list | None]:
+    """Training rows (None with fake data) and this rank's validation batches (None without validation)."""
+    if config.data.fake is not None:
+        return None, None
+    tokenizer = load_tokenizer(tokenizer_name, config.data.chat_template)
+    rows = load_rows(config.data.path, config.data.split)
+    val_rows: list = []
+    if config.val.path is not None:
+        val_rows = load_rows(config.val.path, config.data.split)
+    elif config.val.fraction > 0:
+        order = np.random.default_rng(config.seed).permutation(len(rows))
+        num_val = max(1, int(round(len(rows) * config.val.fraction)))
+        val_rows, rows = [rows[i] for i in order[:num_val]], [rows[i] for i in order[num_val:]]
+    samples = build_samples(rows, tokenizer, config.data.loss_mask, config.seq_len)
+    data = PackedData(samples, config.seq_len, config.data.batch_size, config.data.micro_batch_size,
+                      config.data.shuffle, config.seed)
+    val = None
+    if val_rows:
+        val_samples = build_samples(val_rows, tokenizer, config.data.loss_mask, config.seq_len)
+        val = eval_batches(val_samples, config.seq_len, config.data.micro_batch_size, world.rank, world.world_size,
+                           config.val.max_rows)
+    return data, val
+
+
+def train(config: SFTConfig) -> None:
+    c = common.setup(config, "sft")
+    data, val = build_data(config, c.source.tokenizer, c.world)
+    progress = common.resume(c)
+    start = progress["step"]
+    if data is not None and "data" in progress:
+        data.load_state(progress["data"])
+    vocab_size = c.source.hf_config["vocab_size"]
+    if data is not None:
+        c.logger.info("%d training samples, %d validation batches", len(data.samples), len(val or []))
+    if val is not None:
+        val_loss = evaluate(c, val)
+        c.logger.info("step %d | val loss %.4f (before training)", start, val_loss)
+        if c.monitor is not None:
+            c.monitor.log(start, {"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 20.0))})
+
+    for step in range(start, config.max_steps):
+        if data is None:
+            fake = config.data.fake
+            _, batches = fake_micro_batches(fake, config.seq_len, vocab_size, step, c.world, config.seed)
+            seq_len = fake.seq_len or config.seq_len
+        else:
+            batches = data.next_batch(c.world.rank, c.world.world_size)
+            seq_len = config.seq_len
+        micro_batches = [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
+
+        common.perf.reset_peak_memory(c.world.device)
+        t0 = time.perf_counter()
+        metrics = sft_step(c, step, micro_batches)
+        compute_s = time.perf_counter() - t0
+        metrics.update(common.perf_metrics(c, metrics["tokens"], seq_len, compute_s))
+        metrics["time/step"] = compute_s
+        done = step + 1
+        if val is not None and (done % config.val.interval == 0 or done == config.max_steps):
+            metrics["val/loss"] = evaluate(c, val)
+            metrics["val/perplexity"] = math.exp(min(metrics["val/loss"], 20.0))
+        publish = done == config.max_steps or (config.weights_interval is not None and done % config.weights_interval == 0)
+        state = {"data": data.state()} if data is not None else {}
+        common.after_step(c, step, metrics, state, publish=publish)
+
+    common.finish(c)
