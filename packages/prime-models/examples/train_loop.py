@@ -3,7 +3,6 @@
 import tempfile
 
 import torch
-
 from prime_models import ParallelDims, get_model_spec, load_model, save_hf
 
 config = {
