@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from prime_core.config.trainer import CISPOLossConfig, GRPOLossConfig, GSPOLossConfig
 from prime_trainer.rl.loss import LOSSES, LossInputs, build_objective, compute_loss, kl_penalty
 

@@ -4,15 +4,6 @@ import json
 
 import numpy as np
 import pytest
-from trainer_utils import (
-    STRIPPING_TEMPLATE,
-    TINY_QWEN3,
-    read_trainer_metrics,
-    run_cli,
-    write_char_tokenizer,
-    write_reverse_dataset,
-)
-
 from prime_core.config.trainer import LossMaskConfig
 from prime_core.run_dir import RunDir
 from prime_trainer.sft.data import (
@@ -24,6 +15,14 @@ from prime_trainer.sft.data import (
     pack,
     to_messages,
     tokenize_conversation,
+)
+from trainer_utils import (
+    STRIPPING_TEMPLATE,
+    TINY_QWEN3,
+    read_trainer_metrics,
+    run_cli,
+    write_char_tokenizer,
+    write_reverse_dataset,
 )
 
 CHAT = [
@@ -105,7 +104,10 @@ def test_packing_keeps_samples_whole():
     b = PackedData(samples, 16, 4, 1, True, 0)
     b.load_state(a.state())
     for _ in range(4):
-        assert all(np.array_equal(x.input_ids, y.input_ids) for x, y in zip(a.next_batch(0, 1), b.next_batch(0, 1)))
+        assert all(
+            np.array_equal(x.input_ids, y.input_ids)
+            for x, y in zip(a.next_batch(0, 1), b.next_batch(0, 1), strict=True)
+        )
 
 
 @pytest.mark.integration
@@ -115,9 +117,29 @@ def test_sft_lowers_validation_loss(tmp_path):
     data = write_reverse_dataset(tmp_path / "reverse.jsonl", 300)
     out = tmp_path / "out"
     run_cli(
-        ["--model.name", str(model_dir), "--init.random", "--data.path", str(data), "--output-dir", str(out),
-         "--seq-len", "64", "--max-steps", "40", "--data.batch-size", "4", "--optim.lr", "3e-3",
-         "--val.fraction", "0.1", "--val.interval", "40", "--log.level", "warning"],
+        [
+            "--model.name",
+            str(model_dir),
+            "--init.random",
+            "--data.path",
+            str(data),
+            "--output-dir",
+            str(out),
+            "--seq-len",
+            "64",
+            "--max-steps",
+            "40",
+            "--data.batch-size",
+            "4",
+            "--optim.lr",
+            "3e-3",
+            "--val.fraction",
+            "0.1",
+            "--val.interval",
+            "40",
+            "--log.level",
+            "warning",
+        ],
         module="prime_trainer.entrypoints.sft",
     )
     records = [r.values for r in __import__("prime_core.monitor", fromlist=["x"]).read_metrics(out / "metrics.jsonl")]

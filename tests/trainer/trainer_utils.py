@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from prime_core.run_dir import RunDir
 from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta, write_microbatches
 
@@ -53,8 +52,9 @@ def make_step_batches(step: int, num_micro_batches: int, rows: int, seq_len: int
     return out
 
 
-def write_rollouts(output_dir: Path, steps: int, num_ranks: int, micro_batches_per_step: int = 4, seq_len: int = 32,
-                   vocab: int = 96) -> None:
+def write_rollouts(
+    output_dir: Path, steps: int, num_ranks: int, micro_batches_per_step: int = 4, seq_len: int = 32, vocab: int = 96
+) -> None:
     """The same global batches split across ``num_ranks`` trainer ranks (rank r gets micro-batches r, r+R, ...)."""
     run_dir = RunDir(output_dir)
     for step in range(steps):
@@ -62,8 +62,14 @@ def write_rollouts(output_dir: Path, steps: int, num_ranks: int, micro_batches_p
         total = sum(mb.num_loss_tokens for mb in batches)
         for rank in range(num_ranks):
             mine = batches[rank::num_ranks]
-            meta = RolloutBatchMeta(step=step, rank=rank, num_micro_batches=len(mine), seq_len=seq_len,
-                                    temperature=0.8, global_loss_tokens=total)
+            meta = RolloutBatchMeta(
+                step=step,
+                rank=rank,
+                num_micro_batches=len(mine),
+                seq_len=seq_len,
+                temperature=0.8,
+                global_loss_tokens=total,
+            )
             write_microbatches(run_dir.rollout_file(step, rank), meta, mine)
 
 
@@ -72,11 +78,23 @@ def run_cli(args: list[str], *, nproc: int = 1, module: str = "prime_trainer.ent
     if nproc == 1:
         cmd = [sys.executable, "-m", module, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), "-m", module, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            module,
+            *args,
+        ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
@@ -126,7 +144,10 @@ def write_char_tokenizer(path: Path, chat_template: str = CHAT_TEMPLATE) -> Path
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
         additional_special_tokens=["<|im_start|>"],
     )
     fast.chat_template = chat_template

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
 from prime_core.config.shared import CheckpointConfig
 from prime_core.io import STABLE_MARKER, atomic_write_json, is_stable, mark_stable
 from prime_core.run_dir import RunDir
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")
@@ -54,8 +54,9 @@ class CheckpointManager:
         self.run_dir = run_dir
         self.world = world
         self._pending: tuple[Future, int, Path, dict] | None = None
-        # A separate gloo group keeps the background writer's collectives off the training process group.
-        self._pg = dist.new_group(backend="gloo") if config.save_async else None
+        # The background writer's collectives get a gloo group of their own: sharing one with the main thread's
+        # collectives (training, poll, barriers) could interleave them differently on different ranks and hang.
+        self._writer_pg = dist.new_group(backend="gloo") if config.save_async else None
 
     def due(self, step: int, max_steps: int) -> bool:
         """Save after ``step`` optimizer steps? Every ``interval`` steps and at the end, when an interval is set."""
@@ -74,7 +75,7 @@ class CheckpointManager:
         torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
         progress = {**progress, "step": step, "world_size": self.world.world_size}
         if self.config.save_async:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._pg)
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._writer_pg)
             self._pending = (future, step, tmp, progress)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
@@ -84,8 +85,8 @@ class CheckpointManager:
         """Finalize a background save once every rank's writer is done (one tiny collective per call)."""
         if self._pending is None:
             return
-        done = torch.tensor([float(self._pending[0].done())])
-        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._pg)
+        done = torch.tensor([float(self._pending[0].done())], device=self.world.device)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() == 1.0:
             self.wait()
 
@@ -98,7 +99,7 @@ class CheckpointManager:
         self._finalize(step, tmp, progress)
 
     def _finalize(self, step: int, tmp: Path, progress: dict[str, Any]) -> None:
-        dist.barrier(group=self._pg)
+        dist.barrier()
         if self.world.is_master:
             atomic_write_json(tmp / PROGRESS_FILE, progress)
             final = self.run_dir.trainer_checkpoint(step)
@@ -109,7 +110,7 @@ class CheckpointManager:
             mark_stable(final.parent)
             logger.info("saved checkpoint %s", final)
             self._cleanup()
-        dist.barrier(group=self._pg)
+        dist.barrier()
 
     def _cleanup(self) -> None:
         if self.config.keep is None:
@@ -121,6 +122,10 @@ class CheckpointManager:
             (step_dir / STABLE_MARKER).unlink(missing_ok=True)
             if step_dir.is_dir() and not any(step_dir.iterdir()):
                 step_dir.rmdir()
+
+    def protected_steps(self) -> list[int]:
+        """Complete checkpoints plus one still being written in the background (weights they need are kept)."""
+        return self.saved_steps() + ([self._pending[1]] if self._pending is not None else [])
 
     def saved_steps(self) -> list[int]:
         """Steps with a complete trainer checkpoint, ascending."""

@@ -11,9 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
-
 from prime_core.config import write_config
 from prime_core.config.trainer import SFTConfig, TrainerConfig
 from prime_core.io import atomic_write_json, is_stable
@@ -21,6 +18,9 @@ from prime_core.logging import setup_logging
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_models import flops_per_token
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
 from prime_trainer import perf
 from prime_trainer.ckpt import CheckpointManager
 from prime_trainer.model import ModelSource, build_model, loss_scale
@@ -60,13 +60,21 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         write_config(config, run_dir.config_file(process))
     model, source = build_model(config.model.name, config.model.dtype, config.init, config.parallel, world, config.seed)
     optimizer = build_optimizer(model, config.optim)
-    monitor = build_monitor(
-        config.monitor, output_dir=config.output_dir, process=process, run_config=config.model_dump(mode="json")
-    ) if world.is_master and not config.bench else None
+    monitor = (
+        build_monitor(
+            config.monitor, output_dir=config.output_dir, process=process, run_config=config.model_dump(mode="json")
+        )
+        if world.is_master and not config.bench
+        else None
+    )
     num_params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global size
     logger.info(
         "%s: %s (%.2fM parameters) on %d x %s",
-        process, config.model.name, num_params / 1e6, world.world_size, perf.device_name(world.device),
+        process,
+        config.model.name,
+        num_params / 1e6,
+        world.world_size,
+        perf.device_name(world.device),
     )
     return Components(
         config=config,
@@ -100,7 +108,7 @@ def publish_initial(c: Components, step: int, random_init: bool) -> None:
     if c.config.bench or not c.config.weights.publish:
         return
     if (step == 0 and random_init) or (step > 0 and not is_stable(c.run_dir.weight_step(step))):
-        c.publisher.publish(step, c.model, c.ckpt.saved_steps())
+        c.publisher.publish(step, c.model, c.ckpt.protected_steps())
 
 
 def set_grad_sync(model: nn.Module, index: int, count: int) -> None:
@@ -133,7 +141,7 @@ def after_step(c: Components, step: int, metrics: dict[str, Any], extra_state: d
     done = step + 1
     t0 = time.perf_counter()
     if publish and not c.config.bench and c.config.weights.publish:
-        ckpt_steps = c.ckpt.saved_steps() + ([done] if c.ckpt.due(done, c.config.max_steps) else [])
+        ckpt_steps = c.ckpt.protected_steps() + ([done] if c.ckpt.due(done, c.config.max_steps) else [])
         c.publisher.publish(done, c.model, ckpt_steps)
     metrics["time/publish"] = time.perf_counter() - t0
     t0 = time.perf_counter()

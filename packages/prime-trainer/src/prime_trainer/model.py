@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
-
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
 from prime_models import ParallelDims, get_model_spec, load_model
 from prime_models.parallel import apply_fsdp, default_mp_policy
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")

@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
+from prime_core.config.trainer import AdamWConfig, CosineSchedulerConfig, SchedulerConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-from prime_core.config.trainer import AdamWConfig, CosineSchedulerConfig, SchedulerConfig
 
 
 def build_optimizer(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimizer:

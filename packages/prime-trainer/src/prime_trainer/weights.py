@@ -13,11 +13,11 @@ import shutil
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from prime_core.io import atomic_dir
 from prime_core.run_dir import RunDir
 from prime_models import save_hf
+from torch import nn
+
 from prime_trainer.world import World, broadcast_object
 
 logger = logging.getLogger("prime.trainer")

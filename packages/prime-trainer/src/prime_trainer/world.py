@@ -27,7 +27,6 @@ def init_world(device: str = "auto", timeout_s: int = 3600) -> World:
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is visible")
-    rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:

@@ -1,8 +1,8 @@
 """``sft``: supervised fine-tuning on chat data. Run it directly (one process) or under torchrun.
 
-    sft @ sft.toml
-    torchrun --nproc-per-node 8 -m prime_trainer.entrypoints.sft @ sft.toml
-    sft --bench --model.name <dir>
+sft @ sft.toml
+torchrun --nproc-per-node 8 -m prime_trainer.entrypoints.sft @ sft.toml
+sft --bench --model.name <dir>
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``trainer``: the RL trainer. Run it directly (one process) or under torchrun (several processes and nodes).
 
-    trainer @ train.toml
-    torchrun --nproc-per-node 8 -m prime_trainer.entrypoints.trainer @ train.toml
-    trainer --bench --model.name <dir> --data.fake.batch-size 8
+trainer @ train.toml
+torchrun --nproc-per-node 8 -m prime_trainer.entrypoints.trainer @ train.toml
+trainer --bench --model.name <dir> --data.fake.batch-size 8
 """
 
 from __future__ import annotations

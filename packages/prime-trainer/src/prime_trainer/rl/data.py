@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from prime_core.config.trainer import FakeDataConfig, TrainerConfig
 from prime_core.run_dir import RunDir
 from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
 from prime_core.transport import make_receiver
+
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")

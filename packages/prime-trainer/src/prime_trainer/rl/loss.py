@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import Tensor
-
 from prime_core.config.trainer import CISPOLossConfig, GRPOLossConfig, GSPOLossConfig, LossConfig
+from torch import Tensor
 
 
 @dataclass

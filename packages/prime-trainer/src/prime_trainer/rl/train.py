@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from prime_core.config.trainer import TrainerConfig
 from prime_core.schemas.microbatch import MicroBatch
+
 from prime_trainer import common
 from prime_trainer.model import token_logprobs
 from prime_trainer.rl.data import RolloutSource, TensorMicroBatch, fake_micro_batches
@@ -103,7 +103,9 @@ def train(config: TrainerConfig) -> None:
         if meta.global_loss_tokens and meta.global_loss_tokens != metrics["loss_tokens"]:
             c.logger.warning(
                 "step %d: orchestrator announced %d loss tokens, ranks received %d",
-                step, meta.global_loss_tokens, metrics["loss_tokens"],
+                step,
+                meta.global_loss_tokens,
+                metrics["loss_tokens"],
             )
         common.after_step(c, step, metrics, {"loss": config.loss.type}, publish=True)
 

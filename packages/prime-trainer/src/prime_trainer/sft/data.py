@@ -10,6 +10,7 @@ templates that rewrite earlier turns (e.g. strip past reasoning) are refused wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from prime_core.config.trainer import LossMaskConfig
 from prime_core.schemas.microbatch import MicroBatch
 
@@ -95,10 +95,8 @@ def _clean_message(message: dict[str, Any]) -> dict[str, Any]:
     for call in out.get("tool_calls") or []:
         fn = call.get("function", {})
         if isinstance(fn.get("arguments"), str):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 fn["arguments"] = json.loads(fn["arguments"])
-            except json.JSONDecodeError:
-                pass
     return out
 
 
@@ -129,11 +127,13 @@ def tokenize_conversation(
     for k, message in enumerate(messages):
         text = render(tokenizer, messages[: k + 1], tools)
         if not text.startswith(prev):
-            at = next((i for i, (a, b) in enumerate(zip(prev, text, strict=False)) if a != b), min(len(prev), len(text)))
+            at = next(
+                (i for i, (a, b) in enumerate(zip(prev, text, strict=False)) if a != b), min(len(prev), len(text))
+            )
             raise PrefixPropertyError(
                 f"row {index}: the chat template lacks the prefix property: adding message {k} "
                 f"(role {message.get('role')!r}) changes how messages[:{k}] render (first difference at character "
-                f"{at}: {prev[at:at + 40]!r} became {text[at:at + 40]!r}). Templates that rewrite earlier turns (e.g. "
+                f"{at}: {prev[at : at + 40]!r} became {text[at : at + 40]!r}). Templates that rewrite earlier turns (e.g. "
                 "strip past reasoning) cannot be masked by role; use a template that keeps history verbatim "
                 "(--data.chat-template)."
             )
@@ -231,8 +231,9 @@ class PackedData:
     State is (epoch, rows consumed in the epoch), so a resumed run sees exactly the rows an uninterrupted run would.
     """
 
-    def __init__(self, samples: list[Sample], seq_len: int, batch_size: int, micro_batch_size: int, shuffle: bool,
-                 seed: int):
+    def __init__(
+        self, samples: list[Sample], seq_len: int, batch_size: int, micro_batch_size: int, shuffle: bool, seed: int
+    ):
         self.samples, self.seq_len = samples, seq_len
         self.batch_size, self.micro_batch_size = batch_size, micro_batch_size
         self.shuffle, self.seed = shuffle, seed
@@ -271,8 +272,9 @@ class PackedData:
         return [stack(mine[i : i + self.micro_batch_size]) for i in range(0, len(mine), self.micro_batch_size)]
 
 
-def eval_batches(samples: list[Sample], seq_len: int, micro_batch_size: int, rank: int, world_size: int,
-                 max_rows: int | None) -> list[MicroBatch]:
+def eval_batches(
+    samples: list[Sample], seq_len: int, micro_batch_size: int, rank: int, world_size: int, max_rows: int | None
+) -> list[MicroBatch]:
     """This rank's share of the validation rows (padded so every rank runs as many forward passes)."""
     rows = pack(samples, np.arange(len(samples)), seq_len)[:max_rows]
     per_step = micro_batch_size * world_size

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from prime_core.config.trainer import SFTConfig
 from prime_core.schemas.microbatch import MicroBatch
+
 from prime_trainer import common
 from prime_trainer.model import token_logprobs
 from prime_trainer.rl.data import TensorMicroBatch, fake_micro_batches
@@ -23,8 +23,13 @@ from prime_trainer.world import all_reduce_sum
 
 def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
     logprobs, _ = token_logprobs(
-        c.model, mb.input_ids, mb.position_ids, temperature=1.0, chunk_size=c.config.init.logprob_chunk_size,
-        entropy_grad=False, return_entropy=False,
+        c.model,
+        mb.input_ids,
+        mb.position_ids,
+        temperature=1.0,
+        chunk_size=c.config.init.logprob_chunk_size,
+        entropy_grad=False,
+        return_entropy=False,
     )
     return -(logprobs * mb.loss_mask).sum()
 
@@ -40,8 +45,13 @@ def sft_step(c: common.Components, step: int, micro_batches: list[TensorMicroBat
         total += float(loss)
     grad_norm, lr = common.optimizer_step(c, step)
     (loss_mean,) = all_reduce_sum([total], c.world.device)
-    return {"loss/mean": loss_mean, "grad_norm": grad_norm, "lr": lr, "tokens": num_tokens,
-            "loss_tokens": num_loss_tokens}
+    return {
+        "loss/mean": loss_mean,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens": num_tokens,
+        "loss_tokens": num_loss_tokens,
+    }
 
 
 @torch.no_grad()
@@ -69,13 +79,15 @@ def build_data(config: SFTConfig, tokenizer_name: str, world) -> tuple[PackedDat
         num_val = max(1, int(round(len(rows) * config.val.fraction)))
         val_rows, rows = [rows[i] for i in order[:num_val]], [rows[i] for i in order[num_val:]]
     samples = build_samples(rows, tokenizer, config.data.loss_mask, config.seq_len)
-    data = PackedData(samples, config.seq_len, config.data.batch_size, config.data.micro_batch_size,
-                      config.data.shuffle, config.seed)
+    data = PackedData(
+        samples, config.seq_len, config.data.batch_size, config.data.micro_batch_size, config.data.shuffle, config.seed
+    )
     val = None
     if val_rows:
         val_samples = build_samples(val_rows, tokenizer, config.data.loss_mask, config.seq_len)
-        val = eval_batches(val_samples, config.seq_len, config.data.micro_batch_size, world.rank, world.world_size,
-                           config.val.max_rows)
+        val = eval_batches(
+            val_samples, config.seq_len, config.data.micro_batch_size, world.rank, world.world_size, config.val.max_rows
+        )
     return data, val
 
 
@@ -115,7 +127,9 @@ def train(config: SFTConfig) -> None:
         if val is not None and (done % config.val.interval == 0 or done == config.max_steps):
             metrics["val/loss"] = evaluate(c, val)
             metrics["val/perplexity"] = math.exp(min(metrics["val/loss"], 20.0))
-        publish = done == config.max_steps or (config.weights_interval is not None and done % config.weights_interval == 0)
+        publish = done == config.max_steps or (
+            config.weights_interval is not None and done % config.weights_interval == 0
+        )
         state = {"data": data.state()} if data is not None else {}
         common.after_step(c, step, metrics, state, publish=publish)
 
