@@ -28,6 +28,8 @@ class ModelSource:
 
     hf_config: dict
     tokenizer: str
+    random_init: bool
+    """True when the weights are randomly initialized (no checkpoint on disk holds them)."""
 
 
 def resolve_source(name: str, init: ModelInitConfig) -> tuple[object, ModelSource]:
@@ -45,10 +47,10 @@ def resolve_source(name: str, init: ModelInitConfig) -> tuple[object, ModelSourc
     has_weights = any(path.glob("*.safetensors"))
     if init.config_overrides and has_weights and not init.random:
         raise ValueError("init.config_overrides change the architecture: use them with init.random")
-    target = hf_config if (init.random or not has_weights) else path
+    random_init = init.random or not has_weights
     if not init.random and not has_weights:
         logger.warning("model %s has no safetensors weights: initializing randomly", name)
-    return target, ModelSource(hf_config=hf_config, tokenizer=tokenizer)
+    return (hf_config if random_init else path), ModelSource(hf_config, tokenizer, random_init)
 
 
 def build_model(

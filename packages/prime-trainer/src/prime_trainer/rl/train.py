@@ -79,7 +79,7 @@ def train(config: TrainerConfig) -> None:
     c = common.setup(config, "trainer")
     objective = build_objective(config.loss)
     start = common.resume(c)["step"]
-    common.publish_initial(c, start, config.init.random)
+    common.publish_initial(c, start, c.source.random_init)
     source = None if config.data.fake else RolloutSource(config, c.world)
     vocab_size = c.source.hf_config["vocab_size"]
     c.logger.info("training steps %d..%d with %s loss", start, config.max_steps - 1, config.loss.type)
