@@ -1,0 +1,36 @@
+"""Small trainer pieces: lr schedules, rollout wait timeout, bench defaults, config help."""
+
+import math
+
+import pytest
+import torch
+from prime_core.config import load_config
+from prime_core.config.trainer import CosineSchedulerConfig, SFTConfig, TrainerConfig
+from prime_trainer.optim import lr_at
+from prime_trainer.rl.data import RolloutSource
+from prime_trainer.world import World
+
+
+def test_schedules():
+    cfg = TrainerConfig().scheduler.model_copy(update={"warmup_steps": 4})
+    assert [lr_at(s, 1.0, cfg, 10) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = CosineSchedulerConfig(warmup_steps=2, min_lr=0.1)
+    assert lr_at(1, 1.0, cos, 12) == 1.0 and lr_at(2, 1.0, cos, 12) == pytest.approx(1.0)
+    assert lr_at(11, 1.0, cos, 12) == pytest.approx(0.1)
+    # Cosine over steps 2..11: step 6 is 4/9 of the way.
+    assert lr_at(6, 1.0, cos, 12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 9)))
+
+
+def test_rollout_wait_timeout_names_the_step(tmp_path):
+    config = load_config(TrainerConfig, ["--output-dir", str(tmp_path), "--data.wait-timeout-s", "0.2"])
+    source = RolloutSource(config, World(rank=1, world_size=2, local_rank=1, device=torch.device("cpu")))
+    with pytest.raises(RuntimeError, match=r"step 4: no rollouts for rank 1 after 0s .*rank_1"):
+        source.get(4)
+
+
+def test_bench_defaults_and_loss_union():
+    cfg = load_config(TrainerConfig, ["--bench", "--loss.type", "cispo", "--data.fake.micro-batch-size", "2"])
+    assert cfg.max_steps == 5 and cfg.data.fake.micro_batch_size == 2 and cfg.loss.clip_high == 0.28
+    assert load_config(SFTConfig, ["--bench", "--max-steps", "3"]).max_steps == 3
+    with pytest.raises(ValueError, match="data.path"):
+        load_config(SFTConfig, [])
