@@ -28,7 +28,7 @@ class Policy:
         c = self.config.client
         t0 = time.perf_counter()
         await client.update_weights(
-            c.base_urls, str(self.run_dir.weight_step(step)), step,
+            c.base_urls, str(self.run_dir.weight_step(step).resolve()), step,
             api_key=c.resolved_api_key(), timeout=c.update_weights_timeout, retries=c.max_retries,
         )
         self.last_update_time = time.perf_counter() - t0
