@@ -301,12 +301,13 @@ class Orchestrator:
         producer = asyncio.create_task(self.rollout_loop(buffer))
         consumer = asyncio.create_task(self.ship_loop(buffer))
         try:
-            done, _ = await asyncio.wait([producer, consumer, watcher], return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
-            await consumer
-            await producer
+            # Run until every batch shipped; a failure in any loop (or the weight relay) ends the run.
+            pending = {producer, consumer, watcher}
+            while not consumer.done():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
             if self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks)
             logger.info("finished %d steps", len(self.shipped))
