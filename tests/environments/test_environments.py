@@ -46,7 +46,12 @@ def test_tasksets_load_through_verifiers_and_score():
     assert asyncio.run(score(t, trace))[0] == 1.0
     g = load_tasks("guess-number", {"num_examples": 2})[0]
     info: dict = {}
-    msgs = [{"role": "assistant", "content": f'<tool_call>{{"name": "guess", "arguments": {{"number": {g.data.secret}}}}}</tool_call>'}]
+    msgs = [
+        {
+            "role": "assistant",
+            "content": f'<tool_call>{{"name": "guess", "arguments": {{"number": {g.data.secret}}}}}</tool_call>',
+        }
+    ]
     assert g.env_response(msgs, info) is None and info["solved"]
     total, signals = asyncio.run(score(g, RolloutTrace(msgs, info, 1)))
     assert total == 1.0 and signals["metric/num_guesses"] == 1.0

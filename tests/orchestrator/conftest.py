@@ -26,19 +26,33 @@ def build_model(path: Path, seed: int = 0) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        chat_template=chat_template)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=chat_template
+    )
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -56,16 +70,20 @@ class TorchServer:
 
     def __init__(self, model_dir: Path):
         import uvicorn
-
         from prime_core.config.inference import InferenceConfig
         from prime_inference.engines import build_engine
         from prime_inference.server import build_app
 
         port = free_port()
-        config = InferenceConfig.model_validate({
-            "model": {"name": str(model_dir), "dtype": "float32"}, "engine": "torch", "max_model_len": 512,
-            "server": {"port": port}, "log": {"file": False},
-        })
+        config = InferenceConfig.model_validate(
+            {
+                "model": {"name": str(model_dir), "dtype": "float32"},
+                "engine": "torch",
+                "max_model_len": 512,
+                "server": {"port": port},
+                "log": {"file": False},
+            }
+        )
         self.url = f"http://127.0.0.1:{port}"
         app = build_app(config, lambda: build_engine(config))
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-
 from prime_core.config.orchestrator import AdvantageConfig, LengthPenaltyConfig
 from prime_orchestrator.advantages import ADVANTAGES, compute_advantages
 

@@ -13,9 +13,17 @@ def test_import_prime_orchestrator_imports_no_torch():
 
 
 def test_help_is_fast_and_lists_options():
-    out = subprocess.run([sys.executable, "-m", "prime_orchestrator.entrypoints.orchestrator", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_orchestrator.entrypoints.orchestrator", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "--async-level" in out and "--advantage.type" in out
-    out = subprocess.run([sys.executable, "-m", "prime_orchestrator.entrypoints.eval", "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_orchestrator.entrypoints.eval", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "--environment-ids" in out and "--weights-dir" in out

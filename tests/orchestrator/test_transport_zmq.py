@@ -1,7 +1,6 @@
 import socket
 
 import numpy as np
-
 from prime_core.run_dir import RunDir
 from prime_core.transport import RolloutTransportConfig, make_receiver, make_sender
 from prime_orchestrator.packing import Sample, pack

@@ -8,10 +8,46 @@ import re
 
 SYSTEM_PROMPT = "Reverse the text character by character. Put your answer in <reversed> tags."
 
-WORDS = (
-    "cat dog sun moon tree bird fish rain snow wind star leaf rock sand sea sky red blue green gold "
-    "apple bread milk tea cup pen book door road hill lake rose king queen ship boat song word"
-).split()
+WORDS = [
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "tree",
+    "bird",
+    "fish",
+    "rain",
+    "snow",
+    "wind",
+    "star",
+    "leaf",
+    "rock",
+    "sand",
+    "sea",
+    "sky",
+    "red",
+    "blue",
+    "green",
+    "gold",
+    "apple",
+    "bread",
+    "milk",
+    "tea",
+    "cup",
+    "pen",
+    "book",
+    "door",
+    "road",
+    "hill",
+    "lake",
+    "rose",
+    "king",
+    "queen",
+    "ship",
+    "boat",
+    "song",
+    "word",
+]
 
 _TAG_RE = re.compile(r"<reversed>(.*?)</reversed>", re.DOTALL)
 

@@ -35,4 +35,6 @@ class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
     def load(self) -> Iterable[ReverseTextTask]:
         c = self.config
         for ex in generate_examples(c.num_examples, c.seed, c.min_chars, c.max_chars):
-            yield ReverseTextTask(ReverseTextData(prompt=ex["prompt"], system_prompt=SYSTEM_PROMPT, answer=ex["answer"]))
+            yield ReverseTextTask(
+                ReverseTextData(prompt=ex["prompt"], system_prompt=SYSTEM_PROMPT, answer=ex["answer"])
+            )

@@ -10,6 +10,7 @@ reconnects the DEALER by itself). Duplicates are acknowledged and dropped. ``imp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -55,14 +56,18 @@ def decode(payload: bytes) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
     header = json.loads(payload[8 : 8 + header_len])
     data = json.loads(header["__metadata__"]["prime"])
     if data.get("schema_version") != MICROBATCH_SCHEMA_VERSION:
-        raise ValueError(f"micro-batch schema version {data.get('schema_version')}, expected {MICROBATCH_SCHEMA_VERSION}")
+        raise ValueError(
+            f"micro-batch schema version {data.get('schema_version')}, expected {MICROBATCH_SCHEMA_VERSION}"
+        )
     meta = RolloutBatchMeta.model_validate(data)
     tensors = load(payload)
     mbs = []
     for i in range(meta.num_micro_batches):
         fields = {name: tensors[f"{i}.{name}"] for name in MICROBATCH_FIELDS}
         prefix = f"{i}.extra."
-        mbs.append(MicroBatch(**fields, extra={k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}))
+        mbs.append(
+            MicroBatch(**fields, extra={k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+        )
     return meta, mbs
 
 
@@ -115,10 +120,8 @@ class ZmqSender:
                     for k, p in due:
                         self._unacked[k] = (p, now)
                 for (rank, step), payload in due:
-                    try:
+                    with contextlib.suppress(zmq.Again):
                         socks[rank].send_multipart([b"DATA", str(step).encode(), payload], flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        pass
                 for sock, _ in poller.poll(50):
                     while True:
                         try:
@@ -170,7 +173,9 @@ class ZmqReceiver:
         while step not in self._buffer:
             now = time.monotonic()
             if timeout is not None and now - start > timeout:
-                raise TimeoutError(f"trainer rank {self.rank}: no rollouts for step {step} over zmq after {timeout:.0f}s")
+                raise TimeoutError(
+                    f"trainer rank {self.rank}: no rollouts for step {step} over zmq after {timeout:.0f}s"
+                )
             if self.on_wait is not None and now - last_log >= self.log_every:
                 self.on_wait(now - start)
                 last_log = now

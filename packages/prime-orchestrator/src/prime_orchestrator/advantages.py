@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
 from prime_core.config.orchestrator import AdvantageConfig
 
 STD_EPS = 1e-6

@@ -7,7 +7,6 @@ import logging
 from typing import Any
 
 import httpx
-
 from prime_core.schemas.weights import WeightUpdateRequest
 
 logger = logging.getLogger("prime.orchestrator.client")
@@ -32,7 +31,9 @@ async def post_json(
         try:
             resp = await client.post(url, json=body, timeout=timeout)
             if resp.status_code >= 500:
-                raise httpx.HTTPStatusError(f"{resp.status_code}: {resp.text[:300]}", request=resp.request, response=resp)
+                raise httpx.HTTPStatusError(
+                    f"{resp.status_code}: {resp.text[:300]}", request=resp.request, response=resp
+                )
             if resp.status_code >= 400:
                 raise RuntimeError(f"POST {url} -> {resp.status_code}: {resp.text[:500]}")
             return resp.json()
@@ -101,7 +102,9 @@ async def chat_completion(
 ) -> tuple[str, int, str | None]:
     """OpenAI chat completion: returns (text, completion tokens, finish reason)."""
     body = {"model": model, "messages": messages, **sampling}
-    data = await post_json(client, base_url.rstrip("/") + "/v1/chat/completions", body, timeout=timeout, retries=retries)
+    data = await post_json(
+        client, base_url.rstrip("/") + "/v1/chat/completions", body, timeout=timeout, retries=retries
+    )
     choice = data["choices"][0]
     usage = data.get("usage") or {}
     return choice["message"].get("content") or "", int(usage.get("completion_tokens", 0)), choice.get("finish_reason")

@@ -48,8 +48,13 @@ class EnvWorkerProcess:
         loop = asyncio.get_running_loop()
         self._ready = loop.create_future()
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "prime_orchestrator.env_worker", json.dumps(self.spec),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=2**26,
+            sys.executable,
+            "-m",
+            "prime_orchestrator.env_worker",
+            json.dumps(self.spec),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=2**26,
         )
         self._reader = asyncio.create_task(self._read())
         try:
@@ -109,8 +114,9 @@ class EnvWorkerProcess:
 class EnvPool:
     """``num_workers`` workers of one environment."""
 
-    def __init__(self, name: str, spec: dict[str, Any], num_workers: int, *, max_retries: int = 3,
-                 start_timeout: float = 300.0):
+    def __init__(
+        self, name: str, spec: dict[str, Any], num_workers: int, *, max_retries: int = 3, start_timeout: float = 300.0
+    ):
         self.name = name
         self.spec = spec
         self.max_retries = max_retries
@@ -167,8 +173,9 @@ class EnvPool:
         await asyncio.gather(*(w.kill() for w in self.workers), return_exceptions=True)
 
 
-def worker_spec(*, env_id: str, env_args: dict, model: str, model_dir: str, client: Any, mode: str,
-                max_turns: int) -> dict[str, Any]:
+def worker_spec(
+    *, env_id: str, env_args: dict, model: str, model_dir: str, client: Any, mode: str, max_turns: int
+) -> dict[str, Any]:
     return {
         "env_id": env_id,
         "env_args": env_args,

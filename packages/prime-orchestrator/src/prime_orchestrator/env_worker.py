@@ -130,10 +130,20 @@ class Worker:
         for turn in range(spec.get("max_turns", 8)):
             t0 = time.perf_counter()
             if self.renderer is not None:
-                turn_sampling = {**sampling, "seed": sampling["seed"] + turn, "stop_token_ids": self.renderer.stop_token_ids}
+                turn_sampling = {
+                    **sampling,
+                    "seed": sampling["seed"] + turn,
+                    "stop_token_ids": self.renderer.stop_token_ids,
+                }
                 new_ids, new_lps, finish_reason = await client.generate_tokens(
-                    self.http, base_url, spec["generate_path"], model=spec["model"], token_ids=ids,
-                    sampling=turn_sampling, timeout=spec["timeout"], retries=spec["retries"],
+                    self.http,
+                    base_url,
+                    spec["generate_path"],
+                    model=spec["model"],
+                    token_ids=ids,
+                    sampling=turn_sampling,
+                    timeout=spec["timeout"],
+                    retries=spec["retries"],
                 )
                 ids += new_ids
                 mask += [True] * len(new_ids)
@@ -143,8 +153,13 @@ class Worker:
             else:
                 chat_sampling = {**sampling, "seed": sampling["seed"] + turn}
                 text, n_tok, finish_reason = await client.chat_completion(
-                    self.http, base_url, model=spec["model"], messages=messages, sampling=chat_sampling,
-                    timeout=spec["timeout"], retries=spec["retries"],
+                    self.http,
+                    base_url,
+                    model=spec["model"],
+                    messages=messages,
+                    sampling=chat_sampling,
+                    timeout=spec["timeout"],
+                    retries=spec["retries"],
                 )
                 completion_tokens += n_tok
             latency += time.perf_counter() - t0
@@ -156,7 +171,9 @@ class Worker:
                 break
             messages.extend(reply)
             if self.renderer is not None:
-                env_ids = self.renderer.close_turn(new_ids) + self.renderer.render(reply) + self.renderer.generation_prompt()
+                env_ids = (
+                    self.renderer.close_turn(new_ids) + self.renderer.render(reply) + self.renderer.generation_prompt()
+                )
                 ids += env_ids
                 mask += [False] * len(env_ids)
                 logprobs += [0.0] * len(env_ids)

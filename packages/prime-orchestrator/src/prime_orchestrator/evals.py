@@ -37,13 +37,21 @@ def summarize(rewards_per_example: list[list[float]], threshold: float = 1.0) ->
         "rollouts_per_example": n,
     }
     for k in ks_up_to(n):
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(len(rs), sum(r >= threshold for r in rs), k)
-                                          for rs in rewards_per_example]))
+        out[f"pass@{k}"] = float(
+            np.mean([pass_at_k(len(rs), sum(r >= threshold for r in rs), k) for rs in rewards_per_example])
+        )
     return out
 
 
-async def evaluate_pool(pool: EnvPool, *, num_examples: int, rollouts_per_example: int, sampling: Any,
-                        seed: int, semaphore: asyncio.Semaphore | None = None) -> tuple[dict[str, Any], list[dict]]:
+async def evaluate_pool(
+    pool: EnvPool,
+    *,
+    num_examples: int,
+    rollouts_per_example: int,
+    sampling: Any,
+    seed: int,
+    semaphore: asyncio.Semaphore | None = None,
+) -> tuple[dict[str, Any], list[dict]]:
     from prime_orchestrator.orchestrator import request_seed
 
     params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
@@ -51,15 +59,31 @@ async def evaluate_pool(pool: EnvPool, *, num_examples: int, rollouts_per_exampl
 
     async def one(example: int, j: int) -> dict[str, Any]:
         async with semaphore:
-            return await pool.run({"example": example, "sampling": params,
-                                   "seed": request_seed(seed, -2, example * rollouts_per_example + j)})
+            return await pool.run(
+                {
+                    "example": example,
+                    "sampling": params,
+                    "seed": request_seed(seed, -2, example * rollouts_per_example + j),
+                }
+            )
 
     examples = list(range(min(num_examples, pool.num_examples)))
     results = await asyncio.gather(*(one(e, j) for e in examples for j in range(rollouts_per_example)))
-    per_example = [[results[i * rollouts_per_example + j]["reward"] for j in range(rollouts_per_example)]
-                   for i in range(len(examples))]
-    rows = [{"example": r["example"], "reward": r["reward"], "prompt": r["prompt"], "completion": r["completion"],
-             "num_turns": r["num_turns"], "signals": r["signals"]} for r in results]
+    per_example = [
+        [results[i * rollouts_per_example + j]["reward"] for j in range(rollouts_per_example)]
+        for i in range(len(examples))
+    ]
+    rows = [
+        {
+            "example": r["example"],
+            "reward": r["reward"],
+            "prompt": r["prompt"],
+            "completion": r["completion"],
+            "num_turns": r["num_turns"],
+            "signals": r["signals"],
+        }
+        for r in results
+    ]
     return summarize(per_example), rows
 
 
@@ -78,8 +102,14 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = [header]
     for label, per_env in results.items():
         for env, s in per_env.items():
-            lines.append([label, env, str(s["num_examples"] * s["rollouts_per_example"]),
-                          *[f"{s[k]:.4f}" if k in s else "-" for k in keys]])
+            lines.append(
+                [
+                    label,
+                    env,
+                    str(s["num_examples"] * s["rollouts_per_example"]),
+                    *[f"{s[k]:.4f}" if k in s else "-" for k in keys],
+                ]
+            )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in lines]
     out.insert(1, "  ".join("-" * w for w in widths))

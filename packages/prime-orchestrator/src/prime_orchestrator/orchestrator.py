@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
 from prime_core.io import atomic_dir, atomic_write_json
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_core.transport import make_sender
+
 from prime_orchestrator import client as inference
 from prime_orchestrator.advantages import compute_advantages
 from prime_orchestrator.env_pool import EnvPool, worker_spec
@@ -82,21 +82,32 @@ class Orchestrator:
     # ----- setup -----
     def _spec(self, env: EnvConfig, mode: str = "generate") -> dict[str, Any]:
         c = self.config
-        return worker_spec(env_id=env.id, env_args=env.args, model=c.model.name, model_dir=c.model.name,
-                           client=c.client, mode=mode, max_turns=env.max_turns)
+        return worker_spec(
+            env_id=env.id,
+            env_args=env.args,
+            model=c.model.name,
+            model_dir=c.model.name,
+            client=c.client,
+            mode=mode,
+            max_turns=env.max_turns,
+        )
 
     async def setup(self) -> None:
         c = self.config
-        self.monitor = build_monitor(c.monitor, output_dir=c.output_dir, process="orchestrator",
-                                     run_config=c.model_dump(mode="json"))
-        await inference.wait_healthy(c.client.base_urls, api_key=c.client.resolved_api_key(),
-                                     timeout=c.client.health_timeout)
+        self.monitor = build_monitor(
+            c.monitor, output_dir=c.output_dir, process="orchestrator", run_config=c.model_dump(mode="json")
+        )
+        await inference.wait_healthy(
+            c.client.base_urls, api_key=c.client.resolved_api_key(), timeout=c.client.health_timeout
+        )
         for env in c.env:
-            self.pools[env.resolved_name] = EnvPool(env.resolved_name, self._spec(env), env.num_workers,
-                                                    max_retries=c.max_rollout_retries)
+            self.pools[env.resolved_name] = EnvPool(
+                env.resolved_name, self._spec(env), env.num_workers, max_retries=c.max_rollout_retries
+            )
         for env in c.eval.envs:
-            self.eval_pools[env.resolved_name] = EnvPool(f"eval/{env.resolved_name}", self._spec(env),
-                                                         env.num_workers, max_retries=c.max_rollout_retries)
+            self.eval_pools[env.resolved_name] = EnvPool(
+                f"eval/{env.resolved_name}", self._spec(env), env.num_workers, max_retries=c.max_rollout_retries
+            )
         await asyncio.gather(*(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]))
         if c.ckpt.resume_step:
             self._load_checkpoint(c.ckpt.resume_step)
@@ -111,8 +122,7 @@ class Orchestrator:
     def _save_checkpoint(self, next_step: int) -> None:
         cursors = self.cursor_history.get(next_step, self.cursors)
         with atomic_dir(self.run_dir.orchestrator_checkpoint(next_step)) as tmp:
-            atomic_write_json(tmp / "progress.json", {"step": next_step, "cursors": cursors,
-                                                      "seed": self.config.seed})
+            atomic_write_json(tmp / "progress.json", {"step": next_step, "cursors": cursors, "seed": self.config.seed})
         logger.info("saved orchestrator checkpoint %s", self.run_dir.orchestrator_checkpoint(next_step))
 
     def _load_checkpoint(self, step: int) -> None:
@@ -144,8 +154,11 @@ class Orchestrator:
             request = {
                 "example": example,
                 "seed": request_seed(c.seed, step, index),
-                "sampling": {"temperature": c.sampling.temperature, "top_p": c.sampling.top_p,
-                             "max_tokens": c.sampling.max_tokens},
+                "sampling": {
+                    "temperature": c.sampling.temperature,
+                    "top_p": c.sampling.top_p,
+                    "max_tokens": c.sampling.max_tokens,
+                },
             }
             result = await self.pools[env].run(request)
         return Rollout(env, example, group, weight_step, result)
@@ -187,8 +200,17 @@ class Orchestrator:
                 continue
             for r, a in zip(group, adv, strict=True):
                 res = r.result
-                samples.append(Sample(res["token_ids"], res["loss_mask"], res["logprobs"], float(a),
-                                      r.weight_step, r.env, res["reward"]))
+                samples.append(
+                    Sample(
+                        res["token_ids"],
+                        res["loss_mask"],
+                        res["logprobs"],
+                        float(a),
+                        r.weight_step,
+                        r.env,
+                        res["reward"],
+                    )
+                )
         return samples, {"filtered/groups": filtered}
 
     def _metrics(self, batch: StepBatch, samples: list[Sample], extra: dict[str, Any]) -> dict[str, Any]:
@@ -233,9 +255,17 @@ class Orchestrator:
         if not cfg.enabled or step % cfg.interval:
             return
         rows = [
-            {"step": step, "env": r.env, "example": r.example, "weight_step": r.weight_step,
-             "reward": r.result["reward"], "prompt": r.result["prompt"], "completion": r.result["completion"]}
-            for g in batch.groups for r in g
+            {
+                "step": step,
+                "env": r.env,
+                "example": r.example,
+                "weight_step": r.weight_step,
+                "reward": r.result["reward"],
+                "prompt": r.result["prompt"],
+                "completion": r.result["completion"],
+            }
+            for g in batch.groups
+            for r in g
         ][: cfg.num_samples]
         path = self.run_dir.root / "samples" / f"orchestrator_step_{step}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,22 +279,39 @@ class Orchestrator:
         c = self.config
         t0 = time.perf_counter()
         samples, extra = self._samples(batch)
-        packed = pack(samples, step=batch.step, seq_len=c.seq_len, num_ranks=c.num_trainer_ranks,
-                      micro_batch_rows=c.micro_batch_rows, temperature=c.sampling.temperature,
-                      long_samples=c.filters.long_samples,
-                      extras={f"batch/{k}": v for k, v in self._env_counts(batch).items()})
+        packed = pack(
+            samples,
+            step=batch.step,
+            seq_len=c.seq_len,
+            num_ranks=c.num_trainer_ranks,
+            micro_batch_rows=c.micro_batch_rows,
+            temperature=c.sampling.temperature,
+            long_samples=c.filters.long_samples,
+            extras={f"batch/{k}": v for k, v in self._env_counts(batch).items()},
+        )
         for rank in range(c.num_trainer_ranks):
             await asyncio.to_thread(self.sender.send, batch.step, rank, packed.metas[rank], packed.micro_batches[rank])
-        extra.update({"filtered/long_samples": packed.num_truncated + packed.num_dropped,
-                      "truncated/long_samples": packed.num_truncated, "dropped/long_samples": packed.num_dropped,
-                      "micro_batches": packed.metas[0].num_micro_batches, "time/pack_and_send": time.perf_counter() - t0})
+        extra.update(
+            {
+                "filtered/long_samples": packed.num_truncated + packed.num_dropped,
+                "truncated/long_samples": packed.num_truncated,
+                "dropped/long_samples": packed.num_dropped,
+                "micro_batches": packed.metas[0].num_micro_batches,
+                "time/pack_and_send": time.perf_counter() - t0,
+            }
+        )
         metrics = self._metrics(batch, samples, extra)
         self.monitor.log(batch.step, metrics)
         self.shipped.append(batch.step)
         logger.info(
             "Step %d | Reward %.4f | Lag max %d | Filtered %d groups | Samples %d | %.0f tok/s | wait %.1fs",
-            batch.step, metrics["reward/mean"], metrics["off_policy_lag/max"], metrics["filtered/groups"],
-            len(samples), metrics["throughput/rollout_tokens_per_s"], batch.wait_for_policy,
+            batch.step,
+            metrics["reward/mean"],
+            metrics["off_policy_lag/max"],
+            metrics["filtered/groups"],
+            len(samples),
+            metrics["throughput/rollout_tokens_per_s"],
+            batch.wait_for_policy,
         )
         self._log_extras(batch.step, batch)
         nxt = batch.step + 1
@@ -281,9 +328,14 @@ class Orchestrator:
 
     async def _eval(self, step: int) -> None:
         e = self.config.eval
-        results = await evaluate_envs(self.eval_pools, num_examples=e.num_examples,
-                                      rollouts_per_example=e.rollouts_per_example, sampling=self.config.sampling,
-                                      seed=self.config.seed, semaphore=self.semaphore)
+        results = await evaluate_envs(
+            self.eval_pools,
+            num_examples=e.num_examples,
+            rollouts_per_example=e.rollouts_per_example,
+            sampling=self.config.sampling,
+            seed=self.config.seed,
+            semaphore=self.semaphore,
+        )
         values = {"eval/policy_version": self.policy.version}
         for env, summary in results.items():
             values.update({f"eval/{env}/{k}": v for k, v in summary.items() if isinstance(v, int | float)})
@@ -320,8 +372,9 @@ class Orchestrator:
             await self.close()
 
     async def close(self) -> None:
-        await asyncio.gather(*(p.close() for p in [*self.pools.values(), *self.eval_pools.values()]),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(p.close() for p in [*self.pools.values(), *self.eval_pools.values()]), return_exceptions=True
+        )
         if self.sender is not None:
             await asyncio.to_thread(self.sender.close)
         if self.monitor is not None:
@@ -330,14 +383,18 @@ class Orchestrator:
     # ----- bench -----
     async def bench(self) -> dict[str, Any]:
         c = self.config
-        await inference.wait_healthy(c.client.base_urls, api_key=c.client.resolved_api_key(),
-                                     timeout=c.client.health_timeout)
+        await inference.wait_healthy(
+            c.client.base_urls, api_key=c.client.resolved_api_key(), timeout=c.client.health_timeout
+        )
         env = c.env[0]
         pool = EnvPool(env.resolved_name, {**self._spec(env), "max_turns": 1}, env.num_workers)
         await pool.start()
         try:
-            sampling = {"temperature": c.sampling.temperature, "top_p": c.sampling.top_p,
-                        "max_tokens": c.bench_config.max_tokens}
+            sampling = {
+                "temperature": c.sampling.temperature,
+                "top_p": c.sampling.top_p,
+                "max_tokens": c.bench_config.max_tokens,
+            }
             t0 = time.perf_counter()
 
             async def one(i: int) -> dict[str, Any]:

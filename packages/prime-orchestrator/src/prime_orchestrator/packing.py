@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
 
 
@@ -54,8 +53,14 @@ def fit_to_seq_len(samples: list[Sample], seq_len: int, mode: str) -> tuple[list
             truncated += 1
             kept.append(
                 Sample(
-                    s.token_ids[:seq_len], s.loss_mask[:seq_len], s.logprobs[:seq_len], s.advantage,
-                    s.weight_step, s.env, s.reward, s.extras,
+                    s.token_ids[:seq_len],
+                    s.loss_mask[:seq_len],
+                    s.logprobs[:seq_len],
+                    s.advantage,
+                    s.weight_step,
+                    s.env,
+                    s.reward,
+                    s.extras,
                 )
             )
     return kept, truncated, dropped

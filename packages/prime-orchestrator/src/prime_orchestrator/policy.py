@@ -8,6 +8,7 @@ import time
 
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.run_dir import RunDir
+
 from prime_orchestrator import client
 
 logger = logging.getLogger("prime.orchestrator.policy")
@@ -28,8 +29,12 @@ class Policy:
         c = self.config.client
         t0 = time.perf_counter()
         await client.update_weights(
-            c.base_urls, str(self.run_dir.weight_step(step).resolve()), step,
-            api_key=c.resolved_api_key(), timeout=c.update_weights_timeout, retries=c.max_retries,
+            c.base_urls,
+            str(self.run_dir.weight_step(step).resolve()),
+            step,
+            api_key=c.resolved_api_key(),
+            timeout=c.update_weights_timeout,
+            retries=c.max_retries,
         )
         self.last_update_time = time.perf_counter() - t0
         self.num_updates += 1

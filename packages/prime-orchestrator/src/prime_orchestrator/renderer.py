@@ -20,7 +20,9 @@ class ChatRenderer:
         self.im_start = tokenizer.token_to_id(IM_START)
         self.im_end = tokenizer.token_to_id(IM_END)
         if self.im_start is None or self.im_end is None:
-            raise ValueError(f"tokenizer has no {IM_START} / {IM_END} tokens; token-in rollouts need a ChatML tokenizer")
+            raise ValueError(
+                f"tokenizer has no {IM_START} / {IM_END} tokens; token-in rollouts need a ChatML tokenizer"
+            )
         self.stop_token_ids = sorted(set(stop_token_ids) | {self.im_end})
 
     @classmethod
