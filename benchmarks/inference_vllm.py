@@ -133,7 +133,9 @@ def main() -> None:
     result["offline"] = {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_per_s": out_tokens / elapsed}
     result["server_vs_offline"] = result["server"]["output_tok_per_s"] / result["offline"]["output_tok_per_s"]
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     import vllm
 
     result.update(

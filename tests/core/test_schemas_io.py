@@ -8,7 +8,6 @@ import os
 
 import numpy as np
 import pytest
-
 from prime_core.io import atomic_dir, atomic_write_json, is_stable, wait_for_path
 from prime_core.monitor import JsonlMonitor, read_metrics
 from prime_core.run_dir import RunDir
