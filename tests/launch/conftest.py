@@ -4,7 +4,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_fakes import HERE
+
+from tests.launch.launch_fakes import HERE
 
 
 @pytest.fixture

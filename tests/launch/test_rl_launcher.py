@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_fakes import HERE, free_port
+
+from tests.launch.launch_fakes import HERE, free_port
 
 TEARDOWN_LIMIT_S = 10.0
 

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_fakes import HERE
+
+from tests.launch.launch_fakes import HERE
 
 CLI = [sys.executable, "-m", "prime_launch.entrypoints.cli", "slurm"]
 
@@ -198,7 +199,7 @@ def _wait_job(job_id: str, env, timeout: float) -> str:
 @pytest.mark.slow
 def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin):
     """Submit a CPU-only single-node RL job (fake process commands) and wait for the launcher's normal finish."""
-    from launch_fakes import free_port
+    from tests.launch.launch_fakes import free_port
 
     env = {**slurm_cluster, "PRIME_LAUNCH_BIN_DIR": str(fake_bin)}
     out = tmp_path / "run"

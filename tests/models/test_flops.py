@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_config
 from prime_models import ParallelDims, count_params, flops_per_token, load_model
+
+from tests.models.conftest import tiny_config
 
 
 @pytest.mark.parametrize("model_type,tied", [("llama", False), ("qwen3", True), ("qwen3_moe", False)])

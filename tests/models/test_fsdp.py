@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import VOCAB, tiny_config
 from prime_models import ParallelDims, get_model_spec, hf_state_dict, load_model, save_hf
+
+from tests.models.conftest import VOCAB, tiny_config
 
 STEPS, BATCH, SEQ = 5, 4, 17
 

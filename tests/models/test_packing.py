@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_config
 from prime_models import apply_activation_checkpointing, load_model
 from prime_models.layers.attention import build_attention_metadata, cu_seqlens_from_position_ids
+
+from tests.models.conftest import VOCAB, tiny_config
 
 
 def test_cu_seqlens_from_position_ids():

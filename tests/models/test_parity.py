@@ -7,8 +7,9 @@ import json
 import prime_models
 import pytest
 import torch
-from conftest import VOCAB, save_tiny_hf, tiny_config
 from prime_models import get_model_spec, hf_state_dict, load_model, save_hf
+
+from tests.models.conftest import VOCAB, save_tiny_hf, tiny_config
 
 
 def _hf_logits(path, input_ids):

@@ -9,10 +9,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import publish_weights
 from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
 from prime_core.monitor import read_metrics
 from prime_core.schemas.microbatch import read_microbatches
+
+from tests.orchestrator.conftest import publish_weights
 
 pytestmark = pytest.mark.integration
 

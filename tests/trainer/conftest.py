@@ -2,7 +2,8 @@ import json
 from pathlib import Path
 
 import pytest
-from trainer_utils import TINY_QWEN3
+
+from tests.trainer.trainer_utils import TINY_QWEN3
 
 
 @pytest.fixture(scope="session")

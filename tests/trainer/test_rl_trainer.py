@@ -4,7 +4,8 @@ import pytest
 import torch
 from prime_core.io import is_stable
 from prime_core.run_dir import RunDir
-from trainer_utils import load_weights, read_trainer_metrics, run_cli, write_rollouts
+
+from tests.trainer.trainer_utils import load_weights, read_trainer_metrics, run_cli, write_rollouts
 
 pytestmark = pytest.mark.integration
 

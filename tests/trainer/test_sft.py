@@ -16,7 +16,8 @@ from prime_trainer.sft.data import (
     to_messages,
     tokenize_conversation,
 )
-from trainer_utils import (
+
+from tests.trainer.trainer_utils import (
     STRIPPING_TEMPLATE,
     TINY_QWEN3,
     read_trainer_metrics,
