@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -16,6 +18,28 @@ HAS_GROUPED_MM: bool = hasattr(torch, "_grouped_mm")
 FORCE_GROUPED_MM_FALLBACK: bool = False
 
 FLASH_ATTN_INSTALL_HINT = "pip install prime-models[flash-attn]"
+
+# SDPA backend priority on CUDA, e.g. "cudnn,flash,efficient" (names of `torch.nn.attention.SDPBackend` members, lower
+# case). Empty keeps torch's own order. Read once from PRIME_SDPA_BACKENDS; benchmarks and tests may set it directly.
+SDPA_BACKENDS: tuple[str, ...] = tuple(b for b in os.environ.get("PRIME_SDPA_BACKENDS", "").split(",") if b)
+_SDPA_NAMES = {
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+
+
+def sdpa_backend_context(device: torch.device):
+    """Context manager that applies `SDPA_BACKENDS` (as a priority order) on CUDA; a no-op otherwise."""
+    if not SDPA_BACKENDS or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [getattr(SDPBackend, _SDPA_NAMES[b]) for b in SDPA_BACKENDS]
+    # Keep every other backend as a fallback so unsupported shapes still run.
+    order += [getattr(SDPBackend, n) for n in _SDPA_NAMES.values() if getattr(SDPBackend, n) not in order]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def flash_attn_varlen_func():

@@ -20,7 +20,10 @@ def build_optimizer(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimi
         {"params": decay, "weight_decay": config.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps)
+    # On CUDA the fused kernel does the whole update in one pass per tensor group: faster than foreach and without
+    # its parameter-sized temporaries (which set the step's peak memory). CPU keeps the default implementation.
+    on_cuda = bool(decay or no_decay) and (decay + no_decay)[0].device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=True if on_cuda else None)
 
 
 def lr_at(step: int, lr: float, scheduler: SchedulerConfig, max_steps: int) -> float:

@@ -118,10 +118,11 @@ class Attention(nn.Module):
         if rep > 1:
             # Expanding K/V (rather than enable_gqa) keeps every SDPA backend eligible, masked ones included.
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if meta.mask_B1SS is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask_B1SS, scale=self.scale)
+        with kernels.sdpa_backend_context(q.device):
+            if meta.mask_B1SS is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask_B1SS, scale=self.scale)
         return out.transpose(1, 2)
 
     def _flash(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
