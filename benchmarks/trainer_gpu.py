@@ -42,7 +42,8 @@ def baseline_cmd(seq: int, liger: bool, ac: bool, out: Path) -> list[str]:
 
 
 def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
-    """Command and extra env of a named job. Names: rl<K>k[_noac|_sel][_cudnn|_flash][_c<chunk>], sft<K>k...,
+    """Command and extra env of a named job. Names: rl<K>k[_noac|_sel][_cudnn|_flash][_c<chunk>][_keepattn]
+    [_nocompile], sft<K>k...,
     base<K>k[_liger][_ac], profile<K>k[_cudnn], micro."""
     out = tmp / f"{name}.json"
     env: dict[str, str] = {}
@@ -57,6 +58,10 @@ def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     for b in ("cudnn", "flash", "efficient"):
         if b in flags:
             env["PRIME_SDPA_BACKENDS"] = b
+    if "keepattn" in flags:
+        env["PRIME_AC_KEEP_ATTENTION"] = "1"
+    if "nocompile" in flags:
+        env["PRIME_COMPILE_ELEMENTWISE"] = "0"
     if kind == "base":
         return baseline_cmd(seq, "liger" in flags, "ac" in flags, out), env
     ac = "none" if "noac" in flags else "selective" if "sel" in flags else "full"

@@ -7,11 +7,65 @@ in place, so peak extra memory is about two `[chunk_size, V]` fp32 buffers plus 
 Gradients, with z = h @ W.T / T, p = softmax(z):
   d logprob / dz = onehot(target) - p
   d entropy / dz = -p * (z - sum(p * z))
+
+On CUDA the per-chunk math after the matmul (logsumexp, target gather, entropy; the softmax gradient) runs as
+`torch.compile`d kernels that read the matmul's own (bf16) output and write only per-token values or the bf16 logit
+gradient: no `[chunk, V]` fp32 buffer is ever materialized. The values are the same function of the same bf16 logits
+(up to reduction order). CPU (and `COMPILE_ON_CUDA = False`) runs the eager loop below.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger("prime.models")
+
+COMPILE_ON_CUDA: bool = True
+_compiled: dict[str, object] = {}
+
+
+def _chunk_stats(z_lo: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    """(lse, logprob of target, entropy or None) of one chunk's logits, computed in fp32 from `z_lo`."""
+    z = z_lo.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logprobs = z.gather(1, targets[:, None]).squeeze(1) - lse
+    entropy = lse - ((z - lse[:, None]).exp() * z).sum(-1) if with_entropy else None
+    return lse, logprobs, entropy
+
+
+def _chunk_grad(z_lo, lse, targets, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """Gradient w.r.t. one chunk's logits, in `z_lo`'s dtype (same formula as the eager backward)."""
+    z = z_lo.float()
+    if temperature != 1.0:
+        z = z / temperature
+    p = (z - lse[:, None]).exp()
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]
+    grad = torch.where(onehot, g_lp[:, None], 0.0) - p * g_lp[:, None]
+    if g_ent is not None:
+        grad = grad - (z - (p * z).sum(-1, keepdim=True)) * p * g_ent[:, None]
+    if temperature != 1.0:
+        grad = grad / temperature
+    return grad.to(z_lo.dtype)
+
+
+def _use_compiled(t: torch.Tensor) -> bool:
+    return COMPILE_ON_CUDA and t.is_cuda
+
+
+def _call_compiled(name: str, fn, *args):
+    global COMPILE_ON_CUDA
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=False)
+    try:
+        return _compiled[name](*args)
+    except Exception as e:  # no working triton/inductor here: fall back to the eager path for good
+        logger.warning("fused log-prob head: torch.compile failed (%s); using the eager path", e)
+        COMPILE_ON_CUDA = False
+        return fn(*args)
 
 
 def _chunk_logits(h_CH: torch.Tensor, w_VH: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -30,8 +84,17 @@ class _FusedLogprobs(torch.autograd.Function):
         logprobs = hidden_NH.new_empty(n, dtype=torch.float32)
         lse_N = hidden_NH.new_empty(n, dtype=torch.float32)
         entropy = hidden_NH.new_empty(n, dtype=torch.float32) if return_entropy else None
+        compiled = _use_compiled(hidden_NH)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
+            if compiled:
+                lse, lp, ent = _call_compiled(
+                    "stats", _chunk_stats, hidden_NH[s:e] @ weight_VH.T, targets_N[s:e], temperature, return_entropy
+                )
+                lse_N[s:e], logprobs[s:e] = lse, lp
+                if return_entropy:
+                    entropy[s:e] = ent
+                continue
             z = _chunk_logits(hidden_NH[s:e], weight_VH, temperature)
             lse = torch.logsumexp(z, dim=-1)
             lse_N[s:e] = lse
@@ -54,8 +117,20 @@ class _FusedLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        compiled = _use_compiled(hidden)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
+            if compiled:
+                g_lp = grad_logprobs[s:e] if grad_logprobs is not None else hidden.new_zeros(e - s, dtype=torch.float32)
+                g_ent = grad_entropy[s:e] if grad_entropy is not None else None
+                grad_z = _call_compiled(
+                    "grad", _chunk_grad, hidden[s:e] @ weight.T, lse_N[s:e], targets[s:e], g_lp, g_ent, temperature
+                ).to(hidden.dtype)
+                if need_h:
+                    grad_h[s:e] = grad_z @ weight
+                if need_w:
+                    grad_w += (grad_z.T @ hidden[s:e]).float()
+                continue
             z = _chunk_logits(hidden[s:e], weight, temperature)
             p = (z - lse_N[s:e, None]).exp_()
             if grad_entropy is not None:

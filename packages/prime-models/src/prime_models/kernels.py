@@ -42,6 +42,27 @@ def sdpa_backend_context(device: torch.device):
     return sdpa_kernel(order, set_priority=True)
 
 
+# Elementwise chains (RMSNorm, rotary, SwiGLU gating) on CUDA tensors go through `torch.compile`, which fuses each
+# into one or two kernels instead of a dozen bf16/fp32 passes. CPU always runs the eager function (tests, parity).
+COMPILE_ON_CUDA: bool = os.environ.get("PRIME_COMPILE_ELEMENTWISE", "1") != "0"
+
+
+def cuda_compiled(fn):
+    """Decorator: call `torch.compile(fn)` when the first argument is a CUDA tensor (and `COMPILE_ON_CUDA`), else `fn`."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        nonlocal compiled
+        if COMPILE_ON_CUDA and args[0].is_cuda:
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=False)
+            return compiled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def flash_attn_varlen_func():
     """Return flash-attn's varlen kernel, importing it only when the flash path is actually used."""
     if not HAS_FLASH_ATTN:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def build_model(
         dims,
         ac=parallel.ac,
         ac_every=0 if parallel.ac == "selective" else 2,
+        ac_keep_attention=os.environ.get("PRIME_AC_KEEP_ATTENTION", "0") == "1",
         cpu_offload=parallel.cpu_offload,
         reshard_after_forward=parallel.reshard_after_forward,
     )

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prime_models.kernels import cuda_compiled
+
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -27,13 +29,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 and cast back before scaling, exactly as HF does, so bf16 numerics match.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+@cuda_compiled
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalize in fp32 and cast back before scaling, exactly as HF does, so bf16 numerics match.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 _DYNAMIC_ROPE = {"dynamic", "longrope"}
@@ -83,6 +90,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@cuda_compiled
 def apply_rotary(x_BSND: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
     cos, sin = cos_BSD.unsqueeze(2), sin_BSD.unsqueeze(2)
     return x_BSND * cos + _rotate_half(x_BSND) * sin
@@ -97,6 +105,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.act_name = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_act(self.gate_proj(x), self.up_proj(x), self.act_name))
+
+
+@cuda_compiled
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    return activation(act)(gate) * up

@@ -14,13 +14,32 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from prime_models.fused_head import fused_logprobs
 from prime_models.layers import MLP, Attention, MoE, RMSNorm, RotaryEmbedding, build_attention_metadata
 from prime_models.layers.moe import MoEStats
 
 AC_MODES = ("none", "full", "attn")
+
+
+def _attention_ops() -> set:
+    names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_flash_attention_forward", "_efficient_attention_forward")  # fmt: skip
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+
+
+def _keep_attention_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_ATTENTION_OPS = _attention_ops()
+
+
+def _keep_attention_context():
+    return create_selective_checkpoint_contexts(_keep_attention_policy)
 
 
 @dataclass
@@ -91,6 +110,8 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(args.hidden_size, args.intermediate_size, args.hidden_act, bias=args.mlp_bias)
         # Set by prime_models.parallel.apply_activation_checkpointing: "none", "full" (whole layer) or "attn".
         self.ac_mode = "none"
+        # With "full": keep the attention kernel's outputs and recompute only the rest of the layer in backward.
+        self.ac_keep_attention = False
 
     def _attn_block(self, h, rope, meta):
         return self.self_attn(self.input_layernorm(h), rope, meta)
@@ -104,7 +125,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h_BSH: torch.Tensor, rope, meta) -> torch.Tensor:
         if self.ac_mode == "full" and torch.is_grad_enabled():
-            return checkpoint(self._forward, h_BSH, rope, meta, use_reentrant=False)
+            context_fn = _keep_attention_context if self.ac_keep_attention else noop_context_fn
+            return checkpoint(self._forward, h_BSH, rope, meta, use_reentrant=False, context_fn=context_fn)
         return self._forward(h_BSH, rope, meta)
 
 

@@ -2,7 +2,9 @@
 
 Modes:
 * ``none``: keep every activation.
-* ``full``: recompute every decoder layer in backward (only layer inputs are kept).
+* ``full``: recompute every decoder layer in backward (only layer inputs are kept). `keep_attention=True` also keeps
+  each layer's attention-kernel outputs (recomputing projections, norms and MLP but not the attention itself): about
+  `2 * heads * head_dim` more bytes per token and layer, for one attention forward less per layer.
 * ``selective``: recompute every `every`-th decoder layer fully (every=2 halves the kept activations), or, with
   `every=0`, recompute only each layer's attention block (norm + projections + attention) while MLP activations are
   kept.
@@ -15,12 +17,15 @@ from torch import nn
 AC_MODES = ("none", "full", "selective")
 
 
-def apply_activation_checkpointing(layers: nn.ModuleList, mode: str = "none", every: int = 2) -> None:
+def apply_activation_checkpointing(
+    layers: nn.ModuleList, mode: str = "none", every: int = 2, keep_attention: bool = False
+) -> None:
     if mode not in AC_MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; known: {AC_MODES}")
     if every < 0:
         raise ValueError(f"every must be >= 0, got {every}")
     for i, layer in enumerate(layers):
+        layer.ac_keep_attention = keep_attention
         if mode == "none":
             layer.ac_mode = "none"
         elif mode == "full":
