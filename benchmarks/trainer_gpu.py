@@ -42,7 +42,7 @@ def baseline_cmd(seq: int, liger: bool, ac: bool, out: Path) -> list[str]:
 
 
 def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
-    """Command and extra env of a named job. Names: rl<K>k[_noac|_sel][_cudnn|_flash][_c<chunk>][_keepattn]
+    """Command and extra env of a named job. Names: rl<K>k[_noac|_sel][_cudnn|_flash][_c<chunk>][_keepattn[N]]
     [_nocompile], sft<K>k...,
     base<K>k[_liger][_ac], profile<K>k[_cudnn], micro."""
     out = tmp / f"{name}.json"
@@ -58,8 +58,9 @@ def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     for b in ("cudnn", "flash", "efficient"):
         if b in flags:
             env["PRIME_SDPA_BACKENDS"] = b
-    if "keepattn" in flags:
-        env["PRIME_AC_KEEP_ATTENTION"] = "1"
+    for f in flags:
+        if f.startswith("keepattn"):
+            env["PRIME_AC_KEEP_ATTENTION"] = f[len("keepattn") :] or "all"
     if "nocompile" in flags:
         env["PRIME_COMPILE_ELEMENTWISE"] = "0"
     if kind == "base":
@@ -180,6 +181,25 @@ def micro(out: Path) -> None:
             torch.cuda.empty_cache()
     vocab, hidden = 151936, 1024
     w = (torch.randn(vocab, hidden, device=dev) * 0.02).to(torch.bfloat16).requires_grad_()
+    # GPU check of the compiled head against its eager path (same bf16 inputs): relative error of each output.
+    import prime_models.fused_head as fh
+
+    h = torch.randn(4096, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, vocab, (4096,), device=dev)
+    g_lp, g_ent = torch.randn(4096, device=dev), torch.randn(4096, device=dev)
+    outs = []
+    for compiled in (False, True):
+        fh.COMPILE_ON_CUDA = compiled
+        h.grad = w.grad = None
+        lp, ent = fused_logprobs(h, w, t, temperature=0.8, chunk_size=1024)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        outs.append([lp.detach(), ent.detach(), h.grad.float(), w.grad.float()])
+    fh.COMPILE_ON_CUDA = True
+    res["head_check_rel_err"] = {
+        k: float((a - b).norm() / b.norm()) for k, a, b in zip(("lp", "ent", "grad_h", "grad_w"), outs[1], outs[0])
+    }
+    print("head check", res["head_check_rel_err"], "addmm fp32:", fh._ADDMM_FP32_OUT, flush=True)
+    w.grad = None
     for seq in (16384, 65536):
         for chunk in (1024, 2048, 4096):
             h = torch.randn(seq, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -52,6 +52,22 @@ def _chunk_grad(z_lo, lse, targets, g_lp, g_ent, temperature: float) -> torch.Te
     return grad.to(z_lo.dtype)
 
 
+_ADDMM_FP32_OUT: bool = True
+
+
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """`acc += a @ b` for fp32 `acc` and low-precision `a`, `b`: one cuBLAS call accumulating in place where this
+    torch has `addmm(..., out_dtype=float32)` (CUDA), else a product then an fp32 add (two `[V, H]` temporaries)."""
+    global _ADDMM_FP32_OUT
+    if _ADDMM_FP32_OUT and a.dtype != torch.float32:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, NotImplementedError, TypeError):
+            _ADDMM_FP32_OUT = False
+    acc += (a @ b).float()
+
+
 def _use_compiled(t: torch.Tensor) -> bool:
     return COMPILE_ON_CUDA and t.is_cuda
 
@@ -129,7 +145,7 @@ class _FusedLogprobs(torch.autograd.Function):
                 if need_h:
                     grad_h[s:e] = grad_z @ weight
                 if need_w:
-                    grad_w += (grad_z.T @ hidden[s:e]).float()
+                    _accumulate_fp32(grad_w, grad_z.T, hidden[s:e])
                 continue
             z = _chunk_logits(hidden[s:e], weight, temperature)
             p = (z - lse_N[s:e, None]).exp_()

@@ -2,9 +2,9 @@
 
 Modes:
 * ``none``: keep every activation.
-* ``full``: recompute every decoder layer in backward (only layer inputs are kept). `keep_attention=True` also keeps
-  each layer's attention-kernel outputs (recomputing projections, norms and MLP but not the attention itself): about
-  `2 * heads * head_dim` more bytes per token and layer, for one attention forward less per layer.
+* ``full``: recompute every decoder layer in backward (only layer inputs are kept). `keep_attention=N` also keeps the
+  attention-kernel outputs of the last N layers (-1: all), recomputing their projections, norms and MLP but not the
+  attention itself: `2 * heads * head_dim` more bytes per token and kept layer, for one attention forward less each.
 * ``selective``: recompute every `every`-th decoder layer fully (every=2 halves the kept activations), or, with
   `every=0`, recompute only each layer's attention block (norm + projections + attention) while MLP activations are
   kept.
@@ -18,14 +18,14 @@ AC_MODES = ("none", "full", "selective")
 
 
 def apply_activation_checkpointing(
-    layers: nn.ModuleList, mode: str = "none", every: int = 2, keep_attention: bool = False
+    layers: nn.ModuleList, mode: str = "none", every: int = 2, keep_attention: int = 0
 ) -> None:
     if mode not in AC_MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; known: {AC_MODES}")
     if every < 0:
         raise ValueError(f"every must be >= 0, got {every}")
     for i, layer in enumerate(layers):
-        layer.ac_keep_attention = keep_attention
+        layer.ac_keep_attention = keep_attention < 0 or i >= len(layers) - keep_attention
         if mode == "none":
             layer.ac_mode = "none"
         elif mode == "full":

@@ -22,7 +22,7 @@ def parallelize_transformer(
     mesh: DeviceMesh | None = None,
     ac: str = "none",
     ac_every: int = 2,
-    ac_keep_attention: bool = False,
+    ac_keep_attention: int = 0,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
@@ -36,7 +36,8 @@ def parallelize_transformer(
         mesh: device mesh from `parallel_dims.build_mesh`; built from the model's device when omitted.
         ac: "none", "full" or "selective" (see `prime_models.parallel.activation_checkpoint`).
         ac_every: for "selective": checkpoint every k-th layer; 0 checkpoints only the attention block of each layer.
-        ac_keep_attention: for checkpointed layers, keep the attention kernel's outputs instead of recomputing them.
+        ac_keep_attention: with "full": keep the attention kernel's outputs of the last N layers (-1: all) instead of
+            recomputing them in backward.
         param_dtype / reduce_dtype: override the default mixed precision (bf16/fp32 on CUDA, fp32/fp32 on CPU).
         cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`).
         reshard_after_forward: free gathered params after each layer's forward (ZeRO-3); False keeps them (ZeRO-2).
