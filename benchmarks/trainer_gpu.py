@@ -196,7 +196,8 @@ def micro(out: Path) -> None:
         outs.append([lp.detach(), ent.detach(), h.grad.float(), w.grad.float()])
     fh.COMPILE_ON_CUDA = True
     res["head_check_rel_err"] = {
-        k: float((a - b).norm() / b.norm()) for k, a, b in zip(("lp", "ent", "grad_h", "grad_w"), outs[1], outs[0])
+        k: float((a - b).norm() / b.norm())
+        for k, a, b in zip(("lp", "ent", "grad_h", "grad_w"), outs[1], outs[0], strict=True)
     }
     print("head check", res["head_check_rel_err"], "addmm fp32:", fh._ADDMM_FP32_OUT, flush=True)
     w.grad = None
