@@ -61,6 +61,8 @@ def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     for f in flags:
         if f.startswith("keepattn"):
             env["PRIME_AC_KEEP_ATTENTION"] = f[len("keepattn") :] or "all"
+    if "gqa" in flags:
+        env["PRIME_SDPA_GQA"] = "1"
     if "nocompile" in flags:
         env["PRIME_COMPILE_ELEMENTWISE"] = "0"
     if kind == "base":

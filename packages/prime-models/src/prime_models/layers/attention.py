@@ -115,6 +115,10 @@ class Attention(nn.Module):
     def _sdpa(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)
         rep = self.num_heads // self.num_kv_heads
+        if rep > 1 and meta.mask_B1SS is None and q.is_cuda and kernels.SDPA_NATIVE_GQA:
+            with kernels.sdpa_backend_context(q.device):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            return out.transpose(1, 2)
         if rep > 1:
             # Expanding K/V (rather than enable_gqa) keeps every SDPA backend eligible, masked ones included.
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
