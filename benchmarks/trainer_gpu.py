@@ -323,7 +323,7 @@ def report(results_file: Path, commit: str, dest: Path) -> None:
             "mfu": r.get("mfu"),
             "peak_memory_gib": r.get("peak_memory_gib"),
             "step_time_s": r.get("step_time_s"),
-            "sdpa_backends": r.get("env", {}).get("PRIME_SDPA_BACKENDS", "torch default"),
+            "env": r.get("env", {}),  # knobs: PRIME_AC_KEEP_ATTENTION, PRIME_SDPA_GQA, PRIME_SDPA_BACKENDS
         }
         if kind != "base":
             bt = base.get("tokens_per_s")
