@@ -54,7 +54,7 @@ def write_configs(plan: RunPlan, *, dry_run: bool) -> dict[str, Path]:
 def dry_run(rl: RLConfig, out: TextIO = sys.stdout) -> None:
     """Resolve and write the per-process configs; print the commands ``rl`` would run."""
     plan = build_plan(rl)
-    check_output_dir(plan.run_dir, overwrite=rl.overwrite, resume=rl.resume)
+    check_output_dir(plan.run_dir, overwrite=rl.overwrite, resume=rl.resume or plan.resume_step is not None)
     paths = write_configs(plan, dry_run=True)
     print(f"rl dry run: resolved configs written to {plan.run_dir.configs}", file=out)
     for name, path in paths.items():
@@ -153,7 +153,7 @@ class _Console:
 def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
     """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal)."""
     plan = build_plan(rl)
-    check_output_dir(plan.run_dir, overwrite=rl.overwrite, resume=rl.resume)
+    check_output_dir(plan.run_dir, overwrite=rl.overwrite, resume=rl.resume or plan.resume_step is not None)
     if rl.overwrite:
         clear_run(plan.run_dir)
     write_configs(plan, dry_run=False)

@@ -315,7 +315,7 @@ class Orchestrator:
         )
         self._log_extras(batch.step, batch)
         nxt = batch.step + 1
-        if c.ckpt.interval and nxt % c.ckpt.interval == 0 and nxt < c.max_steps:
+        if c.ckpt.interval and nxt % c.ckpt.interval == 0 and nxt <= c.max_steps:
             self._save_checkpoint(nxt)
         if self.eval_pools and (batch.step % c.eval.interval == 0) and (batch.step > 0 or c.eval.eval_base):
             self._eval_tasks.append(asyncio.create_task(self._eval(batch.step)))
