@@ -58,9 +58,6 @@ def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     for b in ("cudnn", "flash", "efficient"):
         if b in flags:
             env["PRIME_SDPA_BACKENDS"] = b
-    for f in flags:
-        if f.startswith("keepattn"):
-            env["PRIME_AC_KEEP_ATTENTION"] = f[len("keepattn") :] or "all"
     if "gqa" in flags:
         env["PRIME_SDPA_GQA"] = "1"
     if "nocompile" in flags:
@@ -69,6 +66,9 @@ def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
         return baseline_cmd(seq, "liger" in flags, "ac" in flags, out), env
     ac = "none" if "noac" in flags else "selective" if "sel" in flags else "full"
     extra = ["--parallel.ac", ac]
+    for f in flags:
+        if f.startswith("keepattn"):
+            extra += ["--parallel.ac-keep-attention", f[len("keepattn") :] or "-1"]
     for f in flags:
         if f.startswith("c") and f[1:].isdigit():
             extra += ["--init.logprob-chunk-size", f[1:]]
@@ -323,7 +323,7 @@ def report(results_file: Path, commit: str, dest: Path) -> None:
             "mfu": r.get("mfu"),
             "peak_memory_gib": r.get("peak_memory_gib"),
             "step_time_s": r.get("step_time_s"),
-            "env": r.get("env", {}),  # knobs: PRIME_AC_KEEP_ATTENTION, PRIME_SDPA_GQA, PRIME_SDPA_BACKENDS
+            "env": r.get("env", {}),  # knobs: PRIME_SDPA_GQA, PRIME_SDPA_BACKENDS
         }
         if kind != "base":
             bt = base.get("tokens_per_s")

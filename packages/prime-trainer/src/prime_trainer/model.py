@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,7 +72,7 @@ def build_model(
         dims,
         ac=parallel.ac,
         ac_every=0 if parallel.ac == "selective" else 2,
-        ac_keep_attention=_keep_attention_layers(),
+        ac_keep_attention=parallel.ac_keep_attention,
         cpu_offload=parallel.cpu_offload,
         reshard_after_forward=parallel.reshard_after_forward,
     )
@@ -82,15 +81,6 @@ def build_model(
         mesh = dims.fsdp_mesh(dims.build_mesh("cuda"))
         model = apply_fsdp(model, model.model.layers, mesh, mp_policy=default_mp_policy("cuda"))
     return model, source
-
-
-def _keep_attention_layers() -> int:
-    """Layers that keep their attention outputs under full AC: ``PRIME_AC_KEEP_ATTENTION`` = ``all`` or a count.
-
-    An environment knob until the trainer config has a field for it (prime_core.config.trainer.ParallelConfig).
-    """
-    value = os.environ.get("PRIME_AC_KEEP_ATTENTION", "0").strip().lower()
-    return -1 if value == "all" else int(value)
 
 
 def loss_scale(model: nn.Module, world: World) -> float:

@@ -40,6 +40,9 @@ class ParallelConfig(BaseConfig):
     """FSDP shard degree; -1 uses every rank. Must divide the world size (the rest replicates: HSDP)."""
     ac: Literal["none", "full", "selective"] = "none"
     """Activation checkpointing: ``full`` recomputes every decoder layer, ``selective`` only attention."""
+    ac_keep_attention: int = Field(default=0, ge=-1)
+    """Under ``ac = "full"``: this many decoder layers (counted from the last; -1 = all) keep their attention
+    output instead of recomputing it (faster at long context, costs one [tokens, hidden] activation per layer)."""
     cpu_offload: bool = False
     """Keep FSDP parameters, gradients and optimizer state on CPU (GPU only)."""
     reshard_after_forward: bool = True
