@@ -77,7 +77,7 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, config):
+    def __init__(self, config, startup_timeout: float = 60):
         import uvicorn
         from prime_inference.engines import build_engine
         from prime_inference.server import build_app
@@ -91,7 +91,7 @@ class RunningServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         headers = {"Authorization": f"Bearer {config.server.api_key}"} if config.server.api_key else {}
-        deadline = time.time() + 60
+        deadline = time.time() + startup_timeout
         while time.time() < deadline:
             try:
                 if httpx.get(f"{self.url}/health", headers=headers, timeout=2).status_code == 200:
@@ -109,6 +109,7 @@ class RunningServer:
 def start_server(model_dir: Path, **overrides) -> RunningServer:
     from prime_core.config.inference import InferenceConfig
 
+    startup_timeout = overrides.pop("startup_timeout", 60)
     server = {"port": free_port(), **overrides.pop("server", {})}
     config = InferenceConfig.model_validate(
         {
@@ -120,4 +121,4 @@ def start_server(model_dir: Path, **overrides) -> RunningServer:
             **overrides,
         }
     )
-    return RunningServer(config)
+    return RunningServer(config, startup_timeout)

@@ -67,7 +67,12 @@ def test_vllm_engine_args_parse_with_vllms_parser():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
 def test_vllm_serves_updates_and_reloads(model_dir, other_weights_dir):
-    server = start_server(model_dir, engine="vllm", vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True})
+    server = start_server(
+        model_dir,
+        engine="vllm",
+        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True},
+        startup_timeout=600,
+    )
     try:
         health = httpx.get(f"{server.url}/health").json()
         assert health["engine"] == "vllm" and health["vllm_plugin"]["loaded"]
