@@ -53,11 +53,12 @@ def test_vllm_cli_args_pass_options_through():
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
-def test_vllm_engine_args_parse_with_vllms_parser():
+def test_vllm_engine_args_parse_with_vllms_parser(model_dir):
     from prime_inference.engines.vllm_engine import engine_args
 
+    # A local directory: vLLM resolves a hub id over the network while parsing.
     config = InferenceConfig.model_validate(
-        {"model": {"name": "Qwen/Qwen3-0.6B"}, "vllm": {"extra_args": ["--max-num-batched-tokens", "4096"]}}
+        {"model": {"name": str(model_dir)}, "vllm": {"extra_args": ["--max-num-batched-tokens", "4096"]}}
     )
     args = engine_args(config)
     assert args.max_num_batched_tokens == 4096
