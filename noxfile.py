@@ -32,7 +32,35 @@ FLAVOURS: dict[str, dict] = {
         requirement="prime-trainer",
         siblings=["prime-core", "prime-models"],
         scripts=["trainer", "sft"],
-        smoke=[["sft", "--bench", "--max-steps", "2", "--output-dir", "{tmp}/sft-bench"]],
+        smoke=[
+            # A config-only model directory shipped in the repo: random init, no hub access.
+            [
+                "sft",
+                "--bench",
+                "--max-steps",
+                "2",
+                "--model.name",
+                "examples/reverse_text/base",
+                "--init.random",
+                "--seq-len",
+                "256",
+                "--output-dir",
+                "{tmp}/sft-bench",
+            ],
+            [
+                "trainer",
+                "--bench",
+                "--max-steps",
+                "2",
+                "--model.name",
+                "examples/reverse_text/base",
+                "--init.random",
+                "--seq-len",
+                "256",
+                "--output-dir",
+                "{tmp}/rl-bench",
+            ],
+        ],
     ),
     "prime-inference": dict(requirement="prime-inference", siblings=["prime-core"], scripts=["inference"], smoke=[]),
     "prime-inference[torch]": dict(
@@ -130,7 +158,7 @@ def isolated(session: nox.Session, flavour: str) -> None:
     for script in spec["scripts"]:
         session.run(script, "--help", silent=True)
     for command in spec["smoke"]:
-        session.run(*[c.format(tmp=tmp) for c in command], env={"CUDA_VISIBLE_DEVICES": ""})
+        session.run(*[c.format(tmp=tmp) for c in command], env={"CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"})
 
 
 @nox.session(python=False)
