@@ -188,3 +188,59 @@ def test_kill_any_process_stops_the_run_and_resume_continues(tmp_path, victim):
     resume = steps[-1]
     run_rl(out, "--max-steps", str(resume + 2), "--orchestrator.batch-size", "32", "--ckpt.resume-step", str(resume))
     assert (out / "weights" / f"step_{resume + 2}" / "STABLE").exists()
+
+
+def test_rl_against_a_separately_started_inference_server(tmp_path):
+    """Seed 001's split: `inference @ i.toml` on its own, then `rl --trainer @ t.toml --orchestrator @ o.toml`."""
+    out = tmp_path / "run"
+    configs = tmp_path / "configs"
+    port = free_port()
+    dry = subprocess.run(
+        rl_cmd(configs, "--inference.server.port", str(port), "--dry-run"), cwd=ROOT, capture_output=True, text=True
+    )
+    assert dry.returncode == 0, dry.stderr
+    server = subprocess.Popen(
+        [str(RL.with_name("inference")), "@", str(configs / "configs" / "inference.toml"), "--log.file", "false"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        result = subprocess.run(
+            [
+                str(RL),
+                "--trainer",
+                "@",
+                str(configs / "configs" / "trainer.toml"),
+                "--orchestrator",
+                "@",
+                str(configs / "configs" / "orchestrator.toml"),
+                "--orchestrator.client.base-urls",
+                f"http://127.0.0.1:{port}",
+                # The resolved section files set these explicitly, so they are overridden per section.
+                "--trainer.output-dir",
+                str(out),
+                "--orchestrator.output-dir",
+                str(out),
+                "--trainer.max-steps",
+                "2",
+                "--orchestrator.max-steps",
+                "2",
+                "--orchestrator.batch-size",
+                "32",
+                "--console",
+                "quiet",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert server.poll() is None, "rl must leave a server it did not start running"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert (out / "weights" / "step_2" / "STABLE").exists()
+    assert not (out / "logs" / "inference.log").exists()
+    assert len(metrics(out, "orchestrator", "reward/mean")) == 2
