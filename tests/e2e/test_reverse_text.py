@@ -195,9 +195,8 @@ def test_rl_against_a_separately_started_inference_server(tmp_path):
     out = tmp_path / "run"
     configs = tmp_path / "configs"
     port = free_port()
-    dry = subprocess.run(
-        rl_cmd(configs, "--inference.server.port", str(port), "--dry-run"), cwd=ROOT, capture_output=True, text=True
-    )
+    dry_cmd = [str(RL), "@", str(EXAMPLE), "--output-dir", str(configs), "--inference.server.port", str(port)]
+    dry = subprocess.run([*dry_cmd, "--dry-run"], cwd=ROOT, capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
     server = subprocess.Popen(
         [str(RL.with_name("inference")), "@", str(configs / "configs" / "inference.toml"), "--log.file", "false"],
