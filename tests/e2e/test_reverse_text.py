@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,13 @@ from pathlib import Path
 import pytest
 from prime_core.schemas import read_microbatches
 
+from tests.tiny import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "reverse_text" / "rl.toml"
 RL = Path(sys.executable).with_name("rl")
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rl_cmd(out: Path, *extra: str, config: Path = EXAMPLE) -> list[str]:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from tests.tiny import CHAT_TEMPLATE, build_chatml_tokenizer, free_port, tiny_qwen3_config  # noqa: F401
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "hello world, this is a tiny tokenizer for tests",
@@ -22,44 +19,15 @@ CORPUS = [
 
 
 def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-    )
+    return build_chatml_tokenizer(CORPUS)
 
 
 def save_model(path: Path, tokenizer, seed: int) -> Path:
     import torch
     from prime_core.io import mark_stable
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
+    config = tiny_qwen3_config(tokenizer, max_position_embeddings=256)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # spread the logits so sampling and greedy decoding are not degenerate
@@ -68,12 +36,6 @@ def save_model(path: Path, tokenizer, seed: int) -> Path:
     tokenizer.save_pretrained(path)
     mark_stable(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RunningServer:
