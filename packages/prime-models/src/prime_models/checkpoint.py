@@ -30,20 +30,39 @@ def parse_size(size: int | str) -> int:
 
 
 def hf_state_dict(
-    model: torch.nn.Module, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    model: torch.nn.Module,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    lora_adapter: str | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the full HF-format state dict one tensor at a time.
 
     FSDP2-sharded (DTensor) parameters are gathered with `full_tensor()`, a collective: every rank must consume the
-    iterator in the same order, even though usually only rank 0 uses the tensors.
+    iterator in the same order, even though usually only rank 0 uses the tensors. LoRA adapter tensors are never
+    part of it: with ``lora_adapter`` the adapted weights are merged (W + alpha/r * B @ A, in fp32), else they are
+    the frozen base weights (export adapters with `prime_models.lora.save_adapter`).
     """
     from torch.distributed.tensor import DTensor  # heavy import (sympy); only needed when exporting
 
+    from prime_models import lora
+
     spec = spec_for_model(model)
+    layers = lora.lora_layers(model)
+    merged = lora.selection(model).merged if layers else None
+    if lora_adapter is not None and lora_adapter not in lora.adapter_names(model):
+        raise KeyError(f"no LoRA adapter {lora_adapter!r}")
+    if merged is not None and lora_adapter not in (None, merged):
+        raise ValueError(f"adapter {merged!r} is merged into the weights; unmerge it to export {lora_adapter!r}")
     for name, tensor in model.state_dict().items():
+        if lora.is_adapter_param(name):
+            continue
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         tensor = tensor.detach()
+        layer = layers.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        if lora_adapter is not None and merged is None and layer is not None and lora_adapter in layer.lora_A:
+            tensor = (tensor.float() + layer.delta_weight(lora_adapter).to(tensor.device)).to(tensor.dtype)
         if dtype is not None:
             tensor = tensor.to(dtype)
         tensor = tensor.to(device)
@@ -62,12 +81,14 @@ def save_hf(
     *,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    lora_adapter: str | None = None,
 ) -> None:
     """Write an HF directory that `transformers.AutoModelForCausalLM.from_pretrained` opens unchanged.
 
     Writes `model.safetensors` (or `model-0000i-of-0000n.safetensors` shards), `model.safetensors.index.json`,
     `config.json` and `generation_config.json`. Every file is written under a temporary name and renamed into place.
     Under torch.distributed every rank must call this (parameters are gathered collectively); only rank 0 writes.
+    ``lora_adapter`` merges that LoRA adapter into the saved weights (see `hf_state_dict`).
     """
     distributed = dist.is_available() and dist.is_initialized()
     is_writer = not distributed or dist.get_rank() == 0
@@ -90,7 +111,7 @@ def save_hf(
         shard_keys.append(list(current))
         current, current_bytes = {}, 0
 
-    for name, tensor in hf_state_dict(model, dtype=dtype):
+    for name, tensor in hf_state_dict(model, dtype=dtype, lora_adapter=lora_adapter):
         if not is_writer:
             continue
         saved_dtype = saved_dtype or tensor.dtype

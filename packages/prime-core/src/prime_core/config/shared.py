@@ -2,11 +2,54 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from prime_core.config.base import BaseConfig
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Linear layers LoRA can adapt: the attention projections and the dense (SwiGLU) MLP projections."""
+
+
+class LoRAConfig(BaseConfig):
+    """Low-rank adapters: the base weights stay frozen; only the adapters train, publish and get served."""
+
+    rank: int = Field(default=16, ge=1)
+    """Rank r of every adapter (A is [r, in], B is [out, r])."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Scaling numerator: the update is (alpha / rank) * B @ A."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (the base path never sees it)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    """Which linear layers get adapters, by name (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj).
+    MoE expert weights are not adapted (their MLPs have no gate/up/down linear layers)."""
+    name: str | None = None
+    """Adapter name served by inference and sent as the request's ``model`` (default ``r<rank>-a<alpha>``)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError(f"must name at least one of {', '.join(LORA_TARGET_MODULES)}")
+        unknown = [t for t in value if t not in LORA_TARGET_MODULES]
+        if unknown:
+            raise ValueError(
+                f"unknown target module(s) {unknown}; expected names from {', '.join(LORA_TARGET_MODULES)}"
+            )
+        return list(dict.fromkeys(value))
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", value):
+            raise ValueError(f"{value!r} must be 1-128 letters, digits, '_', '-' or '.', starting with a letter/digit")
+        return value
+
+    @property
+    def adapter_name(self) -> str:
+        return self.name or f"r{self.rank}-a{self.alpha:g}"
 
 
 class ModelConfig(BaseConfig):
@@ -18,6 +61,8 @@ class ModelConfig(BaseConfig):
     """Weight dtype: auto is bfloat16 on GPU and float32 on CPU."""
     trust_remote_code: bool = False
     """Allow custom modeling code from the model directory (transformers fallback only)."""
+    lora: LoRAConfig | None = None
+    """Train (trainer) or serve (inference, orchestrator) a LoRA adapter on the frozen base; unset: full weights."""
 
 
 class WandbConfig(BaseConfig):
