@@ -52,6 +52,23 @@ class LoRAConfig(BaseConfig):
         return self.name or f"r{self.rank}-a{self.alpha:g}"
 
 
+class Fp8Config(BaseConfig):
+    """FP8 training of the decoder's matmuls (trainer only; inference ignores it). See docs/scaling.md, "FP8"."""
+
+    recipe: Literal["none", "tensorwise", "rowwise"] = "none"
+    """Dynamic scaling recipe (torchao's of the same name): ``tensorwise`` (one scale per tensor, e5m2 gradients;
+    fastest) or ``rowwise`` (one power-of-two scale per row, all e4m3; more accurate); ``none`` trains in bf16.
+    Needs a GPU of compute capability >= 8.9 (Ada, Hopper); CPU runs it emulated, for tests only."""
+    backend: Literal["auto", "torch", "te"] = "auto"
+    """``torch`` (``torch._scaled_mm`` / ``torch._scaled_grouped_mm``), ``te`` (NVIDIA Transformer Engine,
+    ``pip install 'prime-models[fp8]'``), or ``auto``: ``te`` when it is installed, else ``torch``."""
+    skip: list[str] = Field(default_factory=list)
+    """Extra modules kept in bf16, as fnmatch patterns on qualified names (e.g. ``*.down_proj``,
+    ``model.layers.0.*``). The LM head, embeddings, routers and layers with dims not multiple of 16 never convert."""
+    moe: bool = True
+    """Also run MoE expert grouped matmuls in FP8 (rowwise scales; sm90+, ``torch`` backend only)."""
+
+
 class ModelConfig(BaseConfig):
     """Which model to load and how."""
 
@@ -63,6 +80,8 @@ class ModelConfig(BaseConfig):
     """Allow custom modeling code from the model directory (transformers fallback only)."""
     lora: LoRAConfig | None = None
     """Train (trainer) or serve (inference, orchestrator) a LoRA adapter on the frozen base; unset: full weights."""
+    fp8: Fp8Config = Field(default_factory=Fp8Config)
+    """FP8 linear layers for training (``--model.fp8.recipe tensorwise``); off by default."""
 
 
 class WandbConfig(BaseConfig):
