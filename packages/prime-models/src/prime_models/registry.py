@@ -14,6 +14,8 @@ from prime_models.models.qwen3 import converting_qwen3
 from prime_models.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 from prime_models.models.qwen3_moe import converting_qwen3_moe
 from prime_models.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
+from prime_models.models.qwen3_vl import converting_qwen3_vl
+from prime_models.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 from prime_models.models.transformer import CausalLM, TransformerArgs
 from prime_models.parallel.parallelize import parallelize_transformer
 
@@ -100,6 +102,19 @@ register_model_spec(
         Qwen3MoeForCausalLM,
         converting_qwen3_moe.from_hf,
         converting_qwen3_moe.to_hf,
+        parallelize_transformer,
+    )
+)
+# The ViT stays in the root FSDP group (gathered with the embeddings), so ranks whose micro-batch has no image
+# issue the same collectives as ranks that run it.
+register_model_spec(
+    ModelSpec(
+        "qwen3_vl",
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        Qwen3VLForConditionalGeneration,
+        converting_qwen3_vl.from_hf,
+        converting_qwen3_vl.to_hf,
         parallelize_transformer,
     )
 )

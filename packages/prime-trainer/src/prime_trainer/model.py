@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from prime_core.config.shared import LoRAConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
 from prime_models import ParallelDims, get_model_spec, load_model
 from prime_models.parallel import apply_fsdp, default_mp_policy
@@ -54,14 +56,34 @@ def resolve_source(name: str, init: ModelInitConfig) -> tuple[object, ModelSourc
 
 
 def build_model(
-    name: str, dtype: str, init: ModelInitConfig, parallel: ParallelConfig, world: World, seed: int
+    name: str,
+    dtype: str,
+    init: ModelInitConfig,
+    parallel: ParallelConfig,
+    world: World,
+    seed: int,
+    *,
+    lora: LoRAConfig | None = None,
+    adapters: Sequence[str] = (),
 ) -> tuple[nn.Module, ModelSource]:
-    """Load (or randomly init) the model on this rank's device and apply AC + FSDP2 through the family's spec."""
+    """Load (or randomly init) the model on this rank's device and apply AC + FSDP2 through the family's spec.
+
+    With ``lora``, the adapters (default: one named ``lora.adapter_name``) are injected and the base frozen before
+    parallelizing, so FSDP shards base and adapters alike and only adapters get gradients.
+    """
     target, source = resolve_source(name, init)
     torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"model.dtype={dtype!r} is not supported for training (use auto, float32 or bfloat16)")
     model = load_model(target, dtype=torch_dtype, device=world.device, attn=init.attn, seed=seed)
+    if lora is not None:
+        from prime_models.lora import LoRASpec, apply_lora
+
+        apply_lora(model, LoRASpec.from_config(lora), list(adapters) or [lora.adapter_name], seed=seed)
+    if init.freeze_vision:
+        if not hasattr(model, "freeze_vision"):
+            raise ValueError(f"init.freeze_vision: {name} ({source.hf_config['model_type']}) has no vision tower")
+        model.freeze_vision()
     if parallel.dp_shard != -1 and world.world_size % parallel.dp_shard:
         raise ValueError(f"parallel.dp_shard={parallel.dp_shard} does not divide the world size {world.world_size}")
     dp_shard = world.world_size if parallel.dp_shard == -1 else parallel.dp_shard
@@ -78,7 +100,7 @@ def build_model(
     )
     if dims.dp == 1 and world.device.type == "cuda":
         # parallelize_fn skips FSDP at dp=1; wrap anyway for bf16 compute with fp32 master weights.
-        mesh = dims.fsdp_mesh(dims.build_mesh("cuda"))
+        mesh = dims.build_mesh("cuda").fsdp
         model = apply_fsdp(model, model.model.layers, mesh, mp_policy=default_mp_policy("cuda"))
     return model, source
 
@@ -102,10 +124,13 @@ def token_logprobs(
     chunk_size: int,
     entropy_grad: bool,
     return_entropy: bool = True,
+    multimodal: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, and the entropy of the distribution that predicted it.
 
     Position t holds the values for token t, predicted from position t - 1; position 0 holds 0 (never a loss token).
+    ``multimodal`` holds a vision-language model's image inputs (``pixel_values``, ``image_grid_thw``,
+    ``mrope_position_ids``), passed through to its forward.
     """
     targets_RS = torch.roll(input_ids_RS, shifts=-1, dims=1)
     lp_RS, ent_RS = model(
@@ -115,6 +140,7 @@ def token_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         return_entropy=return_entropy,
+        **(multimodal or {}),
     )
     zero = lp_RS.new_zeros(lp_RS.shape[0], 1)
     lp_RS = torch.cat([zero, lp_RS[:, :-1]], dim=1)

@@ -31,6 +31,9 @@ class ModelInitConfig(BaseConfig):
     """Attention kernel; ``auto`` picks flash-attn on GPU when installed, else SDPA."""
     logprob_chunk_size: int = Field(default=2048, ge=1)
     """Tokens per chunk of the fused log-prob head (bounds the memory of the [tokens, vocab] logits)."""
+    freeze_vision: bool = False
+    """Vision-language models: keep the vision tower (patch embedding, ViT blocks, mergers) fixed; only the language
+    model trains. An error for text-only models."""
 
 
 class ParallelConfig(BaseConfig):
