@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from prime_core.schemas.microbatch import (
-    MICROBATCH_FIELDS,
     MICROBATCH_SCHEMA_VERSION,
     MicroBatch,
     RolloutBatchMeta,
+    microbatch_from_tensors,
+    microbatch_tensors,
 )
 
 
@@ -40,11 +41,7 @@ def encode(meta: RolloutBatchMeta, micro_batches: list[MicroBatch]) -> bytes:
 
     tensors: dict[str, np.ndarray] = {}
     for i, mb in enumerate(micro_batches):
-        for name in MICROBATCH_FIELDS:
-            arr = getattr(mb, name)
-            tensors[f"{i}.{name}"] = arr.astype(np.uint8) if arr.dtype == np.bool_ else arr
-        for name, arr in mb.extra.items():
-            tensors[f"{i}.extra.{name}"] = np.ascontiguousarray(arr)
+        tensors.update(microbatch_tensors(i, mb))
     return save(tensors, metadata={"prime": meta.model_dump_json()})
 
 
@@ -61,14 +58,7 @@ def decode(payload: bytes) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
         )
     meta = RolloutBatchMeta.model_validate(data)
     tensors = load(payload)
-    mbs = []
-    for i in range(meta.num_micro_batches):
-        fields = {name: tensors[f"{i}.{name}"] for name in MICROBATCH_FIELDS}
-        prefix = f"{i}.extra."
-        mbs.append(
-            MicroBatch(**fields, extra={k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
-        )
-    return meta, mbs
+    return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]
 
 
 class ZmqSender:

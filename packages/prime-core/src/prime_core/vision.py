@@ -233,6 +233,57 @@ class ImageProcessor:
         return np.concatenate([pv for pv, _ in out]), np.asarray([g for _, g in out], np.int64)
 
 
+@dataclass(frozen=True)
+class VisionSpec:
+    """What a client of a vision-language model needs: its image preprocessing and special token ids."""
+
+    processor: ImageProcessor
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> VisionSpec | None:
+        """From an HF model dir (``config.json`` + optional ``preprocessor_config.json``); None for text models."""
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            return None
+        cfg = json.loads(cfg_file.read_text())
+        if "vision_config" not in cfg or "image_token_id" not in cfg:
+            return None
+        return cls(
+            ImageProcessor.from_model_dir(path),
+            int(cfg["image_token_id"]),
+            int(cfg["vision_start_token_id"]),
+            int(cfg["vision_end_token_id"]),
+        )
+
+    def placeholder_ids(self, grid_thw: tuple[int, int, int]) -> list[int]:
+        """``<|vision_start|>``, the image's placeholder tokens, ``<|vision_end|>``."""
+        return [self.vision_start_token_id, *[self.image_token_id] * self.processor.num_tokens(grid_thw)] + [
+            self.vision_end_token_id
+        ]
+
+
+def image_parts(content: Any) -> list[Any]:
+    """The image sources of a message's content, in order: OpenAI ``{"type": "image_url", "image_url": {"url"}}``
+    parts and Qwen/HF ``{"type": "image", "image": ...}`` parts (an ``image`` part without a source yields None: its
+    image comes from the row's ``images`` column)."""
+    if not isinstance(content, list):
+        return []
+    out = []
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type")
+        if kind == "image_url":
+            url = part.get("image_url")
+            out.append(url.get("url") if isinstance(url, dict) else url)
+        elif kind == "image":
+            out.append(part.get("image") if part.get("image") is not None else part.get("url"))
+    return out
+
+
 def mrope_positions(
     token_ids: np.ndarray | list[int], image_token_id: int, image_grid_thw: np.ndarray | list, merge_size: int
 ) -> np.ndarray:

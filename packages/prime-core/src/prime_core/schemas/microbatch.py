@@ -16,6 +16,15 @@ A micro-batch is ``[rows, seq_len]`` packed rows. Conventions, per row position 
 - ``inference_logprobs[t]``: the log-prob the inference engine assigned to token ``t`` when sampling it
   (0 where ``loss_mask == 0``).
 - ``sample_ids[t]``: the sample's index in the step (``-1`` on padding), for sequence-level losses.
+
+Vision-language micro-batches add three optional arrays (absent for text-only batches, and in files written before
+they existed):
+
+- ``pixel_values`` ``[num_patches, patch_dim]`` float32: the patches of every image of the micro-batch, concatenated
+  in the order the images' placeholder runs appear in ``input_ids`` (row-major). See ``prime_core.vision``.
+- ``image_grid_thw`` ``[num_images, 3]`` int64: each image's (temporal, height, width) patch grid.
+- ``mrope_position_ids`` ``[3, rows, seq_len]`` int64: 3D rotary positions (``prime_core.vision.mrope_positions``),
+  restarting at 0 at every sample start like ``position_ids``; text tokens carry equal values on all three axes.
 """
 
 from __future__ import annotations
@@ -31,6 +40,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from prime_core.io import atomic_path
 
 MICROBATCH_SCHEMA_VERSION = 1
+
+# Optional vision-language arrays: name -> dtype (shapes in the module docstring).
+MULTIMODAL_FIELDS: dict[str, np.dtype] = {
+    "pixel_values": np.dtype(np.float32),
+    "image_grid_thw": np.dtype(np.int64),
+    "mrope_position_ids": np.dtype(np.int64),
+}
 
 # name -> dtype; the order is the on-disk order.
 MICROBATCH_FIELDS: dict[str, np.dtype] = {
@@ -81,6 +97,9 @@ class MicroBatch:
     inference_logprobs: np.ndarray
     sample_ids: np.ndarray
     extra: dict[str, np.ndarray] = field(default_factory=dict)
+    pixel_values: np.ndarray | None = None
+    image_grid_thw: np.ndarray | None = None
+    mrope_position_ids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         shape = None
@@ -95,6 +114,26 @@ class MicroBatch:
             elif arr.shape != shape:
                 raise ValueError(f"micro-batch field {name!r} has shape {arr.shape}, expected {shape}")
             setattr(self, name, arr)
+        for name, dtype in MULTIMODAL_FIELDS.items():
+            if getattr(self, name) is not None:
+                setattr(self, name, np.ascontiguousarray(np.asarray(getattr(self, name)), dtype=dtype))
+        if (self.pixel_values is None) != (self.image_grid_thw is None):
+            raise ValueError("micro-batch pixel_values and image_grid_thw must be given together")
+        if self.image_grid_thw is not None:
+            self.image_grid_thw = self.image_grid_thw.reshape(-1, 3)
+            if int(self.image_grid_thw.prod(-1).sum()) != self.pixel_values.shape[0]:
+                raise ValueError(
+                    f"micro-batch image_grid_thw covers {int(self.image_grid_thw.prod(-1).sum())} patches, "
+                    f"pixel_values has {self.pixel_values.shape[0]}"
+                )
+        if self.mrope_position_ids is not None and self.mrope_position_ids.shape != (3, *shape):
+            raise ValueError(
+                f"micro-batch mrope_position_ids has shape {self.mrope_position_ids.shape}, expected {(3, *shape)}"
+            )
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.pixel_values is not None or self.mrope_position_ids is not None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -113,6 +152,51 @@ class MicroBatch:
         return cls(**zeros)
 
 
+def stack_rows(rows: list[MicroBatch]) -> MicroBatch:
+    """Concatenate micro-batches along rows; images keep their row-major order. Rows without 3D positions get their
+    ``position_ids`` on all three axes when another row has them."""
+    stacked = {f: np.concatenate([getattr(r, f) for r in rows]) for f in MICROBATCH_FIELDS}
+    images = [r for r in rows if r.pixel_values is not None]
+    if images:
+        stacked["pixel_values"] = np.concatenate([r.pixel_values for r in images])
+        stacked["image_grid_thw"] = np.concatenate([r.image_grid_thw for r in images])
+    if any(r.mrope_position_ids is not None for r in rows):
+        stacked["mrope_position_ids"] = np.concatenate(
+            [
+                r.mrope_position_ids
+                if r.mrope_position_ids is not None
+                else np.broadcast_to(r.position_ids, (3, *r.shape))
+                for r in rows
+            ],
+            axis=1,
+        )
+    return MicroBatch(**stacked)
+
+
+def microbatch_tensors(index: int, mb: MicroBatch) -> dict[str, np.ndarray]:
+    """The arrays of micro-batch ``index`` under their on-disk names (``{index}.{field}``)."""
+    tensors: dict[str, np.ndarray] = {}
+    for name in MICROBATCH_FIELDS:
+        arr = getattr(mb, name)
+        # safetensors has no bool in its numpy bridge on all versions; store masks as uint8.
+        tensors[f"{index}.{name}"] = arr.astype(np.uint8) if arr.dtype == np.bool_ else arr
+    for name in MULTIMODAL_FIELDS:
+        if getattr(mb, name) is not None:
+            tensors[f"{index}.{name}"] = getattr(mb, name)
+    for name, arr in mb.extra.items():
+        tensors[f"{index}.extra.{name}"] = np.ascontiguousarray(arr)
+    return tensors
+
+
+def microbatch_from_tensors(index: int, tensors: dict[str, np.ndarray]) -> MicroBatch:
+    """Inverse of ``microbatch_tensors``."""
+    fields = {name: tensors[f"{index}.{name}"] for name in MICROBATCH_FIELDS}
+    optional = {name: tensors.get(f"{index}.{name}") for name in MULTIMODAL_FIELDS}
+    prefix = f"{index}.extra."
+    extra = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return MicroBatch(**fields, **optional, extra=extra)
+
+
 def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_batches: list[MicroBatch]) -> None:
     """Write one rank's micro-batches for one step, atomically."""
     from safetensors.numpy import save_file
@@ -121,12 +205,7 @@ def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_ba
         raise ValueError(f"meta says {meta.num_micro_batches} micro-batches, got {len(micro_batches)}")
     tensors: dict[str, np.ndarray] = {}
     for i, mb in enumerate(micro_batches):
-        for name in MICROBATCH_FIELDS:
-            arr = getattr(mb, name)
-            # safetensors has no bool in its numpy bridge on all versions; store masks as uint8.
-            tensors[f"{i}.{name}"] = arr.astype(np.uint8) if arr.dtype == np.bool_ else arr
-        for name, arr in mb.extra.items():
-            tensors[f"{i}.extra.{name}"] = np.ascontiguousarray(arr)
+        tensors.update(microbatch_tensors(i, mb))
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"prime": meta.model_dump_json()})
 
@@ -151,10 +230,4 @@ def read_microbatches(path: str | os.PathLike) -> tuple[RolloutBatchMeta, list[M
 
     meta = read_microbatch_meta(path)
     tensors = load_file(str(Path(path)))
-    micro_batches = []
-    for i in range(meta.num_micro_batches):
-        fields = {name: tensors[f"{i}.{name}"] for name in MICROBATCH_FIELDS}
-        prefix = f"{i}.extra."
-        extra = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        micro_batches.append(MicroBatch(**fields, extra=extra))
-    return meta, micro_batches
+    return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]

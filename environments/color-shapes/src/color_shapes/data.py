@@ -1,0 +1,142 @@
+"""Scene generator, prompts and scoring (no verifiers import). Deterministic in the seed; images are PNG data URLs.
+
+A scene is a ``grid x grid`` board; each shape (circle, square or triangle, in one of four colours) sits in its own
+cell, so shapes never overlap and stay countable at 32 pixels. Two question kinds:
+
+* count: "How many red shapes are in the image?" (the answer may be 0);
+* colour: "What colour is the triangle?", asked only when exactly one triangle is drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+SYSTEM_PROMPT = "Look at the image and answer with one word or number inside <answer></answer>."
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (30, 160, 60),
+    "blue": (40, 80, 225),
+    "yellow": (235, 200, 20),
+}
+SHAPES = ("circle", "square", "triangle")
+BACKGROUND = (255, 255, 255)
+
+
+def draw_scene(items: list[tuple[str, str, int]], image_size: int, grid: int):
+    """PIL image of ``items`` = (shape, colour, cell index) on a white board."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (image_size, image_size), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    cell = image_size / grid
+    margin = max(1.0, cell * 0.15)
+    for shape, color, index in items:
+        x0, y0 = (index % grid) * cell + margin, (index // grid) * cell + margin
+        x1, y1 = (index % grid + 1) * cell - margin, (index // grid + 1) * cell - margin
+        fill = COLORS[color]
+        if shape == "circle":
+            draw.ellipse((x0, y0, x1, y1), fill=fill)
+        elif shape == "square":
+            draw.rectangle((x0, y0, x1, y1), fill=fill)
+        else:
+            draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
+    return image
+
+
+def png_data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def generate_examples(n: int, seed: int = 0, image_size: int = 32, grid: int = 2, max_shapes: int = 4) -> list[dict]:
+    """``n`` examples ``{"image" (PNG data URL), "question", "answer", "completion", "kind"}``."""
+    if not 1 <= max_shapes <= grid * grid:
+        raise ValueError(f"max_shapes must be in [1, {grid * grid}] for a {grid}x{grid} grid, got {max_shapes}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        cells = rng.sample(range(grid * grid), rng.randint(1, max_shapes))
+        items = [(rng.choice(SHAPES), rng.choice(list(COLORS)), c) for c in cells]
+        unique = [s for s in SHAPES if sum(i[0] == s for i in items) == 1]
+        if unique and rng.random() < 0.5:
+            shape = rng.choice(unique)
+            question = f"What colour is the {shape}?"
+            answer = next(c for s, c, _ in items if s == shape)
+            kind = "colour"
+        else:
+            color = rng.choice(list(COLORS))
+            question = f"How many {color} shapes are in the image?"
+            answer = str(sum(c == color for _, c, _ in items))
+            kind = "count"
+        out.append(
+            {
+                "image": png_data_url(draw_scene(items, image_size, grid)),
+                "question": question,
+                "answer": answer,
+                "completion": f"<answer>{answer}</answer>",
+                "kind": kind,
+            }
+        )
+    return out
+
+
+def prompt_messages(example: dict[str, Any]) -> list[dict[str, Any]]:
+    """The user turn: the image (OpenAI ``image_url`` part with a data: URL) then the question."""
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": example["image"]}},
+                {"type": "text", "text": example["question"]},
+            ],
+        }
+    ]
+
+
+def sft_rows(n: int, seed: int = 0, **kwargs: Any) -> list[dict[str, Any]]:
+    """``messages`` rows (system, user with the image, assistant answer) for SFT."""
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                *prompt_messages(ex),
+                {"role": "assistant", "content": ex["completion"]},
+            ]
+        }
+        for ex in generate_examples(n, seed, **kwargs)
+    ]
+
+
+_ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
+
+
+def score_answer(reply: str, answer: str) -> float:
+    """1.0 when the last ``<answer>`` of the reply equals ``answer`` (case and surrounding space ignored)."""
+    found = _ANSWER.findall(reply or "")
+    return 1.0 if found and found[-1].strip().lower() == answer.strip().lower() else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write a color-shapes SFT dataset (.jsonl of messages rows).")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--num-examples", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image-size", type=int, default=32)
+    args = parser.parse_args()
+    rows = sft_rows(args.num_examples, args.seed, image_size=args.image_size)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
