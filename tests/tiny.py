@@ -130,3 +130,21 @@ def tiny_qwen3_vl_config(*, vocab_size: int = 300, tokenizer=None, max_position_
     if "eos_token_id" in extra:
         cfg.eos_token_id = extra["eos_token_id"]
     return cfg
+
+
+def write_tiny_vl_model_dir(path, corpus: list[str], *, image_size: int = 32):
+    """A config-only Qwen3-VL dir (random init by whoever loads it): VL tokenizer trained on ``corpus``, config.json
+    and a preprocessor_config.json that keeps ``image_size`` square images at their size (4x4 patches, merge 2)."""
+    import json
+    from pathlib import Path
+
+    from prime_core.vision import ImageProcessor
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_vl_chatml_tokenizer(corpus)
+    tokenizer.save_pretrained(path)
+    tiny_qwen3_vl_config(tokenizer=tokenizer).save_pretrained(path)
+    processor = ImageProcessor(patch_size=4, merge_size=2, min_pixels=image_size**2, max_pixels=image_size**2)
+    (path / "preprocessor_config.json").write_text(json.dumps(processor.to_dict(), indent=2))
+    return path, tokenizer

@@ -32,6 +32,13 @@ class ModelSource:
     tokenizer: str
     random_init: bool
     """True when the weights are randomly initialized (no checkpoint on disk holds them)."""
+    model_dir: str = ""
+    """Local directory of the model (its config.json; a hub id is resolved to its snapshot)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The language model's vocabulary (vision-language configs nest it under ``text_config``)."""
+        return int(self.hf_config.get("vocab_size") or self.hf_config["text_config"]["vocab_size"])
 
 
 def resolve_source(name: str, init: ModelInitConfig) -> tuple[object, ModelSource]:
@@ -52,7 +59,7 @@ def resolve_source(name: str, init: ModelInitConfig) -> tuple[object, ModelSourc
     random_init = init.random or not has_weights
     if not init.random and not has_weights:
         logger.warning("model %s has no safetensors weights: initializing randomly", name)
-    return (hf_config if random_init else path), ModelSource(hf_config, tokenizer, random_init)
+    return (hf_config if random_init else path), ModelSource(hf_config, tokenizer, random_init, str(path))
 
 
 def build_model(

@@ -23,7 +23,8 @@ from prime_trainer.world import World, broadcast_object
 logger = logging.getLogger("prime.trainer")
 
 _TOKENIZER_FILES = re.compile(
-    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|chat_template\..*)$"
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|merges\.txt|chat_template\..*"
+    r"|(video_)?preprocessor_config\.json|processor_config\.json)$"
 )
 
 

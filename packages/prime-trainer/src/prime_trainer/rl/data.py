@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from prime_core.config.trainer import FakeDataConfig, TrainerConfig
 from prime_core.run_dir import RunDir
-from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
+from prime_core.schemas.microbatch import MULTIMODAL_FIELDS, MicroBatch, RolloutBatchMeta
 from prime_core.transport import make_receiver
 
 from prime_trainer.world import World
@@ -27,9 +27,17 @@ class TensorMicroBatch:
     advantages: torch.Tensor
     inference_logprobs: torch.Tensor
     sample_ids: torch.Tensor
+    multimodal: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Image inputs of a vision-language micro-batch (``pixel_values``, ``image_grid_thw``, ``mrope_position_ids``),
+    keyword arguments of the model's forward; empty for text."""
 
     @classmethod
     def from_numpy(cls, mb: MicroBatch, device: torch.device) -> TensorMicroBatch:
+        multimodal = {
+            name: torch.from_numpy(getattr(mb, name)).to(device)
+            for name in MULTIMODAL_FIELDS
+            if getattr(mb, name) is not None
+        }
         return cls(
             input_ids=torch.from_numpy(mb.input_ids).to(device),
             position_ids=torch.from_numpy(mb.position_ids).to(device),
@@ -37,6 +45,7 @@ class TensorMicroBatch:
             advantages=torch.from_numpy(mb.advantages).to(device),
             inference_logprobs=torch.from_numpy(mb.inference_logprobs).to(device),
             sample_ids=torch.from_numpy(mb.sample_ids).to(device),
+            multimodal=multimodal,
         )
 
     @property

@@ -50,6 +50,7 @@ def train_step(
             temperature=temperature,
             chunk_size=cfg.init.logprob_chunk_size,
             entropy_grad=cfg.loss.entropy_coef > 0,
+            multimodal=mb.multimodal,
         )
         inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy)
         loss, stats = compute_loss(objective, cfg.loss, inputs, num_tokens=num_loss_tokens, num_samples=num_samples)
@@ -81,7 +82,7 @@ def train(config: TrainerConfig) -> None:
     start = common.resume(c)["step"]
     common.publish_initial(c, start, c.source.random_init)
     source = None if config.data.fake else RolloutSource(config, c.world)
-    vocab_size = c.source.hf_config["vocab_size"]
+    vocab_size = c.source.vocab_size
     c.logger.info("training steps %d..%d with %s loss", start, config.max_steps - 1, config.loss.type)
 
     for step in range(start, config.max_steps):

@@ -3,6 +3,12 @@
 Row formats: ``messages`` (a whole conversation) wins over ``prompt`` + ``completion`` (strings become a user and an
 assistant message; lists are messages). ``tools`` (a list or a JSON string) is passed to the chat template.
 
+Images (vision-language models): message content may be a list of parts, with ``{"type": "image", "image": <path,
+bytes, data: URL, base64 or {"bytes", "path"}>}`` or OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``;
+an ``image`` part without a source takes the next entry of the row's ``images`` column. The chat template renders
+one ``<|image_pad|>`` per image, which is expanded to the image's placeholder tokens (never trained); pixels are
+decoded and patchified only when a row is built (``prime_core.vision``), so datasets stay small in memory.
+
 Loss masks come from rendering every prefix of the conversation: the text added by message k is attributed to k's
 role. This needs the template's prefix property (rendering messages[:k] is a prefix of rendering messages[:k+1]);
 templates that rewrite earlier turns (e.g. strip past reasoning) are refused with the first offending message.
@@ -13,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prime_core.config.trainer import LossMaskConfig
-from prime_core.schemas.microbatch import MicroBatch
+from prime_core.schemas.microbatch import MicroBatch, stack_rows
+from prime_core.vision import VisionSpec, image_parts, load_image, mrope_positions
 
 logger = logging.getLogger("prime.sft")
 
@@ -167,20 +174,97 @@ class Sample:
     input_ids: np.ndarray
     loss_mask: np.ndarray
     """loss_mask[t]: token t is trained (predicted from t - 1); the first token never is."""
+    images: list[Any] = field(default_factory=list)
+    """Image sources (decoded when a row is built), in placeholder order."""
+    image_grid_thw: np.ndarray | None = None
+    """[num_images, 3] patch grids of ``images``."""
+    mrope_position_ids: np.ndarray | None = None
+    """[3, len] rotary positions of a sample with images."""
 
 
-def build_samples(rows: list[dict], tokenizer, roles: LossMaskConfig, seq_len: int) -> list[Sample]:
+def row_images(row: dict[str, Any], messages: list[dict[str, Any]], index: int) -> list[Any]:
+    """Image sources of a conversation in order; sourceless ``image`` parts take the row's ``images`` column."""
+    column = list(row.get("images") or [])
+    out = []
+    for message in messages:
+        for source in image_parts(message.get("content")):
+            if source is None:
+                if not column:
+                    raise ValueError(f"row {index}: an image part has no source and the row's `images` ran out")
+                source = column.pop(0)
+            out.append(source)
+    return out
+
+
+def expand_images(
+    ids: list[int], mask: list[bool], images: list[Any], vision: VisionSpec | None, index: int
+) -> tuple[list[int], list[bool], np.ndarray | None]:
+    """Replace each rendered ``<|image_pad|>`` with the image's placeholder tokens; returns the grids too."""
+    if not images:
+        return ids, mask, None
+    if vision is None:
+        raise ValueError(f"row {index} has images but the model has no vision config (vision_config in config.json)")
+    pads = [k for k, t in enumerate(ids) if t == vision.image_token_id]
+    if len(pads) != len(images):
+        raise ValueError(
+            f"row {index}: the chat template rendered {len(pads)} image placeholders for {len(images)} images "
+            "(does the template render image content parts?)"
+        )
+    grids = []
+    out_ids, out_mask, prev = [], [], 0
+    for k, source in zip(pads, images, strict=True):
+        image = load_image(source)
+        grid = vision.processor.grid_for_size(image.height, image.width)
+        grids.append(grid)
+        out_ids += ids[prev:k] + [vision.image_token_id] * vision.processor.num_tokens(grid)
+        out_mask += mask[prev:k] + [False] * vision.processor.num_tokens(grid)
+        prev = k + 1
+    return out_ids + ids[prev:], out_mask + mask[prev:], np.asarray(grids, np.int64)
+
+
+def truncate_keeping_images(ids: list[int], grids: np.ndarray | None, seq_len: int, vision: VisionSpec | None) -> int:
+    """Length to keep (<= seq_len) that never cuts an image block: an image that does not fit is dropped whole
+    (with its ``<|vision_start|>``), with everything after it. Returns the new length."""
+    if len(ids) <= seq_len or grids is None:
+        return min(len(ids), seq_len)
+    k = 0
+    for grid in grids.tolist():
+        while ids[k] != vision.image_token_id:
+            k += 1
+        end = k + vision.processor.num_tokens(grid)
+        if end > seq_len:
+            return k - 1 if k > 0 and ids[k - 1] == vision.vision_start_token_id else k
+        k = end
+    return seq_len
+
+
+def build_samples(
+    rows: list[dict], tokenizer, roles: LossMaskConfig, seq_len: int, vision: VisionSpec | None = None
+) -> list[Sample]:
     samples, skipped = [], 0
     for i, row in enumerate(rows):
         messages, tools = to_messages(row, i)
         ids, mask = tokenize_conversation(tokenizer, messages, tools, roles, index=i)
-        ids, mask = np.asarray(ids[:seq_len], dtype=np.int64), np.asarray(mask[:seq_len], dtype=np.bool_)
+        images = row_images(row, messages, i)
+        ids, mask, grids = expand_images(ids, mask, images, vision, i)
+        keep = truncate_keeping_images(ids, grids, seq_len, vision)
+        ids, mask = np.asarray(ids[:keep], dtype=np.int64), np.asarray(mask[:keep], dtype=np.bool_)
         if len(mask):
             mask[0] = False
         if not mask.any():
             skipped += 1
             continue
-        samples.append(Sample(ids, mask))
+        sample = Sample(ids, mask)
+        if grids is not None:
+            num_kept = int((ids == vision.image_token_id).sum())
+            counts = np.cumsum([vision.processor.num_tokens(g) for g in grids])
+            n = int(np.searchsorted(counts, num_kept, side="right")) if num_kept else 0
+            if n:
+                sample.images, sample.image_grid_thw = images[:n], grids[:n]
+                sample.mrope_position_ids = mrope_positions(
+                    ids, vision.image_token_id, grids[:n], vision.processor.merge_size
+                )
+        samples.append(sample)
     if skipped:
         logger.warning("skipped %d of %d samples with no trained token within seq_len=%d", skipped, len(rows), seq_len)
     if not samples:
@@ -191,38 +275,66 @@ def build_samples(rows: list[dict], tokenizer, roles: LossMaskConfig, seq_len: i
 # ---------------------------------------------------------------- packing
 
 
-def pack(samples: list[Sample], order: np.ndarray, seq_len: int, first_sample_id: int = 0) -> list[MicroBatch]:
-    """Greedy packing in ``order`` into one-row micro-batches of ``seq_len``; a sample that does not fit starts a new
-    row (samples are never split). Padding has ``sample_ids == -1`` and no loss."""
-    rows: list[MicroBatch] = []
-    row = MicroBatch.empty(1, seq_len)
+RowPlan = list[tuple[int, int]]
+"""One packed row: (sample index, sample id) in row order."""
+
+
+def plan_rows(samples: list[Sample], order: np.ndarray, seq_len: int, first_sample_id: int = 0) -> list[RowPlan]:
+    """Greedy packing in ``order`` into rows of ``seq_len``; a sample that does not fit starts a new row (samples are
+    never split)."""
+    plans: list[RowPlan] = [[]]
     pos = 0
-
-    def finish() -> None:
-        # Padding restarts position ids at 0 so attention keeps it apart from the last sample.
-        row.position_ids[0, pos:] = np.arange(seq_len - pos)
-        rows.append(row)
-
     for sid, idx in enumerate(order):
+        n = len(samples[idx].input_ids)
+        if pos + n > seq_len:
+            plans.append([])
+            pos = 0
+        plans[-1].append((int(idx), first_sample_id + sid))
+        pos += n
+    return [p for p in plans if p]
+
+
+def build_row(samples: list[Sample], plan: RowPlan, seq_len: int, vision: VisionSpec | None = None) -> MicroBatch:
+    """A one-row micro-batch; padding has ``sample_ids == -1``, no loss, and position ids restarting at 0 (so
+    attention keeps it apart from the last sample). Images are decoded and patchified here."""
+    row = MicroBatch.empty(1, seq_len)
+    image_spans: list[tuple[slice, np.ndarray]] = []
+    images, grids = [], []
+    pos = 0
+    for idx, sid in plan:
         s = samples[idx]
         n = len(s.input_ids)
-        if pos + n > seq_len:
-            finish()
-            row, pos = MicroBatch.empty(1, seq_len), 0
         span = slice(pos, pos + n)
         row.input_ids[0, span] = s.input_ids
         row.position_ids[0, span] = np.arange(n)
         row.loss_mask[0, span] = s.loss_mask
-        row.sample_ids[0, span] = first_sample_id + sid
+        row.sample_ids[0, span] = sid
+        if s.images:
+            image_spans.append((span, s.mrope_position_ids))
+            images += s.images
+            grids.append(s.image_grid_thw)
         pos += n
-    if pos:
-        finish()
-    return rows
+    row.position_ids[0, pos:] = np.arange(seq_len - pos)
+    if image_spans:
+        mrope = np.broadcast_to(row.position_ids, (3, 1, seq_len)).copy()
+        for span, positions in image_spans:
+            mrope[:, 0, span] = positions
+        pixel_values, grid_thw = vision.processor.process_many(images)
+        if not np.array_equal(grid_thw, np.concatenate(grids)):
+            raise ValueError("an image's patch grid changed between tokenization and row building")
+        row.pixel_values, row.image_grid_thw, row.mrope_position_ids = pixel_values, grid_thw, mrope
+    return row
+
+
+def pack(
+    samples: list[Sample], order: np.ndarray, seq_len: int, first_sample_id: int = 0, vision: VisionSpec | None = None
+) -> list[MicroBatch]:
+    """``plan_rows`` then ``build_row`` for every row."""
+    return [build_row(samples, p, seq_len, vision) for p in plan_rows(samples, order, seq_len, first_sample_id)]
 
 
 def stack(rows: list[MicroBatch]) -> MicroBatch:
-    fields = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "sample_ids")
-    return MicroBatch(**{f: np.concatenate([getattr(r, f) for r in rows]) for f in fields})
+    return stack_rows(rows)
 
 
 class PackedData:
@@ -232,19 +344,27 @@ class PackedData:
     """
 
     def __init__(
-        self, samples: list[Sample], seq_len: int, batch_size: int, micro_batch_size: int, shuffle: bool, seed: int
+        self,
+        samples: list[Sample],
+        seq_len: int,
+        batch_size: int,
+        micro_batch_size: int,
+        shuffle: bool,
+        seed: int,
+        vision: VisionSpec | None = None,
     ):
         self.samples, self.seq_len = samples, seq_len
         self.batch_size, self.micro_batch_size = batch_size, micro_batch_size
         self.shuffle, self.seed = shuffle, seed
+        self.vision = vision
         self.epoch, self.cursor = 0, 0
-        self._rows: list[MicroBatch] | None = None
+        self._rows: list[RowPlan] | None = None
 
-    def rows(self, epoch: int) -> list[MicroBatch]:
+    def rows(self, epoch: int) -> list[RowPlan]:
         order = np.arange(len(self.samples))
         if self.shuffle:
             np.random.default_rng([self.seed, epoch]).shuffle(order)
-        return pack(self.samples, order, self.seq_len)
+        return plan_rows(self.samples, order, self.seq_len)
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}
@@ -259,7 +379,7 @@ class PackedData:
                 f"data.batch_size={self.batch_size} must split into {world_size} ranks x "
                 f"micro_batch_size={self.micro_batch_size}"
             )
-        batch: list[MicroBatch] = []
+        batch: list[RowPlan] = []
         while len(batch) < self.batch_size:
             if self._rows is None:
                 self._rows = self.rows(self.epoch)
@@ -268,15 +388,21 @@ class PackedData:
             self.cursor += len(take)
             if self.cursor >= len(self._rows):
                 self.epoch, self.cursor, self._rows = self.epoch + 1, 0, None
-        mine = batch[rank::world_size]
+        mine = [build_row(self.samples, plan, self.seq_len, self.vision) for plan in batch[rank::world_size]]
         return [stack(mine[i : i + self.micro_batch_size]) for i in range(0, len(mine), self.micro_batch_size)]
 
 
 def eval_batches(
-    samples: list[Sample], seq_len: int, micro_batch_size: int, rank: int, world_size: int, max_rows: int | None
+    samples: list[Sample],
+    seq_len: int,
+    micro_batch_size: int,
+    rank: int,
+    world_size: int,
+    max_rows: int | None,
+    vision: VisionSpec | None = None,
 ) -> list[MicroBatch]:
     """This rank's share of the validation rows (padded so every rank runs as many forward passes)."""
-    rows = pack(samples, np.arange(len(samples)), seq_len)[:max_rows]
+    rows = pack(samples, np.arange(len(samples)), seq_len, vision=vision)[:max_rows]
     per_step = micro_batch_size * world_size
     rows += [MicroBatch.empty(1, seq_len) for _ in range(-len(rows) % per_step)]
     mine = rows[rank::world_size]

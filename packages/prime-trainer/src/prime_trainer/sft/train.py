@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from prime_core.config.trainer import SFTConfig
 from prime_core.schemas.microbatch import MicroBatch
+from prime_core.vision import VisionSpec
 
 from prime_trainer import common
 from prime_trainer.model import token_logprobs
@@ -30,6 +31,7 @@ def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
         chunk_size=c.config.init.logprob_chunk_size,
         entropy_grad=False,
         return_entropy=False,
+        multimodal=mb.multimodal,
     )
     return -(logprobs * mb.loss_mask).sum()
 
@@ -65,8 +67,13 @@ def evaluate(c: common.Components, batches: list[MicroBatch]) -> float:
     return total / max(count, 1)
 
 
-def build_data(config: SFTConfig, tokenizer_name: str, world) -> tuple[PackedData | None, list | None]:
-    """Training rows (None with fake data) and this rank's validation batches (None without validation)."""
+def build_data(
+    config: SFTConfig, tokenizer_name: str, world, vision: VisionSpec | None = None
+) -> tuple[PackedData | None, list | None]:
+    """Training rows (None with fake data) and this rank's validation batches (None without validation).
+
+    ``vision``: image preprocessing and token ids of a vision-language model (rows may then hold images).
+    """
     if config.data.fake is not None:
         return None, None
     tokenizer = load_tokenizer(tokenizer_name, config.data.chat_template)
@@ -78,27 +85,39 @@ def build_data(config: SFTConfig, tokenizer_name: str, world) -> tuple[PackedDat
         order = np.random.default_rng(config.seed).permutation(len(rows))
         num_val = max(1, int(round(len(rows) * config.val.fraction)))
         val_rows, rows = [rows[i] for i in order[:num_val]], [rows[i] for i in order[num_val:]]
-    samples = build_samples(rows, tokenizer, config.data.loss_mask, config.seq_len)
+    samples = build_samples(rows, tokenizer, config.data.loss_mask, config.seq_len, vision)
     data = PackedData(
-        samples, config.seq_len, config.data.batch_size, config.data.micro_batch_size, config.data.shuffle, config.seed
+        samples,
+        config.seq_len,
+        config.data.batch_size,
+        config.data.micro_batch_size,
+        config.data.shuffle,
+        config.seed,
+        vision,
     )
     val = None
     if val_rows:
-        val_samples = build_samples(val_rows, tokenizer, config.data.loss_mask, config.seq_len)
+        val_samples = build_samples(val_rows, tokenizer, config.data.loss_mask, config.seq_len, vision)
         val = eval_batches(
-            val_samples, config.seq_len, config.data.micro_batch_size, world.rank, world.world_size, config.val.max_rows
+            val_samples,
+            config.seq_len,
+            config.data.micro_batch_size,
+            world.rank,
+            world.world_size,
+            config.val.max_rows,
+            vision,
         )
     return data, val
 
 
 def train(config: SFTConfig) -> None:
     c = common.setup(config, "sft")
-    data, val = build_data(config, c.source.tokenizer, c.world)
+    data, val = build_data(config, c.source.tokenizer, c.world, VisionSpec.from_model_dir(c.source.model_dir))
     progress = common.resume(c)
     start = progress["step"]
     if data is not None and "data" in progress:
         data.load_state(progress["data"])
-    vocab_size = c.source.hf_config["vocab_size"]
+    vocab_size = c.source.vocab_size
     if data is not None:
         c.logger.info("%d training samples, %d validation batches", len(data.samples), len(val or []))
     if val is not None:
