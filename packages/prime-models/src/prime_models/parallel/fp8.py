@@ -134,6 +134,10 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _use_scaled_mm(a: torch.Tensor, tensorwise: bool) -> bool:
+    return not FORCE_EMULATION and (a.is_cuda or tensorwise)
+
+
 def scaled_mm(
     a_MK: torch.Tensor,
     a_scale: torch.Tensor,
@@ -148,7 +152,7 @@ def scaled_mm(
     it supports the operands (CUDA; CPU with tensorwise scales), otherwise the fp32 emulation.
     """
     tensorwise = a_scale.numel() == 1 and b_scale.numel() == 1
-    if FORCE_EMULATION or not (a_MK.is_cuda or tensorwise):
+    if not _use_scaled_mm(a_MK, tensorwise):
         return ((a_MK.float() @ b_KN.float()) / a_scale / b_scale).to(out_dtype)
     # The kernel wants the inverse (dequantization) scales, `a` row-major and `b` column-major.
     kernel_dtype = out_dtype if tensorwise or out_dtype == torch.bfloat16 else torch.bfloat16
@@ -158,7 +162,7 @@ def scaled_mm(
         scale_a=a_scale.reciprocal().reshape(a_scale.shape if a_scale.dim() == 2 else ()),
         scale_b=b_scale.reciprocal().reshape(b_scale.shape if b_scale.dim() == 2 else ()),
         out_dtype=kernel_dtype,
-        use_fast_accum=fast_accum and a_MK.is_cuda,
+        use_fast_accum=fast_accum,
     )
     return out.to(out_dtype)
 
@@ -190,22 +194,29 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_MN: torch.Tensor):
         recipe: Fp8Recipe = ctx.recipe
+        need_x, need_w = ctx.needs_input_grad[:2]
         grad_MN = grad_MN.contiguous()
+        grad_x = grad_w = None
+        pow2, gdt = recipe.pow2_scales, recipe.grad_dtype
         if recipe.rowwise:
             x_MK, w_NK = ctx.saved_tensors
-            g_q, g_s = quantize(grad_MN, E4M3, -1, True)
-            w_q, w_s = quantize(w_NK, E4M3, 0, True)
-            grad_x = scaled_mm(g_q, g_s, w_q, w_s, grad_MN.dtype)
-            # The weight gradient contracts over tokens: scale both operands per column, over (padded) tokens.
-            gp_q, gp_s = quantize(_pad_rows(grad_MN), E4M3, 0, True)
-            xp_q, xp_s = quantize(_pad_rows(x_MK), E4M3, 0, True)
-            grad_w = scaled_mm(gp_q.t(), gp_s.t(), xp_q, xp_s, w_NK.dtype)
+            if need_x:
+                g_q, g_s = quantize(grad_MN, gdt, -1, pow2)
+                w_q, w_s = quantize(w_NK, E4M3, 0, pow2)
+                grad_x = scaled_mm(g_q, g_s, w_q, w_s, grad_MN.dtype)
+            if need_w:
+                # The weight gradient contracts over tokens: both operands get one scale per column.
+                gp_q, gp_s = quantize(_pad_rows(grad_MN), gdt, 0, pow2)
+                xp_q, xp_s = quantize(_pad_rows(x_MK), E4M3, 0, pow2)
+                grad_w = scaled_mm(gp_q.t(), gp_s.t(), xp_q, xp_s, w_NK.dtype)
             return grad_x, grad_w, None
         x_q, x_s, w_NK = ctx.saved_tensors
-        g_q, g_s = quantize(grad_MN, recipe.grad_dtype)
-        w_q, w_s = quantize(w_NK, E4M3)
-        grad_x = scaled_mm(g_q, g_s, w_q, w_s, grad_MN.dtype)
-        grad_w = scaled_mm(_pad_rows(g_q).t(), g_s, _pad_rows(x_q), x_s, w_NK.dtype)
+        g_q, g_s = quantize(grad_MN, gdt)
+        if need_x:
+            w_q, w_s = quantize(w_NK, E4M3)
+            grad_x = scaled_mm(g_q, g_s, w_q, w_s, grad_MN.dtype)
+        if need_w:
+            grad_w = scaled_mm(_pad_rows(g_q).t(), g_s, _pad_rows(x_q), x_s, w_NK.dtype)
         return grad_x, grad_w, None
 
 
@@ -240,11 +251,15 @@ class Float8Linear(nn.Linear):
 
 
 @functools.cache
-def scaled_grouped_mm_supported(device_type: str, index: int | None = None) -> bool:
+def _cuda_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def scaled_grouped_mm_supported(device: torch.device) -> bool:
     """`torch._scaled_grouped_mm` runs on Hopper-class GPUs (sm90+) only."""
-    if FORCE_EMULATION or device_type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
+    if FORCE_EMULATION or device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    return _cuda_capability(device.index) >= (9, 0)
 
 
 @dataclass
@@ -307,7 +322,7 @@ def _grouped_mm_emulated(a, a_scale, b, b_scale, offs_E: torch.Tensor) -> torch.
 
 def _grouped(a, a_scale, b, b_scale, offs_E: torch.Tensor) -> torch.Tensor:
     """`torch._scaled_grouped_mm` (a row-major, b column-major, inverse scales) or its emulation."""
-    if scaled_grouped_mm_supported(a.device.type, a.device.index):
+    if scaled_grouped_mm_supported(a.device):
         return torch._scaled_grouped_mm(a, b, a_scale, b_scale, offs=offs_E, out_dtype=torch.bfloat16,
                                         use_fast_accum=True)  # fmt: skip
     return _grouped_mm_emulated(a, a_scale, b, b_scale, offs_E)
@@ -335,17 +350,21 @@ class _Fp8GroupedMatmul(torch.autograd.Function):
         x_PK, w_EKN, dest_A, group_P, lengths_G, offs_E = ctx.saved_tensors
         layout = _GroupLayout(dest_A, group_P, lengths_G, offs_E, ctx.num_rows)
         grad_PN = _scatter_rows(grad_AN.contiguous(), layout)
-        # grad_x = grad @ w[e].T: scale grad per row and w per (expert, K) over N.
-        g_q, g_s = quantize(grad_PN, E4M3, -1, True)
-        w_q, w_s = quantize(w_EKN.contiguous(), E4M3, -1, True)  # [E, K, N], one scale per (e, k)
-        grad_x_PK = _grouped(g_q, g_s.reciprocal().view(-1), _col_major(w_q.transpose(-2, -1)),
-                             w_s.reciprocal().squeeze(-1), offs_E)  # fmt: skip
-        # grad_w[e] = x[e].T @ grad[e]: contracts over the group's rows, so scales are per (expert, column).
-        xc_q, xc_s = _quantize_per_group_columns(x_PK, layout)
-        gc_q, gc_s = _quantize_per_group_columns(grad_PN, layout)
-        grad_w_EKN = _grouped(xc_q.t().contiguous(), xc_s.reciprocal().reshape(-1), _col_major(gc_q),
-                              gc_s.reciprocal().reshape(-1), offs_E)  # fmt: skip
-        return grad_x_PK[dest_A].to(grad_AN.dtype), grad_w_EKN.to(w_EKN.dtype), None
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            # grad_x = grad @ w[e].T: scale grad per row and w per (expert, K) over N.
+            g_q, g_s = quantize(grad_PN, E4M3, -1, True)
+            w_q, w_s = quantize(w_EKN.contiguous(), E4M3, -1, True)  # [E, K, N], one scale per (e, k)
+            b, b_s = _col_major(w_q.transpose(-2, -1)), w_s.reciprocal().squeeze(-1)
+            grad_x = _grouped(g_q, g_s.reciprocal().view(-1), b, b_s, offs_E)[dest_A].to(grad_AN.dtype)
+        if ctx.needs_input_grad[1]:
+            # grad_w[e] = x[e].T @ grad[e] contracts over the group's rows: one scale per (expert, column).
+            xc_q, xc_s = _quantize_per_group_columns(x_PK, layout)
+            gc_q, gc_s = _quantize_per_group_columns(grad_PN, layout)
+            a, b = xc_q.t().contiguous(), _col_major(gc_q)
+            grad_w = _grouped(a, xc_s.reciprocal().reshape(-1), b, gc_s.reciprocal().reshape(-1), offs_E)
+            grad_w = grad_w.to(w_EKN.dtype)
+        return grad_x, grad_w, None
 
 
 def fp8_grouped_mm(x_AK: torch.Tensor, w_EKN: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -469,7 +488,7 @@ def convert_to_fp8(
     left: list[str] = []
     layers = model.model.layers
     device = next(layers.parameters()).device
-    grouped_ok = device.type == "cpu" or scaled_grouped_mm_supported(device.type, device.index)
+    grouped_ok = device.type == "cpu" or scaled_grouped_mm_supported(device)
     for name, module in list(layers.named_modules(prefix="model.layers")):
         for child_name, child in list(module.named_children()):
             fqn = f"{name}.{child_name}"
