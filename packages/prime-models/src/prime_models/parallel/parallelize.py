@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from prime_core.config.shared import Fp8Config
 from torch import nn
 
 if TYPE_CHECKING:
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
 
 from prime_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from prime_models.parallel.dims import ParallelDims
+from prime_models.parallel.fp8 import apply_fp8
 from prime_models.parallel.fsdp import apply_fsdp, default_mp_policy
 
 
@@ -27,6 +29,7 @@ def parallelize_transformer(
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
+    fp8: Fp8Config | None = None,
 ) -> nn.Module:
     """Apply activation checkpointing and, when dp > 1, FSDP2 to a `CausalLM` in place; returns it.
 
@@ -41,8 +44,11 @@ def parallelize_transformer(
         param_dtype / reduce_dtype: override the default mixed precision (bf16/fp32 on CUDA, fp32/fp32 on CPU).
         cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`).
         reshard_after_forward: free gathered params after each layer's forward (ZeRO-3); False keeps them (ZeRO-2).
+        fp8: `model.fp8` section: swap the decoder's linears (and MoE experts) for FP8 ones first
+            (`prime_models.parallel.fp8`); later steps shard the same parameters.
     """
     layers = model.model.layers
+    apply_fp8(model, fp8)
     apply_activation_checkpointing(layers, ac, ac_every, keep_attention=ac_keep_attention)
     if not parallel_dims.fsdp_enabled:
         return model
