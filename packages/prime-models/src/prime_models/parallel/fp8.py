@@ -39,12 +39,16 @@ import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from prime_models import kernels
 from prime_models.layers.moe import GroupedExperts
+
+if TYPE_CHECKING:
+    from prime_core.config.shared import Fp8Config
 
 logger = logging.getLogger("prime.models")
 
@@ -489,24 +493,39 @@ def convert_to_fp8(
     layers = model.model.layers
     device = next(layers.parameters()).device
     grouped_ok = device.type == "cpu" or scaled_grouped_mm_supported(device)
-    for name, module in list(layers.named_modules(prefix="model.layers")):
+    if moe and not grouped_ok and any(type(m) is GroupedExperts for m in layers.modules()):
+        logger.warning("fp8: torch._scaled_grouped_mm needs sm90+; MoE experts stay in bf16 on this GPU")
+
+    def walk(module: nn.Module, prefix: str) -> None:
         for child_name, child in list(module.named_children()):
-            fqn = f"{name}.{child_name}"
+            fqn = f"{prefix}.{child_name}"
             if isinstance(child, nn.Linear):
-                if not fp8_linear_filter(fqn, child, skip):
+                # Never descend into a linear: sub-layers of a wrapped linear (LoRA adapters) belong to it.
+                if fp8_linear_filter(fqn, child, skip):
+                    new = te_linear(child, recipe) if backend == "te" else Float8Linear.from_linear(child, fp8)
+                    setattr(module, child_name, new)
+                    converted["linear"] += 1
+                else:
                     left.append(fqn)
-                    continue
-                new = te_linear(child, recipe) if backend == "te" else Float8Linear.from_linear(child, fp8)
-                setattr(module, child_name, new)
-                converted["linear"] += 1
             elif type(child) is GroupedExperts:
-                if not moe or not grouped_ok or backend == "te" or any(fnmatch.fnmatchcase(fqn, p) for p in skip):
+                if moe and grouped_ok and backend != "te" and not any(fnmatch.fnmatchcase(fqn, p) for p in skip):
+                    setattr(module, child_name, Float8GroupedExperts.from_experts(child))
+                    converted["experts"] += 1
+                else:
                     left.append(fqn)
-                    continue
-                setattr(module, child_name, Float8GroupedExperts.from_experts(child))
-                converted["experts"] += 1
+            else:
+                walk(child, fqn)
+
+    walk(layers, "model.layers")
     if left:
         shown = ", ".join(left[:8]) + (", ..." if len(left) > 8 else "")
         logger.info("fp8: kept %d modules in high precision: %s", len(left), shown)
     logger.info("fp8 (%s, %s backend): converted %s", recipe, backend, converted)
     return converted
+
+
+def apply_fp8(model: nn.Module, config: Fp8Config | None) -> dict[str, int]:
+    """`convert_to_fp8` from a `model.fp8` config section (a no-op when unset or ``recipe = "none"``)."""
+    if config is None or config.recipe == "none":
+        return {}
+    return convert_to_fp8(model, config.recipe, backend=config.backend, skip=config.skip, moe=config.moe)
