@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from prime_core.config.shared import LoRAConfig
+from prime_core.config.shared import Fp8Config, LoRAConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
 from prime_models import ParallelDims, get_model_spec, load_model
 from prime_models.parallel import apply_fsdp, default_mp_policy
@@ -72,11 +72,13 @@ def build_model(
     *,
     lora: LoRAConfig | None = None,
     adapters: Sequence[str] = (),
+    fp8: Fp8Config | None = None,
 ) -> tuple[nn.Module, ModelSource]:
     """Load (or randomly init) the model on this rank's device and apply AC + FSDP2 through the family's spec.
 
     With ``lora``, the adapters (default: one named ``lora.adapter_name``) are injected and the base frozen before
-    parallelizing, so FSDP shards base and adapters alike and only adapters get gradients.
+    parallelizing, so FSDP shards base and adapters alike and only adapters get gradients. With ``fp8`` (a recipe other
+    than ``none``), the parallelize function first swaps the decoder's linears for FP8 ones (`prime_models.parallel.fp8`).
     """
     target, source = resolve_source(name, init)
     torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
@@ -104,6 +106,7 @@ def build_model(
         ac_keep_attention=parallel.ac_keep_attention,
         cpu_offload=parallel.cpu_offload,
         reshard_after_forward=parallel.reshard_after_forward,
+        fp8=fp8,
     )
     if dims.dp == 1 and world.device.type == "cuda":
         # parallelize_fn skips FSDP at dp=1; wrap anyway for bf16 compute with fp32 master weights.
