@@ -58,7 +58,15 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
     torch.manual_seed(config.seed)
     if world.is_master:
         write_config(config, run_dir.config_file(process))
-    model, source = build_model(config.model.name, config.model.dtype, config.init, config.parallel, world, config.seed)
+    model, source = build_model(
+        config.model.name,
+        config.model.dtype,
+        config.init,
+        config.parallel,
+        world,
+        config.seed,
+        fp8=config.model.fp8,
+    )
     optimizer = build_optimizer(model, config.optim)
     monitor = (
         build_monitor(
