@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from prime_core.config.shared import LORA_TARGET_MODULES
+from prime_core.schemas.adapters import ADAPTER_CONFIG, ADAPTER_NAME_PATTERN, ADAPTER_WEIGHTS, is_adapter_dir
 from torch import nn
 
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+DEFAULT_TARGET_MODULES = LORA_TARGET_MODULES
 PEFT_PREFIX = "base_model.model."
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
 _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
@@ -467,11 +467,6 @@ def save_adapter(
         os.replace(cfg_tmp, out / ADAPTER_CONFIG)
     if distributed:
         dist.barrier()
-
-
-def is_adapter_dir(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return (p / ADAPTER_CONFIG).is_file() and (p / ADAPTER_WEIGHTS).is_file()
 
 
 def read_adapter(path: str | os.PathLike) -> tuple[LoRASpec, dict[str, torch.Tensor]]:

@@ -65,6 +65,8 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         config.parallel,
         world,
         config.seed,
+        lora=config.model.lora,
+        adapters=[run.name for run in getattr(config, "runs", [])],
         fp8=config.model.fp8,
     )
     optimizer = build_optimizer(model, config.optim)

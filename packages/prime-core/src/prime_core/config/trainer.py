@@ -307,6 +307,18 @@ class _TrainerBase(BaseConfig):
         return self
 
 
+class LoRARunConfig(BaseConfig):
+    """One tenant of a multi-tenant trainer: its own LoRA adapter, optimizer state and run directory."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    """Adapter name; the run's orchestrator and inference serve it under this name (its ``model.lora.name``)."""
+    output_dir: Path
+    """The run's directory (its orchestrator's ``output_dir``): rollouts are read from it, adapters published to
+    its ``weights/step_N`` and its metrics appended to its ``metrics.jsonl``."""
+    lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate of this run's adapter; unset uses ``optim.lr``."""
+
+
 class TrainerConfig(_TrainerBase):
     """The RL trainer: consumes the orchestrator's micro-batches and publishes new weights every step."""
 
@@ -318,6 +330,27 @@ class TrainerConfig(_TrainerBase):
     """Rollout input (or fake data)."""
     transport: RolloutTransportConfig = Field(default_factory=RolloutTransportConfig)
     """How micro-batches arrive from the orchestrator."""
+    runs: list[LoRARunConfig] = Field(default_factory=list)
+    """Multi-tenant LoRA: train one adapter per run on the shared frozen base, in lock-step (step n trains every
+    run's ``rollouts/step_n``, each on its own adapter). Needs ``model.lora``; empty trains one run in
+    ``output_dir``, which then holds only the trainer's checkpoints and logs."""
+
+    @model_validator(mode="after")
+    def _check_runs(self) -> TrainerConfig:
+        if not self.runs:
+            return self
+        if self.model.lora is None:
+            raise ValueError("runs (multi-tenant training) needs model.lora: every run trains its own LoRA adapter")
+        names = [r.name for r in self.runs]
+        dirs = [r.output_dir.resolve() for r in self.runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"runs: adapter names must be unique, got {names}")
+        if len(set(dirs)) != len(dirs) or self.output_dir.resolve() in dirs:
+            raise ValueError("runs: every run needs its own output_dir, distinct from the trainer's output_dir")
+        if self.transport.type != "filesystem":
+            raise ValueError("runs (multi-tenant training) reads each run's rollouts from its directory: "
+                             "use transport.type = 'filesystem'")  # fmt: skip
+        return self
 
 
 class SFTConfig(_TrainerBase):

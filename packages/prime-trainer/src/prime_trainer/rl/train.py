@@ -15,6 +15,7 @@ from prime_core.config.trainer import TrainerConfig
 from prime_core.schemas.microbatch import MicroBatch
 
 from prime_trainer import common
+from prime_trainer.lora import setup_lora
 from prime_trainer.model import token_logprobs
 from prime_trainer.rl.data import RolloutSource, TensorMicroBatch, fake_micro_batches
 from prime_trainer.rl.loss import STAT_KEYS, LossInputs, Objective, build_objective, compute_loss
@@ -29,10 +30,11 @@ def pad_to_common_count(micro_batches: list[MicroBatch], device: torch.device) -
     return micro_batches + [MicroBatch.empty(rows, seq_len) for _ in range(int(count) - len(micro_batches))]
 
 
-def train_step(
-    c: common.Components, objective: Objective, step: int, micro_batches: list[TensorMicroBatch], temperature: float
-) -> dict[str, Any]:
-    """Forward/backward every micro-batch, then one optimizer step. Returns the step's metrics (global)."""
+def forward_backward(
+    c: common.Components, objective: Objective, micro_batches: list[TensorMicroBatch], temperature: float
+) -> tuple[dict[str, float], tuple[int, int, int]]:
+    """Forward/backward every micro-batch (gradients accumulate). Returns the global loss statistics and the global
+    (loss tokens, samples, tokens) counts."""
     cfg: TrainerConfig = c.config
     local = [
         sum(mb.num_loss_tokens for mb in micro_batches),
@@ -57,9 +59,12 @@ def train_step(
         (loss * c.loss_scale).backward()
         for k in STAT_KEYS:
             sums[k] += float(stats[k])
-    grad_norm, lr = common.optimizer_step(c, step)
-
     totals = dict(zip(STAT_KEYS, all_reduce_sum([sums[k] for k in STAT_KEYS], c.world.device), strict=True))
+    return totals, (num_loss_tokens, num_samples, num_tokens)
+
+
+def step_metrics(totals: dict[str, float], counts: tuple[int, int, int], grad_norm: float, lr: float) -> dict[str, Any]:
+    num_loss_tokens, num_samples, num_tokens = counts
     n = max(num_loss_tokens, 1)
     return {
         "loss/mean": totals["loss"] / n,
@@ -76,11 +81,26 @@ def train_step(
     }
 
 
+def train_step(
+    c: common.Components, objective: Objective, step: int, micro_batches: list[TensorMicroBatch], temperature: float
+) -> dict[str, Any]:
+    """Forward/backward every micro-batch, then one optimizer step. Returns the step's metrics (global)."""
+    totals, counts = forward_backward(c, objective, micro_batches, temperature)
+    grad_norm, lr = common.optimizer_step(c, step)
+    return step_metrics(totals, counts, grad_norm, lr)
+
+
 def train(config: TrainerConfig) -> None:
+    if config.runs:
+        from prime_trainer.rl.multi_run import train_runs
+
+        return train_runs(config)
     c = common.setup(config, "trainer")
+    setup_lora(c)
     objective = build_objective(config.loss)
     start = common.resume(c)["step"]
-    common.publish_initial(c, start, c.source.random_init)
+    # A LoRA run's step 0 is the fresh adapter, which inference must load before serving requests that name it.
+    common.publish_initial(c, start, c.source.random_init or config.model.lora is not None)
     source = None if config.data.fake else RolloutSource(config, c.world)
     vocab_size = c.source.vocab_size
     c.logger.info("training steps %d..%d with %s loss", start, config.max_steps - 1, config.loss.type)

@@ -16,6 +16,7 @@ from prime_core.schemas.microbatch import MicroBatch
 from prime_core.vision import VisionSpec
 
 from prime_trainer import common
+from prime_trainer.lora import setup_lora
 from prime_trainer.model import token_logprobs
 from prime_trainer.rl.data import TensorMicroBatch, fake_micro_batches
 from prime_trainer.sft.data import PackedData, build_samples, eval_batches, load_rows, load_tokenizer
@@ -112,6 +113,7 @@ def build_data(
 
 def train(config: SFTConfig) -> None:
     c = common.setup(config, "sft")
+    setup_lora(c)
     data, val = build_data(config, c.source.tokenizer, c.world, VisionSpec.from_model_dir(c.source.model_dir))
     progress = common.resume(c)
     start = progress["step"]
