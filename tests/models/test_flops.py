@@ -22,9 +22,10 @@ def test_param_counts_match_the_module(model_type, tied):
 
 def test_parallel_dims_validation():
     assert ParallelDims(world_size=8, dp_replicate=2).dp_shard == 4
-    with pytest.raises(ValueError, match="ep>1 arrives with expert parallelism"):
-        ParallelDims(ep=2, world_size=2)
-    with pytest.raises(ValueError, match="cp>1 arrives with context parallelism"):
-        ParallelDims(cp=2, world_size=2)
+    assert ParallelDims(cp=2, world_size=8, dp_replicate=2).dp_shard == 2
+    with pytest.raises(ValueError, match="tp>1 arrives with tensor parallelism"):
+        ParallelDims(tp=2, world_size=2)
+    with pytest.raises(ValueError, match="not divisible by dp_replicate"):
+        ParallelDims(cp=3, world_size=4)
     with pytest.raises(ValueError, match="world_size"):
         ParallelDims(dp_shard=3, world_size=4)

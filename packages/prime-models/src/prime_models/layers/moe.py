@@ -3,6 +3,10 @@
 Tokens are sorted by expert so every expert sees one contiguous slab, then `kernels.grouped_mm` runs all experts in
 one call (`torch._grouped_mm`) or, where that kernel is unavailable, loops over the experts that received tokens.
 
+Routing tokens to experts and their outputs back is the job of `MoE.dispatcher`. The default, `LocalDispatcher`, runs
+every expert on this device; expert parallelism (`prime_models.parallel.expert_parallel`) swaps in a dispatcher that
+sends tokens to the ranks holding their experts, so this file stays single-device code.
+
 Expert weights use HF's fused layout (transformers >= 5): `gate_up_proj [E, 2I, H]` (gate rows first) and
 `down_proj [E, H, I]`, so FSDP shards along experts.
 
@@ -53,15 +57,42 @@ class GroupedExperts(nn.Module):
         self.act = activation(act)
 
     def forward(self, x_AH: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """`x` rows are sorted by expert, `counts[e]` rows per expert."""
+        """`x` rows are sorted by expert, `counts[e]` rows per expert (one count per expert held here)."""
+        gate_up_w, down_w = _local(self.gate_up_proj), _local(self.down_proj)
+        if x_AH.shape[0] == 0:
+            # Keep input and weights in the graph: under expert parallelism every rank must run the same backward
+            # collectives (the all-to-all of input gradients, FSDP's reduce of weight gradients), tokens or not.
+            return x_AH.new_zeros(0, down_w.shape[1]) + 0.0 * (x_AH.sum() + gate_up_w.sum() + down_w.sum())
         offs = counts_E.cumsum(0).to(torch.int32)
-        gate_up = self.grouped_mm(x_AH, self.gate_up_proj.transpose(-2, -1), counts_E, offs)
+        gate_up = self.grouped_mm(x_AH, gate_up_w.transpose(-2, -1), counts_E, offs)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.grouped_mm(self.act(gate) * up, self.down_proj.transpose(-2, -1), counts_E, offs)
+        return self.grouped_mm(self.act(gate) * up, down_w.transpose(-2, -1), counts_E, offs)
 
     def grouped_mm(self, x_AK, w_EKN, counts_E, offs_E) -> torch.Tensor:
         # The seam for low-precision experts: prime_models.parallel.fp8 swaps in a subclass overriding this.
         return kernels.grouped_mm(x_AK, w_EKN, counts_E, offs_E)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # Under expert parallelism the weights are DTensors sharded over experts and the dispatcher hands this module only
+    # tokens of the experts held here, so the local shard is the whole computation.
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+class LocalDispatcher:
+    """Runs every expert on this device: sort token-expert assignments by expert, one grouped matmul, scatter back."""
+
+    def __call__(
+        self, x_TH: torch.Tensor, top_w_TK: torch.Tensor, top_idx_TK: torch.Tensor, experts: GroupedExperts
+    ) -> torch.Tensor:
+        top_k = top_idx_TK.shape[1]
+        flat_expert_A = top_idx_TK.reshape(-1)
+        order_A = flat_expert_A.argsort(stable=True)
+        token_A = order_A // top_k
+        counts_E = torch.bincount(flat_expert_A, minlength=experts.num_experts)
+        out_AH = experts(x_TH[token_A], counts_E)
+        out_AH = out_AH * top_w_TK.reshape(-1)[order_A, None]
+        return torch.zeros_like(x_TH).index_add_(0, token_A, out_AH.to(x_TH.dtype))
 
 
 class MoE(nn.Module):
@@ -82,22 +113,17 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(hidden_size, intermediate_size, num_experts, act)
         self.num_experts, self.top_k = num_experts, top_k
         self.last_stats: MoEStats | None = None
+        # Replaced by prime_models.parallel.apply_expert_parallel; not a module, so it never appears in state dicts.
+        self.dispatcher = LocalDispatcher()
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         shape = x_BSH.shape
         x_TH = x_BSH.reshape(-1, shape[-1])
         num_tokens = x_TH.shape[0]
         probs_TE, top_w_TK, top_idx_TK = self.gate(x_TH)
+        y_TH = self.dispatcher(x_TH, top_w_TK, top_idx_TK, self.experts)
 
-        flat_expert_A = top_idx_TK.reshape(-1)
-        order_A = flat_expert_A.argsort(stable=True)
-        token_A = order_A // self.top_k
-        counts_E = torch.bincount(flat_expert_A, minlength=self.num_experts)
-
-        out_AH = self.experts(x_TH[token_A], counts_E)
-        out_AH = out_AH * top_w_TK.reshape(-1)[order_A, None]
-        y_TH = torch.zeros_like(x_TH).index_add_(0, token_A, out_AH.to(x_TH.dtype))
-
+        counts_E = torch.bincount(top_idx_TK.reshape(-1), minlength=self.num_experts)
         # Switch-Transformer balance loss: E * sum_e (fraction of tokens routed to e) * (mean router prob of e).
         frac_E = counts_E.to(torch.float32) / max(num_tokens, 1)
         aux = self.num_experts * (frac_E * probs_TE.mean(0)).sum()
