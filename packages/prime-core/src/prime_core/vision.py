@@ -258,6 +258,22 @@ class VisionSpec:
             int(cfg["vision_end_token_id"]),
         )
 
+    def expand_placeholders(self, token_ids: list[int], grids: list[tuple[int, int, int]] | np.ndarray) -> list[int]:
+        """Replace the k-th single ``image_token_id`` (as a chat template renders an image) with image k's
+        placeholder tokens."""
+        pads = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        if len(pads) != len(grids):
+            raise ValueError(f"the prompt has {len(pads)} image placeholders for {len(grids)} images")
+        out, prev = [], 0
+        for i, grid in zip(pads, grids, strict=True):
+            out += token_ids[prev:i] + [self.image_token_id] * self.processor.num_tokens(tuple(grid))
+            prev = i + 1
+        return out + token_ids[prev:]
+
+    def collapse_placeholders(self, token_ids: list[int]) -> list[int]:
+        """Inverse of ``expand_placeholders``: every run of ``image_token_id`` becomes one token."""
+        return [t for i, t in enumerate(token_ids) if t != self.image_token_id or i == 0 or token_ids[i - 1] != t]
+
     def placeholder_ids(self, grid_thw: tuple[int, int, int]) -> list[int]:
         """``<|vision_start|>``, the image's placeholder tokens, ``<|vision_end|>``."""
         return [self.vision_start_token_id, *[self.image_token_id] * self.processor.num_tokens(grid_thw)] + [

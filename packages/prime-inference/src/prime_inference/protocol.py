@@ -169,17 +169,40 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    """A ``data:image/...;base64,...`` URL or bare base64 (remote URLs are not fetched)."""
+    detail: str | None = None
+
+
+class ImageURLPart(_Strict):
+    """OpenAI's image content part; only vision-language models accept it."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
 
+    def image_urls(self) -> list[str]:
+        return (
+            [p.image_url.url for p in self.content if isinstance(p, ImageURLPart)]
+            if isinstance(self.content, list)
+            else []
+        )
+
     def template_dict(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(isinstance(p, ImageURLPart) for p in content):
+            # VL chat templates render each image part as one placeholder; the server expands it afterwards.
+            content = [p.model_dump(exclude_none=True) for p in content]
+        elif isinstance(content, list):
             content = "".join(p.text for p in content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         for key in ("name", "tool_call_id", "tool_calls", "reasoning_content"):
@@ -309,6 +332,9 @@ class GenerateRequest(_Strict):
     features: dict[str, Any] | None = None
     content_parts: list[dict[str, Any]] | None = None
     """Sent by verifiers' renderer client for text-only prompts; text is already in ``token_ids``."""
+    images: list[str] | None = None
+    """prime extension for vision-language models: the prompt's images (data: URLs or base64), in order;
+    ``token_ids`` must hold each one's full placeholder run (as the chat route returns in ``prompt_token_ids``)."""
     return_token_ids: Bool = False
     """Accepted for the renderer client; ``prompt_token_ids`` is always returned."""
 

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,6 +35,9 @@ from prime_inference.protocol import (
     error_body,
 )
 from prime_inference.weights import check_weight_dir
+
+if TYPE_CHECKING:
+    from prime_inference.multimodal import MultiModalInput
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +105,10 @@ class Server:
         self.config, self.engine, self.tokenizer = config, engine, tokenizer
         self.model_name = config.served_model_name
         self.created = int(time.time())
+        from prime_core.vision import VisionSpec
+
+        # A vision-language model's image preprocessing and special tokens (None for text models and hub ids).
+        self.vision = VisionSpec.from_model_dir(config.model.name)
 
     # ---- helpers ----
 
@@ -141,13 +148,20 @@ class Server:
     def _check_params(self, params: SamplingParams) -> None:
         self._check_tokens(params.stop_token_ids, "stop_token_ids")
 
-    def _requests(self, prompt_ids: list[int], params: SamplingParams, n: int, first: int) -> list[EngineRequest]:
+    def _requests(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        n: int,
+        first: int,
+        multimodal: MultiModalInput | None = None,
+    ) -> list[EngineRequest]:
         reqs = []
         for i in range(n):
             p = SamplingParams(**vars(params))
             if p.seed is not None and n > 1:
                 p.seed = p.seed + i  # distinct but reproducible samples per choice
-            reqs.append(EngineRequest(f"{uuid.uuid4().hex}-{first + i}", prompt_ids, p))
+            reqs.append(EngineRequest(f"{uuid.uuid4().hex}-{first + i}", prompt_ids, p, multimodal=multimodal))
         return reqs
 
     async def _run_all(self, requests: list[EngineRequest]) -> list[_Choice]:
@@ -288,14 +302,29 @@ class Server:
             raise RequestError(f"chat template failed: {e}", param="messages") from e
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def _chat_images(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[list[int], Any]:
+        """Decode the messages' image parts and expand each rendered placeholder to the image's token run."""
+        urls = [u for m in req.messages for u in m.image_urls()]
+        if not urls:
+            return prompt_ids, None
+        from prime_inference.multimodal import decode_images
+
+        multimodal = decode_images(urls, self.vision, "messages")
+        try:
+            prompt_ids = self.vision.expand_placeholders(prompt_ids, multimodal.image_grid_thw)
+        except ValueError as e:
+            raise RequestError(f"{e} (does the chat template render image parts?)", param="messages") from e
+        return prompt_ids, multimodal
+
     async def chat(self, request: Request) -> Any:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
         self._check_model(req.model)
         prompt_ids = self._chat_prompt(req)
+        prompt_ids, multimodal = self._chat_images(req, prompt_ids)
         max_tokens = self._max_tokens(len(prompt_ids), req.requested_max_tokens())
         params = req.sampling(max_tokens, req.requested_logprobs())
         self._check_params(params)
-        requests = self._requests(prompt_ids, params, req.n, 0)
+        requests = self._requests(prompt_ids, params, req.n, 0, multimodal)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "created": created, "model": self.model_name}
         if req.stream:
@@ -434,13 +463,19 @@ class Server:
         req: GenerateRequest = await _parse(request, GenerateRequest)
         self._check_model(req.model)
         self._check_tokens(req.token_ids, "token_ids")
+        multimodal = None
+        if req.images:
+            from prime_inference.multimodal import check_placeholders, decode_images
+
+            multimodal = decode_images(req.images, self.vision, "images")
+            check_placeholders(list(req.token_ids), multimodal, self.vision, "images")
         sp = req.sampling_params
         # vLLM: an omitted max_tokens means "up to max_model_len", not SamplingParams' default of 16.
         requested = sp.max_tokens if "max_tokens" in sp.model_fields_set else None
         max_tokens = self._max_tokens(len(req.token_ids), requested)
         params = req.sampling(max_tokens)
         self._check_params(params)
-        requests = self._requests(list(req.token_ids), params, sp.n, 0)
+        requests = self._requests(list(req.token_ids), params, sp.n, 0, multimodal)
         rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
         k = sp.logprobs if sp.logprobs is not None else -1
         if req.stream:

@@ -81,9 +81,15 @@ async def generate_tokens(
     sampling: dict[str, Any],
     timeout: float,
     retries: int,
+    images: list[str] | None = None,
 ) -> tuple[list[int], list[float], str | None]:
-    """Token-in generation: returns (completion ids, their log-probs, finish reason)."""
+    """Token-in generation: returns (completion ids, their log-probs, finish reason).
+
+    ``images``: data: URLs of the images whose placeholder runs ``token_ids`` holds (vision-language models).
+    """
     body = {"model": model, "token_ids": token_ids, "sampling_params": {**sampling, "logprobs": 0}}
+    if images:
+        body["images"] = images
     data = await post_json(client, base_url.rstrip("/") + path, body, timeout=timeout, retries=retries)
     choice = data["choices"][0]
     ids = list(choice["token_ids"])

@@ -65,6 +65,15 @@ def initial_messages(task: Any) -> list[dict[str, Any]]:
     return messages
 
 
+def text_of(content: Any) -> str:
+    """A message's text (content parts: the text parts joined, images as ``<image>``)."""
+    if not isinstance(content, list):
+        return content or ""
+    return "".join(
+        p.get("text") or "" if p.get("type") == "text" else "<image>" for p in content if isinstance(p, dict)
+    )
+
+
 async def score(task: Any, trace: RolloutTrace) -> tuple[float, dict[str, float]]:
     from verifiers.v1.utils.decorators import invoke_all
 
@@ -117,13 +126,14 @@ class Worker:
         ids: list[int] = []
         mask: list[bool] = []
         logprobs: list[float] = []
+        images: list[str] = []  # data: URLs of the placeholder runs in `ids`, in order
         prompt_len = 0
         num_turns = 0
         completion_tokens = 0
         finish_reason = None
         latency = 0.0
         if self.renderer is not None:
-            ids = self.renderer.render(messages) + self.renderer.generation_prompt()
+            ids = self.renderer.render(messages, images) + self.renderer.generation_prompt()
             prompt_len = len(ids)
             mask = [False] * len(ids)
             logprobs = [0.0] * len(ids)
@@ -144,6 +154,7 @@ class Worker:
                     sampling=turn_sampling,
                     timeout=spec["timeout"],
                     retries=spec["retries"],
+                    images=images,
                 )
                 ids += new_ids
                 mask += [True] * len(new_ids)
@@ -172,7 +183,9 @@ class Worker:
             messages.extend(reply)
             if self.renderer is not None:
                 env_ids = (
-                    self.renderer.close_turn(new_ids) + self.renderer.render(reply) + self.renderer.generation_prompt()
+                    self.renderer.close_turn(new_ids)
+                    + self.renderer.render(reply, images)
+                    + self.renderer.generation_prompt()
                 )
                 ids += env_ids
                 mask += [False] * len(env_ids)
@@ -191,9 +204,10 @@ class Worker:
             "completion_len": completion_tokens,
             "truncated": finish_reason == "length",
             "latency": latency,
-            "prompt": messages[1]["content"] if len(messages) > 1 else "",
-            "completion": "\n".join(m["content"] for m in messages[2:] if m.get("content")),
+            "prompt": text_of(messages[1]["content"]) if len(messages) > 1 else "",
+            "completion": "\n".join(text_of(m["content"]) for m in messages[2:] if m.get("content")),
             "example": req["example"],
+            "images": images,
         }
 
 

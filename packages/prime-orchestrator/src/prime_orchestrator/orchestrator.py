@@ -26,6 +26,7 @@ from prime_core.io import atomic_dir, atomic_write_json
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_core.transport import make_sender
+from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.advantages import compute_advantages
@@ -78,6 +79,8 @@ class Orchestrator:
         self.shipped: list[int] = []
         self.cursor_history: dict[int, dict[str, int]] = {}
         self._eval_tasks: list[asyncio.Task] = []
+        # Image preprocessing of a vision-language model (None for text models): packing patchifies rollout images.
+        self.vision = VisionSpec.from_model_dir(config.model.name)
 
     # ----- setup -----
     def _spec(self, env: EnvConfig, mode: str = "generate") -> dict[str, Any]:
@@ -209,6 +212,7 @@ class Orchestrator:
                         r.weight_step,
                         r.env,
                         res["reward"],
+                        images=res.get("images") or [],
                     )
                 )
         return samples, {"filtered/groups": filtered}
@@ -288,6 +292,7 @@ class Orchestrator:
             temperature=c.sampling.temperature,
             long_samples=c.filters.long_samples,
             extras={f"batch/{k}": v for k, v in self._env_counts(batch).items()},
+            vision=self.vision,
         )
         for rank in range(c.num_trainer_ranks):
             await asyncio.to_thread(self.sender.send, batch.step, rank, packed.metas[rank], packed.micro_batches[rank])

@@ -6,14 +6,21 @@
 3. On each rank, pack samples into rows of ``seq_len`` with first-fit-decreasing (no sample is split).
 4. Group rows into micro-batches of ``micro_batch_rows``; every rank gets the same number of
    micro-batches (short ranks are padded with ``MicroBatch.empty``).
+
+Samples with images (vision-language models) carry their image sources; packing patchifies them into the
+micro-batch's ``pixel_values`` / ``image_grid_thw`` and writes per-sample 3D positions (``mrope_position_ids``,
+restarting at every sample). Truncation never cuts an image: a sample whose cut falls inside (or before) an image's
+placeholders is dropped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
+from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta, stack_rows
+from prime_core.vision import VisionSpec, mrope_positions
 
 
 @dataclass
@@ -28,6 +35,8 @@ class Sample:
     env: str = ""
     reward: float = 0.0
     extras: dict = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)
+    """Image sources (data: URLs) of the sample's placeholder runs, in order."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -41,13 +50,24 @@ class PackResult:
     num_dropped: int
 
 
-def fit_to_seq_len(samples: list[Sample], seq_len: int, mode: str) -> tuple[list[Sample], int, int]:
+def _image_cut(s: Sample, seq_len: int, vision: VisionSpec | None) -> bool:
+    """Whether truncating ``s`` to ``seq_len`` would cut into an image's placeholders."""
+    if not s.images or vision is None:
+        return False
+    return (
+        vision.image_token_id in s.token_ids[seq_len - 1 :] or s.token_ids[seq_len - 1] == vision.vision_start_token_id
+    )
+
+
+def fit_to_seq_len(
+    samples: list[Sample], seq_len: int, mode: str, vision: VisionSpec | None = None
+) -> tuple[list[Sample], int, int]:
     """Apply the long-sample policy; returns (kept samples, truncated count, dropped count)."""
     kept, truncated, dropped = [], 0, 0
     for s in samples:
         if len(s) <= seq_len:
             kept.append(s)
-        elif mode == "drop":
+        elif mode == "drop" or _image_cut(s, seq_len, vision):
             dropped += 1
         else:
             truncated += 1
@@ -61,6 +81,7 @@ def fit_to_seq_len(samples: list[Sample], seq_len: int, mode: str) -> tuple[list
                     s.env,
                     s.reward,
                     s.extras,
+                    s.images,
                 )
             )
     return kept, truncated, dropped
@@ -96,7 +117,7 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def _row(samples: list[Sample], local_ids: list[int], seq_len: int) -> dict[str, np.ndarray]:
+def _row(samples: list[Sample], local_ids: list[int], seq_len: int, vision: VisionSpec | None = None) -> MicroBatch:
     row = {
         "input_ids": np.zeros(seq_len, np.int64),
         "position_ids": np.zeros(seq_len, np.int64),
@@ -106,9 +127,15 @@ def _row(samples: list[Sample], local_ids: list[int], seq_len: int) -> dict[str,
         "sample_ids": np.full(seq_len, -1, np.int64),
     }
     pos = 0
+    images, mrope_spans = [], []
     for s, sid in zip(samples, local_ids, strict=True):
         n = len(s)
         sl = slice(pos, pos + n)
+        if s.images:
+            if vision is None:
+                raise ValueError("a sample has images but the model has no vision config (vision_config)")
+            images += s.images
+            mrope_spans.append((sl, s))
         mask = np.asarray(s.loss_mask, np.bool_)
         row["input_ids"][sl] = s.token_ids
         row["position_ids"][sl] = np.arange(n)
@@ -118,7 +145,17 @@ def _row(samples: list[Sample], local_ids: list[int], seq_len: int) -> dict[str,
         row["sample_ids"][sl] = sid
         pos += n
     row["position_ids"][pos:] = np.arange(seq_len - pos)  # padding counts from 0 as its own segment
-    return row
+    mb = MicroBatch(**{k: v[None] for k, v in row.items()})
+    if images:
+        mb.pixel_values, mb.image_grid_thw = vision.processor.process_many(images)
+        mrope = np.broadcast_to(mb.position_ids, (3, 1, seq_len)).copy()
+        k = 0
+        for sl, s in mrope_spans:
+            grids = mb.image_grid_thw[k : k + len(s.images)]
+            mrope[:, 0, sl] = mrope_positions(s.token_ids, vision.image_token_id, grids, vision.processor.merge_size)
+            k += len(s.images)
+        mb.mrope_position_ids = mrope
+    return mb
 
 
 def pack(
@@ -131,9 +168,10 @@ def pack(
     temperature: float,
     long_samples: str = "truncate",
     extras: dict | None = None,
+    vision: VisionSpec | None = None,
 ) -> PackResult:
     """Pack one step's samples for every trainer rank (see the module docstring)."""
-    samples, num_truncated, num_dropped = fit_to_seq_len(samples, seq_len, long_samples)
+    samples, num_truncated, num_dropped = fit_to_seq_len(samples, seq_len, long_samples, vision)
     per_rank = balance_across_ranks([len(s) for s in samples], num_ranks)
     global_loss_tokens = sum(int(sum(s.loss_mask)) for s in samples)
     rank_batches: list[list[MicroBatch]] = []
@@ -143,14 +181,13 @@ def pack(
         rows = []
         for b in first_fit_decreasing([len(s) for s in local], seq_len):
             b = sorted(b)
-            rows.append(_row([local[i] for i in b], b, seq_len))
+            rows.append(_row([local[i] for i in b], b, seq_len, vision))
         mbs = []
         for start in range(0, len(rows), micro_batch_rows):
             chunk = rows[start : start + micro_batch_rows]
             while len(chunk) < micro_batch_rows:
-                empty = MicroBatch.empty(1, seq_len)
-                chunk.append({k: getattr(empty, k)[0] for k in chunk[0]})
-            mbs.append(MicroBatch(**{k: np.stack([r[k] for r in chunk]) for k in chunk[0]}))
+                chunk.append(MicroBatch.empty(1, seq_len))
+            mbs.append(stack_rows(chunk))
         rank_batches.append(mbs)
         rank_weight_steps.append([s.weight_step for s in local])
     num_mb = max(1, max(len(m) for m in rank_batches))

@@ -20,6 +20,9 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    multimodal: Any = None
+    """Images of a vision-language prompt (``prime_inference.multimodal.MultiModalInput``); ``prompt_ids`` holds
+    their expanded placeholder runs."""
 
 
 @dataclass

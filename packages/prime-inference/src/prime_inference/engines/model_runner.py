@@ -5,6 +5,11 @@ The trainer's model (prime_models) has no KV cache, so `CachedDecoder` runs that
 the attention itself against the cache. Every op the trainer runs is therefore the same module call here, and
 log-probs agree with the trainer's to float rounding (attention over a cache instead of a causal square).
 
+Vision-language models (prime_models' Qwen3-VL) prefill with their vision tower: image features replace the
+placeholder embeddings, DeepStack features are added after the first layers, and the prompt's rotary positions are
+3D (MRoPE). Generated tokens are text, whose 3D positions are equal on all axes: plain RoPE at the cache position
+plus the prompt's offset (``max 3D position + 1 - prompt length``), exactly as transformers' ``rope_deltas``.
+
 Architectures whose layers do not have that shape (sliding windows, other attention variants) fall back to
 `RecomputeDecoder`: a full forward over each running sequence per step, correct but O(n^2).
 
@@ -26,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # Decoder families whose layers are [norm -> attention (GQA, RoPE, optional q/k norm) -> residual -> norm -> MLP/MoE
 # -> residual]. Others use the recompute fallback.
-CACHED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral"}
+CACHED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mistral", "qwen3_vl"}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,6 +100,8 @@ class DecoderParts:
     num_kv_heads: int
     head_dim: int
     scale: float
+    vision: Any = None
+    """A prime_models vision-language model (its ``visual`` tower, ``model.rotary_emb`` MRoPE), else None."""
 
 
 def find_decoder_parts(model: nn.Module, hf_config: Any) -> DecoderParts:
@@ -102,6 +109,12 @@ def find_decoder_parts(model: nn.Module, hf_config: Any) -> DecoderParts:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in CACHED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} has no cached decoder")
+    vision = None
+    if model_type == "qwen3_vl":
+        if not hasattr(model, "visual") or not hasattr(model, "mrope_position_ids"):
+            raise ValueError("vision-language models are cached only with the prime_models implementation")
+        vision = model
+        hf_config = hf_config.get_text_config()
     if getattr(hf_config, "use_sliding_window", False) or (
         model_type == "mistral" and getattr(hf_config, "sliding_window", None)
     ):
@@ -142,7 +155,9 @@ def find_decoder_parts(model: nn.Module, hf_config: Any) -> DecoderParts:
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     scale = float(_first_attr(first_attn, ("scaling", "scale")) or head_dim**-0.5)
-    return DecoderParts(embed, parts, norm, lm_head, inv_freq, rope_scaling, num_heads, num_kv_heads, head_dim, scale)
+    return DecoderParts(
+        embed, parts, norm, lm_head, inv_freq, rope_scaling, num_heads, num_kv_heads, head_dim, scale, vision
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -164,6 +179,8 @@ class CachedDecoder:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.capacity = 0
+        # Per slot: rotary position minus cache position of generated tokens (non-zero after images).
+        self.rope_delta: dict[int, int] = {}
 
     def set_model(self, model: nn.Module, hf_config: Any) -> None:
         """Point at (new) weights; cached K/V of running sequences stay as they are."""
@@ -201,13 +218,29 @@ class CachedDecoder:
         return lm_head(h_BH).float()
 
     def _forward(
-        self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor, slots_B: torch.Tensor, prefill: bool
+        self,
+        input_ids_BS: torch.Tensor,
+        positions_BS: torch.Tensor,
+        slots_B: torch.Tensor,
+        prefill: bool,
+        *,
+        rope_positions_BS: torch.Tensor | None = None,
+        images: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, tuple] | None = None,
     ) -> torch.Tensor:
-        """Run the layers; write new K/V at ``positions``; return the last position's hidden state `[B, H]`."""
+        """Run the layers; write new K/V at ``positions``; return the last position's hidden state `[B, H]`.
+
+        ``rope_positions`` (default ``positions``) rotate q/k; ``images`` = (merged features, DeepStack features,
+        placeholder mask, (cos, sin) of the 3D positions) for a vision-language prefill.
+        """
         p = self.parts
         B, S = input_ids_BS.shape
-        cos, sin = self._rope(positions_BS)
         h = p.embed(input_ids_BS)
+        deepstack, image_mask = [], None
+        if images is not None:
+            features, deepstack, image_mask, (cos, sin) = images
+            h = h.masked_scatter(image_mask.unsqueeze(-1), features.to(h.dtype))
+        else:
+            cos, sin = self._rope(positions_BS if rope_positions_BS is None else rope_positions_BS)
         if prefill:
             T = S
         else:
@@ -252,17 +285,39 @@ class CachedDecoder:
             if isinstance(mlp_out, tuple):  # MoE blocks may also return router logits
                 mlp_out = mlp_out[0]
             h = residual + mlp_out
+            if i < len(deepstack):
+                h = h.masked_scatter(image_mask.unsqueeze(-1), h[image_mask] + deepstack[i].to(h.dtype))
         return p.norm(h[:, -1])
 
+    def _image_inputs(self, ids_1S: torch.Tensor, multimodal: Any) -> tuple[tuple, int]:
+        """Vision tower outputs and 3D rotary (cos, sin) of one prompt, and its rotary offset for generation."""
+        model = self.parts.vision
+        if model is None:
+            raise ValueError("this model takes no images")
+        weight = model.visual.patch_embed.proj.weight
+        pixels = torch.from_numpy(multimodal.pixel_values).to(weight.device, weight.dtype)
+        grid = torch.from_numpy(multimodal.image_grid_thw)
+        features, deepstack = model.visual(pixels, grid)
+        mask = ids_1S == model.image_token_id
+        if int(mask.sum()) != features.shape[0]:
+            raise ValueError(f"{int(mask.sum())} image placeholder tokens for {features.shape[0]} image features")
+        positions_31S = model.mrope_position_ids(ids_1S, torch.arange(ids_1S.shape[1], device=self.device)[None], grid)
+        cos, sin = model.model.rotary_emb(positions_31S, self.dtype)
+        delta = int(positions_31S.max()) + 1 - ids_1S.shape[1]
+        return (features, deepstack, mask, (cos.unsqueeze(2), sin.unsqueeze(2))), delta
+
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
-        """Fill ``slot`` with a prompt; return fp32 logits `[V]` of the next token."""
+    def prefill(self, slot: int, token_ids: list[int], multimodal: Any = None) -> torch.Tensor:
+        """Fill ``slot`` with a prompt (and its images); return fp32 logits `[V]` of the next token."""
         S = len(token_ids)
         self._ensure_capacity(S + 1)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         pos = torch.arange(S, device=self.device)[None]
         slots = torch.tensor([slot], device=self.device)
-        return self._logits(self._forward(ids, pos, slots, prefill=True))[0]
+        images, self.rope_delta[slot] = None, 0
+        if multimodal is not None:
+            images, self.rope_delta[slot] = self._image_inputs(ids, multimodal)
+        return self._logits(self._forward(ids, pos, slots, prefill=True, images=images))[0]
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
@@ -271,7 +326,10 @@ class CachedDecoder:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)[:, None]
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)[:, None]
         slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        return self._logits(self._forward(ids, pos, slots_t, prefill=False))
+        rope_pos = None
+        if any(self.rope_delta.get(s, 0) for s in slots):
+            rope_pos = pos + torch.tensor([self.rope_delta.get(s, 0) for s in slots], device=self.device)[:, None]
+        return self._logits(self._forward(ids, pos, slots_t, prefill=False, rope_positions_BS=rope_pos))
 
 
 class RecomputeDecoder:
@@ -300,7 +358,9 @@ class RecomputeDecoder:
         return logits[:, -1].float()
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int]) -> torch.Tensor:
+    def prefill(self, slot: int, token_ids: list[int], multimodal: Any = None) -> torch.Tensor:
+        if multimodal is not None:
+            raise ValueError("images need the KV-cached decoder (a prime_models vision-language model)")
         self.tokens[slot] = list(token_ids)
         return self._run([self.tokens[slot]])[0]
 

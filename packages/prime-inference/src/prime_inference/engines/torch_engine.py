@@ -36,6 +36,11 @@ from prime_inference.engines.sampling import sample_token, token_logprobs
 logger = logging.getLogger(__name__)
 
 
+def _text_config(hf_config: Any) -> Any:
+    """The language model's config (vision-language configs nest it as ``text_config``)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+
+
 @dataclass
 class _Sequence:
     request: EngineRequest
@@ -74,13 +79,13 @@ class TorchEngine(Engine):
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         model, source, hf_config = self._load(config.model.name)
         self.source = source
-        max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_pos = getattr(_text_config(hf_config), "max_position_embeddings", None) or 2048
         self.max_model_len = config.max_model_len or max_pos
         if self.max_model_len > max_pos:
             logger.warning(
                 "max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len, max_pos
             )
-        self.vocab_size = hf_config.vocab_size
+        self.vocab_size = _text_config(hf_config).vocab_size
         self.eos_ids = self._eos_ids(hf_config)
         self.decoder = build_decoder(
             model, hf_config, num_slots=config.max_batch_size, max_len=self.max_model_len, device=self.device
@@ -108,7 +113,7 @@ class TorchEngine(Engine):
             path, dtype=self.dtype, device=self.device, trust_remote_code=self.config.model.trust_remote_code
         )
         hf_config = getattr(model, "config", None)
-        if hf_config is None or not hasattr(hf_config, "vocab_size"):
+        if hf_config is None or not hasattr(_text_config(hf_config), "vocab_size"):
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=self.config.model.trust_remote_code)
@@ -195,7 +200,7 @@ class TorchEngine(Engine):
         from prime_inference.protocol import RequestError
 
         for key in ("vocab_size", "num_hidden_layers", "hidden_size", "num_key_value_heads", "model_type"):
-            new, old = getattr(hf_config, key, None), getattr(self.hf_config, key, None)
+            new, old = getattr(_text_config(hf_config), key, None), getattr(_text_config(self.hf_config), key, None)
             if new != old:
                 raise RequestError(f"weight_dir has {key}={new!r}, the served model has {old!r}", param="weight_dir")
 
@@ -286,7 +291,7 @@ class TorchEngine(Engine):
 
     def _step(self, admitted: list[_Sequence]) -> None:
         for seq in admitted:
-            logits = self.decoder.prefill(seq.slot, seq.request.prompt_ids)
+            logits = self.decoder.prefill(seq.slot, seq.request.prompt_ids, seq.request.multimodal)
             self._sample_and_emit(seq, logits)
         running = [s for s in self._running if not s.finished and s.next_input is not None]
         if running:
