@@ -8,12 +8,17 @@ boundary. Two backends:
 * ``flash_attn``: `flash_attn_varlen_func` over the flattened `[B*S]` tokens with `cu_seqlens` derived from
   `position_ids` (no mask at all).
 
+Context parallelism hooks in through `CONTEXT_PARALLEL`: while a `prime_models.parallel.context_parallel.CPShard` is
+active, `build_attention_metadata` hands it to every layer and attention runs as a ring over the CP group.
+
 Shape legend: B batch, S sequence, T = B*S tokens, H hidden, N query heads, K kv heads, D head dim.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,9 @@ from prime_models.layers.common import RMSNorm, apply_rotary
 
 ATTN_BACKENDS = ("sdpa", "flash_attn")
 
+# The active context-parallel split of the current forward (set by `CPShard.__enter__`), else None.
+CONTEXT_PARALLEL: ContextVar[Any] = ContextVar("prime_context_parallel", default=None)
+
 
 @dataclass
 class AttentionMetadata:
@@ -33,6 +41,7 @@ class AttentionMetadata:
     mask_B1SS: torch.Tensor | None = None  # sdpa, packed rows only
     cu_seqlens: torch.Tensor | None = None  # flash_attn: int32 [num_samples + 1] over the flattened tokens
     max_seqlen: int = 0
+    context_parallel: Any = None  # a CPShard: ring attention over the context-parallel group
 
 
 def sample_starts(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -53,6 +62,10 @@ def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.T
 
 
 def build_attention_metadata(position_ids_BS: torch.Tensor, backend: str) -> AttentionMetadata:
+    shard = CONTEXT_PARALLEL.get()
+    if shard is not None:
+        # The shard built its masks from the full rows; the local position_ids only drive RoPE.
+        return AttentionMetadata(backend, context_parallel=shard)
     if backend == "flash_attn":
         cu, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
         return AttentionMetadata(backend, cu_seqlens=cu, max_seqlen=max_seqlen)
@@ -106,7 +119,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if meta.backend == "flash_attn":
+        if meta.context_parallel is not None:
+            out = meta.context_parallel.attention(q, k, v, self.scale)
+        elif meta.backend == "flash_attn":
             out = self._flash(q, k, v, meta)
         else:
             out = self._sdpa(q, k, v, meta)
