@@ -67,6 +67,14 @@ def test_chat_and_token_in_generate_with_images(server, vl_model):
     assert a["choices"][0]["logprobs"]["content"][0]["logprob"] != b["choices"][0]["logprobs"]["content"][0]["logprob"]
     bad = httpx.post(f"{server.url}/v1/generate", json={**gen_body, "token_ids": prompt[:20]}, timeout=60)
     assert bad.status_code == 400 and "placeholders" in bad.json()["error"]["message"]
+    # What the vLLM engine submits: one placeholder per image (vLLM's processor expands it) and the decoded image.
+    from prime_inference.multimodal import decode_images
+
+    mm = decode_images([ex["image"]], vision, "images")
+    vllm_prompt = mm.vllm_prompt(prompt)
+    assert vllm_prompt["prompt_token_ids"].count(vision.image_token_id) == 1
+    assert len(vllm_prompt["prompt_token_ids"]) == len(prompt) - 15
+    assert vllm_prompt["multi_modal_data"]["image"][0].size == (32, 32)
 
 
 def test_one_rl_step_with_images(server, vl_model, tmp_path):

@@ -270,10 +270,6 @@ class VisionSpec:
             prev = i + 1
         return out + token_ids[prev:]
 
-    def collapse_placeholders(self, token_ids: list[int]) -> list[int]:
-        """Inverse of ``expand_placeholders``: every run of ``image_token_id`` becomes one token."""
-        return [t for i, t in enumerate(token_ids) if t != self.image_token_id or i == 0 or token_ids[i - 1] != t]
-
     def placeholder_ids(self, grid_thw: tuple[int, int, int]) -> list[int]:
         """``<|vision_start|>``, the image's placeholder tokens, ``<|vision_end|>``."""
         return [self.vision_start_token_id, *[self.image_token_id] * self.processor.num_tokens(grid_thw)] + [

@@ -28,6 +28,13 @@ class MultiModalInput:
     """``[num_patches, patch_dim]`` float32 (the torch engine's vision tower input)."""
     image_grid_thw: np.ndarray
     """``[num_images, 3]`` int64."""
+    image_token_id: int
+    """The placeholder token of the served model."""
+
+    def vllm_prompt(self, prompt_ids: list[int]) -> dict[str, Any]:
+        """vLLM's token prompt: one placeholder per image (vLLM's processor expands it) and the decoded images."""
+        ids = [t for i, t in enumerate(prompt_ids) if t != self.image_token_id or prompt_ids[i - 1] != t or i == 0]
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": list(self.images)}}
 
 
 def decode_images(sources: list[Any], vision: VisionSpec | None, param: str) -> MultiModalInput:
@@ -39,7 +46,7 @@ def decode_images(sources: list[Any], vision: VisionSpec | None, param: str) -> 
     except (ValueError, OSError) as e:
         raise RequestError(f"invalid image: {e}", param=param) from e
     pixel_values, grids = vision.processor.process_many(images)
-    return MultiModalInput(images, pixel_values, grids)
+    return MultiModalInput(images, pixel_values, grids, vision.image_token_id)
 
 
 def check_placeholders(token_ids: list[int], mm: MultiModalInput, vision: VisionSpec, param: str) -> None:

@@ -158,6 +158,8 @@ class VllmEngine(Engine):
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         params = self._sampling_params(request)
         prompt = {"prompt_token_ids": list(request.prompt_ids)}
+        if request.multimodal is not None:
+            prompt = request.multimodal.vllm_prompt(list(request.prompt_ids))
         # Closing this generator early closes vLLM's, which aborts the request inside the engine.
         async for result in self.llm.generate(prompt, params, request.request_id):
             out = result.outputs[0]
