@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prime_core.config.inference import InferenceConfig
+from prime_core.schemas.adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, is_adapter_dir
 from prime_core.schemas.weights import WeightUpdateRequest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prime_inference import adapters
 from prime_inference.engines.base import Engine, EngineOutput, EngineRequest
 from prime_inference.protocol import (
     ChatCompletionRequest,
@@ -112,9 +114,18 @@ class Server:
 
     # ---- helpers ----
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model != self.config.model.name:
-            raise RequestError(f"The model `{model}` does not exist.", status_code=404, param="model")
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter that the request's ``model`` names, or None for the base model."""
+        if model is None or model == self.model_name or model == self.config.model.name:
+            return None
+        if model in self.engine.info.adapters:
+            return model
+        raise RequestError(f"The model `{model}` does not exist.", status_code=404, param="model")
+
+    @staticmethod
+    def _use_adapter(requests: list[EngineRequest], adapter: str | None) -> None:
+        for r in requests:
+            r.lora_name = adapter
 
     def _check_tokens(self, ids: list[int], param: str) -> None:
         vocab = self.engine.info.vocab_size
@@ -318,7 +329,7 @@ class Server:
 
     async def chat(self, request: Request) -> Any:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        self._check_model(req.model)
+        adapter = self._check_model(req.model)
         prompt_ids = self._chat_prompt(req)
         prompt_ids, multimodal = self._chat_images(req, prompt_ids)
         max_tokens = self._max_tokens(len(prompt_ids), req.requested_max_tokens())
@@ -326,7 +337,8 @@ class Server:
         self._check_params(params)
         requests = self._requests(prompt_ids, params, req.n, 0, multimodal)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "created": created, "model": self.model_name}
+        base = {"id": rid, "created": created, "model": adapter or self.model_name}
+        self._use_adapter(requests, adapter)
         if req.stream:
             return self._sse(self._chat_stream(req, requests, prompt_ids, base))
         choices = await self._run_all(requests)
@@ -396,7 +408,7 @@ class Server:
 
     async def completion(self, request: Request) -> Any:
         req: CompletionRequest = await _parse(request, CompletionRequest)
-        self._check_model(req.model)
+        adapter = self._check_model(req.model)
         prompts = self._completion_prompts(req)
         requests: list[EngineRequest] = []
         for ids in prompts:
@@ -404,7 +416,8 @@ class Server:
             params = req.sampling(max_tokens, req.logprobs)
             self._check_params(params)
             requests += self._requests(ids, params, req.n, len(requests))
-        base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+        base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": adapter or self.model_name}
+        self._use_adapter(requests, adapter)
         prompt_tokens = sum(len(p) for p in prompts)
         if req.stream:
             return self._sse(self._completion_stream(req, requests, prompt_tokens, base))
@@ -461,7 +474,7 @@ class Server:
 
     async def generate(self, request: Request) -> Any:
         req: GenerateRequest = await _parse(request, GenerateRequest)
-        self._check_model(req.model)
+        adapter = self._check_model(req.model)
         self._check_tokens(req.token_ids, "token_ids")
         multimodal = None
         if req.images:
@@ -478,12 +491,13 @@ class Server:
         requests = self._requests(list(req.token_ids), params, sp.n, 0, multimodal)
         rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
         k = sp.logprobs if sp.logprobs is not None else -1
+        self._use_adapter(requests, adapter)
         if req.stream:
             return self._sse(self._generate_stream(req, requests, rid, k))
         choices = await self._run_all(requests)
         body = {
             "request_id": rid,
-            "model": self.model_name,
+            "model": adapter or self.model_name,
             "created": int(time.time()),
             "choices": [
                 {
@@ -545,7 +559,11 @@ class Server:
             "max_model_len": info.max_model_len,
             "weight_step": info.weight_step,
         }
-        return {"object": "list", "data": [card]}
+        adapters = [
+            {**card, "id": name, "root": a["path"], "parent": self.model_name, "weight_step": a["weight_step"]}
+            for name, a in info.adapters.items()
+        ]
+        return {"object": "list", "data": [card, *adapters]}
 
     def health(self) -> dict[str, Any]:
         info = self.engine.info
@@ -557,11 +575,15 @@ class Server:
             "weight_dir": info.weight_dir,
             "paused": info.paused,
             "max_model_len": info.max_model_len,
+            "adapters": info.adapters,
             **info.extra,
         }
 
     async def update_weights(self, request: Request) -> dict[str, Any]:
         req: WeightUpdateRequest = await _parse(request, WeightUpdateRequest)
+        weight_path = adapters.confined_dir(req.weight_dir, self.config.server.weight_roots, "weight_dir")
+        if is_adapter_dir(weight_path):
+            return await self._update_adapter(weight_path, req.weight_dir, req.step)
         if req.step is not None and req.step < 0:
             raise RequestError("step must be >= 0", param="step")
         path = check_weight_dir(req.weight_dir, self.config.server.weight_roots)
@@ -572,6 +594,37 @@ class Server:
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise RequestError(f"failed to load weights from {req.weight_dir}: {e}", param="weight_dir") from e
         return {"status": "ok", "weight_step": self.engine.info.weight_step, "weight_dir": str(path)}
+
+    async def _update_adapter(self, path: Any, weight_dir: str, step: int | None) -> dict[str, Any]:
+        """``/update_weights`` with a trainer-published adapter: replace the adapter it names."""
+        if step is not None and step < 0:
+            raise RequestError("step must be >= 0", param="step")
+        info = adapters.published_adapter(path, weight_dir)
+        step = info.step if step is None else step
+        await self._load_adapter(info.name, path, step, "weight_dir")
+        return {"status": "ok", "lora_name": info.name, "weight_step": step, "weight_dir": str(path)}
+
+    async def _load_adapter(self, name: str, path: Any, step: int | None, param: str) -> None:
+        try:
+            await self.engine.load_adapter(name, str(path), step)
+        except RequestError:
+            raise
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise RequestError(f"failed to load LoRA adapter {name!r} from {path}: {e}", param=param) from e
+
+    async def load_lora_adapter(self, request: Request) -> dict[str, Any]:
+        """vLLM's ``POST /v1/load_lora_adapter``; loading an existing name replaces that adapter."""
+        req: LoadLoRAAdapterRequest = await _parse(request, LoadLoRAAdapterRequest)
+        if req.lora_name in (self.model_name, self.config.model.name):
+            raise RequestError("lora_name must differ from the base model's name", param="lora_name")
+        path = adapters.check_adapter_dir(req.lora_path, self.config.server.weight_roots)
+        await self._load_adapter(req.lora_name, path, req.step, "lora_path")
+        return {"status": "ok", "lora_name": req.lora_name, "lora_path": str(path), "weight_step": req.step}
+
+    async def unload_lora_adapter(self, request: Request) -> dict[str, Any]:
+        req: UnloadLoRAAdapterRequest = await _parse(request, UnloadLoRAAdapterRequest)
+        await self.engine.unload_adapter(req.lora_name)
+        return {"status": "ok", "lora_name": req.lora_name}
 
 
 def build_app(config: InferenceConfig, engine_factory: Callable[[], tuple[Engine, Any]]) -> FastAPI:
@@ -635,6 +688,12 @@ def build_app(config: InferenceConfig, engine_factory: Callable[[], tuple[Engine
     async def update_weights(request: Request):
         return await server().update_weights(request)
 
+    async def load_lora_adapter(request: Request):
+        return await server().load_lora_adapter(request)
+
+    async def unload_lora_adapter(request: Request):
+        return await server().unload_lora_adapter(request)
+
     async def reload_weights():
         await server().engine.reload_weights()
         return {"status": "ok", "weight_step": server().engine.info.weight_step}
@@ -669,5 +728,7 @@ def build_app(config: InferenceConfig, engine_factory: Callable[[], tuple[Engine
         app.add_api_route(f"{prefix}/reload_weights", reload_weights, methods=["POST"])
         app.add_api_route(f"{prefix}/pause", pause, methods=["POST"])
         app.add_api_route(f"{prefix}/resume", resume, methods=["POST"])
+        app.add_api_route(f"{prefix}/load_lora_adapter", load_lora_adapter, methods=["POST"])
+        app.add_api_route(f"{prefix}/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
         app.add_api_route(f"{prefix}/weight_transfer/{{op}}", weight_transfer, methods=["POST"])
     return app

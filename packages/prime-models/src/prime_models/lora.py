@@ -480,21 +480,42 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRASpec, dict[str, torch.Ten
     return spec, load_file(str(p / ADAPTER_WEIGHTS))
 
 
-@torch.no_grad()
 def load_adapter(model: nn.Module, name: str, path: str | os.PathLike, *, replace: bool = True) -> LoRASpec:
     """Load a PEFT LoRA directory as adapter ``name`` (replacing an existing one of that name when ``replace``).
 
     Layers the adapter names are wrapped on demand, so a plain (never LoRA'd) model serves it. The loaded adapter is
     frozen (serving). Raises ValueError when the files do not fit the model.
     """
-    check_adapter_name(name)
     spec, tensors = read_adapter(path)
+    return install_adapter(model, name, spec, tensors, replace=replace, source=str(path))
+
+
+def copy_adapters(src: nn.Module, dst: nn.Module) -> None:
+    """Install every adapter of ``src`` on ``dst`` (e.g. a freshly loaded base that replaces ``src``)."""
+    for name, spec in selection(src).specs.items():
+        install_adapter(dst, name, spec, dict(adapter_state_dict(src, name)))
+
+
+@torch.no_grad()
+def install_adapter(
+    model: nn.Module,
+    name: str,
+    spec: LoRASpec,
+    tensors: dict[str, torch.Tensor],
+    *,
+    replace: bool = True,
+    source: str = "adapter",
+) -> LoRASpec:
+    """Install adapter ``name`` from PEFT-keyed tensors (see `adapter_state_dict`); frozen, as for serving."""
+    check_adapter_name(name)
     weights: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _PEFT_KEY.match(key)
         if m is None:
-            raise ValueError(f"unexpected tensor {key!r} in {path} (expected {PEFT_PREFIX}<module>.lora_A/B.weight)")
+            raise ValueError(f"unexpected tensor {key!r} in {source} (expected {PEFT_PREFIX}<module>.lora_A/B.weight)")
         weights.setdefault(m.group("module"), {})[m.group("ab")] = t
+    if not weights:
+        raise ValueError(f"{source} holds no LoRA tensors")
     sel = selection(model)
     if sel.merged is not None:
         raise ValueError(f"adapter {sel.merged!r} is merged; unmerge it before loading adapters")
@@ -502,11 +523,11 @@ def load_adapter(model: nn.Module, name: str, path: str | os.PathLike, *, replac
     for module, ab in weights.items():
         target = modules.get(module)
         if not isinstance(target, nn.Linear) or set(ab) != {"A", "B"}:
-            raise ValueError(f"adapter {path}: {module!r} is not a linear layer of this model (or lacks A or B)")
+            raise ValueError(f"adapter {source}: {module!r} is not a linear layer of this model (or lacks A or B)")
         a, b = ab["A"], ab["B"]
         if a.shape != (spec.rank, target.in_features) or b.shape != (target.out_features, spec.rank):
             raise ValueError(
-                f"adapter {path}: {module} has A {tuple(a.shape)} / B {tuple(b.shape)}, the model expects "
+                f"adapter {source}: {module} has A {tuple(a.shape)} / B {tuple(b.shape)}, the model expects "
                 f"A ({spec.rank}, {target.in_features}) / B ({target.out_features}, {spec.rank})"
             )
     targets = {m.rpartition(".")[2] for m in weights}

@@ -82,6 +82,38 @@ class VllmConfig(BaseConfig):
     """Further ``vllm serve`` flags, e.g. ``["--kv-cache-dtype", "fp8"]``; parsed by vLLM's own parser."""
 
 
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class LoRAServingConfig(BaseConfig):
+    """LoRA adapters served next to the base model; requests pick one with ``"model": "<adapter name>"``.
+
+    The torch engine serves adapters whenever asked; vLLM needs LoRA enabled at start-up, which happens when
+    ``model.lora`` is set, ``adapters`` is non-empty or ``enable`` is true."""
+
+    enable: bool = False
+    """Start vLLM with LoRA support even without ``model.lora`` (adapters then arrive via /v1/load_lora_adapter)."""
+    adapters: dict[str, str] = Field(default_factory=dict)
+    """Adapters loaded at start-up: name -> PEFT adapter directory."""
+    max_loras: int = Field(default=8, ge=1)
+    """vLLM: adapters that can take part in one batch (one per multi-tenant run, at least)."""
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+    """vLLM: adapters cached in CPU memory; unset equals ``max_loras``."""
+    max_lora_rank: int | None = None
+    """vLLM: largest adapter rank served, one of 8 16 32 64 128 256 320 512; unset rounds ``model.lora.rank`` up
+    (64 without ``model.lora``)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAServingConfig:
+        if self.max_lora_rank is not None and self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank={self.max_lora_rank} must be one of {', '.join(map(str, VLLM_LORA_RANKS))}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        return self
+
+
 class InferenceConfig(BaseConfig):
     """The ``inference`` process."""
 
@@ -109,6 +141,30 @@ class InferenceConfig(BaseConfig):
     """PyTorch engine settings."""
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     """vLLM engine settings (passed through)."""
+    lora: LoRAServingConfig = Field(default_factory=LoRAServingConfig)
+    """LoRA adapters (multi-adapter serving; ``model.lora`` turns it on for an RL run)."""
+
+    @model_validator(mode="after")
+    def _check_lora_rank(self) -> InferenceConfig:
+        rank = self.model.lora.rank if self.model.lora is not None else None
+        if rank is not None and rank > VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"model.lora.rank={rank} exceeds the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
+        if rank is not None and self.lora.max_lora_rank is not None and self.lora.max_lora_rank < rank:
+            raise ValueError(f"lora.max_lora_rank={self.lora.max_lora_rank} is below model.lora.rank={rank}")
+        return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora.enable or self.model.lora is not None or bool(self.lora.adapters)
+
+    @property
+    def max_lora_rank(self) -> int:
+        """The vLLM rank bound: the configured one, else model.lora.rank rounded up to a rank vLLM accepts."""
+        if self.lora.max_lora_rank is not None:
+            return self.lora.max_lora_rank
+        if self.model.lora is None:
+            return 64
+        return next(r for r in VLLM_LORA_RANKS if r >= self.model.lora.rank)
 
     @model_validator(mode="after")
     def _check_exposure(self) -> InferenceConfig:

@@ -23,6 +23,8 @@ class EngineRequest:
     multimodal: Any = None
     """Images of a vision-language prompt (``prime_inference.multimodal.MultiModalInput``); ``prompt_ids`` holds
     their expanded placeholder runs."""
+    lora_name: str | None = None
+    """LoRA adapter serving this request (the request's ``model``); None is the base model."""
 
 
 @dataclass
@@ -51,6 +53,8 @@ class EngineInfo:
     weight_dir: str | None = None
     paused: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    adapters: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Served LoRA adapters: name -> {"path", "weight_step"}."""
 
 
 class Engine(abc.ABC):
@@ -79,6 +83,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def reload_weights(self) -> None:
         """Go back to the base weights of ``model.name``."""
+
+    async def load_adapter(self, name: str, path: str, step: int | None) -> None:
+        """Serve the PEFT LoRA adapter in ``path`` under ``name``, replacing an adapter of that name."""
+        raise RequestError(f"the {self.name} engine does not serve LoRA adapters", status_code=404)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``."""
+        raise RequestError(f"the {self.name} engine does not serve LoRA adapters", status_code=404)
 
     async def weight_transfer(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
         """Engine-native weight transfer (NCCL broadcast); only the vLLM engine has one."""

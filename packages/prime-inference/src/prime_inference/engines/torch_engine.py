@@ -30,6 +30,7 @@ import torch
 from prime_core.config.inference import InferenceConfig
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
+from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter
 from prime_inference.engines.model_runner import build_decoder, load_causal_lm, resolve_dtype
 from prime_inference.engines.sampling import sample_token, token_logprobs
 
@@ -72,6 +73,8 @@ class TorchEngine(Engine):
     def __init__(self, config: InferenceConfig, tokenizer: Any):
         self.config = config
         self.tokenizer = tokenizer
+        self._adapters: dict[str, ServedAdapter] = {}
+        self._adapter_ops: list[AdapterOp] = []
         dev = config.torch.device
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if dev == "auto" else dev)
         if config.torch.num_threads is not None:
@@ -87,8 +90,11 @@ class TorchEngine(Engine):
             )
         self.vocab_size = _text_config(hf_config).vocab_size
         self.eos_ids = self._eos_ids(hf_config)
-        self.decoder = build_decoder(
-            model, hf_config, num_slots=config.max_batch_size, max_len=self.max_model_len, device=self.device
+        self.decoder = AdapterRouter(
+            build_decoder(
+                model, hf_config, num_slots=config.max_batch_size, max_len=self.max_model_len, device=self.device
+            ),
+            model,
         )
         self.model, self.hf_config = model, hf_config
         self.weight_step, self.weight_dir = 0, None
@@ -104,7 +110,7 @@ class TorchEngine(Engine):
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         logger.info(
             "torch engine: %s via %s on %s (%s), %s, max_model_len=%d, max_batch_size=%d",
-            config.model.name, source, self.device, self.dtype, type(self.decoder).__name__,
+            config.model.name, source, self.device, self.dtype, self.decoder.name,
             self.max_model_len, config.max_batch_size,
         )  # fmt: skip
 
@@ -117,6 +123,11 @@ class TorchEngine(Engine):
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=self.config.model.trust_remote_code)
+        if self._adapters:
+            from prime_models.lora import copy_adapters
+
+            # New base weights keep serving the loaded adapters (their files may be gone by now).
+            copy_adapters(self.model, model)
         return model, source, hf_config
 
     def _eos_ids(self, hf_config: Any) -> set[int]:
@@ -138,9 +149,10 @@ class TorchEngine(Engine):
             weight_step=self.weight_step,
             weight_dir=self.weight_dir,
             paused=self._paused,
+            adapters={name: a.card() for name, a in self._adapters.items()},
             extra={
                 "implementation": self.source,
-                "decoder": type(self.decoder).__name__,
+                "decoder": self.decoder.name,
                 "device": str(self.device),
                 "running": len(self._running),
                 "waiting": len(self._waiting),
@@ -150,6 +162,8 @@ class TorchEngine(Engine):
     async def start(self) -> None:
         self._admin_lock = asyncio.Lock()
         self._thread.start()
+        for name, path in self.config.lora.adapters.items():
+            await self.load_adapter(name, path, None)
 
     async def shutdown(self) -> None:
         with self._cond:
@@ -196,6 +210,25 @@ class TorchEngine(Engine):
             model, _, hf_config = await asyncio.to_thread(self._load, self.config.model.name)
             await self._apply_swap(_Swap(model, hf_config, 0, None))
 
+    async def load_adapter(self, name: str, path: str, step: int | None) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name`` (replacing one of that name once its sequences finish)."""
+        await self._adapter_op(AdapterOp(name, path, step))
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            from prime_inference.protocol import RequestError
+
+            raise RequestError(f"no LoRA adapter named {name!r} is loaded", status_code=404, param="lora_name")
+        await self._adapter_op(AdapterOp(name, None))
+
+    async def _adapter_op(self, op: AdapterOp) -> None:
+        assert self._admin_lock is not None
+        async with self._admin_lock:
+            with self._cond:
+                self._adapter_ops.append(op)
+                self._cond.notify_all()
+            await asyncio.wrap_future(op.future)
+
     def _check_compatible(self, hf_config: Any) -> None:
         from prime_inference.protocol import RequestError
 
@@ -222,8 +255,20 @@ class TorchEngine(Engine):
 
     # ---- scheduler thread ----
 
+    def _adapter_op_ready(self) -> AdapterOp | None:
+        """The first pending adapter op that no running sequence blocks (all of them while paused)."""
+        for op in self._adapter_ops:
+            if self._paused or not any(s.request.lora_name == op.name for s in self._running):
+                return op
+        return None
+
+    def _waits_for_adapter(self, seq: _Sequence) -> bool:
+        return seq.request.lora_name is not None and any(op.name == seq.request.lora_name for op in self._adapter_ops)
+
     def _has_work(self) -> bool:
         if self._swap is not None and (self._paused or not self._running):
+            return True
+        if self._adapter_op_ready() is not None:
             return True
         if self._paused:
             return False
@@ -239,13 +284,25 @@ class TorchEngine(Engine):
                 swap = None
                 if self._swap is not None and (self._paused or not self._running):
                     swap, self._swap = self._swap, None
+                adapter_op = self._adapter_op_ready() if swap is None else None
+                if adapter_op is not None:
+                    self._adapter_ops.remove(adapter_op)
                 admitted: list[_Sequence] = []
-                if swap is None and not self._paused and self._swap is None:
+                if swap is None and adapter_op is None and not self._paused and self._swap is None:
+                    deferred = []  # sequences of an adapter that is being replaced start on the new one
                     while self._waiting and self._free_slots:
                         seq = self._waiting.popleft()
-                        if not seq.aborted:
+                        if seq.aborted:
+                            continue
+                        if self._waits_for_adapter(seq):
+                            deferred.append(seq)
+                        elif seq.request.lora_name is not None and seq.request.lora_name not in self._adapters:
+                            self._reject(seq)
+                        else:
                             seq.slot = self._free_slots.pop(0)
+                            self.decoder.slot_adapters[seq.slot] = seq.request.lora_name
                             admitted.append(seq)
+                    self._waiting.extendleft(reversed(deferred))
                 self._running.extend(admitted)
                 self._running = [s for s in self._running if not self._reap_aborted(s)]
                 if not self._running:
@@ -253,6 +310,9 @@ class TorchEngine(Engine):
             try:
                 if swap is not None:
                     self._do_swap(swap)
+                    continue
+                if adapter_op is not None:
+                    self._do_adapter_op(adapter_op)
                     continue
                 self._step(admitted)
             except Exception as e:  # an engine bug must not hang clients: fail the batch, keep serving
@@ -263,6 +323,31 @@ class TorchEngine(Engine):
                         self._finish(seq)
                     self._running = []
                     self.decoder.release()
+
+    def _reject(self, seq: _Sequence) -> None:
+        from prime_inference.protocol import RequestError
+
+        name = seq.request.lora_name
+        seq.emit(RequestError(f"LoRA adapter {name!r} was unloaded", status_code=404, param="model"))
+        seq.finished = True
+
+    def _do_adapter_op(self, op: AdapterOp) -> None:
+        try:
+            from prime_models import lora
+
+            if op.path is None:
+                lora.remove_adapter(self.model, op.name)
+                del self._adapters[op.name]
+                logger.info("unloaded LoRA adapter %s", op.name)
+            else:
+                lora.load_adapter(self.model, op.name, op.path)
+                # Loading may wrap linear layers in LoRA layers: the decoder must call the new modules.
+                self.decoder.set_model(self.model, self.hf_config)
+                self._adapters[op.name] = ServedAdapter(op.name, op.path, op.step)
+                logger.info("serving LoRA adapter %s from %s (step %s)", op.name, op.path, op.step)
+            op.future.set_result(None)
+        except Exception as e:
+            op.future.set_exception(e)
 
     def _reap_aborted(self, seq: _Sequence) -> bool:
         if seq.aborted and not seq.finished:
@@ -323,7 +408,9 @@ class TorchEngine(Engine):
         seq.output_ids.append(token)
         seq.next_input = token
         finish, reason = self._finish_reason(seq, token)
-        out = EngineOutput([token], logprobs, top, finish, reason, self.weight_step)
+        adapter = self._adapters.get(seq.request.lora_name) if seq.request.lora_name is not None else None
+        step = adapter.step if adapter is not None and adapter.step is not None else self.weight_step
+        out = EngineOutput([token], logprobs, top, finish, reason, step)
         if finish is not None:
             with self._cond:
                 self._finish(seq)
