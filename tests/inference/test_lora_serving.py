@@ -91,7 +91,9 @@ def lora_setup(tmp_path_factory, tokenizer):
 def test_adapter_requests_equal_merged_model_and_base_stays_base(lora_setup):
     server, root, refs = lora_setup
     assert refs["a1"] != refs["base"]  # the adapter really changes the output
-    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "tenant-a", "lora_path": str(root / "adapter1")})
+    r = httpx.post(
+        f"{server.url}/v1/load_lora_adapter", json={"lora_name": "tenant-a", "lora_path": str(root / "adapter1")}
+    )
     assert r.status_code == 200, r.text
     ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
     assert ids[1:] == ["tenant-a"]

@@ -65,6 +65,11 @@ def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[st
         args += ["--max-num-seqs", str(v.max_num_seqs)]
     if v.enable_prefix_caching is not None:
         args.append("--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching")
+    if config.lora_enabled:
+        rank = str(config.max_lora_rank)
+        args += ["--enable-lora", "--max-loras", str(config.lora.max_loras), "--max-lora-rank", rank]
+        if config.lora.max_cpu_loras is not None:
+            args += ["--max-cpu-loras", str(config.lora.max_cpu_loras)]
     if headless:
         args.append("--headless")
     return args + list(v.extra_args)
@@ -107,6 +112,9 @@ class VllmEngine(Engine):
         self._paused = False
         self._admin_lock: asyncio.Lock | None = None
         self._plugin: dict[str, Any] = {}
+        # name -> (vLLM LoRARequest, weight step); a name keeps its int id across in-place reloads.
+        self._adapters: dict[str, tuple[Any, int | None]] = {}
+        self._next_lora_id = 1
 
     @property
     def info(self) -> EngineInfo:
@@ -119,6 +127,7 @@ class VllmEngine(Engine):
             weight_dir=self.weight_dir,
             paused=self._paused,
             extra={"vllm_plugin": self._plugin},
+            adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
 
     async def start(self) -> None:
@@ -128,6 +137,8 @@ class VllmEngine(Engine):
         self._plugin = {"workers": len(replies), "loaded": all(r.get("general_plugin") for r in replies)}
         if not self._plugin["loaded"]:
             logger.warning("prime's vllm.general_plugins entry point did not run in every worker: %s", replies)
+        for name, path in self.config.lora.adapters.items():
+            await self.load_adapter(name, path, None)
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
@@ -161,7 +172,12 @@ class VllmEngine(Engine):
         if request.multimodal is not None:
             prompt = request.multimodal.vllm_prompt(list(request.prompt_ids))
         # Closing this generator early closes vLLM's, which aborts the request inside the engine.
-        async for result in self.llm.generate(prompt, params, request.request_id):
+        lora = None
+        if request.lora_name is not None:
+            if request.lora_name not in self._adapters:
+                raise RequestError(f"LoRA adapter {request.lora_name!r} was unloaded", status_code=404, param="model")
+            lora = self._adapters[request.lora_name][0]
+        async for result in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
             out = result.outputs[0]
             logprobs = top = None
             if request.params.logprobs is not None and out.logprobs is not None:
@@ -197,6 +213,34 @@ class VllmEngine(Engine):
         async with self._admin_lock:
             await self._with_weights_swapped(self.config.model.name)
             self.weight_step, self.weight_dir = 0, None
+
+    async def load_adapter(self, name: str, path: str, step: int | None) -> None:
+        """vLLM's LoRA manager loads the adapter; an existing name is reloaded in place (``load_inplace``)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.config.lora_enabled:
+            raise RequestError("LoRA is not enabled: start the server with model.lora or lora.enable", status_code=400)
+        assert self._admin_lock is not None
+        async with self._admin_lock:
+            old = self._adapters.get(name)
+            lora_id = old[0].lora_int_id if old is not None else self._next_lora_id
+            request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=old is not None)
+            if not await self.llm.add_lora(request):
+                raise RuntimeError(f"vLLM refused LoRA adapter {name!r} from {path}")
+            if old is None:
+                self._next_lora_id += 1
+            else:
+                # Cached prefixes of this adapter id were computed with its previous weights.
+                await self.llm.reset_prefix_cache()
+            self._adapters[name] = (request, step)
+
+    async def unload_adapter(self, name: str) -> None:
+        assert self._admin_lock is not None
+        async with self._admin_lock:
+            if name not in self._adapters:
+                raise RequestError(f"no LoRA adapter named {name!r} is loaded", status_code=404, param="lora_name")
+            request, _ = self._adapters.pop(name)
+            await self.llm.remove_lora(request.lora_int_id)
 
     async def pause(self) -> None:
         await self.llm.pause_generation(mode="keep", clear_cache=False)
