@@ -69,6 +69,18 @@ def test_converts_moe_experts_but_not_router():
     assert type(model.model.layers[0].mlp.experts) is GroupedExperts
 
 
+def test_lora_wrapped_linears_and_their_adapters_stay_high_precision():
+    from prime_core.config.shared import LoRAConfig
+    from prime_models.lora import LoRASpec, apply_lora
+
+    model = load_model(tiny_config("qwen3"), seed=0)
+    apply_lora(model, LoRASpec.from_config(LoRAConfig(target_modules=["q_proj"])), ["a"], seed=0)
+    converted = fp8.convert_to_fp8(model, "tensorwise")
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert not isinstance(q_proj, fp8.Float8Linear) and type(q_proj.lora_A["a"]) is nn.Linear
+    assert converted == {"linear": 12, "experts": 0}
+
+
 def test_none_recipe_is_a_no_op():
     model = load_model(tiny_config("qwen3"), seed=0)
     assert fp8.convert_to_fp8(model, "none") == {}

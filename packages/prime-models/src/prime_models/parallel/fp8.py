@@ -486,7 +486,10 @@ def convert_to_fp8(
         return {}
     fp8 = get_recipe(recipe)
     backend = resolve_backend(backend)
-    check_fp8_device(next(model.parameters()).device, recipe)
+    param_device = next(model.parameters()).device
+    check_fp8_device(param_device, recipe)
+    if param_device.type == "cpu":
+        logger.warning("fp8 on CPU: tensorwise uses torch's CPU kernel, the rest is emulated; for tests, not speed")
     skip = tuple(skip)
     converted = {"linear": 0, "experts": 0}
     left: list[str] = []
