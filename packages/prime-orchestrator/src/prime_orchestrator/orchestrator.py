@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.io import atomic_dir, atomic_write_json
+from prime_core.io import atomic_dir, atomic_write_json, is_stable
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_core.transport import make_sender
@@ -88,7 +88,8 @@ class Orchestrator:
         return worker_spec(
             env_id=env.id,
             env_args=env.args,
-            model=c.model.name,
+            # A LoRA run's requests name its adapter; the base model directory still provides the tokenizer.
+            model=c.model.lora.adapter_name if c.model.lora is not None else c.model.name,
             model_dir=c.model.name,
             client=c.client,
             mode=mode,
@@ -119,7 +120,21 @@ class Orchestrator:
             stable = [s for s in self.run_dir.stable_weight_steps() if s <= self.start_step]
             if stable and stable[-1] > 0:
                 await self.policy.load(stable[-1])
+        if c.model.lora is not None and self.policy.num_updates == 0:
+            await self._load_initial_adapter()
         self.sender = make_sender(c.transport, self.run_dir, c.num_trainer_ranks)
+
+    async def _load_initial_adapter(self) -> None:
+        """Inference serves a LoRA run's adapter name only once loaded: wait for the trainer's adapter of the
+        start step (a fresh adapter at step 0) and load it before the first rollout."""
+        path = self.run_dir.weight_step(self.start_step)
+        deadline = time.monotonic() + self.config.weights_timeout
+        while not is_stable(path):
+            if time.monotonic() > deadline:
+                timeout = self.config.weights_timeout
+                raise TimeoutError(f"waited {timeout:.0f}s for {path}/STABLE; is the trainer running?")
+            await asyncio.sleep(0.2)
+        await self.policy.load(self.start_step)
 
     # ----- checkpoints -----
     def _save_checkpoint(self, next_step: int) -> None:
