@@ -23,8 +23,15 @@ from prime_core.run_dir import RunDir
 from prime_models.lora import set_active_adapter
 
 from prime_trainer import common
-from prime_trainer.lora import AdapterPublisher, build_run_optimizer, check_base_on_disk, clip_adapter_grad_norm
+from prime_trainer.lora import (
+    AdapterPublisher,
+    build_run_optimizer,
+    check_base_on_disk,
+    check_filesystem_publish,
+    clip_adapter_grad_norm,
+)
 from prime_trainer.optim import lr_at
+from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import RolloutSource, TensorMicroBatch, fake_micro_batches
 from prime_trainer.rl.loss import build_objective
 from prime_trainer.rl.train import forward_backward, pad_to_common_count, step_metrics
@@ -90,6 +97,7 @@ def optimizer_step(c: common.Components, runs: list[Run], step: int) -> dict[str
 def train_runs(config: TrainerConfig) -> None:
     c = common.setup(config, "trainer")
     check_base_on_disk(config, c.source.random_init)
+    check_filesystem_publish(config)
     c.optimizer = build_run_optimizer(c.model, [(r.name, r.lr or config.optim.lr) for r in config.runs], config.optim)
     objective = build_objective(config.loss)
     start = common.resume(c)["step"]
@@ -111,7 +119,7 @@ def train_runs(config: TrainerConfig) -> None:
             else:
                 meta, batches = run.source.get(step)
             wait_s += time.perf_counter() - t_wait
-            batches = pad_to_common_count(batches, c.world.device)
+            batches = pool_cp_micro_batches(pad_to_common_count(batches, c.world.device), c.layout)
             micro_batches = [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
             set_active_adapter(c.model, run.name)
             totals, counts = forward_backward(c, objective, micro_batches, meta.temperature)
