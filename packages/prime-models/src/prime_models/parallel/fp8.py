@@ -173,7 +173,13 @@ def scaled_mm(
 
 def _pad_rows(t: torch.Tensor, multiple: int = ALIGN) -> torch.Tensor:
     extra = -t.shape[0] % multiple
-    return t if extra == 0 else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+    if extra == 0:
+        return t
+    if t.dtype in (E4M3, E5M2):
+        # Pad FP8 through its bytes (0x00 is +0.0 in both formats): not every op has FP8 kernels.
+        raw = t.view(torch.uint8)
+        return torch.cat([raw, raw.new_zeros(extra, *t.shape[1:])]).view(t.dtype)
+    return torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
 
 
 class _Fp8Matmul(torch.autograd.Function):
