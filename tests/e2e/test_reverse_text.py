@@ -238,3 +238,22 @@ def test_rl_against_a_separately_started_inference_server(tmp_path):
     assert (out / "weights" / "step_2" / "STABLE").exists()
     assert not (out / "logs" / "inference.log").exists()
     assert len(metrics(out, "orchestrator", "reward/mean")) == 2
+
+
+def test_weights_by_broadcast_instead_of_files(tmp_path):
+    """`weights.broadcast.type = "nccl"` (gloo between CPU processes): inference serves exactly the trainer's
+    weights (mismatch KL at rounding level) although no step but the last writes safetensors."""
+    out = tmp_path / "run"
+    run_rl(
+        out, "--max-steps", "3", "--orchestrator.batch-size", "32",
+        "--trainer.weights.broadcast.type", "nccl", "--trainer.weights.broadcast.port", str(free_port()),
+    )  # fmt: skip
+    kls = metrics(out, "trainer", "mismatch_kl/mean")
+    sends = metrics(out, "trainer", "time/publish_send")
+    print(f"mismatch KL {kls}; broadcast seconds {sends}")
+    assert len(kls) == 3 and max(kls.values()) < 1e-3
+    assert sorted(sends) == [0, 1]  # the final weights (step 3) only go to disk
+    final = out / "weights" / "step_3"
+    assert not (final / "broadcast.json").exists() and any(final.glob("*.safetensors"))
+    log = (out / "logs" / "inference.log").read_text()
+    assert "weight step 2" in log or "serving weight step 2" in log, log[-2000:]

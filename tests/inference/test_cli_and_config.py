@@ -78,8 +78,8 @@ def test_weight_dir_checks(tmp_path, other_weights_dir):
     from prime_inference.protocol import RequestError
     from prime_inference.weights import check_weight_dir
 
-    assert check_weight_dir(str(other_weights_dir), []) == other_weights_dir.resolve()
-    assert check_weight_dir(str(other_weights_dir), [other_weights_dir.parent]) == other_weights_dir.resolve()
+    assert check_weight_dir(str(other_weights_dir), []) == (other_weights_dir.resolve(), None)
+    assert check_weight_dir(str(other_weights_dir), [other_weights_dir.parent]) == (other_weights_dir.resolve(), None)
     with pytest.raises(RequestError, match="outside"):
         check_weight_dir(str(other_weights_dir), [tmp_path])
     link = tmp_path / "link"

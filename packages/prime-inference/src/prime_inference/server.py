@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prime_inference import adapters
+from prime_inference.broadcast import BroadcastError
 from prime_inference.engines.base import Engine, EngineOutput, EngineRequest
 from prime_inference.protocol import (
     ChatCompletionRequest,
@@ -177,6 +178,8 @@ class Server:
 
     async def _run_all(self, requests: list[EngineRequest]) -> list[_Choice]:
         choices = [_Choice(i, r.params) for i, r in enumerate(requests)]
+        for r in requests:
+            r.stream = False
 
         async def run(choice: _Choice, request: EngineRequest) -> None:
             async for out in self.engine.generate(request):
@@ -586,11 +589,16 @@ class Server:
             return await self._update_adapter(weight_path, req.weight_dir, req.step)
         if req.step is not None and req.step < 0:
             raise RequestError("step must be >= 0", param="step")
-        path = check_weight_dir(req.weight_dir, self.config.server.weight_roots)
+        path, manifest = check_weight_dir(req.weight_dir, self.config.server.weight_roots, req.source)
         try:
-            await self.engine.update_weights(str(path), req.step)
+            if manifest is not None:
+                await self.engine.receive_weights(manifest, req.step)
+            else:
+                await self.engine.update_weights(str(path), req.step)
         except RequestError:
             raise
+        except BroadcastError as e:
+            raise RequestError(f"weight broadcast for {req.weight_dir} failed: {e}", status_code=504) from e
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise RequestError(f"failed to load weights from {req.weight_dir}: {e}", param="weight_dir") from e
         return {"status": "ok", "weight_step": self.engine.info.weight_step, "weight_dir": str(path)}

@@ -43,6 +43,23 @@ class PrimeWorkerExtension:
         """
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
 
+    def prime_receive_broadcast(self, manifest: dict[str, Any]) -> int:
+        """Receive the trainer's weight broadcast into this worker's model (vLLM maps HF names to its fused layers).
+
+        Joins the broadcast group on first use; returns the number of tensors loaded.
+        """
+        import torch
+
+        from prime_inference.broadcast import receive
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        device = torch.device("cuda", torch.cuda.current_device())
+        loaded = 0
+        for bucket in receive(manifest, device):
+            model.load_weights(weights=bucket)
+            loaded += len(bucket)
+        return loaded
+
     def prime_weights_checksum(self) -> float:
         """Sum of every parameter in fp64 (tests use it to see that an update landed on every worker)."""
         import torch

@@ -5,12 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from prime_core.io import is_stable
+from prime_core.schemas.weights import BROADCAST_FILE, BroadcastManifest
 
 from prime_inference.protocol import RequestError
 
 
-def check_weight_dir(weight_dir: str, roots: list[Path]) -> Path:
-    """Resolve ``weight_dir`` (symlinks included) and refuse what the server must not load."""
+def check_weight_dir(
+    weight_dir: str, roots: list[Path], source: str = "auto"
+) -> tuple[Path, BroadcastManifest | None]:
+    """Resolve ``weight_dir`` (symlinks included) and refuse what the server must not load.
+
+    Returns the directory and, when the update comes by broadcast (``broadcast.json`` there and ``source`` is not
+    "filesystem"), its manifest.
+    """
     if not weight_dir or "\x00" in weight_dir:
         raise RequestError("weight_dir must be a non-empty path", param="weight_dir")
     path = Path(weight_dir).expanduser()
@@ -32,6 +39,14 @@ def check_weight_dir(weight_dir: str, roots: list[Path]) -> Path:
             status_code=409,
             param="weight_dir",
         )
+    manifest_file = resolved / BROADCAST_FILE
+    if source != "filesystem" and manifest_file.is_file():
+        try:
+            return resolved, BroadcastManifest.model_validate_json(manifest_file.read_text())
+        except ValueError as e:
+            raise RequestError(f"{manifest_file} is not a valid broadcast manifest: {e}", param="weight_dir") from e
+    if source == "broadcast":
+        raise RequestError(f"weight_dir {weight_dir} announces no broadcast ({BROADCAST_FILE})", param="weight_dir")
     if not (resolved / "config.json").is_file() or not any(resolved.glob("*.safetensors")):
         raise RequestError(f"weight_dir {weight_dir} holds no config.json and *.safetensors", param="weight_dir")
-    return resolved
+    return resolved, None

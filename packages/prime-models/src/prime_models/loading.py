@@ -113,17 +113,7 @@ def load_model(
         hf_state: dict[str, torch.Tensor] = {}
         for f in files:
             hf_state.update(load_file(f, device=str(device)))
-        state = spec.from_hf(hf_state, model.args)
-        if model.args.tie_word_embeddings and EMBED in state:
-            state[LM_HEAD] = state[EMBED]
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {ckpt_dir} does not match {spec.model_type}: missing={missing} unexpected={unexpected}"
-            )
-        for module in model.modules():
-            if hasattr(module, "inv_freq"):
-                module.reset_parameters()
+        load_hf_state(model, hf_state, source=str(ckpt_dir))
         gen_cfg = ckpt_dir / "generation_config.json"
         if gen_cfg.is_file():
             model.generation_config_dict = json.loads(gen_cfg.read_text())
@@ -131,3 +121,17 @@ def load_model(
         generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         model.init_weights(generator)
     return model
+
+
+def load_hf_state(model: CausalLM, hf_state: dict[str, torch.Tensor], *, source: str = "state dict") -> None:
+    """Copy an HF-named state dict (every tensor of the model) into ``model``, converting names and layouts."""
+    spec = get_model_spec(model.config.model_type)
+    state = spec.from_hf(hf_state, model.args)
+    if model.args.tie_word_embeddings and EMBED in state:
+        state[LM_HEAD] = state[EMBED]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{source} does not match {spec.model_type}: missing={missing} unexpected={unexpected}")
+    for module in model.modules():
+        if hasattr(module, "inv_freq"):
+            module.reset_parameters()

@@ -133,10 +133,20 @@ async def wait_healthy(base_urls: list[str], *, api_key: str | None, timeout: fl
 
 
 async def update_weights(
-    base_urls: list[str], weight_dir: str, step: int, *, api_key: str | None, timeout: float, retries: int
+    base_urls: list[str],
+    weight_dir: str,
+    step: int,
+    *,
+    api_key: str | None,
+    timeout: float,
+    retries: int,
+    source: str = "auto",
 ) -> None:
-    """POST /update_weights to every server (concurrently); a failure names the server and the step."""
-    body = WeightUpdateRequest(weight_dir=str(weight_dir), step=step).model_dump()
+    """POST /update_weights to every server (concurrently); a failure names the server and the step.
+
+    Servers receiving a broadcast must be asked together: the trainer sends once, to all of them at the same time.
+    """
+    body = WeightUpdateRequest(weight_dir=str(weight_dir), step=step, source=source).model_dump()
 
     async def one(client: httpx.AsyncClient, url: str) -> None:
         try:

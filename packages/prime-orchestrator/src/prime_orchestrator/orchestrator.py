@@ -119,7 +119,7 @@ class Orchestrator:
             # Re-send the policy an uninterrupted run would serve here: the newest stable weights <= start.
             stable = [s for s in self.run_dir.stable_weight_steps() if s <= self.start_step]
             if stable and stable[-1] > 0:
-                await self.policy.load(stable[-1])
+                await self.policy.load(stable[-1], source="filesystem")
         if c.model.lora is not None and self.policy.num_updates == 0:
             await self._load_initial_adapter()
         self.sender = make_sender(c.transport, self.run_dir, c.num_trainer_ranks)

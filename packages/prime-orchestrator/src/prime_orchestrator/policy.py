@@ -8,6 +8,7 @@ import time
 
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.run_dir import RunDir
+from prime_core.schemas.weights import BROADCAST_FILE
 
 from prime_orchestrator import client
 
@@ -25,16 +26,21 @@ class Policy:
         self.last_update_time = 0.0
         self._changed = asyncio.Condition()
 
-    async def load(self, step: int) -> None:
+    async def load(self, step: int, source: str = "auto") -> None:
+        """Make inference serve weights ``step``; ``source="filesystem"`` ignores an announced broadcast (resume)."""
         c = self.config.client
+        weight_dir = self.run_dir.weight_step(step).resolve()
+        # A broadcast is sent once: a retried request would wait for a transfer that never comes again.
+        broadcast = source != "filesystem" and (weight_dir / BROADCAST_FILE).is_file()
         t0 = time.perf_counter()
         await client.update_weights(
             c.base_urls,
-            str(self.run_dir.weight_step(step).resolve()),
+            str(weight_dir),
             step,
             api_key=c.resolved_api_key(),
             timeout=c.update_weights_timeout,
-            retries=c.max_retries,
+            retries=0 if broadcast else c.max_retries,
+            source=source,
         )
         self.last_update_time = time.perf_counter() - t0
         self.num_updates += 1

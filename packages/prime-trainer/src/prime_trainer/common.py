@@ -98,7 +98,12 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         ckpt=CheckpointManager(config.ckpt, run_dir, world),
         # SFT exports are few and each is a result; RL keeps only what the async window and checkpoints need.
         publisher=WeightPublisher(
-            run_dir, world, source.tokenizer, config.async_level, config.weights.keep_all or process == "sft"
+            run_dir,
+            world,
+            source.tokenizer,
+            config.async_level,
+            config.weights.keep_all or process == "sft",
+            broadcast=config.weights.broadcast if process == "trainer" else None,
         ),
         monitor=monitor,
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
@@ -118,7 +123,7 @@ def publish_initial(c: Components, step: int, random_init: bool) -> None:
     if c.config.bench or not c.config.weights.publish:
         return
     if (step == 0 and random_init) or (step > 0 and not is_stable(c.run_dir.weight_step(step))):
-        c.publisher.publish(step, c.model, c.ckpt.protected_steps())
+        c.publisher.publish(step, c.model, c.ckpt.protected_steps(), send=False)
 
 
 def set_grad_sync(model: nn.Module, index: int, count: int) -> None:
@@ -151,8 +156,14 @@ def after_step(c: Components, step: int, metrics: dict[str, Any], extra_state: d
     done = step + 1
     t0 = time.perf_counter()
     if publish and not c.config.bench and c.config.weights.publish:
-        ckpt_steps = c.ckpt.protected_steps() + ([done] if c.ckpt.due(done, c.config.max_steps) else [])
-        c.publisher.publish(done, c.model, ckpt_steps)
+        due = c.ckpt.due(done, c.config.max_steps)
+        ckpt_steps = c.ckpt.protected_steps() + ([done] if due else [])
+        last = done == c.config.max_steps
+        # Nobody samples with the final weights during the run: they go to disk, not to inference.
+        c.publisher.publish(done, c.model, ckpt_steps, files=due or last, send=not last)
+        for key, value in c.publisher.last_timings.items():
+            if key.endswith("_s"):
+                metrics[f"time/publish_{key.removesuffix('_s')}"] = value
     metrics["time/publish"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     c.ckpt.poll()

@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
-from prime_core.io import atomic_dir
+from prime_core.config.trainer import WeightBroadcastConfig
+from prime_core.io import atomic_dir, atomic_write_text
 from prime_core.run_dir import RunDir
+from prime_core.schemas.weights import BROADCAST_FILE
 from prime_models import save_hf
 from torch import nn
 
@@ -45,7 +48,15 @@ def copy_tokenizer_files(src: str, dst: Path) -> None:
 
 
 class WeightPublisher:
-    def __init__(self, run_dir: RunDir, world: World, tokenizer: str, async_level: int, keep_all: bool = False):
+    def __init__(
+        self,
+        run_dir: RunDir,
+        world: World,
+        tokenizer: str,
+        async_level: int,
+        keep_all: bool = False,
+        broadcast: WeightBroadcastConfig | None = None,
+    ):
         self.run_dir = run_dir
         self.world = world
         self.tokenizer = tokenizer
@@ -53,19 +64,44 @@ class WeightPublisher:
         self.keep_all = keep_all
         # Ship bf16 from GPU runs (what inference serves); keep exact fp32 from CPU runs.
         self.dtype = torch.bfloat16 if world.device.type == "cuda" else None
+        self.broadcaster = None
+        if broadcast is not None and broadcast.type == "nccl":
+            from prime_trainer.broadcast import WeightBroadcaster
 
-    def publish(self, step: int, model: nn.Module, checkpoint_steps: list[int] = ()) -> Path:
+            self.broadcaster = WeightBroadcaster(broadcast, world)
+        self.last_timings: dict[str, float] = {}
+
+    def publish(
+        self, step: int, model: nn.Module, checkpoint_steps: list[int] = (), *, files: bool = True, send: bool = True
+    ) -> Path:
+        """Announce ``weights/step_N`` (STABLE) and deliver the weights; collective over the trainer's ranks.
+
+        Filesystem mode writes safetensors every time. Broadcast mode writes ``broadcast.json`` and, when ``files``
+        (checkpoint steps, the final step), safetensors too, then sends the tensors once inference joins; with
+        ``send=False`` (initial weights, which inference loads from disk) it only writes files.
+        """
+        broadcasting = self.broadcaster is not None and send
+        write_files = files or not broadcasting
         final = self.run_dir.weight_step(step)
+        t0 = time.perf_counter()
         if self.world.is_master:
             with atomic_dir(final) as tmp:
                 broadcast_object(str(tmp))
-                save_hf(model, tmp, dtype=self.dtype)
-                copy_tokenizer_files(self.tokenizer, tmp)
+                if write_files:
+                    save_hf(model, tmp, dtype=self.dtype)
+                    copy_tokenizer_files(self.tokenizer, tmp)
+                if broadcasting:
+                    manifest = self.broadcaster.manifest(step)
+                    atomic_write_text(tmp / BROADCAST_FILE, manifest.model_dump_json(indent=2) + "\n")
             self._cleanup(step, checkpoint_steps)
         else:
             tmp = broadcast_object(None)
-            save_hf(model, tmp, dtype=self.dtype)
+            if write_files:
+                save_hf(model, tmp, dtype=self.dtype)
         broadcast_object(None)  # nobody moves on before STABLE is written
+        self.last_timings = {"files_s": time.perf_counter() - t0}
+        if broadcasting:
+            self.last_timings.update(self.broadcaster.send(model, self.dtype))
         return final
 
     def needed(self, latest: int, checkpoint_steps: list[int]) -> set[int]:

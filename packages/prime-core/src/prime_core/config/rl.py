@@ -184,6 +184,17 @@ class RLConfig(BaseConfig):
             )
         if t.model.name != o.model.name:
             raise ValueError(f"trainer.model.name ({t.model.name!r}) != orchestrator.model.name ({o.model.name!r})")
+        broadcast = t.weights.broadcast
+        if broadcast.type == "nccl" and self.inference is not None:
+            # One worker per vLLM GPU; the torch engine is one worker (its vllm sizes stay 1).
+            workers = self.inference.vllm.tensor_parallel_size * self.inference.vllm.data_parallel_size
+            if "inference_workers" not in broadcast.model_fields_set:
+                broadcast.inference_workers = workers
+            elif broadcast.inference_workers != workers:
+                raise ValueError(
+                    f"trainer.weights.broadcast.inference_workers ({broadcast.inference_workers}) != the inference "
+                    f"server's workers ({workers} = tensor_parallel_size x data_parallel_size)"
+                )
         protected = PROTECTED_ENV_VARS & set(self.env_vars)
         if protected:
             raise ValueError(f"env_vars may not set {sorted(protected)}: the launcher sets them per process")

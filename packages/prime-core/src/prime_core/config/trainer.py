@@ -193,6 +193,26 @@ class RLDataConfig(BaseConfig):
     """Fail with a clear error when a step's rollouts have not arrived after this many seconds; unset waits forever."""
 
 
+class WeightBroadcastConfig(BaseConfig):
+    """How new weights reach inference: HF files on a shared filesystem, or a collective broadcast (NCCL)."""
+
+    type: Literal["filesystem", "nccl"] = "filesystem"
+    """filesystem: write safetensors to ``weights/step_N`` every step; nccl: rank 0 broadcasts the tensors to every
+    inference worker (gloo when the trainer runs on CPU) and files are written only for checkpoint steps, the final
+    step and the initial weights."""
+    host: str = "127.0.0.1"
+    """Address of the rendezvous store on the trainer's rank-0 host, reachable from every inference worker."""
+    port: int = Field(default=29501, ge=1, le=65535)
+    """Port of the rendezvous store."""
+    inference_workers: int = Field(default=1, ge=1)
+    """Inference workers that join the broadcast: summed over servers, each tensor-parallel x data-parallel GPUs
+    (one per torch-engine server). ``rl`` fills it from the inference config."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds to wait for the workers to join or for one transfer before failing with an error naming them."""
+    bucket_mb: int = Field(default=1024, ge=1)
+    """Tensors are sent in flat buckets of about this many MiB (fewer, larger collectives)."""
+
+
 class WeightsConfig(BaseConfig):
     """Publishing of HF weights under ``weights/step_N`` for inference."""
 
@@ -200,6 +220,8 @@ class WeightsConfig(BaseConfig):
     """Write ``weights/step_{n+1}`` after every step (off in bench mode)."""
     keep_all: bool = False
     """Keep every published step instead of only the ones the async window and checkpoints need."""
+    broadcast: WeightBroadcastConfig = Field(default_factory=WeightBroadcastConfig)
+    """Transport of each step's weights to inference."""
 
 
 class LossMaskConfig(BaseConfig):

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from prime_core.schemas.weights import BroadcastManifest
+
 from prime_inference.protocol import RequestError, SamplingParams
 
 
@@ -23,6 +25,9 @@ class EngineRequest:
     multimodal: Any = None
     """Images of a vision-language prompt (``prime_inference.multimodal.MultiModalInput``); ``prompt_ids`` holds
     their expanded placeholder runs."""
+    stream: bool = True
+    """The caller consumes deltas as they come. False: nobody looks before the end, so an engine may deliver the
+    whole sequence in one final output (vLLM then skips a Python wake-up per token and request)."""
     lora_name: str | None = None
     """LoRA adapter serving this request (the request's ``model``); None is the base model."""
 
@@ -83,6 +88,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def reload_weights(self) -> None:
         """Go back to the base weights of ``model.name``."""
+
+    async def receive_weights(self, manifest: BroadcastManifest, step: int | None) -> None:
+        """Receive the trainer's broadcast announced by ``manifest`` and serve it (see `prime_inference.broadcast`)."""
+        raise RequestError(f"the {self.name} engine cannot receive a weight broadcast", param="weight_dir")
 
     async def load_adapter(self, name: str, path: str, step: int | None) -> None:
         """Serve the PEFT LoRA adapter in ``path`` under ``name``, replacing an adapter of that name."""

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from prime_core.config.inference import InferenceConfig
+from prime_core.schemas.weights import BroadcastManifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.protocol import RequestError
@@ -163,7 +164,7 @@ class VllmEngine(Engine):
             # The server detokenizes; vLLM only needs text to match stop strings.
             detokenize=bool(p.stop),
             skip_special_tokens=True,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -207,6 +208,21 @@ class VllmEngine(Engine):
             await self._with_weights_swapped(weight_dir)
             self.weight_step = self.weight_step + 1 if step is None else step
             self.weight_dir = weight_dir
+
+    async def receive_weights(self, manifest: BroadcastManifest, step: int | None) -> None:
+        assert self._admin_lock is not None
+        async with self._admin_lock:
+            was_paused = self._paused
+            if not was_paused:
+                await self.llm.pause_generation(mode="wait", clear_cache=False)
+            try:
+                await self.llm.collective_rpc("prime_receive_broadcast", kwargs={"manifest": manifest.model_dump()})
+                await self.llm.reset_prefix_cache()
+            finally:
+                if not was_paused:
+                    await self.llm.resume_generation()
+            self.weight_step = self.weight_step + 1 if step is None else step
+            self.weight_dir = None
 
     async def reload_weights(self) -> None:
         assert self._admin_lock is not None
