@@ -18,6 +18,7 @@ from prime_core.logging import setup_logging
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_models import flops_per_token
+from prime_models.parallel.context_parallel import ContextParallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -25,6 +26,7 @@ from prime_trainer import perf
 from prime_trainer.ckpt import CheckpointManager
 from prime_trainer.model import ModelSource, build_model, loss_scale
 from prime_trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from prime_trainer.parallel import TrainerLayout, build_layout
 from prime_trainer.weights import WeightPublisher
 from prime_trainer.world import World, init_world
 
@@ -45,6 +47,17 @@ class Components:
     peak_flops: float | None
     loss_scale: float
     step_times: list[dict[str, float]] = field(default_factory=list)
+    layout: TrainerLayout | None = None
+    """Parallel layout (meshes, expert and context parallelism)."""
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        return self.layout.context_parallel if self.layout is not None else None
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks sharing each micro-batch: step code divides replicated losses and all-reduced sums by it."""
+        return self.layout.cp_size if self.layout is not None else 1
 
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.source.hf_config, seq_len)
@@ -58,6 +71,7 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
     torch.manual_seed(config.seed)
     if world.is_master:
         write_config(config, run_dir.config_file(process))
+    layout = build_layout(world, config.parallel, config.model)
     model, source = build_model(
         config.model.name,
         config.model.dtype,
@@ -68,6 +82,8 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         lora=config.model.lora,
         adapters=[run.name for run in getattr(config, "runs", [])],
         fp8=config.model.fp8,
+        layout=layout,
+        seq_len=(config.data.fake.seq_len if config.data.fake is not None else None) or config.seq_len,
     )
     optimizer = build_optimizer(model, config.optim)
     monitor = (
@@ -108,6 +124,7 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         monitor=monitor,
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
         loss_scale=loss_scale(model, world),
+        layout=layout,
     )
 
 

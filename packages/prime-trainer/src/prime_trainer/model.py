@@ -12,13 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from prime_core.config.shared import Fp8Config, LoRAConfig
+from prime_core.config.shared import Fp8Config, LoRAConfig, ModelConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
-from prime_models import ParallelDims, get_model_spec, load_model
+from prime_models import get_model_spec, load_model
 from prime_models.parallel import apply_fsdp, default_mp_policy
+from prime_models.parallel.context_parallel import ContextParallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from prime_trainer.parallel import TrainerLayout, parallel_dims, validate_model
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")
@@ -73,14 +75,22 @@ def build_model(
     lora: LoRAConfig | None = None,
     adapters: Sequence[str] = (),
     fp8: Fp8Config | None = None,
+    layout: TrainerLayout | None = None,
+    seq_len: int | None = None,
 ) -> tuple[nn.Module, ModelSource]:
     """Load (or randomly init) the model on this rank's device and apply AC + FSDP2 through the family's spec.
 
     With ``lora``, the adapters (default: one named ``lora.adapter_name``) are injected and the base frozen before
     parallelizing, so FSDP shards base and adapters alike and only adapters get gradients. With ``fp8`` (a recipe other
     than ``none``), the parallelize function first swaps the decoder's linears for FP8 ones (`prime_models.parallel.fp8`).
+    ``layout`` (`prime_trainer.parallel.build_layout`) adds expert and context parallelism; without it the world is
+    one FSDP/HSDP data-parallel group (``parallel.dp_shard``). ``seq_len`` is checked against the CP split.
     """
     target, source = resolve_source(name, init)
+    if layout is None:
+        layout = TrainerLayout(parallel_dims(world, parallel, ModelConfig(name=name)), None)
+    dims = layout.dims
+    validate_model(dims, source.hf_config, seq_len)
     torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"model.dtype={dtype!r} is not supported for training (use auto, float32 or bfloat16)")
@@ -93,10 +103,6 @@ def build_model(
         if not hasattr(model, "freeze_vision"):
             raise ValueError(f"init.freeze_vision: {name} ({source.hf_config['model_type']}) has no vision tower")
         model.freeze_vision()
-    if parallel.dp_shard != -1 and world.world_size % parallel.dp_shard:
-        raise ValueError(f"parallel.dp_shard={parallel.dp_shard} does not divide the world size {world.world_size}")
-    dp_shard = world.world_size if parallel.dp_shard == -1 else parallel.dp_shard
-    dims = ParallelDims(dp_replicate=world.world_size // dp_shard, dp_shard=dp_shard, world_size=world.world_size)
     spec = get_model_spec(source.hf_config["model_type"])
     model = spec.parallelize_fn(
         model,
@@ -107,9 +113,11 @@ def build_model(
         cpu_offload=parallel.cpu_offload,
         reshard_after_forward=parallel.reshard_after_forward,
         fp8=fp8,
+        mesh=layout.mesh,
+        dispatcher=layout.ep_dispatcher,
     )
-    if dims.dp == 1 and world.device.type == "cuda":
-        # parallelize_fn skips FSDP at dp=1; wrap anyway for bf16 compute with fp32 master weights.
+    if not dims.fsdp_enabled and world.device.type == "cuda":
+        # parallelize_fn skips FSDP on one rank; wrap anyway for bf16 compute with fp32 master weights.
         mesh = dims.build_mesh("cuda").fsdp
         model = apply_fsdp(model, model.model.layers, mesh, mp_policy=default_mp_policy("cuda"))
     return model, source
@@ -135,23 +143,30 @@ def token_logprobs(
     entropy_grad: bool,
     return_entropy: bool = True,
     multimodal: dict[str, torch.Tensor] | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, and the entropy of the distribution that predicted it.
 
     Position t holds the values for token t, predicted from position t - 1; position 0 holds 0 (never a loss token).
     ``multimodal`` holds a vision-language model's image inputs (``pixel_values``, ``image_grid_thw``,
-    ``mrope_position_ids``), passed through to its forward.
+    ``mrope_position_ids``), passed through to its forward. With ``context_parallel`` every rank of the CP group passes
+    the same full rows, runs the model on its share of each row and gets the full rows' values back (differentiable).
     """
     targets_RS = torch.roll(input_ids_RS, shifts=-1, dims=1)
-    lp_RS, ent_RS = model(
-        input_ids_RS,
-        position_ids_RS,
-        targets=targets_RS,
-        temperature=temperature,
-        chunk_size=chunk_size,
-        return_entropy=return_entropy,
-        **(multimodal or {}),
-    )
+    kwargs = dict(temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+    if context_parallel is None:
+        lp_RS, ent_RS = model(input_ids_RS, position_ids_RS, targets=targets_RS, **kwargs, **(multimodal or {}))
+    else:
+        if multimodal:
+            raise ValueError("model.cp > 1 does not support image inputs (vision-language rows)")
+        shard = context_parallel.shard(position_ids_RS)
+        with shard:
+            lp, ent = model(
+                shard.split(input_ids_RS), shard.split(position_ids_RS), targets=shard.split(targets_RS), **kwargs
+            )
+        lp_RS = shard.gather(lp)
+        # Gathering a detached entropy keeps its all-gather out of the backward.
+        ent_RS = None if ent is None else shard.gather(ent if entropy_grad else ent.detach())
     zero = lp_RS.new_zeros(lp_RS.shape[0], 1)
     lp_RS = torch.cat([zero, lp_RS[:, :-1]], dim=1)
     if ent_RS is None:

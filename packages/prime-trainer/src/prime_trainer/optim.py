@@ -46,7 +46,17 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
     """Clip the global gradient norm (over every rank's shard) and return the norm before clipping."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    # Under expert parallelism expert gradients are DTensors on another mesh than the dense ones, and DTensor norms
+    # of different meshes do not mix: reduce each mesh's norm to a plain tensor, then combine.
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if max_norm is not None:
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return float(total)

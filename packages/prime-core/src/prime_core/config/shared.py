@@ -82,6 +82,16 @@ class ModelConfig(BaseConfig):
     """Train (trainer) or serve (inference, orchestrator) a LoRA adapter on the frozen base; unset: full weights."""
     fp8: Fp8Config = Field(default_factory=Fp8Config)
     """FP8 linear layers for training (``--model.fp8.recipe tensorwise``); off by default."""
+    ep: int = Field(default=1, ge=1)
+    """Trainer expert parallelism: each rank holds num_experts / ep experts of every MoE layer and tokens travel to
+    them by all-to-all. Borrows ranks from the data-parallel shard axis: ep must be a multiple of cp, divide
+    dp_shard * cp and divide the number of experts. 1 keeps every expert on every rank (FSDP-sharded)."""
+    ep_dispatcher: Literal["torch", "deepep"] = "torch"
+    """Expert-parallel token dispatch: torch.distributed all-to-all (any device) or DeepEP's kernels (GPU; DeepEP is
+    built from source, see docs/scaling.md)."""
+    cp: int = Field(default=1, ge=1)
+    """Trainer context parallelism: every packed row is split over cp adjacent ranks (ring attention, zig-zag load
+    balance). cp must divide the world size, and seq_len must be divisible by 2 * cp."""
 
 
 class WandbConfig(BaseConfig):

@@ -17,6 +17,7 @@ from prime_core.schemas.microbatch import MicroBatch
 from prime_trainer import common
 from prime_trainer.lora import setup_lora
 from prime_trainer.model import token_logprobs
+from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import RolloutSource, TensorMicroBatch, fake_micro_batches
 from prime_trainer.rl.loss import STAT_KEYS, LossInputs, Objective, build_objective, compute_loss
 from prime_trainer.world import all_reduce_sum
@@ -41,7 +42,10 @@ def forward_backward(
         sum(mb.num_loss_samples for mb in micro_batches),
         sum(mb.num_tokens for mb in micro_batches),
     ]
-    num_loss_tokens, num_samples, num_tokens = (int(x) for x in all_reduce_sum(local, c.world.device))
+    # Under context parallelism every rank of a CP group holds the group's pooled micro-batches and computes their
+    # loss on full rows: world-wide sums count everything cp times, and the replicated losses' gradients add up cp times.
+    cp = c.cp_size
+    num_loss_tokens, num_samples, num_tokens = (int(x) // cp for x in all_reduce_sum(local, c.world.device))
     sums = dict.fromkeys(STAT_KEYS, 0.0)
     for i, mb in enumerate(micro_batches):
         common.set_grad_sync(c.model, i, len(micro_batches))
@@ -53,13 +57,14 @@ def forward_backward(
             chunk_size=cfg.init.logprob_chunk_size,
             entropy_grad=cfg.loss.entropy_coef > 0,
             multimodal=mb.multimodal,
+            context_parallel=c.context_parallel,
         )
         inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy)
         loss, stats = compute_loss(objective, cfg.loss, inputs, num_tokens=num_loss_tokens, num_samples=num_samples)
-        (loss * c.loss_scale).backward()
+        (loss * (c.loss_scale / cp)).backward()
         for k in STAT_KEYS:
             sums[k] += float(stats[k])
-    totals = dict(zip(STAT_KEYS, all_reduce_sum([sums[k] for k in STAT_KEYS], c.world.device), strict=True))
+    totals = dict(zip(STAT_KEYS, all_reduce_sum([sums[k] / cp for k in STAT_KEYS], c.world.device), strict=True))
     return totals, (num_loss_tokens, num_samples, num_tokens)
 
 
@@ -112,7 +117,7 @@ def train(config: TrainerConfig) -> None:
         else:
             meta, batches = source.get(step)
         wait_s = time.perf_counter() - t0
-        batches = pad_to_common_count(batches, c.world.device)
+        batches = pool_cp_micro_batches(pad_to_common_count(batches, c.world.device), c.layout)
         micro_batches = [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
 
         common.perf.reset_peak_memory(c.world.device)

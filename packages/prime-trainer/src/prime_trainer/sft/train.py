@@ -18,6 +18,7 @@ from prime_core.vision import VisionSpec
 from prime_trainer import common
 from prime_trainer.lora import setup_lora
 from prime_trainer.model import token_logprobs
+from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import TensorMicroBatch, fake_micro_batches
 from prime_trainer.sft.data import PackedData, build_samples, eval_batches, load_rows, load_tokenizer
 from prime_trainer.world import all_reduce_sum
@@ -33,21 +34,25 @@ def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
         entropy_grad=False,
         return_entropy=False,
         multimodal=mb.multimodal,
+        context_parallel=c.context_parallel,
     )
     return -(logprobs * mb.loss_mask).sum()
 
 
 def sft_step(c: common.Components, step: int, micro_batches: list[TensorMicroBatch]) -> dict[str, Any]:
     local = [sum(mb.num_loss_tokens for mb in micro_batches), sum(mb.num_tokens for mb in micro_batches)]
-    num_loss_tokens, num_tokens = (int(x) for x in all_reduce_sum(local, c.world.device))
+    # Under context parallelism the ranks of a CP group share pooled micro-batches (see prime_trainer.parallel): sums
+    # over the world count them cp times, and the replicated losses' gradients add up cp times.
+    cp = c.cp_size
+    num_loss_tokens, num_tokens = (int(x) // cp for x in all_reduce_sum(local, c.world.device))
     total = 0.0
     for i, mb in enumerate(micro_batches):
         common.set_grad_sync(c.model, i, len(micro_batches))
         loss = nll_sum(c, mb) / max(num_loss_tokens, 1)
-        (loss * c.loss_scale).backward()
+        (loss * (c.loss_scale / cp)).backward()
         total += float(loss)
     grad_norm, lr = common.optimizer_step(c, step)
-    (loss_mean,) = all_reduce_sum([total], c.world.device)
+    (loss_mean,) = all_reduce_sum([total / cp], c.world.device)
     return {
         "loss/mean": loss_mean,
         "grad_norm": grad_norm,
@@ -60,7 +65,8 @@ def sft_step(c: common.Components, step: int, micro_batches: list[TensorMicroBat
 @torch.no_grad()
 def evaluate(c: common.Components, batches: list[MicroBatch]) -> float:
     total, count = 0.0, 0
-    for mb in batches:
+    # CP ranks pool their batches; the totals then count each batch cp times, which the ratio cancels.
+    for mb in pool_cp_micro_batches(batches, c.layout):
         t = TensorMicroBatch.from_numpy(mb, c.world.device)
         total += float(nll_sum(c, t))
         count += t.num_loss_tokens
@@ -136,6 +142,7 @@ def train(config: SFTConfig) -> None:
         else:
             batches = data.next_batch(c.world.rank, c.world.world_size)
             seq_len = config.seq_len
+        batches = pool_cp_micro_batches(batches, c.layout)
         micro_batches = [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
 
         common.perf.reset_peak_memory(c.world.device)
