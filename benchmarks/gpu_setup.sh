@@ -1,0 +1,23 @@
+#!/bin/bash
+# Install vLLM, verifiers and this tree's packages on a GPU host without network (device machines).
+#
+# Here:   ../shared/tools/offline-wheelhouse.sh .vw2 62 vllm==0.26.0 verifiers==0.4.0 wandb tomli-w rich \
+#             matplotlib pyarrow jinja2 pillow pyzmq
+#         uv build --all-packages --wheel -o dist-gpu
+# There:  one call per part, each carrying it:  mkdir -p /tmp/stage && cp .vw2/pNN /tmp/stage/
+#         then (carrying dist-gpu):             bash benchmarks/gpu_setup.sh
+#         and in every later call:              source /tmp/prime-env.sh
+# Wheels (not PYTHONPATH=src) so that the vLLM plugin's entry point and the console scripts exist.
+set -euo pipefail
+cat /tmp/stage/p* > /tmp/w.tar
+mkdir -p /tmp/w && tar xf /tmp/w.tar -C /tmp/w
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl dist-gpu/*.whl
+cat > /tmp/prime-env.sh <<'ENV'
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PATH=/tmp/site/bin:$PATH
+export PRIME_LAUNCH_BIN_DIR=/tmp/site/bin
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ENV
+source /tmp/prime-env.sh
+python3 -c "import vllm, verifiers, prime_inference, prime_trainer; print('vllm', vllm.__version__, 'verifiers', verifiers.__version__)"
+ls /tmp/site/bin | tr '\n' ' '

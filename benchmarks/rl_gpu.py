@@ -1,0 +1,107 @@
+"""The full RL loop on GPUs through `rl` (issue 9, item 5): step times per async level.
+
+    python benchmarks/rl_gpu.py --async-levels 0 1 [--max-steps 8] [--config benchmarks/rl_gpu.toml] --out DIR
+
+Makes a random-init Qwen3-0.6B-shaped model with the reverse-text example's tokenizer (no hub access), then runs
+`rl @ <config>` once per async level and reads metrics.jsonl: wall time between trainer steps (the loop's step time
+once running), the trainer's compute / wait / publish times, the orchestrator's rollout time and wait for the
+policy, the mismatch KL and rewards. Writes <out>/rl_gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+
+def summarize(metrics: Path) -> dict:
+    trainer: dict[int, dict] = {}
+    orchestrator: dict[int, dict] = {}
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        target = trainer if record["process"] == "trainer" else orchestrator
+        target[record["step"]] = {"time": record["time"], **record["values"]}
+    steps = sorted(trainer)
+    walls = [trainer[b]["time"] - trainer[a]["time"] for a, b in zip(steps, steps[1:], strict=False)]
+    steady = walls[1:] or walls  # the first interval still holds compile/warm-up
+
+    def mean(rows: dict[int, dict], key: str) -> float | None:
+        values = [r[key] for r in rows.values() if r.get(key) is not None]
+        return statistics.mean(values) if values else None
+
+    return {
+        "steps": len(steps),
+        "step_wall_s": walls,
+        "step_wall_median_s": statistics.median(steady) if steady else None,
+        "trainer_compute_mean_s": mean(trainer, "time/step"),
+        "trainer_wait_mean_s": mean(trainer, "time/wait"),
+        "trainer_publish_mean_s": mean(trainer, "time/publish"),
+        "trainer_broadcast_send_mean_s": mean(trainer, "time/publish_send"),
+        "trainer_tokens_per_s_mean": mean(trainer, "throughput/tokens_per_s"),
+        "orchestrator_rollouts_mean_s": mean(orchestrator, "time/rollouts"),
+        "orchestrator_wait_for_policy_mean_s": mean(orchestrator, "time/wait_for_policy"),
+        "rollout_tokens_per_s_mean": mean(orchestrator, "throughput/rollout_tokens_per_s"),
+        "max_mismatch_kl": max(
+            (r["mismatch_kl/mean"] for r in trainer.values() if "mismatch_kl/mean" in r), default=None
+        ),
+        "off_policy_lag_max": max((r.get("off_policy_lag/max", 0) for r in orchestrator.values()), default=None),
+        "reward": [orchestrator[s].get("reward/mean") for s in sorted(orchestrator)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--async-levels", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--config", default=str(ROOT / "benchmarks" / "rl_gpu.toml"))
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `rl` arguments")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"))
+    args = parser.parse_args()
+
+    import torch
+    from weight_update_gpu import save_model
+
+    work = Path(os.environ.get("PRIME_RL_GPU_DIR", "/tmp/prime-rl-gpu"))
+    model_dir = work / "model"
+    model = save_model(model_dir, "0.6b", tokenizer_dir=str(ROOT / "examples" / "reverse_text" / "model"))
+    rl = os.environ.get("PRIME_LAUNCH_BIN_DIR", str(Path(sys.executable).parent)) + "/rl"
+    report = {
+        "benchmark": "rl_gpu_reverse_text", "config": args.config, "device": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(), "commit": args.commit, "model": {"shape": "Qwen3-0.6B", **model},
+        "extra": args.extra, "results": [],
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / "rl_gpu.json"
+    for level in args.async_levels:
+        run = work / f"async{level}"
+        cmd = [rl, "@", args.config, "--model.name", str(model_dir), "--async-level", str(level),
+               "--max-steps", str(args.max_steps), "--output-dir", str(run), "--overwrite", "--console", "logs",
+               *args.extra]  # fmt: skip
+        print("$", " ".join(cmd), flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT)
+        entry = {"async_level": level, "returncode": proc.returncode, "wall_time_s": time.perf_counter() - start}
+        if (run / "metrics.jsonl").is_file():
+            entry.update(summarize(run / "metrics.jsonl"))
+        report["results"].append(entry)
+        print(json.dumps(entry), flush=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        for name in ("inference", "orchestrator", "trainer"):
+            log = run / "logs" / f"{name}.log"
+            if log.is_file():
+                (args.out / f"rl_gpu_async{level}_{name}.log").write_text(log.read_text()[-200_000:])
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
