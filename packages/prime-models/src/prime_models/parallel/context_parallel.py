@@ -13,8 +13,9 @@ gradient accumulators, which arrive back at their owner after `cp` hops.
 
 Attention kernels (each returns the log-sum-exp the merge needs and has a backward taking the merged output):
 CUDA `aten._scaled_dot_product_efficient_attention` with an additive bias, CPU
-`aten._scaled_dot_product_flash_attention_for_cpu` with an additive mask. The bias costs `(S / cp)^2` elements per
-row and K/V block, like the SDPA backend's packed-row mask.
+`aten._scaled_dot_product_flash_attention_for_cpu` with an additive mask. Memory: the boolean masks of all blocks
+(`S^2 / cp` bytes per row) plus one block's bias (`(S / cp)^2` elements) at a time, like the SDPA backend's packed-row
+mask; a mask-free kernel per zig-zag chunk pair (flash-attn varlen) is the known next step for very long rows.
 
 Usage (every rank of the CP group, same full rows):
 
@@ -93,7 +94,6 @@ class CPShard:
                 continue
             self.allowed.append(allowed_RQK)
             self.empty_rows.append(~allowed_RQK.any(-1))
-        self._bias: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._token = None
 
     # -- data ---------------------------------------------------------------------------------------------------
@@ -124,15 +124,13 @@ class CPShard:
         allowed = self.allowed[src]
         if allowed is None:
             return None
-        key = (src, dtype)
-        if key not in self._bias:
-            num_rows, q, k = allowed.shape
-            # The CUDA kernel wants the bias rows 16-element aligned: pad the storage, hand it a view.
-            padded = -(-k // 16) * 16
-            bias = torch.full((num_rows, 1, q, padded), float("-inf"), dtype=dtype, device=allowed.device)
-            bias[..., :k].masked_fill_(allowed[:, None], 0.0)
-            self._bias[key] = bias[..., :k]
-        return self._bias[key]
+        num_rows, q, k = allowed.shape
+        # Built per use rather than cached: only one block's bias is alive at a time. The CUDA kernel wants bias rows
+        # 16-element aligned, so the storage is padded and the kernel gets a view.
+        padded = -(-k // 16) * 16
+        bias = torch.full((num_rows, 1, q, padded), float("-inf"), dtype=dtype, device=allowed.device)
+        bias[..., :k].masked_fill_(allowed[:, None], 0.0)
+        return bias[..., :k]
 
     def attention(self, q_RQND: torch.Tensor, k_RQGD: torch.Tensor, v_RQGD: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal, sample-masked attention of the local queries over the whole row. Returns `[R, Q, N, D]`."""
