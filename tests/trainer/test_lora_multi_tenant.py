@@ -59,3 +59,5 @@ def test_multi_tenant_config_errors():
         TrainerConfig.model_validate({"runs": [runs[0], {**runs[0], "name": "b"}], "model": {"lora": {}}})
     with pytest.raises(ValidationError, match="filesystem"):
         TrainerConfig.model_validate({"runs": runs[:1], "model": {"lora": {}}, "transport": {"type": "zmq"}})
+    with pytest.raises(ValidationError, match="weights.broadcast.type"):
+        TrainerConfig.model_validate({"model": {"lora": {}}, "weights": {"broadcast": {"type": "nccl"}}})

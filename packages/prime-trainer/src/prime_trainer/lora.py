@@ -91,22 +91,12 @@ def check_base_on_disk(config, random_init: bool) -> None:
         )
 
 
-def check_filesystem_publish(config) -> None:
-    """Adapters are small and go to inference as files (``/update_weights`` loads them by name), never by broadcast."""
-    broadcast = getattr(config.weights, "broadcast", None)
-    if broadcast is not None and broadcast.type != "filesystem":
-        raise ValueError(
-            f"model.lora publishes adapters as files: set weights.broadcast.type = 'filesystem' (got {broadcast.type!r})"
-        )
-
-
 def setup_lora(c) -> None:
     """With ``model.lora``: publish the adapter instead of full weights (``c`` is `prime_trainer.common.Components`)."""
     lora = c.config.model.lora
     if lora is None:
         return
     check_base_on_disk(c.config, c.source.random_init)
-    check_filesystem_publish(c.config)
     c.publisher = AdapterPublisher(
         c.run_dir,
         c.world,

@@ -328,6 +328,15 @@ class _TrainerBase(BaseConfig):
                 self.data.fake = FakeDataConfig()
         return self
 
+    @model_validator(mode="after")
+    def _lora_publishes_files(self) -> _TrainerBase:
+        if self.model.lora is not None and self.weights.broadcast.type != "filesystem":
+            raise ValueError(
+                "model.lora publishes adapters as files that inference loads by name: "
+                f"set weights.broadcast.type = 'filesystem' (got {self.weights.broadcast.type!r})"
+            )
+        return self
+
 
 class LoRARunConfig(BaseConfig):
     """One tenant of a multi-tenant trainer: its own LoRA adapter, optimizer state and run directory."""

@@ -27,7 +27,6 @@ from prime_trainer.lora import (
     AdapterPublisher,
     build_run_optimizer,
     check_base_on_disk,
-    check_filesystem_publish,
     clip_adapter_grad_norm,
 )
 from prime_trainer.optim import lr_at
@@ -97,7 +96,6 @@ def optimizer_step(c: common.Components, runs: list[Run], step: int) -> dict[str
 def train_runs(config: TrainerConfig) -> None:
     c = common.setup(config, "trainer")
     check_base_on_disk(config, c.source.random_init)
-    check_filesystem_publish(config)
     c.optimizer = build_run_optimizer(c.model, [(r.name, r.lr or config.optim.lr) for r in config.runs], config.optim)
     objective = build_objective(config.loss)
     start = common.resume(c)["step"]
