@@ -4,7 +4,7 @@
 # Here:   ../shared/tools/offline-wheelhouse.sh .vw2 62 vllm==0.26.0 verifiers==0.4.0 wandb tomli-w rich \
 #             matplotlib pyarrow jinja2 pillow pyzmq
 #         uv build --all-packages --wheel -o dist-gpu
-# There:  one call per part, each carrying it:  mkdir -p /tmp/stage && cp .vw2/pNN /tmp/stage/
+# There:  one call per part, each carrying it:  mkdir -p /tmp/stage && cp .vw3/pNN (re-split to 50 MiB: the tree travels too) /tmp/stage/
 #         then (carrying dist-gpu):             bash benchmarks/gpu_setup.sh
 #         and in every later call:              source /tmp/prime-env.sh
 # Wheels (not PYTHONPATH=src) so that the vLLM plugin's entry point and the console scripts exist.

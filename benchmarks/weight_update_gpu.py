@@ -135,7 +135,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 weight_dir = run_dir.weight_step(step)
                 t0 = time.perf_counter()
-                sender = threading.Thread(target=publisher.publish, args=(step, model))
+                sender = threading.Thread(target=publisher.publish, args=(step, model), kwargs={"files": False})
                 sender.start()
                 while not (weight_dir / "STABLE").exists():
                     time.sleep(0.005)

@@ -77,7 +77,9 @@ def test_trainer_fails_within_timeout_when_no_worker_joins():
     broadcaster = WeightBroadcaster(WeightBroadcastConfig(type="nccl", port=port, timeout_s=2), CPU_WORLD)
     model = load_model({"model_type": "qwen3", **_tiny()})
     t0 = time.perf_counter()
-    with pytest.raises(BroadcastTimeout, match=rf"1 inference worker\(s\) did not all join the store at 127.0.0.1:{port}"):
+    with pytest.raises(
+        BroadcastTimeout, match=rf"1 inference worker\(s\) did not all join the store at 127.0.0.1:{port}"
+    ):
         broadcaster.send(model, None)
     assert time.perf_counter() - t0 < 10
 
@@ -87,7 +89,9 @@ def test_server_fails_within_timeout_when_the_trainer_never_sends(tmp_path, mode
     try:
         prompt = [5, 6, 7]
         before = greedy(server.url, prompt)
-        manifest = BroadcastManifest(step=1, host="127.0.0.1", port=free_port(), world_size=2, backend="gloo", timeout_s=2)
+        manifest = BroadcastManifest(
+            step=1, host="127.0.0.1", port=free_port(), world_size=2, backend="gloo", timeout_s=2
+        )
         weights_dir = announce(tmp_path / "step_1", manifest)
         t0 = time.perf_counter()
         r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(weights_dir), "step": 1}, timeout=60)

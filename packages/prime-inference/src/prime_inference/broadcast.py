@@ -76,9 +76,7 @@ class _Member:
             raw = self._recv(torch.empty(length, dtype=torch.uint8, device=self.device)).cpu().numpy().tobytes()
             header = BucketHeader.model_validate(json.loads(raw))
             flat = self._recv(torch.empty(header.numel, dtype=getattr(torch, header.dtype), device=self.device))
-            yield [
-                (name, flat[offset : offset + _numel(shape)].view(shape)) for name, shape, offset in header.tensors
-            ]
+            yield [(name, flat[offset : offset + _numel(shape)].view(shape)) for name, shape, offset in header.tensors]
 
 
 def _numel(shape: list[int]) -> int:

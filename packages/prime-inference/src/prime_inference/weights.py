@@ -10,9 +10,7 @@ from prime_core.schemas.weights import BROADCAST_FILE, BroadcastManifest
 from prime_inference.protocol import RequestError
 
 
-def check_weight_dir(
-    weight_dir: str, roots: list[Path], source: str = "auto"
-) -> tuple[Path, BroadcastManifest | None]:
+def check_weight_dir(weight_dir: str, roots: list[Path], source: str = "auto") -> tuple[Path, BroadcastManifest | None]:
     """Resolve ``weight_dir`` (symlinks included) and refuse what the server must not load.
 
     Returns the directory and, when the update comes by broadcast (``broadcast.json`` there and ``source`` is not

@@ -382,6 +382,7 @@ class Orchestrator:
                         raise t.exception()
             if self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks)
+            await self._relay_remaining_broadcasts(watcher)
             logger.info("finished %d steps", len(self.shipped))
         finally:
             for t in (watcher, producer, consumer, *self._eval_tasks):
@@ -390,6 +391,21 @@ class Orchestrator:
                 if (item := buffer.get_nowait()) is not None:
                     item.cancel()
             await self.close()
+
+    async def _relay_remaining_broadcasts(self, watcher: asyncio.Task) -> None:
+        """With async_level > 0 the last rollouts can ship before the trainer has published the weights that
+        precede the final step. Files simply stay unread; a broadcast blocks the trainer until inference takes it,
+        so keep relaying until the last broadcast step (``max_steps - 1``; the final weights only go to disk)."""
+        last = self.config.max_steps - 1
+        if not self.config.weights_broadcast or self.policy.version >= last:
+            return
+        logger.info("relaying the trainer's weight broadcasts up to step %d before exiting", last)
+        waiter = asyncio.create_task(self.policy.wait_for(last, self.config.weights_timeout))
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher in done:
+            waiter.cancel()
+            raise watcher.exception() or RuntimeError("the weight relay stopped")
+        waiter.result()
 
     async def close(self) -> None:
         await asyncio.gather(

@@ -148,4 +148,3 @@ class WeightBroadcaster:
     def close(self) -> None:
         self._group = None
         self._store = None
-

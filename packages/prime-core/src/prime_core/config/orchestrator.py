@@ -195,6 +195,10 @@ class OrchestratorConfig(BaseConfig):
     """Samples tables."""
     weights_timeout: float = Field(default=1200.0, gt=0)
     """Seconds to wait for the weights a step needs before failing."""
+    weights_broadcast: bool = False
+    """The trainer broadcasts weights (``trainer.weights.broadcast.type = "nccl"``; ``rl`` sets this): each
+    broadcast blocks the trainer until inference takes it, so the orchestrator relays every step up to
+    ``max_steps - 1`` before exiting, even those no rollout will use."""
     max_rollout_retries: int = Field(default=3, ge=0)
     """Times a rollout is retried after its env worker crashed or it errored."""
     bench: bool = False

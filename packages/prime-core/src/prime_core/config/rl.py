@@ -185,6 +185,8 @@ class RLConfig(BaseConfig):
         if t.model.name != o.model.name:
             raise ValueError(f"trainer.model.name ({t.model.name!r}) != orchestrator.model.name ({o.model.name!r})")
         broadcast = t.weights.broadcast
+        if broadcast.type == "nccl":
+            o.weights_broadcast = True
         if broadcast.type == "nccl" and self.inference is not None:
             # One worker per vLLM GPU; the torch engine is one worker (its vllm sizes stay 1).
             workers = self.inference.vllm.tensor_parallel_size * self.inference.vllm.data_parallel_size

@@ -227,7 +227,9 @@ class TorchEngine(Engine):
             tied = getattr(model, "_tied_weights_keys", None) or ()
             missing = [k for k in missing if k not in tied]
             if missing or unexpected:
-                raise ValueError(f"broadcast does not match the served model: missing={missing} unexpected={unexpected}")
+                raise ValueError(
+                    f"broadcast does not match the served model: missing={missing} unexpected={unexpected}"
+                )
         return model
 
     async def reload_weights(self) -> None:

@@ -190,14 +190,22 @@ class VllmEngine(Engine):
             finish = out.finish_reason if result.finished else None
             yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
 
-    async def _with_weights_swapped(self, weights_path: str) -> None:
+    async def _forget_old_weights(self) -> None:
+        """Cached prefixes and vision-encoder outputs were computed with the old weights. vLLM's worker-side reload
+        clears only the worker's encoder cache; the scheduler would then still count on it (an "Encoder cache miss"
+        kills the engine), so both sides are reset together."""
+        await self.llm.reset_prefix_cache()
+        await self.llm.reset_encoder_cache()
+
+    async def _swap_weights(self, method: str, kwargs: dict[str, Any]) -> None:
+        """Run a worker RPC that replaces the weights, between requests: unless paused, running requests finish on
+        the old weights first."""
         was_paused = self._paused
         if not was_paused:
             await self.llm.pause_generation(mode="wait", clear_cache=False)
         try:
-            await self.llm.collective_rpc("prime_reload_weights", kwargs={"weights_path": weights_path})
-            # Cached prefixes were computed with the old weights.
-            await self.llm.reset_prefix_cache()
+            await self.llm.collective_rpc(method, kwargs=kwargs)
+            await self._forget_old_weights()
         finally:
             if not was_paused:
                 await self.llm.resume_generation()
@@ -205,29 +213,21 @@ class VllmEngine(Engine):
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
-            await self._with_weights_swapped(weight_dir)
+            await self._swap_weights("prime_reload_weights", {"weights_path": weight_dir})
             self.weight_step = self.weight_step + 1 if step is None else step
             self.weight_dir = weight_dir
 
     async def receive_weights(self, manifest: BroadcastManifest, step: int | None) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
-            was_paused = self._paused
-            if not was_paused:
-                await self.llm.pause_generation(mode="wait", clear_cache=False)
-            try:
-                await self.llm.collective_rpc("prime_receive_broadcast", kwargs={"manifest": manifest.model_dump()})
-                await self.llm.reset_prefix_cache()
-            finally:
-                if not was_paused:
-                    await self.llm.resume_generation()
+            await self._swap_weights("prime_receive_broadcast", {"manifest": manifest.model_dump()})
             self.weight_step = self.weight_step + 1 if step is None else step
             self.weight_dir = None
 
     async def reload_weights(self) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
-            await self._with_weights_swapped(self.config.model.name)
+            await self._swap_weights("prime_reload_weights", {"weights_path": self.config.model.name})
             self.weight_step, self.weight_dir = 0, None
 
     async def load_adapter(self, name: str, path: str, step: int | None) -> None:
@@ -288,7 +288,7 @@ class VllmEngine(Engine):
             await self.llm.update_weights(WeightTransferUpdateRequest(update_info=payload.get("update_info", {})))
         elif op == "finish":
             await self.llm.finish_weight_update()
-            await self.llm.reset_prefix_cache()
+            await self._forget_old_weights()
             step = payload.get("step")
             self.weight_step = self.weight_step + 1 if step is None else int(step)
             self.weight_dir = None
