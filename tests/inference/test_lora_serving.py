@@ -136,6 +136,9 @@ def test_update_weights_with_published_adapter_replaces_it(lora_setup):
 
 def test_new_base_weights_keep_serving_the_adapter(lora_setup, tmp_path, tokenizer):
     server, root, refs = lora_setup
+    # Self-contained (xdist may run this test apart from the others of the module): tenant-a serves adapter2.
+    published = _publish(root / "adapter2", tmp_path / "weights" / "step_3", "tenant-a", 3)
+    httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(published)}).raise_for_status()
     other = root / "other_base"
     r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(other), "step": 4})
     assert r.status_code == 200, r.text
@@ -159,6 +162,11 @@ def test_adapter_errors_and_unload(lora_setup, tmp_path):
     assert anon.status_code == 400 and "load_lora_adapter" in anon.json()["error"]["message"]
     assert _greedy(server.url, PROMPTS[0], "nope").status_code == 404
 
+    # Self-contained (xdist may run this test apart from the others of the module): load, then unload.
+    r = httpx.post(
+        f"{server.url}/v1/load_lora_adapter", json={"lora_name": "tenant-a", "lora_path": str(root / "adapter1")}
+    )
+    assert r.status_code == 200, r.text
     r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "tenant-a"})
     assert r.status_code == 200, r.text
     assert _greedy(server.url, PROMPTS[0], "tenant-a").status_code == 404

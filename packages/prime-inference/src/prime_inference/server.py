@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prime_core.config.inference import InferenceConfig
@@ -48,8 +49,16 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 GENERATE_ROUTES = ("/inference/v1/generate", "/v1/generate")
 
 
+class FastJSONResponse(JSONResponse):
+    """JSON bodies encoded by msgspec, about 10x faster than ``json.dumps`` on token and log-prob lists. That matters
+    when hundreds of responses finish in the same engine step and are encoded one after another in the event loop."""
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
+
+
 def _error(message: str, status_code: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, param), status_code=status_code)
+    return FastJSONResponse(error_body(message, status_code, param), status_code=status_code)
 
 
 def _validation_message(err: ValidationError) -> str:
@@ -360,7 +369,7 @@ class Server:
         body = {**base, "object": "chat.completion", "choices": out, "usage": self._usage(len(prompt_ids), choices)}
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
-        return JSONResponse(body, headers=self._headers())
+        return FastJSONResponse(body, headers=self._headers())
 
     async def _chat_stream(
         self, req: ChatCompletionRequest, requests: list[EngineRequest], prompt_ids: list[int], base: dict
@@ -441,7 +450,7 @@ class Server:
                 item["token_ids"] = c.token_ids
             out.append(item)
         body = {**base, "object": "text_completion", "choices": out, "usage": self._usage(prompt_tokens, choices)}
-        return JSONResponse(body, headers=self._headers())
+        return FastJSONResponse(body, headers=self._headers())
 
     async def _completion_stream(
         self, req: CompletionRequest, requests: list[EngineRequest], prompt_tokens: int, base: dict
@@ -520,7 +529,7 @@ class Server:
             "ec_transfer_params": None,
             "prompt_token_ids": list(req.token_ids),
         }
-        return JSONResponse(body, headers=self._headers())
+        return FastJSONResponse(body, headers=self._headers())
 
     async def _generate_stream(
         self, req: GenerateRequest, requests: list[EngineRequest], rid: str, k: int
@@ -537,14 +546,14 @@ class Server:
             yield {"request_id": rid, "choices": [], "usage": self._usage(len(req.token_ids), choices)}
 
     def _sse(self, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-        async def body() -> AsyncIterator[str]:
+        async def body() -> AsyncIterator[bytes]:
             try:
                 async for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
             except Exception as e:  # headers are already sent: report in-band, as vLLM does
                 logger.exception("stream failed")
-                yield f"data: {json.dumps(error_body(str(e), 500))}\n\n"
-            yield "data: [DONE]\n\n"
+                yield b"data: " + msgspec.json.encode(error_body(str(e), 500)) + b"\n\n"
+            yield b"data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=self._headers())
 
@@ -650,7 +659,14 @@ def build_app(config: InferenceConfig, engine_factory: Callable[[], tuple[Engine
         finally:
             await engine.shutdown()
 
-    app = FastAPI(title="prime inference", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="prime inference",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        default_response_class=FastJSONResponse,
+    )
     api_key = config.server.api_key
 
     @app.middleware("http")
