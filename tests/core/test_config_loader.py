@@ -277,3 +277,24 @@ def test_malformed_input_in_a_real_process_has_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, "--stepz", "2"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr == "error: CLI --stepz: unknown key 'stepz' (did you mean 'steps'?)\n"
+
+
+def test_every_config_field_has_a_docstring():
+    """Every field of every config class documents itself (it is the --help text and the docs' source)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import prime_core.config as config_pkg
+    from prime_core.config.base import BaseConfig
+
+    classes = set()
+    for info in pkgutil.iter_modules(config_pkg.__path__):
+        module = importlib.import_module(f"prime_core.config.{info.name}")
+        classes.update(c for _, c in inspect.getmembers(module, inspect.isclass) if issubclass(c, BaseConfig))
+    classes.discard(BaseConfig)
+    assert len(classes) > 30
+    undocumented = sorted(
+        f"{c.__name__}.{name}" for c in classes for name, f in c.model_fields.items() if not f.description
+    )
+    assert undocumented == []
