@@ -144,7 +144,3 @@ class WeightBroadcaster:
                 torch.cuda.synchronize(self.device)
         total = time.perf_counter() - t0
         return {"join_s": t_join, "send_s": total - t_join, "bytes": float(sent)}
-
-    def close(self) -> None:
-        self._group = None
-        self._store = None
