@@ -89,7 +89,9 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=False)
 def tests(session: nox.Session) -> None:
     """CPU tests (unit + integration) in the workspace environment, in parallel."""
-    args = session.posargs or ["-n", "auto", "-m", "not gpu and not slow"]
+    # loadgroup: the tests that start several training processes share one worker (xdist_group "multiprocess"), so
+    # they never oversubscribe the CPU together (gloo collectives slow down many times over when they do).
+    args = session.posargs or ["-n", "auto", "--dist", "loadgroup", "--durations", "15", "-m", "not gpu and not slow"]
     session.run("uv", "run", "--locked", "pytest", *args)
 
 

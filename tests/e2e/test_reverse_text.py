@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "reverse_text" / "rl.toml"
 RL = Path(sys.executable).with_name("rl")
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
 
 
 def rl_cmd(out: Path, *extra: str, config: Path = EXAMPLE) -> list[str]:

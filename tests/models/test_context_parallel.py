@@ -11,6 +11,9 @@ from prime_models.parallel.context_parallel import ContextParallel, zigzag_index
 
 from tests.models.conftest import VOCAB, tiny_config
 
+# Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 ROWS, SEQ = 2, 32
 TOL = 1e-5
 

@@ -11,6 +11,9 @@ from prime_models.layers.moe import LocalDispatcher
 
 from tests.models.conftest import VOCAB, tiny_config
 
+# Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 BATCH, SEQ, LR = 4, 16, 1e-2
 TOL = 1e-5
 

@@ -24,6 +24,9 @@ from torch import nn
 
 from tests.models.conftest import VOCAB, tiny_config
 
+# Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
 

@@ -12,6 +12,9 @@ from prime_models import ParallelDims, get_model_spec, hf_state_dict, load_model
 
 from tests.models.conftest import VOCAB, tiny_config
 
+# Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 STEPS, BATCH, SEQ = 5, 4, 17
 
 

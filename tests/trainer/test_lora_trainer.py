@@ -10,7 +10,7 @@ from prime_core.schemas.adapters import ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_WE
 
 from tests.trainer.trainer_utils import TINY_QWEN3, load_weights, read_trainer_metrics, run_cli, write_rollouts
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
 
 COMMON = ["--seq-len", "32", "--optim.lr", "1e-2", "--seed", "3", "--async-level", "1", "--log.level", "warning"]
 LORA = ["--model.lora.rank", "4", "--model.lora.alpha", "8"]

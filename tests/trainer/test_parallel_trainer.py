@@ -14,6 +14,9 @@ from prime_trainer.world import World
 
 from tests.trainer.trainer_utils import TINY_QWEN3, load_weights, read_trainer_metrics, run_cli, write_rollouts
 
+# Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 TINY_QWEN3_MOE = {
     **TINY_QWEN3,
     "model_type": "qwen3_moe",

@@ -7,7 +7,7 @@ from prime_core.run_dir import RunDir
 
 from tests.trainer.trainer_utils import load_weights, read_trainer_metrics, run_cli, write_rollouts
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
 
 COMMON = ["--seq-len", "32", "--optim.lr", "1e-3", "--seed", "3", "--async-level", "1", "--log.level", "warning"]
 
