@@ -79,17 +79,20 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
+def sort_by_expert(top_idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-expert assignments grouped by expert: (order into the flat assignments, token of each, count per expert)."""
+    flat_expert_A = top_idx_TK.reshape(-1)
+    order_A = flat_expert_A.argsort(stable=True)
+    return order_A, order_A // top_idx_TK.shape[1], torch.bincount(flat_expert_A, minlength=num_experts)
+
+
 class LocalDispatcher:
     """Runs every expert on this device: sort token-expert assignments by expert, one grouped matmul, scatter back."""
 
     def __call__(
         self, x_TH: torch.Tensor, top_w_TK: torch.Tensor, top_idx_TK: torch.Tensor, experts: GroupedExperts
     ) -> torch.Tensor:
-        top_k = top_idx_TK.shape[1]
-        flat_expert_A = top_idx_TK.reshape(-1)
-        order_A = flat_expert_A.argsort(stable=True)
-        token_A = order_A // top_k
-        counts_E = torch.bincount(flat_expert_A, minlength=experts.num_experts)
+        order_A, token_A, counts_E = sort_by_expert(top_idx_TK, experts.num_experts)
         out_AH = experts(x_TH[token_A], counts_E)
         out_AH = out_AH * top_w_TK.reshape(-1)[order_A, None]
         return torch.zeros_like(x_TH).index_add_(0, token_A, out_AH.to(x_TH.dtype))

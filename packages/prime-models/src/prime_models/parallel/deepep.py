@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from prime_models.parallel.expert_parallel import ExpertGroup
+
 if TYPE_CHECKING:
     from prime_models.layers.moe import GroupedExperts
 
@@ -94,17 +96,12 @@ class _Combine(torch.autograd.Function):
         return grad_y, None, None
 
 
-class DeepEPDispatcher:
+class DeepEPDispatcher(ExpertGroup):
     """Expert-parallel token dispatch through DeepEP's intranode (NVLink) / internode (RDMA) kernels."""
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int):
         import_deep_ep()
-        self.group = group
-        self.num_ranks = dist.get_world_size(group)
-        if num_experts % self.num_ranks:
-            raise ValueError(f"ep={self.num_ranks} must divide the number of experts ({num_experts})")
-        self.num_experts = num_experts
-        self.num_local = num_experts // self.num_ranks
+        super().__init__(group, num_experts)
 
     def __call__(
         self, x_TH: torch.Tensor, top_w_TK: torch.Tensor, top_idx_TK: torch.Tensor, experts: GroupedExperts

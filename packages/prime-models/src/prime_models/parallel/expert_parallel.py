@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from prime_models.layers.moe import MoE
+from prime_models.layers.moe import MoE, sort_by_expert
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -51,14 +51,8 @@ def source_major_to_expert_major(counts_PL: torch.Tensor) -> torch.Tensor:
     return (expert_R * num_ranks + source_R).argsort(stable=True)
 
 
-class AllToAllDispatcher:
-    """Token dispatch over an expert-parallel process group with `torch.distributed` all-to-all.
-
-    1. sort this rank's token-expert assignments by expert (experts are laid out rank-major, so this also groups them
-       by destination rank) and exchange per-expert counts;
-    2. all-to-all the token rows; regroup the received rows by local expert; one grouped matmul;
-    3. undo the regrouping, all-to-all the outputs back, weight them by the router and sum them into their tokens.
-    """
+class ExpertGroup:
+    """An expert-parallel process group holding ``num_experts / ep`` experts on each rank (rank-major layout)."""
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int):
         self.group = group
@@ -68,14 +62,20 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.num_local = num_experts // self.num_ranks
 
+
+class AllToAllDispatcher(ExpertGroup):
+    """Token dispatch over an expert-parallel process group with `torch.distributed` all-to-all.
+
+    1. sort this rank's token-expert assignments by expert (experts are laid out rank-major, so this also groups them
+       by destination rank) and exchange per-expert counts;
+    2. all-to-all the token rows; regroup the received rows by local expert; one grouped matmul;
+    3. undo the regrouping, all-to-all the outputs back, weight them by the router and sum them into their tokens.
+    """
+
     def __call__(
         self, x_TH: torch.Tensor, top_w_TK: torch.Tensor, top_idx_TK: torch.Tensor, experts: GroupedExperts
     ) -> torch.Tensor:
-        top_k = top_idx_TK.shape[1]
-        flat_expert_A = top_idx_TK.reshape(-1)
-        order_A = flat_expert_A.argsort(stable=True)
-        token_A = order_A // top_k
-        counts_E = torch.bincount(flat_expert_A, minlength=self.num_experts)
+        order_A, token_A, counts_E = sort_by_expert(top_idx_TK, self.num_experts)
         recv_counts_E = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
         recv_counts_PL = recv_counts_E.view(self.num_ranks, self.num_local)
