@@ -11,8 +11,10 @@ Jobs (each in fresh processes, run in order until `--budget-s` is spent):
   random init, K*1024 tokens per GPU (one row per rank), full activation checkpointing. MFU counts active parameters.
 * ``dispatch``: one MoE layer of that shape, forward + backward of 16k tokens per GPU, torch all-to-all vs DeepEP on
   the same inputs: time per call and the relative difference of outputs and gradients.
-* ``cp_ladder``: the Qwen3-0.6B shape (benchmarks/models/qwen3-0.6b), `trainer --bench` at growing row lengths with
-  CP=1 on one GPU and CP=2 on two (one row per CP group), until out of memory; reports the longest row and peak memory.
+* ``cp_ladder``: the Qwen3-0.6B shape (benchmarks/models/qwen3-0.6b), `trainer --bench` at doubling row lengths with
+  CP=1 on one GPU and CP=2 on two (one row per CP group), each process capped at `--mem-cap-gib` of GPU memory
+  (`torch.cuda.set_per_process_memory_fraction`: "the same memory" for both), until out of memory; reports the
+  longest row each CP size trains and its peak memory.
 """
 
 from __future__ import annotations
@@ -66,9 +68,21 @@ def torchrun(nproc: int) -> list[str]:
     return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
-def trainer_bench(model: Path, seq: int, nproc: int, out: Path, extra: list[str], steps: int = 4) -> list[str]:
-    return [*torchrun(nproc), "-m", "prime_trainer.entrypoints.trainer", "--bench", "--model.name", str(model),
-            "--init.random", "--data.fake.batch-size", str(nproc), "--data.fake.micro-batch-size", "1",
+def trainer_bench(
+    model: Path,
+    seq: int,
+    nproc: int,
+    out: Path,
+    extra: list[str],
+    steps: int = 4,
+    mem_cap_gib: float = 0,
+    rows: int = 0,
+) -> list[str]:
+    entry = (
+        [__file__, "--capped-trainer", str(mem_cap_gib)] if mem_cap_gib else ["-m", "prime_trainer.entrypoints.trainer"]
+    )
+    return [*torchrun(nproc), *entry, "--bench", "--model.name", str(model),
+            "--init.random", "--data.fake.batch-size", str(rows or nproc), "--data.fake.micro-batch-size", "1",
             "--data.fake.seq-len", str(seq), "--seq-len", str(seq), "--max-steps", str(steps), "--parallel.ac", "full",
             "--output-dir", str(TMP / out.stem), "--bench-file", str(out), "--log.file", "false", *extra]  # fmt: skip
 
@@ -98,24 +112,23 @@ def rl_job(name: str, timeout: float) -> dict:
     return res
 
 
-def cp_ladder(timeout: float) -> dict:
-    """Longest row (doubling from 16k) each CP size trains without running out of memory."""
+def cp_ladder(timeout: float, mem_cap_gib: float, start: int) -> dict:
+    """Longest row (doubling from `start` tokens per rank) each CP size trains within `mem_cap_gib` per GPU."""
     deadline = time.time() + timeout
-    result: dict = {}
+    result: dict = {"mem_cap_gib": mem_cap_gib}
     for cp in (1, 2):
         runs = []
-        seq = 16384
+        seq = start
         while time.time() < deadline - 30:
             out = TMP / f"cp{cp}_{seq}.json"
             out.unlink(missing_ok=True)
-            rc, log = run(trainer_bench(DENSE_MODEL, seq * cp, cp, out, ["--model.cp", str(cp)], steps=3),
-                          deadline - time.time())  # fmt: skip
-            ok = rc == 0 and out.exists()
-            rec = (
-                json.loads(out.read_text())
-                if ok
-                else {"error": "out of memory" if "OutOfMemory" in log else log[-800:]}
+            cmd = trainer_bench(
+                DENSE_MODEL, seq * cp, cp, out, ["--model.cp", str(cp)], steps=2, mem_cap_gib=mem_cap_gib, rows=1
             )
+            rc, log = run(cmd, deadline - time.time())
+            ok = rc == 0 and out.exists()
+            oom = "OutOfMemory" in log or "out of memory" in log
+            rec = json.loads(out.read_text()) if ok else {"error": "out of memory" if oom else log[-800:]}
             runs.append({"seq_len": seq * cp, "ok": ok, **{k: rec.get(k) for k in ("tokens_per_s", "peak_memory_gib")},
                          **({} if ok else {"error": rec.get("error")})})  # fmt: skip
             print(f"cp={cp} seq={seq * cp}: {runs[-1]}", flush=True)
@@ -190,7 +203,7 @@ def dispatch_micro(out: Path, tokens: int) -> None:
 # --- driver and report ------------------------------------------------------------------------------------------
 
 
-def run_jobs(jobs: list[str], out_dir: Path, budget_s: float) -> None:
+def run_jobs(jobs: list[str], out_dir: Path, budget_s: float, mem_cap_gib: float = 20, cp_start: int = 32768) -> None:
     TMP.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     results_file = out_dir / "results.json"
@@ -214,7 +227,7 @@ def run_jobs(jobs: list[str], out_dir: Path, budget_s: float) -> None:
             rc, log = run([*torchrun(n), __file__, "--dispatch-micro", "--out", str(out)], left)
             res = json.loads(out.read_text()) if out.exists() else {"rc": rc, "log_tail": log[-3000:]}
         elif name == "cp_ladder":
-            res = cp_ladder(left)
+            res = cp_ladder(left, mem_cap_gib, cp_start)
         else:
             raise SystemExit(f"unknown job {name!r}")
         res["wall_s"] = round(time.time() - t0, 1)
@@ -256,7 +269,22 @@ def report(results_file: Path, commit: str, dest: Path) -> None:
         print(name, {k: rec.get(k) for k in ("tokens_per_s", "mfu", "peak_memory_gib", "speedup", "ratio")})
 
 
+def capped_trainer(cap_gib: float, argv: list[str]) -> None:
+    """Run the trainer with this process's GPU memory capped: the allocator raises OOM beyond `cap_gib`."""
+    import runpy
+
+    import torch
+
+    device = int(os.environ.get("LOCAL_RANK", 0))
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
+    sys.argv = ["trainer", *argv]
+    runpy.run_module("prime_trainer.entrypoints.trainer", run_name="__main__")
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--capped-trainer":
+        return capped_trainer(float(sys.argv[2]), sys.argv[3:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", default="rl16k_ep4_torch,rl16k_ep4_deepep,dispatch,cp_ladder")
     ap.add_argument("--out", type=Path)
@@ -266,6 +294,8 @@ def main() -> None:
     ap.add_argument("--dispatcher", choices=("torch", "deepep"), help="shorthand: run only rl16k_ep4_<dispatcher>")
     ap.add_argument("--dispatch-micro", action="store_true")
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--mem-cap-gib", type=float, default=20.0, help="cp_ladder: GPU memory each process may use")
+    ap.add_argument("--cp-start", type=int, default=32768, help="cp_ladder: first row length per rank")
     args = ap.parse_args()
     if args.dispatch_micro:
         dispatch_micro(args.out, args.tokens)
@@ -273,7 +303,7 @@ def main() -> None:
         report(args.report, args.commit, ROOT / "benchmarks/results")
     else:
         jobs = [f"rl16k_ep4_{args.dispatcher}"] if args.dispatcher else [j for j in args.jobs.split(",") if j]
-        run_jobs(jobs, args.out or TMP / "out", args.budget_s)
+        run_jobs(jobs, args.out or TMP / "out", args.budget_s, args.mem_cap_gib, args.cp_start)
 
 
 if __name__ == "__main__":
