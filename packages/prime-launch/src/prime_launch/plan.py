@@ -20,6 +20,7 @@ from prime_core.config.trainer import TrainerConfig
 from prime_core.run_dir import RunDir
 from pydantic import BaseModel
 
+from prime_launch.cpu_threads import THREAD_ENV_VARS, available_cores, split_cpu_threads
 from prime_launch.process import ProcessSpec
 
 BIN_DIR_ENV = "PRIME_LAUNCH_BIN_DIR"
@@ -106,8 +107,17 @@ def latest_checkpoint_step(run_dir: RunDir) -> int | None:
     return steps[-1] if steps else None
 
 
-def build_plan(rl: RLConfig, environ: Mapping[str, str] | None = None, *, run_id: str | None = None) -> RunPlan:
-    """Resolve devices, wiring and commands. Raises ``ValueError`` for impossible requests."""
+def build_plan(
+    rl: RLConfig,
+    environ: Mapping[str, str] | None = None,
+    *,
+    run_id: str | None = None,
+    cores: int | None = None,
+) -> RunPlan:
+    """Resolve devices, threads, wiring and commands. Raises ``ValueError`` for impossible requests.
+
+    ``cores`` defaults to the launcher's affinity mask; ``environ`` to the launcher's environment.
+    """
     environ = dict(os.environ if environ is None else environ)
     run_dir = RunDir(rl.run_dir)
     trainer: TrainerConfig = rl.trainer
@@ -166,6 +176,28 @@ def build_plan(rl: RLConfig, environ: Mapping[str, str] | None = None, *, run_id
                 raise ValueError(f"inference.torch.device = {inference.torch.device} but no GPU is visible")
     devices["orchestrator"] = "CPU"
     orchestrator = _update(orchestrator, "num_trainer_ranks", num_trainer_ranks)
+
+    # Threads of the processes on CPU: an explicit OMP_NUM_THREADS (env_vars or environment) stays for every
+    # role that devices.cpu_threads does not name.
+    on_cpu = ["orchestrator"] if use_gpu else ["orchestrator", "trainer", *(["inference"] if inference else [])]
+    explicit = dict(rl.devices.cpu_threads)
+    if inference is not None and inference.torch.num_threads is not None:
+        explicit.setdefault("inference", inference.torch.num_threads)
+    inherited = rl.env_vars.get("OMP_NUM_THREADS") or environ.get("OMP_NUM_THREADS")
+    threads = split_cpu_threads(
+        available_cores() if cores is None else cores,
+        inference=not use_gpu and inference is not None,
+        trainer_ranks=0 if use_gpu else num_trainer_ranks,
+        explicit=explicit,
+    )
+    for name in on_cpu:
+        if inherited and name not in explicit:
+            devices[name] += f", OMP_NUM_THREADS={inherited} (inherited)"
+            continue
+        for var in THREAD_ENV_VARS:
+            env_of[name][var] = str(threads[name])
+        per_rank = " per rank" if name == "trainer" and num_trainer_ranks > 1 else ""
+        devices[name] += f", {threads[name]} thread{'s' if threads[name] > 1 else ''}{per_rank}"
 
     # Wiring: the orchestrator talks to the server rl starts (or the external one it names).
     api_key = orchestrator.client.resolved_api_key()
@@ -278,7 +310,7 @@ def command_line(spec: ProcessSpec) -> str:
     """A copy-pasteable shell line for a process (devices and run id included)."""
     import shlex
 
-    shown = {k: v for k, v in spec.env.items() if k in ("CUDA_VISIBLE_DEVICES", "PRIME_RUN_ID")}
+    shown = {k: v for k, v in spec.env.items() if k in ("CUDA_VISIBLE_DEVICES", "PRIME_RUN_ID", *THREAD_ENV_VARS)}
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in shown.items())
     cmd = " ".join(shlex.quote(c) for c in spec.cmd)
     return f"{prefix} {cmd} > {shlex.quote(str(spec.log_file))} 2>&1" if prefix else cmd

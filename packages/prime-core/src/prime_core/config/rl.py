@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, PositiveInt, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.inference import InferenceConfig
@@ -45,6 +45,10 @@ class DevicesConfig(BaseConfig):
     """GPUs of the trainer; more than one runs it under ``torchrun --nproc-per-node``."""
     num_cpu_trainer_procs: int = Field(default=1, ge=1)
     """CPU only: trainer ranks (more than one runs ``torchrun`` over gloo)."""
+    cpu_threads: dict[Literal["inference", "trainer", "orchestrator"], PositiveInt] = Field(default_factory=dict)
+    """Torch threads (``OMP_NUM_THREADS``) of a process on CPU, by role (trainer: per rank), e.g.
+    ``{trainer = 1}``. Unset roles: the orchestrator gets 1, the inference server and the trainer ranks share
+    the cores evenly (or all inherit ``OMP_NUM_THREADS`` when it is set in ``env_vars`` or the environment)."""
 
 
 def _is_set(value: Any) -> bool:
@@ -197,6 +201,13 @@ class RLConfig(BaseConfig):
                     f"trainer.weights.broadcast.inference_workers ({broadcast.inference_workers}) != the inference "
                     f"server's workers ({workers} = tensor_parallel_size x data_parallel_size)"
                 )
+        inference_threads = self.devices.cpu_threads.get("inference")
+        engine_threads = self.inference.torch.num_threads if self.inference is not None else None
+        if None not in (inference_threads, engine_threads) and inference_threads != engine_threads:
+            raise ValueError(
+                f"devices.cpu_threads.inference ({inference_threads}) != inference.torch.num_threads "
+                f"({engine_threads}); set one of them"
+            )
         protected = PROTECTED_ENV_VARS & set(self.env_vars)
         if protected:
             raise ValueError(f"env_vars may not set {sorted(protected)}: the launcher sets them per process")
