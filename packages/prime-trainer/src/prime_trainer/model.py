@@ -110,6 +110,7 @@ def build_model(
         ac=parallel.ac,
         ac_every=0 if parallel.ac == "selective" else 2,
         ac_keep_attention=parallel.ac_keep_attention,
+        ac_mlp_chunks=parallel.ac_mlp_chunks,
         cpu_offload=parallel.cpu_offload,
         reshard_after_forward=parallel.reshard_after_forward,
         fp8=fp8,

@@ -46,12 +46,22 @@ class ParallelConfig(BaseConfig):
     ac_keep_attention: int = Field(default=0, ge=-1)
     """Under ``ac = "full"``: this many decoder layers (counted from the last; -1 = all) keep their attention
     output instead of recomputing it (faster at long context, costs one [tokens, hidden] activation per layer)."""
+    ac_mlp_chunks: int = Field(default=0, ge=0)
+    """Under ``ac = "full"``: run each dense MLP in this many sequence chunks in backward, keeping only its input;
+    the backward peak then holds one chunk's MLP intermediates instead of all (~1/N of them, for long rows), at no
+    extra compute. 0 disables it; MoE layers ignore it."""
     cpu_offload: bool = False
     """Keep FSDP parameters, gradients and optimizer state on CPU (GPU only)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after each layer's forward (ZeRO-3); false keeps them (ZeRO-2, faster)."""
     timeout_s: int = Field(default=3600, ge=1)
     """Timeout of collective operations, in seconds."""
+
+    @model_validator(mode="after")
+    def _mlp_chunks_need_full_ac(self) -> ParallelConfig:
+        if self.ac_mlp_chunks and self.ac != "full":
+            raise ValueError(f"ac_mlp_chunks needs ac = 'full' (got ac = {self.ac!r})")
+        return self
 
 
 class PerfConfig(BaseConfig):

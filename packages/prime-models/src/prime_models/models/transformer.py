@@ -2,7 +2,7 @@
 
 Parameter names equal Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), and MoE experts use HF's fused
 3D layout, so conversion to/from HF is a rename-free reshuffle. Parallelism (FSDP, activation checkpointing) is
-applied from outside by `prime_models.parallel`; the only hook here is the per-layer `ac_mode` attribute.
+applied from outside by `prime_models.parallel`; the only hooks here are the per-layer `ac_*` attributes.
 
 Shape legend: B batch, S sequence, H hidden, V vocab.
 """
@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from prime_models.fused_head import fused_logprobs
 from prime_models.layers import MLP, Attention, MoE, RMSNorm, RotaryEmbedding, build_attention_metadata
+from prime_models.layers.chunked_mlp import chunked_mlp, skip_chunked_mlp_in_recompute
 from prime_models.layers.moe import MoEStats
 
 AC_MODES = ("none", "full", "attn")
@@ -112,6 +113,8 @@ class DecoderLayer(nn.Module):
         self.ac_mode = "none"
         # With "full": keep the attention kernel's outputs and recompute only the rest of the layer in backward.
         self.ac_keep_attention = False
+        # With "full" and a dense MLP: > 0 runs the MLP in this many sequence chunks (`layers.chunked_mlp`).
+        self.ac_mlp_chunks = 0
 
     def _attn_block(self, h, rope, meta):
         return self.self_attn(self.input_layernorm(h), rope, meta)
@@ -121,11 +124,16 @@ class DecoderLayer(nn.Module):
             h = h + checkpoint(self._attn_block, h, rope, meta, use_reentrant=False)
         else:
             h = h + self._attn_block(h, rope, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        if self.ac_mlp_chunks > 0 and self.ac_mode == "full" and torch.is_grad_enabled():
+            return h + chunked_mlp(self.mlp, x, self.ac_mlp_chunks)
+        return h + self.mlp(x)
 
     def forward(self, h_BSH: torch.Tensor, rope, meta) -> torch.Tensor:
         if self.ac_mode == "full" and torch.is_grad_enabled():
             context_fn = _keep_attention_context if self.ac_keep_attention else noop_context_fn
+            if self.ac_mlp_chunks > 0:
+                context_fn = skip_chunked_mlp_in_recompute(context_fn)
             return checkpoint(self._forward, h_BSH, rope, meta, use_reentrant=False, context_fn=context_fn)
         return self._forward(h_BSH, rope, meta)
 
