@@ -31,7 +31,12 @@ p = Path("setup.py")
 s = p.read_text()
 old = "disable_nvshmem = False\n    nvshmem_dir = os.getenv('NVSHMEM_DIR', None)"
 assert old in s, "unexpected DeepEP setup.py: expected the v1.2.1 NVSHMEM switch"
-p.write_text(s.replace(old, "disable_nvshmem = True\n    nvshmem_dir = None"))
+s = s.replace(old, "disable_nvshmem = True\n    nvshmem_dir = None")
+# Relocatable device code is only there to device-link NVSHMEM; without that link step the intranode kernels'
+# registration symbols stay undefined at import.
+rdc = "nvcc_flags.extend(['-rdc=true', "
+assert rdc in s, "unexpected DeepEP setup.py: expected -rdc=true in the SM90 flags"
+p.write_text(s.replace(rdc, "nvcc_flags.extend(["))
 PY
     # With nvshmem_dir None the `try` below it still imports nvidia.nvshmem; harmless, the sources stay intranode.
 fi

@@ -41,6 +41,8 @@ def import_deep_ep():
 
 
 _BUFFERS: dict[Any, Any] = {}
+# DeepEP's NUM_MAX_NVL_PEERS: the most ranks its intranode kernels connect.
+NVL_PEERS = 8
 
 
 def get_buffer(group: dist.ProcessGroup, hidden_bytes: int):
@@ -48,9 +50,13 @@ def get_buffer(group: dist.ProcessGroup, hidden_bytes: int):
     deep_ep = import_deep_ep()
     num_ranks = dist.get_world_size(group)
     nvl_bytes = rdma_bytes = 0
+    # Up to NVL_PEERS ranks talk over NVLink alone (the intranode kernels); only larger groups need the RDMA buffer,
+    # whose size hint a build without NVSHMEM refuses to give.
+    internode = num_ranks > NVL_PEERS
     for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
         nvl_bytes = max(nvl_bytes, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
-        rdma_bytes = max(rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
+        if internode:
+            rdma_bytes = max(rdma_bytes, config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
     buffer = _BUFFERS.get(group)
     if buffer is None or buffer.num_nvl_bytes < nvl_bytes or buffer.num_rdma_bytes < rdma_bytes:
         buffer = _BUFFERS[group] = deep_ep.Buffer(group, nvl_bytes, rdma_bytes)
