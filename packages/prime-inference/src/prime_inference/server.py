@@ -275,6 +275,13 @@ class Server:
     @staticmethod
     def _generate_logprobs(ids: list[int], lps: list[float], tops: list[dict[int, float]], k: int) -> dict[str, Any]:
         """vLLM's token-in format: tokens as ``token_id:<id>``; top list = sampled token then the top k."""
+        if k <= 0:
+            # Only the sampled token: its entry doubles as the one-element top list (shared, encoded twice).
+            entries = [
+                {"token": f"token_id:{tid}", "logprob": max(lp, -9999.0), "bytes": None}
+                for tid, lp in zip(ids, lps, strict=True)
+            ]
+            return {"content": [{**e, "top_logprobs": [e]} for e in entries]}
         content = []
         for tid, lp, top in zip(ids, lps, tops, strict=True):
             ranked = {tid: lp, **{t: v for t, v in top.items() if t != tid}}

@@ -181,12 +181,16 @@ class VllmEngine(Engine):
         async for result in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
             out = result.outputs[0]
             logprobs = top = None
-            if request.params.logprobs is not None and out.logprobs is not None:
-                logprobs, top = [], []
-                for tid, entry in zip(out.token_ids, out.logprobs, strict=True):
-                    logprobs.append(entry[tid].logprob)
-                    ranked = sorted(((t, lp) for t, lp in entry.items() if t != tid), key=lambda x: x[1].rank or 0)
-                    top.append({t: lp.logprob for t, lp in ranked[: request.params.logprobs]})
+            k = request.params.logprobs
+            if k is not None and out.logprobs is not None:
+                logprobs = [entry[tid].logprob for tid, entry in zip(out.token_ids, out.logprobs, strict=True)]
+                # RL asks for the sampled tokens' log-probs alone (k = 0): a whole rollout's worth of per-token
+                # sorting would land on the event loop at once when a batch finishes together.
+                if k > 0:
+                    top = []
+                    for tid, entry in zip(out.token_ids, out.logprobs, strict=True):
+                        ranked = sorted(((t, lp) for t, lp in entry.items() if t != tid), key=lambda x: x[1].rank or 0)
+                        top.append({t: lp.logprob for t, lp in ranked[:k]})
             finish = out.finish_reason if result.finished else None
             yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
 
