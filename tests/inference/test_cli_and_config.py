@@ -49,6 +49,14 @@ def test_non_loopback_host_requires_weight_roots(tmp_path):
     assert load_config(InferenceConfig, ["--server.host", "::1"]).server.host == "::1"
 
 
+def test_vllm_lora_needs_half_precision():
+    with pytest.raises(ConfigError, match="float32.*LoRA"):
+        load_config(InferenceConfig, ["--engine", "vllm", "--lora.enable", "--model.dtype", "float32"])
+    assert load_config(InferenceConfig, ["--engine", "vllm", "--lora.enable", "--model.dtype", "bfloat16"]).lora_enabled
+    # The torch engine serves adapters in any precision.
+    assert load_config(InferenceConfig, ["--engine", "torch", "--lora.enable", "--model.dtype", "float32"]).lora_enabled
+
+
 def test_toml_and_cli_sources(tmp_path):
     toml = tmp_path / "i.toml"
     toml.write_text(

@@ -19,6 +19,7 @@ def test_vllm_serves_lora_adapters(tmp_path, tokenizer):
     ref = {"base": _reference_greedy(base, None), "a1": _reference_greedy(base, a1), "a2": _reference_greedy(base, a2)}
     server = start_server(
         base,
+        model={"name": str(base), "dtype": "bfloat16"},
         engine="vllm",
         lora={"enable": True, "max_lora_rank": 8, "max_loras": 2},
         vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True},

@@ -151,6 +151,9 @@ class InferenceConfig(BaseConfig):
             raise ValueError(f"model.lora.rank={rank} exceeds the largest rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
         if rank is not None and self.lora.max_lora_rank is not None and self.lora.max_lora_rank < rank:
             raise ValueError(f"lora.max_lora_rank={self.lora.max_lora_rank} is below model.lora.rank={rank}")
+        if self.engine == "vllm" and self.lora_enabled and self.model.dtype == "float32":
+            # vLLM's LoRA kernels assert half precision only once the engine has started.
+            raise ValueError("model.dtype='float32' cannot serve LoRA adapters on vLLM: use bfloat16 or float16")
         return self
 
     @property
