@@ -1,7 +1,7 @@
 """DeepEP token dispatch (GPU only): the `AllToAllDispatcher` contract through DeepEP's fused NVLink/RDMA kernels.
 
-DeepEP (https://github.com/deepseek-ai/DeepEP) is not on PyPI: it is built from source against the NVSHMEM of the GPU
-host (docs/scaling.md, "DeepEP"). `deep_ep` is imported when a `DeepEPDispatcher` is built; without it the error says
+DeepEP (https://github.com/deepseek-ai/DeepEP) is not on PyPI: it is built from source at v1.2.1, the last release of
+the `deep_ep.Buffer` API (benchmarks/build_deepep.sh; docs/scaling.md, "DeepEP"). `deep_ep` is imported when a `DeepEPDispatcher` is built; without it the error says
 how to get it.
 
 Differences from the all-to-all path, same function: DeepEP sends each token once per destination rank (not once per
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from prime_models.layers.moe import GroupedExperts
 
 DEEPEP_INSTALL_HINT = (
-    "model.ep_dispatcher='deepep' needs DeepEP (`import deep_ep`), which is built from source against the GPU "
-    "host's NVSHMEM: see docs/scaling.md, section 'DeepEP'. Or use model.ep_dispatcher='torch'."
+    "model.ep_dispatcher='deepep' needs DeepEP v1.2.1 (`import deep_ep`), built from source with "
+    "benchmarks/build_deepep.sh: see docs/scaling.md, section 'DeepEP'. Or use model.ep_dispatcher='torch'."
 )
 
 
