@@ -23,6 +23,13 @@ ROOT = Path(__file__).parent
 BUILD = ROOT / ".nox" / "_build"
 WORKSPACE = ["prime-core", "prime-models", "prime-trainer", "prime-inference", "prime-orchestrator", "prime-launch"]
 
+
+def _bench_smoke(script: str, out: str) -> list[str]:
+    """Two bench steps of `script` on a config-only model directory shipped in the repo: random init, no hub access."""
+    model = ["--model.name", "examples/reverse_text/base", "--init.random", "--seq-len", "256"]
+    return [script, "--bench", "--max-steps", "2", *model, "--output-dir", f"{{tmp}}/{out}"]
+
+
 # (package, flavour) -> what to install, which workspace siblings may come along, what to run.
 FLAVOURS: dict[str, dict] = {
     "prime-core": dict(requirement="prime-core", siblings=[], scripts=[], smoke=[]),
@@ -32,35 +39,7 @@ FLAVOURS: dict[str, dict] = {
         requirement="prime-trainer",
         siblings=["prime-core", "prime-models"],
         scripts=["trainer", "sft"],
-        smoke=[
-            # A config-only model directory shipped in the repo: random init, no hub access.
-            [
-                "sft",
-                "--bench",
-                "--max-steps",
-                "2",
-                "--model.name",
-                "examples/reverse_text/base",
-                "--init.random",
-                "--seq-len",
-                "256",
-                "--output-dir",
-                "{tmp}/sft-bench",
-            ],
-            [
-                "trainer",
-                "--bench",
-                "--max-steps",
-                "2",
-                "--model.name",
-                "examples/reverse_text/base",
-                "--init.random",
-                "--seq-len",
-                "256",
-                "--output-dir",
-                "{tmp}/rl-bench",
-            ],
-        ],
+        smoke=[_bench_smoke("sft", "sft-bench"), _bench_smoke("trainer", "rl-bench")],
     ),
     "prime-inference": dict(requirement="prime-inference", siblings=["prime-core"], scripts=["inference"], smoke=[]),
     "prime-inference[torch]": dict(
