@@ -14,7 +14,7 @@ from typing import TextIO
 from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
 
-from prime_launch.metrics import MetricsFollower, format_summary, summarize
+from prime_launch.metrics import MetricsFollower, format_run_line, format_summary, summarize
 from prime_launch.plan import (
     DRY_RUN_MARKER,
     RunPlan,
@@ -51,19 +51,29 @@ def write_configs(plan: RunPlan, *, dry_run: bool) -> dict[str, Path]:
     return paths
 
 
+def check_output_dirs(plan: RunPlan, rl: RLConfig) -> None:
+    """The shared output directory and every run's directory must be fresh, resumed or overwritten."""
+    resume = rl.resume or plan.resume_step is not None
+    for run_dir in (plan.run_dir, *plan.runs.values()):
+        check_output_dir(run_dir, overwrite=rl.overwrite, resume=resume)
+
+
 def dry_run(rl: RLConfig, out: TextIO = sys.stdout) -> None:
     """Resolve and write the per-process configs; print the commands ``rl`` would run."""
     plan = build_plan(rl)
-    check_output_dir(plan.run_dir, overwrite=rl.overwrite, resume=rl.resume or plan.resume_step is not None)
+    check_output_dirs(plan, rl)
     paths = write_configs(plan, dry_run=True)
     print(f"rl dry run: resolved configs written to {plan.run_dir.configs}", file=out)
     for name, path in paths.items():
-        print(f"  {name:<13}{path}  ({plan.devices.get(name, '')})", file=out)
+        print(f"  {name:<{plan.name_width}}{path}  ({plan.devices.get(name, '')})", file=out)
+    for name, run_dir in plan.runs.items():
+        print(f"  run {name}: {run_dir.root}", file=out)
     for note in plan.notes:
         print(f"  note: {note}", file=out)
     if plan.resume_step is not None:
         print(f"  resuming from step {plan.resume_step}", file=out)
-    print("commands (in start order; the orchestrator waits for " + ", ".join(plan.health_urls) + "):", file=out)
+    waiting = "the orchestrators wait" if plan.runs else "the orchestrator waits"
+    print(f"commands (in start order; {waiting} for " + ", ".join(plan.health_urls) + "):", file=out)
     for spec in plan.specs:
         print(f"  {command_line(spec)}", file=out)
 
@@ -99,6 +109,7 @@ class _Console:
         self.tty = out.isatty()
         self.max_steps = rl.trainer.max_steps
         self.follower = MetricsFollower(plan.run_dir.metrics)
+        self.run_followers = {name: MetricsFollower(run_dir.metrics) for name, run_dir in plan.runs.items()}
         self.start = time.monotonic()
         self._last_step: int | None = None
         self._drawn = False
@@ -122,6 +133,9 @@ class _Console:
             return
         self.follower.poll()
         line = self.follower.line(self.max_steps, time.monotonic() - self.start)
+        for name, follower in self.run_followers.items():
+            follower.poll()
+            line += f" | {format_run_line(name, follower)}"
         if self.tty:
             self.out.write("\r\033[K" + line[:200])
             self.out.flush()
@@ -153,14 +167,15 @@ class _Console:
 def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
     """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal)."""
     plan = build_plan(rl)
-    check_output_dir(plan.run_dir, overwrite=rl.overwrite, resume=rl.resume or plan.resume_step is not None)
+    check_output_dirs(plan, rl)
     if rl.overwrite:
-        clear_run(plan.run_dir)
+        for run_dir in (plan.run_dir, *plan.runs.values()):
+            clear_run(run_dir)
     write_configs(plan, dry_run=False)
     console = _Console(rl, plan, out)
     console.message(f"rl: run directory {plan.run_dir.root}")
     for spec in plan.specs:
-        console.message(f"rl: {spec.name:<13}{plan.devices.get(spec.name, '')}  log {spec.log_file}")
+        console.message(f"rl: {spec.name:<{plan.name_width}}{plan.devices.get(spec.name, '')}  log {spec.log_file}")
     for note in plan.notes:
         console.message(f"rl: {note}")
     if plan.resume_step is not None:
@@ -183,17 +198,18 @@ def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
         else:
             console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
         wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager)
-        console.message("rl: inference is healthy; starting orchestrator and trainer")
-        manager.start(specs["orchestrator"], append_log=append)
+        console.message(f"rl: inference is healthy; starting {', '.join(plan.orchestrators)} and trainer")
+        for name in plan.orchestrators:
+            manager.start(specs[name], append_log=append)
         manager.start(specs["trainer"], append_log=append)
-        expected = {"trainer": True, "orchestrator": True}
+        expected = {name: True for name in ("trainer", *plan.orchestrators)}
         while True:
             done = manager.poll(expected)
             if done == "trainer":
                 finished_ok = True
                 break
-            if done == "orchestrator":
-                console.message("rl: orchestrator finished its rollouts; waiting for the trainer")
+            if done is not None:
+                console.message(f"rl: {done} finished its rollouts; waiting for the trainer")
             console.tick()
             time.sleep(POLL_S)
         console.tick()
@@ -219,12 +235,17 @@ def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
             signal.signal(s, handler)
         if code != 0 or not finished_ok:
             console.message(f"rl: stopped every process in {took:.1f} s")
-    summary = summarize(plan.run_dir.metrics)
-    if summary["trainer_steps"] or summary["rollout_steps"]:
-        console.message(format_summary(summary))
+    # A multi-tenant trainer logs each run's losses to the run's own metrics.jsonl.
+    results = {f"run {name}": run_dir for name, run_dir in plan.runs.items()} or {"": plan.run_dir}
+    for label, run_dir in results.items():
+        summary = summarize(run_dir.metrics)
+        if summary["trainer_steps"] or summary["rollout_steps"]:
+            console.message(format_summary(summary, title=label))
     if finished_ok and code == 0:
-        latest = plan.run_dir.latest_stable_weight_step()
-        if latest is not None:
-            console.message(f"rl: final weights {plan.run_dir.weight_step(latest)}")
+        for label, run_dir in results.items():
+            latest = run_dir.latest_stable_weight_step()
+            if latest is not None:
+                prefix = f"{label} " if label else ""
+                console.message(f"rl: {prefix}final weights {run_dir.weight_step(latest)}")
         console.message("rl: done")
     return code

@@ -99,6 +99,17 @@ class MetricsFollower:
         return " | ".join(parts)
 
 
+def format_run_line(name: str, follower: MetricsFollower) -> str:
+    """One run's part of the status line of a multi-tenant launch: its latest reward and mismatch KL."""
+    orch, trainer = follower.latest.get("orchestrator", {}), follower.latest.get("trainer", {})
+    parts = [name]
+    if "reward/mean" in orch:
+        parts.append(f"reward {_fmt(orch['reward/mean'])}")
+    if "mismatch_kl/mean" in trainer:
+        parts.append(f"kl {_fmt(trainer['mismatch_kl/mean'])}")
+    return " ".join(parts)
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -138,13 +149,13 @@ def summarize(path: Path, num: int = 3) -> dict[str, Any]:
     return summary
 
 
-def format_summary(summary: dict[str, Any], num: int = 3) -> str:
+def format_summary(summary: dict[str, Any], num: int = 3, title: str = "") -> str:
     def f(v: Any) -> str:
         return "-" if v is None else f"{v:.4f}"
 
     return "\n".join(
         [
-            "summary:",
+            f"summary of {title}:" if title else "summary:",
             f"  trainer steps logged     {summary['trainer_steps']}",
             f"  reward, first {num} steps  {f(summary['reward_first'])}",
             f"  reward, last {num} steps   {f(summary['reward_last'])}",

@@ -45,6 +45,45 @@ class RunPlan:
     """Per process, a description of its devices (for messages)."""
     resume_step: int | None = None
     notes: list[str] = field(default_factory=list)
+    runs: dict[str, RunDir] = field(default_factory=dict)
+    """Multi-tenant LoRA: each run's directory, by run name (its orchestrator is ``orchestrator-<name>``)."""
+
+    @property
+    def orchestrators(self) -> list[str]:
+        """Names of the orchestrator processes."""
+        return [orchestrator_name(run) for run in self.runs] if self.runs else ["orchestrator"]
+
+    @property
+    def name_width(self) -> int:
+        """Column width that aligns messages listing the processes."""
+        return max(13, *(len(spec.name) + 2 for spec in self.specs))
+
+
+def orchestrator_name(run: str) -> str:
+    return f"orchestrator-{run}"
+
+
+def role(process: str) -> str:
+    """The entry point of a process (``orchestrator-<run>`` runs ``orchestrator``)."""
+    return "orchestrator" if process.startswith("orchestrator") else process
+
+
+def run_orchestrators(rl: RLConfig, orchestrator: OrchestratorConfig) -> dict[str, OrchestratorConfig]:
+    """One orchestrator per run: the run's directory, adapter name and overrides on the resolved base config."""
+    if not rl.runs:
+        return {"orchestrator": orchestrator}
+    out = {}
+    for run in rl.runs:
+        cfg = _update(orchestrator, "output_dir", run.output_dir)
+        cfg = _update(cfg, "model.lora.name", run.name)
+        if run.seed is not None:
+            cfg = _update(cfg, "seed", run.seed)
+        if run.env is not None:
+            cfg = _update(cfg, "env", [env.model_dump() for env in run.env])
+        if cfg.monitor.wandb.name:
+            cfg = _update(cfg, "monitor.wandb.name", f"{cfg.monitor.wandb.name}-{run.name}")
+        out[orchestrator_name(run.name)] = cfg
+    return out
 
 
 def find_executable(name: str, environ: Mapping[str, str] | None = None) -> str:
@@ -233,11 +272,18 @@ def build_plan(
         trainer = _update(trainer, "ckpt.resume_step", resume_step)
         orchestrator = _update(orchestrator, "ckpt.resume_step", resume_step)
 
+    if rl.runs:
+        runs = [{"name": run.name, "output_dir": run.output_dir, "lr": run.lr} for run in rl.runs]
+        trainer = _update(trainer, "runs", runs)
     configs: dict[str, BaseModel] = {}
     if inference is not None:
         configs["inference"] = inference
-    configs["orchestrator"] = orchestrator
+    configs.update(run_orchestrators(rl, orchestrator))
     configs["trainer"] = trainer
+    for name in configs:
+        devices.setdefault(name, devices[role(name)])
+    if rl.runs:
+        del devices["orchestrator"]
 
     run_id = run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12]
     common_env = {"PYTHONUNBUFFERED": "1", "PRIME_RUN_ID": run_id, **rl.env_vars}
@@ -246,6 +292,7 @@ def build_plan(
         cfg_path = run_dir.config_file(name)
         # Each child logs to stdout only: the launcher redirects stdout into logs/<name>.log.
         args = ["@", str(cfg_path), "--log.file", "false"]
+        executable = find_executable(role(name), environ)
         if name == "trainer" and num_trainer_ranks > 1:
             cmd = [
                 find_executable("torchrun", environ),
@@ -253,12 +300,12 @@ def build_plan(
                 "--nproc-per-node",
                 str(num_trainer_ranks),
                 "--no-python",
-                find_executable("trainer", environ),
+                executable,
                 *args,
             ]
         else:
-            cmd = [find_executable(name, environ), *args]
-        env = {**common_env, **env_of[name]}
+            cmd = [executable, *args]
+        env = {**common_env, **env_of[role(name)]}
         if name == "trainer" and use_gpu:
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         specs.append(ProcessSpec(name=name, cmd=cmd, log_file=run_dir.log_file(name), env=env))
@@ -271,6 +318,7 @@ def build_plan(
         devices=devices,
         resume_step=resume_step,
         notes=notes,
+        runs={run.name: RunDir(run.output_dir) for run in rl.runs},
     )
 
 

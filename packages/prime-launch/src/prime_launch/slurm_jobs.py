@@ -12,7 +12,7 @@ from prime_core.io import atomic_write_text
 from prime_core.run_dir import RunDir
 from pydantic import BaseModel
 
-from prime_launch.plan import DRY_RUN_MARKER, _update, check_output_dir, clear_run
+from prime_launch.plan import DRY_RUN_MARKER, _update, check_output_dir, clear_run, orchestrator_name
 from prime_launch.slurm import SlurmJob, base_context, choose_template, render
 
 
@@ -57,7 +57,8 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
     ctx.update(base_context(slurm, template, output_dir, num_nodes))
     slurm_dir = output_dir / "slurm"
     slurm_dir.mkdir(parents=True, exist_ok=True)
-    process_logs = [run_dir.log_file(p) for p in ("inference", "orchestrator", "trainer")]
+    orchestrators = [orchestrator_name(run.name) for run in rl.runs] or ["orchestrator"]
+    process_logs = [run_dir.log_file(p) for p in ("inference", *orchestrators, "trainer")]
     configs: dict[str, Path] = {}
     if single:
         # The local launcher runs inside the allocation and does the device split itself.
@@ -66,6 +67,11 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
         for name in ("trainer", "orchestrator", "inference"):
             if isinstance(data.get(name), dict):
                 data[name]["output_dir"] = str(output_dir)
+        if rl.runs:
+            data["runs"] = [
+                {**run.model_dump(mode="json", exclude_unset=True), "output_dir": str(Path(run.output_dir).resolve())}
+                for run in rl.runs
+            ]
         rl_path = slurm_dir / "rl.toml"
         atomic_write_text(rl_path, tomli_w.dumps(_strip_none(data)))
         configs["rl"] = rl_path
@@ -73,6 +79,8 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
         if rl.inference is None:
             process_logs = process_logs[1:]
     else:
+        if rl.runs:
+            raise ValueError("runs (multi-tenant LoRA) launch on one node: use the single-node-rl template")
         if rl.overwrite and not dry_run:
             clear_run(run_dir)
         trainer, orchestrator, inference = rl.trainer, rl.orchestrator, rl.inference

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, PositiveInt, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.inference import InferenceConfig
-from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
 from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, WandbConfig
 from prime_core.config.trainer import TrainerConfig
 from prime_core.transport import RolloutTransportConfig
@@ -49,6 +49,24 @@ class DevicesConfig(BaseConfig):
     """Torch threads (``OMP_NUM_THREADS``) of a process on CPU, by role (trainer: per rank), e.g.
     ``{trainer = 1}``. Unset roles: the orchestrator gets 1, the inference server and the trainer ranks share
     the cores evenly (or all inherit ``OMP_NUM_THREADS`` when it is set in ``env_vars`` or the environment)."""
+
+
+class RLRunConfig(BaseConfig):
+    """One tenant of a multi-tenant LoRA deployment: its own adapter, orchestrator and run directory. Every run
+    shares the trainer process, the frozen base and the inference server."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    """Run and adapter name: the orchestrator ``orchestrator-<name>`` requests it from inference as its
+    ``model.lora.name``."""
+    output_dir: Path | None = None
+    """The run's directory (its rollouts, adapter ``weights/step_N``, orchestrator checkpoints and
+    ``metrics.jsonl``); default ``<output_dir>/runs/<name>``."""
+    lr: float | None = Field(default=None, gt=0)
+    """Peak learning rate of the run's adapter; unset uses ``trainer.optim.lr``."""
+    seed: int | None = None
+    """Seed of the run's orchestrator (example order, sampling); unset uses ``orchestrator.seed``."""
+    env: list[EnvConfig] | None = None
+    """Environments of the run's orchestrator; unset uses ``orchestrator.env``."""
 
 
 def _is_set(value: Any) -> bool:
@@ -118,6 +136,11 @@ class RLConfig(BaseConfig):
     wandb: WandbConfig | None = None
     """Shared: W&B for trainer and orchestrator (``monitor.wandb``). Setting any field enables it; the run
     names get the suffixes -trainer and -orchestrator."""
+
+    runs: list[RLRunConfig] = Field(default_factory=list)
+    """Multi-tenant LoRA (needs ``model.lora``): one trainer process trains one adapter per run (its ``runs``),
+    one inference server serves them all, and each run gets its own orchestrator. ``output_dir`` then holds the
+    trainer's checkpoints and every process's configs and logs. Empty: a single run in ``output_dir``."""
 
     devices: DevicesConfig = Field(default_factory=DevicesConfig)
     """Device assignment."""
@@ -213,7 +236,42 @@ class RLConfig(BaseConfig):
             raise ValueError(f"env_vars may not set {sorted(protected)}: the launcher sets them per process")
         if self.overwrite and self.resume:
             raise ValueError("overwrite and resume exclude each other")
+        if t.runs:
+            raise ValueError("trainer.runs is filled by rl, which starts one orchestrator per run: set runs instead")
+        if self.runs:
+            self._check_runs()
         return self
+
+    def _check_runs(self) -> None:
+        t = self.trainer
+        if t.model.lora is None:
+            raise ValueError("runs (multi-tenant LoRA) needs model.lora: every run trains its own adapter")
+        names = [run.name for run in self.runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"runs: names must be unique, got {names}")
+        for run in self.runs:
+            if run.output_dir is None:
+                run.output_dir = self.run_dir / "runs" / run.name
+        dirs = [Path(run.output_dir).resolve() for run in self.runs]
+        if len(set(dirs)) != len(dirs) or self.run_dir.resolve() in dirs:
+            raise ValueError("runs: every run needs its own output_dir, distinct from the shared output_dir")
+        if t.transport.type != "filesystem" or self.orchestrator.transport.type != "filesystem":
+            raise ValueError(
+                "runs: the trainer reads each run's rollouts from the run's directory; use transport.type = 'filesystem'"
+            )
+        if self.inference is not None:
+            serving, num_runs = self.inference.lora, len(self.runs)
+            if serving.max_cpu_loras is not None and serving.max_cpu_loras < num_runs:
+                raise ValueError(
+                    f"inference.lora.max_cpu_loras ({serving.max_cpu_loras}) < number of runs ({num_runs})"
+                )
+            if num_runs > serving.max_loras:
+                if "max_loras" in serving.model_fields_set:
+                    raise ValueError(
+                        f"inference.lora.max_loras ({serving.max_loras}) < number of runs ({num_runs}): "
+                        "every run's adapter is sampled at once"
+                    )
+                serving.max_loras = num_runs
 
     def processes(self) -> dict[str, BaseModel]:
         """The process configs that will run, in start order (inference first)."""

@@ -8,6 +8,8 @@ DESCRIPTION = """Start inference (unless no [inference] config is given: then th
 --orchestrator.client.base-urls is used), wait for its /health, then start orchestrator and trainer. Each
 process gets its resolved config at <output-dir>/configs/<process>.toml and logs to
 <output-dir>/logs/<process>.log. If any process fails, or on Ctrl-C, every process is stopped.
+With [[runs]] (multi-tenant LoRA) one trainer trains an adapter per run and each run gets an orchestrator
+(orchestrator-<name>) writing to its own directory.
 Examples:
   rl @ examples/reverse_text/rl.toml
   rl --trainer @ train.toml --orchestrator @ orch.toml --inference @ infer.toml --output-dir outputs1
