@@ -72,6 +72,17 @@ def test_run_overrides_and_explicit_dirs():
     assert plan.configs["trainer"].monitor.wandb.name == "exp"
 
 
+def test_confined_server_may_read_every_runs_adapters():
+    plan = build_plan(rl_config("--inference.server.weight-roots", '["/data/exp/weights"]'), CPU_ONLY)
+    roots = plan.configs["inference"].server.weight_roots
+    assert roots == [
+        Path("/data/exp/weights"),
+        Path("/data/exp/runs/run-a/weights"),
+        Path("/data/exp/runs/run-b/weights"),
+    ]
+    assert build_plan(rl_config(), CPU_ONLY).configs["inference"].server.weight_roots == []  # unconfined stays so
+
+
 def test_gpu_plan_keeps_orchestrators_off_the_gpus():
     plan = build_plan(rl_config(), {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/usr/bin"}, cores=16)
     env = {s.name: s.env for s in plan.specs}

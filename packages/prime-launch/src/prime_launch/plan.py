@@ -275,6 +275,10 @@ def build_plan(
     if rl.runs:
         runs = [{"name": run.name, "output_dir": run.output_dir, "lr": run.lr} for run in rl.runs]
         trainer = _update(trainer, "runs", runs)
+        roots = list(inference.server.weight_roots) if inference is not None else []
+        if roots:  # a server confined to weight roots must still read every run's adapters
+            roots += [RunDir(run.output_dir).weights for run in rl.runs]
+            inference = _update(inference, "server.weight_roots", roots)
     configs: dict[str, BaseModel] = {}
     if inference is not None:
         configs["inference"] = inference
