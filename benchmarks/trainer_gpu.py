@@ -43,8 +43,10 @@ def baseline_cmd(seq: int, liger: bool, ac: bool, out: Path) -> list[str]:
 
 def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     """Command and extra env of a named job. Names: rl<K>k[_noac|_sel][_cudnn|_flash][_c<chunk>][_keepattn[N]]
-    [_mlpchunk<N>][_nocompile], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[_cudnn], micro.
-    `_mlpchunk<N>` runs each dense MLP in N sequence chunks under full AC (`--parallel.ac-mlp-chunks N`)."""
+    [_offloadattn][_mlpchunk<N>][_nocompile], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[_cudnn], micro.
+    `_mlpchunk<N>` runs each dense MLP in N sequence chunks under full AC (`--parallel.ac-mlp-chunks N`);
+    `_offloadattn` (with `_keepattn`) holds the kept attention outputs in pinned host memory between forward and
+    backward (`--parallel.ac-offload-attention`)."""
     out = tmp / f"{name}.json"
     env: dict[str, str] = {}
     if name == "micro":
@@ -71,6 +73,8 @@ def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
             extra += ["--parallel.ac-keep-attention", f[len("keepattn") :] or "-1"]
         if f.startswith("mlpchunk") and f[len("mlpchunk") :].isdigit():
             extra += ["--parallel.ac-mlp-chunks", f[len("mlpchunk") :]]
+        if f == "offloadattn":
+            extra += ["--parallel.ac-offload-attention"]
     for f in flags:
         if f.startswith("c") and f[1:].isdigit():
             extra += ["--init.logprob-chunk-size", f[1:]]

@@ -111,6 +111,7 @@ def build_model(
         ac_every=0 if parallel.ac == "selective" else 2,
         ac_keep_attention=parallel.ac_keep_attention,
         ac_mlp_chunks=parallel.ac_mlp_chunks,
+        ac_offload_attention=parallel.ac_offload_attention,
         cpu_offload=parallel.cpu_offload,
         reshard_after_forward=parallel.reshard_after_forward,
         fp8=fp8,

@@ -50,6 +50,10 @@ class ParallelConfig(BaseConfig):
     """Under ``ac = "full"``: run each dense MLP in this many sequence chunks in backward, keeping only its input;
     the backward peak then holds one chunk's MLP intermediates instead of all (~1/N of them, for long rows), at no
     extra compute. 0 disables it; MoE layers ignore it."""
+    ac_offload_attention: bool = False
+    """Under ``ac = "full"`` with ``ac_keep_attention != 0``: hold the kept attention outputs in pinned host memory
+    between forward and backward (copies on a side CUDA stream, overlapped with compute; the GPU holds at most two
+    layers' worth instead of ``ac_keep_attention``). Bitwise the same results; costs PCIe traffic and host memory."""
     cpu_offload: bool = False
     """Keep FSDP parameters, gradients and optimizer state on CPU (GPU only)."""
     reshard_after_forward: bool = True
@@ -61,6 +65,15 @@ class ParallelConfig(BaseConfig):
     def _mlp_chunks_need_full_ac(self) -> ParallelConfig:
         if self.ac_mlp_chunks and self.ac != "full":
             raise ValueError(f"ac_mlp_chunks needs ac = 'full' (got ac = {self.ac!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_attention_needs_kept_attention(self) -> ParallelConfig:
+        if self.ac_offload_attention and (self.ac != "full" or self.ac_keep_attention == 0):
+            raise ValueError(
+                "ac_offload_attention needs ac = 'full' and ac_keep_attention != 0 "
+                f"(got ac = {self.ac!r}, ac_keep_attention = {self.ac_keep_attention})"
+            )
         return self
 
 

@@ -9,6 +9,7 @@ Shape legend: B batch, S sequence, H hidden, V vocab.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,7 +27,8 @@ AC_MODES = ("none", "full", "attn")
 
 def _attention_ops() -> set:
     names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_flash_attention_forward", "_efficient_attention_forward")  # fmt: skip
+             "_scaled_dot_product_efficient_attention", "_flash_attention_forward", "_efficient_attention_forward",
+             "_scaled_dot_product_flash_attention_for_cpu")  # fmt: skip
     return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
 
 
@@ -115,6 +117,9 @@ class DecoderLayer(nn.Module):
         self.ac_keep_attention = False
         # With "full" and a dense MLP: > 0 runs the MLP in this many sequence chunks (`layers.chunked_mlp`).
         self.ac_mlp_chunks = 0
+        # With kept attention: an object whose `checkpoint_contexts(ops)` keeps the outputs of `ops` in host memory
+        # between forward and backward (`prime_models.parallel.attention_offload`), shared by the model's layers.
+        self.ac_offload_attention = None
 
     def _attn_block(self, h, rope, meta):
         return self.self_attn(self.input_layernorm(h), rope, meta)
@@ -131,7 +136,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h_BSH: torch.Tensor, rope, meta) -> torch.Tensor:
         if self.ac_mode == "full" and torch.is_grad_enabled():
-            context_fn = _keep_attention_context if self.ac_keep_attention else noop_context_fn
+            if not self.ac_keep_attention:
+                context_fn = noop_context_fn
+            elif self.ac_offload_attention is not None:
+                context_fn = functools.partial(self.ac_offload_attention.checkpoint_contexts, _ATTENTION_OPS)
+            else:
+                context_fn = _keep_attention_context
             if self.ac_mlp_chunks > 0:
                 context_fn = skip_chunked_mlp_in_recompute(context_fn)
             return checkpoint(self._forward, h_BSH, rope, meta, use_reentrant=False, context_fn=context_fn)

@@ -25,6 +25,7 @@ def parallelize_transformer(
     ac_every: int = 2,
     ac_keep_attention: int = 0,
     ac_mlp_chunks: int = 0,
+    ac_offload_attention: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
@@ -45,6 +46,8 @@ def parallelize_transformer(
             recomputing them in backward.
         ac_mlp_chunks: with "full": run each dense MLP in this many sequence chunks in backward, keeping only its
             input (lower backward peak at long context, no extra compute); 0 disables it.
+        ac_offload_attention: with "full" and ac_keep_attention != 0: hold the kept attention outputs in pinned host
+            memory between forward and backward (`prime_models.parallel.attention_offload`).
         param_dtype / reduce_dtype: override the default mixed precision (bf16/fp32 on CUDA, fp32/fp32 on CPU).
         cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`).
         reshard_after_forward: free gathered params after each layer's forward (ZeRO-3); False keeps them (ZeRO-2).
@@ -62,7 +65,14 @@ def parallelize_transformer(
     if parallel_dims.ep_enabled:
         parallel_dims.validate_experts(getattr(model.args, "num_experts", 0))
         apply_expert_parallel(model, mesh.ep, dispatcher)
-    apply_activation_checkpointing(layers, ac, ac_every, keep_attention=ac_keep_attention, mlp_chunks=ac_mlp_chunks)
+    apply_activation_checkpointing(
+        layers,
+        ac,
+        ac_every,
+        keep_attention=ac_keep_attention,
+        mlp_chunks=ac_mlp_chunks,
+        offload_attention=ac_offload_attention,
+    )
     if not parallel_dims.fsdp_enabled:
         return model
     mp = default_mp_policy(device_type)
