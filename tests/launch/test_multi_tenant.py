@@ -14,7 +14,9 @@ from prime_core.config import ConfigError, load_config
 from prime_core.config.rl import RLConfig
 from prime_launch.plan import build_plan
 
+from tests.launch.launch_fakes import HERE
 from tests.launch.test_rl_launcher import TEARDOWN_LIMIT_S, alive, rl_cmd, wait_for
+from tests.launch.test_slurm import render
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 TWO_RUNS = ["--runs", '[{"name": "run-a"}, {"name": "run-b", "lr": 5e-4, "seed": 7}]']
@@ -169,3 +171,13 @@ def test_failing_orchestrator_of_one_run_stops_the_deployment(tmp_path, rl_env):
     assert "error: orchestrator-run-b was killed by SIGKILL" in output
     for pid in pids:
         assert not alive(pid), pid
+
+
+def test_slurm_single_node_job_carries_absolute_run_dirs_and_multi_node_refuses_runs(tmp_path):
+    runs = ("--model.lora.rank", "8", "--runs", '[{"name": "a"}, {"name": "b", "output_dir": "rel/b"}]')
+    single = render(tmp_path, "rl", "@", str(HERE / "rl_example.toml"), *runs)
+    assert single.returncode == 0, single.stderr
+    rl_toml = (tmp_path / "run" / "slurm" / "rl.toml").read_text()
+    assert f'output_dir = "{tmp_path}/run/runs/a"' in rl_toml and f'output_dir = "{Path("rel/b").resolve()}"' in rl_toml
+    multi = render(tmp_path, "rl", "@", str(HERE / "rl_example.toml"), *runs, "--slurm.num-inference-nodes", "1")
+    assert multi.returncode == 2 and "use the single-node-rl template" in multi.stderr
