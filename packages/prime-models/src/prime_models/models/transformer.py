@@ -234,8 +234,11 @@ class CausalLM(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = 1024,
         return_entropy: bool = True,
+        **model_inputs: torch.Tensor | None,
     ):
-        hidden = self.forward_hidden(input_ids, position_ids)
+        # model_inputs: a family's further inputs for forward_hidden (Qwen3-VL: pixel_values, image_grid_thw,
+        # mrope_position_ids); text models take none.
+        hidden = self.forward_hidden(input_ids, position_ids, **model_inputs)
         if targets is None:
             return self.lm_head(hidden)
         B, S, H = hidden.shape

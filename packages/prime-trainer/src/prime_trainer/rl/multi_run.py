@@ -60,7 +60,12 @@ def build_runs(c: common.Components, config: TrainerConfig) -> list[Run]:
             source = RolloutSource(config.model_copy(update={"output_dir": rc.output_dir}), c.world)
         monitor = None
         if c.world.is_master and not config.bench:
-            monitor = build_monitor(config.monitor, output_dir=rc.output_dir, process="trainer",
+            # W&B: "<name>-<run>-trainer", next to that run's "<name>-<run>-orchestrator".
+            wandb = config.monitor.wandb
+            if wandb.name:
+                wandb = wandb.model_copy(update={"name": f"{wandb.name}-{rc.name}"})
+            run_monitor = config.monitor.model_copy(update={"wandb": wandb})
+            monitor = build_monitor(run_monitor, output_dir=rc.output_dir, process="trainer",
                                     run_config={**config.model_dump(mode="json"), "run": rc.model_dump(mode="json")})  # fmt: skip
         publisher = AdapterPublisher(
             run_dir, c.world, config.async_level, config.weights.keep_all, adapter=rc.name, base_model=config.model.name

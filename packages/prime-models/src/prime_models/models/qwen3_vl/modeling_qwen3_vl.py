@@ -31,7 +31,6 @@ from prime_core.vision import packed_mrope_positions
 from torch import nn
 
 from prime_models import kernels
-from prime_models.fused_head import fused_logprobs
 from prime_models.layers import build_attention_metadata
 from prime_models.layers.common import activation
 from prime_models.layers.mrope import MRotaryEmbedding
@@ -331,36 +330,3 @@ class Qwen3VLForConditionalGeneration(CausalLM):
             if i < len(deepstack):
                 h = h.masked_scatter(image_mask_BS.unsqueeze(-1), h[image_mask_BS] + deepstack[i].to(h.dtype))
         return self.model.norm(h)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        *,
-        targets: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        chunk_size: int = 1024,
-        return_entropy: bool = True,
-        pixel_values: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        mrope_position_ids: torch.Tensor | None = None,
-    ):
-        hidden = self.forward_hidden(
-            input_ids,
-            position_ids,
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            mrope_position_ids=mrope_position_ids,
-        )
-        if targets is None:
-            return self.lm_head(hidden)
-        B, S, H = hidden.shape
-        logprobs, entropy = fused_logprobs(
-            hidden.reshape(B * S, H),
-            self.lm_head_weight,
-            targets.reshape(B * S),
-            temperature=temperature,
-            chunk_size=chunk_size,
-            return_entropy=return_entropy,
-        )
-        return logprobs.view(B, S), (entropy.view(B, S) if entropy is not None else None)
