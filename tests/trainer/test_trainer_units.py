@@ -34,3 +34,29 @@ def test_bench_defaults_and_loss_union():
     assert load_config(SFTConfig, ["--bench", "--max-steps", "3"]).max_steps == 3
     with pytest.raises(ValueError, match="data.path"):
         load_config(SFTConfig, [])
+
+
+def test_settings_only_the_world_rejects_fail_in_one_line(tiny_model_dir, tmp_path):
+    """A layout the world rejects (cp=2 on one process, ep on a dense model) stops the trainer with one line naming
+    the key, not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    common = ["--bench", "--model.name", str(tiny_model_dir), "--init.random", "--max-steps", "1", "--seq-len", "64"]
+    for extra, key in ((["--model.cp", "2"], "model.cp=2"), (["--model.ep", "2"], "model.ep=2")):
+        cmd = [
+            sys.executable,
+            "-m",
+            "prime_trainer.entrypoints.trainer",
+            *common,
+            *extra,
+            "--output-dir",
+            str(tmp_path),
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {key}"), proc.stderr[-2000:]

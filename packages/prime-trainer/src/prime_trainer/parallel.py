@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from prime_core.config import ConfigError
 from prime_core.config.shared import ModelConfig
 from prime_core.config.trainer import ParallelConfig
 from prime_core.schemas.microbatch import MicroBatch
@@ -40,15 +41,15 @@ def parallel_dims(world: World, parallel: ParallelConfig, model: ModelConfig) ->
     """Axis sizes from the config; impossible layouts fail with the config fields at fault."""
     ws, ep, cp = world.world_size, model.ep, model.cp
     if ws % cp:
-        raise ValueError(f"model.cp={cp} must divide the world size ({ws} ranks)")
+        raise ConfigError(f"model.cp={cp} must divide the world size ({ws} ranks)")
     dp = ws // cp
     if parallel.dp_shard != -1 and dp % parallel.dp_shard:
-        raise ValueError(f"parallel.dp_shard={parallel.dp_shard} must divide world size / model.cp = {dp}")
+        raise ConfigError(f"parallel.dp_shard={parallel.dp_shard} must divide world size / model.cp = {dp}")
     dp_shard = dp if parallel.dp_shard == -1 else parallel.dp_shard
     if ep > 1 and ep % cp:
-        raise ValueError(f"model.ep={ep} must be a multiple of model.cp={cp} (an EP group spans whole CP groups)")
+        raise ConfigError(f"model.ep={ep} must be a multiple of model.cp={cp} (an EP group spans whole CP groups)")
     if ep > 1 and (dp_shard * cp) % ep:
-        raise ValueError(
+        raise ConfigError(
             f"model.ep={ep} must divide parallel.dp_shard * model.cp = {dp_shard * cp} (EP borrows data-parallel ranks)"
         )
     return ParallelDims(dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=cp, ep=ep, world_size=ws)
@@ -58,13 +59,13 @@ def validate_model(dims: ParallelDims, hf_config: dict, seq_len: int | None) -> 
     """Model- and data-dependent checks of the layout (before any weight is loaded)."""
     num_experts = int(hf_config.get("num_experts") or hf_config.get("n_routed_experts") or 0)
     if dims.ep > 1 and not num_experts:
-        raise ValueError(
+        raise ConfigError(
             f"model.ep={dims.ep} needs a mixture-of-experts model ({hf_config.get('model_type')} is dense)"
         )
     if dims.ep > 1 and num_experts % dims.ep:
-        raise ValueError(f"model.ep={dims.ep} must divide the number of experts ({num_experts})")
+        raise ConfigError(f"model.ep={dims.ep} must divide the number of experts ({num_experts})")
     if dims.cp > 1 and seq_len is not None and seq_len % (2 * dims.cp):
-        raise ValueError(f"model.cp={dims.cp}: seq_len={seq_len} must be divisible by 2 * cp = {2 * dims.cp}")
+        raise ConfigError(f"model.cp={dims.cp}: seq_len={seq_len} must be divisible by 2 * cp = {2 * dims.cp}")
 
 
 def build_layout(world: World, parallel: ParallelConfig, model: ModelConfig) -> TrainerLayout:

@@ -7,7 +7,8 @@ trainer --bench --model.name <dir> --data.fake.batch-size 8
 
 from __future__ import annotations
 
-from prime_core.config import parse_cli
+from prime_core.config import ConfigError, parse_cli
+from prime_core.config.cli import fail
 from prime_core.config.trainer import TrainerConfig
 
 
@@ -18,6 +19,9 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         train(config)
+    except ConfigError as e:
+        # Settings that only the world (ranks, data) shows to be wrong: one line, like a parse error.
+        fail(str(e))
     finally:
         shutdown_world()
 

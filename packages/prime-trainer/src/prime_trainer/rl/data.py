@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from prime_core.config import ConfigError
 from prime_core.config.trainer import FakeDataConfig, TrainerConfig
 from prime_core.run_dir import RunDir
 from prime_core.schemas.microbatch import MULTIMODAL_FIELDS, MicroBatch, RolloutBatchMeta
@@ -96,7 +97,7 @@ def fake_micro_batches(
     """Deterministic synthetic micro-batches for (step, rank): prompt tokens then trained completion tokens."""
     rows_per_rank, rest = divmod(config.batch_size, world.world_size)
     if rest or rows_per_rank % config.micro_batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"data.fake.batch_size={config.batch_size} must split into {world.world_size} ranks x "
             f"micro_batch_size={config.micro_batch_size}"
         )

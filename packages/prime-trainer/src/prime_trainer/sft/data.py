@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prime_core.config import ConfigError
 from prime_core.config.trainer import LossMaskConfig
 from prime_core.schemas.microbatch import MicroBatch, stack_rows
 from prime_core.vision import VisionSpec, image_parts, load_image, mrope_positions
@@ -40,12 +41,12 @@ def load_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
     """Rows of a .jsonl/.json/.parquet file, a directory of such files, or a ``datasets`` save_to_disk directory."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ValueError(f"dataset {path!r} does not exist")
+        raise ConfigError(f"dataset {path!r} does not exist")
     if p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file()):
         return _load_hf_disk(p, split)
     files = sorted(f for f in p.iterdir() if f.suffix in _FILE_SUFFIXES) if p.is_dir() else [p]
     if not files:
-        raise ValueError(f"no {'/'.join(_FILE_SUFFIXES)} files in {path!r}")
+        raise ConfigError(f"no {'/'.join(_FILE_SUFFIXES)} files in {path!r}")
     rows: list[dict[str, Any]] = []
     for f in files:
         if f.suffix == ".parquet":
@@ -58,7 +59,7 @@ def load_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
             data = json.loads(f.read_text())
             rows.extend(data if isinstance(data, list) else [data])
         else:
-            raise ValueError(f"{f}: unsupported dataset file type (use {', '.join(_FILE_SUFFIXES)})")
+            raise ConfigError(f"{f}: unsupported dataset file type (use {', '.join(_FILE_SUFFIXES)})")
     return rows
 
 
@@ -73,7 +74,7 @@ def _load_hf_disk(path: Path, split: str) -> list[dict[str, Any]]:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"{path}: no split {split!r} (splits: {', '.join(ds)})")
+            raise ConfigError(f"{path}: no split {split!r} (splits: {', '.join(ds)})")
         ds = ds[split]
     return ds.to_list()
 
@@ -91,7 +92,7 @@ def to_messages(row: dict[str, Any], index: int) -> tuple[list[dict[str, Any]], 
         completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
         messages = prompt + completion
     else:
-        raise ValueError(f"row {index}: needs `messages`, or `prompt` and `completion` (has {sorted(row)})")
+        raise ConfigError(f"row {index}: needs `messages`, or `prompt` and `completion` (has {sorted(row)})")
     messages = [_clean_message(m) for m in messages]
     return messages, tools or None
 
@@ -203,7 +204,7 @@ def expand_images(
     if not images:
         return ids, mask, None
     if vision is None:
-        raise ValueError(f"row {index} has images but the model has no vision config (vision_config in config.json)")
+        raise ConfigError(f"row {index} has images but the model has no vision config (vision_config in config.json)")
     pads = [k for k, t in enumerate(ids) if t == vision.image_token_id]
     if len(pads) != len(images):
         raise ValueError(
@@ -268,7 +269,7 @@ def build_samples(
     if skipped:
         logger.warning("skipped %d of %d samples with no trained token within seq_len=%d", skipped, len(rows), seq_len)
     if not samples:
-        raise ValueError("no sample has a trained token: check data.loss_mask and seq_len")
+        raise ConfigError("no sample has a trained token: check data.loss_mask and seq_len")
     return samples
 
 
@@ -417,5 +418,5 @@ def load_tokenizer(name: str, chat_template: str | None):
         path = Path(chat_template).expanduser()
         tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"tokenizer {name!r} has no chat template: set --data.chat-template")
+        raise ConfigError(f"tokenizer {name!r} has no chat template: set --data.chat-template")
     return tokenizer
