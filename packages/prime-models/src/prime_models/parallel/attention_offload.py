@@ -107,8 +107,8 @@ class _SavedRegion:
                 self.offload.release(call.host.values(), call.device)
 
 
-class _OffloadingMode(TorchDispatchMode):
-    """Checkpoint forward: runs every op, and sends the outputs of `ops` to host memory."""
+class _RegionMode(TorchDispatchMode):
+    """A dispatch mode over one checkpointed region's ops, `ops` being the ones whose outputs are offloaded."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -119,6 +119,10 @@ class _OffloadingMode(TorchDispatchMode):
         super().__init__()
         self.ops, self.region = ops, region
 
+
+class _OffloadingMode(_RegionMode):
+    """Checkpoint forward: runs every op, and sends the outputs of `ops` to host memory."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in self.ops:
@@ -127,16 +131,8 @@ class _OffloadingMode(TorchDispatchMode):
         return out
 
 
-class _RestoringMode(TorchDispatchMode):
+class _RestoringMode(_RegionMode):
     """Checkpoint recompute: returns the restored outputs of `ops` instead of running them; runs every other op."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __init__(self, ops: set, region: _SavedRegion):
-        super().__init__()
-        self.ops, self.region = ops, region
 
     def __enter__(self):
         # The recompute starts this region's backward: its outputs must come back now, the previous region's next.
