@@ -12,9 +12,9 @@ Jobs (each in fresh processes, run in order until `--budget-s` is spent):
 * ``dispatch``: one MoE layer of that shape, forward + backward of 16k tokens per GPU, torch all-to-all vs DeepEP on
   the same inputs: time per call and the relative difference of outputs and gradients.
 * ``cp_ladder``: the Qwen3-0.6B shape (benchmarks/models/qwen3-0.6b), `trainer --bench` at doubling row lengths with
-  CP=1 on one GPU and CP=2 on two (one row per CP group), each process capped at `--mem-cap-gib` of GPU memory
-  (`torch.cuda.set_per_process_memory_fraction`: "the same memory" for both), until out of memory; reports the
-  longest row each CP size trains and its peak memory.
+  CP=1 on one GPU and CP=2 on two (one row per rank; a CP group trains its ranks' rows one after another), each
+  process capped at `--mem-cap-gib` of GPU memory (`torch.cuda.set_per_process_memory_fraction`: "the same memory"
+  for both), until out of memory; reports the longest row each CP size trains and its peak memory.
 """
 
 from __future__ import annotations
@@ -76,13 +76,12 @@ def trainer_bench(
     extra: list[str],
     steps: int = 4,
     mem_cap_gib: float = 0,
-    rows: int = 0,
 ) -> list[str]:
     entry = (
         [__file__, "--capped-trainer", str(mem_cap_gib)] if mem_cap_gib else ["-m", "prime_trainer.entrypoints.trainer"]
     )
     return [*torchrun(nproc), *entry, "--bench", "--model.name", str(model),
-            "--init.random", "--data.fake.batch-size", str(rows or nproc), "--data.fake.micro-batch-size", "1",
+            "--init.random", "--data.fake.batch-size", str(nproc), "--data.fake.micro-batch-size", "1",
             "--data.fake.seq-len", str(seq), "--seq-len", str(seq), "--max-steps", str(steps), "--parallel.ac", "full",
             "--output-dir", str(TMP / out.stem), "--bench-file", str(out), "--log.file", "false", *extra]  # fmt: skip
 

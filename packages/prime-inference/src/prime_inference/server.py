@@ -553,14 +553,17 @@ class Server:
             yield {"request_id": rid, "choices": [], "usage": self._usage(len(req.token_ids), choices)}
 
     def _sse(self, chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+        def event(data: bytes) -> bytes:
+            return b"data: " + data + b"\n\n"
+
         async def body() -> AsyncIterator[bytes]:
             try:
                 async for chunk in chunks:
-                    yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+                    yield event(msgspec.json.encode(chunk))
             except Exception as e:  # headers are already sent: report in-band, as vLLM does
                 logger.exception("stream failed")
-                yield b"data: " + msgspec.json.encode(error_body(str(e), 500)) + b"\n\n"
-            yield b"data: [DONE]\n\n"
+                yield event(msgspec.json.encode(error_body(str(e), 500)))
+            yield event(b"[DONE]")
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=self._headers())
 
