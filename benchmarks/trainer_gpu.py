@@ -43,7 +43,7 @@ def baseline_cmd(seq: int, liger: bool, ac: bool, out: Path) -> list[str]:
 
 def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     """Command and extra env of a named job. Names: rl<K>k[_noac|_sel][_cudnn|_flash][_c<chunk>][_keepattn[N]]
-    [_offloadattn][_mlpchunk<N>][_nocompile], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[_cudnn], micro.
+    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[_cudnn], micro.
     `_mlpchunk<N>` runs each dense MLP in N sequence chunks under full AC (`--parallel.ac-mlp-chunks N`);
     `_offloadattn` (with `_keepattn`) holds the kept attention outputs in pinned host memory between forward and
     backward (`--parallel.ac-offload-attention`)."""
@@ -60,8 +60,10 @@ def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     for b in ("cudnn", "flash", "efficient"):
         if b in flags:
             env["PRIME_SDPA_BACKENDS"] = b
-    if "gqa" in flags:
+    if "gqa" in flags:  # native GQA is the default now; the flag stays so older job names still mean the same
         env["PRIME_SDPA_GQA"] = "1"
+    if "expandkv" in flags:
+        env["PRIME_SDPA_GQA"] = "0"
     if "nocompile" in flags:
         env["PRIME_COMPILE_ELEMENTWISE"] = "0"
     if kind == "base":

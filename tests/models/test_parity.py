@@ -144,3 +144,31 @@ def test_moe_grouped_mm_fallback_and_router_stats(tmp_path, monkeypatch):
     assert aux.requires_grad and aux.item() >= 1.0 - 1e-4  # the Switch loss is >= 1, == 1 when perfectly balanced
     aux.backward()
     assert model.model.layers[0].mlp.gate.weight.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_native_gqa_matches_expanded_kv(monkeypatch):
+    """On CUDA, unmasked SDPA runs with `enable_gqa=True` by default; it must give the step that expanding K/V to
+    every query head gives (bf16, Qwen3-0.6B's head layout: 16 query heads over 8 kv heads of 128)."""
+    from prime_models import kernels
+
+    seq = 8192
+    cfg = tiny_config("qwen3", hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=128, num_hidden_layers=4, max_position_embeddings=seq + 1)  # fmt: skip
+    ids = torch.randint(0, VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(0)).cuda()
+    runs = {}
+    for native in (True, False):
+        monkeypatch.setattr(kernels, "SDPA_NATIVE_GQA", native)
+        model = load_model(cfg, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+        logprobs, _ = model(ids[:, :-1], None, targets=ids[:, 1:])
+        (-logprobs.float().mean()).backward()
+        runs[native] = logprobs.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+    (lp, grads), (lp_ref, grads_ref) = runs[True], runs[False]
+    worst = max(((grads[n] - grads_ref[n]).norm() / grads_ref[n].norm()).item() for n in grads_ref)
+    print(
+        f"native GQA vs expanded K/V: max |logprob diff| {(lp - lp_ref).abs().max().item():.2e}, "
+        f"worst relative grad diff {worst:.2e}"
+    )
+    assert (lp - lp_ref).abs().max().item() < 5e-2
+    assert worst < 1e-2
