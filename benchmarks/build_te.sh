@@ -17,8 +17,18 @@
 set -euo pipefail
 bundle=$(realpath "$1")
 target=$(realpath -m "$2")
-python3 -m pip install -q --no-index --no-deps --target "$target" \
-    "$bundle"/transformer_engine-*.whl "$bundle"/transformer_engine_cu13-*.whl \
+# `pip install --target` skips every top-level directory that already exists there (transformer_engine/ holds the
+# pieces of all three wheels), so each wheel goes to a fresh directory and is merged in; files already present in
+# the target (e.g. another package's copy of cudnn-frontend) are kept.
+merge_install() {
+    local stage
+    stage=$(mktemp -d)
+    python3 -m pip install -q --no-index --no-deps --target "$stage" "$@"
+    python3 -c "import os, shutil, sys; shutil.copytree(sys.argv[1], sys.argv[2], dirs_exist_ok=True,
+        copy_function=lambda s, d: os.path.exists(d) or shutil.copy2(s, d))" "$stage" "$target"
+    rm -rf "$stage"
+}
+merge_install "$bundle"/transformer_engine-*.whl "$bundle"/transformer_engine_cu13-*.whl \
     "$bundle"/nvidia_cudnn_frontend-*.whl "$bundle"/nvdlfw_inspect-*.whl
 export PYTHONPATH=$target${PYTHONPATH:+:$PYTHONPATH}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)} NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS:-90} NVTE_WITH_NCCL_EP=0
@@ -26,5 +36,5 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)} NVTE_CUDA_ARCHS=${NVTE_CUDA_ARCHS:-90} NVT
 export NVTE_PYTORCH_FORCE_BUILD=TRUE
 wheels=$(mktemp -d)
 python3 -m pip wheel --no-build-isolation --no-deps --no-index -w "$wheels" "$bundle"/transformer_engine_torch-*.tar.gz 2>&1 | tail -5
-python3 -m pip install -q --no-index --no-deps --target "$target" "$wheels"/transformer_engine_torch-*.whl
+merge_install "$wheels"/transformer_engine_torch-*.whl
 python3 -c "import transformer_engine.pytorch as te; print('transformer_engine.pytorch ok:', te.Linear)"

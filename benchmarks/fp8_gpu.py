@@ -172,8 +172,8 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def report(results_file: Path, commit: str, dest: Path) -> dict:
-    """benchmarks/results/fp8_gpu.json: one record per run, and per FP8 run its loss and speed against bf16."""
+def report(results_file: Path, commit: str, dest: Path, filename: str = "fp8_gpu.json") -> dict:
+    """benchmarks/results/<filename>: one record per run, and per FP8 run its loss and speed against bf16."""
     results = json.loads(results_file.read_text())
     records, comparisons = [], []
     for name, r in results.items():
@@ -204,7 +204,7 @@ def report(results_file: Path, commit: str, dest: Path) -> dict:
         })  # fmt: skip
     summary = {"benchmark": "fp8_training", "commit": commit, "records": records, "comparisons": comparisons}
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "fp8_gpu.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (dest / filename).write_text(json.dumps(summary, indent=2) + "\n")
     for c in comparisons:
         print(f"{c['job']}: final loss rel diff {c['final_loss_rel_diff']:.4f} (max step {c['max_step_loss_rel_diff']:.4f})"
               f", speedup {c['speedup']:.3f}x, memory x{c['peak_memory_ratio']:.2f}")  # fmt: skip
@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=560)
     ap.add_argument("--report", type=Path)
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--report-name", default="fp8_gpu.json", help="file under benchmarks/results/ that --report writes")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--job-out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=50)
@@ -234,7 +235,7 @@ def main() -> None:
         shape, recipe = args.run.split("_", 1)
         run_one(shape, recipe, args, args.job_out)
     elif args.report:
-        report(args.report, args.commit, ROOT / "benchmarks/results")
+        report(args.report, args.commit, ROOT / "benchmarks/results", args.report_name)
     else:
         if args.out is None:
             ap.error("--out is required to run jobs")
