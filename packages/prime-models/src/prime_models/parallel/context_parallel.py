@@ -18,7 +18,9 @@ partial results merge exactly with log-sum-exp weights. Backward runs the ring a
 the small masks: K/V travel with their gradient accumulators, which arrive back at their owner after `cp` hops.
 
 Attention kernels (each returns the log-sum-exp the merge needs and has a backward taking the merged output):
-CUDA `aten._scaled_dot_product_efficient_attention`, CPU `aten._scaled_dot_product_flash_attention_for_cpu`.
+on CUDA, `aten._scaled_dot_product_flash_attention` (FlashAttention-2) for the mask-free calls in bf16/fp16 and
+`aten._scaled_dot_product_efficient_attention` for the masked ones and fp32 (FlashAttention takes no bias); on CPU,
+`aten._scaled_dot_product_flash_attention_for_cpu`.
 Memory per attention layer and row, beyond the activations CP=1 keeps: the fp32 output/log-sum-exp accumulators,
 the K/V block in flight and the gradient accumulators (all O(S / cp)), plus at most one `mask_tile^2` mask and
 bias; nothing grows with S^2.
@@ -249,8 +251,17 @@ def _reduce_kv(grad_RNKD: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return grad_RNKD.view(r, num_kv_heads, n // num_kv_heads, k, d).sum(2) if n != num_kv_heads else grad_RNKD
 
 
+def _use_flash(q: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return q.is_cuda and bias is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+
+
 def _block_forward(q, k, v, bias, causal, scale):
     """(out `[R, N, Q, D]`, lse `[R, N, Q]` fp32, state for the backward) of one call."""
+    if _use_flash(q, bias):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse, ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
     if q.is_cuda:
         if bias is not None:
             bias = bias.expand(q.shape[0], q.shape[1], -1, -1)
@@ -266,6 +277,11 @@ def _block_forward(q, k, v, bias, causal, scale):
 
 def _block_backward(dout, q, k, v, bias, causal, out, lse, scale, state):
     """(dq, dk, dv) of one call given the merged output and log-sum-exp (the flash-attention backward identity)."""
+    if state is not None and state[0] == "flash":
+        _, cum_q, cum_k, max_q, max_k, seed, offset = state
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+        )
     if q.is_cuda:
         lse_len, seed, offset = state
         # The kernel stores the log-sum-exp padded to its tile size; hand the merged one back in that layout.
