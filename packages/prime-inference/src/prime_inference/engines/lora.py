@@ -75,6 +75,9 @@ class AdapterRouter:
         with self._rows([slot]):
             return self.decoder.prefill(slot, token_ids, *args, **kwargs)
 
+    def copy_prompt(self, src: int, dst: int, length: int) -> None:
+        self.decoder.copy_prompt(src, dst, length)
+
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int], *args: Any, **kwargs: Any):
         with self._rows(list(slots)):
             return self.decoder.decode(slots, token_ids, positions, *args, **kwargs)

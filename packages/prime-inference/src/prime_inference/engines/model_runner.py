@@ -320,6 +320,14 @@ class CachedDecoder:
         return self._logits(self._forward(ids, pos, slots, prefill=True, images=images))[0]
 
     @torch.inference_mode()
+    def copy_prompt(self, src: int, dst: int, length: int) -> None:
+        """Give slot ``dst`` the first ``length`` cached positions of slot ``src`` (the same prompt, prefilled once)."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+        self.rope_delta[dst] = self.rope_delta.get(src, 0)
+
+    @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One token per running sequence at ``positions``; return fp32 logits `[B, V]`."""
         self._ensure_capacity(max(positions) + 1)
@@ -363,6 +371,9 @@ class RecomputeDecoder:
             raise ValueError("images need the KV-cached decoder (a prime_models vision-language model)")
         self.tokens[slot] = list(token_ids)
         return self._run([self.tokens[slot]])[0]
+
+    def copy_prompt(self, src: int, dst: int, length: int) -> None:
+        self.tokens[dst] = self.tokens[src][:length]
 
     @torch.inference_mode()
     def decode(self, slots: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:

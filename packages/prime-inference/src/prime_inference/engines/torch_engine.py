@@ -3,7 +3,8 @@
 A scheduler thread owns the model. Each iteration it (1) applies a pending weight swap when allowed, (2) admits
 waiting requests into free KV-cache slots (prefill + first token), (3) runs one batched decode step for every
 running sequence, and (4) hands each sequence's new token to its asyncio consumer. Requests therefore join and
-leave the running batch between decode steps.
+leave the running batch between decode steps. Requests admitted together with the same prompt and adapter (an RL
+group's rollouts) share one prefill: its KV cache is copied to their slots and each samples its own first token.
 
 Weight updates and pause:
 * ``update_weights`` loads the new model off the scheduler thread, then swaps it in between steps. When not paused
@@ -58,6 +59,16 @@ class _Sequence:
 
     def emit(self, out: EngineOutput) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+def _same_prompt_groups(seqs: list[_Sequence]) -> list[list[_Sequence]]:
+    """Text-only sequences with the same prompt and adapter, in admission order; each image prompt on its own."""
+    groups: dict[Any, list[_Sequence]] = {}
+    for i, seq in enumerate(seqs):
+        request = seq.request
+        key = i if request.multimodal is not None else (tuple(request.prompt_ids), request.lora_name)
+        groups.setdefault(key, []).append(seq)
+    return list(groups.values())
 
 
 @dataclass
@@ -403,9 +414,12 @@ class TorchEngine(Engine):
             swap.future.set_exception(e)
 
     def _step(self, admitted: list[_Sequence]) -> None:
-        for seq in admitted:
-            logits = self.decoder.prefill(seq.slot, seq.request.prompt_ids, seq.request.multimodal)
-            self._sample_and_emit(seq, logits)
+        for first, *copies in _same_prompt_groups(admitted):
+            logits = self.decoder.prefill(first.slot, first.request.prompt_ids, first.request.multimodal)
+            for seq in copies:
+                self.decoder.copy_prompt(first.slot, seq.slot, len(seq.request.prompt_ids))
+            for seq in (first, *copies):
+                self._sample_and_emit(seq, logits)
         running = [s for s in self._running if not s.finished and s.next_input is not None]
         if running:
             slots = [s.slot for s in running]
