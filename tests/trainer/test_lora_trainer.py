@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from prime_core.io import is_stable
 from prime_core.run_dir import RunDir
 from prime_core.schemas.adapters import ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_WEIGHTS
@@ -58,6 +59,10 @@ def test_rl_lora_publishes_adapters_and_resumes_exactly(base_dir, tmp_path):
     assert len(tensors) == 28 and all(".lora_A." in k or ".lora_B." in k for k in tensors)
     assert any(v.abs().sum() > 0 for k, v in tensors.items() if ".lora_B." in k)
 
+    # The checkpoint holds the adapters and their optimizer state, not the frozen base.
+    saved = dcp.FileSystemReader(str(RunDir(resumed).trainer_checkpoint(2))).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert len(model_keys) == 28 and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
     a, b = read_trainer_metrics(straight), read_trainer_metrics(resumed)
     assert [a[s]["loss/mean"] for s in range(4)] == [b[s]["loss/mean"] for s in range(4)]
     wb = adapter(RunDir(resumed).weight_step(4))

@@ -2,7 +2,8 @@
 size), ``progress.json`` (step, schedule, data position) and ``rng/rank_R.pt``.
 
 Checkpoint N is the state after N optimizer steps (its model equals ``weights/step_N``); resuming from it trains
-step N next. The trainer part is built under a temporary name and renamed into place, then ``trainer/STABLE`` and
+step N next. Frozen parameters are not saved: with LoRA a checkpoint holds the adapters and their optimizer state,
+and resuming takes the base weights from ``model.name`` again, as the run that saved it did. The trainer part is built under a temporary name and renamed into place, then ``trainer/STABLE`` and
 ``checkpoints/step_N/STABLE`` are written (the orchestrator's part, ``step_N/orchestrator``, carries its own).
 """
 
@@ -24,13 +25,17 @@ from prime_core.config.shared import CheckpointConfig
 from prime_core.io import STABLE_MARKER, atomic_write_json, is_stable, mark_stable
 from prime_core.run_dir import RunDir
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")
 
 PROGRESS_FILE = "progress.json"
+# Trainable parameters only. `dcp.load` still fails on any of them missing from a checkpoint; `strict=False` only lets
+# `set_state_dict` accept a state without the frozen ones.
+_SAVE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def rng_state() -> dict[str, Any]:
@@ -70,7 +75,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_SAVE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
         progress = {**progress, "step": step, "world_size": self.world.world_size}
@@ -143,10 +148,12 @@ class CheckpointManager:
         if not is_stable(path):
             have = ", ".join(map(str, self.saved_steps())) or "none"
             raise ValueError(f"no complete trainer checkpoint at {path} (complete checkpoints: {have})")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_SAVE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
+        )
         progress = json.loads((path / PROGRESS_FILE).read_text())
         rng_file = self._rng_file(path, self.world.rank)
         if progress["world_size"] == self.world.world_size and rng_file.is_file():
