@@ -252,7 +252,10 @@ def _reduce_kv(grad_RNKD: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def _use_flash(q: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return q.is_cuda and bias is None and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+    """FlashAttention-2 takes no bias, only half precision, head dims up to 256, and Ampere or newer."""
+    if not q.is_cuda or bias is not None or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] > 256:
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] >= 8
 
 
 def _block_forward(q, k, v, bias, causal, scale):
