@@ -3,8 +3,9 @@ size), ``progress.json`` (step, schedule, data position) and ``rng/rank_R.pt``.
 
 Checkpoint N is the state after N optimizer steps (its model equals ``weights/step_N``); resuming from it trains
 step N next. Frozen parameters are not saved: with LoRA a checkpoint holds the adapters and their optimizer state,
-and resuming takes the base weights from ``model.name`` again, as the run that saved it did. The trainer part is built under a temporary name and renamed into place, then ``trainer/STABLE`` and
-``checkpoints/step_N/STABLE`` are written (the orchestrator's part, ``step_N/orchestrator``, carries its own).
+and resuming takes the base weights from ``model.name`` again, as the run that saved it did. The trainer part is
+built under a temporary name and renamed into place, then ``trainer/STABLE`` and ``checkpoints/step_N/STABLE`` are
+written (the orchestrator's part, ``step_N/orchestrator``, carries its own).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ logger = logging.getLogger("prime.trainer")
 PROGRESS_FILE = "progress.json"
 # Trainable parameters only. `dcp.load` still fails on any of them missing from a checkpoint; `strict=False` only lets
 # `set_state_dict` accept a state without the frozen ones.
-_SAVE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+_TRAINABLE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
@@ -75,7 +76,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_SAVE_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
         progress = {**progress, "step": step, "world_size": self.world.world_size}
@@ -148,7 +149,7 @@ class CheckpointManager:
         if not is_stable(path):
             have = ", ".join(map(str, self.saved_steps())) or "none"
             raise ValueError(f"no complete trainer checkpoint at {path} (complete checkpoints: {have})")
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_SAVE_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
