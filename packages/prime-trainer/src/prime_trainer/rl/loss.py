@@ -107,7 +107,9 @@ class GSPOLoss:
     def __call__(self, b: LossInputs) -> PolicyTerm:
         log_ratio = (b.logprobs - b.inference_logprobs) * b.loss_mask
         seq_log_ratio, _, seg = segment_mean(log_ratio, b.sample_ids, b.loss_mask)
-        seq_ratio = torch.exp(seq_log_ratio)[seg]  # [R, S]: each token carries its sample's ratio
+        # A micro-batch without loss tokens (a padding rank, a step whose groups were all filtered) has no segment,
+        # yet every token's index is 0: one spare ratio keeps the gather in range; the mask zeroes its loss.
+        seq_ratio = torch.cat([torch.exp(seq_log_ratio), seq_log_ratio.new_ones(1)])[seg]  # [R, S]
         unclipped = -seq_ratio * b.advantages
         clipped_branch = -_clamp(seq_ratio, self.low, self.high) * b.advantages
         per_token = torch.maximum(unclipped, clipped_branch) * b.loss_mask
