@@ -22,8 +22,17 @@ def fake_bin(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def rl_env(fake_bin: Path) -> dict[str, str]:
+def fake_hf_cache(tmp_path: Path) -> Path:
+    """A hub cache holding a snapshot of ``tiny-model`` (the fakes never read it; the config check wants it)."""
+    cache = tmp_path / "hf-cache"
+    (cache / "models--tiny-model" / "snapshots" / "0").mkdir(parents=True)
+    return cache
+
+
+@pytest.fixture
+def rl_env(fake_bin: Path, fake_hf_cache: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIME_")}
     env["PRIME_LAUNCH_BIN_DIR"] = str(fake_bin)
+    env["HF_HUB_CACHE"] = str(fake_hf_cache)
     env["CUDA_VISIBLE_DEVICES"] = ""
     return env

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from prime_core.config.loader import ConfigError, _models_in, _unwrap, collect_sources, validate
+from prime_core.config.loader import ConfigError, _models_in, _unwrap, collect_sources, locate, validate
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -108,6 +108,18 @@ def fail(message: str) -> typing.NoReturn:
     raise SystemExit(2)
 
 
+def check_world(config: BaseModel, sources: Any, *, network: bool) -> None:
+    """Model names and environment ids must point at something loadable (see `prime_core.preflight`); the first
+    that does not is a ``ConfigError`` naming the key and where its value came from. A dry run skips the network."""
+    from prime_core.preflight import find_problems
+
+    problems = find_problems(config, network=network)
+    if problems:
+        path, reason = problems[0]
+        origin, loc = locate(sources, type(config), path)
+        raise ConfigError(f"{origin}: {'.'.join(loc).replace('_', '-')}: {reason}")
+
+
 def parse_cli(
     model: type[T],
     argv: Sequence[str] | None = None,
@@ -117,6 +129,8 @@ def parse_cli(
     on_dry_run: Callable[[T], None] | None = None,
 ) -> T:
     """Resolve a config for an entry point. Prints help, one-line errors (exit 2), or handles --dry-run.
+
+    Bad model names and environment ids are errors here too, before the entry point loads anything.
 
     Dry run: resolve, validate, write the resolved config to ``<output_dir>/configs/<prog>.toml`` (or call
     ``on_dry_run``) and exit 0.
@@ -128,6 +142,7 @@ def parse_cli(
             sys.stdout.write(format_help(model, prog, description))
             raise SystemExit(0)
         config = validate(model, parsed.sources)
+        check_world(config, parsed.sources, network=not parsed.dry_run)
     except ConfigError as e:
         fail(str(e))
     if parsed.dry_run:

@@ -385,11 +385,23 @@ def _clean_loc(model: type[BaseModel], loc: Sequence[Any]) -> list[str]:
     return out
 
 
+def locate(sources: _Sources, model: type[BaseModel], loc: Sequence[str]) -> tuple[str, list[str]]:
+    """Where the value at ``loc`` came from and the key the user set for it (``defaults`` when unset)."""
+    loc = list(loc)
+    origin = sources.origin_of(loc) or sources.origin_below(loc)
+    if origin is None and len(loc) > 1 and loc[1] in model.model_fields:
+        # A launcher-level shared field (rl's --max-steps) is copied into each process section before
+        # validation; name the key the user set, not the section's copy of it.
+        shared = sources.origin_of(loc[1:]) or sources.origin_below(loc[1:])
+        if shared is not None:
+            return shared, loc[1:]
+    return origin or "defaults", loc
+
+
 def _format_validation_error(err: ValidationError, sources: _Sources, model: type[BaseModel]) -> str:
     first = err.errors()[0]
-    loc = _clean_loc(model, first["loc"])
+    origin, loc = locate(sources, model, _clean_loc(model, first["loc"]))
     key = ".".join(loc) if loc else "(config)"
-    origin = sources.origin_of(loc) or sources.origin_below(loc) or "defaults"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         return f"{origin}: unknown key {key.replace('_', '-')!r}"

@@ -3,7 +3,9 @@
 A shared top-level field (``model``, ``output_dir``, ``seq_len``, ``max_steps``, ``async_level``, ``seed``,
 ``ckpt``, ``log``, ``transport``, ``wandb``) is copied into every sub-config that has the field and does
 not set it itself; sections are filled key by key. A key set both at the top and in a sub-config with a
-different value is an error listing every conflict.
+different value is an error listing every conflict, except ``output_dir``: the shared one replaces the
+sub-configs' (a dry run's resolved process configs carry its directory, and ``rl --trainer @
+outputs/configs/trainer.toml ... --output-dir outputs2`` starts the same run elsewhere).
 """
 
 from __future__ import annotations
@@ -117,8 +119,8 @@ class RLConfig(BaseConfig):
     model: ModelConfig | None = None
     """Shared: model of all three processes."""
     output_dir: Path | None = None
-    """Shared: run directory (configs/, logs/, rollouts/, weights/, checkpoints/, metrics.jsonl);
-    the trainer's ``output_dir`` (default ``outputs``) when unset."""
+    """Shared: run directory (configs/, logs/, rollouts/, weights/, checkpoints/, metrics.jsonl); replaces the
+    process configs' ``output_dir``. Unset: the trainer's ``output_dir`` (default ``outputs``)."""
     seq_len: int | None = Field(default=None, ge=2)
     """Shared: tokens per packed row (trainer and orchestrator)."""
     max_steps: int | None = Field(default=None, ge=1)
@@ -181,7 +183,10 @@ class RLConfig(BaseConfig):
             for key in SHARED_FIELDS:
                 value = data.get(key)
                 if _is_set(value) and key in fields:
-                    _fill(sub, key, value, f"{name}.{key}", conflicts)
+                    if key == "output_dir":
+                        sub[key] = value
+                    else:
+                        _fill(sub, key, value, f"{name}.{key}", conflicts)
             if isinstance(wandb, dict) and "monitor" in fields:
                 _fill(sub, "monitor", {"wandb": wandb}, f"{name}.monitor", conflicts)
             data[name] = sub

@@ -73,7 +73,9 @@ class ModelConfig(BaseConfig):
     """Which model to load and how."""
 
     name: str = "Qwen/Qwen3-0.6B"
-    """HF-format directory or hub id (hub ids need network access the first time)."""
+    """HF-format directory or hub id ``org/name`` (hub ids need network access the first time). A name starting
+    with ``/``, ``.`` or ``~``, with more than one ``/``, or whose first part is a local directory is a path and
+    must exist; a hub id not yet in the HF cache fails at once offline (``HF_HUB_OFFLINE=1``, no network)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight dtype: auto is bfloat16 on GPU and float32 on CPU."""
     trust_remote_code: bool = False

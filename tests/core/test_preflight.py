@@ -1,0 +1,156 @@
+"""A new user's config mistakes end in one line on stderr and exit 2 before anything loads: a missing local model
+path, a hub id that cannot be downloaded (offline or no network), an unknown environment id, a bad shared value
+(named where the user set it), and a dry run's resolved configs reused in another output directory."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prime_core.config import parse_cli
+from prime_core.config.rl import RLConfig
+from prime_core.preflight import check_env_id, check_model_name, env_module, looks_like_path, port_in_use
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "reverse_text" / "rl.toml"
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rl_error(capsys, *argv: str) -> str:
+    """Parse an rl command line in-process; return its one error line (exit 2 asserted)."""
+    with pytest.raises(SystemExit) as exc:
+        parse_cli(RLConfig, ["@", str(EXAMPLE), *argv], prog="rl")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: ")
+    return err.strip()
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "local"),
+    [
+        ("examples/reverse_text/modle", True),  # more than one slash
+        ("examples/modle", True),  # the first part is a directory here
+        ("./modle", True),
+        ("/nowhere/model", True),
+        ("~/model", True),
+        ("bad name", True),  # not a valid hub id
+        ("Qwen/Qwen3-0.6B", False),
+        ("gpt2", False),
+    ],
+)
+def test_which_names_are_paths(in_repo, name, local):
+    assert looks_like_path(name) is local
+
+
+def test_missing_local_model_is_one_line(in_repo, tmp_path, capsys):
+    for name in ("examples/reverse_text/modle", "examples/modle"):
+        err = rl_error(capsys, "--model.name", name)
+        assert err == f"error: CLI --model.name: model.name: no such directory {name!r} (hub ids look like org/name)"
+    # Also in a dry run, and set in a TOML file: the file is named.
+    override = tmp_path / "model.toml"
+    override.write_text('[model]\nname = "nowhere/x/y"\n')
+    err = rl_error(capsys, "@", str(override), "--dry-run")
+    assert err == f"error: file {override}: model.name: no such directory 'nowhere/x/y' (hub ids look like org/name)"
+
+
+def test_hub_id_offline_fails_at_once(in_repo, empty_cache, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = rl_error(capsys, "--model.name", "Qwen/Qwen3-0.6B")
+    assert "'Qwen/Qwen3-0.6B' is not a local directory and not in the HF cache" in err
+    assert "HF_HUB_OFFLINE=1" in err
+
+
+def test_hub_id_without_network_fails_at_once(in_repo, empty_cache, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    start = time.monotonic()
+    err = rl_error(capsys, "--model.name", "Qwen/Qwen3-0.6B")
+    assert time.monotonic() - start < 5
+    assert "is unreachable" in err
+
+
+def test_cached_hub_id_and_dry_run_need_no_network(empty_cache, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert check_model_name("Qwen/Qwen3-0.6B", network=False) is None  # a dry run resolves configs only
+    (Path(os.environ["HF_HUB_CACHE"]) / "models--Qwen--Qwen3-0.6B" / "snapshots" / "abc").mkdir(parents=True)
+    assert check_model_name("Qwen/Qwen3-0.6B") is None
+
+
+def test_unknown_environment_is_one_line_with_suggestion(in_repo, capsys):
+    err = rl_error(capsys, "--orchestrator.env", '[{id = "reverse-txt"}]')
+    assert err == (
+        "error: CLI --orchestrator.env: orchestrator.env.0.id: environment 'reverse-txt': no installed package "
+        "provides module 'reverse_txt' (did you mean 'reverse-text'?)"
+    )
+    assert check_env_id("reverse-text") is None
+    assert check_env_id("owner/reverse-text@0.1") is None and env_module("owner/Reverse-Text@0.1") == "reverse_text"
+
+
+def test_shared_value_error_names_where_it_was_set(in_repo, capsys):
+    err = rl_error(capsys, "--max-steps", "ten")
+    assert err.startswith("error: CLI --max-steps: max-steps: Input should be a valid integer")
+
+
+def test_resolved_config_runs_in_another_output_dir(in_repo, tmp_path, capsys):
+    """A resolved config carries its output_dir; a new --output-dir replaces it instead of conflicting."""
+    first = tmp_path / "first"
+    with pytest.raises(SystemExit) as exc:
+        parse_cli(RLConfig, ["@", str(EXAMPLE), "--output-dir", str(first), "--dry-run"], prog="rl")
+    assert exc.value.code == 0
+    resolved = first / "configs" / "rl.toml"
+    assert f'output_dir = "{first}"' in resolved.read_text()
+    config = parse_cli(RLConfig, ["@", str(resolved), "--output-dir", str(tmp_path / "second")], prog="rl")
+    dirs = {config.trainer.output_dir, config.orchestrator.output_dir, config.inference.output_dir}
+    assert dirs == {tmp_path / "second"}
+
+
+def test_port_in_use_is_named():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert (
+            port_in_use("127.0.0.1", port)
+            == f"port {port} on 127.0.0.1 is already in use (another server is listening there)"
+        )
+    assert port_in_use("127.0.0.1", port) is None
+
+
+def test_entry_point_fails_in_seconds(tmp_path):
+    """The whole `rl` command, as a user runs it: one line, exit 2, nothing loaded (well under the 53 s of hub
+    retries or the 12 s of a model load this used to cost)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "prime_launch.entrypoints.rl", "@", str(EXAMPLE), "--model.name", "org/missing",
+         "--output-dir", str(tmp_path / "run")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "'org/missing' is not a local directory" in proc.stderr
+    assert not (tmp_path / "run").exists(), "nothing was written or started"
+    assert took < 20, took
