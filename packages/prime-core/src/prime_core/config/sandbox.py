@@ -1,0 +1,88 @@
+"""Configs of the code sandbox: per-execution limits, the local pool, a sandbox node, and the client choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from prime_core.config.base import BaseConfig
+from prime_core.config.shared import LogConfig
+
+
+class SandboxLimits(BaseConfig):
+    """What one execution may use; breaching any of them ends it as a failed execution with the reason."""
+
+    wall_s: float = Field(default=10.0, gt=0, le=3600)
+    """Wall-clock seconds before the execution and every process it started are killed."""
+    cpu_s: float = Field(default=10.0, gt=0, le=3600)
+    """CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds)."""
+    memory_mb: int = Field(default=512, ge=32, le=1 << 20)
+    """Address space per process in MiB (RLIMIT_AS); the interpreter itself takes about 20 MiB of it."""
+    processes: int = Field(default=16, ge=1, le=4096)
+    """Processes and threads the execution's uid may hold at once (RLIMIT_NPROC): a fork bomb stops here."""
+    output_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
+    """Bytes of stdout + stderr kept; past this the execution is killed and reported as ``output_limit``."""
+    disk_mb: int = Field(default=64, ge=1, le=1 << 16)
+    """Size of the private tmpfs mounted on the working directory (/work, also /tmp), and the largest file."""
+    open_files: int = Field(default=64, ge=8, le=1 << 16)
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
+
+
+class SandboxPoolConfig(BaseConfig):
+    """The local pool: pre-warmed zygotes that fork one isolated execution per request."""
+
+    zygotes: int = Field(default=0, ge=0, le=64)
+    """Warm interpreters forking executions (0: one per 8 CPU cores, at least one); a dead one is replaced."""
+    max_concurrency: int = Field(default=256, ge=1, le=8192)
+    """Executions running at once; more wait in line. Each holds its own uid while it runs."""
+    uid_base: int = Field(default=200_000, ge=1000)
+    """First of ``max_concurrency + 64`` host uids lent to executions; they must own no files on the host."""
+    python: str | None = None
+    """Interpreter of the zygotes and of Python solutions (None: the one running the pool). Stdlib only."""
+    preload: list[str] = Field(default_factory=list)
+    """Extra modules imported once in each zygote, so solutions importing them pay nothing (stdlib + ro_paths)."""
+    ro_paths: list[str] = Field(default_factory=list)
+    """Extra host paths visible read-only inside (besides /usr, the interpreter prefix and a few /etc files)."""
+    limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    """Default limits of an execution that names none."""
+    start_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds a zygote may take to become ready before start-up fails."""
+
+
+class SandboxClientConfig(BaseConfig):
+    """Where executions run: a pool in this process, or sandbox nodes over HTTP."""
+
+    urls: list[str] = Field(default_factory=list)
+    """Sandbox nodes (``http://host:port``); executions are spread over them round-robin. Empty: a local pool."""
+    api_key_var: str | None = None
+    """Environment variable holding the bearer token sent to the nodes (None: no auth)."""
+    timeout_s: float = Field(default=120.0, gt=0)
+    """Seconds one HTTP call to a node may take beyond the execution's own wall limit."""
+    max_retries: int = Field(default=2, ge=0)
+    """Retries on another node after a connection error (an execution is never retried after it ran)."""
+    pool: SandboxPoolConfig = Field(default_factory=SandboxPoolConfig)
+    """The local pool's settings (used when ``urls`` is empty)."""
+
+
+class SandboxNodeConfig(BaseConfig):
+    """A dedicated sandbox node: the local pool behind HTTP (``sandbox-node`` entry point)."""
+
+    host: str = "0.0.0.0"
+    """Address to listen on."""
+    port: int = Field(default=8200, ge=0, le=65535)
+    """Port to listen on (0: any free port, printed at start)."""
+    api_key_var: str | None = None
+    """Environment variable holding the bearer token clients must send (None: no auth)."""
+    pool: SandboxPoolConfig = Field(default_factory=SandboxPoolConfig)
+    """The pool behind the server."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Logging."""
+    output_dir: Path | None = None
+    """Where the log file goes (None: stderr only)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SandboxNodeConfig:
+        if self.api_key_var is not None and not self.api_key_var.strip():
+            raise ValueError("api_key_var: must name an environment variable")
+        return self
