@@ -1,19 +1,33 @@
-"""vLLM engine benchmark (GPU): prime's server vs vLLM offline throughput on a random-init Qwen3-shaped model.
+"""vLLM rollout benchmark (GPU): prime's server against vLLM's own `LLM.generate`, real vocabulary, one run.
 
-    uv run --extra vllm python benchmarks/inference_vllm.py [--prompts 512] [--tokens 512] [--out DIR]
+    python benchmarks/inference_vllm.py [--prompts 512] [--tokens 512] [--vocab 151936] [--profile 8] [--out DIR]
 
-Steps: save two random-init models of the Qwen3-0.6B shape (benchmarks/models/qwen3-0.6b/config.json; the
-vocabulary is the tests' small local tokenizer's, so no hub access is needed) + tokenizer; start `inference --engine vllm` in a subprocess; check that
-/update_weights to a second random model changes greedy output; measure output tok/s for N prompts x T tokens
-through /inference/v1/generate (all requests in flight); stop the server; measure vLLM's offline `LLM.generate` on
-the same prompts with the same engine settings; write <out>/inference_vllm-<time>.json with device, commit and both
-numbers (written also when a step fails, with the error, so a partial run still reports what it saw).
+Models: two random-init models of the Qwen3-0.6B shape (benchmarks/models/qwen3-0.6b/config.json) with a word-level
+tokenizer of ``--vocab`` tokens built locally (151,936 = Qwen3's vocabulary: log-prob gathering and detokenization
+cost what they cost in a real run; ``--vocab 0`` takes the tests' 354-token tokenizer, as earlier records did).
+
+Our server (`inference --engine vllm`, one subprocess): health, a chat call, /update_weights to the second model must
+change greedy output; then, all requests in flight and ``ignore_eos``, output tok/s of /inference/v1/generate for
+* ``logprobs`` / ``no_logprobs``: N prompts x T tokens with / without ``logprobs: 0`` (no seeds);
+* ``groups``: the orchestrator's pattern, N/G prompts x G rollouts, each request with its own seed, log-probs on;
+* ``turn2``: a multi-turn continuation of ``groups`` (prompt = turn-1 prompt + its completion + E env tokens);
+* with ``--profile S``: a py-spy profile (server and vLLM engine-core processes) of S seconds of a repeat of
+  ``logprobs``, summarized into the record (top frames by own and total samples per process).
+Then vLLM offline (`LLM`, the server's engine settings, the updated weights), the same request sets: without
+log-probs, ``logprobs=0`` (vLLM's defaults, per-request seeds as well), ``logprobs=0, detokenize=False,
+flat_logprobs=True``; groups and turn 2 with and without log-probs. Log-prob parity: the server's ``groups``
+log-probs against vLLM's own ``logprobs=0`` on the same seeded requests (where the sampled tokens agree) and
+against vLLM's prompt log-probs of the same tokens (teacher forcing).
+
+Writes <out>/inference_vllm-<time>.json: device, commit, vocabulary, every number, the target ratios (also when a
+step fails, with the error).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -26,14 +40,46 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
-def save_model(path: Path, seed: int, args: argparse.Namespace) -> None:
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer of exactly ``vocab_size`` tokens (ChatML specials, then w3, w4, ...): no hub access."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def make_tokenizer(args: argparse.Namespace):
+    from transformers import AutoTokenizer
+
+    if args.tokenizer:
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    if args.vocab:
+        return word_tokenizer(args.vocab)
+    sys.path.insert(0, str(ROOT))
+    from tests.inference.helpers import build_tokenizer
+
+    return build_tokenizer()
+
+
+def save_model(path: Path, seed: int, tokenizer, args: argparse.Namespace) -> None:
     import torch
     from prime_core.io import mark_stable
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else _local_tokenizer()
     shape = json.loads(Path(args.config).read_text())
     shape.update(
         vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
@@ -43,7 +89,7 @@ def save_model(path: Path, seed: int, args: argparse.Namespace) -> None:
         shape["num_hidden_layers"] = shape["max_window_layers"] = args.layers
     config = Qwen3Config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type")})
     torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of ~0.5B parameters is slow on CPU
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of ~0.6B parameters is slow on CPU
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -54,28 +100,129 @@ def save_model(path: Path, seed: int, args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def _local_tokenizer():
-    sys.path.insert(0, str(ROOT))
-    from tests.inference.helpers import build_tokenizer
-
-    return build_tokenizer()
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-async def run_generate(url: str, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
-    import httpx
+# ---------------------------------------------------------------- request sets
 
-    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=len(prompts))) as client:
-        body = lambda p: {"token_ids": p, "sampling_params": {"max_tokens": tokens, "ignore_eos": True, "logprobs": 0}}  # noqa: E731
+
+def request_sets(vocab: int, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Each set: a list of {"prompt", "max_tokens", "seed" (or None), "logprobs" (0 or None)}."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    plain = [{"prompt": p, "max_tokens": args.tokens, "seed": None} for p in prompts]
+    groups = [
+        {"prompt": prompts[i], "max_tokens": args.tokens, "seed": 1000 * i + j}
+        for i in range(args.prompts // args.group)
+        for j in range(args.group)
+    ]
+    return {
+        "logprobs": [{**r, "logprobs": 0} for r in plain],
+        "no_logprobs": [{**r, "logprobs": None} for r in plain],
+        "groups": [{**r, "logprobs": 0} for r in groups],
+    }
+
+
+def continuation(groups: list[dict], completions: list[list[int]], vocab: int, args: argparse.Namespace) -> list[dict]:
+    """Turn 2: previous prompt + its completion + env tokens (a tool result, say), a new seed."""
+    rng = random.Random(1)
+    out = []
+    for r, done in zip(groups, completions, strict=True):
+        env = [rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(args.env_tokens)]
+        out.append({**r, "prompt": r["prompt"] + done + env, "max_tokens": args.turn2_tokens, "seed": r["seed"] + 1})
+    return out
+
+
+def summary(elapsed: float, completions: list[list[int]]) -> dict:
+    tokens = sum(len(c) for c in completions)
+    return {
+        "requests": len(completions),
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_per_s": tokens / elapsed,
+    }
+
+
+# ---------------------------------------------------------------- our server
+
+
+async def post_all(url: str, requests: list[dict]) -> tuple[float, list[dict]]:
+    import httpx
+    import msgspec
+
+    def body(r: dict) -> dict:
+        sp = {"max_tokens": r["max_tokens"], "ignore_eos": True}
+        if r["seed"] is not None:
+            sp["seed"] = r["seed"]
+        if r.get("logprobs") is not None:
+            sp["logprobs"] = r["logprobs"]
+        return {"token_ids": r["prompt"], "sampling_params": sp}
+
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
         start = time.perf_counter()
-        rs = await asyncio.gather(*[client.post(f"{url}/inference/v1/generate", json=body(p)) for p in prompts])
+        rs = await asyncio.gather(*[client.post(f"{url}/inference/v1/generate", json=body(r)) for r in requests])
         elapsed = time.perf_counter() - start
-    return elapsed, sum(len(r.json()["choices"][0]["token_ids"]) for r in rs)
+    for r in rs:
+        r.raise_for_status()
+    return elapsed, [msgspec.json.decode(r.content)["choices"][0] for r in rs]
+
+
+def run_server_phase(url: str, requests: list[dict]) -> tuple[dict, list[dict]]:
+    elapsed, choices = asyncio.run(post_all(url, requests))
+    result = summary(elapsed, [c["token_ids"] for c in choices])
+    print(f"  server {len(requests)} requests: {result['output_tok_per_s']:,.0f} tok/s", flush=True)
+    return result, choices
+
+
+def served_logprobs(choice: dict) -> list[float]:
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(choice["token_ids"]):
+        raise RuntimeError(f"{len(content)} log-probs for {len(choice['token_ids'])} tokens")
+    return [c["logprob"] for c in content]
+
+
+def profile_server(server_pid: int, seconds: float, out_dir: Path, url: str, requests: list[dict]) -> dict:
+    """py-spy (sampling, non-blocking) over the server and its vLLM engine-core child during a repeat of a phase."""
+    raw = out_dir / "inference_vllm_profile.txt"
+    cmd = ["py-spy", "record", "--pid", str(server_pid), "--subprocesses", "--nonblocking", "--format", "raw",
+           "--rate", "100", "--duration", str(int(seconds)), "--output", str(raw)]  # fmt: skip
+    try:
+        spy = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except FileNotFoundError:
+        return {"error": "py-spy is not installed (pip install py-spy)"}
+    time.sleep(1.0)  # attach before the requests go in
+    phase, _ = run_server_phase(url, requests)
+    log = spy.communicate(timeout=seconds + 120)[0]
+    if spy.returncode != 0 or not raw.exists():
+        return {"error": f"py-spy rc={spy.returncode}: {log[-2000:]}", "phase": phase}
+    return {"phase": phase, "seconds": seconds, "raw_file": raw.name, "processes": summarize_profile(raw)}
+
+
+def summarize_profile(raw: Path, top: int = 40) -> dict:
+    """Per process: samples, and the frames with the most own (leaf) and total samples (file:line dropped)."""
+    own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    total: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    samples: collections.Counter = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        proc = frames[0][:120] if frames[0].startswith("process ") else "main"
+        frames = [f.split(":")[0] + ")" if "(" in f else f for f in frames[1:] if not f.startswith("thread ")]
+        samples[proc] += int(count)
+        if frames:
+            own[proc][frames[-1]] += int(count)
+        for f in set(frames):
+            total[proc][f] += int(count)
+    return {
+        p: {"samples": n, "own": own[p].most_common(top), "total": total[p].most_common(top)}
+        for p, n in samples.most_common()
+    }
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> dict:
@@ -83,12 +230,10 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> dict:
 
     deadline = time.time() + timeout
     while time.time() < deadline:
-        try:
+        with contextlib.suppress(httpx.HTTPError):
             r = httpx.get(f"{url}/health", timeout=2)
             if r.status_code == 200:
                 return r.json()
-        except httpx.HTTPError:
-            pass
         if server.poll() is not None:
             raise RuntimeError(f"server exited during startup (rc={server.returncode})")
         time.sleep(1)
@@ -108,148 +253,235 @@ def stop_server(server: subprocess.Popen) -> None:
     server.wait(timeout=30)
 
 
+def check_server(url: str, prompt: list[int], other: Path, result: dict) -> None:
+    """A chat call works, and /update_weights to the second model changes greedy output."""
+    import httpx
+
+    probe = {"token_ids": prompt, "sampling_params": {"max_tokens": 16, "temperature": 0}}
+    before = httpx.post(f"{url}/inference/v1/generate", json=probe, timeout=600).json()["choices"][0]["token_ids"]
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=600,
+                      json={"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 8, "temperature": 0})  # fmt: skip
+    result["chat"] = {"status": chat.status_code, "usage": chat.json().get("usage")}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/update_weights", json={"weight_dir": str(other), "step": 1}, timeout=1200)
+    update_s = time.perf_counter() - t0
+    after = httpx.post(f"{url}/inference/v1/generate", json=probe, timeout=600).json()["choices"][0]["token_ids"]
+    result["update_weights"] = {"status": r.status_code, "seconds": update_s, "output_changed": before != after}
+    print("update_weights:", json.dumps(result["update_weights"]), flush=True)
+
+
+def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path, args, result: dict) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", args.engine, "--model.name", str(base),
+           "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(work / "run"),
+           "--max-model-len", str(args.max_model_len), "--vllm.max-num-seqs", str(args.prompts),
+           "--vllm.gpu-memory-utilization", str(args.gpu_memory_utilization), "--log.level", "warning"]  # fmt: skip
+    if args.enforce_eager:
+        cmd.append("--vllm.enforce-eager")
+    t = time.perf_counter()
+    server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    phases = result["server"]
+    try:
+        result["health"] = wait_healthy(url, server, args.startup_timeout)
+        result["stages_s"]["server_start"] = time.perf_counter() - t
+        check_server(url, sets["logprobs"][0]["prompt"], other, result)
+        run_server_phase(url, sets["logprobs"][:16])  # warm-up
+        for name in ("logprobs", "no_logprobs", "groups"):
+            phases[name], choices = run_server_phase(url, sets[name])
+        sets["turn2"] = continuation(sets["groups"], [c["token_ids"] for c in choices], result["vocab_size"], args)
+        sets["groups_served"] = [{"token_ids": c["token_ids"], "logprobs": served_logprobs(c)} for c in choices]
+        phases["turn2"], _ = run_server_phase(url, sets["turn2"])
+        if args.profile:
+            result["profile"] = profile_server(server.pid, args.profile, out_dir, url, sets["logprobs"])
+    finally:
+        stop_server(server)
+
+
+# ---------------------------------------------------------------- vLLM offline
+
+
 def offline_llm_kwargs(model: str, args: argparse.Namespace) -> dict:
     """vLLM engine settings equal to what the server passes (see `vllm_cli_args`), for a like-for-like offline run."""
-    kwargs = dict(
+    return dict(
         model=model, dtype="bfloat16", seed=0, max_model_len=args.max_model_len, max_num_seqs=args.prompts,
         gpu_memory_utilization=args.gpu_memory_utilization, logprobs_mode="processed_logprobs",
         enforce_eager=args.enforce_eager,
     )  # fmt: skip
-    return kwargs
 
 
-def main() -> None:
+def run_offline_phase(llm, requests: list[dict], **options) -> tuple[dict, list]:
+    """``options``: SamplingParams fields on top of each request's own (``logprobs`` None drops log-probs)."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(
+            max_tokens=r["max_tokens"], ignore_eos=True, seed=r["seed"], **{"logprobs": r["logprobs"], **options}
+        )
+        for r in requests
+    ]
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    result = summary(elapsed, [o.outputs[0].token_ids for o in outs])
+    print(f"  vLLM {options} {len(requests)} requests: {result['output_tok_per_s']:,.0f} tok/s", flush=True)
+    return result, outs
+
+
+def first_entries(logprobs) -> list[float]:
+    """The first (sampled or actual token's) log-prob of each position of vLLM's logprobs, flat or per-token dicts."""
+    if hasattr(logprobs, "start_indices"):
+        return [
+            logprobs.logprobs[s] if s < e else float("nan")
+            for s, e in zip(logprobs.start_indices, logprobs.end_indices, strict=True)
+        ]
+    return [next(iter(d.values())).logprob if d else float("nan") for d in logprobs]
+
+
+def parity(llm, groups: list[dict], served: list[dict], vllm_outs: list, teacher: int) -> dict:
+    """The server's log-probs against vLLM's ``logprobs=0`` (same seeds, where the tokens agree) and against vLLM's
+    prompt log-probs of the server's own tokens (teacher forcing, ``teacher`` sequences)."""
+    from vllm import SamplingParams
+
+    same, worst = 0, 0.0
+    for s, o in zip(served, vllm_outs, strict=True):
+        if list(o.outputs[0].token_ids) == s["token_ids"]:
+            same += 1
+            worst = max(
+                worst, max(abs(a - b) for a, b in zip(s["logprobs"], first_entries(o.outputs[0].logprobs), strict=True))
+            )
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    pick = list(range(0, len(groups), max(1, len(groups) // teacher)))[:teacher]
+    prompts = [{"prompt_token_ids": groups[i]["prompt"] + served[i]["token_ids"]} for i in pick]
+    forced = llm.generate(prompts, sp, use_tqdm=False)
+    diffs = []
+    for i, o in zip(pick, forced, strict=True):
+        ref = first_entries(o.prompt_logprobs)[len(groups[i]["prompt"]) :]
+        diffs += [abs(a - b) for a, b in zip(served[i]["logprobs"], ref, strict=True)]
+    return {
+        "vs_vllm_logprobs0": {"same_token_sequences": same, "of": len(served), "max_abs_diff": worst},
+        "vs_vllm_prompt_logprobs": {"sequences": len(pick), "tokens": len(diffs), "max_abs_diff": max(diffs),
+                                    "mean_abs_diff": sum(diffs) / len(diffs)},
+    }  # fmt: skip
+
+
+def offline_phases(other: Path, sets: dict, args: argparse.Namespace, result: dict) -> None:
+    from vllm import LLM, SamplingParams
+
+    t = time.perf_counter()
+    llm = LLM(**offline_llm_kwargs(str(other), args))
+    result["stages_s"]["offline_start"] = time.perf_counter() - t
+    llm.generate([{"prompt_token_ids": r["prompt"]} for r in sets["logprobs"][:16]], SamplingParams(max_tokens=8))
+    phases = result["offline"]
+    fast = {"detokenize": False, "flat_logprobs": True}
+    phases["no_logprobs"], _ = run_offline_phase(llm, sets["no_logprobs"])
+    phases["logprobs"], _ = run_offline_phase(llm, sets["logprobs"])
+    seeded = [{**r, "seed": 7 + i} for i, r in enumerate(sets["logprobs"])]
+    phases["logprobs_seeded"], _ = run_offline_phase(llm, seeded)
+    phases["logprobs_flat_nodetok"], _ = run_offline_phase(llm, sets["logprobs"], **fast)
+    phases["groups_no_logprobs"], _ = run_offline_phase(llm, sets["groups"], logprobs=None)
+    phases["groups"], group_outs = run_offline_phase(llm, sets["groups"])
+    phases["groups_flat_nodetok"], _ = run_offline_phase(llm, sets["groups"], **fast)
+    if "turn2" in sets:
+        phases["turn2_no_logprobs"], _ = run_offline_phase(llm, sets["turn2"], logprobs=None)
+        phases["turn2"], _ = run_offline_phase(llm, sets["turn2"])
+    if "groups_served" in sets:
+        result["logprob_parity"] = parity(llm, sets["groups"], sets["groups_served"], group_outs, args.teacher)
+
+
+def ratios(result: dict) -> dict:
+    """The issue's targets: server vs vLLM with log-probs (>= 0.95) and without (>= 0.85), per request pattern."""
+    s, o = result.get("server", {}), result.get("offline", {})
+    pairs = {
+        "server_vs_vllm_logprobs": ("logprobs", "logprobs"),
+        "server_vs_vllm_no_logprobs": ("logprobs", "no_logprobs"),
+        "groups_server_vs_vllm_logprobs": ("groups", "groups"),
+        "groups_server_vs_vllm_no_logprobs": ("groups", "groups_no_logprobs"),
+        "turn2_server_vs_vllm_logprobs": ("turn2", "turn2"),
+        "turn2_server_vs_vllm_no_logprobs": ("turn2", "turn2_no_logprobs"),
+        "server_no_logprobs_vs_vllm_no_logprobs": ("no_logprobs", "no_logprobs"),
+        "vllm_flat_nodetok_vs_vllm_no_logprobs": (None, "logprobs_flat_nodetok"),
+    }
+    out = {}
+    for name, (a, b) in pairs.items():
+        num = o.get("logprobs_flat_nodetok") if a is None else s.get(a)
+        den = o.get("no_logprobs") if a is None else o.get(b)
+        if num and den:
+            out[name] = num["output_tok_per_s"] / den["output_tok_per_s"]
+    return out
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=512)
-    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=512, help="requests per set (all in flight; max_num_seqs)")
+    parser.add_argument("--tokens", type=int, default=512, help="output tokens per request (turn 1)")
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--group", type=int, default=16, help="rollouts per prompt in the orchestrator pattern")
+    parser.add_argument("--env-tokens", type=int, default=64, help="env tokens appended before turn 2")
+    parser.add_argument("--turn2-tokens", type=int, default=256, help="output tokens per request in turn 2")
+    parser.add_argument("--vocab", type=int, default=151936, help="word-level vocabulary size; 0: tests' tokenizer")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer dir/hub id instead of --vocab")
     parser.add_argument("--config", default=str(ROOT / "benchmarks" / "models" / "qwen3-0.6b" / "config.json"))
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers of --config")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (both runs)")
     parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--profile", type=float, default=0, help="seconds of py-spy profile of the server (0: none)")
+    parser.add_argument("--teacher", type=int, default=64, help="sequences checked against vLLM's prompt log-probs")
     parser.add_argument("--skip-offline", action="store_true")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer dir/hub id; default: the tests' local one")
+    parser.add_argument("--engine", default="vllm", help="server engine (torch: a CPU smoke test of this script)")
+    parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory of the result JSON")
     parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"), help="default: git rev-parse HEAD")
     args = parser.parse_args()
+    if args.prompts % args.group:
+        parser.error(f"--prompts ({args.prompts}) must be a multiple of --group ({args.group})")
+    return args
 
-    import httpx
+
+def main() -> None:
+    args = parse_args()
     import torch
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) / f"inference_vllm-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    commit = (
-        args.commit
-        or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    )
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"inference_vllm-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result: dict = {
         "benchmark": "inference_vllm", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "commit": commit, "config": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "stages_s": {},
+        "commit": args.commit or git.stdout.strip(), "config": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "stages_s": {}, "server": {}, "offline": {},
     }  # fmt: skip
-    stages = result["stages_s"]
-
-    def write() -> None:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-
-    t = time.perf_counter()
-    work = Path(tempfile.mkdtemp(prefix="prime-bench-"))
-    base, other = work / "base", work / "weights" / "step_1"
-    save_model(base, 0, args)
-    save_model(other, 1, args)
-    stages["save_models"] = time.perf_counter() - t
-    model_config = json.loads((base / "config.json").read_text())
-    result["model"] = {k: model_config.get(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                       "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")}  # fmt: skip
-    vocab = model_config["vocab_size"]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", "vllm", "--model.name", str(base),
-           "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(work / "run"),
-           "--max-model-len", str(args.max_model_len), "--vllm.max-num-seqs", str(args.prompts),
-           "--vllm.gpu-memory-utilization", str(args.gpu_memory_utilization)]  # fmt: skip
-    if args.enforce_eager:
-        cmd.append("--vllm.enforce-eager")
     try:
         t = time.perf_counter()
-        server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        try:
-            health = wait_healthy(url, server, args.startup_timeout)
-            stages["server_start"] = time.perf_counter() - t
-            result["health"] = health
-            print("health:", json.dumps(health), flush=True)
-            probe = {"token_ids": prompts[0], "sampling_params": {"max_tokens": 16, "temperature": 0}}
-            r = httpx.post(f"{url}/inference/v1/generate", json=probe, timeout=600)
-            r.raise_for_status()
-            before = r.json()["choices"][0]["token_ids"]
-            chat = httpx.post(
-                f"{url}/v1/chat/completions", timeout=600,
-                json={"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 8, "temperature": 0},
-            )  # fmt: skip
-            chat_body = chat.json()
-            result["chat"] = {"status": chat.status_code, "content": chat_body.get("choices", [{}])[0].get("message"),
-                              "usage": chat_body.get("usage")}  # fmt: skip
-            t0 = time.perf_counter()
-            r = httpx.post(f"{url}/update_weights", json={"weight_dir": str(other), "step": 1}, timeout=1200)
-            update_s = time.perf_counter() - t0
-            after = httpx.post(f"{url}/inference/v1/generate", json=probe, timeout=600).json()["choices"][0]
-            result["update_weights"] = {
-                "status": r.status_code, "body": r.json(), "seconds": update_s, "before": before,
-                "after": after["token_ids"], "output_changed": before != after["token_ids"],
-                "weight_step_after": after.get("weight_step", httpx.get(f"{url}/health").json().get("weight_step")),
-            }  # fmt: skip
-            print("update_weights:", json.dumps(result["update_weights"]), flush=True)
-            write()
-            asyncio.run(run_generate(url, prompts[:8], 8))  # warm-up
-            elapsed, out_tokens = asyncio.run(run_generate(url, prompts, args.tokens))
-            result["server"] = {
-                "elapsed_s": elapsed,
-                "output_tokens": out_tokens,
-                "output_tok_per_s": out_tokens / elapsed,
-            }
-            print("server:", json.dumps(result["server"]), flush=True)
-            write()
-        finally:
-            stop_server(server)
-        if args.skip_offline:
-            return
-        if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            result["free_gib_before_offline"] = free / 2**30
-        from vllm import LLM, SamplingParams
-
-        t = time.perf_counter()
-        llm = LLM(**offline_llm_kwargs(str(other), args))
-        stages["offline_start"] = time.perf_counter() - t
-        sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, logprobs=0)
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], SamplingParams(max_tokens=8))
-        start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-        elapsed = time.perf_counter() - start
-        out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        result["offline"] = {
-            "elapsed_s": elapsed,
-            "output_tokens": out_tokens,
-            "output_tok_per_s": out_tokens / elapsed,
-        }
-        result["server_vs_offline"] = result["server"]["output_tok_per_s"] / result["offline"]["output_tok_per_s"]
+        work = Path(tempfile.mkdtemp(prefix="prime-bench-"))
+        base, other = work / "base", work / "weights" / "step_1"
+        tokenizer = make_tokenizer(args)
+        save_model(base, 0, tokenizer, args)
+        save_model(other, 1, tokenizer, args)
+        result["stages_s"]["save_models"] = time.perf_counter() - t
+        model_config = json.loads((base / "config.json").read_text())
+        result["model"] = {k: model_config.get(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")}  # fmt: skip
+        result["vocab_size"] = model_config["vocab_size"]
+        sets = request_sets(result["vocab_size"], args)
+        if not args.skip_server:
+            server_phases(base, other, sets, work, out_dir, args, result)
+            out.write_text(json.dumps(result, indent=2) + "\n")
+        if not args.skip_offline:
+            offline_phases(other, sets, args, result)
     except BaseException as e:
         result["error"] = f"{type(e).__name__}: {e}"
         raise
     finally:
-        try:
+        with contextlib.suppress(ImportError):
             import vllm
 
             result["vllm"] = vllm.__version__
-        except ImportError:
-            pass
-        write()
-        print(json.dumps(result, indent=2))
+        result["targets"] = ratios(result)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: result.get(k) for k in ("server", "offline", "targets", "logprob_parity")}, indent=2))
         print(f"wrote {out}")
 
 

@@ -97,6 +97,38 @@ def run_headless(config: InferenceConfig) -> None:
     vllm_main()
 
 
+def split_logprobs(token_ids: Any, entries: Any, k: int) -> tuple[list[float], list[dict[int, float]] | None]:
+    """(sampled tokens' log-probs, top-k alternatives per token or None for k = 0) from vLLM's sample log-probs.
+
+    ``entries`` is vLLM's `FlatLogprobs` (what ``flat_logprobs=True`` returns): flat lists where position i owns
+    ``[start_indices[i], end_indices[i])``, the sampled token first, then the top k by rank. With k = 0 every
+    position holds one entry, so the log-prob list is handed over as is: no Python object per token (RL asks for
+    exactly this, and a whole batch of rollouts lands on the event loop at once when it finishes together).
+    A plain list of ``{token id: Logprob}`` dicts (vLLM without flat log-probs) is read the slow way.
+    """
+    if isinstance(entries, list):
+        lps = [entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)]
+        if k <= 0:
+            return lps, None
+        top = []
+        for tid, entry in zip(token_ids, entries, strict=True):
+            ranked = sorted(((t, lp) for t, lp in entry.items() if t != tid), key=lambda x: x[1].rank or 0)
+            top.append({t: lp.logprob for t, lp in ranked[:k]})
+        return lps, top
+    starts, values = entries.start_indices, entries.logprobs
+    if len(starts) != len(token_ids):
+        raise RuntimeError(f"vLLM returned log-probs for {len(starts)} positions, {len(token_ids)} tokens")
+    lps = values if len(values) == len(starts) else [values[s] for s in starts]
+    if k <= 0:
+        return lps, None
+    ids, ends = entries.token_ids, entries.end_indices
+    top = [
+        dict([(ids[i], values[i]) for i in range(s + 1, e) if ids[i] != tid][:k])
+        for tid, s, e in zip(token_ids, starts, ends, strict=True)
+    ]
+    return lps, top
+
+
 class VllmEngine(Engine):
     name = "vllm"
 
@@ -160,6 +192,8 @@ class VllmEngine(Engine):
             max_tokens=p.max_tokens,
             min_tokens=p.min_tokens,
             logprobs=p.logprobs,
+            # Log-probs as flat per-request lists, not a dict and a Logprob object per token and alternative.
+            flat_logprobs=p.logprobs is not None,
             include_stop_str_in_output=p.include_stop_str_in_output,
             # The server detokenizes; vLLM only needs text to match stop strings.
             detokenize=bool(p.stop),
@@ -178,19 +212,12 @@ class VllmEngine(Engine):
             if request.lora_name not in self._adapters:
                 raise RequestError(f"LoRA adapter {request.lora_name!r} was unloaded", status_code=404, param="model")
             lora = self._adapters[request.lora_name][0]
+        k = request.params.logprobs
         async for result in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
             out = result.outputs[0]
             logprobs = top = None
-            k = request.params.logprobs
             if k is not None and out.logprobs is not None:
-                logprobs = [entry[tid].logprob for tid, entry in zip(out.token_ids, out.logprobs, strict=True)]
-                # RL asks for the sampled tokens' log-probs alone (k = 0): a whole rollout's worth of per-token
-                # sorting would land on the event loop at once when a batch finishes together.
-                if k > 0:
-                    top = []
-                    for tid, entry in zip(out.token_ids, out.logprobs, strict=True):
-                        ranked = sorted(((t, lp) for t, lp in entry.items() if t != tid), key=lambda x: x[1].rank or 0)
-                        top.append({t: lp.logprob for t, lp in ranked[:k]})
+                logprobs, top = split_logprobs(out.token_ids, out.logprobs, k)
             finish = out.finish_reason if result.finished else None
             yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
 
