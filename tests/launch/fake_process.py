@@ -1,7 +1,8 @@
 """A stand-in for the trainer / orchestrator / inference entry points (chosen by the program name).
 
 inference serves /health on the configured port; orchestrator and trainer append metrics records and the
-trainer exits 0 after max_steps. FAKE_HANG=1 keeps trainer and orchestrator running (for teardown tests).
+trainer exits 0 after max_steps. FAKE_HANG=1 keeps trainer and orchestrator running (for teardown tests);
+FAKE_START_FAIL=1 fails the trainer before any step is logged.
 Every process writes its pid (and that of a `sleep` grandchild) to <output_dir>/pids/.
 """
 
@@ -35,8 +36,14 @@ if name == "inference":
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
+            if self.path != "/health":
+                self.send_response(404)
+                self.end_headers()
+                return
+            body = json.dumps({"status": "ok", "weight_step": 0, "run_id": os.environ.get("PRIME_RUN_ID")})
+            self.send_response(200)
             self.end_headers()
+            self.wfile.write(body.encode())
 
         def log_message(self, *a):
             pass
@@ -46,6 +53,10 @@ elif name in ("orchestrator", "trainer"):
     hang = os.environ.get("FAKE_HANG") == "1"
     if name == "trainer" and os.environ.get("FAKE_TRAINER_FAIL") == "1":
         print("Traceback: something broke in the trainer", flush=True)
+        sys.exit(3)
+    while name == "orchestrator" and os.environ.get("FAKE_START_FAIL") == "1":
+        time.sleep(0.1)  # no step: the trainer fails at start and rl stops us
+    if os.environ.get("FAKE_START_FAIL") == "1":
         sys.exit(3)
     for step in range(config["max_steps"]):
         if name == "orchestrator":

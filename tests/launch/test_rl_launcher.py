@@ -87,7 +87,7 @@ def test_normal_finish_exits_zero_and_summarizes(tmp_path, rl_env):
     assert "trainer finished" in result.stdout
     assert "reward, first 3 steps  0.1000" in result.stdout  # mean(0.0, 0.1, 0.2)
     assert "reward, last 3 steps   0.3000" in result.stdout  # mean(0.2, 0.3, 0.4)
-    assert "max mismatch KL          0.0040" in result.stdout
+    assert "max mismatch KL          0.004\n" in result.stdout
     assert "inference started with @" in (out / "logs" / "inference.log").read_text()
     assert "CUDA_VISIBLE_DEVICES=''" in (out / "logs" / "trainer.log").read_text()
     for pid in [p for pids in pids_of(out).values() for p in pids]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import TextIO
 
@@ -22,8 +20,10 @@ from prime_launch.plan import (
     check_output_dir,
     clear_run,
     command_line,
+    existing_artifacts,
 )
 from prime_launch.process import ProcessFailed, ProcessManager, tail_lines
+from prime_launch.servers import StartupFailed, check_port_free, reset_to_base, wait_healthy
 
 POLL_S = 0.2
 
@@ -32,10 +32,6 @@ class Interrupted(Exception):
     def __init__(self, signum: int):
         self.signum = signum
         super().__init__(signal.Signals(signum).name)
-
-
-class StartupFailed(Exception):
-    """A process did not come up (e.g. inference never became healthy)."""
 
 
 def write_configs(plan: RunPlan, *, dry_run: bool) -> dict[str, Path]:
@@ -76,28 +72,6 @@ def dry_run(rl: RLConfig, out: TextIO = sys.stdout) -> None:
     print(f"commands (in start order; {waiting} for " + ", ".join(plan.health_urls) + "):", file=out)
     for spec in plan.specs:
         print(f"  {command_line(spec)}", file=out)
-
-
-def wait_healthy(urls: list[str], api_key: str | None, timeout: float, manager: ProcessManager) -> None:
-    """Poll each URL until it answers 200; fail early if a started process dies."""
-    deadline = time.monotonic() + timeout
-    pending = list(urls)
-    while pending:
-        url = pending[0]
-        request = urllib.request.Request(url)
-        if api_key:
-            request.add_header("Authorization", f"Bearer {api_key}")
-        try:
-            with urllib.request.urlopen(request, timeout=2) as response:
-                if response.status == 200:
-                    pending.pop(0)
-                    continue
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
-        manager.poll()
-        if time.monotonic() > deadline:
-            raise StartupFailed(f"{url} did not answer within {timeout:.0f} s (health_timeout)")
-        time.sleep(0.5)
 
 
 class _Console:
@@ -168,12 +142,18 @@ def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
     """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal)."""
     plan = build_plan(rl)
     check_output_dirs(plan, rl)
-    if rl.overwrite:
-        for run_dir in (plan.run_dir, *plan.runs.values()):
-            clear_run(run_dir)
+    check_port_free(plan.configs.get("inference"))
+    resume = rl.resume or plan.resume_step is not None
+    # What a start that failed before its first step left behind (configs, logs, step-0 rollouts) must not
+    # block the directory, nor leak into this run.
+    failed_starts = [d for d in (plan.run_dir, *plan.runs.values()) if not resume and existing_artifacts(d)]
+    for run_dir in (plan.run_dir, *plan.runs.values()) if rl.overwrite else failed_starts:
+        clear_run(run_dir)
     write_configs(plan, dry_run=False)
     console = _Console(rl, plan, out)
     console.message(f"rl: run directory {plan.run_dir.root}")
+    for run_dir in failed_starts if not rl.overwrite else []:
+        console.message(f"rl: cleared the leftovers of a start that failed before its first step in {run_dir.root}")
     for spec in plan.specs:
         console.message(f"rl: {spec.name:<{plan.name_width}}{plan.devices.get(spec.name, '')}  log {spec.log_file}")
     for note in plan.notes:
@@ -197,7 +177,12 @@ def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
             console.message(f"rl: waiting for inference at {', '.join(plan.health_urls)}")
         else:
             console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
-        wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager)
+        own = "inference" in specs
+        run_id = specs["inference"].env["PRIME_RUN_ID"] if own else None
+        answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager.poll, run_id)
+        if not own and plan.resume_step in (None, 0):
+            for message in reset_to_base(answers, plan.api_key, rl.health_timeout):
+                console.message(f"rl: {message}")
         console.message(f"rl: inference is healthy; starting {', '.join(plan.orchestrators)} and trainer")
         for name in plan.orchestrators:
             manager.start(specs[name], append_log=append)

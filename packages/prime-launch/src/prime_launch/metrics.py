@@ -153,13 +153,16 @@ def format_summary(summary: dict[str, Any], num: int = 3, title: str = "") -> st
     def f(v: Any) -> str:
         return "-" if v is None else f"{v:.4f}"
 
+    def kl(v: Any) -> str:  # a mismatch KL of 3e-9 must not print as 0.0000
+        return "-" if v is None else f"{v:.3g}"
+
     return "\n".join(
         [
             f"summary of {title}:" if title else "summary:",
             f"  trainer steps logged     {summary['trainer_steps']}",
             f"  reward, first {num} steps  {f(summary['reward_first'])}",
             f"  reward, last {num} steps   {f(summary['reward_last'])}",
-            f"  max mismatch KL          {f(summary['mismatch_kl_max'])}",
+            f"  max mismatch KL          {kl(summary['mismatch_kl_max'])}",
             f"  last loss                {f(summary['loss_last'])}",
         ]
     )

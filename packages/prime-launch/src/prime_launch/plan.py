@@ -338,10 +338,26 @@ def existing_artifacts(run_dir: RunDir) -> list[str]:
     return found
 
 
+def trained(run_dir: RunDir) -> bool:
+    """Whether the run in ``run_dir`` got through a step: a checkpoint, weights after step 0, a metrics record
+    (trainer or orchestrator), samples or evals. A start that failed before that left only disposable artifacts
+    (configs, logs, partial step-0 rollouts)."""
+    root = run_dir.root
+    if any(p.is_dir() and any(p.iterdir()) for p in (run_dir.checkpoints, root / "samples", root / "eval")):
+        return True
+    if run_dir.weights.is_dir() and any(p.name != "step_0" for p in run_dir.weights.iterdir()):
+        return True
+    try:
+        with open(run_dir.metrics, encoding="utf-8", errors="replace") as f:
+            return any(line.strip() for line in f)
+    except OSError:
+        return False
+
+
 def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool) -> None:
-    """Refuse an output directory holding another run unless resuming or overwriting."""
+    """Refuse an output directory holding another run that trained, unless resuming or overwriting."""
     found = existing_artifacts(run_dir)
-    if found and not (overwrite or resume):
+    if found and not (overwrite or resume) and trained(run_dir):
         raise FileExistsError(
             f"output directory {run_dir.root} holds another run ({', '.join(found)}); pass --resume to continue it, "
             "--overwrite to delete it and start afresh, or choose another --output-dir"

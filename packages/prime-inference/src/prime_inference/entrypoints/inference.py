@@ -42,6 +42,13 @@ def serve(config: InferenceConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(InferenceConfig, argv, prog="inference", description=__doc__)
+    from prime_core.config.cli import fail
+    from prime_core.preflight import port_in_use
+
+    # A busy port is one line now, not an error after the model has loaded.
+    busy = None if config.vllm.headless else port_in_use(config.server.host, config.server.port)
+    if busy:
+        fail(f"server.port: {busy}; stop that server or choose another --server.port")
     serve(config)
 
 
