@@ -37,7 +37,7 @@ class SandboxPoolConfig(BaseConfig):
     max_concurrency: int = Field(default=256, ge=1, le=8192)
     """Executions running at once; more wait in line. Each holds its own uid while it runs."""
     uid_base: int = Field(default=200_000, ge=1000)
-    """First of ``max_concurrency + 64`` host uids lent to executions; they must own no files on the host."""
+    """First of ``max_concurrency + 1024`` host uids lent to executions and workspaces; they must own no host files."""
     python: str | None = None
     """Interpreter of the zygotes and of Python solutions (None: the one running the pool). Stdlib only."""
     preload: list[str] = Field(default_factory=list)

@@ -122,6 +122,29 @@ def _all_models(cls: type[BaseModel]):
         yield from _all_models(sub)
 
 
+def _referenced(annotation) -> set[type]:
+    found = {annotation} if isinstance(annotation, type) else set()
+    for arg in typing.get_args(annotation):
+        found |= _referenced(arg)
+    return found
+
+
+def _rebuild_order(models: list[type[BaseModel]], changed: list[type[BaseModel]]) -> list[type[BaseModel]]:
+    """``changed`` and every model embedding one of them (directly or not), children before their parents:
+    a parent's schema copies its fields' schemas at build time."""
+    order, done = list(changed), set(changed)
+    refs = {m: set().union(*(_referenced(f.annotation) for f in m.model_fields.values())) for m in models}
+    grew = True
+    while grew:
+        grew = False
+        for model in models:
+            if model not in done and refs[model] & done:
+                order.append(model)
+                done.add(model)
+                grew = True
+    return order
+
+
 def install() -> None:
     """Make ``sandbox_pool`` a verifiers runtime type (idempotent)."""
     old = vr.RuntimeConfig
@@ -132,14 +155,16 @@ def install() -> None:
     original_cls = vr._runtime_cls
     vr._runtime_cls = lambda config: SandboxPoolRuntime if config.type == TYPE else original_cls(config)
     vr.RuntimeConfig = new
-    models = [m for m in _all_models(BaseModel) if m.__module__.startswith("verifiers.")]
+    models = list(dict.fromkeys(m for m in _all_models(BaseModel) if m.__module__.startswith("verifiers.")))
+    changed = []
     for model in models:
         for field in model.model_fields.values():
             swapped = _swap(field.annotation, members, new)
             if swapped is not None:
                 field.annotation = swapped
                 field.discriminator = None  # the new union carries it
-    for model in models:  # parents embed their fields' schemas: rebuild every verifiers model
+                changed.append(model)
+    for model in _rebuild_order(models, list(dict.fromkeys(changed))):
         model.model_rebuild(force=True)
 
 
