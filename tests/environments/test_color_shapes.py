@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 from prime_core.vision import load_image
 
@@ -47,14 +45,12 @@ def test_sft_rows_hold_the_image_inline():
     assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/png;base64,")
 
 
-def test_taskset_loads_through_verifiers_and_scores():
-    from prime_orchestrator.env_worker import RolloutTrace, initial_messages, load_tasks, score
+def test_taskset_loads_through_verifiers():
+    import verifiers.v1 as vf
 
-    tasks = load_tasks("color-shapes", {"num_examples": 4, "seed": 2})
-    t = tasks[0]
-    messages = initial_messages(t)
-    assert messages[0]["role"] == "system" and messages[1]["content"][0]["type"] == "image_url"
-    right = RolloutTrace([{"role": "assistant", "content": f"<answer>{t.data.answer}</answer>"}], {}, 1)
-    wrong = RolloutTrace([{"role": "assistant", "content": "<answer>purple</answer>"}], {}, 1)
-    assert asyncio.run(score(t, right))[0] == 1.0
-    assert asyncio.run(score(t, wrong))[0] == 0.0
+    taskset = vf.load_taskset(
+        vf.resolve_env_config({"taskset": {"id": "color-shapes", "num_examples": 4, "seed": 2}}).taskset
+    )
+    t = next(iter(taskset))
+    assert t.data.system_prompt and t.data.prompt[0].content[0].type == "image_url"
+    assert [fn.__name__ for fn in t.hooks("reward")] == ["correct"]

@@ -24,34 +24,59 @@ def test_arithmetic_generator_and_math_verify():
 
 
 def test_guess_number_game():
-    from guess_number import generate_examples, parse_tool_call
-    from guess_number.data import feedback, game_reward
+    from guess_number import feedback, game_reward, generate_examples, parse_guess
 
     assert generate_examples(5, seed=2) == generate_examples(5, seed=2)
-    assert parse_tool_call('<tool_call>{"name": "guess", "arguments": {"number": 7}}</tool_call>') == 7
-    assert parse_tool_call("<tool_call>guess 9</tool_call>") == 9
-    assert parse_tool_call("no call") is None
+    assert parse_guess("I think <guess>7</guess>") == 7
+    assert parse_guess("<guess>3</guess> no, <guess> 9 </guess>") == 9
+    assert parse_guess("7") is None
     assert (feedback(3, 5), feedback(7, 5), feedback(5, 5)) == ("higher", "lower", "correct")
-    assert game_reward(True, 1, 6) == 1.0 and game_reward(False, 3, 6) == 0.0
+    assert "<guess>" in feedback(None, 5)
+    assert game_reward(True, 1, 6) == 1.0 and game_reward(True, 6, 6) == 0.5 and game_reward(False, 3, 6) == 0.0
 
 
-def test_tasksets_load_through_verifiers_and_score():
-    import asyncio
+def test_tool_use_generator_and_calculator():
+    from tool_use import evaluate, generate_examples, parse_answer
 
-    from prime_orchestrator.env_worker import RolloutTrace, load_tasks, score
+    ex = generate_examples(30, seed=1)
+    assert ex == generate_examples(30, seed=1) and ex != generate_examples(30, seed=2)
+    assert all(evaluate(e["expression"]) == int(e["answer"]) for e in ex)
+    assert all(1000 <= int(x) <= 9999 for e in ex for x in e["expression"].split()[::2])
+    assert evaluate("(2 + 3) * -4 // 3 % 5") == ((2 + 3) * -4 // 3) % 5
+    for bad in ("__import__('os')", "2 ** 99999", "1 // 0", "2.5 * 2", "x + 1", "9" * 20 + " * " + "9" * 20):
+        with pytest.raises(ValueError):
+            evaluate(bad)
+    assert parse_answer("so <answer>1,234</answer>") == 1234 and parse_answer("1234") is None
 
-    tasks = load_tasks("reverse-text", {"num_examples": 3})
-    t = tasks[0]
-    trace = RolloutTrace([{"role": "assistant", "content": f"<reversed>{t.data.answer}</reversed>"}], {}, 1)
-    assert asyncio.run(score(t, trace))[0] == 1.0
-    g = load_tasks("guess-number", {"num_examples": 2})[0]
-    info: dict = {}
-    msgs = [
-        {
-            "role": "assistant",
-            "content": f'<tool_call>{{"name": "guess", "arguments": {{"number": {g.data.secret}}}}}</tool_call>',
-        }
-    ]
-    assert g.env_response(msgs, info) is None and info["solved"]
-    total, signals = asyncio.run(score(g, RolloutTrace(msgs, info, 1)))
-    assert total == 1.0 and signals["metric/num_guesses"] == 1.0
+
+@pytest.mark.parametrize(
+    ("env_id", "args", "env_cls"),
+    [
+        ("reverse-text", {"num_examples": 3}, "SingleAgentEnv"),
+        ("arithmetic", {"num_examples": 3}, "SingleAgentEnv"),
+        ("color-shapes", {"num_examples": 3}, "SingleAgentEnv"),
+        ("tool-use", {"num_examples": 3}, "SingleAgentEnv"),
+        ("guess-number", {"num_examples": 3}, "GuessNumberEnv"),
+    ],
+)
+def test_environments_load_through_verifiers_loaders(env_id, args, env_cls):
+    """What verifiers' own eval and env server resolve for each id: the taskset, its tasks, and the Env class."""
+    import verifiers.v1 as vf
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    config = resolve_env_config({"taskset": {"id": env_id, **args}})
+    assert vf.environment_class(env_id).__name__ == env_cls
+    tasks = list(vf.load_taskset(config.taskset))
+    assert len(tasks) == 3 and [t.data.idx for t in tasks] == [0, 1, 2]
+    assert tasks[0].data.prompt and tasks[0].hooks("reward") or env_cls == "GuessNumberEnv"
+
+
+def test_tool_use_declares_its_calculator_toolset():
+    import verifiers.v1 as vf
+    from tool_use.calculator import CalculatorToolset
+
+    taskset = vf.load_taskset(vf.resolve_env_config({"taskset": {"id": "tool-use"}}).taskset)
+    (toolset,) = type(taskset).task_type().toolsets(taskset.config.task)
+    assert isinstance(toolset, CalculatorToolset) and toolset.server_name == "calculator"
+    assert toolset.evaluate("1234 * 5678") == str(1234 * 5678)
+    assert toolset.evaluate("import os").startswith("error:")

@@ -1,17 +1,20 @@
-"""Multi-turn number guessing: the model calls a ``guess`` tool and gets higher/lower feedback."""
+"""Multi-turn number guessing: the model guesses, the game answers higher or lower between turns (a ``vf.Env``)."""
 
-from guess_number.data import SYSTEM_PROMPT, generate_examples, parse_tool_call
+from guess_number.data import SYSTEM_PROMPT, feedback, game_reward, generate_examples, parse_guess
 
 __version__ = "0.1.0"
-__all__ = ["GuessNumberTaskset"]
+__all__ = ["GuessNumberEnv", "GuessNumberTaskset"]
+
+_LAZY = ("GuessNumberTaskset", "GuessNumberTask", "GuessNumberData", "GuessNumberConfig", "GuessNumberEnv")
 
 
 def __getattr__(name: str):
-    if name in ("GuessNumberTaskset", "GuessNumberTask", "GuessNumberData", "GuessNumberConfig"):
+    # verifiers is imported on first use, so the generator and reward stay importable without it.
+    if name in _LAZY or name == "GuessNumberEnvConfig":
         from guess_number import taskset
 
         return getattr(taskset, name)
     raise AttributeError(f"module 'guess_number' has no attribute {name!r}")
 
 
-_ = (SYSTEM_PROMPT, generate_examples, parse_tool_call)
+_ = (SYSTEM_PROMPT, feedback, game_reward, generate_examples, parse_guess)

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import random
 import re
 
 SYSTEM_PROMPT = (
-    "Guess the secret integer between 1 and {high}. Call the guess tool once per turn:\n"
-    '<tool_call>{{"name": "guess", "arguments": {{"number": N}}}}</tool_call>\n'
-    "The tool answers higher, lower or correct."
+    "Guess the secret integer between 1 and {high}. Reply with one guess per turn as <guess>N</guess>; "
+    "you are told whether the secret is higher or lower."
 )
 
-TOOL_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "guess",
-        "description": "Guess the secret number; returns higher, lower or correct.",
-        "parameters": {"type": "object", "properties": {"number": {"type": "integer"}}, "required": ["number"]},
-    },
-}
-
-_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_INT_RE = re.compile(r"-?\d+")
+_GUESS_RE = re.compile(r"<guess>\s*(-?\d+)\s*</guess>")
 
 
 def generate_examples(n: int, seed: int = 0, high: int = 16) -> list[dict]:
@@ -39,23 +27,16 @@ def generate_examples(n: int, seed: int = 0, high: int = 16) -> list[dict]:
     ]
 
 
-def parse_tool_call(reply: str) -> int | None:
-    """The guessed number of the first guess tool call in ``reply`` (JSON, or a bare integer inside)."""
-    m = _CALL_RE.search(reply)
-    if not m:
-        return None
-    body = m.group(1).strip()
-    try:
-        call = json.loads(body)
-        if call.get("name") == "guess":
-            return int(call["arguments"]["number"])
-    except (ValueError, KeyError, TypeError, AttributeError):
-        pass
-    found = _INT_RE.search(body)
-    return int(found.group()) if found else None
+def parse_guess(reply: str) -> int | None:
+    """The number in the last ``<guess>N</guess>`` of ``reply``, or None without one."""
+    found = _GUESS_RE.findall(reply or "")
+    return int(found[-1]) if found else None
 
 
-def feedback(guess: int, secret: int) -> str:
+def feedback(guess: int | None, secret: int) -> str:
+    """What the game answers: ``correct``, ``higher``, ``lower``, or a reminder of the format."""
+    if guess is None:
+        return "No guess found: reply with <guess>N</guess>."
     if guess == secret:
         return "correct"
     return "higher" if secret > guess else "lower"

@@ -1,13 +1,17 @@
-"""The guess-number verifiers Taskset (multi-turn, one tool call per turn)."""
+"""The guess-number game as verifiers' own multi-turn form: a Taskset of secrets and the ``vf.Env`` that plays it.
+
+The env is exported next to the taskset, so wherever verifiers loads ``guess-number`` (its own eval, an env server,
+prime's orchestrator) an episode is the game: the model's reply is a guess, the env answers ``higher``/``lower`` as
+the next user turn, until the secret is found or ``max_guesses`` is spent.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
 
 import verifiers.v1 as vf
 
-from guess_number.data import TOOL_SCHEMA, feedback, game_reward, generate_examples, parse_tool_call
+from guess_number.data import feedback, game_reward, generate_examples, parse_guess
 
 
 class GuessNumberData(vf.TaskData):
@@ -20,30 +24,7 @@ class GuessNumberData(vf.TaskData):
 
 
 class GuessNumberTask(vf.Task[GuessNumberData]):
-    tools: ClassVar[list[dict]] = [TOOL_SCHEMA]
-
-    def env_response(self, messages: list[dict[str, Any]], info: dict[str, Any]) -> list[dict[str, Any]] | None:
-        """The tool turn answering the last assistant message, or None when the game is over."""
-        guess = parse_tool_call(messages[-1]["content"])
-        info["num_guesses"] = info.get("num_guesses", 0) + 1
-        # A reply without a valid call uses up a guess and gets a reminder, so the game stays multi-turn.
-        result = "invalid: call the guess tool" if guess is None else feedback(guess, self.data.secret)
-        if result == "correct":
-            info["solved"] = True
-            return None
-        if info["num_guesses"] >= self.data.max_guesses:
-            info["stop"] = "max_guesses"
-            return None
-        return [{"role": "tool", "content": result, "name": "guess"}]
-
-    @vf.reward(weight=1.0)
-    async def win(self, trace: vf.Trace) -> float:
-        info = trace.info
-        return game_reward(bool(info.get("solved")), int(info.get("num_guesses", 0)), self.data.max_guesses)
-
-    @vf.metric
-    async def num_guesses(self, trace: vf.Trace) -> float:
-        return float(trace.info.get("num_guesses", 0))
+    pass
 
 
 class GuessNumberConfig(vf.TasksetConfig):
@@ -70,3 +51,27 @@ class GuessNumberTaskset(vf.Taskset[GuessNumberTask, GuessNumberConfig]):
                     max_guesses=c.max_guesses,
                 )
             )
+
+
+class GuessNumberEnvConfig(vf.EnvConfig):
+    # A pure chat game: the tool-less `null` harness, on the local subprocess runtime (it runs no model code).
+    player: vf.AgentConfig = vf.AgentConfig(harness={"id": "null"}, runtime={"type": "subprocess"})
+
+
+class GuessNumberEnv(vf.Env[GuessNumberEnvConfig]):
+    async def run(self, task, agents):
+        data = task.data
+        guesses, solved = 0, False
+        async with agents.player.interaction(task) as interaction:
+            segment = await interaction.turn()
+            while not segment.terminated:
+                guesses += 1
+                answer = feedback(parse_guess(segment.last_reply), data.secret)
+                solved = answer == "correct"
+                if solved or guesses >= data.max_guesses:
+                    break
+                segment = await interaction.turn(answer)
+        trace = interaction.trace
+        trace.record_reward("win", game_reward(solved, guesses, data.max_guesses), 1.0)
+        trace.record_metric("num_guesses", float(guesses))
+        trace.record_metric("solved", float(solved))
