@@ -2,7 +2,7 @@
 
 inference serves /health on the configured port; orchestrator and trainer append metrics records and the
 trainer exits 0 after max_steps. FAKE_HANG=1 keeps trainer and orchestrator running (for teardown tests);
-FAKE_START_FAIL=1 fails the trainer before any step is logged.
+FAKE_START_FAIL=1 fails the trainer before any step is logged; FAKE_FILL_DISK=1 has it write until the disk is full.
 Every process writes its pid (and that of a `sleep` grandchild) to <output_dir>/pids/.
 """
 
@@ -58,6 +58,10 @@ elif name in ("orchestrator", "trainer"):
         time.sleep(0.1)  # no step: the trainer fails at start and rl stops us
     if os.environ.get("FAKE_START_FAIL") == "1":
         sys.exit(3)
+    if name == "trainer" and os.environ.get("FAKE_FILL_DISK") == "1":
+        with open(out / "checkpoints.bin", "wb") as f:  # a checkpoint that does not fit
+            while True:
+                f.write(b"\0" * 65536)
     for step in range(config["max_steps"]):
         if name == "orchestrator":
             log(step, {"reward/mean": 0.1 * step})

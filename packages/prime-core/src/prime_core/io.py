@@ -7,8 +7,10 @@ writing a ``STABLE`` marker last.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -108,3 +110,53 @@ def wait_for_path(
 def wait_stable(directory: str | os.PathLike, *, timeout: float | None, **kwargs: Any) -> Path:
     wait_for_path(Path(directory) / STABLE_MARKER, timeout=timeout, **kwargs)
     return Path(directory)
+
+
+# Errors of the storage itself (full, over quota, read-only, failing): the user must free space or move the run.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
+
+
+def storage_error(exc: BaseException) -> OSError | None:
+    """The storage ``OSError`` behind ``exc``: itself, its cause/context chain, or a failure of a torch
+    distributed checkpoint (``CheckpointException.failures`` maps ranks to wrapped exceptions)."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, tuple):  # DCP wraps a rank's failure as (exception, traceback)
+            todo.extend(x for x in e if isinstance(x, BaseException))
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return e
+        rust_io = re.search(r"\(os error (\d+)\)", str(e))  # safetensors reports Rust's io::Error as text
+        if rust_io and int(rust_io.group(1)) in STORAGE_ERRNOS:
+            return OSError(int(rust_io.group(1)), os.strerror(int(rust_io.group(1))))
+        todo.extend([e.__cause__, e.__context__, *getattr(e, "failures", {}).values()])
+    return None
+
+
+def storage_error_line(e: OSError, path: str | os.PathLike | None = None) -> str:
+    """``No space left on device (errno 28 ENOSPC) writing <file>`` (or ``writing under <path>`` when the error
+    does not name its file): the cause and where, on one line."""
+    code = errno.errorcode.get(e.errno or 0, "?")
+    where = f" writing {e.filename}" if e.filename else f" writing under {path}" if path else ""
+    return f"{e.strerror or os.strerror(e.errno or 0)} (errno {e.errno} {code}){where}"
+
+
+class StorageError(OSError):
+    """A write that failed for lack of storage; its message is one line naming the errno and the path."""
+
+    def __str__(self) -> str:
+        return storage_error_line(self)
+
+
+def raise_storage_error(exc: BaseException, path: str | os.PathLike) -> None:
+    """Re-raise ``exc`` as a `StorageError` naming ``path`` if a storage error caused it; else return."""
+    found = storage_error(exc)
+    if found is not None:
+        raise StorageError(
+            found.errno, found.strerror or os.strerror(found.errno or 0), found.filename or str(path)
+        ) from exc

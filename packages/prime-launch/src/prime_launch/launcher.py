@@ -22,7 +22,7 @@ from prime_launch.plan import (
     command_line,
     existing_artifacts,
 )
-from prime_launch.process import ProcessFailed, ProcessManager, tail_lines
+from prime_launch.process import ProcessFailed, ProcessManager, full_disk_note, tail_lines
 from prime_launch.servers import StartupFailed, check_port_free, reset_to_base, wait_healthy
 
 POLL_S = 0.2
@@ -201,6 +201,8 @@ def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
         console.message("rl: trainer finished; stopping the other processes")
     except ProcessFailed as e:
         console.message(e.report())
+        if note := full_disk_note(plan.run_dir.root):
+            console.message(f"error: {note}")
         code = 1
     except StartupFailed as e:
         console.message(f"error: {e}")

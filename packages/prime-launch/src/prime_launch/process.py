@@ -56,6 +56,20 @@ class ProcessFailed(RuntimeError):
         return "\n".join(lines)
 
 
+def full_disk_note(path: Path, min_free: int = 1 << 20) -> str | None:
+    """A line saying the file system of ``path`` is full (under ``min_free`` bytes left), else None. A child
+    that died of a full disk could not write why into its log there: the launcher says it."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None
+    if free >= min_free:
+        return None
+    return f"No space left on device (errno 28 ENOSPC): {path} has {free} bytes free; its logs may be cut off"
+
+
 def tail_lines(path: Path, num_lines: int) -> list[str]:
     """The last ``num_lines`` lines of a (possibly large) text file; [] if it does not exist."""
     try:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from prime_core.config.shared import CheckpointConfig
-from prime_core.io import STABLE_MARKER, atomic_write_json, is_stable, mark_stable
+from prime_core.io import STABLE_MARKER, atomic_write_json, is_stable, mark_stable, raise_storage_error
 from prime_core.run_dir import RunDir
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -84,7 +84,11 @@ class CheckpointManager:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._writer_pg)
             self._pending = (future, step, tmp, progress)
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
+            try:
+                dcp.save(state, checkpoint_id=str(tmp))
+            except BaseException as e:  # a full disk arrives in DCP's CheckpointException (a BaseException)
+                raise_storage_error(e, tmp)
+                raise
             self._finalize(step, tmp, progress)
 
     def poll(self) -> None:
@@ -100,7 +104,11 @@ class CheckpointManager:
         if self._pending is None:
             return
         future, step, tmp, progress = self._pending
-        future.result()
+        try:
+            future.result()
+        except BaseException as e:
+            raise_storage_error(e, tmp)
+            raise
         self._pending = None
         self._finalize(step, tmp, progress)
 

@@ -7,6 +7,8 @@ trainer --bench --model.name <dir> --data.fake.batch-size 8
 
 from __future__ import annotations
 
+import sys
+
 from prime_core.config import ConfigError, parse_cli
 from prime_core.config.cli import fail
 from prime_core.config.trainer import TrainerConfig
@@ -22,6 +24,14 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         # Settings that only the world (ranks, data) shows to be wrong: one line, like a parse error.
         fail(str(e))
+    except Exception as e:
+        # A full disk (checkpoint, weights, logs): one line naming errno and path instead of a traceback.
+        from prime_core.io import storage_error, storage_error_line
+
+        if (found := storage_error(e)) is None:
+            raise
+        print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         shutdown_world()
 
