@@ -49,10 +49,15 @@ def bad_requests(paths: dict, vocab: int) -> list[tuple[str, str, dict, bytes | 
         ("stop", [""]),
         ("stop_token_ids", [-1]),
         ("stop_token_ids", [vocab + 3]),
-        ("presence_penalty", 1.0),
-        ("repetition_penalty", 1.3),
-        ("min_p", 0.2),
-        ("logit_bias", {"1": 3}),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("min_p", 1.2),
+        ("logit_bias", {"one": 3}),
+        ("logit_bias", {str(vocab + 5): 3}),
+        ("allowed_token_ids", []),
+        ("structured_outputs", {"regex": 5}),
+        ("structured_outputs", {"json": "{not json"}),
         ("min_tokens", -1),
         ("stream", "yes"),
         ("logprobs", 50),
@@ -86,14 +91,17 @@ def bad_requests(paths: dict, vocab: int) -> list[tuple[str, str, dict, bytes | 
     post("/v1/chat/completions", {**chat_ok, "messages": [{"content": "x"}]})
     post("/v1/chat/completions", {**chat_ok, "messages": "hello"})
     post("/v1/chat/completions", {**chat_ok, "messages": [{"role": "user", "content": "word " * 400}]})
-    post("/v1/chat/completions", {**chat_ok, "response_format": {"type": "json_object"}})
+    post("/v1/chat/completions", {**chat_ok, "response_format": {"type": "yaml"}})
+    post("/v1/chat/completions", {**chat_ok, "response_format": {"type": "json_schema", "json_schema": {}}})
+    post("/v1/chat/completions", {**chat_ok, "tool_choice": "required"})  # without tools
+    post("/v1/chat/completions", {**chat_ok, "n": 2, "temperature": 0})
     post("/v1/chat/completions", {**chat_ok, "stream_options": {"include_usage": True}})  # without stream
     post("/v1/completions", {**cmpl_ok, "prompt": ""})
     post("/v1/completions", {**cmpl_ok, "prompt": []})
     post("/v1/completions", {**cmpl_ok, "prompt": [vocab]})
     post("/v1/completions", {**cmpl_ok, "prompt": [[1, 2], [3, -4]]})
     post("/v1/completions", {**cmpl_ok, "prompt": "the " * 300})
-    post("/v1/completions", {**cmpl_ok, "echo": True})
+    post("/v1/completions", {**cmpl_ok, "echo": "yes"})
     post("/v1/completions", {**cmpl_ok, "suffix": "x"})
     post("/v1/generate", {"sampling_params": {"max_tokens": 3}})
     post("/v1/generate", {"token_ids": [], "sampling_params": {}})

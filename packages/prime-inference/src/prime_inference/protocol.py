@@ -1,11 +1,12 @@
 """HTTP request schemas (OpenAI chat/completions, vLLM token-in generate) and engine-facing sampling params.
 
-Every request model forbids unknown fields, so a typo is a 400 rather than a silently ignored option. Options that
-vLLM accepts but the server does not implement are accepted at their neutral value and rejected otherwise.
+Every request model forbids unknown fields, so a typo is a 400 rather than a silently ignored option; the OpenAI SDK
+fields that vLLM accepts and ignores (``store``, ``metadata``, ``reasoning_effort``, ...) are declared and ignored.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -42,13 +43,15 @@ def error_body(message: str, status_code: int, param: str | None = None) -> dict
 
 @dataclass
 class SamplingParams:
-    """What an engine needs to generate one sequence (one choice)."""
+    """What an engine needs to generate one sequence (one choice). Processing order follows vLLM's sampler: grammar
+    mask, allowed ids, logit bias and min_tokens bans, penalties, then temperature, min_p, top-k and top-p."""
 
     max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     """0 or -1 disables top-k (vLLM's convention)."""
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -56,7 +59,21 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     """None: no log-probs; k >= 0: the sampled token's log-prob plus the top k alternatives."""
+    prompt_logprobs: int | None = None
+    """None: none; k >= 0: every prompt token's log-prob plus the top k alternatives at its position."""
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    grammar: str | None = None
+    """An llguidance grammar (built by `prime_inference.structured`) that every sampled token must follow."""
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class _Strict(BaseModel):
@@ -67,6 +84,9 @@ Bool = Annotated[bool, Strict()]
 Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0)]
 
 
 def _check_top_k(v: int) -> int:
@@ -86,9 +106,20 @@ def _check_stop(v: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _neutral(name: str, value: Any, neutral: Any) -> None:
-    if value is not None and value != neutral:
-        raise ValueError(f"{name}={value!r} is not supported by this server (only {neutral!r})")
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` as ids, each bias clamped to [-100, 100] as vLLM does."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = min(100.0, max(-100.0, float(value)))
+        except (TypeError, ValueError):
+            raise RequestError(f"logit_bias key {key!r} is not a token id", param="logit_bias") from None
+    return out
+
+
+def check_greedy_n(n: int, temperature: float) -> None:
+    if n > 1 and temperature == 0:
+        raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
 
 
 class _OpenAISampling(_Strict):
@@ -96,18 +127,20 @@ class _OpenAISampling(_Strict):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: int | None = None
-    min_p: float | None = None
+    min_p: MinP | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: Bool = False
     stream_options: dict[str, Any] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_TOP_LOGPROBS)
     user: str | None = None
     ignore_eos: Bool = False
     min_tokens: int = Field(default=0, ge=0)
@@ -115,6 +148,15 @@ class _OpenAISampling(_Strict):
     include_stop_str_in_output: Bool = False
     return_token_ids: Bool = False
     """vLLM extension: include ``prompt_token_ids`` and per-choice ``token_ids`` in the response."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's ``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`` (see `prime_inference.structured`)."""
+    # OpenAI SDK fields that vLLM accepts and ignores.
+    store: Bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -133,13 +175,7 @@ class _OpenAISampling(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _unsupported(self) -> _OpenAISampling:
-        _neutral("presence_penalty", self.presence_penalty, 0.0)
-        _neutral("frequency_penalty", self.frequency_penalty, 0.0)
-        _neutral("repetition_penalty", self.repetition_penalty, 1.0)
-        _neutral("min_p", self.min_p, 0.0)
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
+    def _checks(self) -> _OpenAISampling:
         _check_stop(self.stop)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
@@ -148,19 +184,32 @@ class _OpenAISampling(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
+
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        check_greedy_n(self.n, temperature)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            temperature=temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop=_check_stop(self.stop),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=None if self.prompt_logprobs is None else max(self.prompt_logprobs, 0),
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=logit_bias_ids(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
         )
 
 
@@ -182,13 +231,29 @@ class ImageURLPart(_Strict):
     image_url: ImageURL
 
 
+class RefusalPart(_Strict):
+    """An assistant message's refusal part, as the SDK echoes it back."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | RefusalPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
+    # What the SDK echoes back from an assistant message; vLLM accepts and ignores them.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     def image_urls(self) -> list[str]:
         return (
@@ -198,17 +263,37 @@ class ChatMessage(_Strict):
         )
 
     def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: developer is system, tool-call arguments are objects, and the
+        history's reasoning is ``reasoning_content`` (what Qwen3-style templates read)."""
         content = self.content
         if isinstance(content, list) and any(isinstance(p, ImageURLPart) for p in content):
             # VL chat templates render each image part as one placeholder; the server expands it afterwards.
-            content = [p.model_dump(exclude_none=True) for p in content]
+            content = [p.model_dump(exclude_none=True) for p in content if not isinstance(p, RefusalPart)]
         elif isinstance(content, list):
-            content = "".join(p.text for p in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_call_id", "tool_calls", "reasoning_content"):
+            content = "".join(p.text for p in content if isinstance(p, TextPart))
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_decoded_tool_call(c) for c in self.tool_calls]
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = out["reasoning"] = reasoning
         return out
+
+
+def _decoded_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call with its JSON ``arguments`` string decoded (templates iterate over them), as vLLM does."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -223,6 +308,16 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: Bool | None = None
     response_format: dict[str, Any] | None = None
+    include_reasoning: Bool = True
+    """vLLM: false drops ``reasoning`` from the response (the parser still separates it from ``content``)."""
+    # OpenAI SDK fields that vLLM accepts and ignores.
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatCompletionRequest:
@@ -230,11 +325,21 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ValueError("top_logprobs requires logprobs=true")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message are mutually exclusive")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice other than none/auto is not supported by this server")
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ValueError("tool_choice must be none, auto, required or a named function")
+        if choice is not None and choice != "none" and choice != "auto" and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+            if name not in self.tool_names():
+                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
         return self
+
+    def tool_names(self) -> list[str]:
+        return [(t.get("function") or {}).get("name") for t in self.tools or []]
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -244,20 +349,19 @@ class ChatCompletionRequest(_OpenAISampling):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Bool = False
+    """Prepend the prompt to the text (and, with ``logprobs``, its tokens' log-probs), as vLLM does."""
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
+    """Accepted and ignored, as vLLM 0.26 does."""
+    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo=true is not supported by this server")
         if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (or be omitted)")
+            raise ValueError("suffix is not supported by this server (nor by vLLM)")
         prompts = self.prompt if isinstance(self.prompt, list) else [self.prompt]
         if not prompts:
             raise ValueError("prompt must not be empty")
@@ -273,7 +377,7 @@ class GenerateSamplingParams(_Strict):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: int = 0
-    min_p: float = 0.0
+    min_p: MinP = 0.0
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
@@ -281,16 +385,16 @@ class GenerateSamplingParams(_Strict):
     max_tokens: int | None = Field(default=16, ge=1)
     min_tokens: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=-1, le=MAX_TOP_LOGPROBS)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=-1, le=MAX_TOP_LOGPROBS)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: RepetitionPenalty = 1.0
     detokenize: Bool = True
     skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     bad_words: list[str] | None = None
     extra_args: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -304,14 +408,8 @@ class GenerateSamplingParams(_Strict):
 
     @model_validator(mode="after")
     def _unsupported(self) -> GenerateSamplingParams:
-        _neutral("presence_penalty", self.presence_penalty, 0.0)
-        _neutral("frequency_penalty", self.frequency_penalty, 0.0)
-        _neutral("repetition_penalty", self.repetition_penalty, 1.0)
-        _neutral("min_p", self.min_p, 0.0)
-        _neutral("prompt_logprobs", self.prompt_logprobs, None)
-        for name in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by this server")
+        if self.bad_words:
+            raise ValueError("bad_words is not supported by this server")
         _check_stop(self.stop)
         return self
 
@@ -350,21 +448,25 @@ class GenerateRequest(_Strict):
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         sp = self.sampling_params
-        logprobs = None if sp.logprobs is None else max(sp.logprobs, 0)
+        check_greedy_n(sp.n, sp.temperature)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k,
+            min_p=sp.min_p,
             seed=sp.seed,
             stop=_check_stop(sp.stop),
             stop_token_ids=list(sp.stop_token_ids or []),
             ignore_eos=sp.ignore_eos,
             min_tokens=sp.min_tokens,
-            logprobs=logprobs,
+            logprobs=None if sp.logprobs is None else max(sp.logprobs, 0),
+            prompt_logprobs=None if sp.prompt_logprobs is None else max(sp.prompt_logprobs, 0),
             include_stop_str_in_output=sp.include_stop_str_in_output,
+            skip_special_tokens=sp.skip_special_tokens,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=logit_bias_ids(sp.logit_bias),
+            allowed_token_ids=sp.allowed_token_ids,
         )
-
-
-class AdminOk(BaseModel):
-    status: str

@@ -83,6 +83,16 @@ class VllmConfig(BaseConfig):
 
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM's parser names the torch engine serves, and the `renderers` parser each one wraps.
+TORCH_TOOL_PARSERS = {
+    "hermes": "qwen3",
+    "qwen3_xml": "qwen3.5",
+    "qwen3_coder": "qwen3.5",
+    "glm45": "glm",
+    "glm47": "glm",
+    "deepseek_v3": "deepseek-v3",
+}
+TORCH_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think"}
 
 
 class LoRAServingConfig(BaseConfig):
@@ -128,9 +138,19 @@ class InferenceConfig(BaseConfig):
     max_batch_size: int = Field(default=32, ge=1)
     """Torch engine: sequences decoded together (the running batch); more requests wait in a queue."""
     logprobs_mode: Literal["processed", "raw"] = "processed"
-    """Which distribution returned log-probs come from: processed is log_softmax(logits / temperature) over
-    the full vocabulary (what the trainer recomputes; temperature 0 counts as 1), raw is log_softmax(logits).
-    Top-k/top-p never renormalize returned log-probs. vLLM: processed_logprobs / raw_logprobs."""
+    """Which logits returned log-probs come from (vLLM's processed_logprobs / raw_logprobs): processed is the
+    distribution the token was drawn from (after logit bias, penalties, temperature, min_p, top-k and top-p; greedy
+    counts temperature as 1), which is what the trainer recomputes when those are left at their defaults; raw is
+    log_softmax(logits). vLLM's own default is raw; prime's is processed, as prime-rl's."""
+    enable_auto_tool_choice: bool = False
+    """Parse tool calls out of chat completions when a request has ``tools`` (vLLM's flag; needs
+    ``tool_call_parser``)."""
+    tool_call_parser: str | None = None
+    """Tool-call format, by vLLM's parser names: ``hermes`` (Qwen2.5/Qwen3), ``qwen3_xml``/``qwen3_coder``,
+    ``glm45``/``glm47``, ``deepseek_v3``. The vLLM engine takes any name vLLM knows; the torch engine these."""
+    reasoning_parser: str | None = None
+    """Split ``<think>`` reasoning from content (``message.reasoning``), by vLLM's names: ``qwen3``,
+    ``deepseek_r1``. The vLLM engine takes any name vLLM knows; the torch engine these."""
     seed: int = 0
     """Seed of requests that carry no seed of their own (and of vLLM's engine)."""
     output_dir: Path = Path("outputs")
@@ -154,6 +174,22 @@ class InferenceConfig(BaseConfig):
         if self.engine == "vllm" and self.lora_enabled and self.model.dtype == "float32":
             # vLLM's LoRA kernels assert half precision only once the engine has started.
             raise ValueError("model.dtype='float32' cannot serve LoRA adapters on vLLM: use bfloat16 or float16")
+        return self
+
+    @model_validator(mode="after")
+    def _check_parsers(self) -> InferenceConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser")
+        if self.engine == "torch":
+            if self.tool_call_parser is not None and self.tool_call_parser not in TORCH_TOOL_PARSERS:
+                raise ValueError(
+                    f"tool_call_parser={self.tool_call_parser!r}: the torch engine knows {', '.join(TORCH_TOOL_PARSERS)}"
+                )
+            if self.reasoning_parser is not None and self.reasoning_parser not in TORCH_REASONING_PARSERS:
+                raise ValueError(
+                    f"reasoning_parser={self.reasoning_parser!r}: the torch engine knows "
+                    f"{', '.join(TORCH_REASONING_PARSERS)}"
+                )
         return self
 
     @property

@@ -1,42 +1,113 @@
-"""Per-sequence sampling from fp32 logits: greedy, temperature, top-k, top-p, each with its own torch.Generator.
+"""Per-sequence logits processing and sampling from fp32 logits, in vLLM's order, each with its own torch.Generator.
 
-Every sequence samples from its own row with its own generator, so a seeded request gives the same tokens whatever
-else shares its batch. Returned log-probs never include the top-k/top-p truncation: ``processed`` is
-log_softmax(logits / temperature) (temperature 0 counts as 1), ``raw`` is log_softmax(logits).
+Order (vLLM 0.26's sampler): a grammar mask (structured output), ``allowed_token_ids``, ``logit_bias`` and the
+``min_tokens`` ban, then repetition / frequency / presence penalties; greedy takes the argmax there, random sampling
+goes on with temperature, ``min_p``, top-k and top-p. Log-probs: ``raw`` is log_softmax of the logits before any of
+this except the grammar mask; ``processed`` is log_softmax of the logits the token was drawn from (for greedy: after
+the penalties, without temperature). Every sequence samples from its own row with its own generator, so a seeded
+request gives the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from prime_inference.protocol import SamplingParams
 
 
-def token_logprobs(logits_V: torch.Tensor, params: SamplingParams, mode: str) -> torch.Tensor:
-    if mode == "processed" and params.temperature > 0:
-        return torch.log_softmax(logits_V / params.temperature, dim=-1)
-    return torch.log_softmax(logits_V, dim=-1)
+def apply_penalties(
+    logits_V: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]
+) -> torch.Tensor:
+    """vLLM's penalties: repetition over prompt and output tokens, frequency and presence over output tokens."""
+    vocab = logits_V.numel()
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=logits_V.device)
+        seen[torch.tensor([t for t in (*prompt_ids, *output_ids) if t < vocab], dtype=torch.long)] = True
+        penalized = torch.where(
+            logits_V > 0, logits_V / params.repetition_penalty, logits_V * params.repetition_penalty
+        )
+        logits_V = torch.where(seen, penalized, logits_V)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]
+        counts = counts.to(logits_V.device, logits_V.dtype)
+        logits_V = logits_V - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(counts)
+    return logits_V
+
+
+def process_logits(
+    logits_V: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    banned: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The logits greedy decoding takes the argmax of: allowed ids, logit bias, bans, penalties."""
+    if params.allowed_token_ids is not None:
+        keep = torch.full_like(logits_V, float("-inf"))
+        ids = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits_V.device)
+        logits_V = keep.index_copy(0, ids, logits_V[ids])
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits_V.device)
+        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits_V.dtype, device=logits_V.device)
+        logits_V = logits_V.index_add(0, ids, bias)
+    if banned:
+        logits_V = logits_V.clone()
+        logits_V[list(banned)] = float("-inf")
+    if params.has_penalties:
+        logits_V = apply_penalties(logits_V, params, prompt_ids, output_ids)
+    return logits_V
+
+
+def truncate(scaled_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """min_p, top-k and top-p on temperature-scaled logits: what falls outside gets -inf."""
+    if params.min_p > 0.0:
+        probs = torch.softmax(scaled_V, dim=-1)
+        scaled_V = scaled_V.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if params.top_k > 0 and params.top_k < scaled_V.numel():
+        kth = torch.topk(scaled_V, params.top_k).values[-1]
+        scaled_V = scaled_V.masked_fill(scaled_V < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled_V, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        drop = probs.cumsum(-1) - probs > params.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled_V = torch.full_like(scaled_V, float("-inf")).scatter(0, order, sorted_logits)
+    return scaled_V
+
+
+def sample(
+    logits_V: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    mode: str,
+    prompt_ids: Sequence[int] = (),
+    output_ids: Sequence[int] = (),
+    banned: Sequence[int] | None = None,
+) -> tuple[int, torch.Tensor | None]:
+    """One token id, and the log-prob vector that ``mode`` names when ``params`` asks for log-probs."""
+    want = params.logprobs is not None
+    raw = torch.log_softmax(logits_V, dim=-1) if want and mode == "raw" else None
+    logits_V = process_logits(logits_V, params, prompt_ids, output_ids, banned)
+    if params.temperature == 0:
+        token = int(torch.argmax(logits_V))
+        return token, raw if raw is not None else (torch.log_softmax(logits_V, dim=-1) if want else None)
+    final_V = truncate(logits_V / params.temperature, params)
+    token = int(torch.multinomial(torch.softmax(final_V, dim=-1), 1, generator=generator))
+    return token, raw if raw is not None else (torch.log_softmax(final_V, dim=-1) if want else None)
 
 
 def sample_token(
     logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator, banned: list[int] | None = None
 ) -> int:
-    """Sample one token id. ``banned`` ids (e.g. EOS before min_tokens) get zero probability."""
-    if banned:
-        logits_V = logits_V.clone()
-        logits_V[banned] = float("-inf")
-    if params.temperature == 0:
-        return int(torch.argmax(logits_V))
-    scaled = logits_V / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-        drop = probs.cumsum(-1) - probs > params.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Sample one token id without log-probs (``banned`` ids get zero probability)."""
+    return sample(logits_V, params, generator, "processed", banned=banned)[0]
+
+
+def token_logprobs(logits_V: torch.Tensor, params: SamplingParams, mode: str) -> torch.Tensor:
+    """Log-probs of unprocessed logits: raw, or scaled by the temperature (temperature 0 counts as 1)."""
+    if mode == "processed" and params.temperature > 0:
+        return torch.log_softmax(logits_V / params.temperature, dim=-1)
+    return torch.log_softmax(logits_V, dim=-1)

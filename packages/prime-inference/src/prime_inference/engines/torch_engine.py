@@ -35,7 +35,7 @@ from prime_core.schemas.weights import BroadcastManifest
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter
 from prime_inference.engines.model_runner import build_decoder, load_causal_lm, resolve_dtype
-from prime_inference.engines.sampling import sample_token, token_logprobs
+from prime_inference.engines.sampling import sample
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class _Sequence:
     next_input: int | None = None
     aborted: bool = False
     finished: bool = False
+    grammar: Any = None
+    """``prime_inference.structured.GrammarState`` of a structured-output request."""
 
     def emit(self, out: EngineOutput) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
@@ -191,6 +193,10 @@ class TorchEngine(Engine):
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed % (2**63))
         seq = _Sequence(request, asyncio.get_running_loop(), asyncio.Queue(), generator)
+        if request.params.grammar is not None:
+            from prime_inference.structured import GrammarState
+
+            seq.grammar = GrammarState(self.tokenizer, request.params.grammar)
         with self._cond:
             self._waiting.append(seq)
             self._cond.notify_all()
@@ -438,10 +444,12 @@ class TorchEngine(Engine):
         banned = None
         if len(seq.output_ids) < params.min_tokens:
             banned = sorted((self.eos_ids if not params.ignore_eos else set()) | set(params.stop_token_ids))
-        token = sample_token(logits_V, params, seq.generator, banned)
+        if seq.grammar is not None:
+            logits_V = seq.grammar.mask(logits_V)
+        mode = self.config.logprobs_mode
+        token, lp = sample(logits_V, params, seq.generator, mode, seq.request.prompt_ids, seq.output_ids, banned)
         logprobs = top = None
-        if params.logprobs is not None:
-            lp = token_logprobs(logits_V, params, self.config.logprobs_mode)
+        if lp is not None:
             logprobs = [float(lp[token])]
             top = [{}]
             if params.logprobs > 0:
@@ -449,6 +457,8 @@ class TorchEngine(Engine):
                 top = [dict(zip(ids.tolist(), values.tolist(), strict=True))]
         seq.output_ids.append(token)
         seq.next_input = token
+        if seq.grammar is not None:
+            seq.grammar.consume(token)
         finish, reason = self._finish_reason(seq, token)
         adapter = self._adapters.get(seq.request.lora_name) if seq.request.lora_name is not None else None
         step = adapter.step if adapter is not None and adapter.step is not None else self.weight_step
@@ -466,6 +476,8 @@ class TorchEngine(Engine):
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
+            if seq.grammar is not None and seq.grammar.stopped:
+                return "stop", None
             if params.stop:
                 text = self._decode(seq.output_ids)
                 tail_start = max(0, len(text) - max(len(s) for s in params.stop) - 32)

@@ -71,17 +71,25 @@ def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[st
         args += ["--enable-lora", "--max-loras", str(config.lora.max_loras), "--max-lora-rank", rank]
         if config.lora.max_cpu_loras is not None:
             args += ["--max-cpu-loras", str(config.lora.max_cpu_loras)]
+    if config.enable_auto_tool_choice:
+        args.append("--enable-auto-tool-choice")
+    if config.tool_call_parser is not None:
+        args += ["--tool-call-parser", config.tool_call_parser]
+    if config.reasoning_parser is not None:
+        args += ["--reasoning-parser", config.reasoning_parser]
     if headless:
         args.append("--headless")
     return args + list(v.extra_args)
 
 
 def engine_args(config: InferenceConfig) -> Any:
-    """Parse the argv with vLLM's own parser, so ``extra_args`` accepts exactly what ``vllm serve`` does."""
+    """Parse the argv with ``vllm serve``'s own parser, so ``extra_args`` accepts exactly what ``vllm serve`` does
+    (server flags such as ``--chat-template`` included; the engine takes its own fields from the namespace)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="inference --vllm.extra-args"))
+    parser = make_arg_parser(FlexibleArgumentParser(prog="inference --vllm.extra-args"))
     namespace = parser.parse_args(vllm_cli_args(config))
     args = AsyncEngineArgs.from_cli_args(namespace)
     if config.vllm.enable_fp32_lm_head and hasattr(args, "enable_fp32_lm_head"):
@@ -162,6 +170,10 @@ class VllmEngine(Engine):
             extra={"vllm_plugin": self._plugin},
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
+
+    def lora_requests(self) -> dict[str, Any]:
+        """Served adapters as vLLM ``LoRARequest``s, by name (what vLLM's OpenAI routes resolve ``model`` with)."""
+        return {name: request for name, (request, _) in self._adapters.items()}
 
     async def start(self) -> None:
         self._admin_lock = asyncio.Lock()
