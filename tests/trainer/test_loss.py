@@ -1,11 +1,13 @@
 """RL objectives against hand-computed values on tiny batches."""
 
 import math
+import re
 
 import pytest
 import torch
-from prime_core.config.trainer import CISPOLossConfig, GRPOLossConfig, GSPOLossConfig
-from prime_trainer.rl.loss import LOSSES, LossInputs, build_objective, compute_loss, kl_penalty
+from prime_core.config import ConfigError
+from prime_core.config.trainer import CISPOLossConfig, CustomLossConfig, GRPOLossConfig, GSPOLossConfig
+from prime_trainer.rl.loss import LOSSES, LossInputs, PolicyTerm, build_objective, compute_loss, kl_penalty
 
 
 def batch(lp, lp_inf, adv, mask, sample_ids, entropy=None):
@@ -31,7 +33,43 @@ L = math.log
 
 
 def test_registry_has_every_type():
-    assert set(LOSSES) == {"grpo", "gspo", "cispo"}
+    assert set(LOSSES) == {"grpo", "gspo", "cispo", "custom"}
+
+
+class Reinforce:
+    """A user-supplied objective for the ``custom`` loss: -scale * A * lp on loss tokens."""
+
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def __call__(self, b: LossInputs) -> PolicyTerm:
+        none = torch.zeros_like(b.loss_mask)
+        return PolicyTerm(loss=-self.scale * b.advantages * b.logprobs * b.loss_mask, masked=none, clipped=none)
+
+
+def test_custom_loss_by_import_path():
+    config = CustomLossConfig(import_path="tests.trainer.test_loss:Reinforce", kwargs={"scale": 2.0}, kl_coef=0.1)
+    b = batch([0.0, L(0.5), L(0.6)], [0.0, L(0.5), L(0.5)], [0, 1.0, 1.0], [0, 1, 1], [0, 0, 0])
+    loss, grad, stats = run(config, b, num_tokens=2)
+    kl = 1.2 - 1 - L(1.2)  # k3 of token 2; token 1 has ratio 1
+    assert loss == pytest.approx((-2.0 * (L(0.5) + L(0.6)) + 0.1 * kl) / 2)
+    assert grad == pytest.approx([0.0, -1.0, -1.0 + 0.1 * (1.2 - 1) / 2])
+    assert stats["clipped"].item() == 0
+
+
+@pytest.mark.parametrize(
+    "path,kwargs,message",
+    [
+        ("tests.trainer.no_such_module:Reinforce", {}, "loss.import_path='tests.trainer.no_such_module:Reinforce'"),
+        ("tests.trainer.test_loss.NoSuchLoss", {}, "cannot be imported"),
+        ("tests.trainer.test_loss:Reinforce", {"bad": 1}, "loss.kwargs do not fit"),
+    ],
+)
+def test_custom_loss_errors_name_the_field(path, kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_objective(CustomLossConfig(import_path=path, kwargs=kwargs))
+    with pytest.raises(ValueError, match="import_path"):
+        CustomLossConfig(import_path="not a path")
 
 
 @pytest.mark.parametrize("adv", [1.0, -1.0])

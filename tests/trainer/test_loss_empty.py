@@ -6,13 +6,18 @@ one of two ranks holds only such micro-batches."""
 import numpy as np
 import pytest
 import torch
-from prime_core.config.trainer import CISPOLossConfig, GRPOLossConfig, GSPOLossConfig
+from prime_core.config.trainer import CISPOLossConfig, CustomLossConfig, GRPOLossConfig, GSPOLossConfig
 from prime_core.schemas.microbatch import MicroBatch
 from prime_trainer.rl.data import TensorMicroBatch
 from prime_trainer.rl.loss import LOSSES, LossInputs, build_objective, compute_loss
 
 ROWS, SEQ = 2, 8
-CONFIGS = {"grpo": GRPOLossConfig, "gspo": GSPOLossConfig, "cispo": CISPOLossConfig}
+CONFIGS = {
+    "grpo": GRPOLossConfig,
+    "gspo": GSPOLossConfig,
+    "cispo": CISPOLossConfig,
+    "custom": lambda **options: CustomLossConfig(import_path="tests.trainer.test_loss:Reinforce", **options),
+}
 OPTIONS = [
     {},
     {"normalization": "sequence"},

@@ -34,7 +34,3 @@ def setup_logging(process: str, *, level: str = "info", log_file: str | Path | N
     for noisy in ("httpx", "httpcore", "urllib3", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger(f"prime.{process}")
-
-
-def get_logger(name: str) -> logging.Logger:
-    return logging.getLogger(f"prime.{name}")

@@ -32,8 +32,6 @@ import numpy as np
 
 VISION_HINT = "image inputs need Pillow: pip install 'prime-core[vision]'"
 
-VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 
 _DATA_URL = re.compile(r"^data:image/[\w.+-]+;base64,(.*)$", re.DOTALL)

@@ -414,14 +414,6 @@ def _add_to_weight(weight: torch.Tensor, delta: torch.Tensor) -> None:
         weight.add_(delta.to(weight.dtype))
 
 
-def lora_weight_delta(model: nn.Module, module_name: str, adapter: str) -> torch.Tensor | None:
-    """``scale * B @ A`` of ``adapter`` on ``module_name`` (fp32, gathered), or None when that layer lacks it."""
-    layer = lora_layers(model).get(module_name)
-    if layer is None or adapter not in layer.lora_A:
-        return None
-    return layer.delta_weight(adapter)
-
-
 def adapter_state_dict(
     model: nn.Module, name: str, *, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from prime_core.config import write_config
 from prime_core.config.trainer import SFTConfig, TrainerConfig
 from prime_core.io import atomic_write_json, is_stable
 from prime_core.logging import setup_logging
-from prime_core.monitor import build_monitor
+from prime_core.monitor import Monitor, build_monitor
 from prime_core.run_dir import RunDir
 from prime_models import flops_per_token
 from prime_models.parallel.context_parallel import ContextParallel
@@ -39,11 +39,13 @@ class Components:
     run_dir: RunDir
     logger: logging.Logger
     model: nn.Module
-    source: ModelSource
+    model_source: ModelSource
+    """Where the model came from: its HF config, tokenizer, directory, and whether it was initialized randomly."""
     optimizer: torch.optim.Optimizer
     ckpt: CheckpointManager
     publisher: WeightPublisher
-    monitor: Any
+    monitor: Monitor | None
+    """Metrics sink, on rank 0 outside bench runs."""
     peak_flops: float | None
     loss_scale: float
     step_times: list[dict[str, float]] = field(default_factory=list)
@@ -60,7 +62,7 @@ class Components:
         return self.layout.cp_size if self.layout is not None else 1
 
     def flops_per_token(self, seq_len: int) -> float:
-        return flops_per_token(self.source.hf_config, seq_len)
+        return flops_per_token(self.model_source.hf_config, seq_len)
 
 
 def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
@@ -72,7 +74,7 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
     if world.is_master:
         write_config(config, run_dir.config_file(process))
     layout = build_layout(world, config.parallel, config.model)
-    model, source = build_model(
+    model, model_source = build_model(
         config.model.name,
         config.model.dtype,
         config.init,
@@ -109,14 +111,14 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         run_dir=run_dir,
         logger=logger,
         model=model,
-        source=source,
+        model_source=model_source,
         optimizer=optimizer,
         ckpt=CheckpointManager(config.ckpt, run_dir, world),
         # SFT exports are few and each is a result; RL keeps only what the async window and checkpoints need.
         publisher=WeightPublisher(
             run_dir,
             world,
-            source.tokenizer,
+            model_source.tokenizer,
             config.async_level,
             config.weights.keep_all or process == "sft",
             broadcast=config.weights.broadcast if process == "trainer" else None,
@@ -168,25 +170,38 @@ def perf_metrics(c: Components, num_tokens: float, seq_len: int, compute_s: floa
     }
 
 
-def after_step(c: Components, step: int, metrics: dict[str, Any], extra_state: dict[str, Any], publish: bool) -> None:
-    """Publish weights step+1 and checkpoint (both collective), then log. ``step`` is the 0-indexed step just done."""
-    done = step + 1
+def kept_steps(c: Components, step: int) -> list[int]:
+    """Weight steps that must stay on disk once weights ``step`` exist: the checkpoints' and ``step`` if one is due."""
+    return c.ckpt.protected_steps() + ([step] if c.ckpt.due(step, c.config.max_steps) else [])
+
+
+def publish_weights(c: Components, step: int) -> dict[str, float]:
+    """Publish the weights after ``step`` optimizer steps as ``weights/step_{step}`` (collective). Returns timings."""
     t0 = time.perf_counter()
-    if publish and not c.config.bench and c.config.weights.publish:
-        due = c.ckpt.due(done, c.config.max_steps)
-        ckpt_steps = c.ckpt.protected_steps() + ([done] if due else [])
-        last = done == c.config.max_steps
+    timings = {}
+    if not c.config.bench and c.config.weights.publish:
+        last = step == c.config.max_steps
         # Nobody samples with the final weights during the run: they go to disk, not to inference.
-        c.publisher.publish(done, c.model, ckpt_steps, files=due or last, send=not last)
+        files = last or c.ckpt.due(step, c.config.max_steps)
+        c.publisher.publish(step, c.model, kept_steps(c, step), files=files, send=not last)
         for key, value in c.publisher.last_timings.items():
             if key.endswith("_s"):
-                metrics[f"time/publish_{key.removesuffix('_s')}"] = value
-    metrics["time/publish"] = time.perf_counter() - t0
+                timings[f"time/publish_{key.removesuffix('_s')}"] = value
+    timings["time/publish"] = time.perf_counter() - t0
+    return timings
+
+
+def save_checkpoint(c: Components, step: int, extra_state: dict[str, Any]) -> dict[str, float]:
+    """Checkpoint after ``step`` optimizer steps when one is due (collective). Returns its timing."""
     t0 = time.perf_counter()
     c.ckpt.poll()
-    if not c.config.bench and c.ckpt.due(done, c.config.max_steps):
-        c.ckpt.save(done, c.model, c.optimizer, extra_state)
-    metrics["time/checkpoint"] = time.perf_counter() - t0
+    if not c.config.bench and c.ckpt.due(step, c.config.max_steps):
+        c.ckpt.save(step, c.model, c.optimizer, extra_state)
+    return {"time/checkpoint": time.perf_counter() - t0}
+
+
+def log_step(c: Components, step: int, metrics: dict[str, Any]) -> None:
+    """Metrics of the 0-indexed ``step`` to the monitor and the log (rank 0), and to the bench summary."""
     if c.world.is_master:
         if c.monitor is not None:
             c.monitor.log(step, metrics)

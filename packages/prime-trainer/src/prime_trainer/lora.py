@@ -96,7 +96,7 @@ def setup_lora(c) -> None:
     lora = c.config.model.lora
     if lora is None:
         return
-    check_base_on_disk(c.config, c.source.random_init)
+    check_base_on_disk(c.config, c.model_source.random_init)
     c.publisher = AdapterPublisher(
         c.run_dir,
         c.world,

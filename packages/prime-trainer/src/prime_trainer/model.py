@@ -108,7 +108,7 @@ def build_model(
         model,
         dims,
         ac=parallel.ac,
-        ac_every=0 if parallel.ac == "selective" else 2,
+        ac_every=parallel.ac_every,
         ac_keep_attention=parallel.ac_keep_attention,
         ac_mlp_chunks=parallel.ac_mlp_chunks,
         ac_offload_attention=parallel.ac_offload_attention,

@@ -42,7 +42,12 @@ class ParallelConfig(BaseConfig):
     dp_shard: int = -1
     """FSDP shard degree; -1 uses every rank. Must divide the world size (the rest replicates: HSDP)."""
     ac: Literal["none", "full", "selective"] = "none"
-    """Activation checkpointing: ``full`` recomputes every decoder layer, ``selective`` only attention."""
+    """Activation checkpointing: ``full`` recomputes every decoder layer in backward; ``selective`` keeps more (see
+    ``ac_every``)."""
+    ac_every: int = Field(default=0, ge=0)
+    """Under ``ac = "selective"``: k >= 1 recomputes every k-th decoder layer fully (2 halves the kept activations);
+    0 checkpoints every layer but keeps its attention and matmul outputs, recomputing only the cheap ops (norms,
+    rotary embedding, activation functions)."""
     ac_keep_attention: int = Field(default=0, ge=-1)
     """Under ``ac = "full"``: this many decoder layers (counted from the last; -1 = all) keep their attention
     output instead of recomputing it (faster at long context, costs one [tokens, hidden] activation per layer)."""
@@ -60,6 +65,12 @@ class ParallelConfig(BaseConfig):
     """Free gathered parameters after each layer's forward (ZeRO-3); false keeps them (ZeRO-2, faster)."""
     timeout_s: int = Field(default=3600, ge=1)
     """Timeout of collective operations, in seconds."""
+
+    @model_validator(mode="after")
+    def _every_needs_selective_ac(self) -> ParallelConfig:
+        if self.ac_every and self.ac != "selective":
+            raise ValueError(f"ac_every needs ac = 'selective' (got ac = {self.ac!r})")
+        return self
 
     @model_validator(mode="after")
     def _mlp_chunks_need_full_ac(self) -> ParallelConfig:
@@ -180,7 +191,22 @@ class CISPOLossConfig(_LossOptions):
     """Clip the weight above at 1 + clip_high."""
 
 
-LossConfig = Annotated[GRPOLossConfig | GSPOLossConfig | CISPOLossConfig, Field(discriminator="type")]
+class CustomLossConfig(_LossOptions):
+    """A user-supplied objective, found by import path; the shared options (KL, entropy, normalization) apply to it."""
+
+    type: Literal["custom"] = "custom"
+    """Objective type."""
+    import_path: str = Field(pattern=r"^[A-Za-z_][\w.]*[.:][A-Za-z_]\w*$")
+    """``package.module:Name`` (or ``package.module.Name``) of a callable that, called with ``kwargs``, returns the
+    objective: a callable from ``prime_trainer.rl.loss.LossInputs`` to ``PolicyTerm`` (a class with ``__call__``
+    fits). It is imported when the trainer starts, in every rank."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of that callable."""
+
+
+LossConfig = Annotated[
+    GRPOLossConfig | GSPOLossConfig | CISPOLossConfig | CustomLossConfig, Field(discriminator="type")
+]
 
 
 # ---------------------------------------------------------------- data

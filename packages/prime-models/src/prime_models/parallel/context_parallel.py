@@ -38,7 +38,6 @@ Shape legend: R rows, S full sequence, Q local queries (S / cp), N query heads, 
 from __future__ import annotations
 
 import bisect
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -398,13 +397,3 @@ class _RingAttention(torch.autograd.Function):
                 kv_ring.wait()
                 kv = incoming_kv
         return dq.to(q.dtype), dkv[0].to(k_own.dtype), dkv[1].to(v_own.dtype), None, None
-
-
-@contextlib.contextmanager
-def no_context_parallel():
-    """Run a forward without ring attention inside a CP context (e.g. a rank-local evaluation)."""
-    token = CONTEXT_PARALLEL.set(None)
-    try:
-        yield
-    finally:
-        CONTEXT_PARALLEL.reset(token)

@@ -1,4 +1,5 @@
-"""RL objectives. Each is a named class in ``LOSSES`` keyed by ``loss.type``.
+"""RL objectives. Each is a named class in ``LOSSES`` keyed by ``loss.type``; ``custom`` builds a user-supplied one
+from ``loss.import_path``.
 
 An objective maps one micro-batch to a per-token policy-gradient term; ``compute_loss`` adds the shared
 options (KL penalty, entropy bonus) and normalizes (global token count or per sequence). Shapes are
@@ -9,11 +10,14 @@ Notation: lp = trainer log-prob, lp_inf = inference log-prob, rho = lp - lp_inf,
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from prime_core.config.trainer import CISPOLossConfig, GRPOLossConfig, GSPOLossConfig, LossConfig
+from prime_core.config import ConfigError
+from prime_core.config.trainer import CISPOLossConfig, CustomLossConfig, GRPOLossConfig, GSPOLossConfig, LossConfig
 from torch import Tensor
 
 
@@ -132,7 +136,28 @@ class CISPOLoss:
         return PolicyTerm(loss=per_token, masked=torch.zeros_like(b.loss_mask), clipped=clipped)
 
 
-LOSSES: dict[str, type] = {"grpo": GRPOLoss, "gspo": GSPOLoss, "cispo": CISPOLoss}
+def custom_objective(config: CustomLossConfig) -> Objective:
+    """The objective ``loss.import_path`` names, built with ``loss.kwargs``."""
+    module_name, _, attr = config.import_path.replace(":", ".").rpartition(".")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"loss.import_path={config.import_path!r} cannot be imported: {e}") from None
+    try:
+        objective = factory(**config.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"loss.kwargs do not fit {config.import_path}: {e}") from None
+    if not callable(objective):
+        raise ConfigError(f"loss.import_path={config.import_path!r} must return a callable objective")
+    return objective
+
+
+LOSSES: dict[str, Callable[..., Objective]] = {
+    "grpo": GRPOLoss,
+    "gspo": GSPOLoss,
+    "cispo": CISPOLoss,
+    "custom": custom_objective,
+}
 
 
 def build_objective(config: LossConfig) -> Objective:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from prime_core.config.trainer import LoRARunConfig, TrainerConfig
 from prime_core.io import is_stable
-from prime_core.monitor import build_monitor
+from prime_core.monitor import Monitor, build_monitor
 from prime_core.run_dir import RunDir
 from prime_models.lora import set_active_adapter
 
@@ -30,10 +29,9 @@ from prime_trainer.lora import (
     clip_adapter_grad_norm,
 )
 from prime_trainer.optim import lr_at
-from prime_trainer.parallel import pool_cp_micro_batches
-from prime_trainer.rl.data import RolloutSource, TensorMicroBatch, fake_micro_batches
+from prime_trainer.rl.data import RolloutSource
 from prime_trainer.rl.loss import build_objective
-from prime_trainer.rl.train import forward_backward, pad_to_common_count, step_metrics
+from prime_trainer.rl.train import forward_backward, next_micro_batches, step_metrics
 
 
 @dataclass
@@ -43,21 +41,26 @@ class Run:
     lr: float
     run_dir: RunDir
     publisher: AdapterPublisher
-    source: RolloutSource | None
-    monitor: Any
+    rollouts: RolloutSource | None
+    """The run's rollouts; None for fake data."""
+    monitor: Monitor | None
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    def fake_seed(self, seed: int) -> int:
+        """Each run's synthetic data differs from the others'."""
+        return seed + 1000 * (self.index + 1)
 
 
 def build_runs(c: common.Components, config: TrainerConfig) -> list[Run]:
     runs = []
     for i, rc in enumerate(config.runs):
         run_dir = RunDir(rc.output_dir)
-        source = None
+        rollouts = None
         if config.data.fake is None:
-            source = RolloutSource(config.model_copy(update={"output_dir": rc.output_dir}), c.world)
+            rollouts = RolloutSource(config.model_copy(update={"output_dir": rc.output_dir}), c.world)
         monitor = None
         if c.world.is_master and not config.bench:
             # W&B: "<name>-<run>-trainer", next to that run's "<name>-<run>-orchestrator".
@@ -70,7 +73,7 @@ def build_runs(c: common.Components, config: TrainerConfig) -> list[Run]:
         publisher = AdapterPublisher(
             run_dir, c.world, config.async_level, config.weights.keep_all, adapter=rc.name, base_model=config.model.name
         )
-        runs.append(Run(rc, i, rc.lr or config.optim.lr, run_dir, publisher, source, monitor))
+        runs.append(Run(rc, i, rc.lr or config.optim.lr, run_dir, publisher, rollouts, monitor))
     return runs
 
 
@@ -98,64 +101,57 @@ def optimizer_step(c: common.Components, runs: list[Run], step: int) -> dict[str
     return out
 
 
+def log_runs(
+    c: common.Components, runs: list[Run], step: int, results: list[tuple], norms: dict, timings: dict[str, float]
+) -> int:
+    """Each run's metrics to its own monitor and the log (rank 0). Returns the tokens of all runs."""
+    total_tokens = 0
+    for run, (totals, counts, meta) in zip(runs, results, strict=True):
+        metrics = step_metrics(totals, counts, *norms[run.name])
+        metrics.update({**timings, "temperature": meta.temperature})
+        total_tokens += metrics["tokens"]
+        if c.world.is_master:
+            if run.monitor is not None:
+                run.monitor.log(step, metrics)
+            c.logger.info("[%s] %s", run.name, common.format_line(step, metrics))
+    return total_tokens
+
+
 def train_runs(config: TrainerConfig) -> None:
     c = common.setup(config, "trainer")
-    check_base_on_disk(config, c.source.random_init)
+    check_base_on_disk(config, c.model_source.random_init)
     c.optimizer = build_run_optimizer(c.model, [(r.name, r.lr or config.optim.lr) for r in config.runs], config.optim)
     objective = build_objective(config.loss)
     start = common.resume(c)["step"]
     runs = build_runs(c, config)
     publish(c, runs, start, c.ckpt.protected_steps(), initial=True)
-    vocab_size = c.source.hf_config["vocab_size"]
     c.logger.info("multi-tenant: %d runs (%s), steps %d..%d", len(runs), ", ".join(r.name for r in runs), start,
                   config.max_steps - 1)  # fmt: skip
 
     for step in range(start, config.max_steps):
         t0 = time.perf_counter()
-        results = []
-        wait_s = 0.0
+        results, wait_s = [], 0.0
         for run in runs:
             t_wait = time.perf_counter()
-            if run.source is None:
-                seed = config.seed + 1000 * (run.index + 1)
-                meta, batches = fake_micro_batches(config.data.fake, config.seq_len, vocab_size, step, c.world, seed)
-            else:
-                meta, batches = run.source.get(step)
+            meta, micro_batches = next_micro_batches(c, run.rollouts, step, run.fake_seed(config.seed))
             wait_s += time.perf_counter() - t_wait
-            batches = pool_cp_micro_batches(pad_to_common_count(batches, c.world.device), c.layout)
-            micro_batches = [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
             set_active_adapter(c.model, run.name)
-            totals, counts = forward_backward(c, objective, micro_batches, meta.temperature)
-            results.append((totals, counts, meta))
+            results.append((*forward_backward(c, objective, micro_batches, meta.temperature), meta))
         norms = optimizer_step(c, runs, step)
         compute_s = time.perf_counter() - t0 - wait_s
 
-        done = step + 1
+        # Step n's adapters are every run's weights n + 1: published, then checkpointed together, then logged.
         t_pub = time.perf_counter()
-        due = c.ckpt.due(done, config.max_steps)
-        publish(c, runs, done, c.ckpt.protected_steps() + ([done] if due else []), initial=False)
-        publish_s = time.perf_counter() - t_pub
-        c.ckpt.poll()
-        if not config.bench and due:
-            c.ckpt.save(done, c.model, c.optimizer, {})
-        total_tokens = 0
-        for run, (totals, counts, meta) in zip(runs, results, strict=True):
-            metrics = step_metrics(totals, counts, *norms[run.name])
-            metrics.update({"time/step": compute_s, "time/publish": publish_s, "temperature": meta.temperature})
-            total_tokens += metrics["tokens"]
-            if c.world.is_master:
-                if run.monitor is not None:
-                    run.monitor.log(step, metrics)
-                c.logger.info("[%s] %s", run.name, common.format_line(step, metrics))
+        publish(c, runs, step + 1, common.kept_steps(c, step + 1), initial=False)
+        timings = {"time/step": compute_s, "time/publish": time.perf_counter() - t_pub}
+        timings.update(common.save_checkpoint(c, step + 1, {}))
+        total_tokens = log_runs(c, runs, step, results, norms, timings)
         metrics = common.perf_metrics(c, total_tokens, config.seq_len, compute_s)
-        metrics.update({"time/step": compute_s, "time/wait": wait_s, "time/publish": publish_s, "tokens": total_tokens})
-        if c.world.is_master and c.monitor is not None:
-            c.monitor.log(step, metrics)
-        c.step_times.append(metrics)
+        common.log_step(c, step, {**metrics, **timings, "time/wait": wait_s, "tokens": total_tokens})
 
     for run in runs:
-        if run.source is not None:
-            run.source.close()
+        if run.rollouts is not None:
+            run.rollouts.close()
         if run.monitor is not None:
             run.monitor.close()
     common.finish(c)

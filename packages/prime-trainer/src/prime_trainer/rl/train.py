@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from prime_core.config.trainer import TrainerConfig
-from prime_core.schemas.microbatch import MicroBatch
+from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
 
 from prime_trainer import common
 from prime_trainer.lora import setup_lora
@@ -95,6 +95,31 @@ def train_step(
     return step_metrics(totals, counts, grad_norm, lr)
 
 
+def next_micro_batches(
+    c: common.Components, rollouts: RolloutSource | None, step: int, seed: int
+) -> tuple[RolloutBatchMeta, list[TensorMicroBatch]]:
+    """This rank's micro-batches of ``step`` on the device: received (synthesized for fake data), padded to the ranks'
+    common count and pooled over the context-parallel group."""
+    cfg: TrainerConfig = c.config
+    if rollouts is None:
+        meta, batches = fake_micro_batches(cfg.data.fake, cfg.seq_len, c.model_source.vocab_size, step, c.world, seed)
+    else:
+        meta, batches = rollouts.get(step)
+    batches = pool_cp_micro_batches(pad_to_common_count(batches, c.world.device), c.layout)
+    return meta, [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
+
+
+def check_loss_tokens(c: common.Components, step: int, meta: RolloutBatchMeta, metrics: dict[str, Any]) -> None:
+    """Warn when the ranks trained on other loss tokens than the orchestrator packed (a lost or stale file)."""
+    if meta.global_loss_tokens and meta.global_loss_tokens != metrics["loss_tokens"]:
+        c.logger.warning(
+            "step %d: orchestrator announced %d loss tokens, ranks received %d",
+            step,
+            meta.global_loss_tokens,
+            metrics["loss_tokens"],
+        )
+
+
 def train(config: TrainerConfig) -> None:
     if config.runs:
         from prime_trainer.rl.multi_run import train_runs
@@ -105,20 +130,14 @@ def train(config: TrainerConfig) -> None:
     objective = build_objective(config.loss)
     start = common.resume(c)["step"]
     # A LoRA run's step 0 is the fresh adapter, which inference must load before serving requests that name it.
-    common.publish_initial(c, start, c.source.random_init or config.model.lora is not None)
-    source = None if config.data.fake else RolloutSource(config, c.world)
-    vocab_size = c.source.vocab_size
+    common.publish_initial(c, start, c.model_source.random_init or config.model.lora is not None)
+    rollouts = None if config.data.fake else RolloutSource(config, c.world)
     c.logger.info("training steps %d..%d with %s loss", start, config.max_steps - 1, config.loss.type)
 
     for step in range(start, config.max_steps):
         t0 = time.perf_counter()
-        if source is None:
-            meta, batches = fake_micro_batches(config.data.fake, config.seq_len, vocab_size, step, c.world, config.seed)
-        else:
-            meta, batches = source.get(step)
+        meta, micro_batches = next_micro_batches(c, rollouts, step, config.seed)
         wait_s = time.perf_counter() - t0
-        batches = pool_cp_micro_batches(pad_to_common_count(batches, c.world.device), c.layout)
-        micro_batches = [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
 
         common.perf.reset_peak_memory(c.world.device)
         t1 = time.perf_counter()
@@ -126,15 +145,13 @@ def train(config: TrainerConfig) -> None:
         compute_s = time.perf_counter() - t1
         metrics.update(common.perf_metrics(c, metrics["tokens"], meta.seq_len, compute_s))
         metrics.update({"time/step": compute_s, "time/wait": wait_s, "temperature": meta.temperature})
-        if meta.global_loss_tokens and meta.global_loss_tokens != metrics["loss_tokens"]:
-            c.logger.warning(
-                "step %d: orchestrator announced %d loss tokens, ranks received %d",
-                step,
-                meta.global_loss_tokens,
-                metrics["loss_tokens"],
-            )
-        common.after_step(c, step, metrics, {"loss": config.loss.type}, publish=True)
+        check_loss_tokens(c, step, meta, metrics)
 
-    if source is not None:
-        source.close()
+        # Step n's update is weights n + 1: published for inference, then checkpointed (both collective), then logged.
+        metrics.update(common.publish_weights(c, step + 1))
+        metrics.update(common.save_checkpoint(c, step + 1, {"loss": config.loss.type}))
+        common.log_step(c, step, metrics)
+
+    if rollouts is not None:
+        rollouts.close()
     common.finish(c)

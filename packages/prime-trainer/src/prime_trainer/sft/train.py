@@ -120,12 +120,14 @@ def build_data(
 def train(config: SFTConfig) -> None:
     c = common.setup(config, "sft")
     setup_lora(c)
-    data, val = build_data(config, c.source.tokenizer, c.world, VisionSpec.from_model_dir(c.source.model_dir))
+    data, val = build_data(
+        config, c.model_source.tokenizer, c.world, VisionSpec.from_model_dir(c.model_source.model_dir)
+    )
     progress = common.resume(c)
     start = progress["step"]
     if data is not None and "data" in progress:
         data.load_state(progress["data"])
-    vocab_size = c.source.vocab_size
+    vocab_size = c.model_source.vocab_size
     if data is not None:
         c.logger.info("%d training samples, %d validation batches", len(data.samples), len(val or []))
     if val is not None:
@@ -155,10 +157,9 @@ def train(config: SFTConfig) -> None:
         if val is not None and (done % config.val.interval == 0 or done == config.max_steps):
             metrics["val/loss"] = evaluate(c, val)
             metrics["val/perplexity"] = math.exp(min(metrics["val/loss"], 20.0))
-        publish = done == config.max_steps or (
-            config.weights_interval is not None and done % config.weights_interval == 0
-        )
-        state = {"data": data.state()} if data is not None else {}
-        common.after_step(c, step, metrics, state, publish=publish)
+        if done == config.max_steps or (config.weights_interval is not None and done % config.weights_interval == 0):
+            metrics.update(common.publish_weights(c, done))
+        metrics.update(common.save_checkpoint(c, done, {"data": data.state()} if data is not None else {}))
+        common.log_step(c, step, metrics)
 
     common.finish(c)
