@@ -1,7 +1,9 @@
 """prime-launch slurm: rendered scripts (always) and a real single-node SLURM cluster (slow, root + apt)."""
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -168,22 +170,50 @@ def slurm_cluster(tmp_path_factory):
     if not Path("/etc/munge/munge.key").exists():
         _run(["mungekey", "--create"])
         shutil.chown("/etc/munge/munge.key", "munge", "munge")
+    started: list[int] = []  # daemons this fixture started: stopped at the end, whatever happens
     if _run(["pgrep", "-x", "munged"]).returncode != 0:
         _run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"])
-    _run(["slurmctld"], env=env)
-    _run(["slurmd"], env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        info = _run(["sinfo", "-h", "-o", "%T"], env=env)
-        if info.returncode == 0 and info.stdout.strip() in ("idle", "mixed"):
-            break
-        time.sleep(1)
-    else:
-        pytest.fail(
-            f"SLURM did not come up: {_run(['sinfo'], env=env)} {(state / 'slurmctld.log').read_text()[-2000:]}"
-        )
-    yield env
-    _run(["scontrol", "shutdown"], env=env)
+        started += [int(p) for p in _run(["pgrep", "-x", "munged"]).stdout.split()]
+    try:
+        _run(["slurmctld"], env=env)
+        _run(["slurmd"], env=env)
+        started += [int(p.read_text()) for p in (state / "slurmctld.pid", state / "slurmd.pid") if p.is_file()]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            info = _run(["sinfo", "-h", "-o", "%T"], env=env)
+            if info.returncode == 0 and info.stdout.strip() in ("idle", "mixed"):
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(
+                f"SLURM did not come up: {_run(['sinfo'], env=env)} {(state / 'slurmctld.log').read_text()[-2000:]}"
+            )
+        yield env
+    finally:
+        _run(["scontrol", "shutdown"], env=env)
+        _stop(started)
+        assert not [p for p in started if _alive(p)], "SLURM/munge daemons left running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def _stop(pids: list[int], grace_s: float = 10.0) -> None:
+    """SIGTERM each pid, SIGKILL what is still alive after ``grace_s``."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in filter(_alive, pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _wait_job(job_id: str, env, timeout: float) -> str:
@@ -197,7 +227,7 @@ def _wait_job(job_id: str, env, timeout: float) -> str:
 
 
 @pytest.mark.slow
-def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin):
+def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin, fake_hf_cache):
     """Submit a CPU-only single-node RL job (fake process commands) and wait for the launcher's normal finish."""
     from tests.launch.launch_fakes import free_port
 
@@ -226,6 +256,7 @@ def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin):
             "--slurm.setup",
             f"export PATH={Path(sys.executable).parent}:$PATH",
             f"export PRIME_LAUNCH_BIN_DIR={fake_bin}",
+            f"export HF_HUB_CACHE={fake_hf_cache}",
             "export CUDA_VISIBLE_DEVICES=",
         ],
         capture_output=True,

@@ -127,10 +127,12 @@ def parse_cli(
     prog: str,
     description: str | None = None,
     on_dry_run: Callable[[T], None] | None = None,
+    network: bool = True,
 ) -> T:
     """Resolve a config for an entry point. Prints help, one-line errors (exit 2), or handles --dry-run.
 
-    Bad model names and environment ids are errors here too, before the entry point loads anything.
+    Bad model names and environment ids are errors here too, before the entry point loads anything; with
+    ``network=False`` (and in a dry run) a hub id is not checked for being downloadable from here.
 
     Dry run: resolve, validate, write the resolved config to ``<output_dir>/configs/<prog>.toml`` (or call
     ``on_dry_run``) and exit 0.
@@ -142,7 +144,7 @@ def parse_cli(
             sys.stdout.write(format_help(model, prog, description))
             raise SystemExit(0)
         config = validate(model, parsed.sources)
-        check_world(config, parsed.sources, network=not parsed.dry_run)
+        check_world(config, parsed.sources, network=network and not parsed.dry_run)
     except ConfigError as e:
         fail(str(e))
     if parsed.dry_run:

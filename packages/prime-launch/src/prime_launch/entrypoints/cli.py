@@ -55,6 +55,7 @@ def _slurm(kind: str, argv: list[str]) -> int:
         description=f"Render the sbatch script of a {kind} job from its template and submit it with sbatch "
         "(--dry-run: write and print the script only).",
         on_dry_run=lambda c: _run_slurm(slurm_jobs, kind, c, dry_run=True),
+        network=False,  # the job downloads on its nodes, which may reach the hub where this host does not
     )
     return _run_slurm(slurm_jobs, kind, config, dry_run=False)
 
