@@ -127,13 +127,11 @@ def test_multi_turn_tool_env_through_token_in_route(tmp_path, tiny_model, torch_
     assert found_env_turn
 
 
-def test_killed_env_worker_loses_no_rollout(tmp_path, tiny_model, torch_server):
-    env = [{"id": "reverse-text", "args": {"num_examples": 50}, "num_workers": 2}]
+def test_killed_env_server_loses_no_rollout(tmp_path, tiny_model, torch_server):
     config = make_config(
         tmp_path,
         tiny_model,
         torch_server,
-        env=env,
         batch_size=8,
         max_steps=2,
         async_level=2,
@@ -142,20 +140,22 @@ def test_killed_env_worker_loses_no_rollout(tmp_path, tiny_model, torch_server):
     )
     killed = []
 
-    async def kill_one(orch):
-        while not orch.pools:
+    async def kill_server(orch):
+        while "reverse-text" not in orch.pools or orch.pools["reverse-text"].server.pid is None:
             await asyncio.sleep(0.01)
-        pool = orch.pools["reverse-text"]
-        while not (pool.workers[0].alive and pool.workers[0].pending):
+        runner = orch.pools["reverse-text"]
+        while not orch._requests:  # a rollout is in flight
             await asyncio.sleep(0.005)
-        killed.append(pool.workers[0].pid)
-        os.kill(pool.workers[0].pid, signal.SIGKILL)
+        killed.append(runner.server.pid)
+        os.kill(runner.server.pid, signal.SIGKILL)
 
-    orch = run(config, during=kill_one)
-    assert killed and orch.pools["reverse-text"].num_restarts >= 1
+    orch = run(config, during=kill_server)
+    assert killed and orch.pools["reverse-text"].server.num_restarts >= 1
     for n in range(2):
         meta, _ = read_microbatches(tmp_path / "rollouts" / f"step_{n}" / "rank_0.safetensors")
         assert meta.global_num_samples == 8
+    metrics = read_metrics(tmp_path / "metrics.jsonl", "orchestrator")
+    assert all(m.values["failed/rollouts"] == 0 for m in metrics)
 
 
 def test_eval_prints_table(tmp_path, tiny_model, torch_server, capsys):

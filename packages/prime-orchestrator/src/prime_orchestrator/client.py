@@ -1,4 +1,4 @@
-"""HTTP calls to the inference servers: token-in generation, chat completions, weight updates."""
+"""Admin HTTP calls to the inference servers: health and weight updates (rollouts go through verifiers' client)."""
 
 from __future__ import annotations
 
@@ -44,79 +44,13 @@ async def post_json(
     raise RuntimeError(f"POST {url} failed after {retries + 1} attempts: {last!r}")
 
 
-def parse_logprobs(raw: Any, n: int) -> list[float]:
-    """Per-token log-probs from the shapes servers use (floats, {id: lp}, {"logprob": lp}, OpenAI content)."""
-    if raw is None:
-        return [0.0] * n
-    if isinstance(raw, dict) and "content" in raw:
-        raw = raw["content"]
-    if isinstance(raw, dict) and "token_logprobs" in raw:
-        raw = raw["token_logprobs"]
-    out = []
-    for item in raw:
-        if isinstance(item, int | float):
-            out.append(float(item))
-        elif isinstance(item, dict):
-            if "logprob" in item:
-                out.append(float(item["logprob"]))
-            else:
-                v = next(iter(item.values()))
-                out.append(float(v["logprob"] if isinstance(v, dict) else v))
-        elif item is None:
-            out.append(0.0)
-        else:
-            raise ValueError(f"unrecognized log-prob entry {item!r}")
-    if len(out) != n:
-        raise ValueError(f"server returned {len(out)} log-probs for {n} tokens")
-    return out
+class ServerUnreachable(RuntimeError):
+    """No inference server answers at a configured URL."""
 
 
-async def generate_tokens(
-    client: httpx.AsyncClient,
-    base_url: str,
-    path: str,
-    *,
-    model: str,
-    token_ids: list[int],
-    sampling: dict[str, Any],
-    timeout: float,
-    retries: int,
-    images: list[str] | None = None,
-) -> tuple[list[int], list[float], str | None]:
-    """Token-in generation: returns (completion ids, their log-probs, finish reason).
-
-    ``images``: data: URLs of the images whose placeholder runs ``token_ids`` holds (vision-language models).
-    """
-    body = {"model": model, "token_ids": token_ids, "sampling_params": {**sampling, "logprobs": 0}}
-    if images:
-        body["images"] = images
-    data = await post_json(client, base_url.rstrip("/") + path, body, timeout=timeout, retries=retries)
-    choice = data["choices"][0]
-    ids = list(choice["token_ids"])
-    return ids, parse_logprobs(choice.get("logprobs"), len(ids)), choice.get("finish_reason")
-
-
-async def chat_completion(
-    client: httpx.AsyncClient,
-    base_url: str,
-    *,
-    model: str,
-    messages: list[dict[str, Any]],
-    sampling: dict[str, Any],
-    timeout: float,
-    retries: int,
-) -> tuple[str, int, str | None]:
-    """OpenAI chat completion: returns (text, completion tokens, finish reason)."""
-    body = {"model": model, "messages": messages, **sampling}
-    data = await post_json(
-        client, base_url.rstrip("/") + "/v1/chat/completions", body, timeout=timeout, retries=retries
-    )
-    choice = data["choices"][0]
-    usage = data.get("usage") or {}
-    return choice["message"].get("content") or "", int(usage.get("completion_tokens", 0)), choice.get("finish_reason")
-
-
-async def wait_healthy(base_urls: list[str], *, api_key: str | None, timeout: float) -> None:
+async def wait_healthy(base_urls: list[str], *, api_key: str | None, timeout: float, fail_fast: bool = False) -> None:
+    """Wait until every server answers /health. ``fail_fast``: a refused connection fails at once (``eval`` against
+    a server that is not there) instead of waiting for a starting server."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     async with httpx.AsyncClient(headers=headers(api_key)) as client:
@@ -125,8 +59,9 @@ async def wait_healthy(base_urls: list[str], *, api_key: str | None, timeout: fl
                 try:
                     if (await client.get(url.rstrip("/") + "/health", timeout=5.0)).status_code == 200:
                         break
-                except httpx.TransportError:
-                    pass
+                except httpx.TransportError as e:
+                    if fail_fast:
+                        raise ServerUnreachable(f"no inference server at {url} ({type(e).__name__})") from None
                 if loop.time() > deadline:
                     raise TimeoutError(f"inference server {url} not healthy after {timeout:.0f}s")
                 await asyncio.sleep(0.2)

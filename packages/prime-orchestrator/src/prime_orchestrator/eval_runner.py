@@ -1,4 +1,8 @@
-"""The ``eval`` process: environments x weights (base and checkpoints) -> JSON results and a table."""
+"""The ``eval`` process: environments x weights (base and checkpoints) -> JSON results and a table.
+
+Each environment runs in verifiers' env server (as in training); the base weights are restored with
+``/reload_weights`` before they are scored, since the server may hold a checkpoint of an earlier sweep.
+"""
 
 from __future__ import annotations
 
@@ -7,68 +11,76 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from prime_core.config.orchestrator import ClientConfig, EvalConfig
+from prime_core.config.orchestrator import EvalConfig
 from prime_core.io import atomic_write_json, atomic_write_text
 
 from prime_orchestrator import client as inference
-from prime_orchestrator.env_pool import EnvPool, worker_spec
-from prime_orchestrator.evals import evaluate_pool, format_table
+from prime_orchestrator.envs import EnvRunner, server_spec, train_client
+from prime_orchestrator.evals import evaluate_env, format_table
 
 logger = logging.getLogger("prime.eval")
+
+
+def client_factory(config: EvalConfig) -> Any:
+    """Per request index: verifiers' client config (train: token-in with the renderer; eval: OpenAI chat)."""
+    from verifiers.v1.configs.client import EvalClientConfig
+
+    from prime_orchestrator.envs import API_KEY_VAR
+
+    urls = config.client.base_urls
+    if config.use_chat:
+        clients = [EvalClientConfig(base_url=u + "/v1", api_key_var=API_KEY_VAR) for u in urls]
+    else:
+        clients = [train_client(config.client, config.model.name, u) for u in urls]
+    return lambda index: clients[index % len(clients)]
+
+
+async def _load(config: EvalConfig, label: str, step: int | None) -> None:
+    c, key = config.client, config.client.resolved_api_key()
+    timeout, retries = c.update_weights_timeout, c.max_retries
+    if step is None:
+        await inference.reload_weights(c.base_urls, api_key=key, timeout=timeout, retries=retries)
+    else:
+        weight_dir = str(Path(config.weights_dir) / f"step_{step}")
+        await inference.update_weights(c.base_urls, weight_dir, step, api_key=key, timeout=timeout, retries=retries)
+    logger.info("scoring %s", label)
 
 
 async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     c = config
     key = c.client.resolved_api_key()
-    await inference.wait_healthy(c.client.base_urls, api_key=key, timeout=c.client.health_timeout)
-    pools = {}
-    for env_id in c.environment_ids:
-        spec = worker_spec(
-            env_id=env_id,
-            env_args=c.env_args.get(env_id, {}),
-            model=c.model.name,
-            model_dir=c.model.name,
-            client=c.client,
-            mode="chat" if c.use_chat else "generate",
-            max_turns=c.max_turns,
-        )
-        pools[env_id] = EnvPool(env_id, spec, c.num_workers)
-    await asyncio.gather(*(p.start() for p in pools.values()))
-    labels: list[tuple[str, int | None]] = []
-    if c.eval_base:
-        labels.append(("base", None))
-    if c.steps and c.weights_dir is None:
-        raise ValueError("--steps needs --weights-dir")
+    await inference.wait_healthy(c.client.base_urls, api_key=key, timeout=c.client.health_timeout, fail_fast=True)
+    envs = c.resolved_envs()
+    runners = {e.resolved_name: EnvRunner(e, server_spec(e), max_retries=1) for e in envs}
+    labels: list[tuple[str, int | None]] = [("base", None)] if c.eval_base else []
     labels += [(f"step_{s}", s) for s in c.steps]
     results: dict[str, dict[str, dict[str, Any]]] = {}
     out_dir = Path(c.output_dir) / "eval"
     semaphore = asyncio.Semaphore(c.client.max_concurrent)
+    client_for = client_factory(c)
     try:
+        await asyncio.gather(*(r.start() for r in runners.values()))
         for label, step in labels:
-            if step is not None:
-                await inference.update_weights(
-                    c.client.base_urls,
-                    str(Path(c.weights_dir) / f"step_{step}"),
-                    step,
-                    api_key=key,
-                    timeout=c.client.update_weights_timeout,
-                    retries=c.client.max_retries,
-                )
+            # An OpenAI server of someone else's (use_chat) has no admin routes unless checkpoints are swept.
+            if step is not None or c.steps or not c.use_chat:
+                await _load(c, label, step)
             results[label] = {}
-            for env_id, pool in pools.items():
-                summary, rows = await evaluate_pool(
-                    pool,
+            for name, runner in runners.items():
+                summary, rows = await evaluate_env(
+                    runner,
+                    client_for=client_for,
+                    model=c.model.name,
                     num_examples=c.num_examples,
                     rollouts_per_example=c.rollouts_per_example,
                     sampling=c.sampling,
                     seed=c.seed,
                     semaphore=semaphore,
                 )
-                results[label][env_id] = summary
-                atomic_write_json(out_dir / label / f"{env_id}.json", {"summary": summary, "rollouts": rows})
-                logger.info("%s %s: reward %.4f", label, env_id, summary["reward/mean"])
+                results[label][name] = summary
+                atomic_write_json(out_dir / label / f"{name}.json", {"summary": summary, "rollouts": rows})
+                logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
     finally:
-        await asyncio.gather(*(p.close() for p in pools.values()), return_exceptions=True)
+        await asyncio.gather(*(r.close() for r in runners.values()), return_exceptions=True)
     atomic_write_json(out_dir / "results.json", results)
     table = format_table(results)
     atomic_write_text(out_dir / "results.txt", table + "\n")
@@ -76,4 +88,4 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     return results
 
 
-__all__ = ["ClientConfig", "run_eval"]
+__all__ = ["run_eval"]

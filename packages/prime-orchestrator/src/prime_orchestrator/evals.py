@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from prime_orchestrator.env_pool import EnvPool
+from prime_orchestrator.envs import EnvRunner, sampling_args
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -43,53 +43,52 @@ def summarize(rewards_per_example: list[list[float]], threshold: float = 1.0) ->
     return out
 
 
-async def evaluate_pool(
-    pool: EnvPool,
+async def evaluate_env(
+    runner: EnvRunner,
     *,
+    client_for: Any,
+    model: str,
     num_examples: int,
     rollouts_per_example: int,
     sampling: Any,
     seed: int,
     semaphore: asyncio.Semaphore | None = None,
 ) -> tuple[dict[str, Any], list[dict]]:
+    """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0."""
     from prime_orchestrator.orchestrator import request_seed
 
-    params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "max_tokens": sampling.max_tokens}
     semaphore = semaphore or asyncio.Semaphore(64)
 
-    async def one(example: int, j: int) -> dict[str, Any]:
+    async def one(example: int, j: int) -> Any:
+        index = example * rollouts_per_example + j
         async with semaphore:
-            return await pool.run(
-                {
-                    "example": example,
-                    "sampling": params,
-                    "seed": request_seed(seed, -2, example * rollouts_per_example + j),
-                }
+            return await runner.rollout(
+                example,
+                client=client_for(index),
+                model=model,
+                sampling=sampling_args(sampling, seed=request_seed(seed, -2, index)),
             )
 
-    examples = list(range(min(num_examples, pool.num_examples)))
+    count = min(num_examples, runner.num_examples) if runner.num_examples else num_examples
+    examples = list(range(count))
     results = await asyncio.gather(*(one(e, j) for e in examples for j in range(rollouts_per_example)))
     per_example = [
-        [results[i * rollouts_per_example + j]["reward"] for j in range(rollouts_per_example)]
+        [results[i * rollouts_per_example + j].reward for j in range(rollouts_per_example)]
         for i in range(len(examples))
     ]
     rows = [
-        {
-            "example": r["example"],
-            "reward": r["reward"],
-            "prompt": r["prompt"],
-            "completion": r["completion"],
-            "num_turns": r["num_turns"],
-            "signals": r["signals"],
-        }
+        r.model_dump(include={"example", "reward", "failed", "error", "prompt", "completion", "num_turns", "metrics"})
         for r in results
     ]
-    return summarize(per_example), rows
+    summary = summarize(per_example)
+    summary["failed"] = sum(r.failed for r in results)
+    summary["num_turns/mean"] = float(np.mean([r.num_turns for r in results]))
+    return summary, rows
 
 
-async def evaluate_envs(pools: dict[str, EnvPool], **kwargs: Any) -> dict[str, dict[str, Any]]:
-    results = await asyncio.gather(*(evaluate_pool(p, **kwargs) for p in pools.values()))
-    return {name: summary for name, (summary, _) in zip(pools, results, strict=True)}
+async def evaluate_envs(runners: dict[str, EnvRunner], **kwargs: Any) -> dict[str, dict[str, Any]]:
+    results = await asyncio.gather(*(evaluate_env(r, **kwargs) for r in runners.values()))
+    return {name: summary for name, (summary, _) in zip(runners, results, strict=True)}
 
 
 def format_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:

@@ -25,15 +25,16 @@ from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
 from prime_core.io import atomic_dir, atomic_write_json, is_stable
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
+from prime_core.schemas.rollout import RolloutResult
 from prime_core.transport import make_sender
 from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.advantages import compute_advantages
-from prime_orchestrator.env_pool import EnvPool, worker_spec
+from prime_orchestrator.envs import EnvRunner, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
 from prime_orchestrator.packing import Sample, pack
-from prime_orchestrator.policy import Policy
+from prime_orchestrator.weight_relay import Policy
 
 logger = logging.getLogger("prime.orchestrator")
 
@@ -50,7 +51,7 @@ class Rollout:
     example: int
     group: int
     weight_step: int
-    result: dict[str, Any]
+    result: RolloutResult
 
 
 @dataclass
@@ -67,8 +68,8 @@ class Orchestrator:
     def __init__(self, config: OrchestratorConfig):
         self.config = config
         self.run_dir = RunDir(config.output_dir)
-        self.pools: dict[str, EnvPool] = {}
-        self.eval_pools: dict[str, EnvPool] = {}
+        self.pools: dict[str, EnvRunner] = {}
+        self.eval_pools: dict[str, EnvRunner] = {}
         self.envs: dict[str, EnvConfig] = {e.resolved_name: e for e in config.env}
         self.cursors = {name: 0 for name in self.envs}
         self.start_step = 0
@@ -79,22 +80,28 @@ class Orchestrator:
         self.shipped: list[int] = []
         self.cursor_history: dict[int, dict[str, int]] = {}
         self._eval_tasks: list[asyncio.Task] = []
+        self._clients: dict[str, Any] = {}
+        self._requests = 0
         # Image preprocessing of a vision-language model (None for text models): packing patchifies rollout images.
         self.vision = VisionSpec.from_model_dir(config.model.name)
 
     # ----- setup -----
-    def _spec(self, env: EnvConfig, mode: str = "generate") -> dict[str, Any]:
+    @property
+    def served_model(self) -> str:
+        """The model name requests carry: a LoRA run's adapter (the base directory still provides the tokenizer)."""
         c = self.config
-        return worker_spec(
-            env_id=env.id,
-            env_args=env.args,
-            # A LoRA run's requests name its adapter; the base model directory still provides the tokenizer.
-            model=c.model.lora.adapter_name if c.model.lora is not None else c.model.name,
-            model_dir=c.model.name,
-            client=c.client,
-            mode=mode,
-            max_turns=env.max_turns,
-        )
+        return c.model.lora.adapter_name if c.model.lora is not None else c.model.name
+
+    def client_for(self, index: int) -> Any:
+        """Verifiers' train client config of request ``index``: requests are spread over the servers round-robin."""
+        urls = self.config.client.base_urls
+        url = urls[index % len(urls)]
+        if url not in self._clients:
+            self._clients[url] = train_client(self.config.client, self.config.model.name, url)
+        return self._clients[url]
+
+    def _runner(self, env: EnvConfig, name: str) -> EnvRunner:
+        return EnvRunner(env, server_spec(env, name), max_retries=self.config.max_rollout_retries)
 
     async def setup(self) -> None:
         c = self.config
@@ -105,13 +112,9 @@ class Orchestrator:
             c.client.base_urls, api_key=c.client.resolved_api_key(), timeout=c.client.health_timeout
         )
         for env in c.env:
-            self.pools[env.resolved_name] = EnvPool(
-                env.resolved_name, self._spec(env), env.num_workers, max_retries=c.max_rollout_retries
-            )
+            self.pools[env.resolved_name] = self._runner(env, env.resolved_name)
         for env in c.eval.envs:
-            self.eval_pools[env.resolved_name] = EnvPool(
-                f"eval/{env.resolved_name}", self._spec(env), env.num_workers, max_retries=c.max_rollout_retries
-            )
+            self.eval_pools[env.resolved_name] = self._runner(env, f"eval/{env.resolved_name}")
         await asyncio.gather(*(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]))
         if c.ckpt.resume_step:
             self._load_checkpoint(c.ckpt.resume_step)
@@ -161,7 +164,7 @@ class Orchestrator:
         weights = [self.envs[n].ratio for n in names]
         plan = []
         for name in rng.choices(names, weights=weights, k=c.batch_size // c.rollouts_per_example):
-            plan.append((name, self.cursors[name] % max(1, self.pools[name].num_examples)))
+            plan.append((name, self.cursors[name]))
             self.cursors[name] += 1
         return plan
 
@@ -169,16 +172,13 @@ class Orchestrator:
         c = self.config
         async with self.semaphore:
             weight_step = self.policy.version
-            request = {
-                "example": example,
-                "seed": request_seed(c.seed, step, index),
-                "sampling": {
-                    "temperature": c.sampling.temperature,
-                    "top_p": c.sampling.top_p,
-                    "max_tokens": c.sampling.max_tokens,
-                },
-            }
-            result = await self.pools[env].run(request)
+            self._requests += 1
+            result = await self.pools[env].rollout(
+                example,
+                client=self.client_for(self._requests),
+                model=self.served_model,
+                sampling=sampling_args(c.sampling, seed=request_seed(c.seed, step, index)),
+            )
         return Rollout(env, example, group, weight_step, result)
 
     async def _generate_step(self, step: int, plan: list[tuple[str, int]], batch: StepBatch) -> StepBatch:
@@ -206,37 +206,45 @@ class Orchestrator:
 
     # ----- training side -----
     def _samples(self, batch: StepBatch) -> tuple[list[Sample], dict[str, float]]:
+        """Samples of the step: advantages per group; a failed rollout is reward 0 (trains nothing) or dropped."""
         c = self.config
         samples: list[Sample] = []
         filtered = 0
         for group in batch.groups:
-            rewards = [r.result["reward"] for r in group]
-            lengths = [r.result["completion_len"] for r in group]
+            if c.failed_rollouts == "drop":
+                group = [r for r in group if not r.result.failed]
+            if not group:
+                filtered += 1
+                continue
+            rewards = [r.result.reward for r in group]
+            lengths = [r.result.completion_len for r in group]
             adv = compute_advantages(rewards, lengths, c.advantage)
             if c.filters.zero_advantage_groups and np.all(np.abs(adv) < 1e-9):
                 filtered += 1
                 continue
             for r, a in zip(group, adv, strict=True):
                 res = r.result
+                if res.failed or not res.completion_len:
+                    continue
                 samples.append(
                     Sample(
-                        res["token_ids"],
-                        res["loss_mask"],
-                        res["logprobs"],
+                        res.token_ids,
+                        res.loss_mask,
+                        res.logprobs,
                         float(a),
                         r.weight_step,
                         r.env,
-                        res["reward"],
-                        images=res.get("images") or [],
+                        res.reward,
+                        images=res.images,
                     )
                 )
         return samples, {"filtered/groups": filtered}
 
     def _metrics(self, batch: StepBatch, samples: list[Sample], extra: dict[str, Any]) -> dict[str, Any]:
         rollouts = [r for g in batch.groups for r in g]
-        rewards = np.array([r.result["reward"] for r in rollouts])
-        lengths = np.array([len(r.result["token_ids"]) for r in rollouts])
-        completion = np.array([r.result["completion_len"] for r in rollouts])
+        rewards = np.array([r.result.reward for r in rollouts])
+        lengths = np.array([len(r.result.token_ids) for r in rollouts])
+        completion = np.array([r.result.completion_len for r in rollouts])
         lags = np.array([batch.step - r.weight_step for r in rollouts])
         gen_time = max(batch.finished - batch.started, 1e-9)
         m: dict[str, Any] = {
@@ -246,22 +254,23 @@ class Orchestrator:
             "seq_len/mean": float(lengths.mean()),
             "seq_len/max": int(lengths.max()),
             "completion_len/mean": float(completion.mean()),
-            "num_turns/mean": float(np.mean([r.result["num_turns"] for r in rollouts])),
-            "truncated/mean": float(np.mean([r.result["truncated"] for r in rollouts])),
+            "num_turns/mean": float(np.mean([r.result.num_turns for r in rollouts])),
+            "truncated/mean": float(np.mean([r.result.truncated for r in rollouts])),
+            "failed/rollouts": sum(r.result.failed for r in rollouts),
             "throughput/rollout_tokens_per_s": float(completion.sum() / gen_time),
-            "inference/latency_mean": float(np.mean([r.result["latency"] for r in rollouts])),
+            "rollout/latency_mean": float(np.mean([r.result.latency for r in rollouts])),
             "off_policy_lag/max": int(lags.max()),
             "off_policy_lag/mean": float(lags.mean()),
             "policy/version": self.policy.version,
             "time/rollouts": gen_time,
             "time/wait_for_policy": batch.wait_for_policy,
             "samples/trained": len(samples),
-            "env_workers/restarts": sum(p.num_restarts for p in self.pools.values()),
-            "env_workers/retries": sum(p.num_retries for p in self.pools.values()),
+            "env_servers/restarts": sum(p.server.num_restarts for p in self.pools.values()),
+            "env_servers/retries": sum(p.num_retries for p in self.pools.values()),
             **extra,
         }
         for env in self.envs:
-            env_rewards = np.array([r.result["reward"] for r in rollouts if r.env == env])
+            env_rewards = np.array([r.result.reward for r in rollouts if r.env == env])
             if len(env_rewards):
                 m[f"reward/{env}/mean"] = float(env_rewards.mean())
                 m[f"reward/{env}/std"] = float(env_rewards.std())
@@ -279,9 +288,10 @@ class Orchestrator:
                 "env": r.env,
                 "example": r.example,
                 "weight_step": r.weight_step,
-                "reward": r.result["reward"],
-                "prompt": r.result["prompt"],
-                "completion": r.result["completion"],
+                "reward": r.result.reward,
+                "failed": r.result.failed,
+                "prompt": r.result.prompt,
+                "completion": r.result.completion if not r.result.failed else r.result.error,
             }
             for g in batch.groups
             for r in g
@@ -350,6 +360,8 @@ class Orchestrator:
         e = self.config.eval
         results = await evaluate_envs(
             self.eval_pools,
+            client_for=self.client_for,
+            model=self.served_model,
             num_examples=e.num_examples,
             rollouts_per_example=e.rollouts_per_example,
             sampling=self.config.sampling,
@@ -422,33 +434,34 @@ class Orchestrator:
         await inference.wait_healthy(
             c.client.base_urls, api_key=c.client.resolved_api_key(), timeout=c.client.health_timeout
         )
-        env = c.env[0]
-        pool = EnvPool(env.resolved_name, {**self._spec(env), "max_turns": 1}, env.num_workers)
-        await pool.start()
+        env = c.env[0].model_copy(update={"max_turns": 1})
+        runner = self._runner(env, env.resolved_name)
+        await runner.start()
         try:
-            sampling = {
-                "temperature": c.sampling.temperature,
-                "top_p": c.sampling.top_p,
-                "max_tokens": c.bench_config.max_tokens,
-            }
             t0 = time.perf_counter()
 
-            async def one(i: int) -> dict[str, Any]:
+            async def one(i: int) -> RolloutResult:
                 async with self.semaphore:
-                    return await pool.run({"example": i, "seed": request_seed(c.seed, -1, i), "sampling": sampling})
+                    sampling = sampling_args(
+                        c.sampling, seed=request_seed(c.seed, -1, i), max_tokens=c.bench_config.max_tokens
+                    )
+                    return await runner.rollout(
+                        i, client=self.client_for(i), model=self.served_model, sampling=sampling
+                    )
 
             results = await asyncio.gather(*(one(i) for i in range(c.bench_config.num_requests)))
             wall = time.perf_counter() - t0
         finally:
-            await pool.close()
-        tokens = sum(r["completion_len"] for r in results)
+            await runner.close()
+        tokens = sum(r.completion_len for r in results)
         report = {
             "num_requests": len(results),
             "completion_tokens": tokens,
             "wall_s": wall,
             "output_tokens_per_s": tokens / wall,
             "requests_per_s": len(results) / wall,
-            "latency_mean_s": float(np.mean([r["latency"] for r in results])),
+            "latency_mean_s": float(np.mean([r.latency for r in results])),
+            "failed": sum(r.failed for r in results),
             "max_concurrent": c.client.max_concurrent,
         }
         atomic_write_json(self.run_dir.root / "bench" / "orchestrator.json", report)

@@ -12,7 +12,7 @@ from prime_core.schemas.weights import BROADCAST_FILE
 
 from prime_orchestrator import client
 
-logger = logging.getLogger("prime.orchestrator.policy")
+logger = logging.getLogger("prime.orchestrator.weight_relay")
 
 
 class Policy:

@@ -27,8 +27,9 @@ class ClientConfig(BaseConfig):
     """Seconds before a single generation request fails."""
     max_retries: int = Field(default=3, ge=0)
     """Retries of a failed generation or admin request (connection errors, 5xx)."""
-    generate_path: str = "/inference/v1/generate"
-    """Token-in generation route (prompt token ids in; token ids and log-probs out)."""
+    renderer: str = "auto"
+    """Chat renderer of token-in rollouts, a ``renderers`` name (``qwen3``, ``llama-3``, ``qwen3-vl``, ``default``
+    for the tokenizer's own chat template, ...); ``auto`` detects it from the model's config and tokenizer."""
     max_concurrent: int = Field(default=64, ge=1)
     """Cap on concurrent rollouts in flight (each holds at most one inference request at a time)."""
     health_timeout: float = Field(default=300.0, gt=0)
@@ -42,6 +43,8 @@ class ClientConfig(BaseConfig):
             self.base_urls = [self.base_url]
         if not self.base_urls:
             raise ValueError("client.base_urls is empty")
+        # The OpenAI-style ".../v1" spelling names the same server: routes are joined to the bare base URL.
+        self.base_urls = [u.rstrip("/").removesuffix("/v1") for u in self.base_urls]
         return self
 
     def resolved_api_key(self) -> str | None:
@@ -53,20 +56,38 @@ class ClientConfig(BaseConfig):
 
 
 class EnvConfig(BaseConfig):
-    """One environment (a verifiers Taskset package) and its worker pool."""
+    """One verifiers environment, run by verifiers' own env server in a subprocess (what ``vf-eval`` would run)."""
 
     id: str
-    """Taskset id: an installed package exporting one Taskset in ``__all__`` (e.g. reverse-text)."""
+    """Taskset id: an installed package exporting a verifiers Taskset (e.g. reverse-text), as ``--env.taskset.id``."""
     name: str | None = None
     """Name in metrics (default: the id); must be unique."""
     ratio: float = Field(default=1.0, gt=0)
     """Relative sampling weight of this environment in a training batch."""
     args: dict[str, Any] = Field(default_factory=dict)
     """Taskset config fields (e.g. num_examples, seed)."""
+    env_id: str = ""
+    """A verifiers Env to pair with the taskset (empty: the taskset's bundled Env, else the single-agent env)."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Other fields of the verifiers EnvConfig (env knobs, per-role agent settings such as ``agent.timeout``)."""
+    harness: str = "auto"
+    """Harness id of every agent seat (``null``, ``bash``, ``prime-chat``, an installed harness). ``auto``: the
+    taskset's bundled harness, else ``prime-chat`` (verifiers' ``null`` chat loop run in-process; verifiers' own
+    default there would be ``bash``)."""
+    harness_args: dict[str, Any] = Field(default_factory=dict)
+    """Harness config fields."""
+    runtime: str = "subprocess"
+    """Verifiers runtime the harness program runs in, by its type name (``subprocess``, ``docker``, ``prime``, ...)."""
+    runtime_args: dict[str, Any] = Field(default_factory=dict)
+    """Runtime config fields (e.g. a docker image)."""
+    max_turns: int | None = Field(default=8, ge=1)
+    """Upper bound on model turns per episode (None: no limit)."""
     num_workers: int = Field(default=1, ge=1)
-    """Env worker subprocesses running this environment's rollouts."""
-    max_turns: int = Field(default=8, ge=1)
-    """Upper bound on model turns per episode (multi-turn environments)."""
+    """Worker processes of the env server (1: one server process; more: verifiers' broker over a worker pool)."""
+    elastic: bool = False
+    """Start the pool with one worker and grow it with the load up to num_workers (static when off)."""
+    rollout_timeout: float = Field(default=600.0, gt=0)
+    """Seconds one rollout may take; a slower one counts as failed (see ``failed_rollouts``)."""
 
     @property
     def resolved_name(self) -> str:
@@ -82,6 +103,13 @@ class SamplingConfig(BaseConfig):
     """Maximum new tokens per model turn."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
+
+
+class EvalSamplingConfig(SamplingConfig):
+    """Sampling of eval rollouts (greedy by default)."""
+
+    temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature (0: greedy)."""
 
 
 class LengthPenaltyConfig(BaseConfig):
@@ -200,7 +228,9 @@ class OrchestratorConfig(BaseConfig):
     broadcast blocks the trainer until inference takes it, so the orchestrator relays every step up to
     ``max_steps - 1`` before exiting, even those no rollout will use."""
     max_rollout_retries: int = Field(default=3, ge=0)
-    """Times a rollout is retried after its env worker crashed or it errored."""
+    """Times a rollout is re-run after its env server crashed under it (a crash loses no rollout)."""
+    failed_rollouts: Literal["zero_reward", "drop"] = "zero_reward"
+    """A rollout that raised or timed out: kept in its group with reward 0 (no tokens trained), or dropped."""
     bench: bool = False
     """Measure inference throughput in isolation and exit."""
     bench_config: BenchConfig = Field(default_factory=BenchConfig)
@@ -229,30 +259,57 @@ class EvalConfig(BaseConfig):
     output_dir: Path = Path("outputs")
     """Results go to <output_dir>/eval/."""
     environment_ids: list[str] = Field(default_factory=lambda: ["reverse-text"])
-    """Environments to evaluate (comma separated on the CLI)."""
+    """Environments to evaluate (comma separated on the CLI); ignored when ``env`` is set."""
     env_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per environment id: taskset config fields."""
+    env: list[EnvConfig] = Field(default_factory=list)
+    """Environments with every setting of ``[[orchestrator.env]]`` (harness, runtime, ...); overrides environment_ids."""
     client: ClientConfig = Field(default_factory=ClientConfig)
     """Inference server (the first base URL is used for weight loading)."""
     num_examples: int = Field(default=32, ge=1)
     """Examples per environment."""
     rollouts_per_example: int = Field(default=1, ge=1)
     """Rollouts per example; pass@k is reported for k = 1, 2, 4, ... up to this."""
-    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
     """Sampling of eval rollouts."""
     max_turns: int = Field(default=8, ge=1)
     """Upper bound on model turns per episode."""
     num_workers: int = Field(default=1, ge=1)
     """Env workers per environment."""
-    use_chat: bool = True
-    """Talk to /v1/chat/completions (any OpenAI server); off uses token-in generation with the local tokenizer."""
+    use_chat: bool = False
+    """Talk to /v1/chat/completions through verifiers' eval client (any OpenAI server, no token ids); off: token-in
+    generation with the model's renderer through verifiers' train client (tool calls parsed client-side)."""
     weights_dir: Path | None = None
-    """Directory with step_N weight folders to evaluate (loaded through /update_weights)."""
+    """Directory with step_N weight folders to evaluate (loaded through /update_weights; a relative path is resolved
+    here, where eval runs)."""
     steps: list[int] = Field(default_factory=list)
     """Checkpoint steps under weights_dir to evaluate."""
     eval_base: bool = True
-    """Also evaluate the weights the server started with (first)."""
+    """Also evaluate the weights the server started with (first; restored with /reload_weights before scoring)."""
     seed: int = 0
     """Seed of example selection and sampling."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> EvalConfig:
+        if self.steps and self.weights_dir is None:
+            raise ValueError("steps needs weights_dir (the directory holding the step_N checkpoints)")
+        if self.weights_dir is not None:
+            self.weights_dir = self.weights_dir.expanduser().resolve()
+            missing = [s for s in self.steps if not (self.weights_dir / f"step_{s}").is_dir()]
+            if missing:
+                found = sorted(p.name for p in self.weights_dir.glob("step_*")) if self.weights_dir.is_dir() else []
+                raise ValueError(
+                    f"steps: no step_{missing[0]} under {self.weights_dir} (found: {', '.join(found) or 'nothing'})"
+                )
+        return self
+
+    def resolved_envs(self) -> list[EnvConfig]:
+        """The environments to evaluate: ``env``, else one per id of ``environment_ids``."""
+        if self.env:
+            return self.env
+        return [
+            EnvConfig(id=i, args=self.env_args.get(i, {}), max_turns=self.max_turns, num_workers=self.num_workers)
+            for i in self.environment_ids
+        ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def main(argv: list[str] | None = None) -> None:
     from prime_core.config import parse_cli
@@ -18,10 +20,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from prime_core.logging import setup_logging
 
+    from prime_orchestrator.client import ServerUnreachable
     from prime_orchestrator.eval_runner import run_eval
 
     setup_logging("eval", level=config.log.level)
-    asyncio.run(run_eval(config))
+    try:
+        asyncio.run(run_eval(config))
+    except ServerUnreachable as e:
+        sys.exit(f"eval: {e}; start one (inference ...) or pass --client.base-url")
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,81 @@
+"""What crosses the orchestrator's process boundaries: env server specs in, rollout results out.
+
+An env server (a subprocess per environment, verifiers' own) is started from an ``EnvServerSpec``; each episode it
+plays comes back as a verifiers trace, which the orchestrator turns into one ``RolloutResult`` per rollout: the
+trained token stream of every turn (env/tool tokens masked) with the inference log-probs of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EnvServerSpec(BaseModel):
+    """How one environment's verifiers env server is started."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    """Environment name in metrics and logs."""
+    env_config: dict[str, Any]
+    """The verifiers ``EnvConfig`` as JSON data (taskset id and fields, agent harness/runtime, env knobs)."""
+    num_workers: int = Field(default=1, ge=1)
+    """Worker processes of the env server (1: a single server process, no broker)."""
+    elastic: bool = False
+    """Start with one worker and add workers as load grows, up to num_workers (verifiers' elastic pool)."""
+    multiplex: int = Field(default=128, ge=1)
+    """Rollouts one worker is sized for (the elastic pool grows at 90% of workers * multiplex in flight)."""
+    start_timeout: float = Field(default=300.0, gt=0)
+    """Seconds the server may take to come up."""
+
+
+class RolloutResult(BaseModel):
+    """One rollout, as the trainer-facing side of the orchestrator needs it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: str
+    """Environment name."""
+    example: int
+    """Index of the task in the environment's task stream."""
+    token_ids: list[int] = Field(default_factory=list)
+    """Every turn's tokens: prompt, sampled completions and the env/tool turns between them."""
+    loss_mask: list[bool] = Field(default_factory=list)
+    """True on model-sampled tokens (trained), False on prompt and env/tool tokens."""
+    logprobs: list[float] = Field(default_factory=list)
+    """Inference log-prob of each sampled token, 0.0 elsewhere."""
+    reward: float = 0.0
+    """Total reward of the rollout."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Named rewards and metrics the environment recorded."""
+    num_turns: int = 0
+    """Model turns sampled."""
+    prompt_len: int = 0
+    """Tokens before the first sampled token."""
+    completion_len: int = 0
+    """Sampled tokens."""
+    truncated: bool = False
+    """A turn stopped at max_tokens, or the episode hit a turn/token limit."""
+    failed: bool = False
+    """The rollout raised or timed out (its reward is 0; it carries no tokens)."""
+    error: str | None = None
+    """One-line description of the failure."""
+    latency: float = 0.0
+    """Wall seconds of the episode."""
+    prompt: str = ""
+    """The prompt as the model saw it (messages before the first sampled turn)."""
+    completion: str = ""
+    """The conversation from the first sampled turn on."""
+    images: list[str] = Field(default_factory=list)
+    """data: URLs of the images whose placeholder runs ``token_ids`` holds (vision-language models)."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> RolloutResult:
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"token_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) must align"
+            )
+        return self

@@ -1,0 +1,166 @@
+"""One environment's verifiers env server, run in its own subprocess and restarted when it dies.
+
+The server is verifiers' own (``verifiers.v1.serve.serve_env``): a single ``EnvServer`` for one worker, else its
+ROUTER broker over a worker pool (static, or elastic: it grows with the load). Each rollout is one ``run`` request
+through verifiers' ``EnvClient``; the episode streams back as a typed trace. When the server process dies, every
+rollout it held fails with ``EnvServerCrashed`` and the server is started again on a fresh address; the caller
+re-runs those rollouts there, so a crash costs time, never a rollout, and no rollout is counted twice (the dead
+server's answers can no longer arrive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import queue
+import time
+from typing import Any
+
+from prime_core.schemas.rollout import EnvServerSpec
+
+logger = logging.getLogger("prime.orchestrator.env")
+
+
+class EnvServerCrashed(RuntimeError):
+    pass
+
+
+def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> None:
+    """Subprocess entry: serve the env until the parent goes away."""
+    import logging as _logging
+
+    from verifiers.v1.serve.pool import serve_env
+
+    _logging.basicConfig(level=_logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = EnvServerSpec.model_validate(spec_data)
+    serve_env(
+        max_workers=spec.num_workers,
+        address="tcp://127.0.0.1:0",
+        address_queue=address_queue,
+        death_pipe=death_pipe,
+        multiplex=spec.multiplex,
+        elastic=spec.elastic,
+        config_data=spec.env_config,
+    )
+
+
+class EnvServer:
+    """A running env server for one environment and the client that talks to it."""
+
+    def __init__(self, spec: EnvServerSpec):
+        self.spec = spec
+        self.name = spec.name
+        self.num_restarts = 0
+        self._proc: Any = None
+        self._pipe: Any = None
+        self._client: Any = None
+        self._generation = 0
+        self._died: asyncio.Event | None = None
+        self._watcher: asyncio.Task | None = None
+        self._restart_lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self) -> None:
+        from verifiers.v1.serve.client import EnvClient
+
+        ctx = mp.get_context("spawn")
+        address_queue = ctx.Queue()
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(self.spec.model_dump(), address_queue, child), daemon=False)
+        proc.start()
+        child.close()  # our end closing (even on SIGKILL) makes the server exit
+        address = await self._address(proc, address_queue)
+        client = EnvClient(address)
+        deadline = time.monotonic() + self.spec.start_timeout
+        while not await client.health(timeout=2.0):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                await client.close()
+                proc.kill()
+                raise RuntimeError(f"env server {self.name} did not become healthy (exit code {proc.exitcode})")
+        self._proc, self._pipe, self._client = proc, parent, client
+        self._generation += 1
+        self._died = asyncio.Event()
+        self._watcher = asyncio.create_task(self._watch(proc, self._died))
+        logger.info(
+            "env server %s up at %s (pid %d, %d worker(s))", self.name, address, proc.pid, self.spec.num_workers
+        )
+
+    async def _address(self, proc: Any, address_queue: Any) -> str:
+        deadline = time.monotonic() + self.spec.start_timeout
+        while True:
+            try:
+                return await asyncio.to_thread(address_queue.get, True, 0.5)
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(
+                        f"env server {self.name} exited with code {proc.exitcode} while starting; see its log above"
+                    ) from None
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    raise TimeoutError(
+                        f"env server {self.name} did not start in {self.spec.start_timeout:.0f}s"
+                    ) from None
+
+    @staticmethod
+    async def _watch(proc: Any, died: asyncio.Event) -> None:
+        while proc.is_alive():
+            await asyncio.sleep(0.2)
+        died.set()
+
+    async def _restart(self, generation: int) -> None:
+        async with self._restart_lock:
+            if generation != self._generation:
+                return  # another rollout already restarted it
+            logger.warning("env server %s (pid %s) died (exit code %s); restarting", self.name, self.pid, self._exit())
+            await self._stop()
+            await self.start()
+            self.num_restarts += 1
+
+    def _exit(self) -> int | None:
+        return self._proc.exitcode if self._proc is not None else None
+
+    async def run(self, *, client: Any, model: str, sampling: Any, task_data: dict[str, Any]) -> Any:
+        """One episode (a verifiers ``WireEpisode``); raises ``EnvServerCrashed`` (after restarting the server)
+        when the server died while it ran."""
+        generation, died, env_client = self._generation, self._died, self._client
+        if died.is_set():
+            await self._restart(generation)
+            raise EnvServerCrashed(f"env server {self.name} was down")
+        run = asyncio.ensure_future(env_client.run(client, model, sampling, task_data))
+        death = asyncio.ensure_future(died.wait())
+        try:
+            await asyncio.wait({run, death}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            death.cancel()
+        if run.done():
+            return run.result()
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        await self._restart(generation)
+        raise EnvServerCrashed(f"env server {self.name} died during a rollout")
+
+    async def _stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._client is not None:
+            try:
+                await self._client.close()
+            except Exception:  # a client of a dead server may fail to close; nothing is left to release
+                logger.debug("closing the env client of %s failed", self.name, exc_info=True)
+        if self._pipe is not None:
+            self._pipe.close()
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            proc.terminate()
+            await asyncio.to_thread(proc.join, 10)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5)
+        self._client = self._pipe = None
+
+    async def close(self) -> None:
+        await self._stop()

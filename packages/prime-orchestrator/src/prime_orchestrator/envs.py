@@ -1,0 +1,205 @@
+"""Environments through verifiers' own machinery: env configs, task streams, rollouts and their samples.
+
+The orchestrator owns each taskset (as verifiers' env-server clients do: servers never load data) and dispatches
+one task per ``run`` request to the environment's env server, with verifiers' train client config: the renderer
+renders every turn and calls our token-in ``/inference/v1/generate``, so the trace holds each turn's exact token
+ids with the sampled tokens' log-probs. A trace branch becomes a ``RolloutResult`` without re-tokenizing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
+from prime_core.schemas.rollout import EnvServerSpec, RolloutResult
+
+from prime_orchestrator.env_server import EnvServer, EnvServerCrashed
+from prime_orchestrator.rendering import resolve_renderer
+
+logger = logging.getLogger("prime.orchestrator.env")
+
+# The train client reads the inference API key from the environment (verifiers never stores credentials in configs).
+API_KEY_VAR = "PRIME_INFERENCE_API_KEY"
+# verifiers' null chat loop, in-process for tool-less turns (prime_chat); verifiers would default to bash.
+DEFAULT_HARNESS = "prime-chat"
+
+
+def env_config_data(env: EnvConfig) -> dict[str, Any]:
+    """The verifiers EnvConfig (as JSON data) of one environment: the harness, runtime and turn limit apply to every
+    agent seat unless ``env_args`` sets them for that seat."""
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    data: dict[str, Any] = {**env.env_args, "id": env.env_id, "taskset": {"id": env.id, **env.args}}
+    seat: dict[str, Any] = {"runtime": {"type": env.runtime, **env.runtime_args}, "max_turns": env.max_turns}
+    harness = env.harness
+    if harness == "auto":
+        from verifiers.v1.utils.loaders import default_harness_id
+
+        harness = None if default_harness_id(env.id) == env.id else DEFAULT_HARNESS
+    if harness is not None:
+        seat["harness"] = {"id": harness, **env.harness_args}
+    for role in agent_config_fields(resolve_env_config(data)):
+        data[role] = {**seat, **env.env_args.get(role, {})}
+    return resolve_env_config(data).model_dump(mode="json")
+
+
+def server_spec(env: EnvConfig, name: str | None = None) -> EnvServerSpec:
+    return EnvServerSpec(
+        name=name or env.resolved_name,
+        env_config=env_config_data(env),
+        num_workers=env.num_workers,
+        elastic=env.elastic,
+    )
+
+
+class TaskStream:
+    """The taskset's tasks by index: a finite taskset cycles, an infinite one is drawn as far as the run needs."""
+
+    def __init__(self, env_config: dict[str, Any]):
+        from verifiers.v1.utils.loaders import resolve_env_config, taskset_class
+
+        config = resolve_env_config(env_config).taskset
+        self.taskset = taskset_class(config.id)(config)
+        self.bounded = self.taskset.bounded
+        self._iter = iter(self.taskset)
+        self._tasks: list[Any] = list(self._iter) if self.bounded else []
+        if self.bounded and not self._tasks:
+            raise ValueError(f"taskset {config.id!r} has no tasks")
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def task_data(self, index: int) -> dict[str, Any]:
+        if self.bounded:
+            return self._tasks[index % len(self._tasks)].data.model_dump(mode="json")
+        while len(self._tasks) <= index:
+            self._tasks.append(next(self._iter))
+        return self._tasks[index].data.model_dump(mode="json")
+
+
+def train_client(client: ClientConfig, model_dir: str, base_url: str) -> Any:
+    """Verifiers' train client config: ``renderers`` renders, our server generates from token ids."""
+    from verifiers.v1.configs.client import TrainClientConfig
+
+    key = client.resolved_api_key()
+    if key:
+        os.environ[API_KEY_VAR] = key
+    return TrainClientConfig(
+        base_url=base_url + "/v1",
+        api_key_var=API_KEY_VAR,
+        renderer=resolve_renderer(client.renderer, model_dir),
+        renderer_model_name=model_dir,
+        timeout={"read": client.timeout},
+    )
+
+
+class EnvRunner:
+    """Rollouts of one environment: its task stream, its env server, failure accounting."""
+
+    def __init__(self, env: EnvConfig, spec: EnvServerSpec, *, max_retries: int):
+        self.env = env
+        self.name = spec.name
+        self.spec = spec
+        self.server = EnvServer(spec)
+        self.max_retries = max_retries
+        self.tasks: TaskStream | None = None
+        self.num_failed = 0
+        self.num_retries = 0
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.tasks) if self.tasks is not None and self.tasks.bounded else 0
+
+    async def start(self) -> None:
+        self.tasks = await asyncio.to_thread(TaskStream, self.spec.env_config)
+        await self.server.start()
+
+    async def rollout(self, example: int, *, client: Any, model: str, sampling: dict[str, Any]) -> RolloutResult:
+        """One rollout; a crashed server is restarted and the rollout re-run; a rollout that raises or times out
+        comes back failed (reward 0, no tokens) instead of raising."""
+        from verifiers.v1.types import SamplingConfig as VfSampling
+
+        task_data = self.tasks.task_data(example)
+        t0 = time.perf_counter()
+        for attempt in range(self.max_retries + 1):
+            try:
+                episode = await asyncio.wait_for(
+                    self.server.run(client=client, model=model, sampling=VfSampling(**sampling), task_data=task_data),
+                    self.env.rollout_timeout,
+                )
+                return to_result(episode, self.name, example, time.perf_counter() - t0)
+            except EnvServerCrashed as e:
+                self.num_retries += 1
+                logger.warning("%s; re-running the rollout (attempt %d)", e, attempt + 2)
+                error = str(e)
+            except TimeoutError:
+                error = f"timed out after {self.env.rollout_timeout:.0f}s"
+                break
+            except Exception as e:  # a failed request is a failed rollout, never a stuck step
+                error = f"{type(e).__name__}: {e}"
+                break
+        self.num_failed += 1
+        logger.warning("rollout of %s example %d failed: %s", self.name, example, error.splitlines()[0])
+        return RolloutResult(env=self.name, example=example, failed=True, error=error.splitlines()[0])
+
+    async def close(self) -> None:
+        await self.server.close()
+
+
+def sampling_args(sampling: SamplingConfig, *, seed: int, max_tokens: int | None = None) -> dict[str, Any]:
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": max_tokens or sampling.max_tokens,
+        "seed": seed,
+    }
+
+
+def _text(content: Any) -> str:
+    from verifiers.v1.types import content_text
+
+    return content_text(content) if content is not None else ""
+
+
+def _message_text(message: Any) -> str:
+    text = _text(getattr(message, "content", None))
+    calls = getattr(message, "tool_calls", None) or []
+    calls_text = "".join(f"\n[tool_call {c.name}({c.arguments})]" for c in calls)
+    return f"[{message.role}] {text}{calls_text}"
+
+
+def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutResult:
+    """The trained view of an episode: the root trace's last branch, its tokens, mask and log-probs as verifiers
+    recorded them; the reward is the episode's. A failed episode (it raised, or the env marked it not ok) is failed."""
+    trace = episode.traces[-1] if episode.traces else None
+    error = episode.last_error or (trace.last_error if trace is not None else None)
+    if trace is None or error is not None or not trace.branches:
+        message = error.message if error is not None else "the episode produced no trace"
+        return RolloutResult(env=env, example=example, failed=True, error=f"{message}".splitlines()[0][:500])
+    branch = trace.branches[-1]
+    mask = branch.sampled_mask
+    messages = branch.messages
+    first = next((i for i, n in enumerate(branch.nodes) if n.sampled), len(branch.nodes))
+    metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
+    metrics.update({f"reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+    return RolloutResult(
+        env=env,
+        example=example,
+        token_ids=branch.token_ids,
+        loss_mask=mask,
+        logprobs=branch.logprobs,
+        reward=float(trace.reward),
+        metrics=metrics,
+        num_turns=trace.num_turns,
+        prompt_len=mask.index(True) if True in mask else len(mask),
+        completion_len=sum(mask),
+        truncated=trace.is_truncated,
+        latency=latency,
+        prompt="\n".join(_message_text(m) for m in messages[:first]),
+        completion="\n".join(_message_text(m) for m in messages[first:]),
+    )

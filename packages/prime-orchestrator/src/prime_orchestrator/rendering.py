@@ -1,0 +1,55 @@
+"""Which ``renderers`` renderer turns a model's chat into token ids.
+
+``client.renderer`` names one (renderers' names: ``qwen3``, ``llama-3``, ``qwen3-vl``, ``default``, ...). ``auto``
+detects it: a hub id renderers knows maps to its renderer; otherwise the model directory's ``config.json``
+``model_type`` picks the family's renderer when the tokenizer has that family's special tokens (a fine-tune or a
+small test model with a plain ChatML tokenizer keeps its own chat template through ``default``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# model_type -> (renderer, special tokens its template and parsers need)
+FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qwen3": ("qwen3", ("<|im_start|>", "<tool_call>", "<think>")),
+    "qwen3_moe": ("qwen3", ("<|im_start|>", "<tool_call>", "<think>")),
+    "qwen3_vl": ("qwen3-vl", ("<|im_start|>", "<|vision_start|>", "<tool_call>")),
+    "llama": ("llama-3", ("<|start_header_id|>", "<|eot_id|>")),
+}
+
+
+def _special_tokens(model_dir: Path) -> set[str]:
+    tokens: set[str] = set()
+    tok = model_dir / "tokenizer.json"
+    if tok.is_file():
+        tokens |= {t["content"] for t in json.loads(tok.read_text()).get("added_tokens", [])}
+    cfg = model_dir / "tokenizer_config.json"
+    if cfg.is_file():
+        decoder = json.loads(cfg.read_text()).get("added_tokens_decoder", {})
+        tokens |= {t["content"] for t in decoder.values() if isinstance(t, dict) and "content" in t}
+    return tokens
+
+
+def detect_renderer(model: str) -> str:
+    """The renderer name for a hub id or a local model directory."""
+    from renderers.base import MODEL_RENDERER_MAP
+
+    if model in MODEL_RENDERER_MAP:
+        return MODEL_RENDERER_MAP[model]
+    path = Path(model)
+    config = path / "config.json"
+    if not config.is_file():
+        return "auto"  # a hub id renderers does not list: let renderers resolve it
+    model_type = json.loads(config.read_text()).get("model_type", "")
+    family = FAMILIES.get(model_type)
+    if family is not None and set(family[1]) <= _special_tokens(path):
+        return family[0]
+    return "default"
+
+
+def resolve_renderer(name: str, model: str) -> dict[str, Any]:
+    """The ``renderers.RendererConfig`` data for ``client.renderer``."""
+    return {"name": detect_renderer(model) if name == "auto" else name}
