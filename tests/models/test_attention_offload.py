@@ -8,6 +8,7 @@ import pytest
 import torch
 from prime_core.config.trainer import ParallelConfig
 from prime_models import apply_activation_checkpointing, load_model
+from prime_models.parallel.activation_checkpoint import layer_checkpoint
 from prime_models.parallel.attention_offload import AttentionOffload
 from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,7 +50,7 @@ def _step(model, ids, positions=None) -> tuple[torch.Tensor, dict[str, torch.Ten
 
 
 def _offload_of(model) -> AttentionOffload:
-    return next(layer.ac_offload_attention for layer in model.model.layers if layer.ac_offload_attention is not None)
+    return next(layer_checkpoint(layer).offload for layer in model.model.layers if layer_checkpoint(layer).offload)
 
 
 def _pooled(offload: AttentionOffload) -> list[torch.Tensor]:
@@ -91,7 +92,7 @@ def test_offload_holds_kept_outputs_on_host_and_reuses_buffers():
     model = load_model(cfg, seed=0)
     apply_activation_checkpointing(model.model.layers, "full", keep_attention=2, offload_attention=True)
     offload = _offload_of(model)
-    assert [layer.ac_offload_attention is offload for layer in model.model.layers] == [False, True, True]
+    assert [layer_checkpoint(layer).offload is offload for layer in model.model.layers] == [False, True, True]
     ids = _ids()
     logprobs, _ = model(ids[:, :-1], targets=ids[:, 1:])
     # Between forward and backward the two kept layers' output and logsumexp live in host buffers taken from the pool.

@@ -10,6 +10,7 @@ from prime_models import lora as L
 from prime_models.layers import MLP
 from prime_models.layers.chunked_mlp import chunk_bounds, chunked_mlp
 from prime_models.layers.moe import MoE
+from prime_models.parallel.activation_checkpoint import layer_checkpoint
 
 from tests.models.conftest import VOCAB, tiny_config
 from tests.models.test_qwen3_vl import _image_sample
@@ -54,7 +55,7 @@ def test_chunked_mlp_matches_full_checkpointing(model_type, chunks, keep_attenti
     apply_activation_checkpointing(ref.model.layers, "full", keep_attention=keep_attention)
     apply_activation_checkpointing(chunked.model.layers, "full", keep_attention=keep_attention, mlp_chunks=chunks)
     expected = [0 if isinstance(layer.mlp, MoE) else chunks for layer in chunked.model.layers]
-    assert [layer.ac_mlp_chunks for layer in chunked.model.layers] == expected
+    assert [layer_checkpoint(layer).mlp_chunks for layer in chunked.model.layers] == expected
     ids = _ids()
     ref_loss, ref_grads = _loss_and_grads(ref, ids)
     loss, grads = _loss_and_grads(chunked, ids)

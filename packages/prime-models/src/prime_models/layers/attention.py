@@ -8,6 +8,9 @@ boundary. Two backends:
 * ``flash_attn``: `flash_attn_varlen_func` over the flattened `[B*S]` tokens with `cu_seqlens` derived from
   `position_ids` (no mask at all).
 
+Sampling passes a `prime_models.layers.kv_cache.KVCacheStep` instead: each layer stores its new K/V in the cache and
+attends over it (the torch inference engine serves with this same forward).
+
 Context parallelism hooks in through `CONTEXT_PARALLEL`: while a `prime_models.parallel.context_parallel.CPShard` is
 active, `build_attention_metadata` hands it to every layer and attention runs as a ring over the CP group.
 
@@ -26,6 +29,7 @@ from torch import nn
 
 from prime_models import kernels
 from prime_models.layers.common import RMSNorm, apply_rotary
+from prime_models.layers.kv_cache import KVCacheStep
 
 ATTN_BACKENDS = ("sdpa", "flash_attn")
 
@@ -42,6 +46,7 @@ class AttentionMetadata:
     cu_seqlens: torch.Tensor | None = None  # flash_attn: int32 [num_samples + 1] over the flattened tokens
     max_seqlen: int = 0
     context_parallel: Any = None  # a CPShard: ring attention over the context-parallel group
+    kv_cache: KVCacheStep | None = None  # sampling: attend over a KV cache instead of the rows
 
 
 def sample_starts(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -61,7 +66,11 @@ def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.T
     return cu, max_seqlen
 
 
-def build_attention_metadata(position_ids_BS: torch.Tensor, backend: str) -> AttentionMetadata:
+def build_attention_metadata(
+    position_ids_BS: torch.Tensor, backend: str, kv_cache: KVCacheStep | None = None
+) -> AttentionMetadata:
+    if kv_cache is not None:
+        return AttentionMetadata(backend, kv_cache=kv_cache)
     shard = CONTEXT_PARALLEL.get()
     if shard is not None:
         # The shard built its masks from the full rows; the local position_ids only drive RoPE.
@@ -94,9 +103,11 @@ class Attention(nn.Module):
         bias: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
+        layer_idx: int = 0,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx = layer_idx  # which of a KV cache's layers is this one's
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -119,7 +130,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if meta.context_parallel is not None:
+        if meta.kv_cache is not None:
+            out = meta.kv_cache.attend(self.layer_idx, q, k, v, self.scale)
+        elif meta.context_parallel is not None:
             out = meta.context_parallel.attention(q, k, v, self.scale)
         elif meta.backend == "flash_attn":
             out = self._flash(q, k, v, meta)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -86,17 +87,19 @@ class _ForwardState:
 
 class _ChunkedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_BSH: torch.Tensor, mlp: nn.Module, num_chunks: int, *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, x_BSH: torch.Tensor, mlp: nn.Module, fn: Callable, num_chunks: int, *params: torch.Tensor
+    ) -> torch.Tensor:
         ctx.save_for_backward(x_BSH)
         if _SKIP_FORWARD.get():
             # A zero-stride view: the recompute's output is discarded, so it needs no memory.
             return x_BSH.new_zeros(()).expand(x_BSH.shape)
-        ctx.mlp, ctx.num_params = mlp, len(params)
+        ctx.mlp, ctx.fn, ctx.num_params = mlp, fn, len(params)
         ctx.bounds = chunk_bounds(x_BSH.shape[1], num_chunks)
         ctx.state = _ForwardState(x_BSH)
         out_BSH = None
         for start, end in ctx.bounds:
-            y = mlp(x_BSH[:, start:end])
+            y = fn(x_BSH[:, start:end])
             if out_BSH is None:
                 out_BSH = y.new_empty((*x_BSH.shape[:-1], y.shape[-1]))
             out_BSH[:, start:end] = y
@@ -118,7 +121,7 @@ class _ChunkedMLP(torch.autograd.Function):
         with torch.enable_grad(), ctx.state.restored():
             for start, end in ctx.bounds:
                 x_chunk = x_BSH[:, start:end].detach().requires_grad_(need_x)
-                y = mlp(x_chunk)
+                y = ctx.fn(x_chunk)
                 if not y.requires_grad:
                     continue
                 inputs = ([x_chunk] if need_x else []) + params
@@ -130,14 +133,39 @@ class _ChunkedMLP(torch.autograd.Function):
                     if g is not None:
                         grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
         grad_params = [g if g is None else g.to(p.dtype) for g, p in zip(grad_params, params, strict=True)]
-        return grad_x, None, None, *grad_params
+        return grad_x, None, None, None, *grad_params
 
 
-def chunked_mlp(mlp: nn.Module, x_BSH: torch.Tensor, num_chunks: int) -> torch.Tensor:
+def chunked_mlp(mlp: nn.Module, x_BSH: torch.Tensor, num_chunks: int, forward: Callable | None = None) -> torch.Tensor:
     """`mlp(x_BSH)`, keeping only `x_BSH` for backward and recomputing it there in `num_chunks` sequence chunks.
 
     `mlp` must act on each token independently (a dense MLP of any `nn.Linear` subclass: LoRA, FP8); its parameters
     that require grad at call time (under FSDP2 the unsharded ones) get their gradients through autograd as usual.
+    `forward` computes the MLP on a chunk (default: `mlp` itself).
     """
     params = [p for p in mlp.parameters() if p.requires_grad]
-    return _ChunkedMLP.apply(x_BSH, mlp, num_chunks, *params)
+    return _ChunkedMLP.apply(x_BSH, mlp, forward or mlp, num_chunks, *params)
+
+
+class _ChunkedForward:
+    """Mixed into a dense MLP's class by `chunk_mlp`: its forward runs through `chunked_mlp` while autograd records."""
+
+    mlp_chunks: int
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return chunked_mlp(self, x_BSH, self.mlp_chunks, forward=super().forward)
+        return super().forward(x_BSH)
+
+
+@functools.cache
+def _chunked_class(cls: type) -> type:
+    return type(f"Chunked{cls.__name__}", (_ChunkedForward, cls), {})
+
+
+def chunk_mlp(mlp: nn.Module, num_chunks: int) -> None:
+    """Make `mlp` run in `num_chunks` sequence chunks when it records a graph. In place, as FSDP2's `fully_shard`
+    swaps a module's class: its parameters, names and children stay; only the forward changes."""
+    if not isinstance(mlp, _ChunkedForward):
+        mlp.__class__ = _chunked_class(type(mlp))
+    mlp.mlp_chunks = num_chunks

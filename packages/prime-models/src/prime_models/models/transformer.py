@@ -2,47 +2,23 @@
 
 Parameter names equal Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), and MoE experts use HF's fused
 3D layout, so conversion to/from HF is a rename-free reshuffle. Parallelism (FSDP, activation checkpointing) is
-applied from outside by `prime_models.parallel`; the only hooks here are the per-layer `ac_*` attributes.
+applied from outside by `prime_models.parallel`.
 
 Shape legend: B batch, S sequence, H hidden, V vocab.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from prime_models.fused_head import fused_logprobs
 from prime_models.layers import MLP, Attention, MoE, RMSNorm, RotaryEmbedding, build_attention_metadata
-from prime_models.layers.chunked_mlp import chunked_mlp, skip_chunked_mlp_in_recompute
+from prime_models.layers.kv_cache import KVCacheStep
 from prime_models.layers.moe import MoEStats
-
-AC_MODES = ("none", "full", "attn")
-
-
-def _attention_ops() -> set:
-    names = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_flash_attention_forward", "_efficient_attention_forward",
-             "_scaled_dot_product_flash_attention_for_cpu")  # fmt: skip
-    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
-
-
-def _keep_attention_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_ATTENTION_OPS = _attention_ops()
-
-
-def _keep_attention_context():
-    return create_selective_checkpoint_contexts(_keep_attention_policy)
 
 
 @dataclass
@@ -98,6 +74,7 @@ class DecoderLayer(nn.Module):
             bias=args.attention_bias,
             qk_norm=args.qk_norm,
             norm_eps=args.rms_norm_eps,
+            layer_idx=layer_idx,
         )
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.is_moe_layer(layer_idx):
@@ -111,41 +88,10 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size, args.hidden_act, bias=args.mlp_bias)
-        # Set by prime_models.parallel.apply_activation_checkpointing: "none", "full" (whole layer) or "attn".
-        self.ac_mode = "none"
-        # With "full": keep the attention kernel's outputs and recompute only the rest of the layer in backward.
-        self.ac_keep_attention = False
-        # With "full" and a dense MLP: > 0 runs the MLP in this many sequence chunks (`layers.chunked_mlp`).
-        self.ac_mlp_chunks = 0
-        # With kept attention: an object whose `checkpoint_contexts(ops)` keeps the outputs of `ops` in host memory
-        # between forward and backward (`prime_models.parallel.attention_offload`), shared by the model's layers.
-        self.ac_offload_attention = None
-
-    def _attn_block(self, h, rope, meta):
-        return self.self_attn(self.input_layernorm(h), rope, meta)
-
-    def _forward(self, h, rope, meta):
-        if self.ac_mode == "attn" and torch.is_grad_enabled():
-            h = h + checkpoint(self._attn_block, h, rope, meta, use_reentrant=False)
-        else:
-            h = h + self._attn_block(h, rope, meta)
-        x = self.post_attention_layernorm(h)
-        if self.ac_mlp_chunks > 0 and self.ac_mode == "full" and torch.is_grad_enabled():
-            return h + chunked_mlp(self.mlp, x, self.ac_mlp_chunks)
-        return h + self.mlp(x)
 
     def forward(self, h_BSH: torch.Tensor, rope, meta) -> torch.Tensor:
-        if self.ac_mode == "full" and torch.is_grad_enabled():
-            if not self.ac_keep_attention:
-                context_fn = noop_context_fn
-            elif self.ac_offload_attention is not None:
-                context_fn = functools.partial(self.ac_offload_attention.checkpoint_contexts, _ATTENTION_OPS)
-            else:
-                context_fn = _keep_attention_context
-            if self.ac_mlp_chunks > 0:
-                context_fn = skip_chunked_mlp_in_recompute(context_fn)
-            return checkpoint(self._forward, h_BSH, rope, meta, use_reentrant=False, context_fn=context_fn)
-        return self._forward(h_BSH, rope, meta)
+        h_BSH = h_BSH + self.self_attn(self.input_layernorm(h_BSH), rope, meta)
+        return h_BSH + self.mlp(self.post_attention_layernorm(h_BSH))
 
 
 class Backbone(nn.Module):
@@ -214,13 +160,22 @@ class CausalLM(nn.Module):
                 module.experts.down_proj.normal_(0.0, std, generator=generator)
         self.tie_weights()
 
-    def forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
-        """Final normed hidden states `[B, S, H]` (the input of the LM head)."""
+    def forward_hidden(
+        self,
+        input_ids_BS: torch.Tensor,
+        position_ids_BS: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCacheStep | None = None,
+    ) -> torch.Tensor:
+        """Final normed hidden states `[B, S, H]` (the input of the LM head).
+
+        With `kv_cache` (sampling) every layer stores its new K/V there and attends over the cached prefix;
+        `position_ids_BS` are then the new tokens' rotary positions."""
         if position_ids_BS is None:
             position_ids_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
         h = self.model.embed_tokens(input_ids_BS)
         rope = self.model.rotary_emb(position_ids_BS, h.dtype)
-        meta = build_attention_metadata(position_ids_BS, self.attn_backend)
+        meta = build_attention_metadata(position_ids_BS, self.attn_backend, kv_cache)
         for layer in self.model.layers:
             h = layer(h, rope, meta)
         return self.model.norm(h)

@@ -33,6 +33,7 @@ from torch import nn
 from prime_models import kernels
 from prime_models.layers import build_attention_metadata
 from prime_models.layers.common import activation
+from prime_models.layers.kv_cache import KVCacheStep
 from prime_models.layers.mrope import MRotaryEmbedding
 from prime_models.models.qwen3.modeling_qwen3 import qwen3_attention_args
 from prime_models.models.transformer import CausalLM, TransformerArgs
@@ -298,6 +299,7 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         mrope_position_ids: torch.Tensor | None = None,
+        kv_cache: KVCacheStep | None = None,
     ) -> torch.Tensor:
         if position_ids_BS is None:
             position_ids_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
@@ -324,7 +326,7 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         if mrope_position_ids is None:
             mrope_position_ids = self.mrope_position_ids(input_ids_BS, position_ids_BS, image_grid_thw)
         rope = self.model.rotary_emb(mrope_position_ids, h.dtype)
-        meta = build_attention_metadata(position_ids_BS, self.attn_backend)
+        meta = build_attention_metadata(position_ids_BS, self.attn_backend, kv_cache)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, meta)
             if i < len(deepstack):
