@@ -74,6 +74,13 @@ def tests(session: nox.Session) -> None:
     session.run("uv", "run", "--locked", "pytest", *args)
 
 
+@nox.session(python=False)
+def docs(session: nox.Session) -> None:
+    """Every shell command of README.md and docs/*.md, run for real with small step counts (slow: minutes per
+    doc). The default test run covers the fast part: every documented entry point command resolves."""
+    session.run("uv", "run", "--locked", "pytest", "-n", "0", "-m", "slow", "tests/docs", *session.posargs)
+
+
 def _build_wheels() -> Path:
     wheels = BUILD / "wheels"
     if not wheels.exists():

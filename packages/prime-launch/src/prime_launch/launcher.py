@@ -54,8 +54,9 @@ def check_output_dirs(plan: RunPlan, rl: RLConfig) -> None:
         check_output_dir(run_dir, overwrite=rl.overwrite, resume=resume)
 
 
-def dry_run(rl: RLConfig, out: TextIO = sys.stdout) -> None:
-    """Resolve and write the per-process configs; print the commands ``rl`` would run."""
+def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
+    """Resolve and write the per-process configs; print the commands ``rl`` would run (to stdout by default)."""
+    out = out or sys.stdout
     plan = build_plan(rl)
     check_output_dirs(plan, rl)
     paths = write_configs(plan, dry_run=True)
@@ -138,8 +139,9 @@ class _Console:
         self.out.flush()
 
 
-def run(rl: RLConfig, out: TextIO = sys.stdout) -> int:
+def run(rl: RLConfig, out: TextIO | None = None) -> int:
     """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal)."""
+    out = out or sys.stdout
     plan = build_plan(rl)
     check_output_dirs(plan, rl)
     check_port_free(plan.configs.get("inference"))

@@ -134,8 +134,8 @@ def parse_cli(
     Bad model names and environment ids are errors here too, before the entry point loads anything; with
     ``network=False`` (and in a dry run) a hub id is not checked for being downloadable from here.
 
-    Dry run: resolve, validate, write the resolved config to ``<output_dir>/configs/<prog>.toml`` (or call
-    ``on_dry_run``) and exit 0.
+    Dry run: resolve, validate, write the resolved config to ``<output_dir>/configs/<prog>.toml`` (print it when
+    the config has no ``output_dir``; or call ``on_dry_run``) and exit 0.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -152,9 +152,10 @@ def parse_cli(
             on_dry_run(config)
         else:
             output_dir = getattr(config, "output_dir", None)
-            if output_dir is None:
-                fail("--dry-run: this config has no output_dir to write the resolved config to")
-            path = write_config(config, Path(output_dir) / "configs" / f"{prog}.toml")
-            print(f"resolved config written to {path}")
+            if output_dir is None:  # nowhere to write it: show it
+                sys.stdout.write(config_to_toml(config))
+            else:
+                path = write_config(config, Path(output_dir) / "configs" / f"{prog.replace(' ', '-')}.toml")
+                print(f"resolved config written to {path}")
         raise SystemExit(0)
     return config
