@@ -22,12 +22,12 @@ def build_tokenizer():
     return build_chatml_tokenizer(CORPUS)
 
 
-def save_model(path: Path, tokenizer, seed: int) -> Path:
+def save_model(path: Path, tokenizer, seed: int, max_position_embeddings: int = 256) -> Path:
     import torch
     from prime_core.io import mark_stable
     from transformers import Qwen3ForCausalLM
 
-    config = tiny_qwen3_config(tokenizer, max_position_embeddings=256)
+    config = tiny_qwen3_config(tokenizer, max_position_embeddings=max_position_embeddings)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():  # spread the logits so sampling and greedy decoding are not degenerate
@@ -39,14 +39,16 @@ def save_model(path: Path, tokenizer, seed: int) -> Path:
 
 
 class RunningServer:
-    def __init__(self, config, startup_timeout: float = 60):
+    """``build_app`` served by uvicorn in a thread; ``engine_factory`` replaces the configured engine (test engines)."""
+
+    def __init__(self, config, startup_timeout: float = 60, engine_factory=None):
         import uvicorn
         from prime_inference.engines import build_engine
         from prime_inference.server import build_app
 
         self.config = config
         self.url = f"http://127.0.0.1:{config.server.port}"
-        app = build_app(config, lambda: build_engine(config))
+        app = build_app(config, engine_factory or (lambda: build_engine(config)))
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=config.server.port, log_level="warning")
         )
@@ -72,6 +74,7 @@ def start_server(model_dir: Path, **overrides) -> RunningServer:
     from prime_core.config.inference import InferenceConfig
 
     startup_timeout = overrides.pop("startup_timeout", 60)
+    engine_factory = overrides.pop("engine_factory", None)
     server = {"port": free_port(), **overrides.pop("server", {})}
     config = InferenceConfig.model_validate(
         {
@@ -83,4 +86,4 @@ def start_server(model_dir: Path, **overrides) -> RunningServer:
             **overrides,
         }
     )
-    return RunningServer(config, startup_timeout)
+    return RunningServer(config, startup_timeout, engine_factory)

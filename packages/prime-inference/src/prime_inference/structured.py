@@ -7,7 +7,8 @@ GPU and no torch build of its own, and is one of vLLM's own structured-output ba
 means the same thing on both engines. The fields, as vLLM reads them:
 
 * ``structured_outputs``: ``{"json": schema}``, ``{"regex": r}``, ``{"choice": [..]}``, ``{"grammar": lark}``,
-  ``{"json_object": true}`` (one key);
+  ``{"json_object": true}`` (one key), plus ``"disable_any_whitespace": true`` for JSON without free whitespace
+  (JSON allows it by default, as in vLLM);
 * ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": ..}}``;
 * ``tool_choice`` ``"required"`` (a non-empty JSON array of ``{"name", "parameters"}``) or a named function (that
   function's parameters), built as vLLM's ``get_json_schema_from_tools`` does.
@@ -24,7 +25,7 @@ from prime_inference.protocol import RequestError
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _json_grammar(schema: Any, param: str) -> str:
+def _json_grammar(schema: Any, param: str, compact: bool = False) -> str:
     import llguidance
 
     if isinstance(schema, str):
@@ -35,7 +36,8 @@ def _json_grammar(schema: Any, param: str) -> str:
     if not isinstance(schema, dict):
         raise RequestError("a JSON schema must be an object", param=param)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema)
+        defaults = {"whitespace_flexible": False} if compact else None
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     except Exception as e:  # llguidance reports unsupported schema features as ValueError/RuntimeError
         raise RequestError(f"unsupported JSON schema: {e}", param=param) from e
 
@@ -53,10 +55,11 @@ def _from_structured(spec: dict[str, Any]) -> str:
         )
     key, value = keys[0], spec[keys[0]]
     param = f"structured_outputs.{key}"
+    compact = bool(spec.get("disable_any_whitespace"))
     if key == "json":
-        return _json_grammar(value, param)
+        return _json_grammar(value, param, compact)
     if key == "json_object":
-        return _json_grammar({"type": "object"}, param)
+        return _json_grammar({"type": "object"}, param, compact)
     if key == "regex" and isinstance(value, str):
         return llguidance.LLMatcher.grammar_from_regex(value)
     if key == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):

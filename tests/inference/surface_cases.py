@@ -1,0 +1,148 @@
+"""OpenAI-client checks of vLLM's behaviour that run unchanged against either engine on a real (random) model: the
+torch engine on CPU in test_openai_surface.py, vLLM on a GPU in test_openai_surface_vllm.py.
+
+`check_forced_tool_call_and_reasoning` forces the output with a one-choice grammar (the markers' single tokens
+favoured with logit_bias) and runs on vLLM only: llguidance, the torch engine's grammar library, counts added
+tokens such as ``<think>`` as special, so its grammars cannot emit them; on CPU the fixed-text test engine covers
+the same responses."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from .surface import MARKERS, THINK_TEXT, TOOL_CALL_TEXT, TOOLS
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+def marker_bias(tokenizer) -> dict[str, float]:
+    return {str(tokenizer.convert_tokens_to_ids(m)): 30.0 for m in MARKERS}
+
+
+def forced(text: str, tokenizer) -> dict:
+    return {"structured_outputs": {"choice": [text]}, "logit_bias": marker_bias(tokenizer)}
+
+
+def check_forced_tool_call_and_reasoning(client, model: str, tokenizer) -> None:
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    extra = forced(THINK_TEXT + TOOL_CALL_TEXT, tokenizer)
+    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, temperature=0, max_tokens=80,
+                                       extra_body=extra)  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert (choice.message.content or "").strip() == ""
+    assert choice.message.model_extra["reasoning"].strip() == "I should call the tool."
+    stream = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, temperature=0,
+                                            max_tokens=80, stream=True, extra_body=extra)  # fmt: skip
+    reasoning, calls, finish = "", {}, None
+    for chunk in stream:
+        for c in chunk.choices:
+            reasoning += (c.delta.model_extra or {}).get("reasoning") or ""
+            for tc in c.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert reasoning.strip() == "I should call the tool." and finish == "tool_calls"
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+
+
+def check_structured_outputs(client, model: str) -> None:
+    messages = [{"role": "user", "content": "weather as json"}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER_SCHEMA}}
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                       response_format=schema_format)  # fmt: skip
+    assert r.choices[0].message.content.startswith('{"')  # JSON allows free whitespace, which may run long
+    compact = {"json": WEATHER_SCHEMA, "disable_any_whitespace": True}
+    for stream in (False, True):
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                           stream=stream, extra_body={"structured_outputs": compact})  # fmt: skip
+        text = (
+            "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+            if stream
+            else r.choices[0].message.content
+        )
+        value = json.loads(text)
+        assert set(value) == {"city", "days"} and 0 <= value["days"] <= 9
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=1, seed=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.completions.create(model=model, prompt="numbers", max_tokens=6, temperature=1, seed=1,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})  # fmt: skip
+    assert len(r.choices[0].text) == 3 and r.choices[0].text.isdigit()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=named,
+                                       max_tokens=60, temperature=0)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    if r.choices[0].finish_reason == "stop":
+        assert "city" in json.loads(call.function.arguments)
+
+
+def check_tolerant_requests(client, model: str) -> None:
+    tool_call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    echoed = {"role": "assistant", "content": None, "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": [tool_call], "reasoning": "I should call the tool."}  # fmt: skip
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "weather?"}, echoed,
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    r = client.chat.completions.create(
+        model=model, messages=messages, tools=TOOLS, max_tokens=3, temperature=0, store=False,
+        metadata={"run": "x"}, reasoning_effort="low", service_tier="auto", modalities=["text"],
+    )  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def check_sampling_parameters(client, model: str, url: str) -> None:
+    base = {"model": model, "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0}
+    forced_id = 9
+    r = httpx.post(
+        f"{url}/v1/completions", json={**base, "logit_bias": {str(forced_id): 100}, "return_token_ids": True}
+    )
+    assert r.json()["choices"][0]["token_ids"] == [forced_id] * 5
+    r = httpx.post(f"{url}/v1/completions", json={**base, "allowed_token_ids": [11, 12], "return_token_ids": True,
+                                                  "temperature": 1, "seed": 0})  # fmt: skip
+    assert set(r.json()["choices"][0]["token_ids"]) <= {11, 12}
+    r = httpx.post(f"{url}/v1/completions", json={**base, "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = httpx.post(f"{url}/v1/completions", json={**base, "top_p": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    chunks = list(client.completions.create(
+        model=model, prompt="the quick", max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    ))  # fmt: skip
+    with_choices = [c for c in chunks if c.choices]
+    assert all(c.usage is not None for c in with_choices)
+    assert with_choices[-1].usage.completion_tokens == chunks[-1].usage.completion_tokens == 4
+    r = client.completions.create(model=model, prompt="the quick", max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text.startswith("the quick")
+    r = client.completions.create(model=model, prompt="the quick", max_tokens=3, temperature=0, best_of=1)
+    assert len(r.choices) == 1
+
+
+def check_tokenize_routes(url: str, model: str) -> None:
+    tok = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": "hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    text = httpx.post(f"{url}/detokenize", json={"model": model, "tokens": tok["tokens"]}).json()["prompt"]
+    assert text == "hello world"
+    chat = httpx.post(f"{url}/tokenize", json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["count"] > tok["count"] - 2
+    assert "version" in httpx.get(f"{url}/version").json()
+    assert httpx.get(f"{url}/ping").status_code == 200

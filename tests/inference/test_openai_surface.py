@@ -1,0 +1,246 @@
+"""The OpenAI surface behaves as vLLM's server, on the torch engine, through the official ``openai`` client: a test
+engine that answers with a fixed tool call / think block / JSON (streamed and not), and a real tiny model for
+constrained decoding and sampling parameters (the same cases run on vLLM in test_openai_surface_vllm.py)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from . import surface_cases as cases
+from .helpers import start_server
+from .surface import (
+    ANSWER_TEXT,
+    THINK_TEXT,
+    TOOL_CALL_TEXT,
+    TOOLS,
+    FixedTextEngine,
+    build_surface_tokenizer,
+    save_surface_model,
+)
+
+PARSERS = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}
+NAMED = {"server": {"served_model_name": "m"}}
+
+
+def reply(prompt: str) -> str:
+    if "TOOLCALL" in prompt:
+        return THINK_TEXT + TOOL_CALL_TEXT
+    if "REASON" in prompt:
+        return THINK_TEXT + ANSWER_TEXT
+    if "JSONOUT" in prompt:
+        return '{"city": "Paris", "days": 3}'
+    return ANSWER_TEXT
+
+
+def fixed_server(tmp_path_factory, **config):
+    tokenizer = build_surface_tokenizer()
+    model_dir = tmp_path_factory.mktemp("fixed")
+    tokenizer.save_pretrained(model_dir)
+    engine = FixedTextEngine(tokenizer, reply)
+    server = start_server(model_dir, engine_factory=lambda: (engine, tokenizer), **NAMED, **config)
+    server.engine, server.tokenizer = engine, tokenizer
+    return server
+
+
+@pytest.fixture(scope="module")
+def parsing(tmp_path_factory):
+    s = fixed_server(tmp_path_factory, **PARSERS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    s = fixed_server(tmp_path_factory)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    model_dir = save_surface_model(tmp_path_factory.mktemp("surface") / "model")
+    s = start_server(model_dir, max_model_len=1024, **NAMED, **PARSERS)
+    s.tokenizer = build_surface_tokenizer()
+    yield s
+    s.stop()
+
+
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def ask(server, content: str, **kw):
+    messages = [{"role": "user", "content": content}]
+    return client(server).chat.completions.create(model="m", messages=messages, max_tokens=80, temperature=0, **kw)
+
+
+def streamed(server, content: str, **kw) -> dict:
+    out = {"reasoning": "", "content": "", "calls": {}, "finish": None}
+    for chunk in ask(server, content, stream=True, **kw):
+        for c in chunk.choices:
+            out["reasoning"] += (c.delta.model_extra or {}).get("reasoning") or ""
+            out["content"] += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                entry = out["calls"].setdefault(tc.index, {"id": tc.id, "name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            out["finish"] = c.finish_reason or out["finish"]
+    return out
+
+
+def test_fixed_tool_call_with_reasoning_streamed_and_not(parsing):
+    r = ask(parsing, "TOOLCALL", tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "celsius"}
+    assert (choice.message.content or "").strip() == ""
+    assert choice.message.model_extra["reasoning"] == "\nI should call the tool.\n"
+    s = streamed(parsing, "TOOLCALL", tools=TOOLS)
+    assert s["finish"] == "tool_calls" and s["reasoning"] == "\nI should call the tool.\n"
+    assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"].values()] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})
+    ]
+    # tool_choice none: no parsing of tool calls, the block stays in the content (reasoning is still separated)
+    r = ask(parsing, "TOOLCALL", tools=TOOLS, tool_choice="none")
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content.strip() == TOOL_CALL_TEXT
+
+
+def test_fixed_think_block_streamed_and_not(parsing):
+    r = ask(parsing, "REASON")
+    message = r.choices[0].message
+    assert message.content == "\n\n" + ANSWER_TEXT and message.model_extra["reasoning"] == "\nI should call the tool.\n"
+    assert message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    s = streamed(parsing, "REASON")
+    assert s["content"] == message.content and s["reasoning"] == message.model_extra["reasoning"]
+    hidden = ask(parsing, "REASON", extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.model_extra["reasoning"] is None and hidden.content == message.content
+
+
+def test_fixed_json_and_plain_text_without_parsers(plain):
+    r = ask(plain, "JSONOUT")
+    assert json.loads(r.choices[0].message.content) == {"city": "Paris", "days": 3}
+    assert streamed(plain, "JSONOUT")["content"] == r.choices[0].message.content
+    r = ask(plain, "REASON")  # no reasoning parser: the think block is content, as on vLLM
+    assert r.choices[0].message.content == THINK_TEXT + ANSWER_TEXT
+    with pytest.raises(Exception) as err:  # tools need --enable-auto-tool-choice, as on vLLM
+        ask(plain, "TOOLCALL", tools=TOOLS)
+    assert err.value.status_code == 400 and "--enable-auto-tool-choice" in err.value.message
+
+
+def test_tolerant_requests_render_as_vllm(parsing):
+    cases.check_tolerant_requests(client(parsing), "m")
+    prompt = parsing.engine.prompts[-1]
+    assert "<|im_start|>system\nbe brief" in prompt  # developer is system
+    assert '"arguments": {"city": "Paris"}' in prompt  # arguments decoded: the template iterated them
+    assert "<think>\nI should call the tool.\n</think>" in prompt  # history's reasoning reached the template
+    # a response's message goes back into the history as the SDK gives it
+    first = ask(parsing, "TOOLCALL", tools=TOOLS).choices[0].message
+    history = [{"role": "user", "content": "TOOLCALL"}, first.model_dump(exclude_none=False),
+               {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny"}]  # fmt: skip
+    again = client(parsing).chat.completions.create(model="m", messages=history, tools=TOOLS, max_tokens=5)
+    assert again.choices[0].message is not None
+
+
+def test_stop_token_text_left_out_unless_asked(plain):
+    think_end = plain.tokenizer.convert_tokens_to_ids("</think>")
+    r = ask(plain, "REASON", extra_body={"stop_token_ids": [think_end]}).choices[0]
+    assert r.message.content == "<think>\nI should call the tool.\n" and r.finish_reason == "stop"
+    assert r.model_extra["stop_reason"] == think_end
+    kept = ask(plain, "REASON", extra_body={"stop_token_ids": [think_end], "include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == "<think>\nI should call the tool.\n</think>"
+    s = streamed(plain, "REASON", extra_body={"stop_token_ids": [think_end]})
+    assert s["content"] == r.message.content
+
+
+def test_validation_errors_name_the_parameter(plain):
+    url, chat = plain.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for body, param in [
+        ({**chat, "n": 2, "temperature": 0}, "n"),
+        ({**chat, "temperature": -1}, "temperature"),
+        ({**chat, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({**chat, "tool_choice": "required"}, "tool_choice"),
+        ({**chat, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({**chat, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({**chat, "max_tokens": 100_000}, "max_tokens"),
+    ]:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_tokenize_routes_and_admin_paths(plain):
+    cases.check_tokenize_routes(plain.url, "m")
+    assert httpx.get(f"{plain.url}/v1/health").status_code == 404  # admin routes answer at the root only
+    assert httpx.post(f"{plain.url}/v1/pause").status_code == 404
+    assert "X-Weight-Step" not in httpx.get(f"{plain.url}/health").headers
+    r = httpx.post(f"{plain.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.headers["X-Weight-Step"] == "0"
+
+
+def test_structured_outputs_on_a_real_model(real):
+    cases.check_structured_outputs(client(real), "m")
+    r = httpx.post(f"{real.url}/v1/generate", json={"token_ids": [5, 6], "sampling_params": {
+        "max_tokens": 8, "temperature": 1, "seed": 2, "structured_outputs": {"choice": ["alpha", "beta"]}}})  # fmt: skip
+    text = real.tokenizer.decode(r.json()["choices"][0]["token_ids"], skip_special_tokens=True)
+    assert text in ("alpha", "beta")
+
+
+def test_sampling_parameters_on_a_real_model(real):
+    cases.check_sampling_parameters(client(real), "m", real.url)
+    cases.check_tolerant_requests(client(real), "m")
+    r = httpx.post(f"{real.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def reference_logits(model_dir, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1]
+
+
+def test_penalties_and_logit_bias_follow_vllms_formulas(real):
+    prompt, penalties = [5, 6, 7, 5, 6], {"repetition_penalty": 1.7, "frequency_penalty": 0.9, "presence_penalty": 0.6}
+    bias = {"12": 4.0, "30": -3.0}
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 0, "logprobs": 0,
+                                                      "logit_bias": bias, **penalties}}  # fmt: skip
+    choice = httpx.post(f"{real.url}/v1/generate", json=body).json()["choices"][0]
+    tokens = choice["token_ids"]
+    lps = [e["logprob"] for e in choice["logprobs"]["content"]]
+    for i, token in enumerate(tokens):
+        logits = reference_logits(real.config.model.name, prompt + tokens[:i])
+        logits[12] += 4.0
+        logits[30] -= 3.0
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt + tokens[:i]] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / 1.7, logits * 1.7), logits)
+        counts = torch.bincount(torch.tensor(tokens[:i], dtype=torch.long), minlength=logits.numel()).float()
+        logits = logits - 0.9 * counts - 0.6 * (counts > 0).float()
+        assert token == int(torch.argmax(logits))  # greedy: processed log-probs are the penalised logits'
+        assert abs(lps[i] - float(torch.log_softmax(logits, -1)[token])) < 1e-4
+
+
+def test_processed_log_probs_are_those_sampled_from(real):
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 2.0, "top_k": 1,
+                                                         "logprobs": 0, "seed": 0}}  # fmt: skip
+    content = httpx.post(f"{real.url}/v1/generate", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert all(abs(e["logprob"]) < 1e-6 for e in content)  # top_k=1 leaves one token: log 1
+    body["sampling_params"].update(top_k=0, min_p=1.0)
+    content = httpx.post(f"{real.url}/v1/generate", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert all(abs(e["logprob"]) < 1e-6 for e in content)
+
+
+def test_skip_special_tokens(real):
+    im_start = real.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "logit_bias": {str(im_start): 100}}
+    kept = httpx.post(f"{real.url}/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    skipped = httpx.post(f"{real.url}/v1/completions", json=body).json()
+    assert kept["choices"][0]["text"] == "<|im_start|><|im_start|>" and skipped["choices"][0]["text"] == ""
