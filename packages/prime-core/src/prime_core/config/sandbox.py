@@ -34,10 +34,11 @@ class SandboxPoolConfig(BaseConfig):
 
     zygotes: int = Field(default=0, ge=0, le=64)
     """Warm interpreters forking executions (0: one per 8 CPU cores, at least one); a dead one is replaced."""
-    max_concurrency: int = Field(default=256, ge=1, le=8192)
+    max_concurrency: int = Field(default=256, ge=1, le=7168)
     """Executions running at once; more wait in line. Each holds its own uid while it runs."""
-    uid_base: int = Field(default=200_000, ge=1000)
-    """First of ``max_concurrency + 1024`` host uids lent to executions and workspaces; they must own no host files."""
+    uid_base: int | None = Field(default=None, ge=1000, le=4_000_000_000)
+    """First of ``max_concurrency + 1024`` host uids lent to executions and workspaces; they must own no host
+    files. None: a range of its own per process (from its pid), so two pools on one host never share a uid."""
     python: str | None = None
     """Interpreter of the zygotes and of Python solutions (None: the one running the pool). Stdlib only."""
     preload: list[str] = Field(default_factory=list)

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 _HERE = Path(__file__).resolve().parent
 _BOOT = "import sys; sys.path.insert(0, sys.argv[1]); import zygote; zygote.main(int(sys.argv[2]), sys.argv[3])"
 NUM_LEASES = 1024  # uids above the execution range, one per live workspace (verifiers runtimes)
+UIDS_PER_PROCESS = 8192  # max_concurrency + NUM_LEASES fit in it
 RESULT_SLACK_S = 10.0  # how long past its wall limit a verdict may take before the pool gives up on it
 
 
@@ -55,7 +56,7 @@ def _sandbox_path(python: str) -> str:
 class _Zygote:
     """One zygote process and its control socket (SOCK_SEQPACKET: one message per request, never split)."""
 
-    def __init__(self, config: SandboxPoolConfig, workspaces: Path, num_uids: int) -> None:
+    def __init__(self, config: SandboxPoolConfig, uid_base: int, workspaces: Path, num_uids: int) -> None:
         python = config.python or sys.executable
         prefix = str(Path(python).resolve().parent.parent)
         setup = {
@@ -71,19 +72,18 @@ class _Zygote:
         child.close()
         self.sock = parent
         try:
-            self._handshake(config, num_uids)
+            self._handshake(config, uid_base, num_uids)
         except BaseException:
             self.kill()
             raise
         self.sock.setblocking(False)
         self.dead = False
 
-    def _handshake(self, config: SandboxPoolConfig, num_uids: int) -> None:
+    def _handshake(self, config: SandboxPoolConfig, base: int, num_uids: int) -> None:
         self.sock.settimeout(config.start_timeout_s)
         first = self.sock.recv(4096)
         if first != b"unshared":
             raise SandboxUnavailable(f"sandbox zygote failed: {first.decode(errors='replace') or 'exited'}")
-        base = config.uid_base
         try:
             for name in ("uid_map", "gid_map"):
                 Path(f"/proc/{self.proc.pid}/{name}").write_text(f"0 0 1\n{base} {base} {num_uids}\n")
@@ -162,8 +162,9 @@ class SandboxPool:
         self._zygotes: list[_Zygote | None] = [None] * self._num_zygotes
         self._next = 0
         n = self.config.max_concurrency
-        self._free_uids = list(range(self.config.uid_base + n - 1, self.config.uid_base - 1, -1))
-        self._free_leases = list(range(self.config.uid_base + n + NUM_LEASES - 1, self.config.uid_base + n - 1, -1))
+        self.uid_base = base = self.config.uid_base or 100_000 + (os.getpid() % 500_000) * UIDS_PER_PROCESS
+        self._free_uids = list(range(base + n - 1, base - 1, -1))
+        self._free_leases = list(range(base + n + NUM_LEASES - 1, base + n - 1, -1))
         self._slots = asyncio.Semaphore(n)
         self._workspaces: dict[str, Workspace] = {}
         self._spawn_lock = asyncio.Lock()
@@ -201,7 +202,7 @@ class SandboxPool:
                     logger.warning("sandbox zygote %d died (exit %s); starting a new one", i, z.proc.poll())
                     await asyncio.to_thread(z.kill)
                 num_uids = self.config.max_concurrency + NUM_LEASES
-                z = await asyncio.to_thread(_Zygote, self.config, self.workspaces, num_uids)
+                z = await asyncio.to_thread(_Zygote, self.config, self.uid_base, self.workspaces, num_uids)
                 self._zygotes[i] = z
             return z
 
