@@ -158,3 +158,30 @@ def test_inference_port_in_use_is_one_line_before_loading(tmp_path, server):
         "stop that server or choose another --server.port\n"
     )
     assert time.monotonic() - start < 20
+
+
+def test_real_server_reports_the_run_id_rl_gave_it(tmp_path):
+    """The contract behind the foreign-server check: `inference` reports its PRIME_RUN_ID in /health."""
+    import os
+    import signal
+
+    port = free_port()
+    model = Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "model"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_inference.entrypoints.inference", "--model.name", str(model), "--server.port",
+         str(port), "--output-dir", str(tmp_path), "--log.file", "false"],
+        env={**os.environ, "PRIME_RUN_ID": "run-abc", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/health"
+
+    def alive() -> None:
+        assert proc.poll() is None, "the inference server exited"
+
+    try:
+        assert wait_healthy([url], None, 120, alive, run_id="run-abc")[url]["run_id"] == "run-abc"
+        with pytest.raises(StartupFailed, match="answered by another server"):
+            wait_healthy([url], None, 10, alive, run_id="run-xyz")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

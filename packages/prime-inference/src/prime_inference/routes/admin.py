@@ -4,6 +4,7 @@ which keep vLLM's ``/v1/`` paths."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,7 +27,7 @@ async def health(request: Request) -> dict[str, Any]:
     info = state(request).engine.info
     return {"status": "ok", "engine": info.engine, "model": info.model, "weight_step": info.weight_step,
             "weight_dir": info.weight_dir, "paused": info.paused, "max_model_len": info.max_model_len,
-            "adapters": info.adapters, **info.extra}  # fmt: skip
+            "adapters": info.adapters, "run_id": os.environ.get("PRIME_RUN_ID"), **info.extra}  # fmt: skip
 
 
 @router.post("/update_weights")
