@@ -2,32 +2,27 @@
 
     python benchmarks/inference_vllm.py [--prompts 512] [--tokens 512] [--vocab 151936] [--profile 8] [--out DIR]
 
-Models: two random-init models of the Qwen3-0.6B shape (benchmarks/models/qwen3-0.6b/config.json) with a word-level
-tokenizer of ``--vocab`` tokens built locally (151,936 = Qwen3's vocabulary: log-prob gathering and detokenization
-cost what they cost in a real run; ``--vocab 0`` takes the tests' 354-token tokenizer, as earlier records did).
+Models: two random-init Qwen3-0.6B-shaped models with a word-level tokenizer of ``--vocab`` tokens built locally
+(151,936 = Qwen3's: log-probs and detokenization cost what they cost in a real run; 0: the tests' 354 tokens).
 
 Our server (`inference --engine vllm`, one subprocess): health, a chat call, /update_weights to the second model must
 change greedy output; then, all requests in flight and ``ignore_eos``, output tok/s of /inference/v1/generate for
 * ``logprobs`` / ``no_logprobs``: N prompts x T tokens with / without ``logprobs: 0`` (no seeds);
 * ``groups``: the orchestrator's pattern, N/G prompts x G rollouts, each request with its own seed, log-probs on;
 * ``turn2``: a multi-turn continuation of ``groups`` (prompt = turn-1 prompt + its completion + E env tokens);
-* with ``--profile S``: a py-spy profile (server and vLLM engine-core processes) of S seconds of a repeat of
-  ``logprobs``, summarized into the record (top frames by own and total samples per process).
-Then vLLM offline (`LLM`, the server's engine settings, the updated weights), the same request sets: without
-log-probs, ``logprobs=0`` (vLLM's defaults, per-request seeds as well), ``logprobs=0, detokenize=False,
-flat_logprobs=True``; groups and turn 2 with and without log-probs. Log-prob parity: the server's ``groups``
-log-probs against vLLM's own ``logprobs=0`` on the same seeded requests (where the sampled tokens agree) and
-against vLLM's prompt log-probs of the same tokens (teacher forcing).
-
-Writes <out>/inference_vllm-<time>.json: device, commit, vocabulary, every number, the target ratios (also when a
-step fails, with the error).
+* ``groups_httpx``: ``groups`` sent through httpx, the orchestrator's client (aiohttp otherwise);
+* ``--profile S``: py-spy over the server and its engine core for S seconds of a repeat of ``logprobs``.
+Then vLLM offline (`LLM`, same engine settings and weights), the same sets: no log-probs, ``logprobs=0`` (vLLM's
+defaults; seeded too), ``logprobs=0, detokenize=False, flat_logprobs=True``; groups and turn 2 with and without
+log-probs. Parity: the server's ``groups`` log-probs against vLLM's ``logprobs=0`` on the same seeded requests
+(where the tokens agree) and against vLLM's prompt log-probs of the server's tokens (teacher forcing).
+Writes <out>/inference_vllm-<time>.json: device, commit, vocabulary, every number, the target ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import json
 import os
@@ -38,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pyspy_profile import profile_during
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -106,18 +103,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------- request sets
-
-
 def request_sets(vocab: int, args: argparse.Namespace) -> dict[str, list[dict]]:
     """Each set: a list of {"prompt", "max_tokens", "seed" (or None), "logprobs" (0 or None)}."""
     rng = random.Random(0)
     prompts = [[rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     plain = [{"prompt": p, "max_tokens": args.tokens, "seed": None} for p in prompts]
+    n, g = args.prompts // args.group, args.group
     groups = [
-        {"prompt": prompts[i], "max_tokens": args.tokens, "seed": 1000 * i + j}
-        for i in range(args.prompts // args.group)
-        for j in range(args.group)
+        {"prompt": prompts[i], "max_tokens": args.tokens, "seed": 1000 * i + j} for i in range(n) for j in range(g)
     ]
     return {
         "logprobs": [{**r, "logprobs": 0} for r in plain],
@@ -149,32 +142,58 @@ def summary(elapsed: float, completions: list[list[int]]) -> dict:
 # ---------------------------------------------------------------- our server
 
 
-async def post_all(url: str, requests: list[dict]) -> tuple[float, list[dict]]:
-    import httpx
+def request_body(r: dict) -> bytes:
     import msgspec
 
-    def body(r: dict) -> dict:
-        sp = {"max_tokens": r["max_tokens"], "ignore_eos": True}
-        if r["seed"] is not None:
-            sp["seed"] = r["seed"]
-        if r.get("logprobs") is not None:
-            sp["logprobs"] = r["logprobs"]
-        return {"token_ids": r["prompt"], "sampling_params": sp}
+    sp = {"max_tokens": r["max_tokens"], "ignore_eos": True}
+    if r["seed"] is not None:
+        sp["seed"] = r["seed"]
+    if r.get("logprobs") is not None:
+        sp["logprobs"] = r["logprobs"]
+    return msgspec.json.encode({"token_ids": r["prompt"], "sampling_params": sp})
 
-    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+
+async def post_all(url: str, bodies: list[bytes], client: str) -> tuple[float, list[float], list[bytes]]:
+    """POST every body at once: (elapsed, each response's arrival time from the start, response bodies).
+    aiohttp by default: httpx's pool costs the client seconds at 512 connections (the orchestrator's client)."""
+    target, headers = f"{url}/inference/v1/generate", {"content-type": "application/json"}
+    if client == "httpx":
+        import httpx
+
+        limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+        session = httpx.AsyncClient(timeout=3600, limits=limits)
+
+        async def one(body: bytes) -> tuple[float, bytes]:
+            r = (await session.post(target, content=body, headers=headers)).raise_for_status()
+            return time.perf_counter(), r.content
+    else:
+        import aiohttp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(3600))
+
+        async def one(body: bytes) -> tuple[float, bytes]:
+            async with session.post(target, data=body, headers=headers, raise_for_status=True) as r:
+                data = await r.read()
+            return time.perf_counter(), data
+
+    async with session:
         start = time.perf_counter()
-        rs = await asyncio.gather(*[client.post(f"{url}/inference/v1/generate", json=body(r)) for r in requests])
+        done = await asyncio.gather(*[one(b) for b in bodies])
         elapsed = time.perf_counter() - start
-    for r in rs:
-        r.raise_for_status()
-    return elapsed, [msgspec.json.decode(r.content)["choices"][0] for r in rs]
+    return elapsed, [t - start for t, _ in done], [d for _, d in done]
 
 
-def run_server_phase(url: str, requests: list[dict]) -> tuple[dict, list[dict]]:
-    elapsed, choices = asyncio.run(post_all(url, requests))
+def run_server_phase(url: str, requests: list[dict], client: str = "aiohttp") -> tuple[dict, list[dict]]:
+    import msgspec
+
+    elapsed, arrivals, raw = asyncio.run(post_all(url, [request_body(r) for r in requests], client))
+    choices = [msgspec.json.decode(b)["choices"][0] for b in raw]
     result = summary(elapsed, [c["token_ids"] for c in choices])
-    print(f"  server {len(requests)} requests: {result['output_tok_per_s']:,.0f} tok/s", flush=True)
+    arrivals.sort()
+    result["client"] = client
+    result["responses_arrived_s"] = {"first": arrivals[0], "median": arrivals[len(arrivals) // 2], "last": arrivals[-1]}
+    print(f"  server {len(requests)} requests ({client}): {result['output_tok_per_s']:,.0f} tok/s, responses at "
+          f"{arrivals[0]:.2f}..{arrivals[-1]:.2f} s", flush=True)  # fmt: skip
     return result, choices
 
 
@@ -183,46 +202,6 @@ def served_logprobs(choice: dict) -> list[float]:
     if len(content) != len(choice["token_ids"]):
         raise RuntimeError(f"{len(content)} log-probs for {len(choice['token_ids'])} tokens")
     return [c["logprob"] for c in content]
-
-
-def profile_server(server_pid: int, seconds: float, out_dir: Path, url: str, requests: list[dict]) -> dict:
-    """py-spy (sampling, non-blocking) over the server and its vLLM engine-core child during a repeat of a phase."""
-    raw = out_dir / "inference_vllm_profile.txt"
-    cmd = ["py-spy", "record", "--pid", str(server_pid), "--subprocesses", "--nonblocking", "--format", "raw",
-           "--rate", "100", "--duration", str(int(seconds)), "--output", str(raw)]  # fmt: skip
-    try:
-        spy = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except FileNotFoundError:
-        return {"error": "py-spy is not installed (pip install py-spy)"}
-    time.sleep(1.0)  # attach before the requests go in
-    phase, _ = run_server_phase(url, requests)
-    log = spy.communicate(timeout=seconds + 120)[0]
-    if spy.returncode != 0 or not raw.exists():
-        return {"error": f"py-spy rc={spy.returncode}: {log[-2000:]}", "phase": phase}
-    return {"phase": phase, "seconds": seconds, "raw_file": raw.name, "processes": summarize_profile(raw)}
-
-
-def summarize_profile(raw: Path, top: int = 40) -> dict:
-    """Per process: samples, and the frames with the most own (leaf) and total samples (file:line dropped)."""
-    own: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    total: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    samples: collections.Counter = collections.Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
-        proc = frames[0][:120] if frames[0].startswith("process ") else "main"
-        frames = [f.split(":")[0] + ")" if "(" in f else f for f in frames[1:] if not f.startswith("thread ")]
-        samples[proc] += int(count)
-        if frames:
-            own[proc][frames[-1]] += int(count)
-        for f in set(frames):
-            total[proc][f] += int(count)
-    return {
-        p: {"samples": n, "own": own[p].most_common(top), "total": total[p].most_common(top)}
-        for p, n in samples.most_common()
-    }
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> dict:
@@ -276,7 +255,8 @@ def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path
     cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", args.engine, "--model.name", str(base),
            "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(work / "run"),
            "--max-model-len", str(args.max_model_len), "--vllm.max-num-seqs", str(args.prompts),
-           "--vllm.gpu-memory-utilization", str(args.gpu_memory_utilization), "--log.level", "warning"]  # fmt: skip
+           "--vllm.gpu-memory-utilization", str(args.gpu_memory_utilization), "--log.level", "warning",
+           "--vllm.extra-args", json.dumps(["--max-num-batched-tokens", str(args.max_num_batched_tokens)])]  # fmt: skip
     if args.enforce_eager:
         cmd.append("--vllm.enforce-eager")
     t = time.perf_counter()
@@ -292,8 +272,15 @@ def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path
         sets["turn2"] = continuation(sets["groups"], [c["token_ids"] for c in choices], result["vocab_size"], args)
         sets["groups_served"] = [{"token_ids": c["token_ids"], "logprobs": served_logprobs(c)} for c in choices]
         phases["turn2"], _ = run_server_phase(url, sets["turn2"])
+        phases["groups_httpx"], _ = run_server_phase(url, sets["groups"], client="httpx")
         if args.profile:
-            result["profile"] = profile_server(server.pid, args.profile, out_dir, url, sets["logprobs"])
+            result["profile"] = profile_during(
+                server.pid,
+                args.profile,
+                out_dir,
+                lambda: run_server_phase(url, sets["logprobs"])[0],
+                "inference_vllm_profile",
+            )
     finally:
         stop_server(server)
 
@@ -306,7 +293,7 @@ def offline_llm_kwargs(model: str, args: argparse.Namespace) -> dict:
     return dict(
         model=model, dtype="bfloat16", seed=0, max_model_len=args.max_model_len, max_num_seqs=args.prompts,
         gpu_memory_utilization=args.gpu_memory_utilization, logprobs_mode="processed_logprobs",
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
 
 
@@ -392,22 +379,20 @@ def offline_phases(other: Path, sets: dict, args: argparse.Namespace, result: di
 def ratios(result: dict) -> dict:
     """The issue's targets: server vs vLLM with log-probs (>= 0.95) and without (>= 0.85), per request pattern."""
     s, o = result.get("server", {}), result.get("offline", {})
-    pairs = {
-        "server_vs_vllm_logprobs": ("logprobs", "logprobs"),
-        "server_vs_vllm_no_logprobs": ("logprobs", "no_logprobs"),
+    pairs = {  # name: (numerator phase, denominator phase); "vllm:" marks an offline numerator
+        "server_vs_vllm_logprobs": ("logprobs", "logprobs"), "server_vs_vllm_no_logprobs": ("logprobs", "no_logprobs"),
         "groups_server_vs_vllm_logprobs": ("groups", "groups"),
         "groups_server_vs_vllm_no_logprobs": ("groups", "groups_no_logprobs"),
         "turn2_server_vs_vllm_logprobs": ("turn2", "turn2"),
         "turn2_server_vs_vllm_no_logprobs": ("turn2", "turn2_no_logprobs"),
         "server_no_logprobs_vs_vllm_no_logprobs": ("no_logprobs", "no_logprobs"),
-        "vllm_flat_nodetok_vs_vllm_no_logprobs": (None, "logprobs_flat_nodetok"),
-    }
+        "vllm_flat_nodetok_vs_vllm_no_logprobs": ("vllm:logprobs_flat_nodetok", "no_logprobs"),
+    }  # fmt: skip
     out = {}
     for name, (a, b) in pairs.items():
-        num = o.get("logprobs_flat_nodetok") if a is None else s.get(a)
-        den = o.get("no_logprobs") if a is None else o.get(b)
-        if num and den:
-            out[name] = num["output_tok_per_s"] / den["output_tok_per_s"]
+        num = o.get(a.removeprefix("vllm:")) if a.startswith("vllm:") else s.get(a)
+        if num and o.get(b):
+            out[name] = num["output_tok_per_s"] / o[b]["output_tok_per_s"]
     return out
 
 
@@ -425,6 +410,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="override num_hidden_layers of --config")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384, help="both engines (LLM's default)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (both runs)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--profile", type=float, default=0, help="seconds of py-spy profile of the server (0: none)")

@@ -141,10 +141,14 @@ class VllmEngine(Engine):
     name = "vllm"
 
     def __init__(self, config: InferenceConfig):
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.config = config
-        self.llm = AsyncLLM.from_engine_args(engine_args(config))
+        # `vllm serve`'s context, hence its batch defaults (on an H100: 1024 sequences and 8192 tokens per step);
+        # vLLM's default engine context gives 128 and 2048: a server without vllm.max_num_seqs decoded only 128
+        # rollouts at a time.
+        self.llm = AsyncLLM.from_engine_args(engine_args(config), usage_context=UsageContext.OPENAI_API_SERVER)
         self.tokenizer = self.llm.get_tokenizer()
         model_config = self.llm.vllm_config.model_config
         self.max_model_len = model_config.max_model_len
