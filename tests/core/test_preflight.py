@@ -154,3 +154,15 @@ def test_entry_point_fails_in_seconds(tmp_path):
     assert proc.stderr.count("\n") == 1 and "'org/missing' is not a local directory" in proc.stderr
     assert not (tmp_path / "run").exists(), "nothing was written or started"
     assert took < 20, took
+
+
+def test_unknown_eval_environment_id_is_one_line(capsys):
+    from prime_core.config.orchestrator import EvalConfig
+
+    with pytest.raises(SystemExit) as exc:
+        parse_cli(EvalConfig, ["--environment-ids", "reverse-text,reverse-txt", "--dry-run"], prog="eval")
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: CLI --environment-ids: environment-ids.1: environment 'reverse-txt': no installed package provides "
+        "module 'reverse_txt' (did you mean 'reverse-text'?)\n"
+    )

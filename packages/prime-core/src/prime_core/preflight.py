@@ -192,7 +192,11 @@ def find_problems(config: BaseModel, *, network: bool = True) -> list[tuple[tupl
             if ("env", section.id) not in seen:
                 reason = check_env_id(section.id)
             seen.add(("env", section.id))
-        else:
+        else:  # eval's plain id list
+            for i, env_id in enumerate(getattr(section, "environment_ids", None) or []):
+                if isinstance(env_id, str) and ("env", env_id) not in seen and (reason := check_env_id(env_id)):
+                    problems.append(((*path, "environment_ids", str(i)), reason))
+                seen.add(("env", env_id))
             continue
         if reason:
             problems.append((key, reason))
