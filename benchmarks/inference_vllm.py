@@ -453,7 +453,11 @@ def main() -> None:
         result["vocab_size"] = model_config["vocab_size"]
         sets = request_sets(result["vocab_size"], args)
         if not args.skip_server:
-            server_phases(base, other, sets, work, out_dir, args, result)
+            try:
+                server_phases(base, other, sets, work, out_dir, args, result)
+            except Exception as e:  # still measure vLLM itself
+                result["server_error"] = f"{type(e).__name__}: {e}"
+                print("server phases failed:", result["server_error"], flush=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
         if not args.skip_offline:
             offline_phases(other, sets, args, result)
