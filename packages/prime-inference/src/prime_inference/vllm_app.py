@@ -68,6 +68,8 @@ async def _vllm_app(config: InferenceConfig, args: Namespace, shell: FastAPI) ->
     from vllm.entrypoints.openai import api_server
 
     engine = shell.state.prime.engine
+    # The engine's own copy, which vLLM completed while building it (the reasoning parser lands there).
+    args.structured_outputs_config = engine.llm.vllm_config.structured_outputs_config
     tasks = await engine.llm.get_supported_tasks()
     app = api_server.build_app(args, tasks, engine.llm.model_config)
     await api_server.init_app_state(engine.llm, app.state, args, tasks)

@@ -1,0 +1,80 @@
+"""The OpenAI surface on the vLLM engine (GPU): vLLM's own routes with our flags, the same client cases as the torch
+engine's (tests/inference/surface_cases.py), plus prime's token-in and admin routes in front of vLLM's."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import httpx
+import pytest
+
+from . import surface_cases as cases
+from .helpers import start_server
+from .surface import build_surface_tokenizer, save_surface_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    model_dir = save_surface_model(tmp_path_factory.mktemp("surface") / "model")
+    server = start_server(
+        model_dir,
+        engine="vllm",
+        max_model_len=1024,
+        server={"served_model_name": "m"},
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+        # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there by default).
+        vllm={
+            "gpu_memory_utilization": 0.3,
+            "enforce_eager": True,
+            "extra_args": ["--structured-outputs-config", '{"enable_in_reasoning": true}'],
+        },  # fmt: skip
+        startup_timeout=600,
+    )
+    server.tokenizer = build_surface_tokenizer()
+    yield server
+    server.stop()
+
+
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def test_vllm_forced_tool_call_and_reasoning(vllm_server):
+    cases.check_forced_tool_call_and_reasoning(client(vllm_server), "m", vllm_server.tokenizer)
+
+
+def test_vllm_structured_outputs(vllm_server):
+    cases.check_structured_outputs(client(vllm_server), "m")
+
+
+def test_vllm_sampling_parameters_and_tolerant_requests(vllm_server):
+    cases.check_sampling_parameters(client(vllm_server), "m", vllm_server.url)
+    cases.check_tolerant_requests(client(vllm_server), "m")
+
+
+def test_vllm_tokenize_routes(vllm_server):
+    cases.check_tokenize_routes(vllm_server.url, "m")
+
+
+def test_vllm_prime_routes_in_front_of_vllms(vllm_server):
+    url = vllm_server.url
+    health = httpx.get(f"{url}/health").json()  # prime's /health, not vLLM's empty 200
+    assert health["engine"] == "vllm" and health["weight_step"] == 0
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0}}
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+    assert r.status_code == 200 and r.headers["X-Weight-Step"] == "0"
+    assert len(r.json()["choices"][0]["token_ids"]) == 4 and "prompt_token_ids" in r.json()
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "hi"}]}, timeout=120)  # fmt: skip
+    assert chat.status_code == 200 and chat.headers["X-Weight-Step"] == "0"
+    assert httpx.post(f"{url}/pause").json() == {"status": "paused"}
+    assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
