@@ -10,6 +10,8 @@ Measures, each on a fresh pool:
   the first execution after it;
 - warm: one execution at a time, end to end through ``SandboxPool.execute`` (request, fork, run, verdict,
   tests judged), of a 10-line Python solution against 5 tests: p50 / p99;
+- cpu: CPU time per execution by process (pool, zygote, supervisor, runner), independent of other load on
+  the host, and the capacity per core it implies;
 - concurrency: ``--executions`` of the same request with ``--concurrency`` in flight: errors, throughput,
   throughput per core, and latency percentiles under load.
 """
@@ -103,6 +105,34 @@ async def bench_warm(pool: SandboxPool, n: int) -> dict:
     }
 
 
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_cpu(pool: SandboxPool, n: int) -> dict:
+    """CPU time per execution, by process, one execution at a time: what an execution costs whatever the load
+    (wall latencies on a shared host mostly measure the wait for a core)."""
+    import resource
+
+    zygotes = [z.proc.pid for z in pool._zygotes if z is not None]
+    pool_0, zyg_0 = resource.getrusage(resource.RUSAGE_SELF), sum(map(_cpu_s, zygotes))
+    supervisor = runner = 0.0
+    for _ in range(n):
+        result = await pool.execute(REQUEST)
+        supervisor += result.supervisor_cpu_s
+        runner += result.cpu_s
+    pool_1, zyg_1 = resource.getrusage(resource.RUSAGE_SELF), sum(map(_cpu_s, zygotes))
+    per = {
+        "pool_ms": 1e3 * (pool_1.ru_utime + pool_1.ru_stime - pool_0.ru_utime - pool_0.ru_stime) / n,
+        "zygote_ms": 1e3 * (zyg_1 - zyg_0) / n,
+        "supervisor_ms": 1e3 * supervisor / n,
+        "runner_ms": 1e3 * runner / n,
+    }
+    total = sum(per.values())
+    return {"executions": n, **per, "total_ms": total, "capacity_executions_per_s_per_core": 1e3 / total}
+
+
 async def bench_concurrent(pool: SandboxPool, n: int, concurrency: int) -> dict:
     gate = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
@@ -176,6 +206,7 @@ async def main(args: argparse.Namespace) -> dict:
     record["cold"] = await bench_cold(config, args.cold_repeats)
     async with SandboxPool(config) as pool:
         record["warm"] = await bench_warm(pool, args.warm)
+        record["cpu_per_execution"] = await bench_cpu(pool, args.warm)
         record["concurrent"] = await bench_concurrent(pool, args.executions, args.concurrency)
     record["targets"] = {
         "warm_p50_le_10ms": record["warm"]["p50_ms"] <= 10,

@@ -9,7 +9,7 @@ from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
 from tests.fixtures.scripted import ScriptedServer
 from tests.fixtures.vf import local_agent, run_vf_eval
 
-# slow: a tiny torch model, an inference server and verifiers' eval (~25 s idle, ~60 s on a loaded 2-core host)
+# slow: a tiny torch model, an inference server and verifiers' eval (63 s measured on the loaded 2-core CI host)
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.xdist_group("sandbox"), pytest.mark.timeout(600)]
 
 

@@ -111,3 +111,21 @@ def test_values_match_and_judge():
     forged_then_real = [{"i": 0, "value": 9}, "junk", {"i": 0, "value": 1}]
     outcomes = judge(cases, forged_then_real)
     assert outcomes[0].passed and not outcomes[1].passed and "no result" in outcomes[1].error
+
+
+def test_a_cancelled_execution_keeps_its_uid_out_of_use(sandbox):
+    import asyncio
+
+    pool = sandbox.pool
+    free = len(pool._free_uids)
+
+    async def cancel_one() -> None:
+        slow = ExecRequest(code="import time\ntime.sleep(30)", limits=SandboxLimits(wall_s=1))
+        task = asyncio.ensure_future(pool.execute(slow))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    sandbox.call(cancel_one()).result()
+    assert len(pool._free_uids) == free - 1  # lent again only once the execution's wall limit has passed
+    assert run(sandbox, "print(1)").stdout == "1\n"

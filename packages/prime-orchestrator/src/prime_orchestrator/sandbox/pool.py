@@ -216,14 +216,23 @@ class SandboxPool:
             workspace = self._workspaces.get(request.workspace)
             if workspace is None:
                 return ExecResult(status="sandbox_error", reason=f"no open workspace {request.workspace!r}")
-        async with self._slots:
-            uid = workspace.uid if workspace else self._free_uids.pop()
-            try:
-                raw = await self._roundtrip(request, limits, uid, workspace)
-            finally:
-                if workspace is None:
-                    self._free_uids.append(uid)
+        await self._slots.acquire()
+        uid = workspace.uid if workspace else self._free_uids.pop()
+        settled = False
+        try:
+            raw = await self._roundtrip(request, limits, uid, workspace)
+            settled = raw.get("status") != "sandbox_error"
+        finally:
+            if settled:
+                self._release(uid, workspace)
+            else:  # cancelled or lost: it may still run under this uid, so lend the uid again after its wall limit
+                asyncio.get_running_loop().call_later(limits.wall_s + RESULT_SLACK_S, self._release, uid, workspace)
         return self._result(request, raw)
+
+    def _release(self, uid: int, workspace: Workspace | None) -> None:
+        if workspace is None:
+            self._free_uids.append(uid)
+        self._slots.release()
 
     async def _roundtrip(self, request: ExecRequest, limits: SandboxLimits, uid: int, ws: Workspace | None) -> dict:
         msg = {

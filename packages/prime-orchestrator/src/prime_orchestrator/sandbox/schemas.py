@@ -79,6 +79,8 @@ class ExecResult(BaseModel):
     """CPU time (user + system) of the execution's processes."""
     max_rss_mb: float = 0.0
     """Peak resident memory of the largest process."""
+    supervisor_cpu_s: float = 0.0
+    """CPU time of the execution's trusted supervisor (sandbox overhead, for capacity planning)."""
 
     @property
     def num_passed(self) -> int:

@@ -40,6 +40,8 @@ def supervise(req: dict, fds: list[int], ctl_fd: int) -> None:
         verdict = _execute(req, stdin_fd)
     except Exception as e:  # a verdict, never a silent EOF: the pool reports it as a sandbox error
         verdict = {"status": "sandbox_error", "reason": f"supervisor: {type(e).__name__}: {e}"}
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    verdict["supervisor_cpu_s"] = own.ru_utime + own.ru_stime
     data = json.dumps(verdict).encode()
     while data:
         data = data[os.write(result_fd, data) :]
