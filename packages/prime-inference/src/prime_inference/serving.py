@@ -251,6 +251,3 @@ class ServerState:
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def headers(self) -> dict[str, str]:
-        return {"X-Weight-Step": str(self.engine.info.weight_step)}
