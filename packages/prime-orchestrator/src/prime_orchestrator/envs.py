@@ -92,7 +92,7 @@ def train_client(client: ClientConfig, model_dir: str, base_url: str) -> Any:
     return TrainClientConfig(
         base_url=base_url + "/v1",
         api_key_var=API_KEY_VAR,
-        renderer=resolve_renderer(client.renderer, model_dir),
+        renderer=resolve_renderer(client.renderer, model_dir, client.renderer_args),
         renderer_model_name=model_dir,
         timeout={"read": client.timeout},
     )

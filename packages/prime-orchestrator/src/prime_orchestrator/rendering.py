@@ -2,8 +2,8 @@
 
 ``client.renderer`` names one (renderers' names: ``qwen3``, ``llama-3``, ``qwen3-vl``, ``default``, ...). ``auto``
 detects it: a hub id renderers knows maps to its renderer; otherwise the model directory's ``config.json``
-``model_type`` picks the family's renderer when the tokenizer has that family's special tokens (a fine-tune or a
-small test model with a plain ChatML tokenizer keeps its own chat template through ``default``).
+``model_type`` picks the family's renderer when the tokenizer has that family's special tokens; any other model
+keeps its own chat template through ``default`` (parsing Hermes-style ``<tool_call>`` blocks when it has the token).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3": ("qwen3", ("<|im_start|>", "<tool_call>", "<think>")),
     "qwen3_moe": ("qwen3", ("<|im_start|>", "<tool_call>", "<think>")),
     "qwen3_vl": ("qwen3-vl", ("<|im_start|>", "<|vision_start|>", "<tool_call>")),
-    "llama": ("llama-3", ("<|start_header_id|>", "<|eot_id|>")),
+    "llama": ("llama-3", ("<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>")),
 }
 
 
@@ -33,23 +33,26 @@ def _special_tokens(model_dir: Path) -> set[str]:
     return tokens
 
 
-def detect_renderer(model: str) -> str:
-    """The renderer name for a hub id or a local model directory."""
+def detect_renderer(model: str) -> dict[str, Any]:
+    """The renderer config for a hub id or a local model directory."""
     from renderers.base import MODEL_RENDERER_MAP
 
     if model in MODEL_RENDERER_MAP:
-        return MODEL_RENDERER_MAP[model]
+        return {"name": MODEL_RENDERER_MAP[model]}
     path = Path(model)
     config = path / "config.json"
     if not config.is_file():
-        return "auto"  # a hub id renderers does not list: let renderers resolve it
+        return {"name": "auto"}  # a hub id renderers does not list: renderers resolves it
     model_type = json.loads(config.read_text()).get("model_type", "")
     family = FAMILIES.get(model_type)
-    if family is not None and set(family[1]) <= _special_tokens(path):
-        return family[0]
-    return "default"
+    tokens = _special_tokens(path)
+    if family is not None and set(family[1]) <= tokens:
+        return {"name": family[0]}
+    # The tokenizer's own template; Hermes-style <tool_call> blocks (Qwen's format) are parsed when it has them.
+    return {"name": "default", **({"tool_parser": "qwen3"} if "<tool_call>" in tokens else {})}
 
 
-def resolve_renderer(name: str, model: str) -> dict[str, Any]:
-    """The ``renderers.RendererConfig`` data for ``client.renderer``."""
-    return {"name": detect_renderer(model) if name == "auto" else name}
+def resolve_renderer(name: str, model: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``renderers.RendererConfig`` data of ``client.renderer`` (+ ``client.renderer_args``)."""
+    config = detect_renderer(model) if name == "auto" else {"name": name}
+    return {**config, **(args or {})}

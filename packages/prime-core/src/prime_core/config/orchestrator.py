@@ -30,6 +30,8 @@ class ClientConfig(BaseConfig):
     renderer: str = "auto"
     """Chat renderer of token-in rollouts, a ``renderers`` name (``qwen3``, ``llama-3``, ``qwen3-vl``, ``default``
     for the tokenizer's own chat template, ...); ``auto`` detects it from the model's config and tokenizer."""
+    renderer_args: dict[str, Any] = Field(default_factory=dict)
+    """Renderer config fields (e.g. ``tool_parser = "qwen3"`` for ``default``, ``enable_thinking`` for qwen3)."""
     max_concurrent: int = Field(default=64, ge=1)
     """Cap on concurrent rollouts in flight (each holds at most one inference request at a time)."""
     health_timeout: float = Field(default=300.0, gt=0)
