@@ -1,0 +1,64 @@
+"""``eval``'s user-facing failures: one line on stderr, a non-zero exit, no wait; its help states real defaults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from prime_core.config.orchestrator import EvalConfig
+
+from tests.tiny import free_port
+
+
+def eval_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prime_orchestrator.entrypoints.eval", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def test_no_server_is_one_line_and_fast(tmp_path):
+    for url in (f"http://127.0.0.1:{free_port()}/v1", f"http://127.0.0.1:{free_port()}"):
+        t0 = time.monotonic()
+        out = eval_cli("--client.base-url", url, "--output-dir", str(tmp_path), "--model.name", str(tmp_path))
+        assert time.monotonic() - t0 < 60  # not the 300 s health wait
+        assert out.returncode != 0
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "no inference server at" in lines[0], out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_missing_step_is_one_line_before_any_eval(tmp_path):
+    weights = tmp_path / "outputs" / "weights"
+    (weights / "step_2").mkdir(parents=True)
+    # The relative weights dir resolves where eval runs; step 3 does not exist: one line, exit 2, nothing evaluated.
+    out = eval_cli("--weights-dir", "outputs/weights", "--steps", "2,3", "--client.base-url", "x", cwd=tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "steps" in lines[0] and "step_3" in lines[0] and "step_2" in lines[0], out.stderr
+    assert not (tmp_path / "outputs" / "eval").exists()
+
+
+def test_relative_weights_dir_resolves_on_the_client(tmp_path, monkeypatch):
+    (tmp_path / "outputs" / "weights" / "step_1").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    config = EvalConfig.model_validate({"weights_dir": "outputs/weights", "steps": [1]})
+    assert config.weights_dir == tmp_path / "outputs" / "weights"
+
+
+def test_base_url_with_v1_names_the_same_server():
+    a = EvalConfig.model_validate({"client": {"base_url": "http://127.0.0.1:8001/v1"}})
+    b = EvalConfig.model_validate({"client": {"base_url": "http://127.0.0.1:8001"}})
+    assert a.client.base_urls == b.client.base_urls == ["http://127.0.0.1:8001"]
+
+
+def test_help_states_the_real_temperature_default():
+    out = eval_cli("--help")
+    lines = out.stdout.splitlines()
+    i = next(i for i, line in enumerate(lines) if "--sampling.temperature" in line)
+    assert "(default: 0.0)" in lines[i]
+    assert EvalConfig().sampling.temperature == 0.0
