@@ -76,6 +76,9 @@ async def _vllm_app(config: InferenceConfig, args: Namespace, shell: FastAPI) ->
     app.state.prime = shell.state.prime
     app.state.openai_serving_models.lora_requests = EngineAdapters(engine)
     _put_in_front(app, generate.router, admin.router)
+    # vLLM's app has built its middleware stack by now (Starlette then refuses new middleware: seen on an H100 with
+    # vLLM 0.26); dropping it makes Starlette rebuild it, ours included, on the first request.
+    app.middleware_stack = None
     add_common(app, config)
     return app
 
