@@ -418,6 +418,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--engine", default="vllm", help="server engine (torch: a CPU smoke test of this script)")
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--stop-on-server-error", action="store_true", help="skip the vLLM phases if the server fails")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory of the result JSON")
     parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"), help="default: git rev-parse HEAD")
     args = parser.parse_args()
@@ -455,9 +456,11 @@ def main() -> None:
         if not args.skip_server:
             try:
                 server_phases(base, other, sets, work, out_dir, args, result)
-            except Exception as e:  # still measure vLLM itself
+            except Exception as e:  # still measure vLLM itself, unless told not to
                 result["server_error"] = f"{type(e).__name__}: {e}"
                 print("server phases failed:", result["server_error"], flush=True)
+                if args.stop_on_server_error:
+                    raise
             out.write_text(json.dumps(result, indent=2) + "\n")
         if not args.skip_offline:
             offline_phases(other, sets, args, result)
