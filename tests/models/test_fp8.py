@@ -1,4 +1,4 @@
-"""FP8 training (prime_models.parallel.fp8): conversion filters, scaling math, numerics against high precision.
+"""FP8 training (prime_models.quantization.float8): conversion filters, scaling math, numerics against high precision.
 
 On CPU the tensorwise GEMMs run torch's real CPU `_scaled_mm`; rowwise and grouped GEMMs run the emulation
 (dequantize + fp32 matmul), and the CUDA kernels' operand contracts (layouts, scale shapes) are checked by routing
@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from prime_models import ParallelDims, get_model_spec, load_model
 from prime_models.layers.moe import GroupedExperts
-from prime_models.parallel import fp8
+from prime_models.quantization import float8
+from prime_models.quantization import float8_ops as fp8
 from torch import nn
 
 from tests.models.conftest import VOCAB, tiny_config
@@ -46,7 +47,7 @@ def test_converts_decoder_linears_only_and_keeps_parameters():
     model = load_model(tiny_config("qwen3", intermediate_size=40), seed=0)
     params_before = dict(model.named_parameters())
     keys_before = list(model.state_dict())
-    converted = fp8.convert_to_fp8(model, "tensorwise", skip=["*.layers.1.self_attn.o_proj"])
+    converted = float8.convert_to_fp8(model, "tensorwise", skip=["*.layers.1.self_attn.o_proj"])
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
         assert isinstance(proj, fp8.Float8Linear) and proj.recipe.name == "tensorwise"
@@ -62,13 +63,13 @@ def test_converts_decoder_linears_only_and_keeps_parameters():
 
 def test_converts_moe_experts_but_not_router():
     model = load_model(tiny_config("qwen3_moe"), seed=0)
-    converted = fp8.convert_to_fp8(model, "rowwise")
+    converted = float8.convert_to_fp8(model, "rowwise")
     moe = model.model.layers[0].mlp
     assert isinstance(moe.experts, fp8.Float8GroupedExperts)
     assert not isinstance(moe.gate, nn.Linear)  # the router keeps its own high-precision matmul
     assert converted == {"linear": 8, "experts": 2}
     model = load_model(tiny_config("qwen3_moe"), seed=0)
-    assert fp8.convert_to_fp8(model, "rowwise", moe=False) == {"linear": 8, "experts": 0}
+    assert float8.convert_to_fp8(model, "rowwise", moe=False) == {"linear": 8, "experts": 0}
     assert type(model.model.layers[0].mlp.experts) is GroupedExperts
 
 
@@ -78,7 +79,7 @@ def test_lora_wrapped_linears_and_their_adapters_stay_high_precision():
 
     model = load_model(tiny_config("qwen3"), seed=0)
     apply_lora(model, LoRASpec.from_config(LoRAConfig(target_modules=["q_proj"])), ["a"], seed=0)
-    converted = fp8.convert_to_fp8(model, "tensorwise")
+    converted = float8.convert_to_fp8(model, "tensorwise")
     q_proj = model.model.layers[0].self_attn.q_proj
     assert not isinstance(q_proj, fp8.Float8Linear) and type(q_proj.lora_A["a"]) is nn.Linear
     assert converted == {"linear": 12, "experts": 0}
@@ -86,7 +87,7 @@ def test_lora_wrapped_linears_and_their_adapters_stay_high_precision():
 
 def test_none_recipe_is_a_no_op():
     model = load_model(tiny_config("qwen3"), seed=0)
-    assert fp8.convert_to_fp8(model, "none") == {}
+    assert float8.convert_to_fp8(model, "none") == {}
     assert not any(isinstance(m, fp8.Float8Linear) for m in model.modules())
 
 
@@ -304,7 +305,7 @@ def _train(
     try:
         torch.manual_seed(0)
         model = load_model(tiny_config(model_type), seed=0)
-        fp8.convert_to_fp8(model, recipe)
+        float8.convert_to_fp8(model, recipe)
         get_model_spec(model_type).parallelize_fn(model, ParallelDims(world_size=world), ac="full")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         per_rank = BATCH // world
@@ -375,24 +376,24 @@ def test_unsupported_gpu_fails_with_one_line_naming_the_option(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ValueError, match=r"model\.fp8\.recipe='tensorwise' needs an FP8 GPU.*sm80") as err:
-        fp8.check_fp8_device(torch.device("cuda", 0), "tensorwise")
+        float8.check_fp8_device(torch.device("cuda", 0), "tensorwise")
     assert "\n" not in str(err.value)
 
 
 def test_bad_recipe_and_backend_errors():
     model = load_model(tiny_config("qwen3"), seed=0)
     with pytest.raises(ValueError, match="model.fp8.recipe='fp4'"):
-        fp8.convert_to_fp8(model, "fp4")
+        float8.convert_to_fp8(model, "fp4")
     with pytest.raises(ValueError, match="model.fp8.backend='cuda'"):
-        fp8.convert_to_fp8(model, "tensorwise", backend="cuda")
+        float8.convert_to_fp8(model, "tensorwise", backend="cuda")
 
 
-@pytest.mark.skipif(fp8.importlib.util.find_spec("transformer_engine") is not None, reason="TE installed")
+@pytest.mark.skipif(float8.importlib.util.find_spec("transformer_engine") is not None, reason="TE installed")
 def test_te_backend_without_te_names_the_extra():
     model = load_model(tiny_config("qwen3"), seed=0)
-    assert fp8.resolve_backend("auto") == "torch"
+    assert float8.resolve_backend("auto") == "torch"
     with pytest.raises(ImportError, match=r"prime-models\[fp8\]"):
-        fp8.convert_to_fp8(model, "tensorwise", backend="te")
+        float8.convert_to_fp8(model, "tensorwise", backend="te")
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------------
@@ -437,13 +438,13 @@ def test_gpu_scaled_grouped_mm_equals_emulation(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_fp8(), reason="needs an FP8 GPU (sm89+)")
-@pytest.mark.skipif(fp8.importlib.util.find_spec("transformer_engine") is None, reason="needs transformer-engine")
+@pytest.mark.skipif(float8.importlib.util.find_spec("transformer_engine") is None, reason="needs transformer-engine")
 def test_gpu_te_backend_close_to_bf16():
     lin, x, grad = _linear_case(bias=False, rows=1024)
     lin = lin.cuda().bfloat16()
     x = x.detach().cuda().bfloat16().requires_grad_()
     ref = _fwd_bwd(lin, x, grad.cuda().bfloat16())
-    te_lin = fp8.te_linear(lin, "tensorwise")
+    te_lin = float8.te_linear(lin, "tensorwise")
     assert te_lin.weight is lin.weight and "_extra_state" not in "".join(te_lin.state_dict())
     out = _fwd_bwd(te_lin, x, grad.cuda().bfloat16())
     errors = [rel(a, b) for a, b in zip(out, ref, strict=True)]

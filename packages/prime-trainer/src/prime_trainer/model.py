@@ -82,7 +82,7 @@ def build_model(
 
     With ``lora``, the adapters (default: one named ``lora.adapter_name``) are injected and the base frozen before
     parallelizing, so FSDP shards base and adapters alike and only adapters get gradients. With ``fp8`` (a recipe other
-    than ``none``), the parallelize function first swaps the decoder's linears for FP8 ones (`prime_models.parallel.fp8`).
+    than ``none``), the parallelize function first swaps the decoder's linears for FP8 ones (`prime_models.quantization.float8`).
     ``layout`` (`prime_trainer.parallel.build_layout`) adds expert and context parallelism; without it the world is
     one FSDP/HSDP data-parallel group (``parallel.dp_shard``). ``seq_len`` is checked against the CP split.
     """

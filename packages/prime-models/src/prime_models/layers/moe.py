@@ -69,7 +69,7 @@ class GroupedExperts(nn.Module):
         return self.grouped_mm(self.act(gate) * up, down_w.transpose(-2, -1), counts_E, offs)
 
     def grouped_mm(self, x_AK, w_EKN, counts_E, offs_E) -> torch.Tensor:
-        # The seam for low-precision experts: prime_models.parallel.fp8 swaps in a subclass overriding this.
+        # The seam for low-precision experts: prime_models.quantization.float8 swaps in a subclass overriding this.
         return kernels.grouped_mm(x_AK, w_EKN, counts_E, offs_E)
 
 

@@ -1,50 +1,20 @@
-"""LoRA: named low-rank adapters injected into a built model's linear layers, and their PEFT-format export.
-
-`apply_lora` replaces each targeted `nn.Linear` (matched by its attribute name, e.g. ``q_proj``) with a `LoRALinear`
-that keeps the base ``weight``/``bias`` under the same names (HF conversion, DCP checkpoints and FSDP wrapping see
-the same parameters as before) and adds per-adapter ``lora_A.<adapter>`` / ``lora_B.<adapter>`` linear layers:
-
-    y = x W^T + b + (alpha / r) * dropout(x) A^T B^T
-
-A is Kaiming-uniform initialized and B zero, so a new adapter leaves the model's outputs unchanged. Every parameter
-that is not an adapter is frozen. Apply it to a fully built (materialized) model before FSDP, as the parallelize
-order in `prime_models.parallel` expects: FSDP then shards base and adapter parameters alike, and only the adapters
-get gradients.
-
-Several adapters may live on one base model (multi-tenant training, multi-adapter serving). Which one a forward uses
-is a property of the model, not of the call: `set_active_adapter` picks one adapter for the whole batch (training),
-`set_row_adapters` one per batch row (serving a mixed batch). An adapter that a layer does not have contributes zero
-in that layer.
-
-Export: `save_adapter` writes ``adapter_config.json`` + ``adapter_model.safetensors`` with PEFT's key names
-(``base_model.model.<module>.lora_A.weight``), which vLLM's LoRA loader and ``peft.PeftModel.from_pretrained`` read;
-`load_adapter` reads such a directory back. Merged full weights come from
-``prime_models.save_hf(model, path, lora_adapter=name)``, or in place from `merge_adapter` / `unmerge_adapter`.
-
-Shape legend: B batch rows, S sequence, I in features, O out features, R rank.
-"""
+"""LoRA layers and adapter bookkeeping: `LoRALinear`, apply / add / remove / select / merge adapters on a model."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from prime_core.config.shared import LORA_TARGET_MODULES
-from prime_core.schemas.adapters import ADAPTER_CONFIG, ADAPTER_NAME_PATTERN, ADAPTER_WEIGHTS, is_adapter_dir
+from prime_core.schemas.adapters import ADAPTER_NAME_PATTERN
 from torch import nn
 
 DEFAULT_TARGET_MODULES = LORA_TARGET_MODULES
-PEFT_PREFIX = "base_model.model."
 _ADAPTER_NAME = re.compile(ADAPTER_NAME_PATTERN)
-_PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
 @dataclass(frozen=True)
@@ -412,130 +382,3 @@ def _add_to_weight(weight: torch.Tensor, delta: torch.Tensor) -> None:
         weight.add_(delta)
     else:
         weight.add_(delta.to(weight.dtype))
-
-
-def adapter_state_dict(
-    model: nn.Module, name: str, *, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (PEFT key, CPU tensor) for adapter ``name``. Collective under FSDP: every rank must consume it."""
-    if name not in selection(model).specs:
-        raise KeyError(f"no adapter {name!r}")
-    for module_name, layer in lora_layers(model).items():
-        if name not in layer.lora_A:
-            continue
-        for ab, linear in (("A", layer.lora_A[name]), ("B", layer.lora_B[name])):
-            t = _full(linear.weight).detach()
-            if dtype is not None:
-                t = t.to(dtype)
-            yield f"{PEFT_PREFIX}{module_name}.lora_{ab}.weight", t.cpu().contiguous()
-
-
-def save_adapter(
-    model: nn.Module,
-    name: str,
-    path: str | os.PathLike,
-    *,
-    base_model: str | None = None,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """Write adapter ``name`` as a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``).
-
-    Files are written under temporary names and renamed into place. Under torch.distributed every rank must call it
-    (FSDP shards are gathered collectively); rank 0 writes.
-    """
-    from safetensors.torch import save_file
-
-    distributed = dist.is_available() and dist.is_initialized()
-    is_writer = not distributed or dist.get_rank() == 0
-    tensors = dict(adapter_state_dict(model, name, dtype=dtype))
-    if is_writer:
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{ADAPTER_WEIGHTS}.tmp"
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out / ADAPTER_WEIGHTS)
-        cfg_tmp = out / f".{ADAPTER_CONFIG}.tmp"
-        cfg_tmp.write_text(json.dumps(selection(model).specs[name].peft_config(base_model), indent=2) + "\n")
-        os.replace(cfg_tmp, out / ADAPTER_CONFIG)
-    if distributed:
-        dist.barrier()
-
-
-def read_adapter(path: str | os.PathLike) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
-    """Spec and {module name: (A, B)}-ready tensors (PEFT keys) of a PEFT LoRA directory."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if not is_adapter_dir(p):
-        raise ValueError(f"{p} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    spec = LoRASpec.from_peft_config(json.loads((p / ADAPTER_CONFIG).read_text()))
-    return spec, load_file(str(p / ADAPTER_WEIGHTS))
-
-
-def load_adapter(model: nn.Module, name: str, path: str | os.PathLike, *, replace: bool = True) -> LoRASpec:
-    """Load a PEFT LoRA directory as adapter ``name`` (replacing an existing one of that name when ``replace``).
-
-    Layers the adapter names are wrapped on demand, so a plain (never LoRA'd) model serves it. The loaded adapter is
-    frozen (serving). Raises ValueError when the files do not fit the model.
-    """
-    spec, tensors = read_adapter(path)
-    return install_adapter(model, name, spec, tensors, replace=replace, source=str(path))
-
-
-def copy_adapters(src: nn.Module, dst: nn.Module) -> None:
-    """Install every adapter of ``src`` on ``dst`` (e.g. a freshly loaded base that replaces ``src``)."""
-    for name, spec in selection(src).specs.items():
-        install_adapter(dst, name, spec, dict(adapter_state_dict(src, name)))
-
-
-@torch.no_grad()
-def install_adapter(
-    model: nn.Module,
-    name: str,
-    spec: LoRASpec,
-    tensors: dict[str, torch.Tensor],
-    *,
-    replace: bool = True,
-    source: str = "adapter",
-) -> LoRASpec:
-    """Install adapter ``name`` from PEFT-keyed tensors (see `adapter_state_dict`); frozen, as for serving."""
-    check_adapter_name(name)
-    weights: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        m = _PEFT_KEY.match(key)
-        if m is None:
-            raise ValueError(f"unexpected tensor {key!r} in {source} (expected {PEFT_PREFIX}<module>.lora_A/B.weight)")
-        weights.setdefault(m.group("module"), {})[m.group("ab")] = t
-    if not weights:
-        raise ValueError(f"{source} holds no LoRA tensors")
-    sel = selection(model)
-    if sel.merged is not None:
-        raise ValueError(f"adapter {sel.merged!r} is merged; unmerge it before loading adapters")
-    modules = dict(model.named_modules())
-    for module, ab in weights.items():
-        target = modules.get(module)
-        if not isinstance(target, nn.Linear) or set(ab) != {"A", "B"}:
-            raise ValueError(f"adapter {source}: {module!r} is not a linear layer of this model (or lacks A or B)")
-        a, b = ab["A"], ab["B"]
-        if a.shape != (spec.rank, target.in_features) or b.shape != (target.out_features, spec.rank):
-            raise ValueError(
-                f"adapter {source}: {module} has A {tuple(a.shape)} / B {tuple(b.shape)}, the model expects "
-                f"A ({spec.rank}, {target.in_features}) / B ({target.out_features}, {spec.rank})"
-            )
-    targets = {m.rpartition(".")[2] for m in weights}
-    spec = LoRASpec(spec.rank, spec.alpha, spec.dropout, tuple(sorted(targets)))
-    if name in sel.specs:
-        if not replace:
-            raise ValueError(f"adapter {name!r} already exists")
-        remove_adapter(model, name)
-    _wrap_targets(model, targets)
-    layers = lora_layers(model)
-    for module, ab in weights.items():
-        layer = layers[module]
-        layer.add_adapter(name, spec)
-        layer.lora_A[name].weight.copy_(ab["A"])
-        layer.lora_B[name].weight.copy_(ab["B"])
-        layer.lora_A[name].weight.requires_grad_(False)
-        layer.lora_B[name].weight.requires_grad_(False)
-    sel.specs[name] = spec
-    return spec

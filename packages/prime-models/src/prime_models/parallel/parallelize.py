@@ -12,8 +12,8 @@ from torch import nn
 from prime_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from prime_models.parallel.dims import ParallelDims, ParallelMesh
 from prime_models.parallel.expert_parallel import apply_expert_parallel
-from prime_models.parallel.fp8 import apply_fp8
 from prime_models.parallel.fsdp import apply_fsdp, default_mp_policy
+from prime_models.quantization.float8 import apply_fp8
 
 
 def parallelize_transformer(
@@ -53,7 +53,7 @@ def parallelize_transformer(
         reshard_after_forward: free gathered params after each layer's forward (ZeRO-3); False keeps them (ZeRO-2).
         dispatcher: expert-parallel token dispatch, "torch" (all-to-all) or "deepep" (GPU, needs DeepEP).
         fp8: `model.fp8` section: swap the decoder's linears (and MoE experts) for FP8 ones first
-            (`prime_models.parallel.fp8`); later steps shard the same parameters.
+            (`prime_models.quantization.float8`); later steps shard the same parameters.
     """
     layers = model.model.layers
     apply_fp8(model, fp8)
