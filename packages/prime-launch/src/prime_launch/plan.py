@@ -146,78 +146,73 @@ def latest_checkpoint_step(run_dir: RunDir) -> int | None:
     return steps[-1] if steps else None
 
 
-def build_plan(
-    rl: RLConfig,
-    environ: Mapping[str, str] | None = None,
-    *,
-    run_id: str | None = None,
-    cores: int | None = None,
-) -> RunPlan:
-    """Resolve devices, threads, wiring and commands. Raises ``ValueError`` for impossible requests.
+@dataclass
+class _Placement:
+    """Where each role runs: the outcome of the devices section of `build_plan`."""
 
-    ``cores`` defaults to the launcher's affinity mask; ``environ`` to the launcher's environment.
-    """
-    environ = dict(os.environ if environ is None else environ)
-    run_dir = RunDir(rl.run_dir)
-    trainer: TrainerConfig = rl.trainer
-    orchestrator: OrchestratorConfig = rl.orchestrator
-    inference: InferenceConfig | None = rl.inference
-    notes: list[str] = []
-    devices: dict[str, str] = {}
-    base_urls_given = "base_urls" in orchestrator.client.model_fields_set
+    use_gpu: bool
+    num_trainer_ranks: int
+    env_of: dict[str, dict[str, str]]
+    """Per role, the environment variables its devices and threads need."""
+    devices: dict[str, str]
+    """Per role, a description of its devices (for messages)."""
 
-    # Devices: inference first, then trainer.
-    gpus: list[int] = []
-    if rl.devices.type != "cpu":
-        gpus = list(rl.devices.gpu_ids) if rl.devices.gpu_ids is not None else visible_gpus(environ)
-        if rl.devices.type == "cuda" and not gpus:
-            raise ValueError("devices.type = cuda but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
-    use_gpu = bool(gpus)
+
+def _place_on_gpus(
+    rl: RLConfig, gpus: list[int], trainer: TrainerConfig, inference: InferenceConfig | None, notes: list[str]
+) -> tuple[_Placement, TrainerConfig, InferenceConfig | None]:
     env_of: dict[str, dict[str, str]] = {"inference": {}, "orchestrator": {"CUDA_VISIBLE_DEVICES": ""}, "trainer": {}}
-    if use_gpu:
-        num_inf = rl.devices.num_inference_gpus if inference is not None else 0
-        num_train = rl.devices.num_trainer_gpus
-        if num_inf + num_train > len(gpus):
-            raise ValueError(
-                f"{num_inf} inference + {num_train} trainer GPUs requested but only {len(gpus)} available ({gpus}); "
-                "lower devices.num_inference_gpus / devices.num_trainer_gpus or set devices.gpu_ids"
-            )
-        inf_ids, train_ids = gpus[:num_inf], gpus[num_inf : num_inf + num_train]
-        env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, train_ids))
-        trainer = _update(trainer, "device", "cuda") if trainer.device == "auto" else trainer
-        num_trainer_ranks = num_train
-        devices["trainer"] = f"GPU {','.join(map(str, train_ids))}"
-        if inference is not None:
-            env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, inf_ids))
-            devices["inference"] = f"GPU {','.join(map(str, inf_ids))}"
-            tp = inference.vllm.tensor_parallel_size
-            if num_inf % tp:
-                raise ValueError(
-                    f"devices.num_inference_gpus ({num_inf}) is not a multiple of tensor_parallel_size ({tp})"
-                )
-            if inference.vllm.data_parallel_size == 1 and num_inf // tp > 1:
-                inference = _update(inference, "vllm.data_parallel_size", num_inf // tp)
-                notes.append(f"inference: data parallel size {num_inf // tp} (x tensor parallel {tp})")
-    else:
-        env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ""
-        if trainer.device == "cuda":
-            raise ValueError("trainer.device = cuda but no GPU is visible")
-        trainer = _update(trainer, "device", "cpu")
-        num_trainer_ranks = rl.devices.num_cpu_trainer_procs
-        devices["trainer"] = f"CPU x{num_trainer_ranks}" if num_trainer_ranks > 1 else "CPU"
-        if inference is not None:
-            env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ""
-            devices["inference"] = "CPU (torch engine)"
-            if inference.engine == "vllm":
-                raise ValueError("inference.engine = vllm needs a GPU; use engine = torch (or auto) on CPU")
-            inference = _update(inference, "engine", "torch")
-            if inference.torch.device not in ("auto", "cpu"):
-                raise ValueError(f"inference.torch.device = {inference.torch.device} but no GPU is visible")
-    devices["orchestrator"] = "CPU"
-    orchestrator = _update(orchestrator, "num_trainer_ranks", num_trainer_ranks)
+    devices: dict[str, str] = {}
+    num_inf = rl.devices.num_inference_gpus if inference is not None else 0
+    num_train = rl.devices.num_trainer_gpus
+    if num_inf + num_train > len(gpus):
+        raise ValueError(
+            f"{num_inf} inference + {num_train} trainer GPUs requested but only {len(gpus)} available ({gpus}); "
+            "lower devices.num_inference_gpus / devices.num_trainer_gpus or set devices.gpu_ids"
+        )
+    inf_ids, train_ids = gpus[:num_inf], gpus[num_inf : num_inf + num_train]
+    env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, train_ids))
+    trainer = _update(trainer, "device", "cuda") if trainer.device == "auto" else trainer
+    devices["trainer"] = f"GPU {','.join(map(str, train_ids))}"
+    if inference is not None:
+        env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, inf_ids))
+        devices["inference"] = f"GPU {','.join(map(str, inf_ids))}"
+        tp = inference.vllm.tensor_parallel_size
+        if num_inf % tp:
+            raise ValueError(f"devices.num_inference_gpus ({num_inf}) is not a multiple of tensor_parallel_size ({tp})")
+        if inference.vllm.data_parallel_size == 1 and num_inf // tp > 1:
+            inference = _update(inference, "vllm.data_parallel_size", num_inf // tp)
+            notes.append(f"inference: data parallel size {num_inf // tp} (x tensor parallel {tp})")
+    return _Placement(True, num_train, env_of, devices), trainer, inference
 
-    # Threads of the processes on CPU: an explicit OMP_NUM_THREADS (env_vars or environment) stays for every
-    # role that devices.cpu_threads does not name.
+
+def _place_on_cpu(
+    rl: RLConfig, trainer: TrainerConfig, inference: InferenceConfig | None
+) -> tuple[_Placement, TrainerConfig, InferenceConfig | None]:
+    env_of: dict[str, dict[str, str]] = {"inference": {}, "orchestrator": {"CUDA_VISIBLE_DEVICES": ""}, "trainer": {}}
+    env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ""
+    if trainer.device == "cuda":
+        raise ValueError("trainer.device = cuda but no GPU is visible")
+    trainer = _update(trainer, "device", "cpu")
+    num_trainer_ranks = rl.devices.num_cpu_trainer_procs
+    devices = {"trainer": f"CPU x{num_trainer_ranks}" if num_trainer_ranks > 1 else "CPU"}
+    if inference is not None:
+        env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ""
+        devices["inference"] = "CPU (torch engine)"
+        if inference.engine == "vllm":
+            raise ValueError("inference.engine = vllm needs a GPU; use engine = torch (or auto) on CPU")
+        inference = _update(inference, "engine", "torch")
+        if inference.torch.device not in ("auto", "cpu"):
+            raise ValueError(f"inference.torch.device = {inference.torch.device} but no GPU is visible")
+    return _Placement(False, num_trainer_ranks, env_of, devices), trainer, inference
+
+
+def _assign_threads(
+    rl: RLConfig, inference: InferenceConfig | None, place: _Placement, cores: int | None, environ: Mapping[str, str]
+) -> None:
+    """Threads of the processes on CPU: an explicit OMP_NUM_THREADS (env_vars or environment) stays for every
+    role that devices.cpu_threads does not name."""
+    use_gpu, num_trainer_ranks = place.use_gpu, place.num_trainer_ranks
     on_cpu = ["orchestrator"] if use_gpu else ["orchestrator", "trainer", *(["inference"] if inference else [])]
     explicit = dict(rl.devices.cpu_threads)
     if inference is not None and inference.torch.num_threads is not None:
@@ -231,14 +226,19 @@ def build_plan(
     )
     for name in on_cpu:
         if inherited and name not in explicit:
-            devices[name] += f", OMP_NUM_THREADS={inherited} (inherited)"
+            place.devices[name] += f", OMP_NUM_THREADS={inherited} (inherited)"
             continue
         for var in THREAD_ENV_VARS:
-            env_of[name][var] = str(threads[name])
+            place.env_of[name][var] = str(threads[name])
         per_rank = " per rank" if name == "trainer" and num_trainer_ranks > 1 else ""
-        devices[name] += f", {threads[name]} thread{'s' if threads[name] > 1 else ''}{per_rank}"
+        place.devices[name] += f", {threads[name]} thread{'s' if threads[name] > 1 else ''}{per_rank}"
 
-    # Wiring: the orchestrator talks to the server rl starts (or the external one it names).
+
+def _wire(
+    orchestrator: OrchestratorConfig, inference: InferenceConfig | None, base_urls_given: bool
+) -> tuple[OrchestratorConfig, str | None, list[str]]:
+    """The orchestrator talks to the server rl starts (or the external one it names, ``base_urls_given``). Returns the
+    orchestrator config, the API key and the ``/health`` URLs."""
     api_key = orchestrator.client.resolved_api_key()
     if inference is not None:
         host = inference.server.host
@@ -260,8 +260,13 @@ def build_plan(
             orchestrator = _update(orchestrator, "client.api_key", inference.server.api_key)
         api_key = inference.server.api_key or api_key
     health_urls = [url.rstrip("/").removesuffix("/v1") + "/health" for url in orchestrator.client.base_urls]
+    return orchestrator, api_key, health_urls
 
-    # Resume: the newest checkpoint (or the step given with ckpt.resume_step) on both sides.
+
+def _resume_step(
+    rl: RLConfig, run_dir: RunDir, trainer: TrainerConfig, orchestrator: OrchestratorConfig
+) -> tuple[int | None, TrainerConfig, OrchestratorConfig]:
+    """The newest checkpoint (or the step given with ckpt.resume_step) on both sides."""
     resume_step = trainer.ckpt.resume_step
     if rl.resume and resume_step is None:
         resume_step = latest_checkpoint_step(run_dir)
@@ -271,6 +276,71 @@ def build_plan(
             )
         trainer = _update(trainer, "ckpt.resume_step", resume_step)
         orchestrator = _update(orchestrator, "ckpt.resume_step", resume_step)
+    return resume_step, trainer, orchestrator
+
+
+def _process_specs(
+    configs: dict[str, BaseModel], run_dir: RunDir, place: _Placement, common_env: dict[str, str], environ
+) -> list[ProcessSpec]:
+    specs = []
+    for name in configs:
+        cfg_path = run_dir.config_file(name)
+        # Each child logs to stdout only: the launcher redirects stdout into logs/<name>.log.
+        args = ["@", str(cfg_path), "--log.file", "false"]
+        executable = find_executable(role(name), environ)
+        if name == "trainer" and place.num_trainer_ranks > 1:
+            cmd = [
+                find_executable("torchrun", environ),
+                "--standalone",
+                "--nproc-per-node",
+                str(place.num_trainer_ranks),
+                "--no-python",
+                executable,
+                *args,
+            ]
+        else:
+            cmd = [executable, *args]
+        env = {**common_env, **place.env_of[role(name)]}
+        if name == "trainer" and place.use_gpu:
+            env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        specs.append(ProcessSpec(name=name, cmd=cmd, log_file=run_dir.log_file(name), env=env))
+    return specs
+
+
+def build_plan(
+    rl: RLConfig,
+    environ: Mapping[str, str] | None = None,
+    *,
+    run_id: str | None = None,
+    cores: int | None = None,
+) -> RunPlan:
+    """Resolve devices, threads, wiring and commands. Raises ``ValueError`` for impossible requests.
+
+    ``cores`` defaults to the launcher's affinity mask; ``environ`` to the launcher's environment.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    run_dir = RunDir(rl.run_dir)
+    trainer: TrainerConfig = rl.trainer
+    inference: InferenceConfig | None = rl.inference
+    notes: list[str] = []
+    # Read before any update: a re-validated copy marks every field as set.
+    base_urls_given = "base_urls" in rl.orchestrator.client.model_fields_set
+
+    # Devices: inference first, then trainer.
+    gpus: list[int] = []
+    if rl.devices.type != "cpu":
+        gpus = list(rl.devices.gpu_ids) if rl.devices.gpu_ids is not None else visible_gpus(environ)
+        if rl.devices.type == "cuda" and not gpus:
+            raise ValueError("devices.type = cuda but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
+    if gpus:
+        place, trainer, inference = _place_on_gpus(rl, gpus, trainer, inference, notes)
+    else:
+        place, trainer, inference = _place_on_cpu(rl, trainer, inference)
+    place.devices["orchestrator"] = "CPU"
+    orchestrator = _update(rl.orchestrator, "num_trainer_ranks", place.num_trainer_ranks)
+    _assign_threads(rl, inference, place, cores, environ)
+    orchestrator, api_key, health_urls = _wire(orchestrator, inference, base_urls_given)
+    resume_step, trainer, orchestrator = _resume_step(rl, run_dir, trainer, orchestrator)
 
     if rl.runs:
         runs = [{"name": run.name, "output_dir": run.output_dir, "lr": run.lr} for run in rl.runs]
@@ -284,6 +354,7 @@ def build_plan(
         configs["inference"] = inference
     configs.update(run_orchestrators(rl, orchestrator))
     configs["trainer"] = trainer
+    devices = place.devices
     for name in configs:
         devices.setdefault(name, devices[role(name)])
     if rl.runs:
@@ -291,32 +362,10 @@ def build_plan(
 
     run_id = run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12]
     common_env = {"PYTHONUNBUFFERED": "1", "PRIME_RUN_ID": run_id, **rl.env_vars}
-    specs = []
-    for name in configs:
-        cfg_path = run_dir.config_file(name)
-        # Each child logs to stdout only: the launcher redirects stdout into logs/<name>.log.
-        args = ["@", str(cfg_path), "--log.file", "false"]
-        executable = find_executable(role(name), environ)
-        if name == "trainer" and num_trainer_ranks > 1:
-            cmd = [
-                find_executable("torchrun", environ),
-                "--standalone",
-                "--nproc-per-node",
-                str(num_trainer_ranks),
-                "--no-python",
-                executable,
-                *args,
-            ]
-        else:
-            cmd = [executable, *args]
-        env = {**common_env, **env_of[role(name)]}
-        if name == "trainer" and use_gpu:
-            env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        specs.append(ProcessSpec(name=name, cmd=cmd, log_file=run_dir.log_file(name), env=env))
     return RunPlan(
         run_dir=run_dir,
         configs=configs,
-        specs=specs,
+        specs=_process_specs(configs, run_dir, place, common_env, environ),
         health_urls=health_urls,
         api_key=api_key,
         devices=devices,
