@@ -138,12 +138,15 @@ def _small(command: Command) -> str:
     if found and found[1] in ("rl", "sft", "trainer") and not {"--help", "--dry-run"} & set(found[2]):
         text += f" --max-steps {SMALL_STEPS}"
     text = re.sub(r"(weights/step_)\d+", rf"\g<1>{SMALL_STEPS}", text)
-    text = re.sub(r"^((?:\w+=\S*\s+)*)uv run ", r"\1", text)  # the test's environment is already synced
     return text + (" &" if command.background else "")
 
 
+# `uv run X` runs X from the test's (already synced) environment on PATH; `env` so that `eval` is ours, not bash's.
+_UV_RUN = 'uv() { if [ "$1" = run ]; then shift; env "$@"; else command uv "$@"; fi; }'
+
+
 def doc_script(blocks: list[Block]) -> str:
-    lines = ["set -euo pipefail", "trap 'jobs -p | xargs -r kill' EXIT"]
+    lines = ["set -euo pipefail", "trap 'jobs -p | xargs -r kill' EXIT", _UV_RUN]
     for block in blocks:
         if block.skip or block.lang == "console":
             continue
@@ -162,13 +165,20 @@ def test_documented_commands_run(doc: Path, tmp_path):
         pytest.skip(f"{doc.name} has no runnable shell block")
     sandbox = fresh_clone(tmp_path / "clone")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.Popen(
-        ["bash", "-c", script], cwd=sandbox, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=1800)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"{doc.name}: a documented command failed\n{script}\n---- output ----\n{out[-6000:]}"
+    log = tmp_path / "output.log"
+    with open(log, "w") as out:
+        # Its own session: background servers of a doc are killed with the group, and the output goes to a file
+        # they may keep open after bash exits.
+        proc = subprocess.Popen(
+            ["bash", "-c", script], cwd=sandbox, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=1800)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text(errors="replace")
+    assert proc.returncode == 0, (
+        f"{doc.name}: a documented command failed\n{script}\n---- output ----\n{output[-6000:]}"
+    )
