@@ -195,16 +195,35 @@ def test_structured_outputs_on_a_real_model(real):
 def test_sampling_parameters_on_a_real_model(real):
     cases.check_sampling_parameters(client(real), "m", real.url)
     cases.check_tolerant_requests(client(real), "m")
-    r = httpx.post(f"{real.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
-def reference_logits(model_dir, ids: list[int]) -> torch.Tensor:
+def test_prompt_logprobs_and_echo_match_a_reference_forward(real):
+    prompt = [5, 6, 7, 8]
+    lps = torch.log_softmax(reference_logits(real.config.model.name, prompt, last=False), -1)
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}
+    got = httpx.post(f"{real.url}/v1/completions", json=body).json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = got[pos][str(prompt[pos])]
+        assert abs(entry["logprob"] - float(lps[pos - 1, prompt[pos]])) < 1e-4
+        assert entry["rank"] == int((lps[pos - 1] > lps[pos - 1, prompt[pos]]).sum()) + 1
+        assert {str(t) for t in torch.topk(lps[pos - 1], 2).indices.tolist()} <= set(got[pos])
+    echo = httpx.post(f"{real.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                                           "echo": True, "logprobs": 1}).json()["choices"][0]  # fmt: skip
+    assert len(echo["logprobs"]["tokens"]) == len(prompt) + 2 and echo["logprobs"]["token_logprobs"][0] is None
+    assert abs(echo["logprobs"]["token_logprobs"][1] - float(lps[0, prompt[1]])) < 1e-4
+    gen = httpx.post(f"{real.url}/v1/generate", json={"token_ids": prompt, "sampling_params": {
+        "max_tokens": 1, "prompt_logprobs": 0}}).json()  # fmt: skip
+    assert gen["prompt_logprobs"][1] == {str(prompt[1]): got[1][str(prompt[1])]}  # k = 0: the prompt token alone
+
+
+def reference_logits(model_dir, ids: list[int], last: bool = True) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1]
+        logits = model(torch.tensor([ids])).logits[0]
+    return logits[-1] if last else logits
 
 
 def test_penalties_and_logit_bias_follow_vllms_formulas(real):

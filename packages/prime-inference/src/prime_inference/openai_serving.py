@@ -40,6 +40,25 @@ def completion_logprobs(state: ServerState, ids: list[int], lps: list[float], to
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
 
 
+def echo_logprobs(state: ServerState, choice: Choice, k: int, completion: dict[str, Any]) -> dict[str, Any]:
+    """``completion``'s log-probs after those of the echoed prompt (its first token has none), as vLLM's echo."""
+    entries = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
+    tokens = [state.token_str(t) for t in choice.prompt_ids]
+    lps = [None if e is None else e[t][0] for t, e in zip(choice.prompt_ids, entries, strict=True)]
+    top = [None if e is None else {state.token_str(t): lp for t, (lp, rank) in e.items() if rank <= k}
+           for e in entries]  # fmt: skip
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    return {
+        "tokens": tokens + completion["tokens"],
+        "token_logprobs": lps + completion["token_logprobs"],
+        "top_logprobs": top + completion["top_logprobs"] if completion["top_logprobs"] is not None else None,
+        "text_offset": offsets + [o + pos for o in completion["text_offset"]],
+    }
+
+
 # ---- chat ----
 
 
@@ -152,7 +171,8 @@ async def chat(state: ServerState, req: ChatCompletionRequest) -> Any:
         if req.return_token_ids:
             item["token_ids"] = c.token_ids
         out.append(item)
-    body = {**base, "object": "chat.completion", "choices": out, "usage": usage(len(prompt_ids), choices)}
+    body = {**base, "object": "chat.completion", "choices": out, "usage": usage(len(prompt_ids), choices),
+            "prompt_logprobs": state.prompt_logprobs(choices[0])}  # fmt: skip
     if req.return_token_ids:
         body["prompt_token_ids"] = prompt_ids
     return FastJSONResponse(body)
@@ -241,9 +261,6 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[tuple
 
 async def completion(state: ServerState, req: CompletionRequest) -> Any:
     adapter = state.adapter(req.model)
-    if req.echo and req.logprobs is not None:
-        raise RequestError(f"echo with logprobs needs prompt log-probs, which the {state.engine.name} engine does not "
-                           "compute", param="echo")  # fmt: skip
     prompts = completion_prompts(state, req)
     grammar = request_grammar(req.structured_outputs, req.response_format)
     requests, echoes = [], []
@@ -252,6 +269,8 @@ async def completion(state: ServerState, req: CompletionRequest) -> Any:
             state.max_tokens(len(ids), 16 if req.max_tokens is None else req.max_tokens), req.logprobs
         )
         params.grammar = grammar
+        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = req.logprobs  # vLLM: echoed prompt tokens carry their log-probs
         requests += state.requests(ids, params, req.n, len(requests), adapter)
         echo = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
         echoes += [echo] * req.n
@@ -266,6 +285,9 @@ async def completion(state: ServerState, req: CompletionRequest) -> Any:
                                 "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
         if req.logprobs is not None:
             item["logprobs"] = completion_logprobs(state, c.token_ids, c.logprobs, c.top_logprobs, 0, req.logprobs)
+            if req.echo:
+                item["logprobs"] = echo_logprobs(state, c, req.logprobs, item["logprobs"])
+        item["prompt_logprobs"] = state.prompt_logprobs(c)
         if req.return_token_ids:
             item["prompt_token_ids"] = c.prompt_ids
             item["token_ids"] = c.token_ids
@@ -292,6 +314,8 @@ async def completion_chunks(
         logprobs = None
         if req.logprobs is not None and ids:
             logprobs = completion_logprobs(state, ids, lps, tops, start, req.logprobs)
+            if req.echo and c.index not in echoed:
+                logprobs = echo_logprobs(state, c, req.logprobs, logprobs)
         if not delta and not final and logprobs is None:
             continue
         echoed.add(c.index)

@@ -47,8 +47,11 @@ class Choice:
     stop_reason: int | str | None = None
     sent_text: int = 0
     sent_tokens: int = 0
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
     def add(self, out: EngineOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.token_ids.extend(out.token_ids)
         if out.logprobs is not None:
             self.logprobs.extend(out.logprobs)
@@ -199,7 +202,7 @@ class ServerState:
         self.check_tokens(params.stop_token_ids, "stop_token_ids")
         self.check_tokens(list(params.logit_bias), "logit_bias")
         self.check_tokens(params.allowed_token_ids or [], "allowed_token_ids")
-        if params.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None and not self.engine.supports_prompt_logprobs:
             raise RequestError(
                 f"prompt_logprobs is not supported by the {self.engine.name} engine", param="prompt_logprobs"
             )
@@ -213,6 +216,8 @@ class ServerState:
     ) -> list[EngineRequest]:
         """``n`` engine requests for one prompt; seeded requests get distinct, reproducible seeds per choice."""
         self.check_params(params)
+        if params.prompt_logprobs is not None and (adapter is not None or multimodal is not None):
+            raise RequestError("prompt_logprobs is served for text prompts on the base model", param="prompt_logprobs")
         out = []
         for i in range(n):
             p = SamplingParams(**vars(params))
@@ -251,3 +256,15 @@ class ServerState:
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt_logprobs(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt position None (the first) or {token id: {logprob, rank,
+        decoded_token}}."""
+        if choice.prompt_logprobs is None:
+            return None
+        return [
+            None if entry is None else
+            {str(t): {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": self.token_str(t)}
+             for t, (lp, rank) in entry.items()}
+            for entry in choice.prompt_logprobs
+        ]  # fmt: skip

@@ -46,6 +46,9 @@ class EngineOutput:
     """The stop token id or stop string that ended the sequence, if any."""
     weight_step: int | None = None
     """Weight step the engine served when this delta was sampled."""
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    """First delta of a request with ``params.prompt_logprobs``: per prompt position, None for the first, else
+    {token id: (log-prob, rank)} for the prompt's token and the top k alternatives (vLLM's prompt log-probs)."""
 
 
 @dataclass
@@ -66,6 +69,8 @@ class Engine(abc.ABC):
     """Generation plus the admin operations of an RL inference server."""
 
     name: str
+    supports_prompt_logprobs: bool = False
+    """Whether `generate` fills `EngineOutput.prompt_logprobs` (text prompts on the base model)."""
 
     @property
     @abc.abstractmethod

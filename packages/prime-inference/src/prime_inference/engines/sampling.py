@@ -111,3 +111,28 @@ def token_logprobs(logits_V: torch.Tensor, params: SamplingParams, mode: str) ->
     if mode == "processed" and params.temperature > 0:
         return torch.log_softmax(logits_V / params.temperature, dim=-1)
     return torch.log_softmax(logits_V, dim=-1)
+
+
+@torch.inference_mode()
+def prompt_logprobs(
+    model: torch.nn.Module, prompt_ids: Sequence[int], k: int
+) -> list[dict[int, tuple[float, int]] | None]:
+    """vLLM's prompt log-probs, from one full forward of the prompt (the cached prefill keeps only the last
+    position's logits); raw log-softmax, as vLLM computes them. Position 0 has none; position i holds
+    {token: (log-prob, rank)} of its token, then of the top k alternatives."""
+    device = next(model.parameters()).device
+    out = model(torch.tensor([list(prompt_ids)], device=device))
+    logits_SV = (out if isinstance(out, torch.Tensor) else out.logits)[0]
+    lps_SV = torch.log_softmax(logits_SV[:-1].float(), dim=-1)
+    targets = torch.tensor(list(prompt_ids[1:]), dtype=torch.long, device=lps_SV.device)
+    token_lps = lps_SV.gather(1, targets[:, None])[:, 0]
+    ranks = (lps_SV > token_lps[:, None]).sum(-1) + 1
+    out: list[dict[int, tuple[float, int]] | None] = [None]
+    top_v, top_i = torch.topk(lps_SV, k) if k > 0 else (None, None)
+    for pos, (token, lp, rank) in enumerate(zip(targets.tolist(), token_lps.tolist(), ranks.tolist(), strict=True)):
+        entry = {token: (lp, rank)}
+        if top_v is not None:
+            for r, (t, v) in enumerate(zip(top_i[pos].tolist(), top_v[pos].tolist(), strict=True)):
+                entry.setdefault(t, (v, r + 1))
+        out.append(entry)
+    return out

@@ -35,7 +35,7 @@ from prime_core.schemas.weights import BroadcastManifest
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter
 from prime_inference.engines.model_runner import build_decoder, load_causal_lm, resolve_dtype
-from prime_inference.engines.sampling import sample
+from prime_inference.engines.sampling import prompt_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class _Swap:
 
 class TorchEngine(Engine):
     name = "torch"
+    supports_prompt_logprobs = True
 
     def __init__(self, config: InferenceConfig, tokenizer: Any):
         self.config = config
@@ -463,6 +464,8 @@ class TorchEngine(Engine):
         adapter = self._adapters.get(seq.request.lora_name) if seq.request.lora_name is not None else None
         step = adapter.step if adapter is not None and adapter.step is not None else self.weight_step
         out = EngineOutput([token], logprobs, top, finish, reason, step)
+        if len(seq.output_ids) == 1 and params.prompt_logprobs is not None:
+            out.prompt_logprobs = prompt_logprobs(self.model, seq.request.prompt_ids, params.prompt_logprobs)
         if finish is not None:
             with self._cond:
                 self._finish(seq)

@@ -63,7 +63,7 @@ async def generate(request: Request) -> Any:
             for c in choices
         ],
         "usage": usage(len(req.token_ids), choices),
-        "prompt_logprobs": None,
+        "prompt_logprobs": s.prompt_logprobs(choices[0]),
         "kv_transfer_params": None,
         "ec_transfer_params": None,
         "prompt_token_ids": list(req.token_ids),
