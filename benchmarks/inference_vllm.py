@@ -272,7 +272,8 @@ def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path
         sets["turn2"] = continuation(sets["groups"], [c["token_ids"] for c in choices], result["vocab_size"], args)
         sets["groups_served"] = [{"token_ids": c["token_ids"], "logprobs": served_logprobs(c)} for c in choices]
         phases["turn2"], _ = run_server_phase(url, sets["turn2"])
-        phases["groups_httpx"], _ = run_server_phase(url, sets["groups"], client="httpx")
+        if "groups_httpx" not in args.skip_phases:
+            phases["groups_httpx"], _ = run_server_phase(url, sets["groups"], client="httpx")
         if args.profile:
             result["profile"] = profile_during(
                 server.pid,
@@ -363,8 +364,9 @@ def offline_phases(other: Path, sets: dict, args: argparse.Namespace, result: di
     fast = {"detokenize": False, "flat_logprobs": True}
     phases["no_logprobs"], _ = run_offline_phase(llm, sets["no_logprobs"])
     phases["logprobs"], _ = run_offline_phase(llm, sets["logprobs"])
-    seeded = [{**r, "seed": 7 + i} for i, r in enumerate(sets["logprobs"])]
-    phases["logprobs_seeded"], _ = run_offline_phase(llm, seeded)
+    if "logprobs_seeded" not in args.skip_phases:
+        seeded = [{**r, "seed": 7 + i} for i, r in enumerate(sets["logprobs"])]
+        phases["logprobs_seeded"], _ = run_offline_phase(llm, seeded)
     phases["logprobs_flat_nodetok"], _ = run_offline_phase(llm, sets["logprobs"], **fast)
     phases["groups_no_logprobs"], _ = run_offline_phase(llm, sets["groups"], logprobs=None)
     phases["groups"], group_outs = run_offline_phase(llm, sets["groups"])
@@ -418,10 +420,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--engine", default="vllm", help="server engine (torch: a CPU smoke test of this script)")
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--skip-phases", default="", help="comma-separated: groups_httpx, logprobs_seeded")
     parser.add_argument("--stop-on-server-error", action="store_true", help="skip the vLLM phases if the server fails")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory of the result JSON")
     parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"), help="default: git rev-parse HEAD")
     args = parser.parse_args()
+    args.skip_phases = sorted(filter(None, args.skip_phases.split(",")))
     if args.prompts % args.group:
         parser.error(f"--prompts ({args.prompts}) must be a multiple of --group ({args.group})")
     return args
