@@ -133,6 +133,9 @@ def test_fixed_json_and_plain_text_without_parsers(plain):
     with pytest.raises(Exception) as err:  # tools need --enable-auto-tool-choice, as on vLLM
         ask(plain, "TOOLCALL", tools=TOOLS)
     assert err.value.status_code == 400 and "--enable-auto-tool-choice" in err.value.message
+    r = httpx.post(f"{plain.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                   "tools": TOOLS, "tool_choice": "required"})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["message"].endswith("requires --tool-call-parser to be set")
 
 
 def test_tolerant_requests_render_as_vllm(parsing):

@@ -63,13 +63,15 @@ def echo_logprobs(state: ServerState, choice: Choice, k: int, completion: dict[s
 
 
 def tool_choice(state: ServerState, req: ChatCompletionRequest) -> str | dict | None:
-    """vLLM's defaulting: tools without a tool_choice mean "auto", which needs the tool-call parser."""
+    """vLLM's rules: tools without a tool_choice mean "auto"; any tool_choice but "none" needs a tool-call parser."""
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else None)
-    if choice == "auto" and req.tools and not state.config.enable_auto_tool_choice:
-        raise RequestError(
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-            param="tool_choice",
-        )
+    if req.tools and choice not in (None, "none") and state.config.tool_call_parser is None:
+        if choice == "auto":
+            message = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        else:
+            named = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
+            message = f"tool_choice={named} requires --tool-call-parser to be set"
+        raise RequestError(message, param="tool_choice")
     return choice
 
 
@@ -129,7 +131,7 @@ def chat_view(state: ServerState, req: ChatCompletionRequest, choice: Choice, ch
         return ChatView(None, "", calls, finish)
     if state.parser is None:
         return ChatView(None, text, [], finish)
-    parse_tools = bool(req.tools) and choice_of_tool == "auto"
+    parse_tools = bool(req.tools) and choice_of_tool == "auto" and state.config.enable_auto_tool_choice
     ids = choice.token_ids[: len(choice.token_ids) - (final and state.stopped_on_token(choice))]
     parsed = state.parser.parse(ids, text, parse_tools, choice.params.skip_special_tokens)
     if parsed.tool_calls and finish is not None:
