@@ -64,13 +64,19 @@ def _check(result) -> bool:
     return result.status == "ok" and result.pass_fraction == 1.0
 
 
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def bench_cold(config: SandboxPoolConfig, repeats: int) -> dict:
-    ready, first = [], []
+    ready, first, cpu = [], [], []
     for _ in range(repeats):
         start = time.perf_counter()
         pool = SandboxPool(config)
         await pool.start()
         ready.append(time.perf_counter() - start)
+        cpu.append(sum(_cpu_s(z.proc.pid) for z in pool._zygotes if z is not None))
         t = time.perf_counter()
         ok = _check(await pool.execute(REQUEST))
         first.append(time.perf_counter() - t)
@@ -80,6 +86,7 @@ async def bench_cold(config: SandboxPoolConfig, repeats: int) -> dict:
         "ready_ms_p50": 1e3 * statistics.median(ready),
         "ready_ms_max": 1e3 * max(ready),
         "first_execution_ms_p50": 1e3 * statistics.median(first),
+        "zygote_cpu_ms_to_ready_p50": 1e3 * statistics.median(cpu),
         "repeats": repeats,
     }
 
@@ -103,11 +110,6 @@ async def bench_warm(pool: SandboxPool, n: int) -> dict:
         "max_ms": 1e3 * max(latencies),
         "in_sandbox_p50_ms": 1e3 * _pct(inner, 50),
     }
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def bench_cpu(pool: SandboxPool, n: int) -> dict:

@@ -32,7 +32,10 @@ _HERE = Path(__file__).resolve().parent
 _BOOT = "import sys; sys.path.insert(0, sys.argv[1]); import zygote; zygote.main(int(sys.argv[2]), sys.argv[3])"
 NUM_LEASES = 1024  # uids above the execution range, one per live workspace (verifiers runtimes)
 UIDS_PER_PROCESS = 8192  # max_concurrency + NUM_LEASES fit in it
-RESULT_SLACK_S = 10.0  # how long past its wall limit a verdict may take before the pool gives up on it
+# A verdict later than its wall limit plus this is lost (the supervisor enforces the wall limit itself; a dead one
+# closes the result pipe at once). Generous: on an overloaded node, requests also wait for the zygote to fork them.
+RESULT_SLACK_S = 120.0
+QUARANTINE_SLACK_S = 10.0  # a cancelled execution keeps its uid and slot for its wall limit plus this
 
 
 class SandboxUnavailable(RuntimeError):
@@ -226,7 +229,7 @@ class SandboxPool:
             if settled:
                 self._release(uid, workspace)
             else:  # cancelled or lost: it may still run under this uid, so lend the uid again after its wall limit
-                asyncio.get_running_loop().call_later(limits.wall_s + RESULT_SLACK_S, self._release, uid, workspace)
+                asyncio.get_running_loop().call_later(limits.wall_s + QUARANTINE_SLACK_S, self._release, uid, workspace)
         return self._result(request, raw)
 
     def _release(self, uid: int, workspace: Workspace | None) -> None:
