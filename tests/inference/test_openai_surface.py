@@ -105,6 +105,7 @@ def test_fixed_tool_call_with_reasoning_streamed_and_not(parsing):
     assert choice.message.model_extra["reasoning"] == "\nI should call the tool.\n"
     s = streamed(parsing, "TOOLCALL", tools=TOOLS)
     assert s["finish"] == "tool_calls" and s["reasoning"] == "\nI should call the tool.\n"
+    assert s["content"].strip() == ""  # the block never leaks into the streamed content
     assert [(c["name"], json.loads(c["arguments"])) for c in s["calls"].values()] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"})
     ]

@@ -54,18 +54,24 @@ class OutputParser:
             return None, text
         return self.reasoning.extract(text)
 
-    def parse(self, token_ids: list[int], text: str, parse_tools: bool, skip_special: bool = True) -> ParsedOutput:
-        """``text`` is the decoded (stop-string cut) completion; ``token_ids`` what the tool parser reads."""
+    def parse(
+        self, token_ids: list[int], text: str, parse_tools: bool, skip_special: bool = True, final: bool = True
+    ) -> ParsedOutput:
+        """``text`` is the decoded (stop-string cut) completion; ``token_ids`` what the tool parser reads. While
+        streaming (``final`` False) a block that is still open holds back: the calls so far, nothing after them."""
         if not parse_tools or self.tools is None:
             reasoning, content = self.split_reasoning(text)
             return ParsedOutput(content, reasoning)
         content_ids, calls = self.tools.extract(list(token_ids))
-        if not calls or any(c.status.name != "OK" for c in calls):
+        if not final and calls and calls[-1].status.name == "UNCLOSED_BLOCK":
+            calls = calls[:-1]
+        elif not calls or any(c.status.name != "OK" for c in calls):
             reasoning, content = self.split_reasoning(text)
             return ParsedOutput(content, reasoning)
         head = self.tokenizer.decode(content_ids, skip_special_tokens=skip_special)
         reasoning, content = self.split_reasoning(head)
-        return ParsedOutput(content or None, reasoning, [tool_call(c.name, c.arguments, c.id) for c in calls])
+        ok = [tool_call(c.name, c.arguments, c.id) for c in calls if c.status.name == "OK"]
+        return ParsedOutput(content or None, reasoning, ok)
 
 
 def forced_tool_calls(text: str, tool_choice: str | dict[str, Any]) -> list[dict[str, Any]]:

@@ -133,7 +133,7 @@ def chat_view(state: ServerState, req: ChatCompletionRequest, choice: Choice, ch
         return ChatView(None, text, [], finish)
     parse_tools = bool(req.tools) and choice_of_tool == "auto" and state.config.enable_auto_tool_choice
     ids = choice.token_ids[: len(choice.token_ids) - (final and state.stopped_on_token(choice))]
-    parsed = state.parser.parse(ids, text, parse_tools, choice.params.skip_special_tokens)
+    parsed = state.parser.parse(ids, text, parse_tools, choice.params.skip_special_tokens, final)
     if parsed.tool_calls and finish is not None:
         finish = "tool_calls"
     reasoning = parsed.reasoning if req.include_reasoning else None
