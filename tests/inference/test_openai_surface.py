@@ -129,6 +129,12 @@ def test_fixed_json_and_plain_text_without_parsers(plain):
     r = ask(plain, "JSONOUT")
     assert json.loads(r.choices[0].message.content) == {"city": "Paris", "days": 3}
     assert streamed(plain, "JSONOUT")["content"] == r.choices[0].message.content
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(ask(plain, "JSONOUT", stream=True, stream_options=options))
+    assert (
+        all(c.usage is not None for c in chunks)
+        and chunks[-1].usage.completion_tokens == chunks[-2].usage.completion_tokens
+    )
     r = ask(plain, "REASON")  # no reasoning parser: the think block is content, as on vLLM
     assert r.choices[0].message.content == THINK_TEXT + ANSWER_TEXT
     with pytest.raises(Exception) as err:  # tools need --enable-auto-tool-choice, as on vLLM

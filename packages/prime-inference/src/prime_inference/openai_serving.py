@@ -215,8 +215,8 @@ async def chat_chunks(
     sent = [_Sent() for _ in requests]
     live: dict[int, Choice] = {}
     for i in range(len(requests)):
-        yield {**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]}  # fmt: skip
+        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield _with_usage({**chunk, "choices": [role]}, req, len(prompt_ids), [])
     async for c, final in stream(state.engine, requests):
         live[c.index] = c
         view = chat_view(state, req, c, tool_choice, final)
