@@ -17,6 +17,7 @@ from tests.environments.test_vf_eval import script
 from tests.fixtures.models import build_llama3_tokenizer, build_tool_tokenizer, save_tiny_model
 from tests.fixtures.scripted import ScriptedServer
 from tests.fixtures.vf import use_vf_envs
+from tests.trainer.trainer_utils import read_trainer_metrics, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -112,6 +113,16 @@ def test_multi_turn_env_every_turn_in_one_sample_env_turns_masked(server, tmp_pa
     for _, mask, _ in samples(tmp_path):
         # sampled, env turn (masked), sampled, env turn (masked), sampled
         assert len(np.flatnonzero(np.diff(mask.astype(int)))) >= 5
+    # The trainer recomputes every sampled token's log-prob from the same tokens: the trace's ids and log-probs
+    # are the engine's own (no re-tokenization), so the mismatch KL is fp32 rounding.
+    run_cli(
+        ["--model.name", server.config.model.name, "--output-dir", str(tmp_path), "--max-steps", "1",
+         "--seq-len", "1024", "--data.wait-timeout-s", "60", "--log.level", "warning"]
+    )  # fmt: skip
+    trainer = read_trainer_metrics(tmp_path)[0]
+    assert abs(trainer["mismatch_kl/mean"]) <= 1e-6 and trainer["loss_tokens"] == sum(
+        m.sum() for _, m, _ in samples(tmp_path)
+    )
     assert evaluate(tmp_path, server.config.model.name, server.url, env)["num_turns/mean"] == 3.0
 
 

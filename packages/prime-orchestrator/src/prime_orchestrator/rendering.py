@@ -17,7 +17,7 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3": ("qwen3", ("<|im_start|>", "<tool_call>", "<think>")),
     "qwen3_moe": ("qwen3", ("<|im_start|>", "<tool_call>", "<think>")),
     "qwen3_vl": ("qwen3-vl", ("<|im_start|>", "<|vision_start|>", "<tool_call>")),
-    "llama": ("llama-3", ("<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>")),
+    "llama": ("llama-3", ("<|begin_of_text|>", "<|start_header_id|>", "<|eot_id|>", "<|eom_id|>")),
 }
 
 
