@@ -126,20 +126,25 @@ def save_hf(
     if is_writer:
         if current or not shards:
             flush()
-        n = len(shards)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        weight_map = {}
-        for tmp, final, keys in zip(shards, names, shard_keys, strict=True):
-            os.replace(tmp, out / final)
-            weight_map.update(dict.fromkeys(keys, final))
-        for stale in out.glob("model*.safetensors"):
-            if stale.name not in names:
-                stale.unlink()
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        _atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2))
+        _place_shards(out, shards, shard_keys, total_bytes)
         _write_configs(model, out, saved_dtype)
     if distributed:
         dist.barrier()
+
+
+def _place_shards(out: Path, shards: list[Path], shard_keys: list[list[str]], total_bytes: int) -> None:
+    """Rename the written shards to their HF names, drop stale shards of an earlier save, write the index."""
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {}
+    for tmp, final, keys in zip(shards, names, shard_keys, strict=True):
+        os.replace(tmp, out / final)
+        weight_map.update(dict.fromkeys(keys, final))
+    for stale in out.glob("model*.safetensors"):
+        if stale.name not in names:
+            stale.unlink()
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    _atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2))
 
 
 def _write_configs(model: torch.nn.Module, out: Path, dtype: torch.dtype | None) -> None:

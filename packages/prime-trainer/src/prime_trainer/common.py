@@ -88,13 +88,10 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         seq_len=(config.data.fake.seq_len if config.data.fake is not None else None) or config.seq_len,
     )
     optimizer = build_optimizer(model, config.optim)
-    monitor = (
-        build_monitor(
-            config.monitor, output_dir=config.output_dir, process=process, run_config=config.model_dump(mode="json")
-        )
-        if world.is_master and not config.bench
-        else None
-    )
+    monitor = None
+    if world.is_master and not config.bench:
+        run_config = config.model_dump(mode="json")
+        monitor = build_monitor(config.monitor, output_dir=config.output_dir, process=process, run_config=run_config)
     num_params = sum(p.numel() for p in model.parameters())  # DTensor.numel() is the global size
     logger.info(
         "%s: %s (%.2fM parameters) on %d x %s",
@@ -114,20 +111,21 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         model_source=model_source,
         optimizer=optimizer,
         ckpt=CheckpointManager(config.ckpt, run_dir, world),
-        # SFT exports are few and each is a result; RL keeps only what the async window and checkpoints need.
-        publisher=WeightPublisher(
-            run_dir,
-            world,
-            model_source.tokenizer,
-            config.async_level,
-            config.weights.keep_all or process == "sft",
-            broadcast=config.weights.broadcast if process == "trainer" else None,
-        ),
+        publisher=_publisher(config, process, run_dir, world, model_source),
         monitor=monitor,
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
         loss_scale=loss_scale(model, world),
         layout=layout,
     )
+
+
+def _publisher(
+    config: TrainerConfig | SFTConfig, process: str, run_dir: RunDir, world: World, model_source: ModelSource
+) -> WeightPublisher:
+    # SFT exports are few and each is a result; RL keeps only what the async window and checkpoints need.
+    keep_all = config.weights.keep_all or process == "sft"
+    broadcast = config.weights.broadcast if process == "trainer" else None
+    return WeightPublisher(run_dir, world, model_source.tokenizer, config.async_level, keep_all, broadcast=broadcast)
 
 
 def resume(c: Components) -> dict[str, Any]:

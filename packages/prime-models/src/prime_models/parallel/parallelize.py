@@ -40,14 +40,9 @@ def parallelize_transformer(
             must hold the same full weights.
         parallel_dims: validated axis sizes.
         mesh: device meshes from `parallel_dims.build_mesh`; built for the model's device when omitted.
-        ac: "none", "full" or "selective" (see `prime_models.parallel.activation_checkpoint`).
-        ac_every: for "selective": checkpoint every k-th layer; 0 checkpoints only the attention block of each layer.
-        ac_keep_attention: with "full": keep the attention kernel's outputs of the last N layers (-1: all) instead of
-            recomputing them in backward.
-        ac_mlp_chunks: with "full": run each dense MLP in this many sequence chunks in backward, keeping only its
-            input (lower backward peak at long context, no extra compute); 0 disables it.
-        ac_offload_attention: with "full" and ac_keep_attention != 0: hold the kept attention outputs in pinned host
-            memory between forward and backward (`prime_models.parallel.attention_offload`).
+        ac, ac_every, ac_keep_attention, ac_mlp_chunks, ac_offload_attention: activation checkpointing mode and its
+            options (`apply_activation_checkpointing`'s mode, every, keep_attention, mlp_chunks, offload_attention;
+            `prime_models.parallel.activation_checkpoint`).
         param_dtype / reduce_dtype: override the default mixed precision (bf16/fp32 on CUDA, fp32/fp32 on CPU).
         cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`).
         reshard_after_forward: free gathered params after each layer's forward (ZeRO-3); False keeps them (ZeRO-2).
@@ -65,26 +60,13 @@ def parallelize_transformer(
     if parallel_dims.ep_enabled:
         parallel_dims.validate_experts(getattr(model.args, "num_experts", 0))
         apply_expert_parallel(model, mesh.ep, dispatcher)
-    apply_activation_checkpointing(
-        layers,
-        ac,
-        ac_every,
-        keep_attention=ac_keep_attention,
-        mlp_chunks=ac_mlp_chunks,
-        offload_attention=ac_offload_attention,
-    )
+    apply_activation_checkpointing(layers, ac, ac_every, ac_keep_attention, ac_mlp_chunks, ac_offload_attention)
     if not parallel_dims.fsdp_enabled:
         return model
     mp = default_mp_policy(device_type)
     if param_dtype is not None or reduce_dtype is not None:
         mp = type(mp)(param_dtype=param_dtype or mp.param_dtype, reduce_dtype=reduce_dtype or mp.reduce_dtype)
-    return apply_fsdp(
-        model,
-        layers,
-        mesh.fsdp,
-        mp_policy=mp,
-        cpu_offload=cpu_offload,
-        reshard_after_forward=reshard_after_forward,
-        expert_mesh=mesh.expert_fsdp,
-        gradient_divide_factor=float(parallel_dims.dp_replicate * parallel_dims.fsdp_size),
-    )
+    divide = float(parallel_dims.dp_replicate * parallel_dims.fsdp_size)
+    return apply_fsdp(model, layers, mesh.fsdp, mp_policy=mp, cpu_offload=cpu_offload,
+                      reshard_after_forward=reshard_after_forward, expert_mesh=mesh.expert_fsdp,
+                      gradient_divide_factor=divide)  # fmt: skip
