@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,7 +162,7 @@ class SandboxPool:
 
     def __init__(self, config: SandboxPoolConfig | None = None) -> None:
         self.config = config or SandboxPoolConfig()
-        self._num_zygotes = self.config.zygotes or max(1, (os.cpu_count() or 1) // 8)
+        self._num_zygotes = self.config.zygotes or max(1, len(os.sched_getaffinity(0)) // 8)
         self._zygotes: list[_Zygote | None] = [None] * self._num_zygotes
         self._next = 0
         n = self.config.max_concurrency
@@ -176,6 +177,7 @@ class SandboxPool:
         (self._tmp / "root").mkdir()
         self.workspaces = self._tmp / "ws"
         self.workspaces.mkdir(mode=0o700)
+        weakref.finalize(self, shutil.rmtree, self._tmp, True)  # also at interpreter exit without close()
         self.closed = False
 
     @property
@@ -251,7 +253,10 @@ class SandboxPool:
         body = json.dumps(msg).encode()
         for attempt in (0, 1):  # a zygote found dead at send time is replaced once; nothing has run yet
             i = self._next = (self._next + 1) % self._num_zygotes
-            zygote = await self._zygote(i)
+            try:
+                zygote = await self._zygote(i)
+            except (SandboxUnavailable, OSError) as e:  # a replacement failed to start: this request fails alone
+                return {"status": "sandbox_error", "reason": f"sandbox worker cannot start: {e}"}
             r, w = os.pipe()
             fds = [w]
             if request.stdin is not None:
