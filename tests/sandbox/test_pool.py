@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest, TestCase
 from prime_orchestrator.sandbox.schemas import judge, values_match
 
-from tests.sandbox.conftest import assert_serving, run
+from tests.sandbox.conftest import assert_serving, run, sandbox_pids
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -129,3 +130,7 @@ def test_a_cancelled_execution_keeps_its_uid_out_of_use(sandbox):
     sandbox.call(cancel_one()).result()
     assert len(pool._free_uids) == free - 1  # lent again only once the execution's wall limit has passed
     assert run(sandbox, "print(1)").stdout == "1\n"
+    deadline = time.monotonic() + 30
+    while sandbox_pids() and time.monotonic() < deadline:  # still ended by its own wall limit
+        time.sleep(0.1)
+    assert sandbox_pids() == []
