@@ -12,7 +12,8 @@ from prime_orchestrator.sandbox.pool import NUM_LEASES, SandboxUnavailable
 
 UID_BASE = 310_000  # away from the default range, so a pool of another process is never counted here
 MAX_CONCURRENCY = 64
-FAST = SandboxLimits(wall_s=3, cpu_s=3)
+# Generous: every test that loops forever sets its own wall limit; the rest end on their own, even on a loaded host.
+FAST = SandboxLimits(wall_s=20, cpu_s=20)
 
 
 def sandbox_pids() -> list[int]:
