@@ -123,7 +123,7 @@ def test_generate_logprobs_refuse_a_length_mismatch():
 
 
 async def post_group(url: str, prompt: list[int], seeds: list[int], max_tokens: int) -> list[dict]:
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=600) as client:  # a loaded 2-core CI host is slow
         bodies = [
             {"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "seed": s, "logprobs": 0,
                                                        "ignore_eos": True}}
