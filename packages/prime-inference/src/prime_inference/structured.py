@@ -46,7 +46,7 @@ def _from_structured(spec: dict[str, Any]) -> str:
     import llguidance
 
     keys = [k for k in STRUCTURED_KEYS if spec.get(k) not in (None, False)]
-    unknown = set(spec) - {*STRUCTURED_KEYS, "disable_fallback", "disable_any_whitespace", "whitespace_pattern"}
+    unknown = set(spec) - {*STRUCTURED_KEYS, "disable_any_whitespace"}
     if unknown:
         raise RequestError(f"unsupported structured_outputs keys {sorted(unknown)}", param="structured_outputs")
     if len(keys) != 1:
