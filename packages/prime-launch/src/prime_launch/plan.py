@@ -324,7 +324,7 @@ def build_plan(
     inference: InferenceConfig | None = rl.inference
     notes: list[str] = []
     # Read before any update: a re-validated copy marks every field as set.
-    base_urls_given = "base_urls" in rl.orchestrator.client.model_fields_set
+    base_urls_given = rl.base_urls_given
 
     # Devices: inference first, then trainer.
     gpus: list[int] = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, PositiveInt, model_validator
+from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.inference import InferenceConfig
@@ -89,6 +89,13 @@ def _same(a: Any, b: Any) -> bool:
     return str(a) == str(b)
 
 
+def _client_urls_given(orchestrator: Any) -> bool:
+    client = orchestrator.get("client") if isinstance(orchestrator, dict) else getattr(orchestrator, "client", None)
+    if isinstance(client, BaseModel):
+        return bool({"base_urls", "base_url"} & client.model_fields_set)
+    return isinstance(client, dict) and bool({"base_urls", "base_url"} & set(client))
+
+
 def _fill(target: dict[str, Any], key: str, value: Any, path: str, conflicts: list[str]) -> None:
     """Copy ``value`` into ``target[key]`` where absent; recurse into sections; record differing leaves."""
     value = _as_dict(value)
@@ -159,6 +166,22 @@ class RLConfig(BaseConfig):
     """Console output: a live step/reward/throughput line, every process's log lines, or launcher messages only."""
     env_vars: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for every process (CUDA_VISIBLE_DEVICES and PRIME_RUN_ID are the launcher's)."""
+
+    _base_urls_given: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_base_urls(cls, data: Any, handler: Any) -> RLConfig:
+        config = handler(data)
+        if isinstance(data, dict):
+            config._base_urls_given = _client_urls_given(data.get("orchestrator"))
+        return config
+
+    @property
+    def base_urls_given(self) -> bool:
+        """Whether the user named the orchestrator's inference servers (else rl points it at the one it starts).
+        Read from the input: the client's own validator may rewrite ``base_urls``."""
+        return self._base_urls_given
 
     @model_validator(mode="before")
     @classmethod
