@@ -190,12 +190,14 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
             manager.start(specs[name], append_log=append)
         manager.start(specs["trainer"], append_log=append)
         expected = {name: True for name in ("trainer", *plan.orchestrators)}
-        while True:
+        # An orchestrator outlives the trainer when it evaluates the final weights; wait for it, then stop the rest.
+        while not set(expected) <= set(manager.finished):
             done = manager.poll(expected)
             if done == "trainer":
                 finished_ok = True
-                break
-            if done is not None:
+                if not set(plan.orchestrators) <= set(manager.finished):
+                    console.message("rl: trainer finished; waiting for the final evaluation")
+            elif done is not None and "trainer" not in manager.finished:
                 console.message(f"rl: {done} finished its rollouts; waiting for the trainer")
             console.tick()
             time.sleep(POLL_S)

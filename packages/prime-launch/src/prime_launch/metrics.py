@@ -145,8 +145,28 @@ def summarize(path: Path, num: int = 3) -> dict[str, Any]:
         "reward_last": sum(rewards[-num:]) / len(rewards[-num:]) if rewards else None,
         "mismatch_kl_max": max(kls) if kls else None,
         "loss_last": losses[-1][1] if losses else None,
+        "evals": eval_before_after(records),
     }
     return summary
+
+
+def eval_before_after(records: list[dict[str, Any]]) -> dict[str, tuple[int, float, int, float]]:
+    """Each eval reward series (``eval/<env>[/t<temperature>]/reward/mean``): (first step, value, last step, value)."""
+    keys = sorted(
+        {
+            k
+            for r in records
+            if r.get("process") == "orchestrator"
+            for k in r.get("values", {})
+            if k.startswith("eval/") and k.endswith("/reward/mean")
+        }
+    )
+    out = {}
+    for key in keys:
+        points = series(records, "orchestrator", key)
+        if points:
+            out[key.removeprefix("eval/").removesuffix("/reward/mean")] = (*points[0], *points[-1])
+    return out
 
 
 def format_summary(summary: dict[str, Any], num: int = 3, title: str = "") -> str:
@@ -164,5 +184,9 @@ def format_summary(summary: dict[str, Any], num: int = 3, title: str = "") -> st
             f"  reward, last {num} steps   {f(summary['reward_last'])}",
             f"  max mismatch KL          {kl(summary['mismatch_kl_max'])}",
             f"  last loss                {f(summary['loss_last'])}",
+            *[
+                f"  eval {name:<19} {f(v0)} at step {s0} -> {f(v1)} at step {s1}"
+                for name, (s0, v0, s1, v1) in summary.get("evals", {}).items()
+            ],
         ]
     )

@@ -347,7 +347,7 @@ class Orchestrator:
         nxt = batch.step + 1
         if c.ckpt.interval and nxt % c.ckpt.interval == 0 and nxt <= c.max_steps:
             self._save_checkpoint(nxt)
-        if self.eval_pools and (batch.step % c.eval.interval == 0) and (batch.step > 0 or c.eval.eval_base):
+        if self.eval_pools and batch.step > 0 and batch.step % c.eval.interval == 0:
             self._eval_tasks.append(asyncio.create_task(self._eval(batch.step)))
 
     def _env_counts(self, batch: StepBatch) -> dict[str, int]:
@@ -358,29 +358,46 @@ class Orchestrator:
 
     async def _eval(self, step: int) -> None:
         e = self.config.eval
-        results = await evaluate_envs(
-            self.eval_pools,
-            client_for=self.client_for,
-            model=self.served_model,
-            num_examples=e.num_examples,
-            rollouts_per_example=e.rollouts_per_example,
-            sampling=self.config.sampling,
-            seed=self.config.seed,
-            semaphore=self.semaphore,
-        )
-        values = {"eval/policy_version": self.policy.version}
-        for env, summary in results.items():
-            values.update({f"eval/{env}/{k}": v for k, v in summary.items() if isinstance(v, int | float)})
+        values: dict[str, Any] = {"eval/policy_version": self.policy.version}
+        for temperature in e.temperatures if e.temperatures is not None else [None]:
+            sampling = self.config.sampling
+            if temperature is not None:
+                sampling = sampling.model_copy(update={"temperature": temperature})
+            results = await evaluate_envs(
+                self.eval_pools,
+                client_for=self.client_for,
+                model=self.served_model,
+                num_examples=e.num_examples,
+                # Greedy rollouts of one prompt are identical: one per example is the whole information.
+                rollouts_per_example=1 if temperature == 0 else e.rollouts_per_example,
+                sampling=sampling,
+                seed=self.config.seed,
+                semaphore=self.semaphore,
+            )
+            tag = "" if temperature is None else f"t{temperature:g}/"
+            for env, summary in results.items():
+                values.update({f"eval/{env}/{tag}{k}": v for k, v in summary.items() if isinstance(v, int | float)})
         self.monitor.log(step, values)
+
+    async def _eval_final(self) -> None:
+        """Evaluate the weights the last step publishes (step ``max_steps``), logged at that step."""
+        last = self.config.max_steps
+        logger.info("waiting for the final weights (step %d) to evaluate them", last)
+        await self.policy.wait_for(last, self.config.weights_timeout)
+        await self._eval(last)
 
     async def ship_loop(self, buffer: asyncio.Queue) -> None:
         while (item := await buffer.get()) is not None:
             await self.ship(await item)
 
     async def run(self) -> None:
+        c = self.config
         await self.setup()
         # The buffer holds dispatched steps; the policy gate bounds how far it runs ahead.
         buffer: asyncio.Queue = asyncio.Queue(maxsize=self.config.async_level + 1)
+        if self.eval_pools and c.eval.eval_base and self.start_step == 0:
+            # Before any rollout: once step 0 trains, new weights would reach inference in the middle of this eval.
+            await self._eval(0)
         watcher = asyncio.create_task(self.policy.watch())
         producer = asyncio.create_task(self.rollout_loop(buffer))
         consumer = asyncio.create_task(self.ship_loop(buffer))
@@ -395,6 +412,8 @@ class Orchestrator:
             if self._eval_tasks:
                 await asyncio.gather(*self._eval_tasks)
             await self._relay_remaining_broadcasts(watcher)
+            if self.eval_pools and c.eval.final and self.start_step < c.max_steps:
+                await self._eval_final()
             logger.info("finished %d steps", len(self.shipped))
         finally:
             for t in (watcher, producer, consumer, *self._eval_tasks):

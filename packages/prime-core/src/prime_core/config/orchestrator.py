@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
@@ -155,7 +155,20 @@ class EvalEnvsConfig(BaseConfig):
     rollouts_per_example: int = Field(default=1, ge=1)
     """Rollouts per example (pass@k for k up to this)."""
     eval_base: bool = True
-    """Evaluate the base weights at step 0."""
+    """Evaluate the base weights at step 0, before the first rollout (so no weight update lands mid-eval)."""
+    temperatures: list[float] | None = None
+    """Sampling temperatures to evaluate at (0 is greedy, one rollout per example), each logged as
+    ``eval/<env>/t<temperature>/<metric>``; unset: the training sampling, logged as ``eval/<env>/<metric>``."""
+    final: bool = True
+    """Also evaluate the final policy (the weights the last step publishes) before the orchestrator exits, so a
+    run ends with a before/after comparison; ``rl`` waits for it and prints both."""
+
+    @field_validator("temperatures")
+    @classmethod
+    def _non_negative(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(t < 0 for t in v)):
+            raise ValueError("eval temperatures must be a non-empty list of values >= 0")
+        return v
 
 
 class LogExtrasConfig(BaseConfig):
