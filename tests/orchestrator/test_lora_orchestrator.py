@@ -29,7 +29,7 @@ def test_lora_run_loads_its_adapter_and_samples_from_it(tmp_path, tiny_model, to
     lora = {"rank": 4, "alpha": 8, "name": "tenant-a"}
     config = config.model_copy(update={"model": config.model.model_validate({"name": str(tiny_model), "lora": lora})})
     orch = run(config)
-    assert orch._spec(config.env[0])["model"] == "tenant-a"  # every request names the adapter
+    assert orch.served_model == "tenant-a"  # every request names the adapter
     cards = {m["id"]: m for m in httpx.get(f"{torch_server.url}/v1/models").json()["data"]}
     assert cards["tenant-a"]["weight_step"] == 0 and cards["tenant-a"]["root"] == str(step0.resolve())
     meta, mbs = read_microbatches(tmp_path / "rollouts" / "step_0" / "rank_0.safetensors")
