@@ -52,7 +52,10 @@ FLAVOURS: dict[str, dict] = {
         smoke=[["python", "-c", "import vllm, prime_inference.engines.vllm_engine"]],
     ),
     "prime-orchestrator": dict(
-        requirement="prime-orchestrator", siblings=["prime-core"], scripts=["orchestrator", "eval"], smoke=[]
+        requirement="prime-orchestrator",
+        siblings=["prime-core"],
+        scripts=["orchestrator", "eval", "sandbox-node"],
+        smoke=[],
     ),
     "prime-launch": dict(requirement="prime-launch", siblings=["prime-core"], scripts=["rl", "prime-launch"], smoke=[]),
 }

@@ -11,6 +11,7 @@ server's answers can no longer arrive).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import multiprocessing as mp
 import queue
@@ -26,6 +27,23 @@ class EnvServerCrashed(RuntimeError):
     pass
 
 
+# Runtimes this project adds to verifiers' closed runtime union; importing the module registers the type.
+PROJECT_RUNTIMES = {"sandbox_pool": "prime_orchestrator.sandbox.verifiers_runtime"}
+
+
+def register_project_runtimes(data: Any) -> None:
+    """Import the project runtimes a verifiers config (JSON data) names, before verifiers validates it."""
+    if isinstance(data, dict):
+        runtime = data.get("runtime")
+        if isinstance(runtime, dict) and runtime.get("type") in PROJECT_RUNTIMES:
+            importlib.import_module(PROJECT_RUNTIMES[runtime["type"]])
+        for value in data.values():
+            register_project_runtimes(value)
+    elif isinstance(data, list):
+        for value in data:
+            register_project_runtimes(value)
+
+
 def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> None:
     """Subprocess entry: serve the env until the parent goes away."""
     import logging as _logging
@@ -34,6 +52,7 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> No
 
     _logging.basicConfig(level=_logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = EnvServerSpec.model_validate(spec_data)
+    register_project_runtimes(spec.env_config)
     serve_env(
         max_workers=spec.num_workers,
         address="tcp://127.0.0.1:0",

@@ -9,6 +9,7 @@ ids with the sampled tokens' log-probs. A trace branch becomes a ``RolloutResult
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ from typing import Any
 from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 from prime_core.schemas.rollout import EnvServerSpec, RolloutResult
 
-from prime_orchestrator.env_server import EnvServer, EnvServerCrashed
+from prime_orchestrator.env_server import PROJECT_RUNTIMES, EnvServer, EnvServerCrashed
 from prime_orchestrator.rendering import resolve_renderer
 
 logger = logging.getLogger("prime.orchestrator.env")
@@ -31,6 +32,8 @@ DEFAULT_HARNESS = "prime-chat"
 def env_config_data(env: EnvConfig) -> dict[str, Any]:
     """The verifiers EnvConfig (as JSON data) of one environment: the harness, runtime and turn limit apply to every
     agent seat unless ``env_args`` sets them for that seat."""
+    if module := PROJECT_RUNTIMES.get(env.runtime):
+        importlib.import_module(module)
     from verifiers.v1.configs.agent import agent_config_fields
     from verifiers.v1.utils.loaders import resolve_env_config
 
