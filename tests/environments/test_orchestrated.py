@@ -27,7 +27,7 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def orchestrate(tmp_path, server, env: dict) -> list[dict]:
+def orchestrate(tmp_path, server, env: dict, max_concurrent: int = 8) -> list[dict]:
     """Two orchestrator steps (async_level 1: both on weights 0, no trainer needed); each step's metrics."""
     from prime_orchestrator.orchestrator import Orchestrator
 
@@ -39,7 +39,7 @@ def orchestrate(tmp_path, server, env: dict) -> list[dict]:
         "async_level": 1,
         "batch_size": 4,
         "rollouts_per_example": 2,
-        "client": {"base_url": server.url, "max_concurrent": 8},
+        "client": {"base_url": server.url, "max_concurrent": max_concurrent},
         "env": [env],
         "sampling": {"max_tokens": 32, "temperature": 1.0},
         "filters": {"zero_advantage_groups": False},
@@ -51,7 +51,7 @@ def orchestrate(tmp_path, server, env: dict) -> list[dict]:
     return metrics
 
 
-def evaluate(tmp_path, server, env: dict) -> dict:
+def evaluate(tmp_path, server, env: dict, max_concurrent: int = 8) -> dict:
     from prime_orchestrator.eval_runner import run_eval
 
     config = EvalConfig.model_validate(
@@ -59,7 +59,7 @@ def evaluate(tmp_path, server, env: dict) -> dict:
             "model": {"name": server.config.model.name},
             "output_dir": str(tmp_path / "eval"),
             "env": [env],
-            "client": {"base_url": server.url},
+            "client": {"base_url": server.url, "max_concurrent": max_concurrent},
             "num_examples": 2,
             "rollouts_per_example": 2,
             "sampling": {"max_tokens": 32},
@@ -94,9 +94,11 @@ def test_guess_number_trains_every_turn_of_the_game(server, tmp_path):
 
 def test_tool_use_calls_the_calculator_in_training_and_eval(server, tmp_path):
     env = {"id": "tool-use", "args": {"num_examples": 20}}
-    for m in orchestrate(tmp_path, server, env):
+    # Each rollout starts a calculator server (a Python process); verifiers gives it 180 s to come up, so a loaded
+    # 2-core host starts two at a time.
+    for m in orchestrate(tmp_path, server, env, max_concurrent=2):
         assert m["reward/tool-use/mean"] == 1.0 and m["num_turns/mean"] == 2.0
     for _, mask, _ in sample_masks(tmp_path, 0):
         # sampled call, masked tool result, sampled answer
         assert len(np.flatnonzero(np.diff(mask.astype(int)))) >= 3
-    assert evaluate(tmp_path, server, env)["reward/mean"] == 1.0
+    assert evaluate(tmp_path, server, env, max_concurrent=2)["reward/mean"] == 1.0

@@ -103,8 +103,9 @@ def test_multi_turn_env_answers_between_turns(server, tmp_path, monkeypatch):
 
 def test_toolset_tool_runs_and_reward_is_one(server, tmp_path, monkeypatch):
     use_vf_envs(monkeypatch)
+    # one task: each rollout starts a tool server process, which verifiers gives 180 s on a loaded host
     episodes = _eval(
-        server, "vf-toolset", tmp_path, env={"agent": local_agent()}, renderer=TOOL_RENDERER, max_tokens=32
+        server, "vf-toolset", tmp_path, env={"agent": local_agent()}, renderer=TOOL_RENDERER, max_tokens=32, num_tasks=1
     )
     for t in _traces(episodes):
         assert [tool.name for tool in t.tools] == ["table_lookup"]
@@ -155,7 +156,9 @@ def test_guess_number_is_a_multi_turn_game(server, tmp_path):
 
 
 def test_tool_use_calls_the_calculator(server, tmp_path):
-    episodes = _eval(server, "tool-use", tmp_path, env={"agent": local_agent()}, renderer=TOOL_RENDERER, max_tokens=48)
+    episodes = _eval(
+        server, "tool-use", tmp_path, env={"agent": local_agent()}, renderer=TOOL_RENDERER, max_tokens=48, num_tasks=1
+    )
     for t in _traces(episodes):
         assert [tool.name for tool in t.tools] == ["calculator_evaluate"]
         assert t.reward == 1.0 and t.metrics["tool_calls"] == 1.0
