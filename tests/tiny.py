@@ -28,11 +28,9 @@ def build_chatml_tokenizer(corpus: list[str], vocab_size: int = 400):
     )
 
 
-def tiny_qwen3_config(tokenizer, *, max_position_embeddings: int):
-    """A 2-layer Qwen3 config sized for CPU tests, with the tokenizer's vocabulary and special ids."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
+def tiny_decoder_fields(tokenizer, *, max_position_embeddings: int) -> dict:
+    """Config fields of a 2-layer decoder sized for CPU tests, with the tokenizer's vocabulary and special ids."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -44,7 +42,15 @@ def tiny_qwen3_config(tokenizer, *, max_position_embeddings: int):
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+    )
+
+
+def tiny_qwen3_config(tokenizer, *, max_position_embeddings: int):
+    """A 2-layer Qwen3 config sized for CPU tests, with the tokenizer's vocabulary and special ids."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        **tiny_decoder_fields(tokenizer, max_position_embeddings=max_position_embeddings), bos_token_id=None
     )
 
 
