@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
-from tests.e2e.test_reverse_text import ROOT, rl_cmd
+from tests.e2e.test_reverse_text import ROOT, rl_cmd, without_evals
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
 
@@ -28,7 +28,10 @@ def run_metrics(path: Path, process: str) -> dict[int, dict]:
 
 def test_two_lora_runs_share_one_trainer_and_server(tmp_path):
     out = tmp_path / "deployment"
-    cmd = rl_cmd(out, "--max-steps", "2", "--orchestrator.batch-size", "16", "--model.lora.rank", "8")
+    cmd = rl_cmd(
+        out, "--max-steps", "2", "--orchestrator.batch-size", "16", "--model.lora.rank", "8",
+        config=without_evals(tmp_path),
+    )  # fmt: skip
     result = subprocess.run([*cmd, "--runs", json.dumps(RUNS)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

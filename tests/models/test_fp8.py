@@ -12,6 +12,7 @@ about 0.02-0.04 for outputs and 0.02-0.07 for gradients, so the bounds below are
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -366,8 +367,12 @@ def test_config_rejects_unknown_recipe_naming_the_field():
 
     with pytest.raises(ValidationError, match="fp8.recipe"):
         ModelConfig(fp8={"recipe": "blockwise"})
+    # A local model directory: the hub default would be checked for reachability, which CI has not.
+    base = str(Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "base")
     cfg = parse_cli(
-        TrainerConfig, ["--model.fp8.recipe", "rowwise", "--model.fp8.skip", '["*.o_proj"]'], prog="trainer"
+        TrainerConfig,
+        ["--model.name", base, "--model.fp8.recipe", "rowwise", "--model.fp8.skip", '["*.o_proj"]'],
+        prog="trainer",
     )
     assert cfg.model.fp8.recipe == "rowwise" and cfg.model.fp8.skip == ["*.o_proj"]
 
