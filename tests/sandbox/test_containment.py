@@ -13,7 +13,7 @@ import pytest
 from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest
 
-from tests.sandbox.conftest import assert_serving, run, sandbox_pids
+from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, run
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -141,7 +141,7 @@ def test_background_processes_die_with_the_execution(sandbox):
     )
     result = run(sandbox, daemon + "while True:\n    pass", limits=SandboxLimits(wall_s=5))
     assert result.status == "timeout"
-    assert sandbox_pids() == []
+    assert_no_sandbox_processes()
     result = run(sandbox, daemon + "print('bye')")
     assert (result.status, result.stdout) == ("ok", "bye\n")
     assert_serving(sandbox)

@@ -13,6 +13,7 @@ Stdlib only (imported by the zygote, see :mod:`zygote`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -31,10 +32,12 @@ else:  # inside the zygote (see zygote.py)
 TEST_FD = 3
 
 
-def supervise(req: dict, fds: list[int], ctl_fd: int) -> None:
+def supervise(req: dict, fds: list[int], ctl_fd: int, zygote_pid: int) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.close(ctl_fd)
     lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != zygote_pid:  # the zygote died before the prctl: no signal will ever come
+        os._exit(0)
     result_fd, stdin_fd = fds[0], (fds[1] if len(fds) > 1 else None)
     try:
         verdict = _execute(req, stdin_fd)
@@ -66,16 +69,18 @@ def _execute(req: dict, stdin_fd: int | None) -> dict:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     test_r, test_w = os.pipe()
+    alive_r, alive_w = os.pipe()  # held open by this process alone: the runner sees EOF once it is gone
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
         try:
-            _runner(req, stdin_fd, out_w, err_w, test_w)
+            os.close(alive_w)
+            _runner(req, stdin_fd, out_w, err_w, test_w, alive_r)
         except BaseException as e:  # set-up failed before the code ran: say so on its stderr
             os.write(err_w, f"sandbox: runner set-up failed: {type(e).__name__}: {e}\n".encode())
         finally:
             os._exit(71)
-    for fd in (out_w, err_w, test_w) + ((stdin_fd,) if stdin_fd is not None else ()):
+    for fd in (out_w, err_w, test_w, alive_r) + ((stdin_fd,) if stdin_fd is not None else ()):
         os.close(fd)
     streams, breach = _drain(pid, {out_r: "stdout", err_r: "stderr", test_r: "tests"}, req["limits"], start)
     _, status, usage = os.wait4(pid, 0)
@@ -155,7 +160,7 @@ def _classify(limits: dict, breach: str | None, code: int, cpu: float, stderr: s
     return {"status": "ok", "reason": ""}
 
 
-def _limit_and_drop(uid: int, limits: dict) -> None:
+def _limit_and_drop(uid: int, limits: dict, alive_r: int) -> None:
     mem = limits["memory_mb"] << 20
     for rlim, value in (
         (resource.RLIMIT_AS, mem),
@@ -172,18 +177,25 @@ def _limit_and_drop(uid: int, limits: dict) -> None:
     lx.prctl(lx.PR_SET_NO_NEW_PRIVS, 1)
     # After the uid change, which clears it: the execution dies with its supervisor (and so with the pool).
     lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+    # A supervisor that died before the prctl sends no signal; as PID 1 of its namespace the runner cannot
+    # ask getppid(), so it looks at the pipe only the supervisor holds open.
+    if select.select([alive_r], [], [], 0)[0]:
+        os._exit(70)
+    os.close(alive_r)
 
 
-def _runner(req: dict, stdin_fd: int | None, out_w: int, err_w: int, test_w: int) -> None:
+def _runner(req: dict, stdin_fd: int | None, out_w: int, err_w: int, test_w: int, alive_r: int) -> None:
+    alive_r = fcntl.fcntl(alive_r, fcntl.F_DUPFD, 64)  # above the numbers the dup2 calls below overwrite
     if stdin_fd is None:
         stdin_fd = os.open("/dev/null", os.O_RDONLY)
     os.dup2(stdin_fd, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     os.dup2(test_w, TEST_FD)
-    os.closerange(TEST_FD + 1, 1 << 16)
+    alive_r = os.dup2(alive_r, TEST_FD + 1)
+    os.closerange(TEST_FD + 2, 1 << 16)
     os.chdir("/work")
-    _limit_and_drop(req["uid"], req["limits"])
+    _limit_and_drop(req["uid"], req["limits"], alive_r)
     env = {"PATH": req["path"], "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8", "USER": "sandbox"}
     env.update(req.get("env") or {})
     if req.get("argv"):

@@ -139,9 +139,10 @@ def serve(ctl: socket.socket) -> None:
         for level, kind, data in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds.extend(int.from_bytes(data[i : i + 4], sys.byteorder) for i in range(0, len(data), 4))
+        zygote_pid = os.getpid()
         if os.fork() == 0:
             try:
-                supervisor.supervise(json.loads(msg), fds, ctl.fileno())
+                supervisor.supervise(json.loads(msg), fds, ctl.fileno(), zygote_pid)
             finally:
                 os._exit(70)
         for fd in fds:
