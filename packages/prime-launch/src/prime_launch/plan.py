@@ -20,6 +20,7 @@ from prime_core.config.trainer import TrainerConfig
 from prime_core.run_dir import RunDir
 from pydantic import BaseModel
 
+from prime_launch.colocate import check_fit, sharing_notes
 from prime_launch.cpu_threads import THREAD_ENV_VARS, available_cores, split_cpu_threads
 from prime_launch.process import ProcessSpec
 
@@ -158,25 +159,49 @@ class _Placement:
     """Per role, a description of its devices (for messages)."""
 
 
+def colocated(rl: RLConfig, gpus: list[int]) -> bool:
+    """Whether inference and trainer share GPUs: as ``devices.colocate`` says, else when one GPU is all there is."""
+    if rl.inference is None:
+        return False
+    return rl.devices.colocate if rl.devices.colocate is not None else len(gpus) == 1
+
+
 def _place_on_gpus(
-    rl: RLConfig, gpus: list[int], trainer: TrainerConfig, inference: InferenceConfig | None, notes: list[str]
+    rl: RLConfig,
+    gpus: list[int],
+    trainer: TrainerConfig,
+    inference: InferenceConfig | None,
+    notes: list[str],
+    environ: Mapping[str, str],
 ) -> tuple[_Placement, TrainerConfig, InferenceConfig | None]:
     env_of: dict[str, dict[str, str]] = {"inference": {}, "orchestrator": {"CUDA_VISIBLE_DEVICES": ""}, "trainer": {}}
     devices: dict[str, str] = {}
     num_inf = rl.devices.num_inference_gpus if inference is not None else 0
     num_train = rl.devices.num_trainer_gpus
-    if num_inf + num_train > len(gpus):
+    shared = colocated(rl, gpus)
+    if rl.devices.colocate and inference is None:
+        notes.append("devices.colocate: rl starts no inference server here, so the trainer has its GPUs to itself")
+    if shared and max(num_inf, num_train) > len(gpus):
+        raise ValueError(
+            f"devices.colocate: {num_inf} inference and {num_train} trainer GPUs requested but only {len(gpus)} "
+            f"available ({gpus}); lower devices.num_inference_gpus / devices.num_trainer_gpus"
+        )
+    if not shared and num_inf + num_train > len(gpus):
         raise ValueError(
             f"{num_inf} inference + {num_train} trainer GPUs requested but only {len(gpus)} available ({gpus}); "
-            "lower devices.num_inference_gpus / devices.num_trainer_gpus or set devices.gpu_ids"
+            "lower devices.num_inference_gpus / devices.num_trainer_gpus, set devices.gpu_ids, or share GPUs "
+            "with devices.colocate = true"
         )
-    inf_ids, train_ids = gpus[:num_inf], gpus[num_inf : num_inf + num_train]
+    inf_ids = gpus[:num_inf]
+    train_ids = gpus[:num_train] if shared else gpus[num_inf : num_inf + num_train]
     env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, train_ids))
     trainer = _update(trainer, "device", "cuda") if trainer.device == "auto" else trainer
     devices["trainer"] = f"GPU {','.join(map(str, train_ids))}"
     if inference is not None:
         env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, inf_ids))
         devices["inference"] = f"GPU {','.join(map(str, inf_ids))}"
+        if shared:
+            trainer, inference = _share_gpus(rl, trainer, inference, train_ids, devices, notes, environ)
         tp = inference.vllm.tensor_parallel_size
         if num_inf % tp:
             raise ValueError(f"devices.num_inference_gpus ({num_inf}) is not a multiple of tensor_parallel_size ({tp})")
@@ -184,6 +209,26 @@ def _place_on_gpus(
             inference = _update(inference, "vllm.data_parallel_size", num_inf // tp)
             notes.append(f"inference: data parallel size {num_inf // tp} (x tensor parallel {tp})")
     return _Placement(True, num_train, env_of, devices), trainer, inference
+
+
+def _share_gpus(
+    rl: RLConfig,
+    trainer: TrainerConfig,
+    inference: InferenceConfig,
+    train_ids: list[int],
+    devices: dict[str, str],
+    notes: list[str],
+    environ: Mapping[str, str],
+) -> tuple[TrainerConfig, InferenceConfig]:
+    """Colocated configs: vLLM's memory share and weights by files, once the trainer is known to fit beside vLLM."""
+    shares = check_fit(rl.devices, trainer, len(train_ids), train_ids, environ)
+    notes += sharing_notes(shares, trainer, inference)
+    inference = _update(inference, "vllm.gpu_memory_utilization", shares.inference_fraction)
+    if trainer.weights.broadcast.type == "nccl":
+        trainer = _update(trainer, "weights.broadcast.type", "filesystem")
+    for role_name in ("inference", "trainer"):
+        devices[role_name] += f" {shares.describe(role_name)}"
+    return trainer, inference
 
 
 def _place_on_cpu(
@@ -333,11 +378,13 @@ def build_plan(
         if rl.devices.type == "cuda" and not gpus:
             raise ValueError("devices.type = cuda but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")
     if gpus:
-        place, trainer, inference = _place_on_gpus(rl, gpus, trainer, inference, notes)
+        place, trainer, inference = _place_on_gpus(rl, gpus, trainer, inference, notes, environ)
     else:
         place, trainer, inference = _place_on_cpu(rl, trainer, inference)
     place.devices["orchestrator"] = "CPU"
     orchestrator = _update(rl.orchestrator, "num_trainer_ranks", place.num_trainer_ranks)
+    if trainer.weights.broadcast.type != "nccl" and orchestrator.weights_broadcast:
+        orchestrator = _update(orchestrator, "weights_broadcast", False)  # colocated: weights went back to files
     _assign_threads(rl, inference, place, cores, environ)
     orchestrator, api_key, health_urls = _wire(orchestrator, inference, base_urls_given)
     resume_step, trainer, orchestrator = _resume_step(rl, run_dir, trainer, orchestrator)

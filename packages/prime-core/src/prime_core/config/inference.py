@@ -57,7 +57,8 @@ class VllmConfig(BaseConfig):
     """Options passed through to vLLM's engine (``vllm serve`` flag names, snake_case)."""
 
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
-    """Fraction of GPU memory vLLM may use for weights, activations and KV cache."""
+    """Fraction of GPU memory vLLM may use for weights, activations and KV cache. ``rl`` replaces it with
+    ``devices.inference_memory_fraction`` when inference and trainer share a GPU."""
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Tensor-parallel degree."""
     data_parallel_size: int = Field(default=1, ge=1)

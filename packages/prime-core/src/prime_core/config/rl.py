@@ -34,7 +34,8 @@ PROTECTED_ENV_VARS = frozenset({"CUDA_VISIBLE_DEVICES", "PRIME_RUN_ID"})
 
 
 class DevicesConfig(BaseConfig):
-    """Which devices each process gets. Inference takes the first GPUs, the trainer the next ones."""
+    """Which devices each process gets. Inference takes the first GPUs, the trainer the next ones; colocated, both
+    start at the first GPU and share it."""
 
     type: Literal["auto", "cuda", "cpu"] = "auto"
     """auto uses GPUs when any are visible (``CUDA_VISIBLE_DEVICES`` or ``nvidia-smi``), else runs everything
@@ -51,6 +52,36 @@ class DevicesConfig(BaseConfig):
     """Torch threads (``OMP_NUM_THREADS``) of a process on CPU, by role (trainer: per rank), e.g.
     ``{trainer = 1}``. Unset roles: the orchestrator gets 1, the inference server and the trainer ranks share
     the cores evenly (or all inherit ``OMP_NUM_THREADS`` when it is set in ``env_vars`` or the environment)."""
+    colocate: bool | None = None
+    """Run inference and the trainer on the same GPUs (inference on the first ``num_inference_gpus``, the trainer
+    on the first ``num_trainer_gpus``), splitting each GPU's memory by ``inference_memory_fraction``; weights then go
+    by files. Unset: colocate when exactly one GPU is available and rl starts the inference server."""
+    inference_memory_fraction: float = Field(default=0.45, gt=0.0, lt=1.0)
+    """Colocated: the share of each GPU's memory vLLM takes (weights, activations, CUDA graphs, KV cache); it
+    replaces ``inference.vllm.gpu_memory_utilization``, which is meant for a GPU of its own. The default leaves the
+    trainer the larger share: it keeps ~18 bytes per parameter (fp32 master weights, gradients and Adam moments,
+    plus the bf16 copy it computes with) and activations, where vLLM's share beyond 2 bytes per parameter is KV
+    cache, which only bounds how many rollouts run at once."""
+    trainer_memory_fraction: float | None = Field(default=None, gt=0.0, lt=1.0)
+    """Colocated: the share of each GPU's memory the trainer's estimated need must fit in (``rl`` refuses to start
+    otherwise); unset: what vLLM leaves, ``1 - inference_memory_fraction``. A budget that ``rl`` checks, not a cap:
+    the trainer may use whatever vLLM leaves free."""
+    trainer_memory_margin_gib: float = Field(default=4.0, ge=0.0)
+    """Colocated: GiB added to the trainer's estimated weights, gradients and optimizer states for activations, the
+    layers FSDP gathers at a time, the CUDA context and allocator slack. Raise it for long rows (activations grow
+    with ``trainer.seq_len``)."""
+    gpu_memory_gib: float | None = Field(default=None, gt=0.0)
+    """Colocated: memory of each GPU for the fit check; unset: read with ``nvidia-smi`` (no check without it)."""
+
+    @model_validator(mode="after")
+    def _check_memory_shares(self) -> DevicesConfig:
+        trainer = self.trainer_memory_fraction
+        if trainer is not None and trainer + self.inference_memory_fraction > 1.0:
+            raise ValueError(
+                f"devices.inference_memory_fraction ({self.inference_memory_fraction}) + "
+                f"devices.trainer_memory_fraction ({trainer}) exceed 1"
+            )
+        return self
 
 
 class RLRunConfig(BaseConfig):

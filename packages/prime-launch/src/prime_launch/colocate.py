@@ -1,0 +1,213 @@
+"""Inference and trainer on the same GPUs: vLLM's share of the memory, the check that the trainer fits in the rest,
+and weights by files (an NCCL group cannot hold two ranks on one GPU, so the trainer cannot broadcast to vLLM).
+
+Nothing here imports torch: the launcher must not create a CUDA context on the GPU it hands to vLLM. The model's
+size comes from its safetensors headers (exact) or, for a random init or changed architecture, from its config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prime_core.config.inference import InferenceConfig
+from prime_core.config.rl import DevicesConfig
+from prime_core.config.trainer import TrainerConfig
+from prime_core.preflight import hf_cache_dir
+
+GIB = 1024**3
+
+
+def gpu_memory_bytes(gpus: list[int], environ: Mapping[str, str]) -> int | None:
+    """Total memory of the smallest of ``gpus`` (``nvidia-smi --query-gpu=memory.total``); None without nvidia-smi.
+
+    ``nvidia-smi`` numbers GPUs in PCI order, CUDA_VISIBLE_DEVICES in CUDA's: ids it does not list fall back to
+    the smallest GPU of the node."""
+    smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
+    if smi is None:
+        return None
+    cmd = [smi, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    mib: dict[int, int] = {}
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            mib[int(parts[0])] = int(parts[1])
+    if not mib:
+        return None
+    chosen = [mib[g] for g in gpus if g in mib] if all(g in mib for g in gpus) else list(mib.values())
+    return min(chosen) * 1024**2
+
+
+def model_dir(name: str, environ: Mapping[str, str]) -> Path | None:
+    """The local directory of a model: the path itself, else its HF cache snapshot (``refs/main`` first)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    repo = hf_cache_dir(dict(environ)) / f"models--{name.replace('/', '--')}"
+    ref = repo / "refs" / "main"
+    if ref.is_file() and (repo / "snapshots" / ref.read_text().strip()).is_dir():
+        return repo / "snapshots" / ref.read_text().strip()
+    snapshots = sorted((repo / "snapshots").iterdir()) if (repo / "snapshots").is_dir() else []
+    return snapshots[-1] if snapshots else None
+
+
+def safetensors_params(directory: Path) -> int | None:
+    """Parameters stored in the directory's safetensors files, from their headers; None without (readable) files."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    try:
+        for file in files:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            total += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return total
+
+
+def config_params(config: dict[str, Any]) -> int:
+    """Parameters of a decoder (dense or MoE; a vision-language model's tower roughly) from its HF config; norms and
+    biases, well under 1%, are left out."""
+    text = config.get("text_config") or config
+    h, heads = text["hidden_size"], text["num_attention_heads"]
+    kv, d = text.get("num_key_value_heads") or heads, text.get("head_dim") or h // heads
+    experts = text.get("num_experts") or text.get("n_routed_experts") or 0
+    if experts:
+        mlp = experts * 3 * h * (text.get("moe_intermediate_size") or text["intermediate_size"]) + experts * h
+    else:
+        mlp = 3 * h * text["intermediate_size"]
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    total = text["num_hidden_layers"] * (2 * h * heads * d + 2 * h * kv * d + mlp) + text["vocab_size"] * h * (
+        1 if tied else 2
+    )
+    vision = config.get("vision_config") or {}
+    if vision.get("hidden_size"):
+        vh = vision["hidden_size"]
+        total += vision.get("depth", 0) * (4 * vh * vh + 2 * vh * vision.get("intermediate_size", 4 * vh))
+    return total
+
+
+def count_params(trainer: TrainerConfig, environ: Mapping[str, str]) -> int | None:
+    """Parameters of the model the trainer builds; None when neither its weights nor its config.json are here."""
+    directory = model_dir(trainer.model.name, environ)
+    if directory is None:
+        return None
+    if not trainer.init.random and not trainer.init.config_overrides:
+        found = safetensors_params(directory)
+        if found is not None:
+            return found
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        return config_params({**config, **trainer.init.config_overrides})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def trainer_bytes_per_param(trainer: TrainerConfig) -> int:
+    """GPU bytes per parameter the trainer keeps: the bf16 copy it computes with, its master weights (fp32 unless
+    ``model.dtype = bfloat16``) and, for trained weights, a gradient and Adam's two moments in the master dtype.
+    LoRA trains adapters only (their states are in the margin); CPU offload keeps all but the bf16 copy on the host."""
+    master = 2 if trainer.model.dtype in ("bfloat16", "float16") else 4
+    states = master if trainer.model.lora is not None else 4 * master
+    return 2 + (0 if trainer.parallel.cpu_offload else states)
+
+
+@dataclass
+class Shares:
+    """How one shared GPU's memory is split (bytes; ``total`` None when unknown)."""
+
+    inference_fraction: float
+    trainer_fraction: float
+    total: int | None
+    num_params: int | None
+    trainer_need: int | None
+    """The trainer's estimated peak on one of its GPUs (states sharded over its ranks, plus the margin)."""
+
+    def describe(self, role: str) -> str:
+        """For the plan: the role's share of the GPU's memory (and, for the trainer, its estimated need)."""
+        fraction = self.inference_fraction if role == "inference" else self.trainer_fraction
+        text = f"shared, {'vLLM ' if role == 'inference' else ''}{fraction:g} of its memory"
+        details = [f"{fraction * self.total / GIB:.1f} of {self.total / GIB:.1f} GiB"] if self.total else []
+        if role == "trainer" and self.trainer_need is not None:
+            details.append(f"needs ~{self.trainer_need / GIB:.1f} GiB")
+        return f"{text} ({'; '.join(details)})" if details else text
+
+
+def _millions(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
+def check_fit(
+    devices: DevicesConfig, trainer: TrainerConfig, num_trainer_ranks: int, gpus: list[int], environ: Mapping[str, str]
+) -> Shares:
+    """The memory split of a shared GPU; ``ValueError`` when the trainer's estimate exceeds its share or vLLM's
+    share cannot hold the bf16 weights."""
+    inference_fraction = devices.inference_memory_fraction
+    trainer_fraction = devices.trainer_memory_fraction or round(1.0 - inference_fraction, 6)
+    total = int(devices.gpu_memory_gib * GIB) if devices.gpu_memory_gib is not None else gpu_memory_bytes(gpus, environ)
+    num_params = count_params(trainer, environ)
+    shares = Shares(inference_fraction, trainer_fraction, total, num_params, None)
+    if num_params is None:
+        return shares
+    shards = num_trainer_ranks if trainer.parallel.dp_shard == -1 else trainer.parallel.dp_shard
+    per_param = trainer_bytes_per_param(trainer)
+    margin = devices.trainer_memory_margin_gib * GIB
+    shares.trainer_need = int(num_params * per_param / shards + margin)
+    if total is None:
+        return shares
+    budget = trainer_fraction * total
+    more = "lower devices.inference_memory_fraction"
+    if devices.trainer_memory_fraction is not None:
+        more = "raise devices.trainer_memory_fraction (lowering devices.inference_memory_fraction to match)"
+    if shares.trainer_need > budget:
+        raise ValueError(
+            f"the trainer does not fit beside vLLM on GPU {gpus[0]}: it needs ~{shares.trainer_need / GIB:.1f} GiB "
+            f"({_millions(num_params)} parameters x {per_param} bytes{f' / {shards} ranks' if shards > 1 else ''} + "
+            f"devices.trainer_memory_margin_gib {devices.trainer_memory_margin_gib:g}) but gets {budget / GIB:.1f} GiB "
+            f"of {total / GIB:.1f} GiB (devices.trainer_memory_fraction {trainer_fraction:g}, "
+            f"devices.inference_memory_fraction {inference_fraction:g}); {more}, train a smaller model or a LoRA "
+            "(model.lora), or give each role its own GPU (devices.colocate = false)"
+        )
+    if num_params * 2 > inference_fraction * total:
+        raise ValueError(
+            f"vLLM's share of GPU {gpus[0]} (devices.inference_memory_fraction {inference_fraction:g} = "
+            f"{inference_fraction * total / GIB:.1f} GiB) cannot hold the model's bf16 weights "
+            f"({num_params * 2 / GIB:.1f} GiB); raise it or give each role its own GPU (devices.colocate = false)"
+        )
+    return shares
+
+
+def sharing_notes(shares: Shares, trainer: TrainerConfig, inference: InferenceConfig) -> list[str]:
+    """What a colocated plan changes in the configs, and what it could not check."""
+    notes = []
+    given = inference.vllm.gpu_memory_utilization
+    if "gpu_memory_utilization" in inference.vllm.model_fields_set and given != shares.inference_fraction:
+        notes.append(
+            f"inference: gpu_memory_utilization {shares.inference_fraction:g} instead of {given:g} "
+            "(devices.inference_memory_fraction, as the GPU is shared)"
+        )
+    if inference.engine == "torch":
+        notes.append(
+            "inference: the torch engine takes no memory fraction (its KV cache holds max_batch_size x max_model_len tokens)"
+        )
+    if trainer.weights.broadcast.type == "nccl":
+        notes.append("weights: by files (weights/step_N), as an NCCL broadcast cannot hold trainer and vLLM on one GPU")
+    if shares.total is None:
+        notes.append("trainer memory not checked: nvidia-smi cannot tell the GPU's memory (set devices.gpu_memory_gib)")
+    elif shares.num_params is None:
+        notes.append(f"trainer memory not checked: no weights or config.json of {trainer.model.name!r} here to size it")
+    return notes
