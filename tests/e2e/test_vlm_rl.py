@@ -74,6 +74,18 @@ def test_chat_and_token_in_generate_with_images(server, vl_model):
     assert vllm_prompt["prompt_token_ids"].count(vision.image_token_id) == 1
     assert len(vllm_prompt["prompt_token_ids"]) == len(prompt) - 15
     assert vllm_prompt["multi_modal_data"]["image"][0].size == (32, 32)
+    # renderers' token-in for images: one placeholder per image plus content_parts; the server expands it, as vLLM.
+    parts = {"content_parts": [{"type": "image_url", "url": ex["image"]}], "return_token_ids": True}
+    one_pad = {**gen_body, **parts, "token_ids": vllm_prompt["prompt_token_ids"]}
+    del one_pad["images"]
+    expanded = httpx.post(f"{server.url}/inference/v1/generate", json=one_pad, timeout=60).json()
+    start = prompt.index(vision.image_token_id)
+    assert expanded["prompt_token_ids"] == prompt and expanded["choices"][0]["token_ids"] == generated
+    assert expanded["mm_placeholders"] == {"image": [{"offset": start, "length": 16}]}
+    two = httpx.post(
+        f"{server.url}/inference/v1/generate", json={**one_pad, **{"content_parts": parts["content_parts"] * 2}}
+    )
+    assert two.status_code == 400 and two.json()["error"]["param"] == "content_parts"
 
 
 def test_one_rl_step_with_images(server, vl_model, tmp_path):

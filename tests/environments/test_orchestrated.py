@@ -102,3 +102,27 @@ def test_tool_use_calls_the_calculator_in_training_and_eval(server, tmp_path):
         # sampled call, masked tool result, sampled answer
         assert len(np.flatnonzero(np.diff(mask.astype(int)))) >= 3
     assert evaluate(tmp_path, server, env, max_concurrent=2)["reward/mean"] == 1.0
+
+
+def test_color_shapes_rollouts_carry_their_images_to_the_trainer(tmp_path):
+    """A vision-language model's rollouts through verifiers (renderers' ``qwen3-vl`` token-in with one placeholder
+    per image, expanded by our server): every sample reaches the micro-batch with its image's patches."""
+    from prime_core.vision import VisionSpec
+
+    from tests.fixtures.models import save_tiny_qwen3_vl_model
+
+    model = save_tiny_qwen3_vl_model(tmp_path / "vl")
+    # A fixed reply: the random model would sample image placeholder tokens, and packing drops those samples.
+    srv = ScriptedServer(model, lambda prompt: "a red circle")
+    try:
+        orchestrate(tmp_path / "run", srv, {"id": "color-shapes", "args": {"num_examples": 8}})
+    finally:
+        srv.stop()
+    vision = VisionSpec.from_model_dir(model)
+    _, mbs = read_microbatches(tmp_path / "run" / "rollouts" / "step_0" / "rank_0.safetensors")
+    num_samples = sum(len(set(mb.sample_ids[row].tolist()) - {-1}) for mb in mbs for row in range(mb.shape[0]))
+    grids = np.concatenate([mb.image_grid_thw for mb in mbs])
+    assert num_samples == 4 and len(grids) == 4  # one image per rollout
+    placeholders = sum(int((mb.input_ids == vision.image_token_id).sum()) for mb in mbs)
+    assert placeholders == sum(vision.processor.num_tokens(tuple(g)) for g in grids)
+    assert sum(len(mb.pixel_values) for mb in mbs) == int(np.prod(grids, axis=1).sum())

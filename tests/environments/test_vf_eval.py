@@ -194,10 +194,6 @@ def _decode(server, ids):
     return AutoTokenizer.from_pretrained(server.config.model.name).decode(ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="our /inference/v1/generate returns no mm_placeholders for renderers' multimodal token-in requests",
-)
 def test_color_shapes_vision_under_verifiers(tmp_path):
     from tests.fixtures.models import save_tiny_qwen3_vl_model
 

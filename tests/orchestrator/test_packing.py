@@ -83,3 +83,15 @@ def test_empty_step_still_ships_one_micro_batch_per_rank():
     res = pack([], step=0, seq_len=16, num_ranks=2, micro_batch_rows=1, temperature=1.0)
     assert [len(m) for m in res.micro_batches] == [1, 1]
     assert res.micro_batches[0][0].num_loss_tokens == 0
+
+
+def test_a_sample_that_sampled_an_image_placeholder_is_dropped():
+    from types import SimpleNamespace
+
+    from prime_orchestrator.packing import fit_to_seq_len
+
+    vision = SimpleNamespace(image_token_id=99, vision_start_token_id=98)
+    prompt_image = Sample([98, 99, 99, 5, 6], [False, False, False, False, True], [0.0] * 5, 1.0, 0, images=["x"])
+    sampled_pad = Sample([5, 6, 99], [False, True, True], [0.0, -0.1, -0.1], 1.0, 0)
+    kept, truncated, dropped = fit_to_seq_len([prompt_image, sampled_pad], 64, "truncate", vision)
+    assert kept == [prompt_image] and (truncated, dropped) == (0, 1)

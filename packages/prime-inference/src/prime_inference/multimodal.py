@@ -55,3 +55,31 @@ def check_placeholders(token_ids: list[int], mm: MultiModalInput, vision: Vision
         mrope_positions(token_ids, vision.image_token_id, mm.image_grid_thw, vision.processor.merge_size)
     except ValueError as e:
         raise RequestError(f"image placeholders do not match the images: {e}", param=param) from e
+
+
+def content_part_images(parts: list[dict[str, Any]], param: str) -> list[str]:
+    """The image URLs of renderers' ``content_parts`` (``{"type": "image_url", "url": ...}``), in prompt order; audio
+    and video are refused (no engine here takes them)."""
+    urls = []
+    for part in parts:
+        kind = part.get("type")
+        if kind in ("image_url", "image"):
+            urls.append(part.get("url"))
+        elif kind in ("audio_url", "video_url", "audio", "video"):
+            raise RequestError(f"{kind} content is not supported by this server", param=param)
+    if any(not isinstance(u, str) or not u for u in urls):
+        raise RequestError("an image content part has no url", param=param)
+    return urls
+
+
+def placeholder_ranges(token_ids: list[int], image_token_id: int) -> list[dict[str, int]]:
+    """vLLM's ``mm_placeholders["image"]``: the offset and length of each run of placeholder tokens."""
+    ranges: list[dict[str, int]] = []
+    for i, t in enumerate(token_ids):
+        if t != image_token_id:
+            continue
+        if i and token_ids[i - 1] == image_token_id:
+            ranges[-1]["length"] += 1
+        else:
+            ranges.append({"offset": i, "length": 1})
+    return ranges

@@ -429,7 +429,9 @@ class GenerateRequest(_Strict):
     ec_transfer_params: dict[str, Any] | None = None
     features: dict[str, Any] | None = None
     content_parts: list[dict[str, Any]] | None = None
-    """Sent by verifiers' renderer client for text-only prompts; text is already in ``token_ids``."""
+    """The prompt's media in order, as renderers' token-in client sends them for a vision-language model:
+    ``token_ids`` holds one placeholder token per image, which the server expands (returned as
+    ``prompt_token_ids``, with ``mm_placeholders``) as vLLM does."""
     images: list[str] | None = None
     """prime extension for vision-language models: the prompt's images (data: URLs or base64), in order;
     ``token_ids`` must hold each one's full placeholder run (as the chat route returns in ``prompt_token_ids``)."""
@@ -439,7 +441,9 @@ class GenerateRequest(_Strict):
     @model_validator(mode="after")
     def _generate_checks(self) -> GenerateRequest:
         if self.features:
-            raise ValueError("multimodal features are not supported by this server")
+            raise ValueError("multimodal features are not supported by this server (send content_parts)")
+        if self.images and self.content_parts:
+            raise ValueError("give the images as images or as content_parts, not both")
         if self.priority != 0:
             raise ValueError("priority scheduling is not enabled on this server")
         if self.kv_transfer_params or self.ec_transfer_params:

@@ -3,7 +3,8 @@
 The orchestrator owns each taskset (as verifiers' env-server clients do: servers never load data) and dispatches
 one task per ``run`` request to the environment's env server, with verifiers' train client config: the renderer
 renders every turn and calls our token-in ``/inference/v1/generate``, so the trace holds each turn's exact token
-ids with the sampled tokens' log-probs. A trace branch becomes a ``RolloutResult`` without re-tokenizing.
+ids with the sampled tokens' log-probs. Each trainable trace branch becomes a trained sequence of the rollout's
+``RolloutResult`` without re-tokenizing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from typing import Any
 
 from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
-from prime_core.schemas.rollout import EnvServerSpec, RolloutResult
+from prime_core.schemas.rollout import EnvServerSpec, RolloutResult, TrainedSequence
 
 from prime_orchestrator.env_server import PROJECT_RUNTIMES, EnvServer, EnvServerCrashed
 from prime_orchestrator.rendering import resolve_renderer
@@ -176,33 +177,63 @@ def _message_text(message: Any) -> str:
     return f"[{message.role}] {text}{calls_text}"
 
 
+def _images(messages: list[Any]) -> list[str]:
+    """The image URLs of a branch's messages in prompt order (the order of its placeholder runs)."""
+    urls = []
+    for message in messages:
+        content = getattr(message, "content", None)
+        for part in content if isinstance(content, list) else []:
+            if getattr(part, "type", None) == "image_url":
+                urls.append(part.image_url.url)
+    return urls
+
+
+def _sequences(traces: list[Any]) -> list[TrainedSequence]:
+    """Every trainable branch that sampled something: verifiers' one training sample per branch."""
+    sequences = []
+    for trace in traces:
+        for branch in trace.branches:
+            mask = branch.sampled_mask
+            if not branch.trainable or not any(mask):
+                continue
+            images = _images(branch.messages) if branch.mm_token_type_ids else []
+            sequences.append(
+                TrainedSequence(token_ids=branch.token_ids, loss_mask=mask, logprobs=branch.logprobs, images=images)
+            )
+    return sequences
+
+
 def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutResult:
-    """The trained view of an episode: the root trace's last branch, its tokens, mask and log-probs as verifiers
-    recorded them; the reward is the episode's. A failed episode (it raised, or the env marked it not ok) is failed."""
-    trace = episode.traces[-1] if episode.traces else None
-    error = episode.last_error or (trace.last_error if trace is not None else None)
-    if trace is None or error is not None or not trace.branches:
+    """The trained view of an episode: every branch of its trainable traces (agent seats; a simulated user or judge
+    trains nothing), with the tokens, mask and log-probs verifiers recorded; the reward is the mean of those traces'.
+    A failed episode (it raised, or the env marked it not ok) is failed."""
+    done = [t for t in episode.traces if t.branches]
+    error = episode.last_error or next((t.last_error for t in episode.traces if t.last_error is not None), None)
+    if not done or error is not None:
         message = error.message if error is not None else "the episode produced no trace"
         return RolloutResult(env=env, example=example, failed=True, error=f"{message}".splitlines()[0][:500])
-    branch = trace.branches[-1]
-    mask = branch.sampled_mask
-    messages = branch.messages
-    first = next((i for i, n in enumerate(branch.nodes) if n.sampled), len(branch.nodes))
-    metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
-    metrics.update({f"reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+    # An env where no seat trains (an eval of a fixed pair of agents) is scored over all of them, as vf-eval does.
+    trainable = [t for t in done if t.agent.trainable]
+    scored = trainable or done
+    sequences = _sequences(trainable)
+    metrics: dict[str, float] = {}
+    for trace in scored:
+        metrics.update({k: float(v) for k, v in trace.metrics.items() if v is not None})
+        metrics.update({f"reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+    shown = scored[0].branches[-1]
+    first = next((i for i, n in enumerate(shown.nodes) if n.sampled), len(shown.nodes))
+    head = sequences[0].loss_mask if sequences else []
     return RolloutResult(
         env=env,
         example=example,
-        token_ids=branch.token_ids,
-        loss_mask=mask,
-        logprobs=branch.logprobs,
-        reward=float(trace.reward),
+        sequences=sequences,
+        reward=sum(float(t.reward) for t in scored) / len(scored),
         metrics=metrics,
-        num_turns=trace.num_turns,
-        prompt_len=mask.index(True) if True in mask else len(mask),
-        completion_len=sum(mask),
-        truncated=trace.is_truncated,
+        num_turns=sum(t.num_turns for t in scored),
+        prompt_len=head.index(True) if True in head else len(head),
+        completion_len=sum(sum(seq.loss_mask) for seq in sequences),
+        truncated=any(t.is_truncated for t in scored),
         latency=latency,
-        prompt="\n".join(_message_text(m) for m in messages[:first]),
-        completion="\n".join(_message_text(m) for m in messages[first:]),
+        prompt="\n".join(_message_text(m) for m in shown.messages[:first]),
+        completion="\n".join(_message_text(m) for m in shown.messages[first:]),
     )

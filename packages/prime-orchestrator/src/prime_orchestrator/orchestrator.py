@@ -224,26 +224,25 @@ class Orchestrator:
                 continue
             for r, a in zip(group, adv, strict=True):
                 res = r.result
-                if res.failed or not res.completion_len:
-                    continue
-                samples.append(
+                samples += [
                     Sample(
-                        res.token_ids,
-                        res.loss_mask,
-                        res.logprobs,
+                        q.token_ids,
+                        q.loss_mask,
+                        q.logprobs,
                         float(a),
                         r.weight_step,
                         r.env,
                         res.reward,
-                        images=res.images,
+                        images=q.images,
                     )
-                )
+                    for q in res.sequences
+                ]
         return samples, {"filtered/groups": filtered}
 
     def _metrics(self, batch: StepBatch, samples: list[Sample], extra: dict[str, Any]) -> dict[str, Any]:
         rollouts = [r for g in batch.groups for r in g]
         rewards = np.array([r.result.reward for r in rollouts])
-        lengths = np.array([len(r.result.token_ids) for r in rollouts])
+        lengths = np.array([r.result.num_tokens for r in rollouts])
         completion = np.array([r.result.completion_len for r in rollouts])
         lags = np.array([batch.step - r.weight_step for r in rollouts])
         gen_time = max(batch.finished - batch.started, 1e-9)

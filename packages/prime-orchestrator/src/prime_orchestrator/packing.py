@@ -10,7 +10,7 @@
 Samples with images (vision-language models) carry their image sources; packing patchifies them into the
 micro-batch's ``pixel_values`` / ``image_grid_thw`` and writes per-sample 3D positions (``mrope_position_ids``,
 restarting at every sample). Truncation never cuts an image: a sample whose cut falls inside (or before) an image's
-placeholders is dropped.
+placeholders is dropped, and so is a sample whose sampled tokens hold an image placeholder.
 """
 
 from __future__ import annotations
@@ -59,13 +59,23 @@ def _image_cut(s: Sample, seq_len: int, vision: VisionSpec | None) -> bool:
     )
 
 
+def _sampled_placeholder(s: Sample, vision: VisionSpec | None) -> bool:
+    """Whether the model sampled an image placeholder token: an image slot with no image, which the trainer's vision
+    model cannot fill (a poorly trained model can sample any token)."""
+    if vision is None:
+        return False
+    return any(m and t == vision.image_token_id for t, m in zip(s.token_ids, s.loss_mask, strict=True))
+
+
 def fit_to_seq_len(
     samples: list[Sample], seq_len: int, mode: str, vision: VisionSpec | None = None
 ) -> tuple[list[Sample], int, int]:
     """Apply the long-sample policy; returns (kept samples, truncated count, dropped count)."""
     kept, truncated, dropped = [], 0, 0
     for s in samples:
-        if len(s) <= seq_len:
+        if _sampled_placeholder(s, vision):
+            dropped += 1
+        elif len(s) <= seq_len:
             kept.append(s)
         elif mode == "drop" or _image_cut(s, seq_len, vision):
             dropped += 1

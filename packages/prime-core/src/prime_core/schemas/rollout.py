@@ -31,6 +31,32 @@ class EnvServerSpec(BaseModel):
     """Seconds the server may take to come up."""
 
 
+class TrainedSequence(BaseModel):
+    """One token sequence a rollout trains: a branch of a trainable verifiers trace. Turns that extend the previous
+    turn's tokens share a sequence; a turn that does not (history rewritten, a turn cut at max_tokens and resumed)
+    starts a new one, as verifiers starts a new branch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(default_factory=list)
+    """Every turn's tokens: prompt, sampled completions and the env/tool turns between them."""
+    loss_mask: list[bool] = Field(default_factory=list)
+    """True on model-sampled tokens (trained), False on prompt and env/tool tokens."""
+    logprobs: list[float] = Field(default_factory=list)
+    """Inference log-prob of each sampled token, 0.0 elsewhere."""
+    images: list[str] = Field(default_factory=list)
+    """data: URLs of the images whose placeholder runs ``token_ids`` holds (vision-language models)."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> TrainedSequence:
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"token_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) must align"
+            )
+        return self
+
+
 class RolloutResult(BaseModel):
     """One rollout, as the trainer-facing side of the orchestrator needs it."""
 
@@ -40,22 +66,19 @@ class RolloutResult(BaseModel):
     """Environment name."""
     example: int
     """Index of the task in the environment's task stream."""
-    token_ids: list[int] = Field(default_factory=list)
-    """Every turn's tokens: prompt, sampled completions and the env/tool turns between them."""
-    loss_mask: list[bool] = Field(default_factory=list)
-    """True on model-sampled tokens (trained), False on prompt and env/tool tokens."""
-    logprobs: list[float] = Field(default_factory=list)
-    """Inference log-prob of each sampled token, 0.0 elsewhere."""
+    sequences: list[TrainedSequence] = Field(default_factory=list)
+    """What the rollout trains: each trainable branch of each trainable trace (agent seat), all with the rollout's
+    advantage. Untrainable seats (a simulated user, a judge) train nothing."""
     reward: float = 0.0
-    """Total reward of the rollout."""
+    """Total reward of the rollout (the mean over its trainable traces)."""
     metrics: dict[str, float] = Field(default_factory=dict)
     """Named rewards and metrics the environment recorded."""
     num_turns: int = 0
-    """Model turns sampled."""
+    """Model turns sampled by the trainable seats."""
     prompt_len: int = 0
-    """Tokens before the first sampled token."""
+    """Tokens before the first sampled token of the first sequence."""
     completion_len: int = 0
-    """Sampled tokens."""
+    """Sampled tokens over all sequences."""
     truncated: bool = False
     """A turn stopped at max_tokens, or the episode hit a turn/token limit."""
     failed: bool = False
@@ -68,14 +91,7 @@ class RolloutResult(BaseModel):
     """The prompt as the model saw it (messages before the first sampled turn)."""
     completion: str = ""
     """The conversation from the first sampled turn on."""
-    images: list[str] = Field(default_factory=list)
-    """data: URLs of the images whose placeholder runs ``token_ids`` holds (vision-language models)."""
 
-    @model_validator(mode="after")
-    def _aligned(self) -> RolloutResult:
-        n = len(self.token_ids)
-        if len(self.loss_mask) != n or len(self.logprobs) != n:
-            raise ValueError(
-                f"token_ids ({n}), loss_mask ({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) must align"
-            )
-        return self
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from prime_inference.generate_logprobs import generate_logprobs
-from prime_inference.protocol import GenerateRequest
+from prime_inference.protocol import GenerateRequest, RequestError
 from prime_inference.routes.common import parse_body, state
 from prime_inference.serving import Choice, FastJSONResponse, ServerState, collect, sse, stream, usage
 from prime_inference.structured import request_grammar
@@ -20,21 +20,35 @@ router = APIRouter()
 GENERATE_ROUTES = ("/inference/v1/generate", "/v1/generate")
 
 
-def _requests(s: ServerState, req: GenerateRequest) -> list:
-    adapter = s.adapter(req.model)
-    s.check_tokens(req.token_ids, "token_ids")
-    multimodal = None
-    if req.images:
-        from prime_inference.multimodal import check_placeholders, decode_images
+def _prompt(s: ServerState, req: GenerateRequest) -> tuple[list[int], Any, dict[str, Any] | None]:
+    """The prompt the engine runs, its images, and vLLM's ``mm_placeholders`` when the images came as
+    ``content_parts`` (renderers' token-in with one placeholder token per image, expanded here as vLLM does)."""
+    from prime_inference.multimodal import check_placeholders, content_part_images, decode_images, placeholder_ranges
 
+    ids = list(req.token_ids)
+    s.check_tokens(ids, "token_ids")
+    if req.images:
         multimodal = decode_images(req.images, s.vision, "images")
-        check_placeholders(list(req.token_ids), multimodal, s.vision, "images")
+        check_placeholders(ids, multimodal, s.vision, "images")
+        return ids, multimodal, None
+    sources = content_part_images(req.content_parts or [], "content_parts")
+    if not sources:
+        return ids, None, None
+    multimodal = decode_images(sources, s.vision, "content_parts")
+    try:
+        ids = s.vision.expand_placeholders(ids, multimodal.image_grid_thw)
+    except ValueError as e:
+        raise RequestError(str(e), param="content_parts") from e
+    return ids, multimodal, {"image": placeholder_ranges(ids, s.vision.image_token_id)}
+
+
+def _requests(s: ServerState, req: GenerateRequest, prompt: list[int], multimodal: Any) -> list:
     sp = req.sampling_params
     # vLLM: an omitted max_tokens means "up to max_model_len", not SamplingParams' default of 16.
     requested = sp.max_tokens if "max_tokens" in sp.model_fields_set else None
-    params = req.sampling(s.max_tokens(len(req.token_ids), requested))
+    params = req.sampling(s.max_tokens(len(prompt), requested))
     params.grammar = request_grammar(sp.structured_outputs)
-    return s.requests(list(req.token_ids), params, sp.n, 0, adapter, multimodal)
+    return s.requests(prompt, params, sp.n, 0, s.adapter(req.model), multimodal)
 
 
 @router.post(GENERATE_ROUTES[0])
@@ -42,11 +56,12 @@ def _requests(s: ServerState, req: GenerateRequest) -> list:
 async def generate(request: Request) -> Any:
     s = state(request)
     req = await parse_body(request, GenerateRequest)
-    requests = _requests(s, req)
+    prompt, multimodal, placeholders = _prompt(s, req)
+    requests = _requests(s, req, prompt, multimodal)
     rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
     k = req.sampling_params.logprobs
     if req.stream:
-        return sse(_chunks(s, req, requests, rid))
+        return sse(_chunks(s, req, requests, rid, len(prompt)))
     choices = await collect(s.engine, requests)
     body = {
         "request_id": rid,
@@ -62,16 +77,20 @@ async def generate(request: Request) -> Any:
             }  # fmt: skip
             for c in choices
         ],
-        "usage": usage(len(req.token_ids), choices),
+        "usage": usage(len(prompt), choices),
         "prompt_logprobs": s.prompt_logprobs(choices[0]),
         "kv_transfer_params": None,
         "ec_transfer_params": None,
-        "prompt_token_ids": list(req.token_ids),
+        "prompt_token_ids": prompt,
     }
+    if placeholders is not None:
+        body["mm_placeholders"] = placeholders
     return FastJSONResponse(body)
 
 
-async def _chunks(s: ServerState, req: GenerateRequest, requests: list, rid: str) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(
+    s: ServerState, req: GenerateRequest, requests: list, rid: str, prompt_len: int
+) -> AsyncIterator[dict[str, Any]]:
     k = req.sampling_params.logprobs
     live: dict[int, Choice] = {}
     async for c, final in stream(s.engine, requests):
@@ -81,4 +100,4 @@ async def _chunks(s: ServerState, req: GenerateRequest, requests: list, rid: str
         yield {"request_id": rid, "choices": [{"index": c.index, "logprobs": logprobs, "token_ids": ids,
                "finish_reason": c.finish_reason if final else None, "routed_experts": None}]}  # fmt: skip
     if req.stream_options and req.stream_options.get("include_usage"):
-        yield {"request_id": rid, "choices": [], "usage": usage(len(req.token_ids), list(live.values()))}
+        yield {"request_id": rid, "choices": [], "usage": usage(prompt_len, list(live.values()))}

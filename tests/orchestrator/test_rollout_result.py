@@ -1,0 +1,55 @@
+"""What a verifiers episode trains: every trainable branch of every trainable trace, with the rollout's reward."""
+
+from __future__ import annotations
+
+import verifiers.v1 as vf
+from prime_orchestrator.envs import to_result
+from verifiers.v1.configs.agent import AgentConfig
+from verifiers.v1.episode import Episode
+from verifiers.v1.graph import MessageNode
+from verifiers.v1.trace import AgentInfo, Reward, Trace, TraceTask
+from verifiers.v1.types import AssistantMessage, UserMessage
+
+TASK = TraceTask(type="Task", data=vf.TaskData(prompt="a"))
+
+
+def node(parent: int | None, ids: list[int], sampled: bool = False) -> MessageNode:
+    message = AssistantMessage(content="reply") if sampled else UserMessage(content="prompt")
+    lps = [-0.5] * len(ids) if sampled else []
+    return MessageNode(
+        message=message, parent=parent, sampled=sampled, token_ids=ids, mask=[sampled] * len(ids), logprobs=lps
+    )
+
+
+def trace(nodes: list[MessageNode], reward: float, trainable: bool = True, name: str = "agent") -> Trace:
+    agent = AgentInfo(config=AgentConfig(), trainable=trainable, name=name)
+    return Trace(task=TASK, agent=agent, nodes=nodes, rewards={"score": Reward(score=reward)})
+
+
+def test_a_turn_that_does_not_extend_the_history_starts_a_second_trained_sequence():
+    # turn 1: [1 2 | 3 4]; turn 2 was re-rendered (3 4 not a prefix): [1 2 5 | 6]
+    nodes = [node(None, [1, 2]), node(0, [3, 4], True), node(None, [1, 2, 5]), node(2, [6], True)]
+    result = to_result(Episode(task=TASK, traces=[trace(nodes, 1.0)]), "env", 0, 1.0)
+    assert [s.token_ids for s in result.sequences] == [[1, 2, 3, 4], [1, 2, 5, 6]]
+    assert [s.loss_mask for s in result.sequences] == [[False, False, True, True], [False, False, False, True]]
+    assert result.sequences[1].logprobs == [0.0, 0.0, 0.0, -0.5]
+    assert (result.completion_len, result.prompt_len, result.num_turns, result.reward) == (3, 2, 2, 1.0)
+
+
+def test_untrainable_seats_train_nothing_and_do_not_score():
+    user = trace([node(None, [7]), node(0, [8, 9], True)], 0.0, trainable=False, name="user")
+    agent = trace([node(None, [1]), node(0, [2], True)], 0.75)
+    result = to_result(Episode(task=TASK, traces=[user, agent]), "env", 3, 1.0)
+    assert [s.token_ids for s in result.sequences] == [[1, 2]]
+    assert result.reward == 0.75 and result.num_turns == 1 and result.metrics == {"reward/score": 0.75}
+
+
+def test_an_episode_without_a_trainable_seat_is_scored_over_all_seats_and_trains_nothing():
+    pair = [trace([node(None, [1]), node(0, [2], True)], r, trainable=False) for r in (1.0, 0.0)]
+    result = to_result(Episode(task=TASK, traces=pair), "env", 0, 1.0)
+    assert result.reward == 0.5 and result.sequences == []
+
+
+def test_an_episode_with_no_trace_is_a_failed_rollout():
+    result = to_result(Episode(task=TASK, traces=[]), "env", 5, 1.0)
+    assert result.failed and not result.sequences and "no trace" in result.error
