@@ -127,7 +127,13 @@ def test_multi_turn_tool_env_through_token_in_route(tmp_path, tiny_model, torch_
     assert found_env_turn
 
 
-def test_killed_env_server_loses_no_rollout(tmp_path, tiny_model, torch_server):
+@pytest.mark.parametrize("num_workers", [1, 2], ids=["server", "pool-worker"])
+def test_killed_env_server_loses_no_rollout(tmp_path, tiny_model, torch_server, num_workers):
+    """SIGKILL of the env server (one worker: the server itself; a pool: one of its workers, which verifiers' broker
+    would never replace) mid-rollout: the server is restarted and every rollout of both steps is trained."""
+    from prime_orchestrator.env_server import pool_workers
+
+    env = {"id": "reverse-text", "args": {"num_examples": 50}, "num_workers": num_workers}
     config = make_config(
         tmp_path,
         tiny_model,
@@ -137,6 +143,7 @@ def test_killed_env_server_loses_no_rollout(tmp_path, tiny_model, torch_server):
         async_level=2,
         num_trainer_ranks=1,
         sampling={"max_tokens": 24},
+        env=[env],
     )
     killed = []
 
@@ -146,8 +153,9 @@ def test_killed_env_server_loses_no_rollout(tmp_path, tiny_model, torch_server):
         runner = orch.pools["reverse-text"]
         while not orch._requests:  # a rollout is in flight
             await asyncio.sleep(0.005)
-        killed.append(runner.server.pid)
-        os.kill(runner.server.pid, signal.SIGKILL)
+        pid = runner.server.pid if num_workers == 1 else min(pool_workers(runner.server.pid))
+        killed.append(pid)
+        os.kill(pid, signal.SIGKILL)
 
     orch = run(config, during=kill_server)
     assert killed and orch.pools["reverse-text"].server.num_restarts >= 1

@@ -5,7 +5,8 @@ ROUTER broker over a worker pool (static, or elastic: it grows with the load). E
 through verifiers' ``EnvClient``; the episode streams back as a typed trace. When the server process dies, every
 rollout it held fails with ``EnvServerCrashed`` and the server is started again on a fresh address; the caller
 re-runs those rollouts there, so a crash costs time, never a rollout, and no rollout is counted twice (the dead
-server's answers can no longer arrive).
+server's answers can no longer arrive). A worker of a pool that dies is handled as a crash of the whole server
+(verifiers' broker would keep routing to it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import multiprocessing as mp
 import queue
 import time
+from pathlib import Path
 from typing import Any
 
 from prime_core.schemas.rollout import EnvServerSpec
@@ -64,6 +66,25 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> No
     )
 
 
+def pool_workers(broker_pid: int) -> set[int]:
+    """Live worker processes of a verifiers pool broker: its children started by multiprocessing's spawn."""
+    workers = set()
+    for task in Path(f"/proc/{broker_pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if b"spawn_main" in cmdline and state not in ("Z", "X"):
+                workers.add(int(pid))
+    return workers
+
+
 class EnvServer:
     """A running env server for one environment and the client that talks to it."""
 
@@ -103,7 +124,7 @@ class EnvServer:
         self._proc, self._pipe, self._client = proc, parent, client
         self._generation += 1
         self._died = asyncio.Event()
-        self._watcher = asyncio.create_task(self._watch(proc, self._died))
+        self._watcher = asyncio.create_task(self._watch(proc, self._died, pooled=self.spec.num_workers > 1))
         logger.info(
             "env server %s up at %s (pid %d, %d worker(s))", self.name, address, proc.pid, self.spec.num_workers
         )
@@ -125,8 +146,19 @@ class EnvServer:
                     ) from None
 
     @staticmethod
-    async def _watch(proc: Any, died: asyncio.Event) -> None:
+    async def _watch(proc: Any, died: asyncio.Event, pooled: bool) -> None:
+        """Set ``died`` when the server process exits or, for a worker pool, when one of its workers does:
+        verifiers' broker neither restarts a dead worker nor fails its requests (they would hang until the rollout
+        timeout), so the whole server is restarted, as for a crash of the broker."""
+        seen: set[int] = set()
         while proc.is_alive():
+            if pooled:
+                workers = pool_workers(proc.pid)
+                if seen - workers:
+                    logger.warning("env server worker(s) %s died; restarting the server", sorted(seen - workers))
+                    proc.kill()
+                    break
+                seen |= workers
             await asyncio.sleep(0.2)
         died.set()
 
