@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
@@ -134,3 +135,25 @@ def test_a_cancelled_execution_keeps_its_uid_out_of_use(sandbox):
     while sandbox_pids() and time.monotonic() < deadline:  # still ended by its own wall limit
         time.sleep(0.1)
     assert sandbox_pids() == []
+
+
+def test_zygote_bytecode_cache_is_filled_once_and_never_under_sandbox_paths(tmp_path, monkeypatch):
+    import shutil
+    import sys
+    import tempfile
+
+    from prime_core.config.sandbox import SandboxPoolConfig
+    from prime_orchestrator.sandbox.pool import _bytecode_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # /tmp is the execution's tmpfs inside the sandbox
+    assert _bytecode_cache(sys.executable, []) is None
+    home = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+        cache = _bytecode_cache(sys.executable, ["csv"])
+        assert (cache / "complete").exists() and list(cache.rglob("csv.*.pyc")) and list(cache.rglob("zygote.*.pyc"))
+        assert _bytecode_cache(sys.executable, ["csv"]) == cache
+    finally:
+        shutil.rmtree(home)
+    with pytest.raises(ValueError, match="outside /tmp"):
+        SandboxPoolConfig(ro_paths=["/tmp/data"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.shared import LogConfig
@@ -44,11 +44,29 @@ class SandboxPoolConfig(BaseConfig):
     preload: list[str] = Field(default_factory=list)
     """Extra modules imported once in each zygote, so solutions importing them pay nothing (stdlib + ro_paths)."""
     ro_paths: list[str] = Field(default_factory=list)
-    """Extra host paths visible read-only inside (besides /usr, the interpreter prefix and a few /etc files)."""
+    """Extra host paths visible read-only inside (besides /usr, the interpreter prefix and a few /etc files); absolute
+    and outside the paths the sandbox makes itself (``/tmp``, ``/work``, ``/etc``, ``/dev``)."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Default limits of an execution that names none."""
     start_timeout_s: float = Field(default=30.0, gt=0)
     """Seconds a zygote may take to become ready before start-up fails."""
+
+    @field_validator("ro_paths")
+    @classmethod
+    def _outside_sandbox_paths(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if not path.startswith("/") or sandbox_owned(path):
+                raise ValueError(f"{path!r} must be an absolute path outside {', '.join(SANDBOX_OWNED)}")
+        return paths
+
+
+SANDBOX_OWNED = ("/tmp", "/work", "/etc", "/dev", "/.ws")
+
+
+def sandbox_owned(path: str) -> bool:
+    """Whether ``path`` lies in a directory the sandbox's root filesystem makes itself (a host bind there would
+    collide with it)."""
+    return any(path == top or path.startswith(top + "/") for top in SANDBOX_OWNED)
 
 
 class SandboxClientConfig(BaseConfig):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
+from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig, sandbox_owned
 
 from prime_orchestrator.sandbox.schemas import ExecRequest, ExecResult, judge
 
@@ -57,21 +58,53 @@ def _sandbox_path(python: str) -> str:
     return ":".join(dict.fromkeys([bindir, "/usr/local/bin", "/usr/bin", "/bin"]))
 
 
+def _bytecode_cache(python: str, preload: list[str]) -> Path | None:
+    """A host directory of compiled bytecode for the zygote's interpreter (``-X pycache_prefix``), filled once per
+    interpreter and module list and bound read-only into the sandbox. The sandbox's root is read-only, so with an
+    interpreter whose stdlib ships without .pyc files (slim images, some distributions) every zygote start would
+    compile each pre-imported module again: about 100 ms of a cold start. None when it cannot be written."""
+    from prime_orchestrator.sandbox.zygote import PRELOAD
+
+    modules = PRELOAD + preload
+    key = json.dumps([str(Path(python).resolve()), modules, str(_HERE)]).encode()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prime" / "sandbox-pyc"
+    root = cache / hashlib.sha256(key).hexdigest()[:16]
+    if sandbox_owned(str(root)):  # e.g. XDG_CACHE_HOME under /tmp, which is the execution's tmpfs inside
+        return None
+    if (root / "complete").exists():
+        return root
+    code = (
+        f"import sys; sys.path.insert(0, {str(_HERE)!r}); import zygote\n"
+        f"for m in {modules!r}:\n    try: __import__(m)\n    except Exception: pass"
+    )
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        argv = [python, "-I", "-S", "-X", f"pycache_prefix={root}", "-c", code]
+        subprocess.run(argv, check=True, timeout=120, capture_output=True)
+        (root / "complete").touch()
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("no bytecode cache for the sandbox zygote (%s); each zygote start compiles its imports", e)
+        return None
+    return root
+
+
 class _Zygote:
     """One zygote process and its control socket (SOCK_SEQPACKET: one message per request, never split)."""
 
     def __init__(self, config: SandboxPoolConfig, uid_base: int, workspaces: Path, num_uids: int) -> None:
         python = config.python or sys.executable
         prefix = str(Path(python).resolve().parent.parent)
+        bytecode = _bytecode_cache(python, config.preload)
         setup = {
             "root": str(workspaces.parent / "root"),
-            "ro_paths": [prefix, *config.ro_paths],
+            "ro_paths": [prefix, *config.ro_paths, *([str(bytecode)] if bytecode else [])],
             "workspaces": str(workspaces),
             "preload": config.preload,
         }
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        argv = [python, "-I", "-S", "-c", _BOOT, str(_HERE), str(child.fileno()), json.dumps(setup)]
+        flags = ["-X", f"pycache_prefix={bytecode}"] if bytecode else []
+        argv = [python, "-I", "-S", *flags, "-c", _BOOT, str(_HERE), str(child.fileno()), json.dumps(setup)]
         self.proc = subprocess.Popen(argv, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
         child.close()
         self.sock = parent
