@@ -234,6 +234,7 @@ def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutRe
         completion_len=sum(sum(seq.loss_mask) for seq in sequences),
         truncated=any(t.is_truncated for t in scored),
         latency=latency,
+        scoring_s=sum(t.timing.scoring.duration for t in scored),
         prompt="\n".join(_message_text(m) for m in shown.messages[:first]),
         completion="\n".join(_message_text(m) for m in shown.messages[first:]),
     )

@@ -258,6 +258,8 @@ class Orchestrator:
             "failed/rollouts": sum(r.result.failed for r in rollouts),
             "throughput/rollout_tokens_per_s": float(completion.sum() / gen_time),
             "rollout/latency_mean": float(np.mean([r.result.latency for r in rollouts])),
+            "rollout/scoring_share": sum(r.result.scoring_s for r in rollouts)
+            / max(sum(r.result.latency for r in rollouts), 1e-9),
             "off_policy_lag/max": int(lags.max()),
             "off_policy_lag/mean": float(lags.mean()),
             "policy/version": self.policy.version,

@@ -87,6 +87,8 @@ class RolloutResult(BaseModel):
     """One-line description of the failure."""
     latency: float = 0.0
     """Wall seconds of the episode."""
+    scoring_s: float = 0.0
+    """Wall seconds of its rewards and metrics (verifiers' scoring span; sandboxed tests run there)."""
     prompt: str = ""
     """The prompt as the model saw it (messages before the first sampled turn)."""
     completion: str = ""
