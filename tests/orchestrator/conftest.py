@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.tiny import build_chatml_tokenizer, free_port, tiny_qwen3_config
+from tests.fixtures.scripted import InProcessServer, torch_server_config
+from tests.tiny import build_chatml_tokenizer, tiny_qwen3_config
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog <reversed> </reversed> \\boxed{12}",
@@ -31,43 +29,14 @@ def build_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-class TorchServer:
+class TorchServer(InProcessServer):
     """The real ``prime_inference`` torch engine, served in a thread."""
 
     def __init__(self, model_dir: Path):
-        import uvicorn
-        from prime_core.config.inference import InferenceConfig
         from prime_inference.engines import build_engine
-        from prime_inference.server import build_app
 
-        port = free_port()
-        config = InferenceConfig.model_validate(
-            {
-                "model": {"name": str(model_dir), "dtype": "float32"},
-                "engine": "torch",
-                "max_model_len": 512,
-                "server": {"port": port},
-                "log": {"file": False},
-            }
-        )
-        self.url = f"http://127.0.0.1:{port}"
-        app = build_app(config, lambda: build_engine(config))
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("inference server did not start")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        config = torch_server_config(model_dir, max_model_len=512)
+        super().__init__(config, lambda: build_engine(config))
 
 
 @pytest.fixture(scope="session")

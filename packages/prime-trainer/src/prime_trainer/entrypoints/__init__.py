@@ -1,0 +1,31 @@
+"""Console entry points (``trainer``, ``sft``): parse the config before importing torch, then train."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def run_training(train: Callable[[Any], None], config: Any) -> None:
+    """Run ``train(config)`` with the errors a user can act on reported as one line instead of a traceback."""
+    from prime_core.config import ConfigError
+    from prime_core.config.cli import fail
+
+    from prime_trainer.world import shutdown_world
+
+    try:
+        train(config)
+    except ConfigError as e:
+        # Settings that only the world (ranks, data) shows to be wrong: one line, like a parse error.
+        fail(str(e))
+    except Exception as e:
+        # A full disk (checkpoint, weights, logs): one line naming errno and path instead of a traceback.
+        from prime_core.io import storage_error, storage_error_line
+
+        if (found := storage_error(e)) is None:
+            raise
+        print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    finally:
+        shutdown_world()
