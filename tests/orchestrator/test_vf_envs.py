@@ -19,7 +19,7 @@ from tests.fixtures.scripted import ScriptedServer
 from tests.fixtures.vf import use_vf_envs
 from tests.trainer.trainer_utils import read_trainer_metrics, run_cli
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 BASH = {"harness": "bash", "harness_args": {"edit": False, "compaction": None}}
 
