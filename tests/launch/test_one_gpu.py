@@ -52,7 +52,7 @@ def test_one_visible_gpu_colocates_with_memory_shares_and_file_weights(model_dir
     assert env["inference"]["CUDA_VISIBLE_DEVICES"] == env["trainer"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert env["orchestrator"]["CUDA_VISIBLE_DEVICES"] == ""
     inference, trainer, orchestrator = (plan.configs[n] for n in ("inference", "trainer", "orchestrator"))
-    assert inference.vllm.gpu_memory_utilization == 0.45
+    assert inference.vllm.gpu_memory_utilization == 0.45 and trainer.gpu_memory_fraction == 0.55
     assert trainer.weights.broadcast.type == "filesystem" and not orchestrator.weights_broadcast
     assert trainer.device == "cuda"
     assert plan.devices["inference"] == "GPU 0 shared, vLLM 0.45 of its memory (36.0 of 80.0 GiB)"

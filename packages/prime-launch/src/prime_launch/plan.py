@@ -224,6 +224,7 @@ def _share_gpus(
     shares = check_fit(rl.devices, trainer, len(train_ids), train_ids, environ)
     notes += sharing_notes(shares, trainer, inference)
     inference = _update(inference, "vllm.gpu_memory_utilization", shares.inference_fraction)
+    trainer = _update(trainer, "gpu_memory_fraction", shares.trainer_fraction)
     if trainer.weights.broadcast.type == "nccl":
         trainer = _update(trainer, "weights.broadcast.type", "filesystem")
     for role_name in ("inference", "trainer"):

@@ -66,7 +66,7 @@ class Components:
 
 
 def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
-    world = init_world(config.device, config.parallel.timeout_s)
+    world = init_world(config.device, config.parallel.timeout_s, config.gpu_memory_fraction)
     run_dir = RunDir(config.output_dir)
     log_file = run_dir.log_file(process) if config.log.file and world.is_master else None
     logger = setup_logging(process, level=config.log.level if world.is_master else "error", log_file=log_file)

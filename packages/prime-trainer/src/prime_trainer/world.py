@@ -22,7 +22,7 @@ class World:
         return self.rank == 0
 
 
-def init_world(device: str = "auto", timeout_s: int = 3600) -> World:
+def init_world(device: str = "auto", timeout_s: int = 3600, gpu_memory_fraction: float | None = None) -> World:
     """Initialize torch.distributed from torchrun's env vars, or a one-process group when run directly."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
@@ -31,6 +31,8 @@ def init_world(device: str = "auto", timeout_s: int = 3600) -> World:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
         torch.cuda.set_device(local_rank)
+        if gpu_memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, local_rank)
         dev = torch.device("cuda", local_rank)
         # NCCL for CUDA tensors, gloo for the CPU-side collectives (object broadcasts, checkpoint staging).
         backend = "cuda:nccl,cpu:gloo"

@@ -64,8 +64,9 @@ class DevicesConfig(BaseConfig):
     cache, which only bounds how many rollouts run at once."""
     trainer_memory_fraction: float | None = Field(default=None, gt=0.0, lt=1.0)
     """Colocated: the share of each GPU's memory the trainer's estimated need must fit in (``rl`` refuses to start
-    otherwise); unset: what vLLM leaves, ``1 - inference_memory_fraction``. A budget that ``rl`` checks, not a cap:
-    the trainer may use whatever vLLM leaves free."""
+    otherwise); unset: what vLLM leaves, ``1 - inference_memory_fraction``. Also the trainer's cap
+    (``trainer.gpu_memory_fraction``): past it the trainer fails with an out-of-memory error rather than eat into
+    vLLM's KV cache."""
     trainer_memory_margin_gib: float = Field(default=4.0, ge=0.0)
     """Colocated: GiB added to the trainer's estimated weights, gradients and optimizer states for activations, the
     layers FSDP gathers at a time, the CUDA context and allocator slack. Raise it for long rows (activations grow

@@ -346,6 +346,10 @@ class _TrainerBase(BaseConfig):
     """Seed of model init and data order."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device type; auto uses CUDA when available (NCCL), else CPU (gloo)."""
+    gpu_memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Cap of each rank's CUDA memory as a share of its GPU (``torch.cuda.set_per_process_memory_fraction``): past it
+    the trainer fails with an out-of-memory error instead of taking memory another process on the GPU counts on.
+    ``rl`` sets it to ``devices.trainer_memory_fraction`` when the trainer shares its GPU with vLLM; unset: no cap."""
     optim: AdamWConfig = Field(default_factory=AdamWConfig)
     """Optimizer."""
     scheduler: SchedulerConfig = Field(default_factory=ConstantSchedulerConfig)
