@@ -1,0 +1,125 @@
+"""Every example under examples/ keeps working: each CPU ``rl.toml`` runs 2 steps with the real ``rl`` (torch-engine
+inference, orchestrator, trainer) without its evals, and each ``rl_gpu.toml`` resolves and validates under
+``rl --dry-run`` on two GPUs and on one (colocated), with ``CUDA_VISIBLE_DEVICES`` standing in for the GPUs.
+
+Whether reverse-text learns is tested in tests/e2e/test_reverse_text.py; the arithmetic README run is here, under
+``slow`` (about 9 minutes on 2 cores). The rest are smoke checks that keep the folders from rotting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+RL = Path(sys.executable).with_name("rl")
+CPU_EXAMPLES = sorted(p.parent.name for p in EXAMPLES.glob("*/rl.toml"))
+GPU_EXAMPLES = sorted(p.parent.name for p in EXAMPLES.glob("*/rl_gpu.toml"))
+# Each rollout of tool-use starts a calculator server process: 80 s for 2 steps on 2 cores (the others: 23-41 s).
+SLOW_CPU_EXAMPLES = {"tool_use"}
+
+
+def metrics(out: Path) -> dict[str, dict[int, dict]]:
+    found: dict[str, dict[int, dict]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        # A process may log several records at one step (the orchestrator: its step, then an eval).
+        found.setdefault(record["process"], {}).setdefault(record["step"], {}).update(record["values"])
+    return found
+
+
+def test_every_example_has_a_readme_a_cpu_and_a_gpu_config():
+    folders = sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
+    assert folders, "no examples"
+    for name in folders:
+        for file in ("README.md", "rl.toml", "rl_gpu.toml"):
+            assert (EXAMPLES / name / file).is_file(), f"examples/{name}/{file} is missing"
+        head = (EXAMPLES / name / "rl_gpu.toml").read_text().split("\n\n")[0]
+        assert f"CUDA_VISIBLE_DEVICES=0 uv run rl @ examples/{name}/rl_gpu.toml" in head, (
+            f"examples/{name}/rl_gpu.toml does not say how to run on one GPU"
+        )
+
+
+@pytest.mark.integration
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CPU_EXAMPLES else n for n in CPU_EXAMPLES]
+)
+def test_cpu_example_runs_two_steps(tmp_path, name):
+    out = tmp_path / "run"
+    cmd = [str(RL), "@", str(EXAMPLES / name / "rl.toml"), "--output-dir", str(out), "--max-steps", "2"]
+    cmd += ["--inference.server.port", str(free_port()), "--console", "quiet", "--orchestrator.eval.envs", "[]"]
+    start = time.monotonic()
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    print(f"examples/{name}/rl.toml, 2 steps: {time.monotonic() - start:.0f} s")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = metrics(out)
+    assert sorted(found["trainer"]) == sorted(found["orchestrator"]) == [0, 1], found.keys()
+    for step in found["orchestrator"].values():
+        assert step["failed/rollouts"] == 0
+        assert not any(key.startswith("eval/") for key in step)
+    assert sum(step["loss_tokens"] for step in found["trainer"].values()) > 0, "the trainer saw no samples"
+    assert (out / "weights" / "step_2").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.timeout(1800)
+def test_arithmetic_readme_run_learns(tmp_path):
+    """`rl @ examples/arithmetic/rl.toml` as its README runs it: the held-out eval at temperature 1.0 gains at least
+    0.15, greedy decoding stays within noise (128 problems), the training reward (5-step means) rises by at least 0.15."""
+    out = tmp_path / "run"
+    cmd = [str(RL), "@", str(EXAMPLES / "arithmetic" / "rl.toml"), "--output-dir", str(out)]
+    cmd += ["--inference.server.port", str(free_port()), "--console", "quiet"]
+    start = time.monotonic()
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1700)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = metrics(out)
+    orchestrator = found["orchestrator"]
+    rewards = [orchestrator[s]["reward/mean"] for s in sorted(orchestrator) if "reward/mean" in orchestrator[s]]
+    t1 = {
+        s: v["eval/arithmetic/t1/reward/mean"] for s, v in orchestrator.items() if "eval/arithmetic/t1/reward/mean" in v
+    }
+    t0 = {
+        s: v["eval/arithmetic/t0/reward/mean"] for s, v in orchestrator.items() if "eval/arithmetic/t0/reward/mean" in v
+    }
+    print(
+        f"{time.monotonic() - start:.0f} s; eval t=1 {t1}, greedy {t0}; reward first {rewards[:3]} last {rewards[-3:]}"
+    )
+    assert sorted(t1) == sorted(t0) == [0, 40], (t1, t0)
+    assert t1[40] >= t1[0] + 0.15, t1
+    assert t0[40] >= t0[0] - 0.03, t0
+    assert sum(rewards[-5:]) / 5 >= sum(rewards[:5]) / 5 + 0.15, rewards  # 16 problems a step: noisy
+    assert max(v["mismatch_kl/mean"] for v in found["trainer"].values()) < 1e-3
+
+
+@pytest.mark.parametrize("gpus", ["0,1", "0"])
+@pytest.mark.parametrize("name", GPU_EXAMPLES)
+def test_gpu_example_resolves_under_dry_run(tmp_path, name, gpus):
+    """The config validates and plans: vLLM on GPU 0 and the trainer on GPU 1 with NCCL weights, or both on GPU 0
+    (colocated, weights by files) when one GPU is visible."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
+    cmd = [str(RL), "@", str(EXAMPLES / name / "rl_gpu.toml"), "--dry-run", "--output-dir", str(tmp_path)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    configs = {p: tomllib.loads((tmp_path / "configs" / f"{p}.toml").read_text()) for p in ("inference", "trainer")}
+    assert configs["inference"]["engine"] == "vllm"
+    assert configs["trainer"]["async_level"] == 1
+    broadcast = configs["trainer"]["weights"]["broadcast"]["type"]
+    assert broadcast == ("nccl" if gpus == "0,1" else "filesystem"), broadcast
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ")}
+    if gpus == "0,1":
+        assert "(GPU 0)" in lines["inference"] and "(GPU 1)" in lines["trainer"], result.stdout
+    else:
+        assert "GPU 0 shared" in lines["inference"] and "GPU 0 shared" in lines["trainer"], result.stdout
