@@ -26,7 +26,8 @@ RL = Path(sys.executable).with_name("rl")
 CPU_EXAMPLES = sorted(p.parent.name for p in EXAMPLES.glob("*/rl.toml"))
 GPU_EXAMPLES = sorted(p.parent.name for p in EXAMPLES.glob("*/rl_gpu.toml"))
 # Each rollout of tool-use starts a calculator server process: 80 s for 2 steps on 2 cores (the others: 23-41 s).
-SLOW_CPU_EXAMPLES = {"tool_use"}
+# reverse_text's rl.toml runs in full in tests/e2e/test_reverse_text.py: its smoke run would repeat it in CI.
+SLOW_CPU_EXAMPLES = {"tool_use", "reverse_text"}
 
 
 def metrics(out: Path) -> dict[str, dict[int, dict]]:
