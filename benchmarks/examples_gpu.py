@@ -1,0 +1,130 @@
+"""Every example's `rl_gpu.toml`, a few steps on this host's GPUs, with a model of the real shape (issue 24).
+
+    python benchmarks/examples_gpu.py --gpus 1 [--examples tool_use code ...] [--max-steps 5] --out DIR
+
+The configs name hub models; this host has no hub access, so each run overrides `--model.name` with a random-init
+Qwen3-0.6B-shaped model whose tokenizer has Qwen3's full vocabulary (151,936 tokens) and its special tokens (so the
+`qwen3` renderer, tool-call parsing and the vocabulary-sized log-softmax are what a real run pays). The tokenizer is
+a byte-level BPE trained on a few lines of text, padded with unreachable filler tokens to the vocabulary size: any
+text encodes, and the LM head samples over all 151,936 ids. `--gpus 1` hides every GPU but the first (inference and
+trainer colocate, docs/scaling.md#one-gpu). Writes <out>/examples_gpu_<n>gpu.json: per example the step wall times
+(from metrics.jsonl, as benchmarks/rl_gpu.py reads them), trainer and rollout times, rewards and the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+EXAMPLES = ["reverse_text", "arithmetic", "guess_number", "tool_use", "code"]
+QWEN3_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+    "</tool_response>", "<think>", "</think>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+]  # fmt: skip
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def full_vocab_tokenizer(vocab_size: int = 151936):
+    """A byte-level BPE with Qwen3's special tokens, padded with filler tokens to exactly ``vocab_size``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["reverse", "the", "text", "answer", "what", "is", "guess", "number", "def", "return", "tool", "result"]
+    corpus = [" ".join(rng.choice(words) + str(rng.randint(0, 9999)) for _ in range(12)) for _ in range(2000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000, special_tokens=QWEN3_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for i in range(vocab_size - len(vocab)):  # no merge produces them: reachable only by sampling
+        vocab[f"<fill{i}>"] = len(vocab)
+    tok = Tokenizer.from_str(json.dumps(data))
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def run_example(name: str, model_dir: Path, work: Path, args: argparse.Namespace) -> dict:
+    from rl_gpu import summarize
+
+    run = work / name
+    rl = os.environ.get("PRIME_LAUNCH_BIN_DIR", str(Path(sys.executable).parent)) + "/rl"
+    cmd = [rl, "@", str(ROOT / "examples" / name / "rl_gpu.toml"), "--model.name", str(model_dir),
+           "--max-steps", str(args.max_steps), "--output-dir", str(run), "--overwrite", "--console", "logs",
+           "--inference.server.port", str(random.randint(20000, 40000)), *args.extra]  # fmt: skip
+    env = dict(os.environ)
+    if args.gpus == 1:
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    try:
+        code = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.timeout).returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    entry = {"example": name, "returncode": code, "wall_time_s": round(time.perf_counter() - start, 1)}
+    if (run / "metrics.jsonl").is_file():
+        entry.update(summarize(run / "metrics.jsonl"))
+    for log in ("inference", "orchestrator", "trainer"):
+        path = run / "logs" / f"{log}.log"
+        if code != 0 and path.is_file():
+            print(f"--- {name} {log}.log (tail)\n" + "\n".join(path.read_text().splitlines()[-25:]), flush=True)
+    return entry
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, choices=[1, 2], default=1)
+    parser.add_argument("--examples", nargs="+", default=EXAMPLES, choices=EXAMPLES)
+    parser.add_argument("--max-steps", type=int, default=5)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--timeout", type=float, default=420, help="seconds per example")
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `rl` arguments")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"))
+    args = parser.parse_args()
+
+    import torch
+    from weight_update_gpu import save_model
+
+    work = Path(os.environ.get("PRIME_EXAMPLES_GPU_DIR", "/tmp/prime-examples-gpu"))
+    tokenizer_dir, model_dir = work / "tokenizer", work / "model"
+    if not (model_dir / "config.json").is_file():
+        full_vocab_tokenizer(args.vocab).save_pretrained(tokenizer_dir)
+        model = save_model(model_dir, "0.6b", tokenizer_dir=str(tokenizer_dir))
+    else:
+        model = {"reused": str(model_dir)}
+    out = args.out / f"examples_gpu_{args.gpus}gpu.json"
+    report = json.loads(out.read_text()) if out.is_file() else {"results": {}}
+    report.update(
+        benchmark="examples_rl_gpu", device=torch.cuda.get_device_name(0), gpus=args.gpus, commit=args.commit,
+        vocab_size=args.vocab, max_steps=args.max_steps, model={"shape": "Qwen3-0.6B", "init": "random", **model},
+    )  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.examples:
+        entry = run_example(name, model_dir, work, args)
+        report["results"][name] = entry
+        print(json.dumps(entry), flush=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
