@@ -1,7 +1,7 @@
 """A new user's mistakes with `rl` and `inference` (issue: the first hour): a port held by another server, a
-foreign server answering, a server that served another run, a start that failed before its first step, and
-the run summary's mismatch KL. Each outcome is what the user sees: one line and an exit code, nothing started
-or left running, nothing carried over."""
+foreign server answering, a server that served another run or serves another model, a start that failed before
+its first step, and the run summary's mismatch KL. Each outcome is what the user sees: one line and an exit code,
+nothing started or left running, nothing carried over."""
 
 import json
 import subprocess
@@ -22,8 +22,12 @@ class FakeServer:
     """An inference server started separately (another run's): /health reports its state, /reload_weights
     goes back to the base weights. Records every request path in order."""
 
-    def __init__(self, weight_step: int = 0, weight_dir: str | None = None, run_id: str | None = None):
+    def __init__(
+        self, weight_step: int = 0, weight_dir: str | None = None, run_id: str | None = None, model: str | None = None
+    ):
         self.state = {"status": "ok", "weight_step": weight_step, "weight_dir": weight_dir, "run_id": run_id}
+        if model is not None:
+            self.state.update(model=model, model_name=model)
         self.requests: list[str] = []
         outer = self
 
@@ -119,6 +123,30 @@ def test_server_of_another_run_serves_step0_weights_first(tmp_path, rl_env, serv
     assert proc.returncode == 0 and "POST /reload_weights" not in other.requests
 
 
+def test_server_of_another_model_is_refused(tmp_path, rl_env, server):
+    """A separately started server whose model is not this run's: its base weights are not the run's step-0
+    weights, so rl refuses with one line before the orchestrator or trainer starts, and leaves the server as it is."""
+    other = server(weight_step=3, weight_dir="/elsewhere/weights/step_3", model="other-model")
+    config = tmp_path / "no_inference.toml"
+    config.write_text((HERE / "rl_example.toml").read_text().replace("[inference]\n", ""))
+    base_url = f"http://127.0.0.1:{other.port}/v1"
+    proc, took = rl(tmp_path / "run", rl_env, "@", str(config), "--orchestrator.client.base-urls", base_url)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: the inference server at http://127.0.0.1:{other.port} serves model 'other-model', not this run's "
+        "model.name 'tiny-model'; start it with --model.name tiny-model or train its model"
+    ], proc.stdout
+    assert "starting orchestrator and trainer" not in proc.stdout
+    assert not list((tmp_path / "run" / "logs").glob("*.log")), "neither orchestrator nor trainer started"
+    assert other.requests == ["GET /health"] and other.state["weight_step"] == 3, "the server was left alone"
+    assert took < 20, took
+    # The same server under this run's model.name (its served name may differ) is used.
+    other.state.update(model="served-alias", model_name="tiny-model")
+    proc, _ = rl(tmp_path / "run2", rl_env, "@", str(config), "--orchestrator.client.base-urls", base_url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_failed_start_does_not_block_the_directory(tmp_path, rl_env):
     out = tmp_path / "run"
     example = ("@", str(HERE / "rl_example.toml"), "--inference.server.port", str(free_port()))
@@ -161,7 +189,8 @@ def test_inference_port_in_use_is_one_line_before_loading(tmp_path, server):
 
 
 def test_real_server_reports_the_run_id_rl_gave_it(tmp_path):
-    """The contract behind the foreign-server check: `inference` reports its PRIME_RUN_ID in /health."""
+    """The contract behind the foreign-server and model checks: `inference` reports its PRIME_RUN_ID and its
+    model in /health."""
     import os
     import signal
 
@@ -179,7 +208,8 @@ def test_real_server_reports_the_run_id_rl_gave_it(tmp_path):
         assert proc.poll() is None, "the inference server exited"
 
     try:
-        assert wait_healthy([url], None, 120, alive, run_id="run-abc")[url]["run_id"] == "run-abc"
+        answer = wait_healthy([url], None, 120, alive, run_id="run-abc")[url]
+        assert answer["run_id"] == "run-abc" and answer["model"] == answer["model_name"] == str(model)
         with pytest.raises(StartupFailed, match="answered by another server"):
             wait_healthy([url], None, 10, alive, run_id="run-xyz")
     finally:

@@ -23,7 +23,7 @@ from prime_launch.plan import (
     existing_artifacts,
 )
 from prime_launch.process import ProcessFailed, ProcessManager, full_disk_note, tail_lines
-from prime_launch.servers import StartupFailed, check_port_free, reset_to_base, wait_healthy
+from prime_launch.servers import StartupFailed, check_port_free, check_served_model, reset_to_base, wait_healthy
 
 POLL_S = 0.2
 
@@ -182,6 +182,8 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
         own = "inference" in specs
         run_id = specs["inference"].env["PRIME_RUN_ID"] if own else None
         answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager.poll, run_id)
+        if not own:
+            check_served_model(answers, rl.orchestrator.model.name)
         if not own and plan.resume_step in (None, 0):
             for message in reset_to_base(answers, plan.api_key, rl.health_timeout):
                 console.message(f"rl: {message}")

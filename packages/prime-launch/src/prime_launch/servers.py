@@ -1,6 +1,7 @@
 """The launcher's view of inference servers: the port of the one it starts must be free, the server answering
 must be the one it started (its ``/health`` reports the launcher's ``PRIME_RUN_ID``), and a server started
-separately must serve this run's step-0 weights before the first rollout, not what another run left there."""
+separately must serve this run's model and its step-0 weights before the first rollout, not what another run left
+there."""
 
 from __future__ import annotations
 
@@ -74,6 +75,18 @@ def wait_healthy(
             )
         answers[url] = answer
     return answers
+
+
+def check_served_model(answers: dict[str, dict[str, Any]], model_name: str) -> None:
+    """Servers started separately must serve this run's model: its base weights are the run's step-0 weights,
+    and the orchestrator's requests name it (``/health`` reports the served name and ``model.name``)."""
+    for url, answer in answers.items():
+        served = [name for name in (answer.get("model"), answer.get("model_name")) if name]
+        if served and model_name not in served:
+            raise StartupFailed(
+                f"the inference server at {url.removesuffix('/health')} serves model {served[-1]!r}, not this run's "
+                f"model.name {model_name!r}; start it with --model.name {model_name} or train its model"
+            )
 
 
 def reset_to_base(answers: dict[str, dict[str, Any]], api_key: str | None, timeout: float) -> list[str]:

@@ -24,10 +24,13 @@ LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError)
 
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
-    info = state(request).engine.info
-    return {"status": "ok", "engine": info.engine, "model": info.model, "weight_step": info.weight_step,
-            "weight_dir": info.weight_dir, "paused": info.paused, "max_model_len": info.max_model_len,
-            "adapters": info.adapters, "run_id": os.environ.get("PRIME_RUN_ID"), **info.extra}  # fmt: skip
+    s = state(request)
+    info = s.engine.info
+    # `model` is the served name; `model_name` the config's model.name, which requests may also carry.
+    return {"status": "ok", "engine": info.engine, "model": info.model, "model_name": s.config.model.name,
+            "weight_step": info.weight_step, "weight_dir": info.weight_dir, "paused": info.paused,
+            "max_model_len": info.max_model_len, "adapters": info.adapters, "run_id": os.environ.get("PRIME_RUN_ID"),
+            **info.extra}  # fmt: skip
 
 
 @router.post("/update_weights")
