@@ -152,6 +152,11 @@ def test_error_names_source(tmp_path):
     with pytest.raises(ConfigError, match=r"^CLI --loss.seq-clip: "):
         load_config(Cfg, ["--loss.type", "gspo", "--loss.seq-clip", "big"], environ={})
 
+    # A check across fields: the validator's own message, without pydantic's wrapping.
+    with pytest.raises(ConfigError) as exc:
+        load_config(Cfg, ["--micro-batch-size", "3"], environ={})
+    assert str(exc.value) == "CLI --micro-batch-size: batch_size must be a multiple of micro_batch_size"
+
 
 def test_dry_run_round_trip(tmp_path):
     out = tmp_path / "run"

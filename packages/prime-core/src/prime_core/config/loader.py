@@ -401,13 +401,17 @@ def locate(sources: _Sources, model: type[BaseModel], loc: Sequence[str]) -> tup
 def _format_validation_error(err: ValidationError, sources: _Sources, model: type[BaseModel]) -> str:
     first = err.errors()[0]
     origin, loc = locate(sources, model, _clean_loc(model, first["loc"]))
-    key = ".".join(loc) if loc else "(config)"
-    msg = first["msg"]
+    key = ".".join(loc).replace("_", "-")
+    # A validator's ValueError: its own message, without pydantic's "Value error, " prefix.
+    error = (first.get("ctx") or {}).get("error")
+    msg = str(error) if first["type"] == "value_error" and error is not None else first["msg"]
     if first["type"] == "extra_forbidden":
-        return f"{origin}: unknown key {key.replace('_', '-')!r}"
+        return f"{origin}: unknown key {key!r}"
+    if not loc:  # a check across fields: its message names them
+        return f"{origin}: {msg}"
     inp = first.get("input")
     shown = "" if isinstance(inp, dict) or inp is None else f", got {inp!r}"
-    return f"{origin}: {key.replace('_', '-')}: {msg}{shown}"
+    return f"{origin}: {key}: {msg}{shown}"
 
 
 def validate(model: type[T], sources: _Sources) -> T:
