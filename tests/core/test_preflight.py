@@ -139,21 +139,46 @@ def test_port_in_use_is_named():
     assert port_in_use("127.0.0.1", port) is None
 
 
-def test_entry_point_fails_in_seconds(tmp_path):
-    """The whole `rl` command, as a user runs it: one line, exit 2, nothing loaded (well under the 53 s of hub
-    retries or the 12 s of a model load this used to cost)."""
+RL = ("prime_launch.entrypoints.rl", "@", str(EXAMPLE))
+MISTAKES = {
+    "rl-missing-path": ((*RL, "--model.name", "examples/reverse_text/modle"), "no such directory"),
+    "rl-missing-path-one-slash": ((*RL, "--model.name", "examples/modle"), "no such directory 'examples/modle'"),
+    "rl-hub-id-offline": ((*RL, "--model.name", "org/missing"), "'org/missing' is not a local directory"),
+    "rl-unknown-env": ((*RL, "--orchestrator.env", '[{id = "reverse-txt"}]'), "environment 'reverse-txt'"),
+    "rl-bad-shared-value": ((*RL, "--max-steps", "ten"), "CLI --max-steps: max-steps: "),
+    "inference-missing-path": (
+        ("prime_inference.entrypoints.inference", "--model.name", "examples/modle"),
+        "no such directory",
+    ),
+    "trainer-missing-path": (
+        ("prime_trainer.entrypoints.trainer", "--model.name", "examples/reverse_text/modle"),
+        "no such directory",
+    ),
+    "eval-unknown-env": (
+        ("prime_orchestrator.entrypoints.eval", "--environment-ids", "reverse-txt", "--model.name", str(REPO)),
+        "environment 'reverse-txt'",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_mistake_fails_in_seconds(tmp_path, mistake):
+    """Each mistake as a user makes it, through the entry point: one line on stderr naming the cause, exit 2,
+    nothing loaded, written or started (well under the 53 s of hub retries or the 12-20 s of a model load or an
+    environment worker start this used to cost)."""
+    argv, cause = MISTAKES[mistake]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "prime_launch.entrypoints.rl", "@", str(EXAMPLE), "--model.name", "org/missing",
-         "--output-dir", str(tmp_path / "run")],
+        [sys.executable, "-m", *argv, "--output-dir", str(tmp_path / "run")],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     took = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "'org/missing' is not a local directory" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and cause in proc.stderr, proc.stderr
+    assert proc.stdout == ""
     assert not (tmp_path / "run").exists(), "nothing was written or started"
-    assert took < 20, took
+    assert took < 10, took
 
 
 def test_unknown_eval_environment_id_is_one_line(capsys):
