@@ -3,8 +3,9 @@
     uv run python examples/color_shapes/make_model.py --out examples/color_shapes/model
 
 Language model: 3 layers, hidden 64; vision tower: 3 ViT blocks, hidden 32, 4x4 patches merged 2x2 (a 32x32 image
-is 16 LM tokens), two DeepStack layers. The tokenizer is a byte-level BPE (500 tokens) trained on the environment's
-prompts, with the special tokens the ``qwen3-vl`` renderer reads. Deterministic: re-running writes identical files.
+is 16 LM tokens), two DeepStack layers (``prime_models.tiny.tiny_qwen3_vl_config``). The tokenizer is a byte-level
+BPE (500 tokens) trained on the environment's prompts, with the special tokens the ``qwen3-vl`` renderer reads
+(``prime_models.tiny.byte_bpe_tokenizer``). Deterministic: re-running writes identical files.
 """
 
 from __future__ import annotations
@@ -13,99 +14,23 @@ import argparse
 import json
 from pathlib import Path
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-
-# ChatML; an image part renders as one <|image_pad|> between the vision markers, which the processor expands.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for part in m['content'] %}{% if part['type'] in ('image', 'image_url') %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 def build_tokenizer(vocab_size: int = 500):
+    """Byte-level BPE trained on the environment's prompts and answers, with the Qwen-VL special tokens."""
     import color_shapes
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from prime_models.tiny import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIAL_TOKENS, byte_bpe_tokenizer
 
     corpus = [color_shapes.SYSTEM_PROMPT]
     corpus += [f"{e['question']} {e['completion']}" for e in color_shapes.generate_examples(500, seed=7)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    return byte_bpe_tokenizer(
+        corpus, QWEN_VL_SPECIAL_TOKENS, chat_template=QWEN_VL_CHAT_TEMPLATE, vocab_size=vocab_size
     )
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
-    )
-
-
-def build_config(tokenizer):
-    from transformers import Qwen3VLConfig
-
-    text_config = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 1024,
-        "pad_token_id": tokenizer.pad_token_id,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 5000.0,
-            "mrope_section": [2, 3, 3],
-            "mrope_interleaved": True,
-        },
-    }
-    vision_config = {
-        "depth": 3,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "patch_size": 4,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "out_hidden_size": 64,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0, 1],
-    }
-    ids = {
-        name: tokenizer.convert_tokens_to_ids(token)
-        for name, token in [
-            ("image_token_id", "<|image_pad|>"),
-            ("video_token_id", "<|video_pad|>"),
-            ("vision_start_token_id", "<|vision_start|>"),
-            ("vision_end_token_id", "<|vision_end|>"),
-        ]
-    }
-    config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False, **ids)
-    config.eos_token_id = tokenizer.eos_token_id
-    return config
 
 
 def main() -> None:
     import torch
     from prime_core.vision import ImageProcessor
+    from prime_models.tiny import tiny_qwen3_vl_config
     from transformers import Qwen3VLForConditionalGeneration
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -116,7 +41,7 @@ def main() -> None:
     tokenizer = build_tokenizer()
     tokenizer.save_pretrained(args.out)
     torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(build_config(tokenizer))
+    model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer=tokenizer))
     with torch.no_grad():  # spread the logits so that sampling is not uniform noise
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(args.out)

@@ -11,10 +11,10 @@ from prime_models.layers import MLP
 from prime_models.layers.chunked_mlp import chunk_bounds, chunked_mlp
 from prime_models.layers.moe import MoE
 from prime_models.parallel.activation_checkpoint import layer_checkpoint
+from prime_models.tiny import tiny_qwen3_vl_config
 
 from tests.models.conftest import VOCAB, tiny_config
 from tests.models.test_qwen3_vl import _image_sample
-from tests.tiny import tiny_qwen3_vl_config
 
 BATCH, SEQ = 2, 17  # 16 positions after the shift: 3 chunks split unevenly (5, 5, 6)
 

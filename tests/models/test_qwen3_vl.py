@@ -9,8 +9,7 @@ import pytest
 import torch
 from prime_core.vision import mrope_positions, packed_mrope_positions
 from prime_models import hf_state_dict, load_model, save_hf
-
-from tests.tiny import tiny_qwen3_vl_config
+from prime_models.tiny import tiny_qwen3_vl_config
 
 PATCH_DIM = 3 * 2 * 4 * 4  # channels * temporal patch * patch * patch
 
