@@ -1,6 +1,7 @@
 """A new user's config mistakes end in one line on stderr and exit 2 before anything loads: a missing local model
-path, a hub id that cannot be downloaded (offline or no network), an unknown environment id, a bad shared value
-(named where the user set it), and a dry run's resolved configs reused in another output directory."""
+path, a directory that is not a model, a hub id that cannot be downloaded (offline or no network), an unknown
+environment id, a bad shared value (named where the user set it), and a dry run's resolved configs reused in another
+output directory."""
 
 import os
 import socket
@@ -16,6 +17,7 @@ from prime_core.preflight import check_env_id, check_model_name, env_module, loo
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "reverse_text" / "rl.toml"
+MODEL = REPO / "examples" / "reverse_text" / "model"
 
 
 def closed_port() -> int:
@@ -73,6 +75,18 @@ def test_missing_local_model_is_one_line(in_repo, tmp_path, capsys):
     override.write_text('[model]\nname = "nowhere/x/y"\n')
     err = rl_error(capsys, "@", str(override), "--dry-run")
     assert err == f"error: file {override}: model.name: no such directory 'nowhere/x/y' (hub ids look like org/name)"
+
+
+def test_directory_that_is_not_a_model_is_one_line(in_repo, tmp_path, capsys):
+    """The task's folder instead of its model: one line pointing at the model inside, not a tokenizer traceback."""
+    err = rl_error(capsys, "--model.name", "examples/reverse_text")
+    assert err == (
+        "error: CLI --model.name: model.name: 'examples/reverse_text' holds no config.json: not a model directory "
+        "(did you mean 'examples/reverse_text/model'?)"
+    )
+    assert check_model_name(str(tmp_path)) == f"{str(tmp_path)!r} holds no config.json: not a model directory"
+    (tmp_path / "config.json").write_text("{}")
+    assert check_model_name(str(tmp_path)) is None
 
 
 def test_hub_id_offline_fails_at_once(in_repo, empty_cache, monkeypatch, capsys):
@@ -146,6 +160,7 @@ MISTAKES = {
     "rl-hub-id-offline": ((*RL, "--model.name", "org/missing"), "'org/missing' is not a local directory"),
     "rl-unknown-env": ((*RL, "--orchestrator.env", '[{id = "reverse-txt"}]'), "environment 'reverse-txt'"),
     "rl-bad-shared-value": ((*RL, "--max-steps", "ten"), "CLI --max-steps: max-steps: "),
+    "rl-not-a-model-dir": ((*RL, "--model.name", "examples/reverse_text"), "holds no config.json"),
     "inference-missing-path": (
         ("prime_inference.entrypoints.inference", "--model.name", "examples/modle"),
         "no such directory",
@@ -155,7 +170,7 @@ MISTAKES = {
         "no such directory",
     ),
     "eval-unknown-env": (
-        ("prime_orchestrator.entrypoints.eval", "--environment-ids", "reverse-txt", "--model.name", str(REPO)),
+        ("prime_orchestrator.entrypoints.eval", "--environment-ids", "reverse-txt", "--model.name", str(MODEL)),
         "environment 'reverse-txt'",
     ),
 }

@@ -5,10 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from prime_core.config.orchestrator import EvalConfig
 
 from tests.tiny import free_port
+
+MODEL = Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "model"
 
 
 def eval_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -24,7 +27,7 @@ def eval_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
 def test_no_server_is_one_line_and_fast(tmp_path):
     for url in (f"http://127.0.0.1:{free_port()}/v1", f"http://127.0.0.1:{free_port()}"):
         t0 = time.monotonic()
-        out = eval_cli("--client.base-url", url, "--output-dir", str(tmp_path), "--model.name", str(tmp_path))
+        out = eval_cli("--client.base-url", url, "--output-dir", str(tmp_path), "--model.name", str(MODEL))
         assert time.monotonic() - t0 < 60  # not the 300 s health wait
         assert out.returncode != 0
         lines = out.stderr.strip().splitlines()

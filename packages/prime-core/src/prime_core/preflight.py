@@ -1,8 +1,9 @@
 """Checks of the world a resolved config points at, run before anything loads: a mistake costs one line
 and milliseconds instead of a traceback after a model load or a minute of network retries.
 
-- ``model.name``: a name that looks like a path must exist; a hub id must be in the local HF cache or
-  downloadable (not with ``HF_HUB_OFFLINE=1``, and huggingface.co must accept a connection).
+- ``model.name``: a name that looks like a path must exist (a directory must hold ``config.json``); a hub id
+  must be in the local HF cache or downloadable (not with ``HF_HUB_OFFLINE=1``, and huggingface.co must accept
+  a connection).
 - environment ids: an installed package (or a verifiers built-in taskset) must provide each one.
 - ports: a server's port must be free before the server loads its model.
 
@@ -28,6 +29,8 @@ from pydantic import BaseModel
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 _TRUE = ("1", "true", "yes", "on")
 _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+# A model directory: Hugging Face's config.json, or Mistral's params.json (vLLM reads that format too).
+_MODEL_FILES = ("config.json", "params.json")
 
 
 class PreflightError(ValueError):
@@ -52,6 +55,10 @@ def in_hf_cache(repo_id: str, environ: dict[str, str] | None = None) -> bool:
     """Whether some revision of the model ``repo_id`` has been downloaded."""
     snapshots = hf_cache_dir(environ) / f"models--{repo_id.replace('/', '--')}" / "snapshots"
     return snapshots.is_dir() and any(snapshots.iterdir())
+
+
+def _is_model_dir(path: Path) -> bool:
+    return any((path / f).is_file() for f in _MODEL_FILES)
 
 
 def looks_like_path(name: str) -> bool:
@@ -79,7 +86,13 @@ def _hub_unreachable(environ: dict[str, str]) -> str | None:
 def check_model_name(name: str, *, network: bool = True, environ: dict[str, str] | None = None) -> str | None:
     """Why ``name`` cannot be loaded, or None. ``network``: also check that a hub id not yet downloaded can be."""
     env = dict(os.environ if environ is None else environ)
-    if Path(name).expanduser().exists():
+    path = Path(name).expanduser()
+    if path.is_dir() and not _is_model_dir(path):
+        inside = sorted(p.name for p in path.iterdir() if p.is_dir() and _is_model_dir(p))
+        inside.sort(key=lambda sub: sub != "model")  # examples/<task>/model before the others
+        hint = f" (did you mean {str(Path(name) / inside[0])!r}?)" if inside else ""
+        return f"{name!r} holds no config.json: not a model directory{hint}"
+    if path.exists():
         return None
     if looks_like_path(name):
         return f"no such directory {name!r} (hub ids look like org/name)"
