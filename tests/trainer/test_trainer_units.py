@@ -60,3 +60,14 @@ def test_settings_only_the_world_rejects_fail_in_one_line(tiny_model_dir, tmp_pa
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {key}"), proc.stderr[-2000:]
+
+
+def test_vocab_size_of_text_and_vision_language_sources():
+    """Fake data and multi-run steps read the vocabulary from the model source: VLM configs nest it in text_config."""
+    from prime_models.tiny import tiny_qwen3_vl_config
+    from prime_trainer.model import ModelSource
+
+    vl = tiny_qwen3_vl_config(vocab_size=300).to_dict()
+    assert "vocab_size" not in vl
+    assert ModelSource(hf_config=vl, tokenizer="", random_init=True).vocab_size == 300
+    assert ModelSource(hf_config={"vocab_size": 128}, tokenizer="", random_init=True).vocab_size == 128
