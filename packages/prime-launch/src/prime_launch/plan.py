@@ -353,6 +353,34 @@ def _process_specs(
     return specs
 
 
+def _process_configs(
+    rl: RLConfig,
+    inference: InferenceConfig | None,
+    orchestrator: OrchestratorConfig,
+    trainer: TrainerConfig,
+    devices: dict[str, str],
+) -> dict[str, BaseModel]:
+    """Each process's config, by process name (an orchestrator per run under ``[[runs]]``); ``devices`` gets an
+    entry per process."""
+    if rl.runs:
+        runs = [{"name": run.name, "output_dir": run.output_dir, "lr": run.lr} for run in rl.runs]
+        trainer = _update(trainer, "runs", runs)
+        roots = list(inference.server.weight_roots) if inference is not None else []
+        if roots:  # a server confined to weight roots must still read every run's adapters
+            roots += [RunDir(run.output_dir).weights for run in rl.runs]
+            inference = _update(inference, "server.weight_roots", roots)
+    configs: dict[str, BaseModel] = {}
+    if inference is not None:
+        configs["inference"] = inference
+    configs.update(run_orchestrators(rl, orchestrator))
+    configs["trainer"] = trainer
+    for name in configs:
+        devices.setdefault(name, devices[role(name)])
+    if rl.runs:
+        del devices["orchestrator"]
+    return configs
+
+
 def build_plan(
     rl: RLConfig,
     environ: Mapping[str, str] | None = None,
@@ -389,24 +417,7 @@ def build_plan(
     _assign_threads(rl, inference, place, cores, environ)
     orchestrator, api_key, health_urls = _wire(orchestrator, inference, base_urls_given)
     resume_step, trainer, orchestrator = _resume_step(rl, run_dir, trainer, orchestrator)
-
-    if rl.runs:
-        runs = [{"name": run.name, "output_dir": run.output_dir, "lr": run.lr} for run in rl.runs]
-        trainer = _update(trainer, "runs", runs)
-        roots = list(inference.server.weight_roots) if inference is not None else []
-        if roots:  # a server confined to weight roots must still read every run's adapters
-            roots += [RunDir(run.output_dir).weights for run in rl.runs]
-            inference = _update(inference, "server.weight_roots", roots)
-    configs: dict[str, BaseModel] = {}
-    if inference is not None:
-        configs["inference"] = inference
-    configs.update(run_orchestrators(rl, orchestrator))
-    configs["trainer"] = trainer
-    devices = place.devices
-    for name in configs:
-        devices.setdefault(name, devices[role(name)])
-    if rl.runs:
-        del devices["orchestrator"]
+    configs = _process_configs(rl, inference, orchestrator, trainer, place.devices)
 
     run_id = run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12]
     common_env = {"PYTHONUNBUFFERED": "1", "PRIME_RUN_ID": run_id, **rl.env_vars}
@@ -416,7 +427,7 @@ def build_plan(
         specs=_process_specs(configs, run_dir, place, common_env, environ),
         health_urls=health_urls,
         api_key=api_key,
-        devices=devices,
+        devices=place.devices,
         resume_step=resume_step,
         notes=notes,
         runs={run.name: RunDir(run.output_dir) for run in rl.runs},
