@@ -132,11 +132,10 @@ def test_server_of_another_model_is_refused(tmp_path, rl_env, server):
     base_url = f"http://127.0.0.1:{other.port}/v1"
     proc, took = rl(tmp_path / "run", rl_env, "@", str(config), "--orchestrator.client.base-urls", base_url)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    errors = [line for line in proc.stdout.splitlines() if line.startswith("error: ")]
-    assert errors == [
+    assert proc.stderr == (
         f"error: the inference server at http://127.0.0.1:{other.port} serves model 'other-model', not this run's "
-        "model.name 'tiny-model'; start it with --model.name tiny-model or train its model"
-    ], proc.stdout
+        "model.name 'tiny-model'; start it with --model.name tiny-model or train its model\n"
+    ), proc.stdout + proc.stderr
     assert "starting orchestrator and trainer" not in proc.stdout
     assert not list((tmp_path / "run" / "logs").glob("*.log")), "neither orchestrator nor trainer started"
     assert other.requests == ["GET /health"] and other.state["weight_step"] == 3, "the server was left alone"

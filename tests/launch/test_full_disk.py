@@ -66,4 +66,6 @@ def test_rl_names_the_full_disk_its_logs_cannot_hold(tmp_path, rl_env):
            str(out), "--inference.server.port", str(free_port()), "--stop-grace", "3"]  # fmt: skip
     proc = on_small_disk(out, 256, "", cmd, {**rl_env, "FAKE_FILL_DISK": "1"}, 120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"error: No space left on device (errno 28 ENOSPC): {out} has " in proc.stdout, proc.stdout
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: No space left on device (errno 28 ENOSPC): {out} has "), proc.stderr
+    assert " exited with code " in proc.stderr or " was killed by " in proc.stderr, proc.stderr

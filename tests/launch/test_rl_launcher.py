@@ -133,7 +133,8 @@ def test_failing_trainer_reports_log_tail(tmp_path, rl_env):
         rl_cmd(out), env={**rl_env, "FAKE_TRAINER_FAIL": "1"}, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 1
-    assert "error: trainer exited with code 3" in result.stdout
+    # The cause is one line on stderr; the log tail around it goes to stdout.
+    assert result.stderr == f"error: trainer exited with code 3 (log: {out / 'logs' / 'trainer.log'})\n"
     assert "Traceback: something broke in the trainer" in result.stdout
 
 

@@ -95,6 +95,11 @@ class _Console:
         self.clear()
         print(text, file=self.out, flush=True)
 
+    def error(self, text: str) -> None:
+        """The cause of a failed run: one line on stderr (the context, e.g. a log tail, goes to ``out``)."""
+        self.clear()
+        print(f"error: {text}", file=sys.stderr, flush=True)
+
     def clear(self) -> None:
         if self._drawn:
             self.out.write("\r\033[K")
@@ -206,15 +211,16 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
         console.tick()
         console.message("rl: trainer finished; stopping the other processes")
     except ProcessFailed as e:
-        console.message(e.report())
-        if note := full_disk_note(plan.run_dir.root):
-            console.message(f"error: {note}")
+        if tail := e.log_tail():
+            console.message(tail)
+        note = full_disk_note(plan.run_dir.root)  # a child that died of it could not log why
+        console.error(f"{note}; {e.cause}" if note else e.cause)
         code = 1
     except StartupFailed as e:
-        console.message(f"error: {e}")
         if "inference" in manager.procs:
             log = plan.run_dir.log_file("inference")
             console.message("\n".join([f"---- last lines of {log} ----", *tail_lines(log, 30), "----"]))
+        console.error(str(e))
         code = 1
     except Interrupted as e:
         console.message(f"rl: received {e}; stopping every process")

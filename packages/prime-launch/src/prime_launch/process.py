@@ -46,14 +46,17 @@ class ProcessFailed(RuntimeError):
         self.reason = reason or f"exited with code {returncode}"
         super().__init__(f"{name} {self.reason}")
 
-    def report(self, num_lines: int = 30) -> str:
+    @property
+    def cause(self) -> str:
+        """One line: which process ended and how, and where its log is."""
+        return f"{self.name} {self.reason} (log: {self.log_file})"
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        """The last lines of the process's log, framed ("" for an empty log)."""
         tail = tail_lines(self.log_file, num_lines)
-        lines = [f"error: {self.name} {self.reason} (log: {self.log_file})"]
-        if tail:
-            lines.append(f"---- last {len(tail)} lines of {self.log_file.name} ----")
-            lines.extend(tail)
-            lines.append("----")
-        return "\n".join(lines)
+        if not tail:
+            return ""
+        return "\n".join([f"---- last {len(tail)} lines of {self.log_file.name} ----", *tail, "----"])
 
 
 def full_disk_note(path: Path, min_free: int = 1 << 20) -> str | None:
@@ -67,7 +70,7 @@ def full_disk_note(path: Path, min_free: int = 1 << 20) -> str | None:
         return None
     if free >= min_free:
         return None
-    return f"No space left on device (errno 28 ENOSPC): {path} has {free} bytes free; its logs may be cut off"
+    return f"No space left on device (errno 28 ENOSPC): {path} has {free} bytes free (its logs may be cut off)"
 
 
 def tail_lines(path: Path, num_lines: int) -> list[str]:
