@@ -76,7 +76,9 @@ def test_tool_use_declares_its_calculator_toolset():
     from tool_use.calculator import CalculatorToolset
 
     taskset = vf.load_taskset(vf.resolve_env_config({"taskset": {"id": "tool-use"}}).taskset)
-    (toolset,) = type(taskset).task_type().toolsets(taskset.config.task)
+    # Taskset-scoped: one server per env worker, not a Python process per rollout.
+    (toolset,) = type(taskset).toolsets(taskset.config)
+    assert type(taskset).task_type().toolsets(vf.TaskConfig()) == []
     assert isinstance(toolset, CalculatorToolset) and toolset.server_name == "calculator"
     assert toolset.evaluate("1234 * 5678") == str(1234 * 5678)
     assert toolset.evaluate("import os").startswith("error:")

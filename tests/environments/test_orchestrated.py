@@ -94,14 +94,13 @@ def test_guess_number_trains_every_turn_of_the_game(server, tmp_path):
 
 def test_tool_use_calls_the_calculator_in_training_and_eval(server, tmp_path):
     env = {"id": "tool-use", "args": {"num_examples": 20}}
-    # Each rollout starts a calculator server (a Python process); verifiers gives it 180 s to come up, so a loaded
-    # 2-core host starts two at a time.
-    for m in orchestrate(tmp_path, server, env, max_concurrent=2):
+    # One calculator server per env worker serves every rollout (a taskset-scoped toolset).
+    for m in orchestrate(tmp_path, server, env, max_concurrent=8):
         assert m["reward/tool-use/mean"] == 1.0 and m["num_turns/mean"] == 2.0
     for _, mask, _ in sample_masks(tmp_path, 0):
         # sampled call, masked tool result, sampled answer
         assert len(np.flatnonzero(np.diff(mask.astype(int)))) >= 3
-    assert evaluate(tmp_path, server, env, max_concurrent=2)["reward/mean"] == 1.0
+    assert evaluate(tmp_path, server, env, max_concurrent=8)["reward/mean"] == 1.0
 
 
 def test_color_shapes_rollouts_carry_their_images_to_the_trainer(tmp_path):

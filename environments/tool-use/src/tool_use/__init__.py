@@ -9,7 +9,7 @@ from tool_use.data import SYSTEM_PROMPT, evaluate, generate_examples, parse_answ
 __version__ = "0.1.0"
 __all__ = ["ToolUseTaskset"]
 
-_LAZY = ("ToolUseTaskset", "ToolUseTask", "ToolUseData", "ToolUseConfig", "ToolUseTaskConfig")
+_LAZY = ("ToolUseTaskset", "ToolUseTask", "ToolUseData", "ToolUseConfig")
 
 
 def __getattr__(name: str):

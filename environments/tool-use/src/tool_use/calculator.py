@@ -7,7 +7,7 @@ import verifiers.v1 as vf
 from tool_use.data import evaluate
 
 
-class CalculatorToolset(vf.Toolset[vf.ToolsetConfig]):
+class CalculatorToolset(vf.Toolset[vf.SharedToolsetConfig]):
     # Tools reach the model as `calculator_<method>`.
     TOOL_PREFIX = "calculator"
 

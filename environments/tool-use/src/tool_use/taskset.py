@@ -1,4 +1,9 @@
-"""The tool-use verifiers Taskset: each task launches the calculator toolset for its rollout."""
+"""The tool-use verifiers Taskset: one calculator server per env worker, shared by its rollouts.
+
+The calculator is stateless, so it is a taskset-scoped toolset (verifiers starts it once per env worker) rather
+than a task-scoped one: a task-scoped server is a Python process per rollout, about 5 s of CPU each (importing
+verifiers), which starved a 16-core GPU host at 64 rollouts in flight.
+"""
 
 from __future__ import annotations
 
@@ -17,16 +22,7 @@ class ToolUseData(vf.TaskData):
     """Its exact integer value."""
 
 
-class ToolUseTaskConfig(vf.TaskConfig):
-    calculator: vf.ToolsetConfig = vf.ToolsetConfig()
-    """Where the calculator server runs (default: a local subprocess)."""
-
-
-class ToolUseTask(vf.Task[ToolUseData, vf.State, ToolUseTaskConfig]):
-    @classmethod
-    def toolsets(cls, config: ToolUseTaskConfig) -> list[vf.Toolset]:
-        return [CalculatorToolset(config.calculator)]
-
+class ToolUseTask(vf.Task[ToolUseData, vf.State, vf.TaskConfig]):
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
         return 1.0 if parse_answer(trace.last_reply) == int(self.data.answer) else 0.0
@@ -45,15 +41,19 @@ class ToolUseConfig(vf.TasksetConfig):
     """Digits per operand."""
     terms: int = 2
     """Operands per expression."""
-    task: ToolUseTaskConfig = ToolUseTaskConfig()
-    """Per-task knobs (the calculator's placement)."""
+    calculator: vf.SharedToolsetConfig = vf.SharedToolsetConfig()
+    """Where the shared calculator server runs (default: a local subprocess per env worker; or ``url``)."""
 
 
 class ToolUseTaskset(vf.Taskset[ToolUseTask, ToolUseConfig]):
+    @classmethod
+    def toolsets(cls, config: ToolUseConfig) -> list[vf.Toolset]:
+        return [CalculatorToolset(config.calculator)]
+
     def load(self) -> Iterable[ToolUseTask]:
         c = self.config
         for ex in generate_examples(c.num_examples, c.seed, c.digits, c.terms):
             data = ToolUseData(
                 prompt=ex["prompt"], system_prompt=SYSTEM_PROMPT, expression=ex["expression"], answer=ex["answer"]
             )
-            yield ToolUseTask(data, c.task)
+            yield ToolUseTask(data)
