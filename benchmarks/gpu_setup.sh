@@ -12,6 +12,8 @@ set -euo pipefail
 cat /tmp/stage/p* > /tmp/w.tar
 mkdir -p /tmp/w && tar xf /tmp/w.tar -C /tmp/w
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/w/*.whl dist-gpu/*.whl
+# Byte-compile as a normal pip install does: every env worker and tool server is a fresh Python process.
+python3 -m compileall -q -j 16 /tmp/site > /dev/null 2>&1 || true
 cat > /tmp/prime-env.sh <<'ENV'
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
