@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
 import json
+import sys
 
 import httpx
 from verifiers.v1.clients import ModelContext
@@ -16,6 +20,33 @@ from verifiers.v1.trace import Trace
 
 class PrimeChatHarnessConfig(NullHarnessConfig):
     pass
+
+
+# What verifiers' chat program imports beyond the stdlib (its PEP 723 header; all are verifiers' own dependencies).
+PROGRAM_DEPENDENCIES = ("openai", "mcp", "httpx", "tenacity", "certifi", "anyio")
+
+
+@functools.cache
+def interpreter_runs_program() -> bool:
+    """Whether this interpreter can run verifiers' chat program as it is (no uv environment needed)."""
+    return all(importlib.util.find_spec(name) is not None for name in PROGRAM_DEPENDENCIES)
+
+
+class InterpreterRuntime:
+    """A local rollout runtime whose uv scripts run with this interpreter: the script is written to the runtime's
+    working directory and started as ``python script.py``. Everything else is the wrapped runtime's."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    def __getattr__(self, name: str):
+        return getattr(self._runtime, name)
+
+    async def prepare_uv_script(self, script: str | bytes, env: dict[str, str] | None = None, *, activate: bool = True):
+        data = script.encode() if isinstance(script, str) else script
+        path = f".prime-chat-{hashlib.sha256(data).hexdigest()[:16]}.py"
+        await self._runtime.write(path, data)
+        return [sys.executable, path]
 
 
 class PrimeChatHarness(NullHarness):
@@ -37,7 +68,10 @@ class PrimeChatHarness(NullHarness):
         tool_interception_url: str | None = None,
     ) -> ProgramResult:
         if mcp_urls:
-            await NullHarness.setup(self, runtime)
+            if runtime.type == "subprocess" and runtime.user is None and interpreter_runs_program():
+                runtime = InterpreterRuntime(runtime)
+            else:
+                await NullHarness.setup(self, runtime)
             return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url)
         system_prompt, prompt = self.resolve_prompt(data)
         messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
