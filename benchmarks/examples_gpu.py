@@ -26,39 +26,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 EXAMPLES = ["reverse_text", "arithmetic", "guess_number", "tool_use", "code"]
-QWEN3_SPECIALS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
-    "</tool_response>", "<think>", "</think>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
-]  # fmt: skip
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def full_vocab_tokenizer(vocab_size: int = 151936):
     """A byte-level BPE with Qwen3's special tokens, padded with filler tokens to exactly ``vocab_size``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from prime_models.tiny import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIAL_TOKENS, byte_bpe_tokenizer
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
     words = ["reverse", "the", "text", "answer", "what", "is", "guess", "number", "def", "return", "tool", "result"]
     corpus = [" ".join(rng.choice(words) + str(rng.randint(0, 9999)) for _ in range(12)) for _ in range(2000)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=2000, special_tokens=QWEN3_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(corpus, trainer)
-    data = json.loads(tok.to_str())
+    small = byte_bpe_tokenizer(corpus, QWEN_VL_SPECIAL_TOKENS, chat_template=QWEN_VL_CHAT_TEMPLATE, vocab_size=2000)
+    data = json.loads(small.backend_tokenizer.to_str())
     vocab = data["model"]["vocab"]
     for i in range(vocab_size - len(vocab)):  # no merge produces them: reachable only by sampling
         vocab[f"<fill{i}>"] = len(vocab)
     tok = Tokenizer.from_str(json.dumps(data))
     assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_VL_CHAT_TEMPLATE
     )
 
 
