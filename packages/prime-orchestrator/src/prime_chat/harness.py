@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import importlib.util
 import json
 import sys
+import weakref
 
 import httpx
 from verifiers.v1.clients import ModelContext
@@ -30,6 +32,20 @@ PROGRAM_DEPENDENCIES = ("openai", "mcp", "httpx", "tenacity", "certifi", "anyio"
 def interpreter_runs_program() -> bool:
     """Whether this interpreter can run verifiers' chat program as it is (no uv environment needed)."""
     return all(importlib.util.find_spec(name) is not None for name in PROGRAM_DEPENDENCIES)
+
+
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+
+
+def interception_client() -> httpx.AsyncClient:
+    """The event loop's one client for model calls: building a client loads the CA bundle (several ms of CPU), which
+    was half of an env worker's CPU when each turn built its own. No pool limit: the env's concurrency bounds it."""
+    loop = asyncio.get_running_loop()
+    client = _clients.get(loop)
+    if client is None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        client = _clients[loop] = httpx.AsyncClient(timeout=None, limits=limits)
+    return client
 
 
 class InterpreterRuntime:
@@ -81,12 +97,9 @@ class PrimeChatHarness(NullHarness):
             messages += [message_to_wire(m) for m in prompt]
         body = {"model": ctx.model, "messages": messages}
         try:
-            async with httpx.AsyncClient(timeout=None) as client:
-                resp = await client.post(
-                    endpoint.rstrip("/") + "/chat/completions",
-                    json=body,
-                    headers={"Authorization": f"Bearer {secret}"},
-                )
+            resp = await interception_client().post(
+                endpoint.rstrip("/") + "/chat/completions", json=body, headers={"Authorization": f"Bearer {secret}"}
+            )
         except httpx.TransportError as e:
             return ProgramResult(MODEL_TRANSPORT_ERROR_EXIT_CODE, "", f"{type(e).__name__}: {e}")
         if resp.status_code >= 400:
