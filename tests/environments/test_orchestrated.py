@@ -95,7 +95,7 @@ def test_guess_number_trains_every_turn_of_the_game(server, tmp_path):
 def test_tool_use_calls_the_calculator_in_training_and_eval(server, tmp_path, monkeypatch):
     env = {"id": "tool-use", "args": {"num_examples": 20}}
     # As on a GPU node without internet: no uv on PATH and no package index. verifiers' own null harness would
-    # bootstrap uv and sync its chat program's dependencies there; prime-chat runs it with the env's interpreter.
+    # bootstrap uv and sync its chat program's dependencies there; prime-chat runs the program's loop in-process.
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     # One calculator server per env worker serves every rollout (a taskset-scoped toolset).

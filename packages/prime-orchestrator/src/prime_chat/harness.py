@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import functools
-import hashlib
-import importlib.util
 import json
-import sys
+import traceback
 import weakref
+from typing import Any
 
 import httpx
 from verifiers.v1.clients import ModelContext
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.errors import MODEL_TRANSPORT_ERROR_EXIT_CODE
 from verifiers.v1.harnesses.null import NullHarness, NullHarnessConfig
+from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
 from verifiers.v1.runtimes import ProgramResult, Runtime
 from verifiers.v1.task import TaskData
 from verifiers.v1.trace import Trace
@@ -24,22 +26,13 @@ class PrimeChatHarnessConfig(NullHarnessConfig):
     pass
 
 
-# What verifiers' chat program imports beyond the stdlib (its PEP 723 header; all are verifiers' own dependencies).
-PROGRAM_DEPENDENCIES = ("openai", "mcp", "httpx", "tenacity", "certifi", "anyio")
-
-
-@functools.cache
-def interpreter_runs_program() -> bool:
-    """Whether this interpreter can run verifiers' chat program as it is (no uv environment needed)."""
-    return all(importlib.util.find_spec(name) is not None for name in PROGRAM_DEPENDENCIES)
-
-
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
 
 
 def interception_client() -> httpx.AsyncClient:
-    """The event loop's one client for model calls: building a client loads the CA bundle (several ms of CPU), which
-    was half of an env worker's CPU when each turn built its own. No pool limit: the env's concurrency bounds it."""
+    """The event loop's one client for model and tool-gate calls: building a client loads the CA bundle (several ms
+    of CPU), which was half of an env worker's CPU when each turn built its own. No pool limit: the env's
+    concurrency bounds it."""
     loop = asyncio.get_running_loop()
     client = _clients.get(loop)
     if client is None:
@@ -48,29 +41,30 @@ def interception_client() -> httpx.AsyncClient:
     return client
 
 
-class InterpreterRuntime:
-    """A local rollout runtime whose uv scripts run with this interpreter: the script is written to the runtime's
-    working directory and started as ``python script.py``. Everything else is the wrapped runtime's."""
+@functools.cache
+def chat_program() -> dict[str, Any]:
+    """verifiers' ``null`` chat program (its utils modules bundled into one script), loaded once per process as a
+    namespace. Its ``__main__`` guard stays inert; we call its chat loop, MCP client and compactor directly."""
+    namespace: dict[str, Any] = {"__name__": "prime_chat.chat_program"}
+    exec(compile(CHAT_PROGRAM_SOURCE, "<verifiers null chat program>", "exec"), namespace)  # noqa: S102
+    return namespace
 
-    def __init__(self, runtime: Runtime) -> None:
-        self._runtime = runtime
 
-    def __getattr__(self, name: str):
-        return getattr(self._runtime, name)
-
-    async def prepare_uv_script(self, script: str | bytes, env: dict[str, str] | None = None, *, activate: bool = True):
-        data = script.encode() if isinstance(script, str) else script
-        path = f".prime-chat-{hashlib.sha256(data).hexdigest()[:16]}.py"
-        await self._runtime.write(path, data)
-        return [sys.executable, path]
+def initial_messages(system_prompt: str | None, prompt: Any) -> list[dict]:
+    messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    if isinstance(prompt, str):
+        messages.append({"role": "user", "content": prompt})
+    elif prompt is not None:
+        messages += [message_to_wire(m) for m in prompt]
+    return messages
 
 
 class PrimeChatHarness(NullHarness):
-    """``null`` with the tool-less loop in-process; every model call still goes through the interception endpoint,
-    so the trace records it exactly as it would the program's."""
+    """``null`` run inside the env server: the same chat loop, every model call through the interception endpoint,
+    so the trace records each exactly as it would the program's."""
 
     async def setup(self, runtime: Runtime) -> None:
-        """Nothing to provision until an episode needs the program (it has tool servers)."""
+        """Nothing to provision: episodes on a local runtime launch no program."""
 
     async def launch(
         self,
@@ -83,18 +77,19 @@ class PrimeChatHarness(NullHarness):
         data: TaskData,
         tool_interception_url: str | None = None,
     ) -> ProgramResult:
-        if mcp_urls:
-            if runtime.type == "subprocess" and runtime.user is None and interpreter_runs_program():
-                runtime = InterpreterRuntime(runtime)
-            else:
-                await NullHarness.setup(self, runtime)
-            return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url)
         system_prompt, prompt = self.resolve_prompt(data)
-        messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        if isinstance(prompt, str):
-            messages.append({"role": "user", "content": prompt})
-        elif prompt is not None:
-            messages += [message_to_wire(m) for m in prompt]
+        messages = initial_messages(system_prompt, prompt)
+        if not mcp_urls:
+            return await self.tool_less_turn(ctx, endpoint, secret, messages)
+        if runtime.type != "subprocess":  # tool servers may only be reachable from inside the runtime
+            await NullHarness.setup(self, runtime)
+            return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url)
+        return await self.tool_loop(ctx, endpoint, secret, mcp_urls, messages, tool_interception_url)
+
+    async def tool_less_turn(
+        self, ctx: ModelContext, endpoint: str, secret: str, messages: list[dict]
+    ) -> ProgramResult:
+        """One model call, no tools: the whole episode turn (a multi-turn ``Env`` calls launch once per turn)."""
         body = {"model": ctx.model, "messages": messages}
         try:
             resp = await interception_client().post(
@@ -106,3 +101,40 @@ class PrimeChatHarness(NullHarness):
             return ProgramResult(1, "", f"model call failed ({resp.status_code}): {resp.text[:2000]}")
         message = resp.json()["choices"][0]["message"]
         return ProgramResult(0, json.dumps(message.get("content") or ""), "")
+
+    async def tool_loop(
+        self,
+        ctx: ModelContext,
+        endpoint: str,
+        secret: str,
+        mcp_urls: dict[str, str],
+        messages: list[dict],
+        tool_interception_url: str | None,
+    ) -> ProgramResult:
+        """verifiers' chat loop with MCP tools, as its program's ``main`` runs it, in this process: a program per
+        rollout cost a Python start and its imports (about a second of CPU), which bounded tool-use rollouts by
+        the host's cores rather than by the model."""
+        program = chat_program()
+        client = program["AsyncOpenAI"](
+            base_url=endpoint,
+            api_key=secret,
+            timeout=httpx.Timeout(None, connect=5.0),
+            http_client=interception_client(),
+        )
+        args = argparse.Namespace(
+            api_key=secret, tool_interception_url=tool_interception_url or "", bash=False, edit=False, search=False
+        )
+        mcp_config = {"mcpServers": {name: {"url": url, "timeout": self.config.tool_timeout}
+                                     for name, url in mcp_urls.items()}}  # fmt: skip
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                tools, dispatch, servers = await asyncio.wait_for(program["connect_mcp"](mcp_config, stack), 60)
+                compactor = program["Compactor"](client, ctx.model, tools, False, None)
+                compactor.note_good(messages)
+                gate = interception_client() if tool_interception_url else None
+                await program["run_chat_loop"](args, compactor, messages, dispatch, servers, gate)
+        except SystemExit as e:  # the program's exit on a model transport error
+            return ProgramResult(int(e.code or 0), "", traceback.format_exc())
+        except Exception:
+            return ProgramResult(1, "", traceback.format_exc())
+        return ProgramResult(0, "", "")
