@@ -4,6 +4,8 @@ engine's (tests/inference/surface_cases.py), plus prime's token-in and admin rou
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 
 import httpx
 import pytest
@@ -21,22 +23,24 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     model_dir = save_surface_model(tmp_path_factory.mktemp("surface") / "model")
-    server = start_server(
-        model_dir,
-        engine="vllm",
-        max_model_len=1024,
-        server={"served_model_name": "m"},
-        enable_auto_tool_choice=True,
-        tool_call_parser="hermes",
-        reasoning_parser="qwen3",
-        # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there by default).
-        vllm={
+    settings = {
+        "max_model_len": 1024,
+        "server": {"served_model_name": "m"},
+        "enable_auto_tool_choice": True,
+        "tool_call_parser": "hermes",
+        "reasoning_parser": "qwen3",
+        "model": {"name": str(model_dir), "dtype": "float32"},
+        "vllm": {
             "gpu_memory_utilization": 0.3,
             "enforce_eager": True,
+            # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there).
             "extra_args": ["--structured-outputs-config", '{"enable_in_reasoning": true}'],
-        },  # fmt: skip
-        startup_timeout=600,
-    )
+        },
+    }
+    # A host's own engine settings as JSON, e.g. '{"model": {"dtype": "bfloat16"}}'; dict-valued keys merge.
+    for key, value in json.loads(os.environ.get("PRIME_TEST_VLLM_OVERRIDES") or "{}").items():
+        settings[key] = {**settings[key], **value} if isinstance(value, dict) else value
+    server = start_server(model_dir, engine="vllm", startup_timeout=600, **settings)
     server.tokenizer = build_surface_tokenizer()
     yield server
     server.stop()
