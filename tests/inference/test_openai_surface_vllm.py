@@ -29,7 +29,8 @@ def vllm_server(tmp_path_factory):
         "enable_auto_tool_choice": True,
         "tool_call_parser": "hermes",
         "reasoning_parser": "qwen3",
-        "model": {"name": str(model_dir), "dtype": "float32"},
+        # bf16 as served: vLLM 0.26's V2 model runner hits an illegal memory access warming up an fp32 model (H100).
+        "model": {"name": str(model_dir), "dtype": "bfloat16"},
         "vllm": {
             "gpu_memory_utilization": 0.3,
             "enforce_eager": True,
