@@ -1,14 +1,15 @@
 """OpenAI-client checks of vLLM's behaviour that run unchanged against either engine on a real (random) model: the
 torch engine on CPU in test_openai_surface.py, vLLM on a GPU in test_openai_surface_vllm.py.
 
-`check_forced_tool_call_and_reasoning` forces the output with a one-choice grammar (the markers' single tokens
-favoured with logit_bias) and runs on vLLM only, with the xgrammar backend: llguidance (the torch engine's grammar
-library, and vLLM's "auto" choice) counts added tokens such as ``<think>`` as special, so its grammars cannot emit
-them; on CPU the fixed-text test engine covers the same responses."""
+`check_forced_tool_call_and_reasoning` forces the output with a one-string grammar (the markers' single tokens
+favoured with logit_bias) and runs on vLLM only (llguidance, its default backend, emits the markers' added tokens
+through token references; the torch engine's grammars take no token references); on CPU the fixed-text test engine
+covers the same responses."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 
@@ -30,7 +31,12 @@ def marker_bias(tokenizer) -> dict[str, float]:
 
 
 def forced(text: str, tokenizer) -> dict:
-    return {"structured_outputs": {"choice": [text]}, "logit_bias": marker_bias(tokenizer)}
+    """A one-string Lark grammar in which each marker is its token (``<[id]>``, llguidance's token reference): as
+    text, llguidance would refuse the added token that spells it."""
+    pattern = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")
+    parts = [f"<[{tokenizer.convert_tokens_to_ids(p)}]>" if p in MARKERS else json.dumps(p)
+             for p in pattern.split(text) if p]  # fmt: skip
+    return {"structured_outputs": {"grammar": "start: " + " ".join(parts)}, "logit_bias": marker_bias(tokenizer)}
 
 
 def check_forced_tool_call_and_reasoning(client, model: str, tokenizer) -> None:

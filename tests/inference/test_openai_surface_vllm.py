@@ -34,9 +34,8 @@ def vllm_server(tmp_path_factory):
         "vllm": {
             "gpu_memory_utilization": 0.3,
             "enforce_eager": True,
-            # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there);
-            # xgrammar, as "auto" (llguidance) cannot emit added tokens such as <think> (surface_cases).
-            "extra_args": ["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_reasoning": true}'],
+            # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there).
+            "extra_args": ["--structured-outputs-config", '{"enable_in_reasoning": true}'],
         },
     }
     # A host's own engine settings as JSON, e.g. '{"model": {"dtype": "bfloat16"}}'; dict-valued keys merge.
