@@ -35,7 +35,11 @@ def vllm_server(tmp_path_factory):
             "gpu_memory_utilization": 0.3,
             "enforce_eager": True,
             # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there).
-            "extra_args": ["--structured-outputs-config", '{"enable_in_reasoning": true}'],
+            # vLLM 0.26 takes disable_any_whitespace from here only (a request's own field is ignored).
+            "extra_args": [
+                "--structured-outputs-config",
+                '{"enable_in_reasoning": true, "disable_any_whitespace": true}',
+            ],
         },
     }
     # A host's own engine settings as JSON, e.g. '{"model": {"dtype": "bfloat16"}}'; dict-valued keys merge.
