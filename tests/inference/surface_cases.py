@@ -1,10 +1,8 @@
 """OpenAI-client checks of vLLM's behaviour that run unchanged against either engine on a real (random) model: the
 torch engine on CPU in test_openai_surface.py, vLLM on a GPU in test_openai_surface_vllm.py.
 
-`check_forced_tool_call_and_reasoning` forces the output with a one-string grammar (the markers' single tokens
-favoured with logit_bias) and runs on vLLM only (llguidance, its default backend, emits the markers' added tokens
-through token references; the torch engine's grammars take no token references); on CPU the fixed-text test engine
-covers the same responses."""
+`check_forced_tool_call_and_reasoning` forces the output with a one-string Lark grammar (llguidance on both
+engines) in which the markers are token references, favoured with logit_bias."""
 
 from __future__ import annotations
 

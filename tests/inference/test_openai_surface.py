@@ -194,6 +194,11 @@ def test_tokenize_routes_and_admin_paths(plain):
     assert r.headers["X-Weight-Step"] == "0"
 
 
+def test_forced_tool_call_and_reasoning_on_a_real_model(real):
+    # the same check as on vLLM: a Lark grammar with token references forces the think block and the call
+    cases.check_forced_tool_call_and_reasoning(client(real), "m", real.tokenizer)
+
+
 def test_structured_outputs_on_a_real_model(real):
     cases.check_structured_outputs(client(real), "m")
     r = httpx.post(f"{real.url}/v1/generate", json={"token_ids": [5, 6], "sampling_params": {
