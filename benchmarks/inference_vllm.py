@@ -338,6 +338,9 @@ def parity(llm, groups: list[dict], served: list[dict], vllm_outs: list, teacher
             worst = max(
                 worst, max(abs(a - b) for a, b in zip(s["logprobs"], first_entries(o.outputs[0].logprobs), strict=True))
             )
+    same_sampling = {"same_token_sequences": same, "of": len(served), "max_abs_diff": worst}
+    if teacher <= 0:
+        return {"vs_vllm_logprobs0": same_sampling}
     sp = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     pick = list(range(0, len(groups), max(1, len(groups) // teacher)))[:teacher]
     prompts = [{"prompt_token_ids": groups[i]["prompt"] + served[i]["token_ids"]} for i in pick]
@@ -347,7 +350,7 @@ def parity(llm, groups: list[dict], served: list[dict], vllm_outs: list, teacher
         ref = first_entries(o.prompt_logprobs)[len(groups[i]["prompt"]) :]
         diffs += [abs(a - b) for a, b in zip(served[i]["logprobs"], ref, strict=True)]
     return {
-        "vs_vllm_logprobs0": {"same_token_sequences": same, "of": len(served), "max_abs_diff": worst},
+        "vs_vllm_logprobs0": same_sampling,
         "vs_vllm_prompt_logprobs": {"sequences": len(pick), "tokens": len(diffs), "max_abs_diff": max(diffs),
                                     "mean_abs_diff": sum(diffs) / len(diffs)},
     }  # fmt: skip
@@ -416,7 +419,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (both runs)")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--profile", type=float, default=0, help="seconds of py-spy profile of the server (0: none)")
-    parser.add_argument("--teacher", type=int, default=64, help="sequences checked against vLLM's prompt log-probs")
+    parser.add_argument(
+        "--teacher", type=int, default=64, help="sequences checked against vLLM's prompt log-probs (0: none)"
+    )
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--engine", default="vllm", help="server engine (torch: a CPU smoke test of this script)")
     parser.add_argument("--skip-server", action="store_true")
