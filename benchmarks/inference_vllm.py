@@ -11,7 +11,8 @@ change greedy output; then, all requests in flight and ``ignore_eos``, output to
 * ``groups``: the orchestrator's pattern, N/G prompts x G rollouts, each request with its own seed, log-probs on;
 * ``turn2``: a multi-turn continuation of ``groups`` (prompt = turn-1 prompt + its completion + E env tokens);
 * ``groups_httpx``: ``groups`` sent through httpx, the orchestrator's client (aiohttp otherwise);
-* ``--profile S``: py-spy over the server and its engine core for S seconds of a repeat of ``logprobs``.
+* ``--profile S``: py-spy over the server and its engine core for S seconds of a repeat of ``--profile-phase``.
+``--vllm-server``: the same bodies to `vllm serve`'s own /inference/v1/generate (the HTTP peer, same engine flags).
 Then vLLM offline (`LLM`, same engine settings and weights), the same sets: no log-probs, ``logprobs=0`` (vLLM's
 defaults; seeded too), ``logprobs=0, detokenize=False, flat_logprobs=True``; groups and turn 2 with and without
 log-probs. Parity: the server's ``groups`` log-probs against vLLM's ``logprobs=0`` on the same seeded requests
@@ -212,7 +213,7 @@ def wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> dict:
         with contextlib.suppress(httpx.HTTPError):
             r = httpx.get(f"{url}/health", timeout=2)
             if r.status_code == 200:
-                return r.json()
+                return r.json() if r.content else {}  # vLLM's own /health has an empty body
         if server.poll() is not None:
             raise RuntimeError(f"server exited during startup (rc={server.returncode})")
         time.sleep(1)
@@ -279,9 +280,32 @@ def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path
                 server.pid,
                 args.profile,
                 out_dir,
-                lambda: run_server_phase(url, sets["logprobs"])[0],
+                lambda: run_server_phase(url, sets[args.profile_phase])[0],
                 "inference_vllm_profile",
             )
+    finally:
+        stop_server(server)
+
+
+def vllm_server_phases(base: Path, sets: dict, args, result: dict) -> None:
+    """The HTTP peer: vLLM's own `vllm serve` with the same engine flags, its /inference/v1/generate (vLLM's defaults:
+    detokenized log-probs as dicts), the same request bodies. Request logging off, as on our server."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(base), "--port", str(port), "--seed", "0",
+           "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.prompts),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--logprobs-mode", "processed_logprobs",
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--disable-uvicorn-access-log"]  # fmt: skip
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    t = time.perf_counter()
+    server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        wait_healthy(url, server, args.startup_timeout)
+        result["stages_s"]["vllm_server_start"] = time.perf_counter() - t
+        run_server_phase(url, sets["logprobs"][:16])  # warm-up
+        for name in ("logprobs", "no_logprobs", "groups"):
+            result["vllm_server"][name], _ = run_server_phase(url, sets[name])
     finally:
         stop_server(server)
 
@@ -422,6 +446,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--teacher", type=int, default=64, help="sequences checked against vLLM's prompt log-probs (0: none)"
     )
+    parser.add_argument("--profile-phase", default="logprobs", choices=("logprobs", "no_logprobs"))
+    parser.add_argument("--vllm-server", action="store_true", help="also measure `vllm serve` (the HTTP peer)")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--engine", default="vllm", help="server engine (torch: a CPU smoke test of this script)")
     parser.add_argument("--skip-server", action="store_true")
@@ -447,7 +473,7 @@ def main() -> None:
     result: dict = {
         "benchmark": "inference_vllm", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "commit": args.commit or git.stdout.strip(), "config": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "stages_s": {}, "server": {}, "offline": {},
+        "stages_s": {}, "server": {}, "vllm_server": {}, "offline": {},
     }  # fmt: skip
     try:
         t = time.perf_counter()
@@ -471,6 +497,9 @@ def main() -> None:
                 if args.stop_on_server_error:
                     raise
             out.write_text(json.dumps(result, indent=2) + "\n")
+        if args.vllm_server:
+            vllm_server_phases(base, sets, args, result)
+            out.write_text(json.dumps(result, indent=2) + "\n")
         if not args.skip_offline:
             offline_phases(other, sets, args, result)
     except BaseException as e:
@@ -483,7 +512,8 @@ def main() -> None:
             result["vllm"] = vllm.__version__
         result["targets"] = ratios(result)
         out.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps({k: result.get(k) for k in ("server", "offline", "targets", "logprob_parity")}, indent=2))
+        shown = ("server", "vllm_server", "offline", "targets", "logprob_parity")
+        print(json.dumps({k: result.get(k) for k in shown}, indent=2))
         print(f"wrote {out}")
 
 

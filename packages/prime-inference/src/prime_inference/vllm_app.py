@@ -4,9 +4,11 @@ token-in generate and admin routers, the way prime-rl extends vLLM's app. Every 
 `prime_inference.engines.vllm_engine`.
 
 vLLM's ``build_app`` needs the engine's supported tasks and model config, which exist only once the engine is up,
-so the app served is a shell: its lifespan starts the engine, builds vLLM's app for it, initialises vLLM's state
-(``init_app_state``) and mounts it. Our routers go in front of vLLM's, so ``/health``, ``/inference/v1/generate``,
-``/v1/load_lora_adapter``, ``/pause`` and ``/resume`` are prime's (one engine, one set of adapters and weight steps).
+so the app served is prime's own: it declares the token-in and admin routes, and its lifespan starts the engine,
+builds vLLM's app for it, initialises vLLM's state (``init_app_state``) and mounts it under every other path. So
+``/health``, ``/inference/v1/generate``, ``/v1/load_lora_adapter``, ``/pause`` and ``/resume`` are prime's (one engine,
+one set of adapters and weight steps), and the rollout route does not pass through vLLM's middleware (CORS, scaling,
+Prometheus instrumentation), a per-request cost that cut the server's throughput by 30% on an H100 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prime_core.config.inference import InferenceConfig
 
 from prime_inference.routes import admin, generate
 from prime_inference.server import EngineFactory, add_common, start_engine
+from prime_inference.serving import FastJSONResponse
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +58,7 @@ class EngineAdapters(Mapping):
         return len(self.engine.lora_requests())
 
 
-def _put_in_front(app: FastAPI, *routers: Any) -> None:
-    first = len(app.router.routes)
-    for router in routers:
-        app.include_router(router)
-    ours = app.router.routes[first:]
-    del app.router.routes[first:]
-    app.router.routes[:0] = ours
-
-
-async def _vllm_app(config: InferenceConfig, args: Namespace, shell: FastAPI) -> FastAPI:
+async def _vllm_app(args: Namespace, shell: FastAPI) -> FastAPI:
     from vllm.entrypoints.openai import api_server
 
     engine = shell.state.prime.engine
@@ -73,13 +67,7 @@ async def _vllm_app(config: InferenceConfig, args: Namespace, shell: FastAPI) ->
     tasks = await engine.llm.get_supported_tasks()
     app = api_server.build_app(args, tasks, engine.llm.model_config)
     await api_server.init_app_state(engine.llm, app.state, args, tasks)
-    app.state.prime = shell.state.prime
     app.state.openai_serving_models.lora_requests = EngineAdapters(engine)
-    _put_in_front(app, generate.router, admin.router)
-    # vLLM's app has built its middleware stack by now (Starlette then refuses new middleware: seen on an H100 with
-    # vLLM 0.26); dropping it makes Starlette rebuild it, ours included, on the first request.
-    app.middleware_stack = None
-    add_common(app, config)
     return app
 
 
@@ -90,11 +78,16 @@ def build_vllm_app(config: InferenceConfig, engine_factory: EngineFactory) -> Fa
     async def lifespan(shell: FastAPI):
         shell.state.prime = await start_engine(config, engine_factory)
         try:
-            app = await _vllm_app(config, args, shell)
+            app = await _vllm_app(args, shell)
             shell.mount("/", app)
             async with app.router.lifespan_context(app):
                 yield
         finally:
             await shell.state.prime.engine.shutdown()
 
-    return FastAPI(title="prime inference (vLLM)", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    shell = FastAPI(title="prime inference (vLLM)", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                    default_response_class=FastJSONResponse)  # fmt: skip
+    for router in (generate.router, admin.router):
+        shell.include_router(router)
+    add_common(shell, config)
+    return shell
