@@ -35,10 +35,11 @@ def vllm_server(tmp_path_factory):
             "gpu_memory_utilization": 0.3,
             "enforce_eager": True,
             # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there).
-            # vLLM 0.26 takes disable_any_whitespace from here only (a request's own field is ignored).
+            # vLLM 0.26 takes disable_any_whitespace from here only (a request's own field is ignored), and only with
+            # a named backend; guidance (llguidance) is the one that takes token references in Lark grammars.
             "extra_args": [
                 "--structured-outputs-config",
-                '{"enable_in_reasoning": true, "disable_any_whitespace": true}',
+                '{"backend": "guidance", "enable_in_reasoning": true, "disable_any_whitespace": true}',
             ],
         },
     }
