@@ -257,7 +257,8 @@ def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path
            "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(work / "run"),
            "--max-model-len", str(args.max_model_len), "--vllm.max-num-seqs", str(args.prompts),
            "--vllm.gpu-memory-utilization", str(args.gpu_memory_utilization), "--log.level", "warning",
-           "--vllm.extra-args", json.dumps(["--max-num-batched-tokens", str(args.max_num_batched_tokens)])]  # fmt: skip
+           "--vllm.extra-args",
+           json.dumps(["--max-num-batched-tokens", str(args.max_num_batched_tokens), *args.engine_args])]  # fmt: skip
     if args.enforce_eager:
         cmd.append("--vllm.enforce-eager")
     t = time.perf_counter()
@@ -295,7 +296,8 @@ def vllm_server_phases(base: Path, sets: dict, args, result: dict) -> None:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(base), "--port", str(port), "--seed", "0",
            "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.prompts),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--logprobs-mode", "processed_logprobs",
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--disable-uvicorn-access-log"]  # fmt: skip
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--disable-uvicorn-access-log",
+           *args.engine_args]  # fmt: skip
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     t = time.perf_counter()
@@ -448,6 +450,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--profile-phase", default="logprobs", choices=("logprobs", "no_logprobs"))
     parser.add_argument("--vllm-server", action="store_true", help="also measure `vllm serve` (the HTTP peer)")
+    parser.add_argument(
+        "--engine-args", type=json.loads, default=[], help="JSON list of `vllm serve` flags for both servers"
+    )
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--engine", default="vllm", help="server engine (torch: a CPU smoke test of this script)")
     parser.add_argument("--skip-server", action="store_true")
