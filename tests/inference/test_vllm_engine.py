@@ -50,6 +50,9 @@ def test_vllm_cli_args_pass_options_through():
                  f"--worker-extension-cls {WORKER_EXTENSION_CLS}", "--logprobs-mode processed_logprobs"):  # fmt: skip
         assert part in joined
     assert args[-2:] == ["--kv-cache-dtype", "fp8"]
+    assert "--disable-log-stats" in args  # vLLM's per-step statistics cost rollout throughput (vllm.log_stats)
+    with_stats = config.model_copy(update={"vllm": config.vllm.model_copy(update={"log_stats": True})})
+    assert "--disable-log-stats" not in vllm_cli_args(with_stats)
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")

@@ -73,6 +73,9 @@ class VllmConfig(BaseConfig):
     """Run engine cores only, without an API server (secondary DP nodes)."""
     enforce_eager: bool = False
     """Disable CUDA graphs."""
+    log_stats: bool = False
+    """vLLM's per-step engine statistics (its Prometheus ``/metrics`` and periodic throughput log lines). Off by
+    default, unlike ``vllm serve``: on an H100 they cost 22-27% of rollout throughput (docs/benchmarks.md)."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Maximum number of sequences per engine step; unset keeps vLLM's default."""
     enable_prefix_caching: bool | None = None

@@ -62,6 +62,8 @@ def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[st
         args += ["--data-parallel-rpc-port", str(v.data_parallel_rpc_port)]
     if v.enforce_eager:
         args.append("--enforce-eager")
+    if not v.log_stats:
+        args.append("--disable-log-stats")
     if v.max_num_seqs is not None:
         args += ["--max-num-seqs", str(v.max_num_seqs)]
     if v.enable_prefix_caching is not None:
