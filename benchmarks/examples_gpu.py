@@ -3,8 +3,9 @@
     python benchmarks/examples_gpu.py --gpus 1 [--examples tool_use code ...] [--max-steps 5] --out DIR
 
 The configs name hub models; this host has no hub access, so each run overrides `--model.name` with a random-init
-Qwen3-0.6B-shaped model whose tokenizer has Qwen3's full vocabulary (151,936 tokens) and its special tokens (so the
-`qwen3` renderer, tool-call parsing and the vocabulary-sized log-softmax are what a real run pays). The tokenizer is
+model of the config's shape whose tokenizer has Qwen3's full vocabulary (151,936 tokens) and its special tokens (so the
+`qwen3` renderer, tool-call parsing and the vocabulary-sized log-softmax are what a real run pays): Qwen3-0.6B, and
+for color_shapes Qwen3-VL-2B (`benchmarks/models/qwen3-vl-2b/config.json`, with Qwen3-VL's image preprocessing). The tokenizer is
 a byte-level BPE trained on a few lines of text, padded with unreachable filler tokens to the vocabulary size: any
 text encodes, and the LM head samples over all 151,936 ids. `--gpus 1` hides every GPU but the first (inference and
 trainer colocate, docs/scaling.md#one-gpu). Writes <out>/examples_gpu_<n>gpu.json: per example the step wall times
@@ -25,7 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-EXAMPLES = ["reverse_text", "arithmetic", "guess_number", "tool_use", "code"]
+EXAMPLES = ["reverse_text", "arithmetic", "guess_number", "tool_use", "code", "color_shapes"]
+VISION_EXAMPLES = {"color_shapes"}
+VL_SHAPE = ROOT / "benchmarks" / "models" / "qwen3-vl-2b" / "config.json"
+VISION_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+                 "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}  # fmt: skip
 
 
 def full_vocab_tokenizer(vocab_size: int = 151936):
@@ -47,6 +52,46 @@ def full_vocab_tokenizer(vocab_size: int = 151936):
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN_VL_CHAT_TEMPLATE
     )
+
+
+def vl_model_config(tokenizer) -> object:
+    """Qwen3-VL-2B's shape with this tokenizer's vocabulary size and special ids."""
+    from transformers import Qwen3VLConfig
+
+    shape = json.loads(VL_SHAPE.read_text())
+    text = {**shape["text_config"], "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKENS.items()}
+    config = Qwen3VLConfig(text_config=text, vision_config=shape["vision_config"],
+                           tie_word_embeddings=shape["tie_word_embeddings"], **ids)  # fmt: skip
+    config.eos_token_id = tokenizer.eos_token_id
+    return config
+
+
+def save_vl_model(path: Path, tokenizer_dir: Path) -> dict:
+    """A random-init bf16 Qwen3-VL-2B-shaped model, the tokenizer, and Qwen3-VL-2B-Instruct's image and video
+    preprocessing (16-pixel patches, merge 2, images of 256x256 to 4096x4096 pixels), as vLLM's processor reads it."""
+    import torch
+    from prime_core.vision import ImageProcessor
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = vl_model_config(tokenizer)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    images = ImageProcessor(patch_size=16, merge_size=2, min_pixels=256 * 256, max_pixels=4096 * 4096).to_dict()
+    (path / "preprocessor_config.json").write_text(json.dumps({**images, "processor_class": "Qwen3VLProcessor"}))
+    video = {**images, "video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+             "fps": 2, "min_frames": 4, "max_frames": 768, "do_sample_frames": True}  # fmt: skip
+    del video["image_processor_type"]
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video))
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    return {"params": params, "vocab_size": len(tokenizer)}
 
 
 def run_example(name: str, model_dir: Path, work: Path, args: argparse.Namespace) -> dict:
@@ -92,21 +137,23 @@ def main() -> None:
     from weight_update_gpu import save_model
 
     work = Path(os.environ.get("PRIME_EXAMPLES_GPU_DIR", "/tmp/prime-examples-gpu"))
-    tokenizer_dir, model_dir = work / "tokenizer", work / "model"
-    if not (model_dir / "config.json").is_file():
+    tokenizer_dir, model_dir, vl_model_dir = work / "tokenizer", work / "model", work / "vl-model"
+    if not (tokenizer_dir / "tokenizer.json").is_file():
         full_vocab_tokenizer(args.vocab).save_pretrained(tokenizer_dir)
-        model = save_model(model_dir, "0.6b", tokenizer_dir=str(tokenizer_dir))
-    else:
-        model = {"reused": str(model_dir)}
+    models = {}
+    if not (model_dir / "config.json").is_file() and set(args.examples) - VISION_EXAMPLES:
+        models["Qwen3-0.6B"] = save_model(model_dir, "0.6b", tokenizer_dir=str(tokenizer_dir))
+    if not (vl_model_dir / "config.json").is_file() and set(args.examples) & VISION_EXAMPLES:
+        models["Qwen3-VL-2B"] = save_vl_model(vl_model_dir, tokenizer_dir)
     out = args.out / f"examples_gpu_{args.gpus}gpu.json"
     report = json.loads(out.read_text()) if out.is_file() else {"results": {}}
     report.update(
         benchmark="examples_rl_gpu", device=torch.cuda.get_device_name(0), gpus=args.gpus, commit=args.commit,
-        vocab_size=args.vocab, max_steps=args.max_steps, model={"shape": "Qwen3-0.6B", "init": "random", **model},
+        vocab_size=args.vocab, max_steps=args.max_steps, models={"init": "random", "built": models},
     )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.examples:
-        entry = run_example(name, model_dir, work, args)
+        entry = run_example(name, vl_model_dir if name in VISION_EXAMPLES else model_dir, work, args)
         report["results"][name] = entry
         print(json.dumps(entry), flush=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
