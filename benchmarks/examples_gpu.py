@@ -5,9 +5,9 @@
 The configs name hub models; this host has no hub access, so each run overrides `--model.name` with a random-init
 model of the config's shape whose tokenizer has Qwen3's full vocabulary (151,936 tokens) and its special tokens (so the
 `qwen3` renderer, tool-call parsing and the vocabulary-sized log-softmax are what a real run pays): Qwen3-0.6B, and
-for color_shapes Qwen3-VL-2B (`benchmarks/models/qwen3-vl-2b/config.json`, with Qwen3-VL's image preprocessing). The tokenizer is
-a byte-level BPE trained on a few lines of text, padded with unreachable filler tokens to the vocabulary size: any
-text encodes, and the LM head samples over all 151,936 ids. `--gpus 1` hides every GPU but the first (inference and
+for color_shapes Qwen3-VL-2B (`benchmarks/models/qwen3-vl-2b/config.json`, with Qwen3-VL's image preprocessing).
+The tokenizer is a byte-level BPE trained on a few lines of text, padded with unreachable filler tokens to the
+vocabulary size: any text encodes, and the LM head samples over all 151,936 ids. `--gpus 1` hides every GPU but the first (inference and
 trainer colocate, docs/scaling.md#one-gpu). Writes <out>/examples_gpu_<n>gpu.json: per example the step wall times
 (from metrics.jsonl, as benchmarks/rl_gpu.py reads them), trainer and rollout times, rewards and the exit code.
 """

@@ -8,7 +8,7 @@ so the app served is prime's own: it declares the token-in and admin routes, and
 builds vLLM's app for it, initialises vLLM's state (``init_app_state``) and mounts it under every other path. So
 ``/health``, ``/inference/v1/generate``, ``/v1/load_lora_adapter``, ``/pause`` and ``/resume`` are prime's (one engine,
 one set of adapters and weight steps), and the rollout route does not pass through vLLM's middleware (CORS, scaling,
-Prometheus instrumentation), a per-request cost that cut the server's throughput by 30% on an H100 (docs/benchmarks.md).
+Prometheus instrumentation) on every request.
 """
 
 from __future__ import annotations

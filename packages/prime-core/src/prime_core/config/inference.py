@@ -75,7 +75,7 @@ class VllmConfig(BaseConfig):
     """Disable CUDA graphs."""
     log_stats: bool = False
     """vLLM's per-step engine statistics (its Prometheus ``/metrics`` and periodic throughput log lines). Off by
-    default, unlike ``vllm serve``: on an H100 they cost 22-27% of rollout throughput (docs/benchmarks.md)."""
+    default, unlike ``vllm serve``: on H100s the server ran 28-37% faster without them (docs/benchmarks.md)."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Maximum number of sequences per engine step; unset keeps vLLM's default."""
     enable_prefix_caching: bool | None = None
