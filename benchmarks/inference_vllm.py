@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 from pyspy_profile import profile_during
+from server_process import free_port, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -96,12 +96,6 @@ def save_model(path: Path, seed: int, tokenizer, args: argparse.Namespace) -> No
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request_sets(vocab: int, args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -203,34 +197,6 @@ def served_logprobs(choice: dict) -> list[float]:
     if len(content) != len(choice["token_ids"]):
         raise RuntimeError(f"{len(content)} log-probs for {len(choice['token_ids'])} tokens")
     return [c["logprob"] for c in content]
-
-
-def wait_healthy(url: str, server: subprocess.Popen, timeout: float) -> dict:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            r = httpx.get(f"{url}/health", timeout=2)
-            if r.status_code == 200:
-                return r.json() if r.content else {}  # vLLM's own /health has an empty body
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited during startup (rc={server.returncode})")
-        time.sleep(1)
-    raise RuntimeError(f"server not healthy after {timeout:.0f}s")
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    """SIGTERM the server, then kill its whole process group (vLLM's engine-core processes included)."""
-    import signal
-
-    if server.poll() is None:
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=60)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(server.pid, signal.SIGKILL)
-    server.wait(timeout=30)
 
 
 def check_server(url: str, prompt: list[int], other: Path, result: dict) -> None:
