@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from pyspy_profile import profile_during
-from server_process import free_port, stop_server, wait_healthy
+from serve_load import free_port, post_all, request_body, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -137,47 +137,6 @@ def summary(elapsed: float, completions: list[list[int]]) -> dict:
 # ---------------------------------------------------------------- our server
 
 
-def request_body(r: dict) -> bytes:
-    import msgspec
-
-    sp = {"max_tokens": r["max_tokens"], "ignore_eos": True}
-    if r["seed"] is not None:
-        sp["seed"] = r["seed"]
-    if r.get("logprobs") is not None:
-        sp["logprobs"] = r["logprobs"]
-    return msgspec.json.encode({"token_ids": r["prompt"], "sampling_params": sp})
-
-
-async def post_all(url: str, bodies: list[bytes], client: str) -> tuple[float, list[float], list[bytes]]:
-    """POST every body at once: (elapsed, each response's arrival time from the start, response bodies).
-    aiohttp by default: httpx's pool costs the client seconds at 512 connections (the orchestrator's client)."""
-    target, headers = f"{url}/inference/v1/generate", {"content-type": "application/json"}
-    if client == "httpx":
-        import httpx
-
-        limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
-        session = httpx.AsyncClient(timeout=3600, limits=limits)
-
-        async def one(body: bytes) -> tuple[float, bytes]:
-            r = (await session.post(target, content=body, headers=headers)).raise_for_status()
-            return time.perf_counter(), r.content
-    else:
-        import aiohttp
-
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(3600))
-
-        async def one(body: bytes) -> tuple[float, bytes]:
-            async with session.post(target, data=body, headers=headers, raise_for_status=True) as r:
-                data = await r.read()
-            return time.perf_counter(), data
-
-    async with session:
-        start = time.perf_counter()
-        done = await asyncio.gather(*[one(b) for b in bodies])
-        elapsed = time.perf_counter() - start
-    return elapsed, [t - start for t, _ in done], [d for _, d in done]
-
-
 def run_server_phase(url: str, requests: list[dict], client: str = "aiohttp") -> tuple[dict, list[dict]]:
     import msgspec
 
@@ -216,23 +175,34 @@ def check_server(url: str, prompt: list[int], other: Path, result: dict) -> None
     print("update_weights:", json.dumps(result["update_weights"]), flush=True)
 
 
-def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path, args, result: dict) -> None:
+def start_prime_server(model: Path, work: Path, args, result: dict, stage: str, *extra: str):
+    """`inference --engine vllm` on ``model`` with the benchmark's engine settings; (process, url) once healthy."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", args.engine, "--model.name", str(base),
-           "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(work / "run"),
+    cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", args.engine, "--model.name", str(model),
+           "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(work / stage),
            "--max-model-len", str(args.max_model_len), "--vllm.max-num-seqs", str(args.prompts),
            "--vllm.gpu-memory-utilization", str(args.gpu_memory_utilization), "--log.level", "warning",
            "--vllm.extra-args",
            json.dumps(["--max-num-batched-tokens", str(args.max_num_batched_tokens), *args.engine_args])]  # fmt: skip
     if args.enforce_eager:
         cmd.append("--vllm.enforce-eager")
+    cmd += extra
     t = time.perf_counter()
     server = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        health = wait_healthy(url, server, args.startup_timeout)
+    except BaseException:
+        stop_server(server)
+        raise
+    result["stages_s"][stage + "_start"] = time.perf_counter() - t
+    return server, url, health
+
+
+def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path, args, result: dict) -> None:
+    server, url, result["health"] = start_prime_server(base, work, args, result, "server")
     phases = result["server"]
     try:
-        result["health"] = wait_healthy(url, server, args.startup_timeout)
-        result["stages_s"]["server_start"] = time.perf_counter() - t
         check_server(url, sets["logprobs"][0]["prompt"], other, result)
         run_server_phase(url, sets["logprobs"][:16])  # warm-up
         for name in ("logprobs", "no_logprobs", "groups"):
@@ -250,6 +220,21 @@ def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path
                 lambda: run_server_phase(url, sets[args.profile_phase])[0],
                 "inference_vllm_profile",
             )
+    finally:
+        stop_server(server)
+
+
+def tap_phases(other: Path, sets: dict, work: Path, args, result: dict) -> None:
+    """Our server again, on the updated weights, with ``vllm.fast_token_logprobs``: the log-prob sets."""
+    server, url, _ = start_prime_server(other, work, args, result, "server_tap", "--vllm.fast-token-logprobs")
+    try:
+        run_server_phase(url, sets["logprobs"][:16])  # warm-up
+        for name in ("logprobs", "groups", "turn2"):
+            result["server_tap"][name], choices = run_server_phase(url, sets[name])
+            if name == "groups":
+                sets["groups_served_tap"] = [
+                    {"token_ids": c["token_ids"], "logprobs": served_logprobs(c)} for c in choices
+                ]
     finally:
         stop_server(server)
 
@@ -369,8 +354,9 @@ def offline_phases(other: Path, sets: dict, args: argparse.Namespace, result: di
     if "turn2" in sets:
         phases["turn2_no_logprobs"], _ = run_offline_phase(llm, sets["turn2"], logprobs=None)
         phases["turn2"], _ = run_offline_phase(llm, sets["turn2"])
-    if "groups_served" in sets:
-        result["logprob_parity"] = parity(llm, sets["groups"], sets["groups_served"], group_outs, args.teacher)
+    for served, key in (("groups_served", "logprob_parity"), ("groups_served_tap", "logprob_parity_tap")):
+        if served in sets:
+            result[key] = parity(llm, sets["groups"], sets[served], group_outs, args.teacher)
 
 
 def ratios(result: dict) -> dict:
@@ -386,10 +372,11 @@ def ratios(result: dict) -> dict:
         "vllm_flat_nodetok_vs_vllm_no_logprobs": ("vllm:logprobs_flat_nodetok", "no_logprobs"),
     }  # fmt: skip
     out = {}
-    for name, (a, b) in pairs.items():
-        num = o.get(a.removeprefix("vllm:")) if a.startswith("vllm:") else s.get(a)
-        if num and o.get(b):
-            out[name] = num["output_tok_per_s"] / o[b]["output_tok_per_s"]
+    for prefix, served in (("", s), ("tap_", result.get("server_tap", {}))):  # tap_: vllm.fast_token_logprobs
+        for name, (a, b) in pairs.items():
+            num = o.get(a.removeprefix("vllm:")) if a.startswith("vllm:") else served.get(a)
+            if num and o.get(b) and not (prefix and a.startswith("vllm:")):
+                out[prefix + name] = num["output_tok_per_s"] / o[b]["output_tok_per_s"]
     return out
 
 
@@ -416,6 +403,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--profile-phase", default="logprobs", choices=("logprobs", "no_logprobs"))
     parser.add_argument("--vllm-server", action="store_true", help="also measure `vllm serve` (the HTTP peer)")
+    parser.add_argument("--tap", action="store_true", help="also our server with vllm.fast_token_logprobs")
     parser.add_argument(
         "--engine-args", type=json.loads, default=[], help="JSON list of `vllm serve` flags for both servers"
     )
@@ -444,7 +432,7 @@ def main() -> None:
     result: dict = {
         "benchmark": "inference_vllm", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "commit": args.commit or git.stdout.strip(), "config": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "stages_s": {}, "server": {}, "vllm_server": {}, "offline": {},
+        "stages_s": {}, "server": {}, "server_tap": {}, "vllm_server": {}, "offline": {},
     }  # fmt: skip
     try:
         t = time.perf_counter()
@@ -468,6 +456,9 @@ def main() -> None:
                 if args.stop_on_server_error:
                     raise
             out.write_text(json.dumps(result, indent=2) + "\n")
+        if args.tap and "turn2" in sets:
+            tap_phases(other, sets, work, args, result)
+            out.write_text(json.dumps(result, indent=2) + "\n")
         if args.vllm_server:
             vllm_server_phases(base, sets, args, result)
             out.write_text(json.dumps(result, indent=2) + "\n")
@@ -483,7 +474,7 @@ def main() -> None:
             result["vllm"] = vllm.__version__
         result["targets"] = ratios(result)
         out.write_text(json.dumps(result, indent=2) + "\n")
-        shown = ("server", "vllm_server", "offline", "targets", "logprob_parity")
+        shown = ("server", "server_tap", "vllm_server", "offline", "targets", "logprob_parity", "logprob_parity_tap")
         print(json.dumps({k: result.get(k) for k in shown}, indent=2))
         print(f"wrote {out}")
 

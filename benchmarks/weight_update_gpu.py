@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from server_process import free_port, stop_server, wait_healthy  # noqa: E402
+from serve_load import free_port, stop_server, wait_healthy  # noqa: E402
 
 SHAPES = {
     "0.6b": {},

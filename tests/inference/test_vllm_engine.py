@@ -99,3 +99,44 @@ def test_vllm_serves_updates_and_reloads(model_dir, other_weights_dir):
         assert time.perf_counter() - start < 30
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
+def test_vllm_fast_token_logprobs_equal_vllms_own(model_dir):
+    """vllm.fast_token_logprobs: the tapped values (``logprobs: 0``) equal what vLLM returns for the same seeded
+    request through its own path (``logprobs: 1``: the sampled token's entry), alone and in a full batch."""
+    import asyncio
+
+    server = start_server(
+        model_dir,
+        engine="vllm",
+        model={"name": str(model_dir), "dtype": "bfloat16"},
+        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True, "fast_token_logprobs": True},
+        startup_timeout=600,
+    )
+
+    def body(seed: int, k: int) -> dict:
+        sp = {"max_tokens": 24, "temperature": 1.0, "seed": seed, "logprobs": k, "ignore_eos": True}
+        return {"token_ids": [5, 6, 7, 8 + seed % 50], "sampling_params": sp}
+
+    async def burst(bodies: list[dict]) -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            posts = [client.post(f"{server.url}/inference/v1/generate", json=b) for b in bodies]
+            return [r.json()["choices"][0] for r in await asyncio.gather(*posts)]
+
+    try:
+        assert httpx.get(f"{server.url}/health").json()["fast_token_logprobs"]
+        for seed in range(3):  # one at a time: the same batch for both, so the same tokens and values
+            tapped, own = (asyncio.run(burst([body(seed, k)]))[0] for k in (0, 1))
+            assert tapped["token_ids"] == own["token_ids"]
+            values = [c["logprob"] for c in tapped["logprobs"]["content"]]
+            expected = [c["logprob"] for c in own["logprobs"]["content"]]
+            assert values == pytest.approx(expected, abs=1e-5)
+        # A full batch, tapped requests mixed with requests that keep vLLM's tensors in the same steps.
+        choices = asyncio.run(burst([body(seed, seed % 2) for seed in range(64)]))
+        for c in choices:
+            assert len(c["logprobs"]["content"]) == len(c["token_ids"]) == 24
+            assert all(-50 < e["logprob"] <= 0 for e in c["logprobs"]["content"])
+    finally:
+        server.stop()

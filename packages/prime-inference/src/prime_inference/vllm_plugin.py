@@ -36,6 +36,21 @@ class PrimeWorkerExtension:
         """Proves the extension is mixed in and whether the general plugin ran in this worker process."""
         return {"general_plugin": plugin_registered(), "pid": os.getpid()}
 
+    def prime_install_token_logprobs(self) -> bool:
+        """Hook the sampled-log-prob tap into this worker's model runner (`prime_inference.token_logprobs`); False
+        where the runner cannot be tapped (vLLM's V1 runner, speculative decoding, a pipeline rank that does not
+        sample)."""
+        from prime_inference.token_logprobs import SampledLogprobTap
+
+        if getattr(self, "_prime_tap", None) is None:
+            self._prime_tap = SampledLogprobTap.install(self.model_runner)  # type: ignore[attr-defined]
+        return self._prime_tap is not None
+
+    def prime_take_token_logprobs(self, request_ids: list[str]) -> dict[str, Any]:
+        """The tapped (positions, token ids, log-probs) of these requests, forgotten here once handed over."""
+        tap = getattr(self, "_prime_tap", None)
+        return {} if tap is None else tap.take(request_ids)
+
     def prime_reload_weights(self, weights_path: str) -> None:
         """Layerwise in-place reload from an HF directory (or the base model id) via vLLM's own reload.
 

@@ -3,7 +3,8 @@
 vLLM is extended through its seams, not forked:
 * engine options: ``[vllm]`` config keys and ``vllm.extra_args`` go through vLLM's own argument parser;
 * a worker extension (`prime_inference.vllm_plugin.PrimeWorkerExtension`, passed as ``worker_extension_cls``)
-  adds worker-side RPCs (plugin liveness, STABLE-checked reload, a weight checksum for tests);
+  adds worker-side RPCs (plugin liveness, STABLE-checked reload, a weight checksum for tests) and, with
+  ``vllm.fast_token_logprobs``, the sampled-log-prob tap (`prime_inference.token_logprobs`);
 * the ``vllm.general_plugins`` entry point (`prime_inference.vllm_plugin.register`) runs in every vLLM process;
 * weight updates from a directory use vLLM's native layerwise reload (``collective_rpc("reload_weights",
   kwargs={"weights_path": dir})``); NCCL broadcast from trainer rank 0 uses vLLM's native weight-transfer engine
@@ -27,6 +28,7 @@ from prime_core.schemas.weights import BroadcastManifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.protocol import RequestError
+from prime_inference.token_logprobs import TAP_FLAG, TapFetcher, align
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +164,7 @@ class VllmEngine(Engine):
         # name -> (vLLM LoRARequest, weight step); a name keeps its int id across in-place reloads.
         self._adapters: dict[str, tuple[Any, int | None]] = {}
         self._next_lora_id = 1
+        self._tap: TapFetcher | None = None
 
     @property
     def info(self) -> EngineInfo:
@@ -173,7 +176,7 @@ class VllmEngine(Engine):
             weight_step=self.weight_step,
             weight_dir=self.weight_dir,
             paused=self._paused,
-            extra={"vllm_plugin": self._plugin},
+            extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None},
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
 
@@ -188,13 +191,30 @@ class VllmEngine(Engine):
         self._plugin = {"workers": len(replies), "loaded": all(r.get("general_plugin") for r in replies)}
         if not self._plugin["loaded"]:
             logger.warning("prime's vllm.general_plugins entry point did not run in every worker: %s", replies)
+        if self.config.vllm.fast_token_logprobs:
+            await self._install_tap()
         for name, path in self.config.lora.adapters.items():
             await self.load_adapter(name, path, None)
+
+    async def _install_tap(self) -> None:
+        if self.config.vllm.data_parallel_size > 1:
+            logger.warning("vllm.fast_token_logprobs: off with data parallelism (a request's values live on one of "
+                           "several engines); using vLLM's log-probs")  # fmt: skip
+            return
+        if not all(await self.llm.collective_rpc("prime_install_token_logprobs")):
+            logger.warning("vllm.fast_token_logprobs: the model runner cannot be tapped (vLLM's V1 runner or "
+                           "speculative decoding); using vLLM's log-probs")  # fmt: skip
+            return
+
+        async def take(request_ids: list[str]) -> list[dict[str, Any]]:
+            return await self.llm.collective_rpc("prime_take_token_logprobs", args=(request_ids,))
+
+        self._tap = TapFetcher(take)
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
 
-    def _sampling_params(self, request: EngineRequest) -> Any:
+    def _sampling_params(self, request: EngineRequest, tapped: bool) -> Any:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         p = request.params
@@ -216,11 +236,15 @@ class VllmEngine(Engine):
             # The server detokenizes; vLLM only needs text to match stop strings.
             detokenize=bool(p.stop),
             skip_special_tokens=True,
+            extra_args={TAP_FLAG: True} if tapped else None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        params = self._sampling_params(request)
+        k = request.params.logprobs
+        # The tap serves what RL sends: the sampled tokens' log-probs alone, in one response per request.
+        tapped = self._tap is not None and k == 0 and not request.stream
+        params = self._sampling_params(request, tapped)
         prompt = {"prompt_token_ids": list(request.prompt_ids)}
         if request.multimodal is not None:
             prompt = request.multimodal.vllm_prompt(list(request.prompt_ids))
@@ -230,14 +254,31 @@ class VllmEngine(Engine):
             if request.lora_name not in self._adapters:
                 raise RequestError(f"LoRA adapter {request.lora_name!r} was unloaded", status_code=404, param="model")
             lora = self._adapters[request.lora_name][0]
-        k = request.params.logprobs
-        async for result in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
-            out = result.outputs[0]
-            logprobs = top = None
-            if k is not None and out.logprobs is not None:
-                logprobs, top = split_logprobs(out.token_ids, out.logprobs, k)
-            finish = out.finish_reason if result.finished else None
-            yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
+        taken = False
+        try:
+            async for result in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
+                out = result.outputs[0]
+                logprobs = top = None
+                if tapped and result.finished:
+                    taken = True
+                    logprobs = await self._tapped_logprobs(request, out)
+                elif k is not None and out.logprobs is not None:
+                    logprobs, top = split_logprobs(out.token_ids, out.logprobs, k)
+                finish = out.finish_reason if result.finished else None
+                yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
+        finally:
+            if tapped and not taken:  # aborted: the worker forgets what it collected
+                self._tap.forget(request.request_id)  # type: ignore[union-attr]
+
+    async def _tapped_logprobs(self, request: EngineRequest, out: Any) -> list[float]:
+        assert self._tap is not None
+        values = align(await self._tap.take(request.request_id), len(request.prompt_ids), out.token_ids)
+        if values is not None:
+            return values
+        # A step the tap did not file (it leaves vLLM's tensors in place then): vLLM's own values, if complete.
+        if out.logprobs is not None and len(out.logprobs) == len(out.token_ids):
+            return split_logprobs(out.token_ids, out.logprobs, 0)[0]
+        raise RuntimeError(f"sampled log-probs missing for request {request.request_id}")
 
     async def _forget_old_weights(self) -> None:
         """Cached prefixes and vision-encoder outputs were computed with the old weights. vLLM's worker-side reload

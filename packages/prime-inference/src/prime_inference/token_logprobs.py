@@ -1,0 +1,185 @@
+"""Sampled-token log-probs out of vLLM's worker in bulk, not per step and per request (``vllm.fast_token_logprobs``).
+
+RL asks for one float per generated token: the sampled token's log-prob (``logprobs: 0``). vLLM computes it on the
+GPU for almost nothing, then carries it through a path built for top-k objects: every engine step slices three
+arrays per request, serializes them to the API process, which turns them into Python lists again. At 512 requests
+in flight that host work, not the kernels, costs a third of the throughput (docs/benchmarks.md, "Where the time
+goes"). With this option:
+
+* the worker (`SampledLogprobTap`, installed by `PrimeWorkerExtension.prime_install_token_logprobs`) copies each
+  step's sampled log-probs, token ids and positions to the host in one transfer and files them by request;
+* when every request of a step that asked for log-probs is a tapped one, it drops vLLM's log-prob tensors from the
+  step's output, so the scheduler, the IPC and the API process handle none;
+* when a request finishes, the engine fetches its values with one ``collective_rpc`` for all requests that
+  finished together (`TapFetcher`) and aligns them to the output tokens by position (`align`).
+
+The values are the ones vLLM's own ``logprobs=0`` returns (same sampler call, same ``logprobs_mode``). Positions
+make the result independent of chunked prefill (no sample), a preemption that samples a position again (the last
+value wins) and async scheduling (a token sampled after the stop is past the output and ignored). Only vLLM's V2
+model runner without speculative decoding is tapped; otherwise the engine keeps vLLM's own path.
+
+Torch and numpy are imported where used: the API process imports this module for `TapFetcher` and `align`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+TAP_FLAG = "prime_token_logprobs"
+"""Key in ``SamplingParams.extra_args`` that marks a request whose sampled log-probs the worker tap collects."""
+NO_LOGPROBS = -1  # vLLM's marker for "this request asked for no log-probs" in its sampling states
+
+Entries = tuple[list[int], list[int], list[float]]
+"""(positions in the whole sequence, sampled token ids, log-probs) collected for one request."""
+
+
+def external_id(internal_id: str) -> str:
+    """vLLM 0.26 runs request ``rid`` as ``f"{rid}-{8 random characters}"``; the API process knows ``rid``."""
+    return internal_id.rsplit("-", 1)[0]
+
+
+class SampledLogprobTap:
+    """Worker-side collector, hooked into a V2 model runner's ``sampler.add_request`` and ``sample``."""
+
+    def __init__(self, max_num_reqs: int, sampling_states: Any, token_ids_state: Any):
+        import numpy as np
+
+        self.tapped = np.zeros(max_num_reqs, dtype=bool)  # by vLLM's request slot
+        self.sampling_states = sampling_states
+        self.token_ids_state = token_ids_state
+        self.pending: deque[tuple[list[str], Any, Any, Any]] = deque()
+        self.entries: dict[str, Entries] = {}
+
+    @classmethod
+    def install(cls, runner: Any) -> SampledLogprobTap | None:
+        """Hook ``runner`` (vLLM's V2 ``GPUModelRunner``); None where the model runner is not one we can tap."""
+        sampler = getattr(runner, "sampler", None)
+        if (
+            sampler is None
+            or not getattr(runner, "is_last_pp_rank", False)
+            or getattr(runner, "speculator", None) is not None
+            or not hasattr(sampler, "sampling_states")
+            or not hasattr(sampler, "logprob_token_ids_state")
+        ):
+            return None
+        tap = cls(runner.max_num_reqs, sampler.sampling_states, sampler.logprob_token_ids_state)
+        add_request, sample = sampler.add_request, runner.sample
+
+        def add_request_tapped(req_idx: int, prompt_len: int, sampling_params: Any) -> None:
+            add_request(req_idx, prompt_len, sampling_params)
+            tap.tapped[req_idx] = bool((sampling_params.extra_args or {}).get(TAP_FLAG))
+
+        def sample_tapped(hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
+            result = sample(hidden_states, input_batch, grammar_output)
+            tap.after_sample(result[0], input_batch)
+            return result
+
+        sampler.add_request = add_request_tapped
+        runner.sample = sample_tapped
+        return tap
+
+    def after_sample(self, output: Any, input_batch: Any) -> None:
+        """File this step's values (copy started, read later) and drop vLLM's tensors when nobody else needs them."""
+        import torch
+
+        self.drain(block=False)
+        lt = output.logprobs_tensors
+        n = input_batch.num_reqs
+        if lt is None or output.num_sampled is None or lt.logprobs.shape[0] != n:
+            return
+        slots = input_batch.idx_mapping_np[:n]
+        tapped = self.tapped[slots]
+        if not tapped.any():
+            return
+        columns = (lt.logprobs[:, 0], lt.logprob_token_ids[:, 0], input_batch.seq_lens[:n], output.num_sampled[:n])
+        packed = torch.stack([c.to(torch.float64) for c in columns])  # exact for ids and positions below 2**53
+        host = packed.to("cpu", non_blocking=True)
+        event = None
+        if packed.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((list(input_batch.req_ids[:n]), tapped, host, event))
+        wanted = self.sampling_states.num_logprobs[slots] != NO_LOGPROBS
+        if not (wanted & ~tapped).any() and self.token_ids_state.max_num_token_ids(slots) == 0:
+            output.logprobs_tensors = None
+
+    def drain(self, block: bool) -> None:
+        """File every copied step (``block``: wait for the copies still in flight)."""
+        while self.pending:
+            req_ids, tapped, host, event = self.pending[0]
+            if event is not None:
+                if not block and not event.query():
+                    return
+                event.synchronize()
+            self.pending.popleft()
+            values, tokens, positions, sampled = host.tolist()
+            for i, rid in enumerate(req_ids):
+                if tapped[i] and sampled[i] > 0:  # a partial prefill chunk samples nothing
+                    pos, tok, val = self.entries.setdefault(external_id(rid), ([], [], []))
+                    pos.append(int(positions[i]))
+                    tok.append(int(tokens[i]))
+                    val.append(values[i])
+
+    def take(self, request_ids: Sequence[str]) -> dict[str, Entries]:
+        """Hand over (and forget) what was collected for these requests."""
+        self.drain(block=True)
+        return {rid: self.entries.pop(rid) for rid in request_ids if rid in self.entries}
+
+
+def align(entries: Entries | None, prompt_len: int, token_ids: Sequence[int]) -> list[float] | None:
+    """The log-prob of each output token, or None unless every token has one collected for exactly that token."""
+    if entries is None:
+        return None
+    n = len(token_ids)
+    values: list[float | None] = [None] * n
+    sampled: list[int | None] = [None] * n
+    for pos, tok, val in zip(*entries, strict=True):
+        j = pos - prompt_len
+        if 0 <= j < n:
+            values[j], sampled[j] = val, tok
+    if sampled != list(token_ids):
+        return None
+    return values  # type: ignore[return-value]
+
+
+class TapFetcher:
+    """Fetches the tapped values of requests that finish together with one worker RPC.
+
+    ``rpc(request_ids)`` returns one ``{request id: Entries}`` per worker (tensor-parallel ranks collect the same
+    values; the first reply that has a request wins).
+    """
+
+    def __init__(self, rpc: Callable[[list[str]], Awaitable[list[dict[str, Entries]]]]):
+        self.rpc = rpc
+        self.waiting: dict[str, asyncio.Future[Entries | None]] = {}
+        self.flush_task: asyncio.Task | None = None
+
+    async def take(self, request_id: str) -> Entries | None:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[request_id] = future
+        if self.flush_task is None:
+            self.flush_task = asyncio.create_task(self.flush())
+        return await future
+
+    def forget(self, request_id: str) -> None:
+        """Make the worker drop an aborted request's values (nobody waits for them)."""
+        task = asyncio.ensure_future(self.take(request_id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def flush(self) -> None:
+        await asyncio.sleep(0)  # requests finished by the same engine output land before the RPC goes out
+        batch, self.waiting, self.flush_task = self.waiting, {}, None
+        try:
+            replies = await self.rpc(list(batch))
+        except Exception as e:  # every waiter sees the failure, none hangs
+            for future in batch.values():
+                if not future.done():
+                    future.set_exception(e)
+            return
+        for rid, future in batch.items():
+            found = next((r[rid] for r in replies if rid in r), None)
+            if not future.done():
+                future.set_result(found)
