@@ -24,6 +24,7 @@ Torch and numpy are imported where used: the API process imports this module for
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -52,6 +53,8 @@ class SampledLogprobTap:
         self.token_ids_state = token_ids_state
         self.pending: deque[tuple[list[str], Any, Any, Any]] = deque()
         self.entries: dict[str, Entries] = {}
+        # vLLM 0.26 runs sampling and RPCs on one thread per worker; the lock keeps the tap right if that changes.
+        self.lock = threading.Lock()
 
     @classmethod
     def install(cls, runner: Any) -> SampledLogprobTap | None:
@@ -85,7 +88,8 @@ class SampledLogprobTap:
         """File this step's values (copy started, read later) and drop vLLM's tensors when nobody else needs them."""
         import torch
 
-        self.drain(block=False)
+        with self.lock:
+            self.drain(block=False)
         lt = output.logprobs_tensors
         n = input_batch.num_reqs
         if lt is None or output.num_sampled is None or lt.logprobs.shape[0] != n:
@@ -101,13 +105,14 @@ class SampledLogprobTap:
         if packed.is_cuda:
             event = torch.cuda.Event()
             event.record()
-        self.pending.append((list(input_batch.req_ids[:n]), tapped, host, event))
+        with self.lock:
+            self.pending.append((list(input_batch.req_ids[:n]), tapped, host, event))
         wanted = self.sampling_states.num_logprobs[slots] != NO_LOGPROBS
         if not (wanted & ~tapped).any() and self.token_ids_state.max_num_token_ids(slots) == 0:
             output.logprobs_tensors = None
 
     def drain(self, block: bool) -> None:
-        """File every copied step (``block``: wait for the copies still in flight)."""
+        """File every copied step (``block``: wait for the copies still in flight). Call with the lock held."""
         while self.pending:
             req_ids, tapped, host, event = self.pending[0]
             if event is not None:
@@ -125,8 +130,9 @@ class SampledLogprobTap:
 
     def take(self, request_ids: Sequence[str]) -> dict[str, Entries]:
         """Hand over (and forget) what was collected for these requests."""
-        self.drain(block=True)
-        return {rid: self.entries.pop(rid) for rid in request_ids if rid in self.entries}
+        with self.lock:
+            self.drain(block=True)
+            return {rid: self.entries.pop(rid) for rid in request_ids if rid in self.entries}
 
 
 def align(entries: Entries | None, prompt_len: int, token_ids: Sequence[int]) -> list[float] | None:
