@@ -62,12 +62,29 @@ def assert_serving(sandbox: SandboxClient) -> None:
     assert_no_sandbox_processes()
 
 
-def assert_no_sandbox_processes(grace_s: float = 5.0) -> None:
+def _dying(pid: int) -> bool:
+    """Killed and on its way out: a SIGKILL pending, or the kernel already exiting it (PF_EXITING)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        flags = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[6])
+    except (OSError, IndexError, ValueError):
+        return True  # gone while we looked
+    pending = {
+        k: int(v, 16) for k, v in (line.split(":\t") for line in status.splitlines()) if k in ("SigPnd", "ShdPnd")
+    }
+    return bool(flags & 0x4) or any(mask & (1 << 8) for mask in pending.values())
+
+
+def assert_no_sandbox_processes(grace_s: float = 10.0, dying_grace_s: float = 30.0) -> None:
     """No process of the pool is alive. A process killed by a signal (PDEATHSIG when its supervisor is killed)
-    is torn down asynchronously, after the pool saw the result pipe close: it gets a moment to go."""
-    deadline = time.monotonic() + grace_s
-    while (pids := sandbox_pids()) and time.monotonic() < deadline:
+    is torn down asynchronously, after the pool saw the result pipe close: it gets a moment to go, and longer while
+    the kernel is visibly tearing it down (on a loaded 2-core host that took more than 5 s)."""
+    start = time.monotonic()
+    while (pids := sandbox_pids()) and time.monotonic() - start < grace_s:
         time.sleep(0.05)
+    while pids and all(_dying(pid) for pid in pids) and time.monotonic() - start < grace_s + dying_grace_s:
+        time.sleep(0.1)
+        pids = sandbox_pids()
     assert not pids, [_describe(pid) for pid in pids]
 
 

@@ -50,7 +50,7 @@ def sft_step(c: common.Components, step: int, micro_batches: list[TensorMicroBat
         common.set_grad_sync(c.model, i, len(micro_batches))
         loss = nll_sum(c, mb) / max(num_loss_tokens, 1)
         (loss * (c.loss_scale / cp)).backward()
-        total += float(loss)
+        total += float(loss.detach())
     grad_norm, lr = common.optimizer_step(c, step)
     (loss_mean,) = all_reduce_sum([total / cp], c.world.device)
     return {

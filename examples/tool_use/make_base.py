@@ -1,0 +1,65 @@
+"""Build the tool-use example's base model directory: the reverse-text base (Qwen3 config, character-level
+tokenizer) with single tokens for the tool-call markup and a chat template that renders tool calls and results.
+
+    uv run python examples/tool_use/make_base.py --out examples/tool_use/base
+
+The template writes a call as Qwen3 does, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the
+``qwen3`` tool parser reads it back), and a tool result as a user turn ``<tool_response>...</tool_response>``. It
+does not render the tool schemas: the model learns the one tool's name from its SFT data, and the prompts stay
+short for a 512-position model. Deterministic: re-running writes identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+REVERSE_TEXT_BASE = ROOT / "examples" / "reverse_text" / "base"
+# Single tokens, so that a 1.6M-parameter model learns the format in a few hundred steps.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<answer>", "</answer>"]
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + m['content'] + '</tool_response><|im_end|>\\n' }}"
+    "{%- elif m['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (m['content'] or '') }}"
+    "{%- for tc in m['tool_calls'] or [] %}"
+    "{%- set args = tc['function']['arguments'] %}"
+    '{{- \'<tool_call>{"name": "\' + tc[\'function\'][\'name\'] + \'", "arguments": \' }}'
+    "{{- args if args is string else args | tojson }}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "base")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(REVERSE_TEXT_BASE)
+    tokenizer.add_tokens(TOOL_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(args.out)
+    config = json.loads((REVERSE_TEXT_BASE / "config.json").read_text())
+    config["vocab_size"] = len(tokenizer)
+    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for extra in ("generation_config.json",):
+        if (REVERSE_TEXT_BASE / extra).is_file():
+            (args.out / extra).write_text((REVERSE_TEXT_BASE / extra).read_text())
+    print(f"wrote {args.out}: vocabulary {len(tokenizer)}")
+
+
+if __name__ == "__main__":
+    main()
