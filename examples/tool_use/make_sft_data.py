@@ -4,11 +4,13 @@
 
 The seed differs from the ones the RL environment draws its problems with (0 for training, 4242 for the held-out
 eval). A conversation that uses the tool is the system prompt, the question, a call of ``calculator_evaluate`` on
-the question's expression, the tool's result and ``<answer>result</answer>``: two copy tasks, which a 1.6M-parameter
-model learns in a few hundred steps. A ``--direct-fraction`` of the conversations answer at once, without the tool,
-with a two-digit estimate (``1234 * 5678`` -> ``<answer>7000000</answer>``), as a model that does mental arithmetic
-would: wrong almost always, so the SFT model scores 0 that often when it samples. RL closes that gap by calling the
-tool every time (examples/tool_use/README.md).
+the question's expression, the tool's result and ``<answer>result</answer>`` (right-aligned in 12 characters, as
+the template shows the result: make_base.py): two copies over a fixed distance, which a 1.6M-parameter model learns
+in a few hundred steps. A ``--direct-fraction`` of the conversations answer at once, without the tool,
+with a two-digit estimate in words (``1234 * 5678`` -> ``About 7000000.``), as a model doing mental arithmetic
+would: no ``<answer>`` tag, so the SFT model scores 0 that often when it samples, and RL closes the gap by calling
+the tool every time (examples/tool_use/README.md). The estimate stays out of ``<answer>``: after that tag the model
+has only one thing to learn, copying the tool's result.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from tool_use import SYSTEM_PROMPT, generate_examples
 
 TOOL_NAME = "calculator_evaluate"  # the environment's CalculatorToolset.evaluate, as verifiers names it
+RESULT_WIDTH = 12  # the model's template right-aligns tool results in 12 characters (make_base.py)
 
 
 def estimate(value: int) -> int:
@@ -32,12 +35,12 @@ def estimate(value: int) -> int:
 def conversation(ex: dict, direct: bool) -> list[dict]:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ex["prompt"]}]
     if direct:
-        return messages + [{"role": "assistant", "content": f"<answer>{estimate(int(ex['answer']))}</answer>"}]
+        return messages + [{"role": "assistant", "content": f"About {estimate(int(ex['answer']))}."}]
     call = {"type": "function", "function": {"name": TOOL_NAME, "arguments": {"expression": ex["expression"]}}}
     return messages + [
         {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": ex["answer"]},
-        {"role": "assistant", "content": f"<answer>{ex['answer']}</answer>"},
+        {"role": "assistant", "content": f"<answer>{ex['answer']:>{RESULT_WIDTH}}</answer>"},
     ]
 
 
