@@ -224,15 +224,18 @@ def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path
         stop_server(server)
 
 
-def tap_phases(other: Path, sets: dict, work: Path, args, result: dict) -> None:
-    """Our server again, on the updated weights, with ``vllm.fast_token_logprobs``: the log-prob sets."""
-    server, url, _ = start_prime_server(other, work, args, result, "server_tap", "--vllm.fast-token-logprobs")
+def vllm_logprobs_phases(other: Path, sets: dict, work: Path, args, result: dict) -> None:
+    """Our server again, on the updated weights, with vLLM's own log-prob path instead of the default
+    ``vllm.fast_token_logprobs``: the log-prob sets, to show what the tap saves."""
+    server, url, _ = start_prime_server(
+        other, work, args, result, "server_vllm_logprobs", "--no-vllm.fast-token-logprobs"
+    )
     try:
         run_server_phase(url, sets["logprobs"][:16])  # warm-up
         for name in ("logprobs", "groups", "turn2"):
-            result["server_tap"][name], choices = run_server_phase(url, sets[name])
+            result["server_vllm_logprobs"][name], choices = run_server_phase(url, sets[name])
             if name == "groups":
-                sets["groups_served_tap"] = [
+                sets["groups_served_vllm_logprobs"] = [
                     {"token_ids": c["token_ids"], "logprobs": served_logprobs(c)} for c in choices
                 ]
     finally:
@@ -354,7 +357,8 @@ def offline_phases(other: Path, sets: dict, args: argparse.Namespace, result: di
     if "turn2" in sets:
         phases["turn2_no_logprobs"], _ = run_offline_phase(llm, sets["turn2"], logprobs=None)
         phases["turn2"], _ = run_offline_phase(llm, sets["turn2"])
-    for served, key in (("groups_served", "logprob_parity"), ("groups_served_tap", "logprob_parity_tap")):
+    for suffix in ("", "_vllm_logprobs"):
+        served, key = "groups_served" + suffix, "logprob_parity" + suffix
         if served in sets:
             result[key] = parity(llm, sets["groups"], sets[served], group_outs, args.teacher)
 
@@ -372,7 +376,8 @@ def ratios(result: dict) -> dict:
         "vllm_flat_nodetok_vs_vllm_no_logprobs": ("vllm:logprobs_flat_nodetok", "no_logprobs"),
     }  # fmt: skip
     out = {}
-    for prefix, served in (("", s), ("tap_", result.get("server_tap", {}))):  # tap_: vllm.fast_token_logprobs
+    # vllm_logprobs_: our server on vLLM's log-prob path (--no-vllm.fast-token-logprobs)
+    for prefix, served in (("", s), ("vllm_logprobs_", result.get("server_vllm_logprobs", {}))):
         for name, (a, b) in pairs.items():
             num = o.get(a.removeprefix("vllm:")) if a.startswith("vllm:") else served.get(a)
             if num and o.get(b) and not (prefix and a.startswith("vllm:")):
@@ -403,7 +408,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--profile-phase", default="logprobs", choices=("logprobs", "no_logprobs"))
     parser.add_argument("--vllm-server", action="store_true", help="also measure `vllm serve` (the HTTP peer)")
-    parser.add_argument("--tap", action="store_true", help="also our server with vllm.fast_token_logprobs")
+    tap_off = "also our server with vLLM's own log-prob path (--no-vllm.fast-token-logprobs)"
+    parser.add_argument("--vllm-logprobs", action="store_true", help=tap_off)
     parser.add_argument(
         "--engine-args", type=json.loads, default=[], help="JSON list of `vllm serve` flags for both servers"
     )
@@ -432,7 +438,7 @@ def main() -> None:
     result: dict = {
         "benchmark": "inference_vllm", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "commit": args.commit or git.stdout.strip(), "config": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "stages_s": {}, "server": {}, "server_tap": {}, "vllm_server": {}, "offline": {},
+        "stages_s": {}, "server": {}, "server_vllm_logprobs": {}, "vllm_server": {}, "offline": {},
     }  # fmt: skip
     try:
         t = time.perf_counter()
@@ -456,8 +462,8 @@ def main() -> None:
                 if args.stop_on_server_error:
                     raise
             out.write_text(json.dumps(result, indent=2) + "\n")
-        if args.tap and "turn2" in sets:
-            tap_phases(other, sets, work, args, result)
+        if args.vllm_logprobs and "turn2" in sets:
+            vllm_logprobs_phases(other, sets, work, args, result)
             out.write_text(json.dumps(result, indent=2) + "\n")
         if args.vllm_server:
             vllm_server_phases(base, sets, args, result)
@@ -474,7 +480,7 @@ def main() -> None:
             result["vllm"] = vllm.__version__
         result["targets"] = ratios(result)
         out.write_text(json.dumps(result, indent=2) + "\n")
-        shown = ("server", "server_tap", "vllm_server", "offline", "targets", "logprob_parity", "logprob_parity_tap")
+        shown = [k for k in result if k.startswith(("server", "vllm_server", "offline", "targets", "logprob_parity"))]
         print(json.dumps({k: result.get(k) for k in shown}, indent=2))
         print(f"wrote {out}")
 
