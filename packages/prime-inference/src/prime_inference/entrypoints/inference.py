@@ -30,14 +30,18 @@ def serve(config: InferenceConfig) -> None:
     write_config(config, run_dir.config_file("inference"))
     app = build_app(config, lambda: build_engine(config))
     logger.info("listening on http://%s:%d", config.server.host, config.server.port)
-    uvicorn.run(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level=config.log.level,
-        timeout_keep_alive=config.server.timeout_keep_alive,
-        log_config=None,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            log_level=config.log.level,
+            timeout_keep_alive=config.server.timeout_keep_alive,
+            log_config=None,
+        )
     )
+    app.state.server = server  # vLLM's engine-error handler stops it when the engine has died
+    server.run()
 
 
 def main(argv: list[str] | None = None) -> None:
