@@ -97,10 +97,16 @@ def check_structured_outputs(client, model: str, eos_text: str = "") -> None:
                                   extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})  # fmt: skip
     digits = r.choices[0].text
     assert len(digits) == 3 and digits.isdigit(), digits
+
+
+def check_named_tool_choice(client, model: str) -> None:
+    """A named function as ``tool_choice``: the output is constrained to that tool's call."""
+    messages = [{"role": "user", "content": "weather as json"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    # Thinking off: with it on, vLLM's qwen3 parser files the forced call (no </think>) as reasoning, so no call.
+    # Thinking off: with it on, vLLM's qwen3 parser may file the forced call (no </think>) as reasoning.
     r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=named,
-                                       max_tokens=60, temperature=0, extra_body=no_think)  # fmt: skip
+                                       max_tokens=60, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     if r.choices[0].finish_reason == "stop":

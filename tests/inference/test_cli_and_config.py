@@ -128,18 +128,3 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def test_guidance_structured_outputs_keep_tool_choice(monkeypatch):
-    """vLLM 0.26's structural tags for required/named tool choices are xgrammar's; with guidance the server switches
-    vLLM to its JSON-schema tool-choice path, unless the user set the variable."""
-    from prime_inference.vllm_app import keep_tool_choice_with_guidance
-
-    monkeypatch.delenv("VLLM_ENFORCE_STRICT_TOOL_CALLING", raising=False)
-    keep_tool_choice_with_guidance("xgrammar")
-    assert "VLLM_ENFORCE_STRICT_TOOL_CALLING" not in os.environ
-    keep_tool_choice_with_guidance("guidance")
-    assert os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "0"
-    monkeypatch.setenv("VLLM_ENFORCE_STRICT_TOOL_CALLING", "1")
-    keep_tool_choice_with_guidance("guidance")
-    assert os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "1"

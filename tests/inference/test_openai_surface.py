@@ -201,6 +201,7 @@ def test_forced_tool_call_and_reasoning_on_a_real_model(real):
 
 def test_structured_outputs_on_a_real_model(real):
     cases.check_structured_outputs(client(real), "m")
+    cases.check_named_tool_choice(client(real), "m")
     r = httpx.post(f"{real.url}/v1/generate", json={"token_ids": [5, 6], "sampling_params": {
         "max_tokens": 8, "temperature": 1, "seed": 2, "structured_outputs": {"choice": ["alpha", "beta"]}}})  # fmt: skip
     text = real.tokenizer.decode(r.json()["choices"][0]["token_ids"], skip_special_tokens=True)

@@ -20,8 +20,7 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
+def surface_server(tmp_path_factory, structured_outputs_config: str | None):
     model_dir = save_surface_model(tmp_path_factory.mktemp("surface") / "model")
     settings = {
         "max_model_len": 1024,
@@ -37,10 +36,9 @@ def vllm_server(tmp_path_factory):
             # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there).
             # vLLM 0.26 takes disable_any_whitespace from here only (a request's own field is ignored), and only with
             # a named backend; guidance (llguidance) is the one that takes token references in Lark grammars.
-            "extra_args": [
-                "--structured-outputs-config",
-                '{"backend": "guidance", "enable_in_reasoning": true, "disable_any_whitespace": true}',
-            ],
+            "extra_args": ["--structured-outputs-config", structured_outputs_config]
+            if structured_outputs_config
+            else [],
         },
     }
     # A host's own engine settings as JSON, e.g. '{"model": {"dtype": "bfloat16"}}'; dict-valued keys merge.
@@ -48,6 +46,21 @@ def vllm_server(tmp_path_factory):
         settings[key] = {**settings[key], **value} if isinstance(value, dict) else value
     server = start_server(model_dir, engine="vllm", startup_timeout=600, **settings)
     server.tokenizer = build_surface_tokenizer()
+    return server
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    server = surface_server(
+        tmp_path_factory, '{"backend": "guidance", "enable_in_reasoning": true, "disable_any_whitespace": true}'
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_server_default_backend(tmp_path_factory):
+    server = surface_server(tmp_path_factory, None)
     yield server
     server.stop()
 
@@ -66,6 +79,26 @@ def test_vllm_structured_outputs(vllm_server):
     # vLLM 0.26's qwen3 parser engine decodes a delta token by token once it holds a marker token, EOS included
     # (vllm/parser/engine/token_id_scanner.py), so a grammar-ended answer may end in "<|im_end|>" (seen on an H100).
     cases.check_structured_outputs(client(vllm_server), "m", eos_text="<|im_end|>")
+
+
+def test_vllm_named_tool_choice(vllm_server_default_backend):
+    # On vLLM's default backend (xgrammar): vLLM 0.26 builds a named or required tool choice as one of xgrammar's
+    # structural tags, which its guidance backend cannot read (KeyError 'triggers', a 500 from `vllm serve` too).
+    cases.check_named_tool_choice(client(vllm_server_default_backend), "m")
+
+
+def test_vllm_engine_errors_are_vllms_500(vllm_server):
+    """An error inside vLLM's engine call is vLLM's own 500 and the server keeps serving (its error handler looks up
+    the HTTP server on the app's state, as `vllm serve` sets it)."""
+    from openai import InternalServerError
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with pytest.raises(InternalServerError) as failed:
+        client(vllm_server).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], tools=cases.TOOLS, tool_choice=named, max_tokens=4
+        )
+    assert "State" not in str(failed.value)
+    assert httpx.get(f"{vllm_server.url}/health").json()["status"] == "ok"
 
 
 def test_vllm_sampling_parameters_and_tolerant_requests(vllm_server):

@@ -14,7 +14,6 @@ Prometheus instrumentation) on every request.
 from __future__ import annotations
 
 import logging
-import os
 from argparse import Namespace
 from collections.abc import Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -71,18 +70,7 @@ async def _vllm_app(args: Namespace, shell: FastAPI) -> FastAPI:
     app.state.openai_serving_models.lora_requests = EngineAdapters(engine)
     # vLLM's engine-error handler stops the HTTP server through this when the engine has died (`vllm serve` sets it).
     app.state.server = getattr(shell.state, "server", None)
-    keep_tool_choice_with_guidance(args.structured_outputs_config.backend)
     return app
-
-
-def keep_tool_choice_with_guidance(backend: str) -> None:
-    """vLLM 0.26 turns a required or named ``tool_choice`` into one of xgrammar's structural tags, which its guidance
-    backend cannot read (a KeyError in ``serialize_guidance_grammar``, a 500 from ``vllm serve`` too). With guidance
-    chosen, use vLLM's JSON-schema path for tool choices instead, which every backend reads; a value the user set
-    wins. vLLM reads this variable per request in the API process."""
-    if backend == "guidance" and "VLLM_ENFORCE_STRICT_TOOL_CALLING" not in os.environ:
-        logger.info("structured outputs on guidance: VLLM_ENFORCE_STRICT_TOOL_CALLING=0 (xgrammar-only tool tags)")
-        os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "0"
 
 
 def build_vllm_app(config: InferenceConfig, engine_factory: EngineFactory) -> FastAPI:
