@@ -13,6 +13,7 @@ change greedy output; then, all requests in flight and ``ignore_eos``, output to
 * ``groups_httpx``: ``groups`` sent through httpx, the orchestrator's client (aiohttp otherwise);
 * ``--profile S``: py-spy over the server and its engine core for S seconds of a repeat of ``--profile-phase``.
 ``--vllm-server``: the same bodies to `vllm serve`'s own /inference/v1/generate (the HTTP peer, same engine flags).
+``--vllm-logprobs``: our server again with vLLM's own log-prob path instead of ``vllm.fast_token_logprobs``.
 Then vLLM offline (`LLM`, same engine settings and weights), the same sets: no log-probs, ``logprobs=0`` (vLLM's
 defaults; seeded too), ``logprobs=0, detokenize=False, flat_logprobs=True``; groups and turn 2 with and without
 log-probs. Parity: the server's ``groups`` log-probs against vLLM's ``logprobs=0`` on the same seeded requests
