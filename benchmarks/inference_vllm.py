@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from pyspy_profile import profile_during
-from serve_load import free_port, post_all, request_body, stop_server, wait_healthy
+from serve_load import free_port, host_cpu, post_all, request_body, stop_server, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -438,7 +438,7 @@ def main() -> None:
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result: dict = {
         "benchmark": "inference_vllm", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "commit": args.commit or git.stdout.strip(), "config": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host_cpu": host_cpu(), "commit": args.commit or git.stdout.strip(), "config": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "stages_s": {}, "server": {}, "server_vllm_logprobs": {}, "vllm_server": {}, "offline": {},
     }  # fmt: skip
     try:

@@ -11,6 +11,15 @@ import subprocess
 import time
 
 
+def host_cpu() -> str:
+    """The host's CPU model and core count: server throughput depends on it (host-side scheduling and IPC), so
+    records from different hosts are compared with it in view."""
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    return f"{model or 'unknown'}, {os.cpu_count()} cores"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
