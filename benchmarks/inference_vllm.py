@@ -438,7 +438,8 @@ def main() -> None:
     git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result: dict = {
         "benchmark": "inference_vllm", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "host_cpu": host_cpu(), "commit": args.commit or git.stdout.strip(), "config": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host_cpu": host_cpu(), "commit": args.commit or git.stdout.strip(), "config": vars(args),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "stages_s": {}, "server": {}, "server_vllm_logprobs": {}, "vllm_server": {}, "offline": {},
     }  # fmt: skip
     try:

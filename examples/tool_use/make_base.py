@@ -58,9 +58,9 @@ def main() -> None:
     config = json.loads((REVERSE_TEXT_BASE / "config.json").read_text())
     config["vocab_size"] = len(tokenizer)
     (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for extra in ("generation_config.json",):
-        if (REVERSE_TEXT_BASE / extra).is_file():
-            (args.out / extra).write_text((REVERSE_TEXT_BASE / extra).read_text())
+    generation_config = REVERSE_TEXT_BASE / "generation_config.json"
+    if generation_config.is_file():
+        (args.out / generation_config.name).write_text(generation_config.read_text())
     print(f"wrote {args.out}: vocabulary {len(tokenizer)}")
 
 
