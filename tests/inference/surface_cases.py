@@ -11,7 +11,7 @@ import re
 
 import httpx
 
-from .surface import MARKERS, THINK_TEXT, TOOL_CALL_TEXT, TOOLS
+from .surface import BOUNDED_TOOLS, MARKERS, THINK_TEXT, TOOL_CALL_TEXT, TOOLS
 
 WEATHER_SCHEMA = {
     "type": "object",
@@ -104,13 +104,12 @@ def check_named_tool_choice(client, model: str) -> None:
     messages = [{"role": "user", "content": "weather as json"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     # Thinking off: with it on, vLLM's qwen3 parser may file the forced call (no </think>) as reasoning.
-    r = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice=named,
-                                       max_tokens=60, temperature=0,
+    r = client.chat.completions.create(model=model, messages=messages, tools=BOUNDED_TOOLS, tool_choice=named,
+                                       max_tokens=200, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
-    if r.choices[0].finish_reason == "stop":
-        assert "city" in json.loads(call.function.arguments)
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Berlin")
 
 
 def check_tolerant_requests(client, model: str) -> None:

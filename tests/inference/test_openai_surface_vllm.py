@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 
-def surface_server(tmp_path_factory, structured_outputs_config: str | None):
+def surface_server(tmp_path_factory, structured_outputs_config: str):
     model_dir = save_surface_model(tmp_path_factory.mktemp("surface") / "model")
     settings = {
         "max_model_len": 1024,
@@ -36,9 +36,7 @@ def surface_server(tmp_path_factory, structured_outputs_config: str | None):
             # Grammars also bind inside <think>, so a forced think block is possible (vLLM skips them there).
             # vLLM 0.26 takes disable_any_whitespace from here only (a request's own field is ignored), and only with
             # a named backend; guidance (llguidance) is the one that takes token references in Lark grammars.
-            "extra_args": ["--structured-outputs-config", structured_outputs_config]
-            if structured_outputs_config
-            else [],
+            "extra_args": ["--structured-outputs-config", structured_outputs_config],
         },
     }
     # A host's own engine settings as JSON, e.g. '{"model": {"dtype": "bfloat16"}}'; dict-valued keys merge.
@@ -60,7 +58,8 @@ def vllm_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_server_default_backend(tmp_path_factory):
-    server = surface_server(tmp_path_factory, None)
+    # xgrammar is what vLLM's "auto" picks; named here only because disable_any_whitespace needs a named backend.
+    server = surface_server(tmp_path_factory, '{"backend": "xgrammar", "disable_any_whitespace": true}')
     yield server
     server.stop()
 

@@ -97,6 +97,7 @@ def test_tap_files_values_by_position_and_drops_vllms_tensors_only_when_nobody_e
     assert align(got["C"], 4, [21, 22]) is None  # a token without a value
     assert align(None, 4, [21]) is None
     assert tap.take(["A", "C"]) == {}  # handed over once
+    assert tap.filing == {} and tap.internal_ids == {}  # nothing kept for requests handed over
     assert "B" not in got and "D" not in got
 
 

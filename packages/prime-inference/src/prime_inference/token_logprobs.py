@@ -52,7 +52,10 @@ class SampledLogprobTap:
         self.sampling_states = sampling_states
         self.token_ids_state = token_ids_state
         self.pending: deque[tuple[list[str], Any, Any, Any]] = deque()
-        self.entries: dict[str, Entries] = {}
+        self.entries: dict[str, Entries] = {}  # by the API process's request id
+        # The same lists by vLLM's internal id, and those ids by request id: filing a value costs one lookup.
+        self.filing: dict[str, Entries] = {}
+        self.internal_ids: dict[str, list[str]] = {}
         # vLLM 0.26 runs sampling and RPCs on one thread per worker; the lock keeps the tap right if that changes.
         self.lock = threading.Lock()
 
@@ -112,7 +115,12 @@ class SampledLogprobTap:
             output.logprobs_tensors = None
 
     def drain(self, block: bool) -> None:
-        """File every copied step (``block``: wait for the copies still in flight). Call with the lock held."""
+        """File every copied step (``block``: wait for the copies still in flight). Call with the lock held.
+
+        Runs on the engine core's thread once per step for every request in the batch: the rows are chosen and
+        converted by numpy, the Python loop only appends."""
+        import numpy as np
+
         while self.pending:
             req_ids, tapped, host, event = self.pending[0]
             if event is not None:
@@ -120,18 +128,30 @@ class SampledLogprobTap:
                     return
                 event.synchronize()
             self.pending.popleft()
-            values, tokens, positions, sampled = host.tolist()
-            for i, rid in enumerate(req_ids):
-                if tapped[i] and sampled[i] > 0:  # a partial prefill chunk samples nothing
-                    pos, tok, val = self.entries.setdefault(external_id(rid), ([], [], []))
-                    pos.append(int(positions[i]))
-                    tok.append(int(tokens[i]))
-                    val.append(values[i])
+            values, tokens, positions, sampled = host.numpy()
+            rows = np.flatnonzero(tapped & (sampled > 0))  # a partial prefill chunk samples nothing
+            columns = (positions[rows].astype(np.int64).tolist(), tokens[rows].astype(np.int64).tolist())
+            for i, pos, tok, val in zip(rows.tolist(), *columns, values[rows].tolist(), strict=True):
+                entry = self.filing.get(req_ids[i])
+                if entry is None:
+                    entry = self.start_filing(req_ids[i])
+                entry[0].append(pos)
+                entry[1].append(tok)
+                entry[2].append(val)
+
+    def start_filing(self, internal_id: str) -> Entries:
+        request_id = external_id(internal_id)
+        self.internal_ids.setdefault(request_id, []).append(internal_id)
+        entry = self.filing[internal_id] = self.entries.setdefault(request_id, ([], [], []))
+        return entry
 
     def take(self, request_ids: Sequence[str]) -> dict[str, Entries]:
         """Hand over (and forget) what was collected for these requests."""
         with self.lock:
             self.drain(block=True)
+            for rid in request_ids:
+                for internal_id in self.internal_ids.pop(rid, ()):
+                    del self.filing[internal_id]
             return {rid: self.entries.pop(rid) for rid in request_ids if rid in self.entries}
 
 
