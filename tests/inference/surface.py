@@ -1,6 +1,6 @@
 """Fixtures-in-code for the OpenAI-surface tests: a tokenizer with Qwen3's reasoning and tool-call tokens and a
 Qwen3-style chat template (tools in the system turn, ``<think>`` history, tool calls whose arguments the template
-iterates), a tiny model on it, and a test engine that answers with fixed text."""
+iterates, an empty think block opening the answer when ``enable_thinking`` is false), a tiny model on it, and a test engine that answers with fixed text."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ QWEN3_STYLE_TEMPLATE = (
     "{%- elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
     "<|im_end|>\n"
     "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 TOOLS = [

@@ -103,7 +103,8 @@ def check_named_tool_choice(client, model: str) -> None:
     """A named function as ``tool_choice``: the output is constrained to that tool's call."""
     messages = [{"role": "user", "content": "weather as json"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
-    # Thinking off: with it on, vLLM's qwen3 parser may file the forced call (no </think>) as reasoning.
+    # Thinking off: the prompt then ends in an empty think block, so vLLM applies the grammar from the first token
+    # (unless enable_in_reasoning, it waits for </think>) and its qwen3 parser reads the call as content.
     r = client.chat.completions.create(model=model, messages=messages, tools=BOUNDED_TOOLS, tool_choice=named,
                                        max_tokens=200, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
