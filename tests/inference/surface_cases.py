@@ -105,8 +105,10 @@ def check_named_tool_choice(client, model: str) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     # Thinking off: the prompt then ends in an empty think block, so vLLM applies the grammar from the first token
     # (unless enable_in_reasoning, it waits for </think>) and its qwen3 parser reads the call as content.
+    # Sampled, not greedy: vLLM's tool-call grammar allows any JSON whitespace, where a greedy random-init model
+    # can stay until max_tokens.
     r = client.chat.completions.create(model=model, messages=messages, tools=BOUNDED_TOOLS, tool_choice=named,
-                                       max_tokens=200, temperature=0,
+                                       max_tokens=200, temperature=1, seed=7,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
