@@ -2,7 +2,8 @@
 
     python benchmarks/rl_gpu.py --async-levels 0 1 [--max-steps 8] [--config benchmarks/rl_gpu.toml] --out DIR
 
-Makes a random-init Qwen3-0.6B-shaped model with the reverse-text example's tokenizer (no hub access), then runs
+Makes a random-init Qwen3-0.6B-shaped model with a locally built tokenizer of Qwen3's 151,936 tokens (``--vocab``;
+0: the reverse-text example's small one; no hub access), then runs
 `rl @ <config>` once per async level and reads metrics.jsonl: wall time between trainer steps (the loop's step time
 once running), the trainer's compute / wait / publish times, the orchestrator's rollout time and wait for the
 policy, the mismatch KL and rewards. Writes <out>/rl_gpu.json.
@@ -62,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--async-levels", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=151936, help="tokenizer size (0: the reverse-text example's)")
     parser.add_argument("--config", default=str(ROOT / "benchmarks" / "rl_gpu.toml"))
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `rl` arguments")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -69,11 +71,15 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from examples_gpu import full_vocab_tokenizer
     from weight_update_gpu import save_model
 
     work = Path(os.environ.get("PRIME_RL_GPU_DIR", "/tmp/prime-rl-gpu"))
-    model_dir = work / "model"
-    model = save_model(model_dir, "0.6b", tokenizer_dir=str(ROOT / "examples" / "reverse_text" / "model"))
+    model_dir, tokenizer_dir = work / "model", ROOT / "examples" / "reverse_text" / "model"
+    if args.vocab:
+        tokenizer_dir = work / "tokenizer"
+        full_vocab_tokenizer(args.vocab).save_pretrained(tokenizer_dir)
+    model = save_model(model_dir, "0.6b", tokenizer_dir=str(tokenizer_dir))
     rl = os.environ.get("PRIME_LAUNCH_BIN_DIR", str(Path(sys.executable).parent)) + "/rl"
     report = {
         "benchmark": "rl_gpu_reverse_text", "config": args.config, "device": torch.cuda.get_device_name(0),
