@@ -8,7 +8,8 @@ Models: two random-init Qwen3-0.6B-shaped models with a word-level tokenizer of 
 Our server (`inference --engine vllm`, one subprocess): health, a chat call, /update_weights to the second model must
 change greedy output; then, all requests in flight and ``ignore_eos``, output tok/s of /inference/v1/generate for
 * ``logprobs`` / ``no_logprobs``: N prompts x T tokens with / without ``logprobs: 0`` (no seeds);
-* ``groups``: the orchestrator's pattern, N/G prompts x G rollouts, each request with its own seed, log-probs on;
+* ``groups``: the orchestrator's pattern, N/G prompts x G rollouts, each request with its own seed and
+  ``logprobs: 1`` (what renderers' client, the orchestrator's, always sends; vLLM's offline peer runs ``logprobs=0``);
 * ``turn2``: a multi-turn continuation of ``groups`` (prompt = turn-1 prompt + its completion + E env tokens);
 * ``groups_httpx``: ``groups`` sent through httpx, the orchestrator's client (aiohttp otherwise);
 * ``--profile S``: py-spy over the server and its engine core for S seconds of a repeat of ``--profile-phase``.
@@ -100,7 +101,7 @@ def save_model(path: Path, seed: int, tokenizer, args: argparse.Namespace) -> No
 
 
 def request_sets(vocab: int, args: argparse.Namespace) -> dict[str, list[dict]]:
-    """Each set: a list of {"prompt", "max_tokens", "seed" (or None), "logprobs" (0 or None)}."""
+    """Each set: a list of {"prompt", "max_tokens", "seed" (or None), "logprobs" (0, 1 or None)}."""
     rng = random.Random(0)
     prompts = [[rng.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     plain = [{"prompt": p, "max_tokens": args.tokens, "seed": None} for p in prompts]
@@ -111,7 +112,7 @@ def request_sets(vocab: int, args: argparse.Namespace) -> dict[str, list[dict]]:
     return {
         "logprobs": [{**r, "logprobs": 0} for r in plain],
         "no_logprobs": [{**r, "logprobs": None} for r in plain],
-        "groups": [{**r, "logprobs": 0} for r in groups],
+        "groups": [{**r, "logprobs": 1} for r in groups],
     }
 
 
@@ -353,11 +354,11 @@ def offline_phases(other: Path, sets: dict, args: argparse.Namespace, result: di
         phases["logprobs_seeded"], _ = run_offline_phase(llm, seeded)
     phases["logprobs_flat_nodetok"], _ = run_offline_phase(llm, sets["logprobs"], **fast)
     phases["groups_no_logprobs"], _ = run_offline_phase(llm, sets["groups"], logprobs=None)
-    phases["groups"], group_outs = run_offline_phase(llm, sets["groups"])
-    phases["groups_flat_nodetok"], _ = run_offline_phase(llm, sets["groups"], **fast)
+    phases["groups"], group_outs = run_offline_phase(llm, sets["groups"], logprobs=0)
+    phases["groups_flat_nodetok"], _ = run_offline_phase(llm, sets["groups"], **fast, logprobs=0)
     if "turn2" in sets:
         phases["turn2_no_logprobs"], _ = run_offline_phase(llm, sets["turn2"], logprobs=None)
-        phases["turn2"], _ = run_offline_phase(llm, sets["turn2"])
+        phases["turn2"], _ = run_offline_phase(llm, sets["turn2"], logprobs=0)
     for suffix in ("", "_vllm_logprobs"):
         served, key = "groups_served" + suffix, "logprob_parity" + suffix
         if served in sets:

@@ -181,11 +181,14 @@ def test_engine_reads_tapped_logprobs_for_the_rl_pattern_only():
     (out,) = run(engine, EngineRequest("r1", [1, 2], SamplingParams(max_tokens=2, logprobs=0), stream=False))
     assert out.logprobs == [-0.5, -0.25] and out.token_ids == [11, 12] and out.weight_step == 3
     assert engine.seen == [True] and engine.llm.rpcs == [("prime_take_token_logprobs", (["r1"],))]
+    # renderers' client asks for logprobs=1: on the token-in route that is the sampled token's entry alone too.
+    (out,) = run(engine, EngineRequest("r5", [1, 2], SamplingParams(max_tokens=2, logprobs=1), stream=False))
+    assert out.logprobs == [-0.5, -0.25] and engine.seen == [True, True] and len(engine.llm.rpcs) == 2
     # Streamed, top-k, or no log-probs: vLLM's own path, no RPC.
     run(engine, EngineRequest("r2", [1, 2], SamplingParams(max_tokens=2, logprobs=0), stream=True))
     run(engine, EngineRequest("r3", [1, 2], SamplingParams(max_tokens=2, logprobs=2), stream=False))
     (out,) = run(engine, EngineRequest("r4", [1, 2], SamplingParams(max_tokens=2), stream=False))
-    assert engine.seen == [True, False, False, False] and len(engine.llm.rpcs) == 1 and out.logprobs is None
+    assert engine.seen == [True, True, False, False, False] and len(engine.llm.rpcs) == 2 and out.logprobs is None
 
 
 def test_engine_falls_back_to_vllms_values_and_fails_loudly_without_either():

@@ -104,8 +104,9 @@ def test_vllm_serves_updates_and_reloads(model_dir, other_weights_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
 def test_vllm_fast_token_logprobs_equal_vllms_own(model_dir):
-    """vllm.fast_token_logprobs: the tapped values (``logprobs: 0``) equal what vLLM returns for the same seeded
-    request through its own path (``logprobs: 1``: the sampled token's entry), alone and in a full batch."""
+    """vllm.fast_token_logprobs: the tapped values (``logprobs`` 0, and 1 as renderers' client asks) equal what vLLM
+    returns for the same seeded request through its own path (``logprobs: 2``: the sampled token's entry), alone and
+    in a full batch."""
     import asyncio
 
     server = start_server(
@@ -127,14 +128,16 @@ def test_vllm_fast_token_logprobs_equal_vllms_own(model_dir):
 
     try:
         assert httpx.get(f"{server.url}/health").json()["fast_token_logprobs"]
-        for seed in range(3):  # one at a time: the same batch for both, so the same tokens and values
-            tapped, own = (asyncio.run(burst([body(seed, k)]))[0] for k in (0, 1))
-            assert tapped["token_ids"] == own["token_ids"]
-            values = [c["logprob"] for c in tapped["logprobs"]["content"]]
+        for seed in range(3):  # one at a time: the same batch for each, so the same tokens and values
+            own = asyncio.run(burst([body(seed, 2)]))[0]
             expected = [c["logprob"] for c in own["logprobs"]["content"]]
-            assert values == pytest.approx(expected, abs=1e-5)
+            for k in (0, 1):
+                tapped = asyncio.run(burst([body(seed, k)]))[0]
+                assert tapped["token_ids"] == own["token_ids"]
+                assert [c["logprob"] for c in tapped["logprobs"]["content"]] == pytest.approx(expected, abs=1e-5)
+                assert all(len(c["top_logprobs"]) == 1 for c in tapped["logprobs"]["content"])
         # A full batch, tapped requests mixed with requests that keep vLLM's tensors in the same steps.
-        choices = asyncio.run(burst([body(seed, seed % 2) for seed in range(64)]))
+        choices = asyncio.run(burst([body(seed, seed % 3) for seed in range(64)]))
         for c in choices:
             assert len(c["logprobs"]["content"]) == len(c["token_ids"]) == 24
             assert all(-50 < e["logprob"] <= 0 for e in c["logprobs"]["content"])

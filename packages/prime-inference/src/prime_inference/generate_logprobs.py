@@ -35,11 +35,11 @@ def generate_logprobs(
     token_ids: list[int], logprobs: list[float], top: list[dict[int, float]], k: int
 ) -> GenerateLogprobs:
     """The ``logprobs`` member of one choice. Each ``top_logprobs`` holds max(k, 1) entries: the sampled token, then
-    the best alternatives."""
+    the best alternatives (none up to k = 1, whatever ``top`` holds)."""
     names = [f"token_id:{t}" for t in token_ids]
     floor = LOGPROB_FLOOR
     values = [floor if lp < floor else lp for lp in logprobs]  # NaN stays NaN, as with max(lp, floor)
-    if k <= 0:
+    if k <= 1:
         pairs = zip(names, values, strict=True)
         return GenerateLogprobs([PositionLogprobs(n, v, None, [TokenLogprob(n, v)]) for n, v in pairs])
     content = []

@@ -229,7 +229,7 @@ class VllmEngine(Engine):
             ignore_eos=p.ignore_eos,
             max_tokens=p.max_tokens,
             min_tokens=p.min_tokens,
-            logprobs=p.logprobs,
+            logprobs=0 if tapped else p.logprobs,  # the tap needs no alternatives
             # Log-probs as flat per-request lists, not a dict and a Logprob object per token and alternative.
             flat_logprobs=p.logprobs is not None,
             include_stop_str_in_output=p.include_stop_str_in_output,
@@ -242,8 +242,9 @@ class VllmEngine(Engine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         k = request.params.logprobs
-        # The tap serves what RL sends: the sampled tokens' log-probs alone, in one response per request.
-        tapped = self._tap is not None and k == 0 and not request.stream
+        # The tap serves what RL sends: the sampled tokens' log-probs, in one response per request. renderers' client
+        # asks for logprobs=1, which on this route means the same: its top_logprobs hold the first max(k, 1) entries.
+        tapped = self._tap is not None and k is not None and k <= 1 and not request.stream
         params = self._sampling_params(request, tapped)
         prompt = {"prompt_token_ids": list(request.prompt_ids)}
         if request.multimodal is not None:
