@@ -1,6 +1,7 @@
 """Sampled-token log-probs out of vLLM's worker in bulk, not per step and per request (``vllm.fast_token_logprobs``).
 
-RL asks for one float per generated token: the sampled token's log-prob (``logprobs: 0``). vLLM computes it on the
+RL asks for one float per generated token: the sampled token's log-prob (``logprobs`` 0, or 1 from renderers' client:
+on the token-in route both return the sampled token's entry alone). vLLM computes it on the
 GPU for almost nothing, then carries it through a path built for top-k objects: every engine step slices three
 arrays per request, serializes them to the API process, which turns them into Python lists again. At 512 requests
 in flight that host work, not the kernels, costs a third of the throughput (docs/benchmarks.md, "Where the time

@@ -77,10 +77,10 @@ class VllmConfig(BaseConfig):
     """vLLM's per-step engine statistics (its Prometheus ``/metrics`` and periodic throughput log lines). Off by
     default, unlike ``vllm serve``: on H100s the server ran 28-37% faster without them (docs/benchmarks.md)."""
     fast_token_logprobs: bool = True
-    """Sampled-token log-probs (``logprobs: 0`` on the token-in route, what RL asks for) collected in vLLM's worker and
-    fetched once per finished request, instead of vLLM's per-step, per-request log-prob objects (same values; on an
-    H100 the server ran 1.23x faster with them, docs/benchmarks.md). Needs vLLM's V2 model runner without speculative
-    decoding and one data-parallel replica; otherwise the server logs why and uses vLLM's path."""
+    """Sampled-token log-probs (``logprobs`` 0 or 1 on the token-in route, what RL asks for) collected in vLLM's
+    worker and fetched once per finished request, instead of vLLM's per-step, per-request log-prob objects (same
+    values; on an H100 the server ran 1.23x faster with them, docs/benchmarks.md). Needs vLLM's V2 model runner without
+    speculative decoding and one data-parallel replica; otherwise the server logs why and uses vLLM's path."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Maximum number of sequences per engine step; unset keeps vLLM's default."""
     enable_prefix_caching: bool | None = None
