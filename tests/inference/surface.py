@@ -1,6 +1,7 @@
 """Fixtures-in-code for the OpenAI-surface tests: a tokenizer with Qwen3's reasoning and tool-call tokens and a
 Qwen3-style chat template (tools in the system turn, ``<think>`` history, tool calls whose arguments the template
-iterates, an empty think block opening the answer when ``enable_thinking`` is false), a tiny model on it, and a test engine that answers with fixed text."""
+iterates, an empty think block opening the answer when ``enable_thinking`` is false), a tiny model on it, and a test
+engine that answers with fixed text."""
 
 from __future__ import annotations
 
