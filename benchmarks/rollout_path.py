@@ -6,8 +6,11 @@ client, renderers, our token-in route, against an engine that answers at once.
 The RL loop's rollouts ran at ~4.7k tok/s on one H100 (rl_gpu.py, 512 reverse-text rollouts x 128 tokens, 14.7 s
 a step) where the same server generates ~30k tok/s (inference_vllm.py). This runs the loop's rollout path with the
 generation taken out: an in-process server whose engine returns ``--tokens`` random ids with log-probs instantly,
-the orchestrator's reverse-text env with ``--workers`` env-server processes, ``--steps`` steps (async level 2, no
-trainer). ``time/rollouts`` of each step is then the orchestrator side alone. Writes <out>/rollout_path.json.
+the orchestrator's reverse-text env with ``--workers`` env-server processes, ``--steps`` steps (async level steps - 1,
+so no trainer is needed; ``--concurrency`` rollouts in flight). ``time/rollouts`` of each step is then the orchestrator
+side alone. All steps are dispatched at once and the in-flight cap admits rollouts in order, so step k ends about
+when its rollouts are done: the first step includes the env workers' start-up, the later ones give the steady rate
+(``steady_rollouts_per_s``). Writes <out>/rollout_path.json.
 """
 
 from __future__ import annotations
@@ -79,8 +82,8 @@ def run(model: Path, workers: int, args: argparse.Namespace, out: Path) -> dict:
     try:
         orchestrator = {
             "model": {"name": str(model)}, "output_dir": str(out), "seq_len": 2048, "max_steps": args.steps,
-            "async_level": 2, "batch_size": args.rollouts, "rollouts_per_example": args.group,
-            "client": {"base_url": server.url}, "env": [{"id": "reverse-text", "num_workers": workers}],
+            "async_level": args.steps - 1, "batch_size": args.rollouts, "rollouts_per_example": args.group,
+            "client": {"base_url": server.url, "max_concurrent": args.concurrency}, "env": [{"id": "reverse-text", "num_workers": workers}],
             "sampling": {"max_tokens": args.tokens, "temperature": 1.0}, "filters": {"zero_advantage_groups": False},
         }  # fmt: skip
         start = time.perf_counter()
@@ -90,8 +93,10 @@ def run(model: Path, workers: int, args: argparse.Namespace, out: Path) -> dict:
         server.stop()
     steps = [r.values for r in read_metrics(out / "metrics.jsonl", "orchestrator")]
     rollouts_s = [s["time/rollouts"] for s in steps]
+    steady = (rollouts_s[-1] - rollouts_s[0]) / (len(rollouts_s) - 1) if len(rollouts_s) > 1 else None
     return {"workers": workers, "wall_s": wall, "rollouts_s": rollouts_s,
-            "first_step_rollouts_per_s": args.rollouts / rollouts_s[0]}  # fmt: skip
+            "first_step_rollouts_per_s": args.rollouts / rollouts_s[0],
+            "steady_rollouts_per_s": args.rollouts / steady if steady else None}  # fmt: skip
 
 
 def main() -> None:
@@ -101,7 +106,8 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=512)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=512, help="client.max_concurrent: rollouts in flight")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"))
     args = parser.parse_args()
