@@ -33,7 +33,9 @@ class ClientConfig(BaseConfig):
     renderer_args: dict[str, Any] = Field(default_factory=dict)
     """Renderer config fields (e.g. ``tool_parser = "qwen3"`` for ``default``, ``enable_thinking`` for qwen3)."""
     max_concurrent: int = Field(default=64, ge=1)
-    """Cap on concurrent rollouts in flight (each holds at most one inference request at a time)."""
+    """Cap on concurrent rollouts in flight (each holds at most one inference request at a time). With vLLM, set it to
+    the batch size so the engine schedules the whole step; keep it lower where each rollout holds a scarce resource
+    (a sandbox, a tool server)."""
     health_timeout: float = Field(default=300.0, gt=0)
     """Seconds to wait for every server's /health at start-up."""
     update_weights_timeout: float = Field(default=720.0, gt=0)
