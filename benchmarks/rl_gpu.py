@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 
-def summarize(metrics: Path) -> dict:
+def summarize(metrics: Path, async_level: int = 0) -> dict:
     trainer: dict[int, dict] = {}
     orchestrator: dict[int, dict] = {}
     for line in metrics.read_text().splitlines():
@@ -51,6 +51,10 @@ def summarize(metrics: Path) -> dict:
         "orchestrator_rollouts_mean_s": mean(orchestrator, "time/rollouts"),
         "orchestrator_wait_for_policy_mean_s": mean(orchestrator, "time/wait_for_policy"),
         "rollout_tokens_per_s_mean": mean(orchestrator, "throughput/rollout_tokens_per_s"),
+        # steps up to the async level start before any policy update: env-worker start-up and vLLM's first batches
+        "steady_rollout_tokens_per_s_mean": mean(
+            {s: r for s, r in orchestrator.items() if s > async_level}, "throughput/rollout_tokens_per_s"
+        ),
         "max_mismatch_kl": max(
             (r["mismatch_kl/mean"] for r in trainer.values() if "mismatch_kl/mean" in r), default=None
         ),
@@ -98,7 +102,7 @@ def main() -> None:
         proc = subprocess.run(cmd, cwd=ROOT)
         entry = {"async_level": level, "returncode": proc.returncode, "wall_time_s": time.perf_counter() - start}
         if (run / "metrics.jsonl").is_file():
-            entry.update(summarize(run / "metrics.jsonl"))
+            entry.update(summarize(run / "metrics.jsonl", level))
         report["results"].append(entry)
         print(json.dumps(entry), flush=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
