@@ -222,6 +222,8 @@ def _fsdp_grads(rank: int, world: int, init_file: str, out_dir: str) -> None:
         full = {n: g.full_tensor() for n, g in grads.items()}
         if rank == 0:
             torch.save(full, f"{out_dir}/grads.pt")
+        # Neither rank tears gloo down while the other still talks to it (a rank aborted there under CI load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
