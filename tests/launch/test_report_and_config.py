@@ -91,6 +91,13 @@ def test_cpu_only_uses_torch_engine_and_gloo_ranks():
     assert trainer_cmd[0].endswith("torchrun") and "--no-python" in trainer_cmd
 
 
+def test_cpu_trainer_with_torch_engine_stays_on_cpu_beside_gpus():
+    cfg = load_config(RLConfig, ["--trainer.device", "cpu", "--inference.engine", "torch"])
+    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert plan.devices["trainer"].startswith("CPU") and plan.devices["inference"].startswith("CPU (torch engine)")
+    assert all(s.env.get("CUDA_VISIBLE_DEVICES") == "" for s in plan.specs if s.name in ("trainer", "inference"))
+
+
 def test_without_inference_uses_external_server():
     cfg = load_config(RLConfig, ["--orchestrator.client.base-urls", "http://10.0.0.5:8000"])
     plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": ""})

@@ -402,7 +402,9 @@ def build_plan(
 
     # Devices: inference first, then trainer.
     gpus: list[int] = []
-    if rl.devices.type != "cpu":
+    # A trainer pinned to the CPU beside the torch engine is a CPU run (the examples' rl.toml) on a GPU host too.
+    cpu_run = trainer.device == "cpu" and (inference is None or inference.engine == "torch")
+    if rl.devices.type == "cuda" or (rl.devices.type == "auto" and not cpu_run):
         gpus = list(rl.devices.gpu_ids) if rl.devices.gpu_ids is not None else visible_gpus(environ)
         if rl.devices.type == "cuda" and not gpus:
             raise ValueError("devices.type = cuda but no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi)")

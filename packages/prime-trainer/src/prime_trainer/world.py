@@ -50,9 +50,15 @@ def init_world(device: str = "auto", timeout_s: int = 3600, gpu_memory_fraction:
     return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev)
 
 
-def shutdown_world() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_world(wait_for_peers: bool = True) -> None:
+    """Destroy the process group. After a clean run every rank first waits for the others: a rank that tore its
+    gloo pairs down while a peer was still finishing its last collectives aborted (SIGABRT) under CI load. After an
+    error nobody waits, since the peers may never arrive."""
+    if not dist.is_initialized():
+        return
+    if wait_for_peers and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

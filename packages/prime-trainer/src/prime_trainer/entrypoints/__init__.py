@@ -14,8 +14,10 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
 
     from prime_trainer.world import shutdown_world
 
+    finished = False
     try:
         train(config)
+        finished = True
     except ConfigError as e:
         # Settings that only the world (ranks, data) shows to be wrong: one line, like a parse error.
         fail(str(e))
@@ -28,4 +30,4 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
         print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     finally:
-        shutdown_world()
+        shutdown_world(wait_for_peers=finished)
