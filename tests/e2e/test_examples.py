@@ -131,11 +131,11 @@ def test_tool_use_readme_run_learns(tmp_path):
 @pytest.mark.timeout(1800)
 def test_guess_number_readme_run_learns(tmp_path):
     """The SFT model plays a random game in about 40% of its samples; after 30 steps of whole-game RL the held-out
-    eval at temperature 1.0 gains at least 0.08 (measured: 0.37 -> 0.52), greedy decoding (the binary search) stays
-    within noise, and the training reward (5-step means, 8 secrets a step) rises by at least 0.05."""
+    eval at temperature 1.0 gains at least 0.06 (measured: 0.39 -> 0.49 on 2 cores), greedy decoding (the binary
+    search) stays within noise, and the training reward (5-step means, 8 secrets a step) rises by at least 0.05."""
     t1, t0, rewards, trainer = readme_run(tmp_path, "guess_number", "guess-number")
     assert sorted(t1) == sorted(t0) == [0, 30], (t1, t0)
-    assert t1[30] >= t1[0] + 0.08, t1
+    assert t1[30] >= t1[0] + 0.06, t1
     assert t0[30] >= t0[0] - 0.03, t0
     assert sum(rewards[-5:]) / 5 >= sum(rewards[:5]) / 5 + 0.05, rewards
     assert max(v["mismatch_kl/mean"] for v in trainer.values()) < 1e-3

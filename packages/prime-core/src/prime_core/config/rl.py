@@ -39,7 +39,8 @@ class DevicesConfig(BaseConfig):
 
     type: Literal["auto", "cuda", "cpu"] = "auto"
     """auto uses GPUs when any are visible (``CUDA_VISIBLE_DEVICES`` or ``nvidia-smi``), else runs everything
-    on CPU (torch inference engine, trainer over gloo)."""
+    on CPU (torch inference engine, trainer over gloo); a config with ``trainer.device = "cpu"`` and the torch
+    engine (or no inference server) runs on CPU either way."""
     gpu_ids: list[int] | None = None
     """GPU ids to split between inference and trainer; default: ``CUDA_VISIBLE_DEVICES``, else every GPU."""
     num_inference_gpus: int = Field(default=1, ge=1)
