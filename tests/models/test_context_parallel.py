@@ -10,6 +10,7 @@ from prime_models import ParallelDims, get_model_spec, load_model
 from prime_models.parallel.context_parallel import ContextParallel, zigzag_index
 
 from tests.models.conftest import VOCAB, tiny_config
+from tests.ranks import leave_group
 
 # Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -73,7 +74,7 @@ def _worker(rank: int, world: int, scenarios: list, init: str, out: str):
         results["ring"] = _ring_measurements(dist.group.WORLD)
         torch.save(results, f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 SCENARIOS = [
@@ -274,7 +275,7 @@ def _gpu_worker(rank: int, world: int, init: str, out: str):
         bf16_errors = [e for tile in (None, 5) for e in _ring_errors(dist.group.WORLD, tile, device, torch.bfloat16)]
         torch.save((errors, bf16_errors), f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 @pytest.mark.gpu

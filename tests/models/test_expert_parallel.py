@@ -10,6 +10,7 @@ from prime_models import ParallelDims, get_model_spec, hf_state_dict, load_model
 from prime_models.layers.moe import LocalDispatcher
 
 from tests.models.conftest import VOCAB, tiny_config
+from tests.ranks import leave_group
 
 # Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -120,7 +121,7 @@ def _worker(rank: int, world: int, scenarios: list, init: str, out: str):
         if rank == 0:
             torch.save(results, out)
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def _spawn(world: int, scenarios: list, tmp_path) -> dict:
@@ -225,7 +226,7 @@ def _deepep_worker(rank: int, world: int, init: str, out: str):
         errors = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(*results, strict=True)]
         torch.save(errors, f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 @pytest.mark.gpu

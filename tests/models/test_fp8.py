@@ -25,6 +25,7 @@ from prime_models.quantization import float8_ops as fp8
 from torch import nn
 
 from tests.models.conftest import VOCAB, tiny_config
+from tests.ranks import leave_group
 
 # Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -329,7 +330,7 @@ def _train(
         return losses
     finally:
         if world > 1:
-            dist.destroy_process_group()
+            leave_group()
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from prime_models import ParallelDims, get_model_spec, hf_state_dict, load_model, save_hf
 
 from tests.models.conftest import VOCAB, tiny_config
+from tests.ranks import leave_group
 
 # Runs training processes: on the same xdist worker as the others (they oversubscribe 2 cores together).
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -54,7 +55,7 @@ def _train(rank: int, world: int, model_type: str, init_file: str, out_dir: str)
         return losses
     finally:
         if world > 1:
-            dist.destroy_process_group()
+            leave_group()
 
 
 @pytest.mark.integration

@@ -11,6 +11,8 @@ from prime_core.schemas.microbatch import MicroBatch
 from prime_trainer.rl.data import TensorMicroBatch
 from prime_trainer.rl.loss import LOSSES, LossInputs, build_objective, compute_loss
 
+from tests.ranks import leave_group
+
 ROWS, SEQ = 2, 8
 CONFIGS = {
     "grpo": GRPOLossConfig,
@@ -107,7 +109,7 @@ def _rank(rank: int, world: int, init_file: str, loss_type: str, out: str) -> No
         if rank == 0:
             torch.save(results, out)
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 @pytest.mark.integration
