@@ -82,3 +82,14 @@ def test_tool_use_declares_its_calculator_toolset():
     assert isinstance(toolset, CalculatorToolset) and toolset.server_name == "calculator"
     assert toolset.evaluate("1234 * 5678") == str(1234 * 5678)
     assert toolset.evaluate("import os").startswith("error:")
+
+
+def test_code_tasks_restricted_to_families():
+    from code_tasks import generate_tasks
+
+    # None keeps the draw of every family unchanged; a subset draws only its own.
+    assert generate_tasks(30, seed=3) == generate_tasks(30, seed=3, families=None)
+    tasks = generate_tasks(40, seed=3, families=["primes", "digit_power"])
+    assert {t["family"] for t in tasks} == {"primes", "digit_power"}
+    with pytest.raises(ValueError, match="nope"):
+        generate_tasks(1, families=["nope"])

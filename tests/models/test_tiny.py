@@ -51,8 +51,8 @@ def test_vl_config_takes_vocabulary_and_ids_from_the_tokenizer():
     assert (bare.image_token_id, bare.vision_end_token_id) == (296, 299)
 
 
-def test_color_shapes_make_model_writes_the_shipped_model(tmp_path):
-    shipped = ROOT / "examples" / "color_shapes" / "model"
+def test_color_shapes_make_model_writes_the_shipped_base(tmp_path):
+    shipped = ROOT / "examples" / "color_shapes" / "base"
     script = ROOT / "examples" / "color_shapes" / "make_model.py"
     result = subprocess.run(
         [sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True, timeout=300

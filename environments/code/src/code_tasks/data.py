@@ -48,14 +48,23 @@ def _prompt(family: Family, name: str, params: dict, examples: list[tuple[str, o
     )
 
 
-def generate_tasks(n: int, seed: int = 0, num_tests: int = 5, num_examples: int = 2) -> list[dict]:
+def generate_tasks(
+    n: int, seed: int = 0, num_tests: int = 5, num_examples: int = 2, families: list[str] | None = None
+) -> list[dict]:
     """``n`` tasks ``{"id", "family", "prompt", "system_prompt", "tests", "reference"}``, deterministic in
     ``seed``. ``tests`` are ``{"expr", "expected"}`` (hidden from the model: the prompt shows ``num_examples``
-    other calls); ``reference`` solves the task (for SFT data and tests)."""
+    other calls); ``reference`` solves the task (for SFT data and tests). ``families`` (keys) restricts the draw;
+    None draws from all of them."""
+    pool = FAMILIES
+    if families is not None:
+        unknown = sorted(set(families) - {f.key for f in FAMILIES})
+        if unknown or not families:
+            raise ValueError(f"unknown or no families {unknown}; known: {[f.key for f in FAMILIES]}")
+        pool = tuple(f for f in FAMILIES if f.key in families)
     rng = random.Random(seed)
     tasks = []
     for i in range(n):
-        family = FAMILIES[rng.randrange(len(FAMILIES))]
+        family = pool[rng.randrange(len(pool))]
         params = family.params(rng)
         name = family.key
         source, fn = _reference(family, name, params)

@@ -37,6 +37,9 @@ class CodeConfig(vf.TasksetConfig):
     """Generator seed."""
     num_tests: int = Field(default=5, ge=1, le=50)
     """Hidden unit tests per task."""
+    families: list[str] | None = None
+    """Family keys to draw tasks from (``code_tasks.families``); None: all of them. A small model that learns a
+    few families in minutes (examples/code) trains on a subset."""
     sandbox_urls: list[str] = Field(default_factory=list)
     """Sandbox nodes (``http://host:port``) running the tests; empty: ``PRIME_SANDBOX_URLS``, else a local pool
     in the environment's process."""
@@ -84,7 +87,7 @@ class CodeTask(vf.Task[CodeData]):
 class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):
     def load(self) -> Iterable[CodeTask]:
         c = self.config
-        for t in generate_tasks(c.num_examples, c.seed, c.num_tests):
+        for t in generate_tasks(c.num_examples, c.seed, c.num_tests, families=c.families):
             yield CodeTask(
                 CodeData(
                     prompt=t["prompt"],
