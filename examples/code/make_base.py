@@ -13,10 +13,9 @@ fourteen: fizzbuzz shows lists of up to 40 strings) and a solution up to 170 tok
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from prime_models.tiny import extend_base
 
 ROOT = Path(__file__).resolve().parents[2]
 REVERSE_TEXT_BASE = ROOT / "examples" / "reverse_text" / "base"
@@ -28,19 +27,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "base")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(REVERSE_TEXT_BASE)
-    tokenizer.add_tokens([INDENT])
-    tokenizer.model_max_length = MAX_POSITIONS
-    tokenizer.save_pretrained(args.out)
-    config = json.loads((REVERSE_TEXT_BASE / "config.json").read_text())
-    config["vocab_size"] = len(tokenizer)
-    config["max_position_embeddings"] = MAX_POSITIONS
-    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation_config = REVERSE_TEXT_BASE / "generation_config.json"
-    if generation_config.is_file():
-        (args.out / generation_config.name).write_text(generation_config.read_text())
-    print(f"wrote {args.out}: vocabulary {len(tokenizer)}, {MAX_POSITIONS} positions")
+    vocab = extend_base(REVERSE_TEXT_BASE, args.out, [INDENT], max_positions=MAX_POSITIONS)
+    print(f"wrote {args.out}: vocabulary {vocab}, {MAX_POSITIONS} positions")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ files.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from prime_models.tiny import extend_base
 
 ROOT = Path(__file__).resolve().parents[2]
 REVERSE_TEXT_BASE = ROOT / "examples" / "reverse_text" / "base"
@@ -26,15 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "base")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(REVERSE_TEXT_BASE)
-    tokenizer.add_tokens(GUESS_TOKENS)
-    tokenizer.save_pretrained(args.out)
-    config = json.loads((REVERSE_TEXT_BASE / "config.json").read_text())
-    config["vocab_size"] = len(tokenizer)
-    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.copy(REVERSE_TEXT_BASE / "generation_config.json", args.out / "generation_config.json")
-    print(f"wrote {args.out}: vocabulary {len(tokenizer)}")
+    vocab = extend_base(REVERSE_TEXT_BASE, args.out, GUESS_TOKENS)
+    print(f"wrote {args.out}: vocabulary {vocab}")
 
 
 if __name__ == "__main__":

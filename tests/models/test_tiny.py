@@ -62,3 +62,14 @@ def test_color_shapes_make_model_writes_the_shipped_base(tmp_path):
     assert written == sorted(p.name for p in shipped.iterdir() if p.name != "STABLE")
     for name in written:
         assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name
+
+
+def test_extend_base_writes_the_examples_derived_bases(tmp_path):
+    from prime_models.tiny import extend_base
+
+    source = ROOT / "examples" / "reverse_text" / "base"
+    assert extend_base(source, tmp_path / "gn", ["<guess>", "</guess>"]) == 103
+    assert extend_base(source, tmp_path / "code", ["    "], max_positions=1024) == 102
+    for name, shipped in (("gn", "guess_number"), ("code", "code")):
+        for path in (ROOT / "examples" / shipped / "base").iterdir():
+            assert (tmp_path / name / path.name).read_bytes() == path.read_bytes(), (shipped, path.name)

@@ -1,13 +1,16 @@
 """Tiny models built offline, for examples that ship their own model and for CPU tests (nothing downloaded).
 
 `byte_bpe_tokenizer` trains a byte-level BPE tokenizer on a corpus with chat special tokens (the shape of Qwen's
-tokenizers, at a few hundred tokens); `tiny_qwen3_vl_config` is a Qwen3-VL config small enough to train on a CPU.
-Both are deterministic: the same arguments write the same files.
+tokenizers, at a few hundred tokens); `tiny_qwen3_vl_config` is a Qwen3-VL config small enough to train on a CPU;
+`extend_base` derives a model directory from another with more single tokens.
+All are deterministic: the same arguments write the same files.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 CHATML_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -136,3 +139,36 @@ __all__ = [
     "byte_bpe_tokenizer",
     "tiny_qwen3_vl_config",
 ]
+
+
+def extend_base(
+    source: Path | str,
+    out: Path | str,
+    tokens: list[str],
+    *,
+    chat_template: str | None = None,
+    max_positions: int | None = None,
+) -> int:
+    """Write a model directory (config, tokenizer, generation config; no weights) at ``out`` from the one at
+    ``source`` with ``tokens`` added as single tokens, and optionally another chat template or position count. The
+    examples derive their bases from the reverse-text one this way; returns the new vocabulary size."""
+    from transformers import AutoTokenizer
+
+    source, out = Path(source), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.add_tokens(tokens)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if max_positions is not None:
+        tokenizer.model_max_length = max_positions
+    tokenizer.save_pretrained(out)
+    config = json.loads((source / "config.json").read_text())
+    config["vocab_size"] = len(tokenizer)
+    if max_positions is not None:
+        config["max_position_embeddings"] = max_positions
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation_config = source / "generation_config.json"
+    if generation_config.is_file():
+        (out / generation_config.name).write_text(generation_config.read_text())
+    return len(tokenizer)
