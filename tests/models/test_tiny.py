@@ -72,4 +72,8 @@ def test_extend_base_writes_the_examples_derived_bases(tmp_path):
     assert extend_base(source, tmp_path / "code", ["    "], max_positions=1024) == 102
     for name, shipped in (("gn", "guess_number"), ("code", "code")):
         for path in (ROOT / "examples" / shipped / "base").iterdir():
-            assert (tmp_path / name / path.name).read_bytes() == path.read_bytes(), (shipped, path.name)
+            written = (tmp_path / name / path.name).read_text()
+            if path.name == "tokenizer_config.json":
+                # The tests run with HF_HUB_OFFLINE=1 (conftest), which the tokenizer records in its config.
+                written = written.replace('"local_files_only": true', '"local_files_only": false')
+            assert written == path.read_text(), (shipped, path.name)
