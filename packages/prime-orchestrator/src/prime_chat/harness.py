@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 import httpx
+from prime_orchestrator.http_pool import pooled_client
 from verifiers.v1.clients import ModelContext
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.errors import MODEL_TRANSPORT_ERROR_EXIT_CODE
@@ -30,14 +31,12 @@ _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient
 
 
 def interception_client() -> httpx.AsyncClient:
-    """The event loop's one client for model and tool-gate calls: building a client loads the CA bundle (several ms
-    of CPU), which was half of an env worker's CPU when each turn built its own. No pool limit: the env's
-    concurrency bounds it."""
+    """The event loop's one client for model and tool-gate calls, pooled (``prime_orchestrator.http_pool``): a client
+    per turn loaded the CA bundle each time (several ms of CPU). No connection cap: the env's concurrency bounds it."""
     loop = asyncio.get_running_loop()
     client = _clients.get(loop)
     if client is None:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        client = _clients[loop] = httpx.AsyncClient(timeout=None, limits=limits)
+        client = _clients[loop] = pooled_client()
     return client
 
 

@@ -12,6 +12,7 @@ server's answers can no longer arrive). A worker of a pool that dies is handled 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import multiprocessing as mp
@@ -46,20 +47,27 @@ def register_project_runtimes(data: Any) -> None:
             register_project_runtimes(value)
 
 
+def prepare_env_process(env_config: dict[str, Any]) -> None:
+    """Run in the env server and in every worker verifiers spawns for it (its ``log_setup`` hook): logging, the
+    project runtimes the config names, and the pooled HTTP transport for the engine calls."""
+    from prime_orchestrator.http_pool import pool_engine_clients
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    register_project_runtimes(env_config)
+    pool_engine_clients()
+
+
 def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> None:
     """Subprocess entry: serve the env until the parent goes away."""
-    import logging as _logging
-
     from verifiers.v1.serve.pool import serve_env
 
-    _logging.basicConfig(level=_logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = EnvServerSpec.model_validate(spec_data)
-    register_project_runtimes(spec.env_config)
     serve_env(
         max_workers=spec.num_workers,
         address="tcp://127.0.0.1:0",
         address_queue=address_queue,
         death_pipe=death_pipe,
+        log_setup=functools.partial(prepare_env_process, spec.env_config),
         multiplex=spec.multiplex,
         elastic=spec.elastic,
         config_data=spec.env_config,
