@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, nargs="+", default=[64, 256, 512])
     parser.add_argument("--requests", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"))
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -95,8 +96,9 @@ def main() -> None:
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
     url = f"http://127.0.0.1:{port}/v1"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    report = {"benchmark": "http_pool", "host_cpu": host_cpu(), "cpus": os.cpu_count(), "commit": commit.stdout.strip(),
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip()  # fmt: skip
+    report = {"benchmark": "http_pool", "host_cpu": host_cpu(), "cpus": os.cpu_count(), "commit": commit,
               "vocab_size": "n/a (HTTP only)", "config": vars(args) | {"out": str(args.out)}, "results": []}  # fmt: skip
     try:
         import httpx
