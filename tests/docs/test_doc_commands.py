@@ -13,6 +13,7 @@ command and how a doc opts a block out).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import os
 import re
@@ -20,6 +21,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -163,21 +165,29 @@ def test_documented_commands_run(doc: Path, tmp_path):
     script = doc_script(parse_doc(doc))
     if script.count("\n") <= 2:
         pytest.skip(f"{doc.name} has no runnable shell block")
-    sandbox = fresh_clone(tmp_path / "clone")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
-    log = tmp_path / "output.log"
-    with open(log, "w") as out:
-        # Its own session: background servers of a doc are killed with the group, and the output goes to a file
-        # they may keep open after bash exits.
-        proc = subprocess.Popen(
-            ["bash", "-c", script], cwd=sandbox, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            proc.wait(timeout=1800)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    # The docs start servers on the default port 8000: one doc at a time across xdist workers.
+    with open(Path(tempfile.gettempdir()) / "prime-documented-commands.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sandbox = fresh_clone(tmp_path / "clone")
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
+        log = tmp_path / "output.log"
+        with open(log, "w") as out:
+            # Its own session: background servers of a doc are killed with the group, and the output goes to a file
+            # they may keep open after bash exits.
+            proc = subprocess.Popen(
+                ["bash", "-c", script],
+                cwd=sandbox,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=1800)
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     output = log.read_text(errors="replace")
     assert proc.returncode == 0, (
         f"{doc.name}: a documented command failed\n{script}\n---- output ----\n{output[-6000:]}"
