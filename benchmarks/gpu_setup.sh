@@ -2,8 +2,9 @@
 # Install vLLM, verifiers and this tree's packages on a GPU host without network (device machines).
 #
 # Here:   ../shared/tools/offline-wheelhouse.sh .vw2 62 vllm==0.26.0 verifiers==0.4.0 wandb tomli-w rich \
-#             matplotlib pyarrow jinja2 pillow pyzmq
+#             matplotlib pyarrow jinja2 pillow pyzmq httpx-aiohttp
 #         uv build --all-packages --wheel -o dist-gpu
+#         (a wheelhouse made before httpx-aiohttp was a dependency: pip download httpx-aiohttp --no-deps -d dist-gpu)
 # There:  one call per part, each carrying it:  mkdir -p /tmp/stage && cp .vw3/pNN (re-split to 50 MiB: the tree travels too) /tmp/stage/
 #         then (carrying dist-gpu):             bash benchmarks/gpu_setup.sh
 #         and in every later call:              source /tmp/prime-env.sh
