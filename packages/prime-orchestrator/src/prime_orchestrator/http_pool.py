@@ -2,10 +2,10 @@
 
 An env worker holds one connection per rollout in flight to the interception server and one to the inference
 server, hundreds of each. httpx's own pool scans all of its connections on every request and every release (each a
-``getpeername`` and a readability poll), so its CPU per request grows with the requests in flight: 2.9 ms at 512 in
-flight where httpx over aiohttp's pool (``httpx-aiohttp``, the transport behind the OpenAI SDK's aiohttp option)
-takes 0.4 ms (``benchmarks/http_pool.py``). verifiers' engine client also keeps only 100 idle connections, so past
-100 rollouts in flight each turn opened a new one.
+``getpeername`` and a readability poll), so its CPU per request grows with the requests in flight: 3-15 ms with
+64-512 in flight on a 2-core VM, where httpx over aiohttp's pool (``httpx-aiohttp``, the transport behind the OpenAI
+SDK's aiohttp option) takes 0.7-0.8 ms (``benchmarks/http_pool.py``, docs/benchmarks.md). verifiers' engine client
+also keeps only 100 idle connections, so past 100 rollouts in flight each turn opened a new one.
 """
 
 from __future__ import annotations
