@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -89,16 +88,12 @@ def main() -> None:
     if args.serve:
         return serve(args.serve)
 
-    from serve_load import host_cpu
+    from serve_load import free_port, host_cpu, tree_commit
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
     url = f"http://127.0.0.1:{port}/v1"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip()  # fmt: skip
-    report = {"benchmark": "http_pool", "host_cpu": host_cpu(), "cpus": os.cpu_count(), "commit": commit,
+    report = {"benchmark": "http_pool", "host_cpu": host_cpu(), "cpus": os.cpu_count(), "commit": tree_commit(args.commit),
               "vocab_size": "n/a (HTTP only)", "config": vars(args) | {"out": str(args.out)}, "results": []}  # fmt: skip
     try:
         import httpx

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -112,12 +111,11 @@ def main() -> None:
     parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"))
     args = parser.parse_args()
 
-    from serve_load import host_cpu
+    from serve_load import host_cpu, tree_commit
 
     work = Path(os.environ.get("PRIME_ROLLOUT_PATH_DIR", "/tmp/prime-rollout-path"))
     model = model_dir(work, args.vocab)
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip()  # fmt: skip
+    commit = tree_commit(args.commit)
     report = {"benchmark": "rollout_path", "host_cpu": host_cpu(), "cpus": os.cpu_count(), "commit": commit,
               "vocab_size": args.vocab or "reverse-text example's", "config": vars(args) | {"out": str(args.out)},
               "results": []}  # fmt: skip

@@ -20,6 +20,16 @@ def host_cpu() -> str:
     return f"{model or 'unknown'}, {os.cpu_count()} cores"
 
 
+def tree_commit(explicit: str | None = None) -> str:
+    """The commit a record is of: ``explicit`` (``--commit`` / ``PRIME_COMMIT``: a device copy of the tree may carry
+    another HEAD), else this checkout's short HEAD."""
+    if explicit:
+        return explicit
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    return git.stdout.strip()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

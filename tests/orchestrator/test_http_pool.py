@@ -87,7 +87,7 @@ def test_verifiers_engine_client_uses_the_pool(monkeypatch):
     from verifiers.v1.clients import base
     from verifiers.v1.configs.client import TrainClientConfig
 
-    monkeypatch.setattr(base, "build_async_httpx", base.build_async_httpx)
+    monkeypatch.setattr(base, "build_async_httpx", base.build_async_httpx)  # restored after the test
     pool_engine_clients()
     config = TrainClientConfig(base_url="http://127.0.0.1:1/v1")
     openai_client = base.build_async_openai(config)

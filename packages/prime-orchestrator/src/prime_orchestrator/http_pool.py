@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from typing import TYPE_CHECKING
 
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
+
+if TYPE_CHECKING:
+    from verifiers.v1.configs.client import BaseClientConfig
 
 
 def pooled_client(timeout: httpx.Timeout | None = None, max_connections: int | None = None) -> httpx.AsyncClient:
@@ -48,7 +52,7 @@ async def _close_with_loop(session: aiohttp.ClientSession) -> None:
         _keepers.discard(asyncio.current_task())
 
 
-def engine_client(config) -> httpx.AsyncClient:
+def engine_client(config: BaseClientConfig) -> httpx.AsyncClient:
     """verifiers' ``build_async_httpx`` with the pooled transport: the same timeout and connection cap."""
     from verifiers.v1.clients.base import DEFAULT_LIMITS
 
