@@ -92,7 +92,9 @@ def run(model: Path, workers: int, args: argparse.Namespace, out: Path) -> dict:
         server.stop()
     steps = [r.values for r in read_metrics(out / "metrics.jsonl", "orchestrator")]
     rollouts_s = [s["time/rollouts"] for s in steps]
+    # Steps overlap (all dispatched at once), so with few steps the last may end before the first: no steady rate then.
     steady = (rollouts_s[-1] - rollouts_s[0]) / (len(rollouts_s) - 1) if len(rollouts_s) > 1 else None
+    steady = steady if steady and steady > 0 else None
     return {"workers": workers, "wall_s": wall, "rollouts_s": rollouts_s,
             "first_step_rollouts_per_s": args.rollouts / rollouts_s[0],
             "steady_rollouts_per_s": args.rollouts / steady if steady else None}  # fmt: skip
