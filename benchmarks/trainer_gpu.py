@@ -28,10 +28,12 @@ PY = sys.executable
 H100_PEAK = 989e12
 
 
-def trainer_cmd(process: str, seq: int, extra: list[str], out: Path, steps: int = 5) -> list[str]:
+def trainer_cmd(
+    process: str, seq: int, extra: list[str], out: Path, steps: int = 5, rows: int = 1, micro_rows: int = 1
+) -> list[str]:
     module = "prime_trainer.entrypoints." + ("trainer" if process == "trainer" else "sft")
-    return [PY, "-m", module, "--bench", "--model.name", str(MODEL), "--init.random", "--data.fake.batch-size", "1",
-            "--data.fake.micro-batch-size", "1", "--data.fake.seq-len", str(seq), "--seq-len", str(seq),
+    return [PY, "-m", module, "--bench", "--model.name", str(MODEL), "--init.random", "--data.fake.batch-size", str(rows),
+            "--data.fake.micro-batch-size", str(micro_rows), "--data.fake.seq-len", str(seq), "--seq-len", str(seq),
             "--max-steps", str(steps), "--output-dir", f"/tmp/prime_bench/{out.stem}", "--bench-file", str(out),
             "--log.file", "false", *extra]  # fmt: skip
 
@@ -43,7 +45,11 @@ def baseline_cmd(seq: int, liger: bool, ac: bool, out: Path) -> list[str]:
 
 def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     """Command and extra env of a named job. Names: rl<K>k[_noac|_sel][_cudnn|_flash][_c<chunk>][_keepattn[N]]
-    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[_cudnn], micro.
+    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile][_b<rows>][_m<rows>][_var], sft<K>k..., base<K>k[_liger][_ac],
+    profile<K>k[...], micro.
+    `_b<N>` trains N rows of <K>k tokens per step in micro-batches of `_m<M>` rows (default one row of each), and `_var`
+    packs random-length samples into each row: `rl2k_noac_b64_m1_var` is the one-GPU RL loop's step (512 rollouts
+    packed into 2048-token rows, one row per forward).
     `_mlpchunk<N>` runs each dense MLP in N sequence chunks under full AC (`--parallel.ac-mlp-chunks N`);
     `_offloadattn` (with `_keepattn`) holds the kept attention outputs in pinned host memory between forward and
     backward (`--parallel.ac-offload-attention`)."""
@@ -80,9 +86,16 @@ def job_spec(name: str, tmp: Path) -> tuple[list[str], dict[str, str]]:
     for f in flags:
         if f.startswith("c") and f[1:].isdigit():
             extra += ["--init.logprob-chunk-size", f[1:]]
+    if "var" in flags:
+        extra += ["--data.fake.variable-lengths", "true"]
+    shape = {
+        "rows": next((int(f[1:]) for f in flags if f.startswith("b") and f[1:].isdigit()), 1),
+        "micro_rows": next((int(f[1:]) for f in flags if f.startswith("m") and f[1:].isdigit()), 1),
+    }
     if kind == "profile":
-        return [PY, __file__, "--profile", "--out", str(out), "--", *trainer_cmd("trainer", seq, extra, out)[3:]], env
-    return trainer_cmd("trainer" if kind == "rl" else "sft", seq, extra, out), env
+        cmd = trainer_cmd("trainer", seq, extra, out, **shape)
+        return [PY, __file__, "--profile", "--out", str(out), "--", *cmd[3:]], env
+    return trainer_cmd("trainer" if kind == "rl" else "sft", seq, extra, out, **shape), env
 
 
 def run_jobs(jobs: list[str], out_dir: Path, budget_s: float) -> None:
@@ -254,7 +267,9 @@ def profile(out: Path, argv: list[str]) -> None:
     cfg = parse_cli(TrainerConfig, argv, prog="trainer")
     c = common.setup(cfg, "trainer")
     objective = build_objective(cfg.loss)
-    vocab = c.source.hf_config["vocab_size"]
+    vocab = c.model_source.vocab_size
+
+    tokens = cfg.data.fake.batch_size * (cfg.data.fake.seq_len or cfg.seq_len)
 
     def one(step: int) -> float:
         _, batches = fake_micro_batches(cfg.data.fake, cfg.seq_len, vocab, step, c.world, cfg.seed)
@@ -287,7 +302,7 @@ def profile(out: Path, argv: list[str]) -> None:
     print(text)
     out.with_suffix(".txt").write_text(text)
     out.write_text(json.dumps({"step_wall_s": wall, "kernel_s": total, "by_kind_s": by_kind,
-                               "tokens_per_s": cfg.data.fake.seq_len / wall}, indent=2))  # fmt: skip
+                               "tokens_per_s": tokens / wall}, indent=2))  # fmt: skip
 
 
 # --- report -------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import shutil
 import struct
 import subprocess
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,16 @@ def config_params(config: dict[str, Any]) -> int:
     return total
 
 
+def model_config(trainer: TrainerConfig, environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The HF config of the model the trainer builds (its overrides applied); None when no config.json is here."""
+    directory = model_dir(trainer.model.name, environ)
+    try:
+        config = json.loads((directory / "config.json").read_text()) if directory is not None else None
+    except (OSError, ValueError):
+        return None
+    return {**config, **trainer.init.config_overrides} if isinstance(config, dict) else None
+
+
 def count_params(trainer: TrainerConfig, environ: Mapping[str, str]) -> int | None:
     """Parameters of the model the trainer builds; None when neither its weights nor its config.json are here."""
     directory = model_dir(trainer.model.name, environ)
@@ -110,11 +121,37 @@ def count_params(trainer: TrainerConfig, environ: Mapping[str, str]) -> int | No
         found = safetensors_params(directory)
         if found is not None:
             return found
+    config = model_config(trainer, environ)
     try:
-        config = json.loads((directory / "config.json").read_text())
-        return config_params({**config, **trainer.init.config_overrides})
-    except (OSError, ValueError, KeyError, TypeError):
+        return config_params(config) if config is not None else None
+    except (KeyError, TypeError):
         return None
+
+
+def activation_bytes(config: dict[str, Any], trainer: TrainerConfig, tokens: int) -> int:
+    """bf16 activations one forward keeps for its backward, over ``tokens`` tokens (a micro-batch's rows on one rank).
+
+    Without checkpointing a decoder layer keeps about 2 x (12 h + 5 i) bytes per token (the inputs of its norms,
+    projections, attention and MLP matmuls; h hidden, i the MLP's intermediate width, an MoE's routed width). For the
+    Qwen3-0.6B shape that is 1.55 MB a token; one H100 measured 1.44 (a micro-batch of 8 rows of 2048 tokens peaked at
+    34.5 GiB, one row at 13.9: benchmarks/results/trainer_gpu_rl2k_*).
+    Full checkpointing keeps each layer's input and recomputes one layer at a time; ``selective`` with ``ac_every = k``
+    recomputes every k-th layer (``k = 0`` is counted as none)."""
+    text = config.get("text_config") or config
+    h, layers = text["hidden_size"], text["num_hidden_layers"]
+    width = text.get("intermediate_size") or 0
+    if text.get("num_experts") or text.get("n_routed_experts"):
+        width = (text.get("moe_intermediate_size") or width) * (text.get("num_experts_per_tok") or 1)
+    per_layer = 2 * (12 * h + 5 * width)
+    ac = trainer.parallel.ac
+    if ac == "full":
+        per_token = layers * 2 * h + per_layer
+    elif ac == "selective" and trainer.parallel.ac_every:
+        full = layers // trainer.parallel.ac_every
+        per_token = (layers - full) * per_layer + full * 2 * h
+    else:
+        per_token = layers * per_layer
+    return tokens * per_token
 
 
 def trainer_bytes_per_param(trainer: TrainerConfig) -> int:
@@ -135,7 +172,10 @@ class Shares:
     total: int | None
     num_params: int | None
     trainer_need: int | None
-    """The trainer's estimated peak on one of its GPUs (states sharded over its ranks, plus the margin)."""
+    """The trainer's estimated peak on one of its GPUs (states sharded over its ranks, a micro-batch's activations,
+    plus the margin)."""
+    activations: int = 0
+    """The part of ``trainer_need`` that is a micro-batch's activations."""
 
     def describe(self, role: str) -> str:
         """For the plan: the role's share of the GPU's memory (and, for the trainer, its estimated need)."""
@@ -152,10 +192,15 @@ def _millions(count: int) -> str:
 
 
 def check_fit(
-    devices: DevicesConfig, trainer: TrainerConfig, num_trainer_ranks: int, gpus: list[int], environ: Mapping[str, str]
+    devices: DevicesConfig,
+    trainer: TrainerConfig,
+    num_trainer_ranks: int,
+    gpus: list[int],
+    environ: Mapping[str, str],
+    micro_batch_tokens: int,
 ) -> Shares:
     """The memory split of a shared GPU; ``ValueError`` when the trainer's estimate exceeds its share or vLLM's
-    share cannot hold the bf16 weights."""
+    share cannot hold the bf16 weights. ``micro_batch_tokens``: tokens of one micro-batch (rows x row length)."""
     inference_fraction = devices.inference_memory_fraction
     trainer_fraction = devices.trainer_memory_fraction or round(1.0 - inference_fraction, 6)
     total = int(devices.gpu_memory_gib * GIB) if devices.gpu_memory_gib is not None else gpu_memory_bytes(gpus, environ)
@@ -166,7 +211,12 @@ def check_fit(
     shards = num_trainer_ranks if trainer.parallel.dp_shard == -1 else trainer.parallel.dp_shard
     per_param = trainer_bytes_per_param(trainer)
     margin = devices.trainer_memory_margin_gib * GIB
-    shares.trainer_need = int(num_params * per_param / shards + margin)
+    config = model_config(trainer, environ)
+    with suppress(KeyError, TypeError):
+        # Context parallelism splits every row over cp ranks.
+        tokens = micro_batch_tokens // trainer.model.cp
+        shares.activations = activation_bytes(config, trainer, tokens) if config else 0
+    shares.trainer_need = int(num_params * per_param / shards + shares.activations + margin)
     if total is None:
         return shares
     budget = trainer_fraction * total
@@ -177,10 +227,12 @@ def check_fit(
         raise ValueError(
             f"the trainer does not fit beside vLLM on GPU {gpus[0]}: it needs ~{shares.trainer_need / GIB:.1f} GiB "
             f"({_millions(num_params)} parameters x {per_param} bytes{f' / {shards} ranks' if shards > 1 else ''} + "
+            f"{shares.activations / GIB:.1f} GiB of activations for {micro_batch_tokens} tokens a micro-batch + "
             f"devices.trainer_memory_margin_gib {devices.trainer_memory_margin_gib:g}) but gets {budget / GIB:.1f} GiB "
             f"of {total / GIB:.1f} GiB (devices.trainer_memory_fraction {trainer_fraction:g}, "
-            f"devices.inference_memory_fraction {inference_fraction:g}); {more}, train a smaller model or a LoRA "
-            "(model.lora), or give each role its own GPU (devices.colocate = false)"
+            f"devices.inference_memory_fraction {inference_fraction:g}); {more}, lower orchestrator.micro_batch_rows "
+            "or set trainer.parallel.ac, train a smaller model or a LoRA (model.lora), or give each role its own GPU "
+            "(devices.colocate = false)"
         )
     if num_params * 2 > inference_fraction * total:
         raise ValueError(

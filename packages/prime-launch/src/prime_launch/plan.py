@@ -221,7 +221,8 @@ def _share_gpus(
     environ: Mapping[str, str],
 ) -> tuple[TrainerConfig, InferenceConfig]:
     """Colocated configs: vLLM's memory share and weights by files, once the trainer is known to fit beside vLLM."""
-    shares = check_fit(rl.devices, trainer, len(train_ids), train_ids, environ)
+    micro_batch_tokens = rl.orchestrator.micro_batch_rows * rl.orchestrator.seq_len
+    shares = check_fit(rl.devices, trainer, len(train_ids), train_ids, environ, micro_batch_tokens)
     notes += sharing_notes(shares, trainer, inference)
     inference = _update(inference, "vllm.gpu_memory_utilization", shares.inference_fraction)
     trainer = _update(trainer, "gpu_memory_fraction", shares.trainer_fraction)

@@ -211,7 +211,9 @@ class OrchestratorConfig(BaseConfig):
     rollouts_per_example: int = Field(default=8, ge=1)
     """Group size: rollouts of one prompt whose rewards share a baseline."""
     micro_batch_rows: int = Field(default=1, ge=1)
-    """Packed rows per micro-batch."""
+    """Packed rows per micro-batch (one trainer forward/backward). On a GPU each forward has a fixed host-side cost
+    (FSDP hooks, kernel launches: ~0.2 s for the Qwen3-0.6B shape on an H100 host), so short rows want several per
+    micro-batch, about 16k tokens in all (the GPU configs: 8 x 2048); activations grow with it (docs/scaling.md)."""
     num_trainer_ranks: int = Field(default=1, ge=1)
     """Trainer data-parallel ranks (filled by the launcher); one file per rank per step."""
     seed: int = 0

@@ -46,7 +46,9 @@ def forward_backward(
     # loss on full rows: world-wide sums count everything cp times, and the replicated losses' gradients add up cp times.
     cp = c.cp_size
     num_loss_tokens, num_samples, num_tokens = (int(x) // cp for x in all_reduce_sum(local, c.world.device))
-    sums = dict.fromkeys(STAT_KEYS, 0.0)
+    # Statistics stay on the device until the step ends: reading one per micro-batch would wait for its backward and
+    # leave the GPU idle while the next forward is launched.
+    sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=c.world.device)
     for i, mb in enumerate(micro_batches):
         common.set_grad_sync(c.model, i, len(micro_batches))
         logprobs, entropy = token_logprobs(
@@ -62,9 +64,8 @@ def forward_backward(
         inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy)
         loss, stats = compute_loss(objective, cfg.loss, inputs, num_tokens=num_loss_tokens, num_samples=num_samples)
         (loss * (c.loss_scale / cp)).backward()
-        for k in STAT_KEYS:
-            sums[k] += float(stats[k])
-    totals = dict(zip(STAT_KEYS, all_reduce_sum([sums[k] / cp for k in STAT_KEYS], c.world.device), strict=True))
+        sums += torch.stack([stats[k].to(torch.float64) for k in STAT_KEYS])
+    totals = dict(zip(STAT_KEYS, all_reduce_sum((sums / cp).tolist(), c.world.device), strict=True))
     return totals, (num_loss_tokens, num_samples, num_tokens)
 
 
