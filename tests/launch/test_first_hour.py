@@ -3,6 +3,7 @@ foreign server answering, a server that served another run or serves another mod
 its first step, and the run summary's mismatch KL. Each outcome is what the user sees: one line and an exit code,
 nothing started or left running, nothing carried over."""
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -102,6 +103,22 @@ def test_foreign_server_answering_is_refused(server):
     with pytest.raises(StartupFailed, match="answered by another server"):
         wait_healthy([url], None, 10, lambda: None, run_id="this-run")
     assert wait_healthy([url], None, 10, lambda: None, run_id="another-run")[url]["run_id"] == "another-run"
+
+
+def test_orchestrator_waits_for_its_own_server(server):
+    """An orchestrator started beside rl's inference server counts only an answer carrying the run's id; a foreign
+    server on the port is the launcher's to report (it stops the run), so the orchestrator sends it nothing."""
+    from prime_orchestrator.client import wait_healthy as orchestrator_wait
+
+    other = server(run_id="another-run")
+    url = f"http://127.0.0.1:{other.port}"
+    with pytest.raises(TimeoutError, match="not healthy after 1s"):
+        asyncio.run(orchestrator_wait([url], api_key=None, timeout=1.0, run_id="this-run"))
+    other.state["run_id"] = "this-run"
+    asyncio.run(orchestrator_wait([url], api_key=None, timeout=5.0, run_id="this-run"))
+    other.state["run_id"] = None  # a server started separately: no run id is expected of it
+    asyncio.run(orchestrator_wait([url], api_key=None, timeout=5.0))
+    assert set(other.requests) == {"GET /health"}
 
 
 def test_server_of_another_run_serves_step0_weights_first(tmp_path, rl_env, server):

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,19 @@ def test_normal_finish_exits_zero_and_summarizes(tmp_path, rl_env):
     assert "CUDA_VISIBLE_DEVICES=''" in (out / "logs" / "trainer.log").read_text()
     for pid in [p for pids in pids_of(out).values() for p in pids]:
         wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
+
+
+def test_orchestrator_starts_beside_its_inference_server(tmp_path, rl_env):
+    """With its own inference server, rl starts the orchestrator at once (its env servers start while inference
+    does) and the trainer after /health; the orchestrator waits for the server carrying this run's id, as long as rl."""
+    out = tmp_path / "run"
+    result = subprocess.run(rl_cmd(out), env=rl_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    started = result.stdout.index("rl: started orchestrator; waiting for inference at http://127.0.0.1:")
+    assert started < result.stdout.index("rl: inference is healthy; starting trainer")
+    orch = tomllib.loads((out / "configs" / "orchestrator.toml").read_text())
+    run_id = orch["client"]["server_run_id"]
+    assert len(run_id) == 12 and orch["client"]["health_timeout"] == 900.0  # rl's own health_timeout
 
 
 def test_refuses_output_dir_of_another_run(tmp_path, rl_env):

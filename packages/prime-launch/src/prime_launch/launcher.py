@@ -69,8 +69,8 @@ def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
         print(f"  note: {note}", file=out)
     if plan.resume_step is not None:
         print(f"  resuming from step {plan.resume_step}", file=out)
-    waiting = "the orchestrators wait" if plan.runs else "the orchestrator waits"
-    print(f"commands (in start order; {waiting} for " + ", ".join(plan.health_urls) + "):", file=out)
+    urls = ", ".join(plan.health_urls)
+    print(f"commands (in start order; the trainer starts once {urls} answers):", file=out)
     for spec in plan.specs:
         print(f"  {command_line(spec)}", file=out)
 
@@ -179,12 +179,18 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
     try:
         specs = {spec.name: spec for spec in plan.specs}
         append = rl.resume or plan.resume_step is not None
-        if "inference" in specs:
+        own = "inference" in specs
+        if own:
+            # The orchestrator starts its env servers while inference starts, and sends nothing until /health answers
+            # with this run's id; the trainer waits (on a shared GPU vLLM must reserve its memory first).
             manager.start(specs["inference"], append_log=append)
-            console.message(f"rl: waiting for inference at {', '.join(plan.health_urls)}")
+            for name in plan.orchestrators:
+                manager.start(specs[name], append_log=append)
+            console.message(
+                f"rl: started {', '.join(plan.orchestrators)}; waiting for inference at {', '.join(plan.health_urls)}"
+            )
         else:
             console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
-        own = "inference" in specs
         run_id = specs["inference"].env["PRIME_RUN_ID"] if own else None
         answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager.poll, run_id)
         if not own:
@@ -192,9 +198,12 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
         if not own and plan.resume_step in (None, 0):
             for message in reset_to_base(answers, plan.api_key, rl.health_timeout):
                 console.message(f"rl: {message}")
-        console.message(f"rl: inference is healthy; starting {', '.join(plan.orchestrators)} and trainer")
-        for name in plan.orchestrators:
-            manager.start(specs[name], append_log=append)
+        if own:
+            console.message("rl: inference is healthy; starting trainer")
+        else:
+            console.message(f"rl: starting {', '.join(plan.orchestrators)} and trainer")
+            for name in plan.orchestrators:
+                manager.start(specs[name], append_log=append)
         manager.start(specs["trainer"], append_log=append)
         expected = {name: True for name in ("trainer", *plan.orchestrators)}
         # An orchestrator outlives the trainer when it evaluates the final weights; wait for it, then stop the rest.

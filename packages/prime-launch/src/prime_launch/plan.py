@@ -282,7 +282,11 @@ def _assign_threads(
 
 
 def _wire(
-    orchestrator: OrchestratorConfig, inference: InferenceConfig | None, base_urls_given: bool
+    orchestrator: OrchestratorConfig,
+    inference: InferenceConfig | None,
+    base_urls_given: bool,
+    run_id: str,
+    health_timeout: float,
 ) -> tuple[OrchestratorConfig, str | None, list[str]]:
     """The orchestrator talks to the server rl starts (or the external one it names, ``base_urls_given``). Returns the
     orchestrator config, the API key and the ``/health`` URLs."""
@@ -306,6 +310,10 @@ def _wire(
         if inference.server.api_key and api_key is None:
             orchestrator = _update(orchestrator, "client.api_key", inference.server.api_key)
         api_key = inference.server.api_key or api_key
+        # rl starts this orchestrator beside the server: it waits for this server as long as rl does.
+        orchestrator = _update(orchestrator, "client.server_run_id", run_id)
+        timeout = max(orchestrator.client.health_timeout, health_timeout)
+        orchestrator = _update(orchestrator, "client.health_timeout", timeout)
     health_urls = [url.rstrip("/").removesuffix("/v1") + "/health" for url in orchestrator.client.base_urls]
     return orchestrator, api_key, health_urls
 
@@ -418,11 +426,11 @@ def build_plan(
     if trainer.weights.broadcast.type != "nccl" and orchestrator.weights_broadcast:
         orchestrator = _update(orchestrator, "weights_broadcast", False)  # colocated: weights went back to files
     _assign_threads(rl, inference, place, cores, environ)
-    orchestrator, api_key, health_urls = _wire(orchestrator, inference, base_urls_given)
+    run_id = run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12]
+    orchestrator, api_key, health_urls = _wire(orchestrator, inference, base_urls_given, run_id, rl.health_timeout)
     resume_step, trainer, orchestrator = _resume_step(rl, run_dir, trainer, orchestrator)
     configs = _process_configs(rl, inference, orchestrator, trainer, place.devices)
 
-    run_id = run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12]
     common_env = {"PYTHONUNBUFFERED": "1", "PRIME_RUN_ID": run_id, **rl.env_vars}
     return RunPlan(
         run_dir=run_dir,

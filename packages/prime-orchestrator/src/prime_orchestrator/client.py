@@ -48,23 +48,37 @@ class ServerUnreachable(RuntimeError):
     """No inference server answers at a configured URL."""
 
 
-async def wait_healthy(base_urls: list[str], *, api_key: str | None, timeout: float, fail_fast: bool = False) -> None:
+async def wait_healthy(
+    base_urls: list[str], *, api_key: str | None, timeout: float, fail_fast: bool = False, run_id: str | None = None
+) -> None:
     """Wait until every server answers /health. ``fail_fast``: a refused connection fails at once (``eval`` against
-    a server that is not there) instead of waiting for a starting server."""
+    a server that is not there) instead of waiting for a starting server. ``run_id``: only an answer carrying this
+    run id counts (the launcher, which started the server, reports a foreign one and stops the run)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     async with httpx.AsyncClient(headers=headers(api_key)) as client:
         for url in base_urls:
-            while True:
-                try:
-                    if (await client.get(url.rstrip("/") + "/health", timeout=5.0)).status_code == 200:
-                        break
-                except httpx.TransportError as e:
-                    if fail_fast:
-                        raise ServerUnreachable(f"no inference server at {url} ({type(e).__name__})") from None
+            while not await _answers(client, url, run_id, fail_fast):
                 if loop.time() > deadline:
                     raise TimeoutError(f"inference server {url} not healthy after {timeout:.0f}s")
                 await asyncio.sleep(0.2)
+
+
+async def _answers(client: httpx.AsyncClient, url: str, run_id: str | None, fail_fast: bool) -> bool:
+    try:
+        response = await client.get(url.rstrip("/") + "/health", timeout=5.0)
+    except httpx.TransportError as e:
+        if fail_fast:
+            raise ServerUnreachable(f"no inference server at {url} ({type(e).__name__})") from None
+        return False
+    if response.status_code != 200:
+        return False
+    if run_id is None:
+        return True
+    try:
+        return response.json().get("run_id") == run_id
+    except (ValueError, AttributeError):
+        return False
 
 
 async def update_weights(

@@ -108,14 +108,21 @@ class Orchestrator:
         self.monitor = build_monitor(
             c.monitor, output_dir=c.output_dir, process="orchestrator", run_config=c.model_dump(mode="json")
         )
-        await inference.wait_healthy(
-            c.client.base_urls, api_key=c.client.resolved_api_key(), timeout=c.client.health_timeout
-        )
         for env in c.env:
             self.pools[env.resolved_name] = self._runner(env, env.resolved_name)
         for env in c.eval.envs:
             self.eval_pools[env.resolved_name] = self._runner(env, f"eval/{env.resolved_name}")
-        await asyncio.gather(*(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]))
+        # Env servers start (seconds of imports per worker) while the inference server starts; rl launches the
+        # orchestrator beside its own server for this.
+        await asyncio.gather(
+            inference.wait_healthy(
+                c.client.base_urls,
+                api_key=c.client.resolved_api_key(),
+                timeout=c.client.health_timeout,
+                run_id=c.client.server_run_id,
+            ),
+            *(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]),
+        )
         if c.ckpt.resume_step:
             self._load_checkpoint(c.ckpt.resume_step)
         if self.start_step > 0:
