@@ -121,7 +121,13 @@ def build_model(
     if not dims.fsdp_enabled and world.device.type == "cuda":
         # parallelize_fn skips FSDP on one rank; wrap anyway for bf16 compute with fp32 master weights.
         mesh = dims.build_mesh("cuda").fsdp
-        model = apply_fsdp(model, model.model.layers, mesh, mp_policy=default_mp_policy("cuda"))
+        model = apply_fsdp(
+            model,
+            model.model.layers,
+            mesh,
+            mp_policy=default_mp_policy("cuda"),
+            reshard_after_forward=parallel.reshard_after_forward,
+        )
     return model, source
 
 
