@@ -103,9 +103,10 @@ def test_orchestrator_starts_beside_its_inference_server(tmp_path, rl_env):
     assert result.returncode == 0, result.stdout + result.stderr
     started = result.stdout.index("rl: started orchestrator; waiting for inference at http://127.0.0.1:")
     assert started < result.stdout.index("rl: inference is healthy; starting trainer")
+    # The run id goes on the command line: the written config stays usable against any server.
+    assert "--client.server-run-id " in (out / "logs" / "orchestrator.log").read_text()
     orch = tomllib.loads((out / "configs" / "orchestrator.toml").read_text())
-    run_id = orch["client"]["server_run_id"]
-    assert len(run_id) == 12 and orch["client"]["health_timeout"] == 900.0  # rl's own health_timeout
+    assert "server_run_id" not in orch["client"] and orch["client"]["health_timeout"] == 900.0  # rl's own
 
 
 def test_refuses_output_dir_of_another_run(tmp_path, rl_env):

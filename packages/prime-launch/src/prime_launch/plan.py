@@ -282,11 +282,7 @@ def _assign_threads(
 
 
 def _wire(
-    orchestrator: OrchestratorConfig,
-    inference: InferenceConfig | None,
-    base_urls_given: bool,
-    run_id: str,
-    health_timeout: float,
+    orchestrator: OrchestratorConfig, inference: InferenceConfig | None, base_urls_given: bool, health_timeout: float
 ) -> tuple[OrchestratorConfig, str | None, list[str]]:
     """The orchestrator talks to the server rl starts (or the external one it names, ``base_urls_given``). Returns the
     orchestrator config, the API key and the ``/health`` URLs."""
@@ -310,10 +306,12 @@ def _wire(
         if inference.server.api_key and api_key is None:
             orchestrator = _update(orchestrator, "client.api_key", inference.server.api_key)
         api_key = inference.server.api_key or api_key
-        # rl starts this orchestrator beside the server: it waits for this server as long as rl does.
-        orchestrator = _update(orchestrator, "client.server_run_id", run_id)
+        # rl starts this orchestrator beside the server: it waits for this server as long as rl does (and for this
+        # run's id, given on its command line so that the written config stays reusable: _process_specs).
         timeout = max(orchestrator.client.health_timeout, health_timeout)
         orchestrator = _update(orchestrator, "client.health_timeout", timeout)
+    if orchestrator.client.server_run_id is not None:
+        orchestrator = _update(orchestrator, "client.server_run_id", None)
     health_urls = [url.rstrip("/").removesuffix("/v1") + "/health" for url in orchestrator.client.base_urls]
     return orchestrator, api_key, health_urls
 
@@ -342,6 +340,9 @@ def _process_specs(
         cfg_path = run_dir.config_file(name)
         # Each child logs to stdout only: the launcher redirects stdout into logs/<name>.log.
         args = ["@", str(cfg_path), "--log.file", "false"]
+        if role(name) == "orchestrator" and "inference" in configs:
+            # Started beside rl's own server: it sends nothing until /health carries this run's id.
+            args += ["--client.server-run-id", common_env["PRIME_RUN_ID"]]
         executable = find_executable(role(name), environ)
         if name == "trainer" and place.num_trainer_ranks > 1:
             cmd = [
@@ -426,11 +427,11 @@ def build_plan(
     if trainer.weights.broadcast.type != "nccl" and orchestrator.weights_broadcast:
         orchestrator = _update(orchestrator, "weights_broadcast", False)  # colocated: weights went back to files
     _assign_threads(rl, inference, place, cores, environ)
-    run_id = run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12]
-    orchestrator, api_key, health_urls = _wire(orchestrator, inference, base_urls_given, run_id, rl.health_timeout)
+    orchestrator, api_key, health_urls = _wire(orchestrator, inference, base_urls_given, rl.health_timeout)
     resume_step, trainer, orchestrator = _resume_step(rl, run_dir, trainer, orchestrator)
     configs = _process_configs(rl, inference, orchestrator, trainer, place.devices)
 
+    run_id = run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12]
     common_env = {"PYTHONUNBUFFERED": "1", "PRIME_RUN_ID": run_id, **rl.env_vars}
     return RunPlan(
         run_dir=run_dir,

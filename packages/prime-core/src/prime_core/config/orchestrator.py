@@ -39,8 +39,9 @@ class ClientConfig(BaseConfig):
     health_timeout: float = Field(default=300.0, gt=0)
     """Seconds to wait for every server's /health at start-up."""
     server_run_id: str | None = None
-    """Set by ``rl`` when it starts the inference server itself and this orchestrator beside it: until /health
-    answers with this run id (the server rl started, not another run's on the same port) no request is sent."""
+    """Given by ``rl`` on the command line when it starts the inference server itself and this orchestrator beside
+    it: until /health answers with this run id (the server rl started, not another run's on the same port) no
+    request is sent. Not written to the resolved config, which stays usable against any server."""
     update_weights_timeout: float = Field(default=720.0, gt=0)
     """Seconds one POST /update_weights may take before it is retried."""
 
