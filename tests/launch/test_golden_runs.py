@@ -75,10 +75,10 @@ def _environ(host: Path, case: str) -> dict[str, str]:
 
 def _local(config: Path, case: str, host: Path) -> str:
     from prime_core.config import config_to_toml
-    from prime_launch.plan import build_plan
+    from prime_launch.launcher import resolve_here
 
     rl = load_config(RLConfig, ["@", str(ROOT / config)])
-    plan = build_plan(rl, _environ(host, case), run_id=RUN_ID, cores=CORES[case])
+    plan = resolve_here(rl, _environ(host, case), run_id=RUN_ID, cores=CORES[case])
     lines = ["== devices", *(f"{name}: {text}" for name, text in plan.devices.items())]
     lines += ["== notes", *plan.notes, "== health", *plan.health_urls, f"== api key: {plan.api_key}"]
     lines.append(f"== resume step: {plan.resume_step}")
