@@ -109,7 +109,8 @@ def gather_host_facts(
     to its affinity mask; the run id to ``PRIME_RUN_ID``, else a fresh one."""
     environ = dict(os.environ if environ is None else environ)
     gpus = tuple(visible_gpus(environ)) if wants_gpus(rl) and rl.devices.gpu_ids is None else ()
-    shared_possible = (gpus or rl.devices.gpu_ids) and rl.inference is not None
+    # Inference and trainer may share a GPU: the fit check needs its memory and the model's size.
+    shared_possible = wants_gpus(rl) and bool(gpus or rl.devices.gpu_ids) and rl.inference is not None
     memory = gpu_memory(environ) if shared_possible and rl.devices.gpu_memory_gib is None else {}
     model = (
         ModelFacts(count_params(rl.trainer, environ), model_config(rl.trainer, environ)) if shared_possible else None
