@@ -1,5 +1,6 @@
-"""Golden files of resolved runs: every example config (``examples/*/rl.toml`` and ``rl_gpu.toml``) resolved for a
-CPU host, one GPU, two GPUs, a one-node SLURM job and a two-node one. Any change to how a run is resolved (a
+"""Golden files of resolved runs: every example config (``examples/*/rl.toml`` and ``rl_gpu.toml``) resolved by
+``prime_launch.resolver.resolve`` for a CPU host, one GPU and two GPUs (host facts given here), and through
+``prime-launch slurm`` for a one-node SLURM job and a two-node one. Any change to how a run is resolved (a
 process's config, its command, devices, environment, the launcher's notes, the SLURM script) shows up as a diff of
 ``tests/launch/goldens/``.
 
@@ -10,13 +11,17 @@ Regenerate after a deliberate change and review the diff:
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
-from prime_core.config import load_config
+from prime_core.config import config_to_toml, load_config
 from prime_core.config.rl import RLConfig
+from prime_launch import slurm_jobs
+from prime_launch.colocate import config_params
+from prime_launch.entrypoints.cli import slurm_config_model
+from prime_launch.host import HostFacts, ModelFacts, wants_gpus
+from prime_launch.resolver import resolve
 
 from tests.launch.launch_fakes import HERE
 
@@ -45,40 +50,30 @@ HUB_MODELS = {"Qwen/Qwen3-0.6B": QWEN3_06B, "Qwen/Qwen3-VL-2B-Instruct": QWEN3_V
 
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch) -> Path:
-    """A fake host: executables in ``bin`` (with an ``nvidia-smi`` reporting 80 GB GPUs) and a hub cache holding the
-    GPU examples' model configs. The working directory is ``tmp_path`` (SLURM resolves the output dir against it)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("trainer", "orchestrator", "inference", "torchrun"):
-        (bin_dir / name).write_text("#!/bin/sh\n")
-        (bin_dir / name).chmod(0o755)
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\necho '0, {GPU_MIB}'\necho '1, {GPU_MIB}'\n")
-    smi.chmod(0o755)
-    for name, config in HUB_MODELS.items():
-        snapshot = tmp_path / "hub" / f"models--{name.replace('/', '--')}" / "snapshots" / "0"
-        snapshot.mkdir(parents=True)
-        (snapshot / "config.json").write_text(json.dumps(config))
+    """The working directory: SLURM jobs resolve the output directory against it and write there."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
-def _environ(host: Path, case: str) -> dict[str, str]:
-    gpus = {"cpu": "", "gpu1": "0", "gpu2": "0,1"}[case]
-    return {
-        "CUDA_VISIBLE_DEVICES": gpus,
-        "PATH": str(host / "bin"),
-        "PRIME_LAUNCH_BIN_DIR": str(host / "bin"),
-        "HF_HUB_CACHE": str(host / "hub"),
-    }
+def host_facts(rl: RLConfig, case: str) -> HostFacts:
+    """An 80 GB GPU per id of the case, the cores, the executables in /venv/bin, and the model's size (from the
+    config.json of the hub models the GPU examples name; a CPU run never sizes its model)."""
+    gpus = {"cpu": (), "gpu1": (0,), "gpu2": (0, 1)}[case]
+    config = HUB_MODELS.get(rl.trainer.model.name)
+    model = ModelFacts(config_params(config), config) if config and gpus and wants_gpus(rl) else ModelFacts()
+    return HostFacts(
+        gpus=gpus,
+        gpu_memory={gpu: GPU_MIB * 1024**2 for gpu in gpus},
+        cores=CORES[case],
+        executables={name: f"/venv/bin/{name}" for name in ("inference", "orchestrator", "trainer", "torchrun")},
+        run_id=RUN_ID,
+        model=model,
+    )
 
 
-def _local(config: Path, case: str, host: Path) -> str:
-    from prime_core.config import config_to_toml
-    from prime_launch.launcher import resolve_here
-
+def _local(config: Path, case: str) -> str:
     rl = load_config(RLConfig, ["@", str(ROOT / config)])
-    plan = resolve_here(rl, _environ(host, case), run_id=RUN_ID, cores=CORES[case])
+    plan = resolve(rl, host_facts(rl, case))
     lines = ["== devices", *(f"{name}: {text}" for name, text in plan.devices.items())]
     lines += ["== notes", *plan.notes, "== health", *plan.health_urls, f"== api key: {plan.api_key}"]
     lines.append(f"== resume step: {plan.resume_step}")
@@ -96,10 +91,7 @@ SLURM_ARGS = {
 }
 
 
-def _slurm(config: Path, case: str, host: Path) -> str:
-    from prime_launch import slurm_jobs
-    from prime_launch.entrypoints.cli import slurm_config_model
-
+def _slurm(config: Path, case: str) -> str:
     cfg = load_config(slurm_config_model("rl"), ["@", str(ROOT / config), *SLURM_ARGS[case]])
     job = slurm_jobs.prepare("rl", cfg, dry_run=True)
     lines = [f"== template {job.template}", "== logs", *map(str, job.process_logs), "== script", job.script.rstrip()]
@@ -110,7 +102,7 @@ def _slurm(config: Path, case: str, host: Path) -> str:
 
 def render(config: Path, case: str, host: Path) -> str:
     try:
-        text = _slurm(config, case, host) if case.startswith("slurm") else _local(config, case, host)
+        text = _slurm(config, case) if case.startswith("slurm") else _local(config, case)
     except (ValueError, FileExistsError) as e:
         text = f"== error\n{type(e).__name__}: {e}"
     return text.replace(str(host), "<host>") + "\n"

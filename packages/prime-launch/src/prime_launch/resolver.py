@@ -55,7 +55,7 @@ class ResolvedRun:
     @property
     def name_width(self) -> int:
         """Column width that aligns messages listing the processes."""
-        return max(13, *(len(spec.name) + 2 for spec in self.specs))
+        return max([13, *(len(spec.name) + 2 for spec in self.specs)])
 
 
 def resolve(rl: RLConfig, facts: HostFacts | ClusterFacts) -> ResolvedRun:
