@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from prime_trainer import perf
 from prime_trainer.ckpt import CheckpointManager
+from prime_trainer.memory import MemoryPlan
 from prime_trainer.model import ModelSource, build_model, loss_scale
 from prime_trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from prime_trainer.parallel import TrainerLayout, build_layout
@@ -51,6 +52,8 @@ class Components:
     step_times: list[dict[str, float]] = field(default_factory=list)
     layout: TrainerLayout | None = None
     """Parallel layout (meshes, expert and context parallelism)."""
+    memory_plan: MemoryPlan | None = None
+    """Activation checkpointing in use; set before the first forward (`prime_trainer.memory.plan_memory`)."""
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -236,6 +239,17 @@ def finish(c: Components) -> None:
         c.monitor.close()
 
 
+def one_rank_path(c: Components) -> str | None:
+    """How a one-rank model computes: ``mixed_precision`` (bf16 working copy), ``fsdp`` or ``plain``; None on more."""
+    from prime_models.parallel.mixed_precision import mixed_precision_of
+
+    if c.world.world_size > 1:
+        return None
+    if isinstance(c.model, FSDPModule):
+        return "fsdp"
+    return "mixed_precision" if mixed_precision_of(c.model) is not None else "plain"
+
+
 def write_bench(c: Components) -> dict[str, Any]:
     """Summarize the bench steps (the first is warmup and skipped when there are more) as JSON."""
     steps = c.step_times[1:] if len(c.step_times) > 1 else c.step_times
@@ -259,6 +273,8 @@ def write_bench(c: Components) -> dict[str, Any]:
         "mfu": mean("mfu"),
         "step_time_s": mean("time/step"),
         "peak_memory_gib": max((s["peak_memory_gib"] for s in steps), default=None),
+        "memory_plan": c.memory_plan.describe() if c.memory_plan is not None else None,
+        "one_rank_path": one_rank_path(c),
     }
     path = Path(c.config.bench_file or c.run_dir.root / "bench" / f"{c.process}.json")
     atomic_write_json(path, result)

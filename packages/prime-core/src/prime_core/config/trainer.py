@@ -41,9 +41,12 @@ class ParallelConfig(BaseConfig):
 
     dp_shard: int = -1
     """FSDP shard degree; -1 uses every rank. Must divide the world size (the rest replicates: HSDP)."""
-    ac: Literal["none", "full", "selective"] = "none"
+    ac: Literal["auto", "none", "full", "selective"] = "auto"
     """Activation checkpointing: ``full`` recomputes every decoder layer in backward; ``selective`` keeps more (see
-    ``ac_every``)."""
+    ``ac_every``). ``auto`` chooses at the first step, from a micro-batch's tokens and the GPU memory left once
+    weights, gradients and optimizer state are counted, the fastest of: none; full keeping every layer's attention
+    output (on the GPU, or offloaded to host memory); full keeping as many as fit; full; full with chunked MLPs
+    (`prime_trainer.memory`; the choice is logged). On CPU ``auto`` is ``none``."""
     ac_every: int = Field(default=0, ge=0)
     """Under ``ac = "selective"``: k >= 1 recomputes every k-th decoder layer fully (2 halves the kept activations);
     0 checkpoints every layer but keeps its attention and matmul outputs, recomputing only the cheap ops (norms,
@@ -63,6 +66,9 @@ class ParallelConfig(BaseConfig):
     """Keep FSDP parameters, gradients and optimizer state on CPU (GPU only)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after each layer's forward (ZeRO-3); false keeps them (ZeRO-2, faster)."""
+    fsdp_one_rank: bool = False
+    """On one rank, wrap the model in FSDP2 as on several (casts and hooks every forward) instead of computing in
+    bf16 on a working copy of the fp32 master weights refreshed once per optimizer step (the default, faster)."""
     timeout_s: int = Field(default=3600, ge=1)
     """Timeout of collective operations, in seconds."""
 
@@ -70,6 +76,12 @@ class ParallelConfig(BaseConfig):
     def _every_needs_selective_ac(self) -> ParallelConfig:
         if self.ac_every and self.ac != "selective":
             raise ValueError(f"ac_every needs ac = 'selective' (got ac = {self.ac!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _kept_attention_needs_full_ac(self) -> ParallelConfig:
+        if self.ac_keep_attention and self.ac != "full":
+            raise ValueError(f"ac_keep_attention needs ac = 'full' (got ac = {self.ac!r})")
         return self
 
     @model_validator(mode="after")

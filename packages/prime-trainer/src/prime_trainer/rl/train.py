@@ -16,6 +16,7 @@ from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
 
 from prime_trainer import common
 from prime_trainer.lora import setup_lora
+from prime_trainer.memory import plan_memory
 from prime_trainer.model import token_logprobs
 from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import RolloutSource, TensorMicroBatch, fake_micro_batches
@@ -37,6 +38,7 @@ def forward_backward(
     """Forward/backward every micro-batch (gradients accumulate). Returns the global loss statistics and the global
     (loss tokens, samples, tokens) counts."""
     cfg: TrainerConfig = c.config
+    plan_memory(c, micro_batches)
     local = [
         sum(mb.num_loss_tokens for mb in micro_batches),
         sum(mb.num_loss_samples for mb in micro_batches),
