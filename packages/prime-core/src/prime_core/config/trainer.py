@@ -191,6 +191,36 @@ class CISPOLossConfig(_LossOptions):
     """Clip the weight above at 1 + clip_high."""
 
 
+class DPPOLossConfig(_LossOptions):
+    """DPPO-Binary-TV trust-region mask on the probability difference (conditioned on the advantage's sign) with a
+    squared-log-ratio KL regularizer (Kimi K2.5): prime-rl's default RL loss. No ratio clipping: the mask replaces
+    it."""
+
+    type: Literal["dppo"] = "dppo"
+    """Objective type."""
+    dppo_mask_low: float = Field(default=0.2, ge=0)
+    """Drop a token with A <= 0 whose probability fell by more than this: p_theta - p_inference < -dppo_mask_low."""
+    dppo_mask_high: float = Field(default=0.2, ge=0)
+    """Drop a token with A > 0 whose probability rose by more than this: p_theta - p_inference > dppo_mask_high."""
+    adv_tau: float = Field(default=1.0, ge=0)
+    """Scale of the advantage (policy-gradient) term; 0 leaves only the KL regularizer."""
+    kl_tau: float = Field(default=1e-3, ge=0)
+    """Weight of the squared log-ratio (log r)^2 on every loss token, dropped or not; 0 disables it."""
+
+
+class IPOLossConfig(_LossOptions):
+    """IPO (INTELLECT Policy Optimization): as ``dppo`` but the trust region is symmetric and ignores the sign of A."""
+
+    type: Literal["ipo"] = "ipo"
+    """Objective type."""
+    ipo_threshold: float = Field(default=0.1, ge=0)
+    """Drop a token whose probability moved by more than this either way: |p_theta - p_inference| > ipo_threshold."""
+    adv_tau: float = Field(default=1.0, ge=0)
+    """Scale of the advantage (policy-gradient) term; 0 leaves only the KL regularizer."""
+    kl_tau: float = Field(default=1e-3, ge=0)
+    """Weight of the squared log-ratio (log r)^2 on every loss token, dropped or not; 0 disables it."""
+
+
 class CustomLossConfig(_LossOptions):
     """A user-supplied objective, found by import path; the shared options (KL, entropy, normalization) apply to it."""
 
@@ -205,7 +235,8 @@ class CustomLossConfig(_LossOptions):
 
 
 LossConfig = Annotated[
-    GRPOLossConfig | GSPOLossConfig | CISPOLossConfig | CustomLossConfig, Field(discriminator="type")
+    GRPOLossConfig | GSPOLossConfig | CISPOLossConfig | DPPOLossConfig | IPOLossConfig | CustomLossConfig,
+    Field(discriminator="type"),
 ]
 
 
