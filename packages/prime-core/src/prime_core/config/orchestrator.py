@@ -149,6 +149,61 @@ class FilterConfig(BaseConfig):
     """Samples longer than seq_len: cut at seq_len, or drop them (counted in filtered/long_samples)."""
 
 
+class DifficultyPoolConfig(BaseConfig):
+    """One difficulty pool of ``curriculum.sampler = "difficulty_pool"``."""
+
+    threshold: float
+    """Inclusive upper bound of the running mean reward of the pool's examples (the pool with the highest threshold
+    also takes everything above it)."""
+    weight: float = Field(ge=0)
+    """Relative sampling weight of each example in the pool (0: never drawn while it is in this pool)."""
+
+
+def _default_pools() -> dict[str, DifficultyPoolConfig]:
+    return {
+        "hard": DifficultyPoolConfig(threshold=0.25, weight=0.2),
+        "normal": DifficultyPoolConfig(threshold=0.75, weight=1.0),
+        "easy": DifficultyPoolConfig(threshold=1.0, weight=0.2),
+    }
+
+
+class CurriculumConfig(BaseConfig):
+    """Which examples a step draws, and refilling the batch with groups that carry a learning signal (see
+    docs/algorithms.md ## Curricula). Active when ``sampler = "difficulty_pool"`` or ``dynamic_sampling`` is on;
+    needs finite tasksets. Its state is saved with the orchestrator checkpoint."""
+
+    sampler: Literal["sequential", "difficulty_pool"] = "sequential"
+    """sequential: each environment's examples in order (the default sampling); difficulty_pool: examples drawn with
+    replacement, weighted by the pool their running mean reward falls in."""
+    pools: dict[str, DifficultyPoolConfig] = Field(default_factory=_default_pools)
+    """Pools of ``difficulty_pool`` by name (the defaults are prime-rl's: hard <= 0.25 weight 0.2, normal <= 0.75
+    weight 1, easy <= 1 weight 0.2)."""
+    unseen_weight: float = Field(default=1.0, ge=0)
+    """Sampling weight of an example never scored yet."""
+    reward_ema: float = Field(default=0.5, gt=0, le=1)
+    """Weight of a new group's mean reward in its example's running mean reward (1: the latest group only)."""
+    reject_advantage: tuple[float, float] | None = (0.0, 0.0)
+    """Advantage-range gate: a group whose every advantage lies in [low, high] is rejected (not trained; replaced
+    under dynamic sampling). The default rejects groups without signal; unset admits every group."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: after a step's groups finish, draw more groups until the step has ``batch_size /
+    rollouts_per_example`` admitted groups or the draw cap is reached; surplus admitted groups are not trained."""
+    max_draws_factor: float = Field(default=3.0, ge=1)
+    """Cap of dynamic sampling: at most this many times the step's groups are drawn in all."""
+
+    @model_validator(mode="after")
+    def _check_curriculum(self) -> CurriculumConfig:
+        if self.sampler == "difficulty_pool" and not any(p.weight > 0 for p in self.pools.values()):
+            raise ValueError("curriculum.pools: at least one pool needs a positive weight")
+        if self.reject_advantage is not None and self.reject_advantage[0] > self.reject_advantage[1]:
+            raise ValueError("curriculum.reject_advantage: low must not exceed high")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.sampler != "sequential" or self.dynamic_sampling
+
+
 class EvalEnvsConfig(BaseConfig):
     """Evaluation during training."""
 
@@ -234,6 +289,8 @@ class OrchestratorConfig(BaseConfig):
     """Advantage estimator."""
     filters: FilterConfig = Field(default_factory=FilterConfig)
     """Filters."""
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    """Difficulty curriculum and dynamic sampling (off by default)."""
     transport: RolloutTransportConfig = Field(default_factory=RolloutTransportConfig)
     """Rollout transport to the trainer."""
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
