@@ -8,7 +8,7 @@ import random
 import pytest
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import RolloutResult, TrainedSequence
-from prime_orchestrator.curriculum import Curriculum, build_curriculum
+from prime_orchestrator.curriculum import Curriculum
 from prime_orchestrator.orchestrator import Orchestrator, Rollout, StepBatch
 
 NUM_EXAMPLES = {"easy": 40, "hard": 40}
@@ -89,7 +89,7 @@ def test_difficulty_pool_favours_examples_with_signal():
 
 
 def test_gate_without_refill_drops_groups_without_signal():
-    cur = Curriculum(config(), NUM_EXAMPLES)
+    cur = Curriculum(config(sampler="difficulty_pool"), NUM_EXAMPLES)
     groups = fill(cur, 0, [("easy", 0), ("easy", 1), ("hard", 5), ("easy", 3)])
     assert [g[0].train for g in groups] == [False, True, False, True]
     assert cur.pending[0]["draws"] == 4 and cur.pending[0]["trained"] == 2
@@ -149,7 +149,7 @@ def test_resume_gets_the_same_draws(tmp_path, sampler, async_level):
 def test_orchestrator_hook_trains_admitted_groups_and_checkpoints(tmp_path, monkeypatch):
     c = config(tmp_path, sampler="difficulty_pool", dynamic_sampling=True, max_draws_factor=8)
     orch = Orchestrator(c)
-    orch.curriculum = build_curriculum(c, NUM_EXAMPLES)
+    orch.curriculum.start(NUM_EXAMPLES)
 
     async def rollout(self, step, env, example, gi, index):
         return group(step, env, example, gi)[index % G]
@@ -165,11 +165,14 @@ def test_orchestrator_hook_trains_admitted_groups_and_checkpoints(tmp_path, monk
     state = json.loads((orch.run_dir.orchestrator_checkpoint(1) / "curriculum.json").read_text())
     assert state["pending"]["0"]["trained"] == 8
 
-    resumed = build_curriculum(c.model_copy(update={"ckpt": c.ckpt.model_copy(update={"resume_step": 1})}), {})
-    assert resumed is not None and resumed.pending[0] == orch.curriculum.pending[0]
+    resumed = Curriculum(c.model_copy(update={"ckpt": c.ckpt.model_copy(update={"resume_step": 1})}), NUM_EXAMPLES)
+    assert resumed.pending[0] == orch.curriculum.pending[0]
 
 
 def test_unbounded_taskset_is_a_one_line_error():
     with pytest.raises(ValueError, match="curriculum needs finite tasksets; env 'hard'"):
         Curriculum(config(dynamic_sampling=True), {"easy": 4, "hard": 0})
-    assert build_curriculum(config(), NUM_EXAMPLES) is None  # off by default
+    off = Curriculum(config(), {"easy": 4, "hard": 0})  # off by default: any taskset, sequential draws, no metrics
+    cursors = {"easy": 2, "hard": 0}
+    assert off.plan(0, ["easy", "hard", "easy"], cursors) == [("easy", 2), ("hard", 0), ("easy", 3)]
+    assert cursors == {"easy": 4, "hard": 1} and off.metrics(0) == {}

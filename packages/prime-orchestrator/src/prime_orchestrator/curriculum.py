@@ -56,16 +56,16 @@ RunGroup = Callable[[str, int, int], Awaitable[Group]]
 
 
 class Curriculum:
-    def __init__(self, config: OrchestratorConfig, num_examples: dict[str, int]):
+    """Off (``curriculum.enabled`` false): the plain run's sequential draws, every group trains, no state."""
+
+    def __init__(self, config: OrchestratorConfig, num_examples: dict[str, int] | None = None):
         self.config = config
         self.c = config.curriculum
-        self.num_examples = num_examples
-        self.envs = list(num_examples)
+        self.enabled = self.c.enabled
+        self.envs = [e.resolved_name for e in config.env]
         self.ratios = [e.ratio for e in config.env]
+        self.num_examples: dict[str, int] = {}
         self.groups_per_step = config.batch_size // config.rollouts_per_example
-        unbounded = [name for name, n in num_examples.items() if n <= 0]
-        if unbounded:
-            raise ValueError(f"curriculum needs finite tasksets; env {unbounded[0]!r} streams an unbounded one")
         # Pools by threshold; a mean above every threshold belongs to the last one.
         self.pools = sorted(self.c.pools.items(), key=lambda item: item[1].threshold)
         self.difficulty: dict[tuple[str, int], tuple[float, int]] = {}
@@ -74,6 +74,17 @@ class Curriculum:
         self.totals = {"draws": 0, "admitted": 0, "trained": 0}
         self.pending: dict[int, dict[str, Any]] = {}
         """step -> {"scores": [[env, example, mean reward], ...], "draws"/"admitted"/"trained"/"rounds": int}."""
+        if num_examples is not None:
+            self.start(num_examples)
+
+    def start(self, num_examples: dict[str, int]) -> None:
+        """Once the tasksets are loaded: their sizes, and the state of the checkpoint ``ckpt.resume_step``."""
+        self.num_examples = num_examples
+        unbounded = [name for name, n in num_examples.items() if n <= 0]
+        if self.enabled and unbounded:
+            raise ValueError(f"curriculum needs finite tasksets; env {unbounded[0]!r} streams an unbounded one")
+        if self.enabled and self.config.ckpt.resume_step:
+            self.load(RunDir(self.config.output_dir).orchestrator_checkpoint(self.config.ckpt.resume_step))
 
     # ----- difficulty -----
     def _update(self, old: tuple[float, int] | None, mean: float) -> tuple[float, int]:
@@ -116,7 +127,7 @@ class Curriculum:
 
     def plan(self, step: int, envs: list[str], cursors: dict[str, int]) -> list[tuple[str, int]]:
         """(env, example) of each group of the step's first round; ``envs`` is the orchestrator's env mix."""
-        return self._examples(step, 0, envs, cursors)
+        return self._examples(step, 0, envs, cursors) if self.enabled else sequential_plan(envs, cursors)
 
     def admits(self, group: Group) -> bool:
         if self.c.reject_advantage is None:
@@ -138,6 +149,8 @@ class Curriculum:
     async def fill(self, step: int, groups: list[Group], run_group: RunGroup) -> list[Group]:
         """Every group the step drew; those that do not train (rejected, or admitted beyond the batch's number of
         groups) are marked ``train = False``. Dynamic sampling draws until that number is admitted or the cap."""
+        if not self.enabled:
+            return groups
         drawn, target = list(groups), len(groups)
         admitted = [g for g in drawn if self.admits(g)]
         cap, rounds = math.floor(self.c.max_draws_factor * target), 1
@@ -169,6 +182,8 @@ class Curriculum:
     # ----- shipping, metrics, checkpoints -----
     def metrics(self, step: int) -> dict[str, float]:
         """Metrics of a shipped step, and folds the scores an uninterrupted run has used by the next dispatch."""
+        if not self.enabled:
+            return {}
         record = self.pending[step]
         g = self.config.rollouts_per_example
         totals = {k: v + sum(p[k] for s, p in self.pending.items() if s <= step) for k, v in self.totals.items()}
@@ -220,7 +235,8 @@ class Curriculum:
         self.pending = {int(s): p for s, p in state["pending"].items()}
 
     def save(self, directory: Path, next_step: int) -> None:
-        atomic_write_json(directory / STATE_FILE, self.state_dict(next_step))
+        if self.enabled:
+            atomic_write_json(directory / STATE_FILE, self.state_dict(next_step))
 
     def load(self, directory: Path) -> None:
         import json
@@ -239,20 +255,3 @@ def sequential_plan(envs: list[str], cursors: dict[str, int]) -> list[tuple[str,
         plan.append((env, cursors[env]))
         cursors[env] += 1
     return plan
-
-
-def plan_examples(
-    curriculum: Curriculum | None, step: int, envs: list[str], cursors: dict[str, int]
-) -> list[tuple[str, int]]:
-    """(env, example) of each group of a step's first round, for the orchestrator's env mix ``envs``."""
-    return sequential_plan(envs, cursors) if curriculum is None else curriculum.plan(step, envs, cursors)
-
-
-def build_curriculum(config: OrchestratorConfig, num_examples: dict[str, int]) -> Curriculum | None:
-    """The run's curriculum (None when off), restored from the checkpoint of ``ckpt.resume_step`` if set."""
-    if not config.curriculum.enabled:
-        return None
-    curriculum = Curriculum(config, num_examples)
-    if config.ckpt.resume_step:
-        curriculum.load(RunDir(config.output_dir).orchestrator_checkpoint(config.ckpt.resume_step))
-    return curriculum

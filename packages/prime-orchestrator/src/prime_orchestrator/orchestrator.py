@@ -31,7 +31,7 @@ from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.advantages import compute_advantages
-from prime_orchestrator.curriculum import build_curriculum, plan_examples
+from prime_orchestrator.curriculum import Curriculum
 from prime_orchestrator.envs import EnvRunner, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
 from prime_orchestrator.packing import Sample, pack
@@ -74,7 +74,7 @@ class Orchestrator:
         self.eval_pools: dict[str, EnvRunner] = {}
         self.envs: dict[str, EnvConfig] = {e.resolved_name: e for e in config.env}
         self.cursors = {name: 0 for name in self.envs}
-        self.curriculum = None
+        self.curriculum = Curriculum(config)
         self.start_step = 0
         self.policy = Policy(config, self.run_dir)
         self.semaphore = asyncio.Semaphore(config.client.max_concurrent)
@@ -126,7 +126,7 @@ class Orchestrator:
             ),
             *(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]),
         )
-        self.curriculum = build_curriculum(c, {name: pool.num_examples for name, pool in self.pools.items()})
+        self.curriculum.start({name: pool.num_examples for name, pool in self.pools.items()})
         if c.ckpt.resume_step:
             self._load_checkpoint(c.ckpt.resume_step)
         if self.start_step > 0:
@@ -155,8 +155,7 @@ class Orchestrator:
         cursors = self.cursor_history.get(next_step, self.cursors)
         with atomic_dir(self.run_dir.orchestrator_checkpoint(next_step)) as tmp:
             atomic_write_json(tmp / "progress.json", {"step": next_step, "cursors": cursors, "seed": self.config.seed})
-            if self.curriculum is not None:
-                self.curriculum.save(tmp, next_step)
+            self.curriculum.save(tmp, next_step)
         logger.info("saved orchestrator checkpoint %s", self.run_dir.orchestrator_checkpoint(next_step))
 
     def _load_checkpoint(self, step: int) -> None:
@@ -176,7 +175,7 @@ class Orchestrator:
         names = list(self.envs)
         weights = [self.envs[n].ratio for n in names]
         chosen = rng.choices(names, weights=weights, k=c.batch_size // c.rollouts_per_example)
-        return plan_examples(self.curriculum, step, chosen, self.cursors)
+        return self.curriculum.plan(step, chosen, self.cursors)
 
     async def _rollout(self, step: int, env: str, example: int, group: int, index: int) -> Rollout:
         c = self.config
@@ -197,8 +196,8 @@ class Orchestrator:
 
     async def _generate_step(self, step: int, plan: list[tuple[str, int]], batch: StepBatch) -> StepBatch:
         batch.groups = list(await asyncio.gather(*(self._group(step, e, x, gi) for gi, (e, x) in enumerate(plan))))
-        if self.curriculum is not None:  # marks the groups that train; dynamic sampling draws more through _group
-            batch.groups = await self.curriculum.fill(step, batch.groups, lambda *a: self._group(step, *a))
+        # The curriculum marks the groups that train; its dynamic sampling draws more through _group.
+        batch.groups = await self.curriculum.fill(step, batch.groups, lambda *a: self._group(step, *a))
         batch.finished = time.perf_counter()
         return batch
 
@@ -339,7 +338,7 @@ class Orchestrator:
                 "dropped/long_samples": packed.num_dropped,
                 "micro_batches": packed.metas[0].num_micro_batches,
                 "time/pack_and_send": time.perf_counter() - t0,
-                **(self.curriculum.metrics(batch.step) if self.curriculum is not None else {}),
+                **self.curriculum.metrics(batch.step),
             }
         )
         metrics = self._metrics(batch, samples, extra)
