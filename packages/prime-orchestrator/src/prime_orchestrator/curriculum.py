@@ -66,6 +66,7 @@ class Curriculum:
         self.ratios = [e.ratio for e in config.env]
         self.num_examples: dict[str, int] = {}
         self.groups_per_step = config.batch_size // config.rollouts_per_example
+        self.distilling = {e.resolved_name for e in config.env if e.distill is not None}
         # Pools by threshold; a mean above every threshold belongs to the last one.
         self.pools = sorted(self.c.pools.items(), key=lambda item: item[1].threshold)
         self.difficulty: dict[tuple[str, int], tuple[float, int]] = {}
@@ -130,7 +131,7 @@ class Curriculum:
         return self._examples(step, 0, envs, cursors) if self.enabled else sequential_plan(envs, cursors)
 
     def admits(self, group: Group) -> bool:
-        if self.c.reject_advantage is None:
+        if self.c.reject_advantage is None or group[0].env in self.distilling:  # the teacher's signal, always
             return True
         if self.config.failed_rollouts == "drop":
             group = [r for r in group if not r.result.failed]

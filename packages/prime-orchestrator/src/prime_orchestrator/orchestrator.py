@@ -32,6 +32,7 @@ from prime_core.vision import VisionSpec
 from prime_orchestrator import client as inference
 from prime_orchestrator.advantages import compute_advantages
 from prime_orchestrator.curriculum import Curriculum
+from prime_orchestrator.distill import Teachers
 from prime_orchestrator.envs import EnvRunner, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
 from prime_orchestrator.packing import Sample, pack
@@ -75,6 +76,7 @@ class Orchestrator:
         self.envs: dict[str, EnvConfig] = {e.resolved_name: e for e in config.env}
         self.cursors = {name: 0 for name in self.envs}
         self.curriculum = Curriculum(config)
+        self.teachers = Teachers(config)
         self.start_step = 0
         self.policy = Policy(config, self.run_dir)
         self.semaphore = asyncio.Semaphore(config.client.max_concurrent)
@@ -125,6 +127,7 @@ class Orchestrator:
                 run_id=c.client.server_run_id,
             ),
             *(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]),
+            self.teachers.start(),
         )
         self.curriculum.start({name: pool.num_examples for name, pool in self.pools.items()})
         if c.ckpt.resume_step:
@@ -192,7 +195,8 @@ class Orchestrator:
 
     async def _group(self, step: int, env: str, example: int, gi: int) -> list[Rollout]:
         g = self.config.rollouts_per_example
-        return list(await asyncio.gather(*(self._rollout(step, env, example, gi, gi * g + j) for j in range(g))))
+        rollouts = await asyncio.gather(*(self._rollout(step, env, example, gi, gi * g + j) for j in range(g)))
+        return await self.teachers.score(step, env, list(rollouts))
 
     async def _generate_step(self, step: int, plan: list[tuple[str, int]], batch: StepBatch) -> StepBatch:
         batch.groups = list(await asyncio.gather(*(self._group(step, e, x, gi) for gi, (e, x) in enumerate(plan))))
@@ -225,10 +229,10 @@ class Orchestrator:
             if not group:
                 filtered += 1
                 continue
-            rewards = [r.result.reward for r in group]
+            r0, rewards = group[0], [r.result.reward for r in group]
             lengths = [r.result.completion_len for r in group]
             adv = compute_advantages(rewards, lengths, c.advantage)
-            if c.filters.zero_advantage_groups and np.all(np.abs(adv) < 1e-9):
+            if c.filters.zero_advantage_groups and np.all(np.abs(adv) < 1e-9) and not self.teachers.distils(r0.env):
                 filtered += 1
                 continue
             for r, a in zip(group, adv, strict=True):
@@ -238,7 +242,7 @@ class Orchestrator:
                         q.token_ids,
                         q.loss_mask,
                         q.logprobs,
-                        float(a),
+                        self.teachers.advantage(r.env, q, float(a)),
                         r.weight_step,
                         r.env,
                         res.reward,
@@ -339,6 +343,7 @@ class Orchestrator:
                 "micro_batches": packed.metas[0].num_micro_batches,
                 "time/pack_and_send": time.perf_counter() - t0,
                 **self.curriculum.metrics(batch.step),
+                **self.teachers.metrics(batch.step, batch.groups),
             }
         )
         metrics = self._metrics(batch, samples, extra)
@@ -451,7 +456,9 @@ class Orchestrator:
 
     async def close(self) -> None:
         await asyncio.gather(
-            *(p.close() for p in [*self.pools.values(), *self.eval_pools.values()]), return_exceptions=True
+            *(p.close() for p in [*self.pools.values(), *self.eval_pools.values()]),
+            self.teachers.close(),
+            return_exceptions=True,
         )
         if self.sender is not None:
             await asyncio.to_thread(self.sender.close)

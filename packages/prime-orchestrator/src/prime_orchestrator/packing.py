@@ -30,7 +30,8 @@ class Sample:
     token_ids: list[int]
     loss_mask: list[bool]
     logprobs: list[float]
-    advantage: float
+    advantage: float | list[float]
+    """The sample's advantage, or one per token (on-policy distillation)."""
     weight_step: int
     env: str = ""
     reward: float = 0.0
@@ -86,7 +87,7 @@ def fit_to_seq_len(
                     s.token_ids[:seq_len],
                     s.loss_mask[:seq_len],
                     s.logprobs[:seq_len],
-                    s.advantage,
+                    s.advantage if isinstance(s.advantage, float) else s.advantage[:seq_len],
                     s.weight_step,
                     s.env,
                     s.reward,
