@@ -92,7 +92,11 @@ def teacher_logprobs(model_dir, token_ids: list[int]) -> np.ndarray:
 def test_opd_signal_is_the_reverse_kl_to_the_teacher(tmp_path, tiny_model, torch_server, teacher_server):
     """One step of pure distillation on reverse-text: every sampled token's advantage equals log p_teacher - log
     p_student, with log p_teacher computed here from the teacher's weights and log p_student the sampling log-prob."""
-    env = {"id": "reverse-text", "args": {"num_examples": 50}, "distill": distill(*teacher_of(teacher_server)).model_dump()}
+    env = {
+        "id": "reverse-text",
+        "args": {"num_examples": 50},
+        "distill": distill(*teacher_of(teacher_server)).model_dump(),
+    }
     config = make_config(tmp_path, tiny_model, torch_server, env=[env], num_trainer_ranks=1)
     config.filters.zero_advantage_groups = True  # a distilling env's groups are never filtered
     run(config)
