@@ -2,10 +2,11 @@
 
     uv run python benchmarks/curriculum_cpu.py [--no-run]
 
-Runs `rl @ examples/arithmetic/rl_mix.toml` (plain) and `rl @ rl_mix.toml @ curriculum.toml` (curriculum), each at
-the config's 64 rollouts a step and at 32, or with ``--no-run`` reads their run directories, and writes
-benchmarks/results/curriculum_cpu.json: per run the eval curve (eval at temperature 1.0 after each interval) against
-the rollouts drawn so far, and the rollouts each run drew before its eval first reached the plain run's final eval.
+Runs `rl @ examples/arithmetic/rl_mix.toml` (plain) and `rl @ rl_mix.toml @ curriculum.toml` (curriculum), or with
+``--no-run`` reads their run directories, and writes benchmarks/results/curriculum_cpu.json: per run the eval curve
+(eval at temperature 1.0 after each interval) against the rollouts drawn so far, the samples trained, and the
+rollouts each run drew before its eval first reached the plain run's final and best evals. ``--also NAME=DIR`` adds
+the curve of another run directory (a variant made by hand, described with ``--note``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ MIX, CURRICULUM = "examples/arithmetic/rl_mix.toml", "examples/arithmetic/curric
 RUNS = {
     "plain": ([MIX], [], "outputs/arithmetic-mix"),
     "curriculum": ([MIX, CURRICULUM], [], "outputs/arithmetic-curriculum"),
-    "plain_batch32": ([MIX], ["--orchestrator.batch-size", "32"], "outputs/arithmetic-mix-b32"),
-    "curriculum_batch32": ([MIX, CURRICULUM], ["--orchestrator.batch-size", "32"], "outputs/arithmetic-curriculum-b32"),
 }
 EVAL_KEY = "eval/arithmetic/t1/reward/mean"
 
@@ -63,6 +62,8 @@ def main() -> None:
     parser.add_argument("--no-run", action="store_true", help="only read the run directories")
     parser.add_argument("--port", type=int, default=8471)
     parser.add_argument("--wall", action="append", default=[], help="NAME=SECONDS of a run made by hand (--no-run)")
+    parser.add_argument("--also", action="append", default=[], help="NAME=RUN_DIR of another run to record")
+    parser.add_argument("--note", action="append", default=[], help="a line describing the runs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "curriculum_cpu.json")
     args = parser.parse_args()
     rl = Path(sys.executable).with_name("rl")
@@ -78,12 +79,19 @@ def main() -> None:
         subprocess.run(cmd, cwd=ROOT, check=True)
         walls[name] = round(time.perf_counter() - start, 1)
     results = {}
-    for name, (_, _, out) in RUNS.items():
-        points, totals = curve(ROOT / out)
+    dirs = {name: ROOT / out for name, (_, _, out) in RUNS.items()}
+    dirs |= {name: Path(d) for name, d in (a.split("=", 1) for a in args.also)}
+    for name, run_dir in dirs.items():
+        points, totals = curve(run_dir)
         results[name] = {"evals": points, **totals, **({"wall_time_s": walls[name]} if name in walls else {})}
+    for name, r in results.items():
+        # Each run against its plain twin (the name with "curriculum" replaced by "plain").
+        plain = results.get(name.replace("curriculum", "plain"), results["plain"])["evals"]
+        final, best = plain[-1]["eval_t1"], max(p["eval_t1"] for p in plain)
+        r["rollouts_to_plain_final_eval"] = next((p["rollouts"] for p in r["evals"] if p["eval_t1"] >= final), None)
+        r["rollouts_to_plain_best_eval"] = next((p["rollouts"] for p in r["evals"] if p["eval_t1"] >= best), None)
     target = results["plain"]["evals"][-1]["eval_t1"]
-    for r in results.values():
-        r["rollouts_to_plain_final_eval"] = next((p["rollouts"] for p in r["evals"] if p["eval_t1"] >= target), None)
+    best = max(p["eval_t1"] for p in results["plain"]["evals"])
     report = {
         "benchmark": "curriculum_cpu_arithmetic_mix",
         "configs": {name: [*configs, *extra] for name, (configs, extra, _) in RUNS.items()},
@@ -93,11 +101,14 @@ def main() -> None:
         "commit": git_commit(),
         "baseline": "plain",
         "baseline_final_eval_t1": target,
-        "eval": "128 held-out problems of the same mix (seed 4242) x 2 samples at temperature 1.0",
+        "baseline_best_eval_t1": best,
+        "notes": args.note,
+        "eval": "128 held-out problems, half hard (seed 4242), x 4 samples at temperature 1.0",
         "results": results,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: (v["rollouts_to_plain_final_eval"], v["evals"][-1]) for k, v in results.items()}, indent=2))
+    summary = {k: (v["rollouts_to_plain_best_eval"], v["trained_samples"], v["evals"][-1]) for k, v in results.items()}
+    print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
