@@ -235,6 +235,10 @@ class RLConfig(BaseConfig):
             if not isinstance(sub, dict):
                 continue
             sub = dict(sub)
+            if name == "inference":
+                # The trainer recomputes the distribution each token was drawn from (temperature included), so an RL
+                # server returns processed log-probs where a standalone `inference` keeps vLLM's raw default.
+                sub.setdefault("logprobs_mode", "processed")
             fields = _PROCESS_CLASSES[name].model_fields
             for key in SHARED_FIELDS:
                 value = data.get(key)
