@@ -128,3 +128,13 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_log_probs_are_raw_standalone_and_processed_under_rl():
+    """vLLM's default (raw) for `inference`; `rl` gives its server the trainer's (processed) unless told otherwise."""
+    from prime_core.config.rl import RLConfig
+
+    assert InferenceConfig().logprobs_mode == "raw"
+    assert RLConfig.model_validate({"inference": {}}).inference.logprobs_mode == "processed"
+    assert RLConfig.model_validate({"inference": {"logprobs_mode": "raw"}}).inference.logprobs_mode == "raw"
+    assert load_config(InferenceConfig, argv=["--logprobs-mode", "processed"]).logprobs_mode == "processed"
