@@ -125,7 +125,9 @@ def test_server_names_the_parser_at_start_and_the_settings_in_the_400(tmp_path, 
             r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
             if chat_template is None:
                 message = r.json()["error"]["message"]
-                assert r.status_code == 400 and "--enable-auto-tool-choice" in message and "--tool-call-parser" in message
+                assert (
+                    r.status_code == 400 and "--enable-auto-tool-choice" in message and "--tool-call-parser" in message
+                )
             else:
                 assert r.status_code == 200
         finally:

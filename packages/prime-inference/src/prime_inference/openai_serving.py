@@ -113,7 +113,9 @@ def echoed(req: ChatCompletionRequest) -> str:
     last = req.messages[-1]
     if not req.echo or last.role != response_role(req) or not last.content:
         return ""
-    return last.content if isinstance(last.content, str) else "\n".join(p.text for p in last.content if p.type == "text")
+    return (
+        last.content if isinstance(last.content, str) else "\n".join(p.text for p in last.content if p.type == "text")
+    )
 
 
 @dataclass

@@ -59,8 +59,13 @@ MARKER_TOKENS = {
     "qwen3_xml": _TC,
     "glm45": _GLM,
     "glm47": _GLM,
-    "deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-                    "<｜tool▁sep｜>"),
+    "deepseek_v3": (
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+    ),
 }
 
 
