@@ -117,7 +117,7 @@ def test_server_names_the_parser_at_start_and_the_settings_in_the_400(tmp_path, 
         model_dir = tmp_path / expected.split()[0]
         tokenizer.save_pretrained(model_dir)
         engine = FixedTextEngine(tokenizer, lambda prompt: "Hello!")
-        with caplog.at_level(logging.INFO, logger="prime_inference.server"):
+        with caplog.at_level(logging.INFO, logger="prime_inference.app_common"):
             server = start_server(model_dir, engine_factory=lambda e=engine, t=tokenizer: (e, t))
         try:
             assert expected in caplog.text
