@@ -175,7 +175,15 @@ class ChatCompletionRequest(_OpenAISampling):
         return self
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        """The tools as vLLM hands them to the chat template (its model dump: unset fields None, an unset ``strict``
+        left out), so both engines render the same prompt."""
+        if self.tools is None:
+            return None
+        tools = [t.model_dump() for t in self.tools]
+        for tool in tools:
+            if tool["function"].get("strict") is None:
+                tool["function"].pop("strict", None)
+        return tools
 
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or []]
