@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import tree_commit
+
 ROOT = Path(__file__).resolve().parents[1]
 MIX, CURRICULUM = "examples/arithmetic/rl_mix.toml", "examples/arithmetic/curriculum.toml"
 # name -> (config files, extra arguments, run directory)
@@ -28,13 +30,6 @@ RUNS = {
     "curriculum": ([MIX, CURRICULUM], [], "outputs/arithmetic-curriculum"),
 }
 EVAL_KEY = "eval/arithmetic/t1/reward/mean"
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def curve(run_dir: Path) -> tuple[list[dict], dict]:
@@ -61,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-run", action="store_true", help="only read the run directories")
     parser.add_argument("--port", type=int, default=8471)
+    parser.add_argument("--commit", default=None, help="the commit the runs were made at (default: this checkout's)")
     parser.add_argument("--wall", action="append", default=[], help="NAME=SECONDS of a run made by hand (--no-run)")
     parser.add_argument("--also", action="append", default=[], help="NAME=RUN_DIR of another run to record")
     parser.add_argument("--note", action="append", default=[], help="a line describing the runs")
@@ -98,7 +94,7 @@ def main() -> None:
         "model": "examples/arithmetic/model (Qwen3-shaped, 1.64M params, character vocabulary)",
         "vocab_size": json.loads((ROOT / "examples/arithmetic/model/config.json").read_text())["vocab_size"],
         "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
-        "commit": git_commit(),
+        "commit": tree_commit(args.commit),
         "baseline": "plain",
         "baseline_final_eval_t1": target,
         "baseline_best_eval_t1": best,

@@ -44,14 +44,17 @@ class TokenizerMismatch(ValueError):
 
 
 def _load_tokenizer(name: str) -> Any:
-    from transformers import AutoTokenizer
+    """A ``tokenizers`` tokenizer from a model directory, a ``tokenizer.json``, or a hub id (its cache)."""
+    from tokenizers import Tokenizer
 
     path = Path(name)
-    return AutoTokenizer.from_pretrained(str(path.parent if path.is_file() else path))
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else Tokenizer.from_pretrained(name)
 
 
 def _vocab_mismatch(student: Any, teacher: Any) -> str | None:
-    a, b = student.get_vocab(), teacher.get_vocab()
+    a, b = student.get_vocab(with_added_tokens=True), teacher.get_vocab(with_added_tokens=True)
     if a == b:
         return None
     differ = sum(a.get(t) != i for t, i in b.items()) + sum(t not in b for t in a)
@@ -68,8 +71,9 @@ async def check_tokenizer(student_dir: str, teacher: TeacherConfig, client: http
         if problem:
             raise TokenizerMismatch(f"{what} must share a tokenizer: {problem} (distill.teacher.tokenizer)")
         return
-    for text in (*PROBES, " ".join(student.all_special_tokens)):
-        want = student(text, add_special_tokens=False)["input_ids"]
+    specials = [t.content for t in student.get_added_tokens_decoder().values() if t.special]
+    for text in (*PROBES, " ".join(specials)):
+        want = student.encode(text, add_special_tokens=False).ids
         body = {"model": teacher.model, "prompt": text, "add_special_tokens": False}
         try:
             got = (await post_json(client, f"{teacher.base_url}/tokenize", body, timeout=30, retries=1))["tokens"]
