@@ -72,6 +72,11 @@ def greedy(url: str, prompt: list[int]) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+def publish_into(timings: dict, publisher, step: int, model) -> None:
+    """What the trainer does each step (every step served, none kept on disk as files), timings into ``timings``."""
+    timings.update(publisher.publish(step, model, durable=False))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
@@ -87,7 +92,7 @@ def main() -> None:
     from prime_core.config.trainer import ModelInitConfig, ParallelConfig, WeightBroadcastConfig
     from prime_core.run_dir import RunDir
     from prime_trainer.model import build_model
-    from prime_trainer.weights import WeightPublisher
+    from prime_trainer.weights import BroadcastPublisher, FilesystemPublisher
     from prime_trainer.world import init_world
 
     out = Path(args.out) / f"weight_update_gpu-{args.shape}.json"
@@ -124,8 +129,11 @@ def main() -> None:
         run_dir = RunDir(work / "run")
         step = 0
         for mode in args.modes.split(","):
-            broadcast = WeightBroadcastConfig(type=mode, port=free_port(), timeout_s=120)
-            publisher = WeightPublisher(run_dir, world, source.tokenizer, async_level=0, broadcast=broadcast)
+            if mode == "nccl":
+                broadcast = WeightBroadcastConfig(type=mode, port=free_port(), timeout_s=120)
+                publisher = BroadcastPublisher(run_dir, world, 0, tokenizer=source.tokenizer, config=broadcast)
+            else:
+                publisher = FilesystemPublisher(run_dir, world, 0, tokenizer=source.tokenizer)
             runs = []
             for rep in range(args.reps + 1):  # the first nccl update also opens the group: reported apart
                 step += 1
@@ -135,7 +143,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 weight_dir = run_dir.weight_step(step)
                 t0 = time.perf_counter()
-                sender = threading.Thread(target=publisher.publish, args=(step, model), kwargs={"files": False})
+                timings: dict = {}
+                sender = threading.Thread(target=publish_into, args=(timings, publisher, step, model))
                 sender.start()
                 while not (weight_dir / "STABLE").exists():
                     time.sleep(0.005)
@@ -144,7 +153,7 @@ def main() -> None:
                 t_served = time.perf_counter() - t0
                 sender.join()
                 r.raise_for_status()
-                runs.append({"latency_s": t_served, "stable_s": t_stable, **publisher.last_timings,
+                runs.append({"latency_s": t_served, "stable_s": t_stable, **timings,
                              "server_step": r.json()["weight_step"]})  # fmt: skip
                 print(f"{mode} rep {rep}: {json.dumps(runs[-1])}", flush=True)
                 served.append(greedy(url, prompt))
@@ -155,7 +164,7 @@ def main() -> None:
         # The weights of the last update again, from files: the same greedy tokens prove the broadcast was exact.
         if "nccl" in args.modes:
             step += 1
-            WeightPublisher(run_dir, world, source.tokenizer, async_level=0).publish(step, model)
+            FilesystemPublisher(run_dir, world, 0, tokenizer=source.tokenizer).publish(step, model)
             weight_dir = run_dir.weight_step(step)
             r = httpx.post(f"{url}/update_weights", json={"weight_dir": str(weight_dir), "step": step}, timeout=600)
             r.raise_for_status()
