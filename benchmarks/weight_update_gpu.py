@@ -1,11 +1,13 @@
 """Weight-update latency (issue 9, item 7): from the trainer starting to publish step N to inference serving it.
 
     python benchmarks/weight_update_gpu.py --shape 0.6b --out $OUT [--reps 5] [--modes filesystem,nccl]
+    python benchmarks/weight_update_gpu.py --shape 0.6b --out $OUT --modes filesystem,cuda_ipc   # one shared GPU
 
 The trainer side is prime's own: `prime_trainer` builds the model (FSDP2-wrapped, bf16 compute, fp32 master
-weights) on GPU 0 and publishes through `WeightPublisher` (safetensors + STABLE, or broadcast.json + STABLE and a
-broadcast from rank 0). The inference side is `inference --engine vllm` on GPU 1 (GPU 0 too when only one is
-visible). The orchestrator's part is played here: poll for STABLE every 5 ms, then POST /update_weights.
+weights) on GPU 0 and publishes through its weight transport (`prime_trainer.weights`: safetensors + STABLE, or
+broadcast.json + STABLE and a broadcast from rank 0, or cuda_ipc.json + STABLE and CUDA IPC handles). The inference
+side is `inference --engine vllm` on GPU 1 (GPU 0 too when only one is visible, and always with cuda_ipc, which
+needs trainer and inference on one GPU; nccl cannot run then). The orchestrator's part is played here: poll for STABLE every 5 ms, then POST /update_weights.
 Latency = time from `publish()` starting to /update_weights returning (the server answers after the new weights are
 loaded and generation resumed). Between repetitions every parameter is perturbed, so each update changes outputs; a
 final filesystem update of the same weights as the last broadcast must give the same greedy tokens.
@@ -92,7 +94,7 @@ def main() -> None:
     from prime_core.config.trainer import ModelInitConfig, ParallelConfig, WeightBroadcastConfig
     from prime_core.run_dir import RunDir
     from prime_trainer.model import build_model
-    from prime_trainer.weights import BroadcastPublisher, FilesystemPublisher
+    from prime_trainer.weights import BroadcastPublisher, CudaIpcPublisher, FilesystemPublisher
     from prime_trainer.world import init_world
 
     out = Path(args.out) / f"weight_update_gpu-{args.shape}.json"
@@ -111,10 +113,12 @@ def main() -> None:
     result["model"] = save_model(base, args.shape)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    inference_gpu = "1" if gpus > 1 else "0"
+    same_gpu = gpus == 1 or "cuda_ipc" in args.modes
+    inference_gpu = "0" if same_gpu else "1"
+    result["same_gpu"] = same_gpu
     cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", "vllm", "--model.name", str(base),
            "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(work / "inference"),
-           "--max-model-len", "1024", "--vllm.gpu-memory-utilization", "0.5" if gpus == 1 else "0.85",
+           "--max-model-len", "1024", "--vllm.gpu-memory-utilization", "0.5" if same_gpu else "0.85",
            "--vllm.enforce-eager"]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": inference_gpu, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -129,9 +133,10 @@ def main() -> None:
         run_dir = RunDir(work / "run")
         step = 0
         for mode in args.modes.split(","):
-            if mode == "nccl":
-                broadcast = WeightBroadcastConfig(type=mode, port=free_port(), timeout_s=120)
-                publisher = BroadcastPublisher(run_dir, world, 0, tokenizer=source.tokenizer, config=broadcast)
+            if mode in ("nccl", "cuda_ipc"):
+                transport = WeightBroadcastConfig(type=mode, port=free_port(), timeout_s=120)
+                cls = BroadcastPublisher if mode == "nccl" else CudaIpcPublisher
+                publisher = cls(run_dir, world, 0, tokenizer=source.tokenizer, config=transport)
             else:
                 publisher = FilesystemPublisher(run_dir, world, 0, tokenizer=source.tokenizer)
             runs = []
@@ -161,8 +166,8 @@ def main() -> None:
             result[mode] = {"runs": runs, "median_latency_s": statistics.median(steady), "max_latency_s": max(steady),
                             "first_latency_s": runs[0]["latency_s"]}  # fmt: skip
             write()
-        # The weights of the last update again, from files: the same greedy tokens prove the broadcast was exact.
-        if "nccl" in args.modes:
+        # The weights of the last update again, from files: the same greedy tokens prove the transfer was exact.
+        if args.modes.split(",")[-1] in ("nccl", "cuda_ipc"):
             step += 1
             FilesystemPublisher(run_dir, world, 0, tokenizer=source.tokenizer).publish(step, model)
             weight_dir = run_dir.weight_step(step)

@@ -9,6 +9,9 @@ announces is one typed manifest (`WeightManifest`, discriminated on ``type``), r
   collective group (NCCL between GPUs, gloo between CPU processes) that every inference worker joins.
 * ``adapter`` (`AdapterInfo` of `prime_core.schemas.adapters`, ``prime_adapter.json``): the directory holds a PEFT
   LoRA adapter and names the served adapter it replaces.
+* ``cuda_ipc`` (`CudaIpcManifest`, ``cuda_ipc.json``): trainer and inference share a GPU; the trainer's rank 0 hands
+  each bucket of tensors over as a CUDA IPC handle (`CudaIpcBucket`, through the rendezvous store the manifest
+  names), inference copies it into its model and acknowledges, and only then is the buffer reused or freed.
 
 Each manifest class declares ``file`` (the file announcing it; None for plain HF files) and ``repeatable``: whether
 the directory itself holds the weights, so that loading it can be repeated (a retried request after a failure or a
@@ -99,7 +102,62 @@ class BucketHeader(BaseModel):
     tensors: list[tuple[str, list[int], int]]
 
 
-MANIFESTS: tuple[type[BaseModel], ...] = (FilesystemManifest, BroadcastManifest, AdapterInfo)
+class CudaIpcManifest(BaseModel):
+    """``weights/step_N/cuda_ipc.json``: where the trainer hands over step N's weights by CUDA IPC handles."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    file: ClassVar[str | None] = "cuda_ipc.json"
+    repeatable: ClassVar[bool] = False
+
+    type: Literal["cuda_ipc"] = "cuda_ipc"
+    """Transport: CUDA IPC handles on a GPU that trainer and inference share."""
+    step: int
+    """Weight step being handed over."""
+    host: str
+    """Address of the rendezvous store (a ``torch.distributed.TCPStore``) on the trainer's rank 0."""
+    port: int = Field(ge=1, le=65535)
+    """Port of that store."""
+    num_workers: int = Field(ge=1)
+    """Inference workers that take every bucket; the trainer frees a bucket once all of them acknowledged it."""
+    gpu_uuid: str
+    """The physical GPU (``torch.cuda.get_device_properties(i).uuid``) holding the buffers; a worker elsewhere
+    refuses the transfer."""
+    timeout_s: float = Field(gt=0)
+    """Seconds either side waits for the other (a bucket, an acknowledgement) before failing."""
+
+
+class CudaIpcHandle(BaseModel):
+    """One CUDA allocation shared by torch's IPC (``UntypedStorage._share_cuda_``), as plain data: bytes are base64,
+    so no pickle crosses the process boundary."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    storage_handle: str
+    storage_size_bytes: int = Field(ge=0)
+    storage_offset_bytes: int = Field(ge=0)
+    ref_counter_handle: str
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: str | None
+    event_sync_required: bool
+
+
+class CudaIpcBucket(BaseModel):
+    """One bucket of a CUDA IPC hand-over: ``tensors`` are ``(hf_name, shape, offset)`` into a flat ``dtype`` buffer
+    of ``numel`` elements shared by ``handle``. ``index`` counts the step's buckets from 0; ``handle`` None ends the
+    step (``index`` is then the number of buckets), with ``error`` set when the trainer failed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = Field(ge=0)
+    dtype: str = ""
+    numel: int = Field(default=0, ge=0)
+    tensors: list[tuple[str, list[int], int]] = Field(default_factory=list)
+    handle: CudaIpcHandle | None = None
+    error: str | None = None
+
+
+MANIFESTS: tuple[type[BaseModel], ...] = (FilesystemManifest, BroadcastManifest, AdapterInfo, CudaIpcManifest)
 """Every transport's manifest; a new transport adds its class here (its ``type`` names its modules on both sides)."""
 TRANSPORTS: tuple[str, ...] = tuple(m.model_fields["type"].default for m in MANIFESTS)
 ANNOUNCED = tuple(m for m in MANIFESTS if m.file is not None)

@@ -235,7 +235,8 @@ class TorchEngine(Engine):
         from prime_inference.weights import stream_receiver
 
         tensors = stream_receiver(manifest).tensors(manifest, self.device)
-        state = {name: t.to(self.dtype) for bucket in tensors for name, t in bucket}
+        # A bucket may be reused once the next one is asked for (CUDA IPC buffers): keep copies.
+        state = {name: t.to(self.dtype, copy=True) for bucket in tensors for name, t in bucket}
         model = copy.deepcopy(self.model)
         what = f"{manifest.type} weights of step {getattr(manifest, 'step', '?')}"
         if self.source == "prime_models":

@@ -16,6 +16,7 @@ from prime_inference.protocol import RequestError
 from prime_inference.weights.adapter import AdapterReceiver
 from prime_inference.weights.base import StreamReceiver, TransferError, WeightReceiver, announced_dir
 from prime_inference.weights.broadcast import BroadcastReceiver
+from prime_inference.weights.cuda_ipc import CudaIpcReceiver
 from prime_inference.weights.filesystem import FilesystemReceiver
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ RECEIVERS: dict[str, type[WeightReceiver]] = {
     "filesystem": FilesystemReceiver,
     "broadcast": BroadcastReceiver,
     "adapter": AdapterReceiver,
+    "cuda_ipc": CudaIpcReceiver,
 }
 """Manifest ``type`` -> its receiver: the one place a transport is chosen on the inference side."""
 LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError)
@@ -33,6 +35,7 @@ __all__ = [
     "RECEIVERS",
     "AdapterReceiver",
     "BroadcastReceiver",
+    "CudaIpcReceiver",
     "FilesystemReceiver",
     "StreamReceiver",
     "TransferError",

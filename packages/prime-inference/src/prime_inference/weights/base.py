@@ -55,8 +55,10 @@ class StreamReceiver(WeightReceiver):
 
     @abc.abstractmethod
     def tensors(self, manifest: Manifest, device: torch.device) -> Iterator[Bucket]:
-        """Receive one update on ``device``: bucket after bucket until the sender is done. Raise `TransferError`
-        when the sender does not show up or the transfer fails, within the manifest's own time limit."""
+        """Receive one update on ``device``: bucket after bucket until the sender is done. A bucket's tensors may
+        be reused once the next bucket is asked for, so the caller copies what it keeps (``model.load_weights``
+        does). Raise `TransferError` when the sender does not show up or the transfer fails, within the manifest's
+        own time limit."""
 
 
 def confined_dir(path_str: str, roots: list[Path], param: str) -> Path:

@@ -13,6 +13,7 @@ from prime_core.run_dir import RunDir
 from prime_trainer.weights.adapter import AdapterPublisher
 from prime_trainer.weights.base import WeightPublisher
 from prime_trainer.weights.broadcast import BroadcastPublisher
+from prime_trainer.weights.cuda_ipc import CudaIpcPublisher
 from prime_trainer.weights.filesystem import FilesystemPublisher
 from prime_trainer.world import World
 
@@ -20,6 +21,7 @@ PUBLISHERS: dict[str, type[WeightPublisher]] = {
     "filesystem": FilesystemPublisher,
     "broadcast": BroadcastPublisher,
     "adapter": AdapterPublisher,
+    "cuda_ipc": CudaIpcPublisher,
 }
 
 
@@ -27,9 +29,9 @@ def transport_name(config: TrainerConfig | SFTConfig, process: str, adapter: str
     """The transport that publishes: a LoRA run's adapter, the RL trainer's ``weights.broadcast.type``, else files."""
     if adapter is not None:
         return "adapter"
-    if process == "trainer" and config.weights.broadcast.type == "nccl":
-        return "broadcast"
-    return "filesystem"
+    if process != "trainer":
+        return "filesystem"
+    return {"filesystem": "filesystem", "nccl": "broadcast", "cuda_ipc": "cuda_ipc"}[config.weights.broadcast.type]
 
 
 def build_publisher(

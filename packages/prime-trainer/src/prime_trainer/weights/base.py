@@ -16,13 +16,14 @@ import abc
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, final
 
 import torch
 from prime_core.io import atomic_dir
 from prime_core.run_dir import RunDir
-from prime_core.schemas.weights import Manifest, write_manifest
+from prime_core.schemas.weights import BucketHeader, Manifest, write_manifest
 from torch import nn
 
 from prime_trainer.world import World, broadcast_object
@@ -98,3 +99,34 @@ class WeightPublisher(abc.ABC):
             m = re.fullmatch(r"step_(\d+)", child.name)
             if m and int(m.group(1)) not in keep and int(m.group(1)) < latest:
                 shutil.rmtree(child, ignore_errors=True)
+
+
+# Helpers of transports that stream tensors (broadcast, cuda_ipc): buckets of HF tensors packed into flat buffers.
+
+
+def buckets(tensors: Iterator[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group consecutive same-dtype tensors into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
+    current: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and (size + nbytes > max_bytes or t.dtype != current[0][1].dtype):
+            yield current
+            current, size = [], 0
+        current.append((name, t))
+        size += nbytes
+    if current:
+        yield current
+
+
+def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[BucketHeader, torch.Tensor]:
+    """One flat buffer holding the bucket's tensors back to back, and the header that tells where each one is."""
+    dtype = bucket[0][1].dtype
+    numel = sum(t.numel() for _, t in bucket)
+    flat = torch.empty(numel, dtype=dtype, device=bucket[0][1].device)
+    entries, offset = [], 0
+    for name, t in bucket:
+        flat[offset : offset + t.numel()].copy_(t.reshape(-1))
+        entries.append((name, list(t.shape), offset))
+        offset += t.numel()
+    return BucketHeader(dtype=str(dtype).removeprefix("torch."), numel=numel, tensors=entries), flat

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from prime_core.schemas.weights import BroadcastManifest, BucketHeader
 from prime_models.checkpoint import hf_state_dict
 from torch import nn
 
+from prime_trainer.weights.base import buckets, pack
 from prime_trainer.weights.filesystem import FilesystemPublisher
 from prime_trainer.world import World
 
@@ -38,34 +38,6 @@ class BroadcastTimeout(RuntimeError):
 
 def _bucket_bytes(config: WeightBroadcastConfig) -> int:
     return config.bucket_mb * 2**20
-
-
-def buckets(tensors: Iterator[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group consecutive same-dtype tensors into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
-    current: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if current and (size + nbytes > max_bytes or t.dtype != current[0][1].dtype):
-            yield current
-            current, size = [], 0
-        current.append((name, t))
-        size += nbytes
-    if current:
-        yield current
-
-
-def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[BucketHeader, torch.Tensor]:
-    """One flat buffer holding the bucket's tensors back to back, and the header that tells where each one is."""
-    dtype = bucket[0][1].dtype
-    numel = sum(t.numel() for _, t in bucket)
-    flat = torch.empty(numel, dtype=dtype, device=bucket[0][1].device)
-    entries, offset = [], 0
-    for name, t in bucket:
-        flat[offset : offset + t.numel()].copy_(t.reshape(-1))
-        entries.append((name, list(t.shape), offset))
-        offset += t.numel()
-    return BucketHeader(dtype=str(dtype).removeprefix("torch."), numel=numel, tensors=entries), flat
 
 
 class WeightBroadcaster:
