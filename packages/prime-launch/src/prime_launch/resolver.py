@@ -116,7 +116,11 @@ def _inference_config(rl: RLConfig, place: Placement, run_dir: RunDir) -> Infere
     if len(rl.runs) > lora.max_loras and not rl.user_set("inference.lora.max_loras"):
         lora = lora.derive(max_loras=len(rl.runs))  # every run's adapter is sampled at once
     engine = place.inference_engine or inference.engine
-    return inference.derive(output_dir=run_dir.root, engine=engine, vllm=vllm, server=server, lora=lora)
+    # The trainer recomputes the distribution each token was drawn from (temperature included): rollouts carry
+    # processed log-probs, where a standalone `inference` keeps vLLM's raw default.
+    mode = inference.logprobs_mode if rl.user_set("inference.logprobs_mode") else "processed"
+    return inference.derive(output_dir=run_dir.root, engine=engine, vllm=vllm, server=server, lora=lora,
+                            logprobs_mode=mode)  # fmt: skip
 
 
 def _trainer_config(
