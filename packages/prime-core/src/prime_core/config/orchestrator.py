@@ -348,8 +348,8 @@ class OrchestratorConfig(BaseConfig):
     weights_timeout: float = Field(default=1200.0, gt=0)
     """Seconds to wait for the weights a step needs before failing."""
     weights_broadcast: bool = False
-    """The trainer broadcasts weights (``trainer.weights.broadcast.type = "nccl"``; ``rl`` sets this): each
-    broadcast blocks the trainer until inference takes it, so the orchestrator relays every step up to
+    """The trainer sends each step once (``trainer.weights.broadcast.type`` nccl or cuda_ipc; ``rl`` sets this): each
+    transfer blocks the trainer until inference takes it, so the orchestrator relays every step up to
     ``max_steps - 1`` before exiting, even those no rollout will use."""
     max_rollout_retries: int = Field(default=3, ge=0)
     """Times a rollout is re-run after its env server crashed under it (a crash loses no rollout)."""

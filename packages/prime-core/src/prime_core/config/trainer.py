@@ -274,12 +274,14 @@ class RLDataConfig(BaseConfig):
 
 
 class WeightBroadcastConfig(BaseConfig):
-    """How new weights reach inference: HF files on a shared filesystem, or a collective broadcast (NCCL)."""
+    """How new weights reach inference: HF files on a shared filesystem, a collective broadcast (NCCL), or CUDA IPC
+    handles when trainer and inference share a GPU (the weight transports of docs/architecture.md)."""
 
-    type: Literal["filesystem", "nccl"] = "filesystem"
+    type: Literal["filesystem", "nccl", "cuda_ipc"] = "filesystem"
     """filesystem: write safetensors to ``weights/step_N`` every step; nccl: rank 0 broadcasts the tensors to every
-    inference worker (gloo when the trainer runs on CPU) and files are written only for checkpoint steps, the final
-    step and the initial weights."""
+    inference worker (gloo when the trainer runs on CPU); cuda_ipc: rank 0 hands inference workers on its own GPU
+    its tensors by CUDA IPC handles, no copy through the host or disk. With nccl and cuda_ipc, files are written only
+    for checkpoint steps, the final step and the initial weights."""
     host: str = "127.0.0.1"
     """Address of the rendezvous store on the trainer's rank-0 host, reachable from every inference worker."""
     port: int = Field(default=29501, ge=1, le=65535)
@@ -290,7 +292,14 @@ class WeightBroadcastConfig(BaseConfig):
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds to wait for the workers to join or for one transfer before failing with an error naming them."""
     bucket_mb: int = Field(default=1024, ge=1)
-    """Tensors are sent in flat buckets of about this many MiB (fewer, larger collectives)."""
+    """Tensors are sent in flat buckets of about this many MiB (fewer, larger collectives; cuda_ipc holds at most
+    two buckets on the GPU at a time)."""
+
+    @property
+    def one_time(self) -> bool:
+        """Each step is sent once to workers that join the transfer (nccl, cuda_ipc): ``rl`` counts those workers,
+        and the orchestrator relays every step, since the trainer waits until inference takes it."""
+        return self.type != "filesystem"
 
 
 class WeightsConfig(BaseConfig):

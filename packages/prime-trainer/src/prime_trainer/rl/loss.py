@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -43,6 +43,9 @@ class LossInputs:
     """Sample index per token (-1 on padding); a sample never spans micro-batches."""
     entropy: Tensor | None = None
     """Trainer entropy per position (differentiable when the entropy bonus is on)."""
+    extra: dict[str, Tensor] = field(default_factory=dict)
+    """The micro-batch file's further per-token arrays by name (``MicroBatch.extra``, filled by whoever packed it,
+    e.g. from the orchestrator's ``Sample.extra``): a loss needing a new per-token input reads it here."""
 
 
 @dataclass
