@@ -62,6 +62,16 @@ def test_one_visible_gpu_colocates_with_memory_shares_and_file_weights(model_dir
     assert not any("gpu_memory_utilization" in note for note in plan.notes)  # the default was not the user's
 
 
+def test_cuda_ipc_keeps_weights_on_the_shared_gpu(model_dir, tmp_path):
+    """cuda_ipc is the one-time transport that works on a shared GPU: kept, its workers counted, every step relayed."""
+    cfg = rl_config(model_dir, tmp_path, "--devices.gpu-memory-gib", "80", broadcast="cuda_ipc")
+    plan = resolve_here(cfg, ONE_GPU, cores=4)
+    trainer, orchestrator = plan.configs["trainer"], plan.configs["orchestrator"]
+    assert trainer.weights.broadcast.type == "cuda_ipc" and trainer.weights.broadcast.inference_workers == 1
+    assert orchestrator.weights_broadcast
+    assert not any("weights: by files" in note for note in plan.notes)
+
+
 def test_colocated_fraction_replaces_a_configured_one_with_a_note(model_dir, tmp_path):
     cfg = rl_config(
         model_dir,

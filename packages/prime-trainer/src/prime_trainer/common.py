@@ -28,7 +28,7 @@ from prime_trainer.memory import MemoryPlan
 from prime_trainer.model import ModelSource, build_model, loss_scale
 from prime_trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from prime_trainer.parallel import TrainerLayout, build_layout
-from prime_trainer.weights import WeightPublisher
+from prime_trainer.weights import WeightPublisher, build_publisher
 from prime_trainer.world import World, init_world
 
 
@@ -114,21 +114,12 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         model_source=model_source,
         optimizer=optimizer,
         ckpt=CheckpointManager(config.ckpt, run_dir, world),
-        publisher=_publisher(config, process, run_dir, world, model_source),
+        publisher=build_publisher(config, process, run_dir, world, tokenizer=model_source.tokenizer),
         monitor=monitor,
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
         loss_scale=loss_scale(model, world),
         layout=layout,
     )
-
-
-def _publisher(
-    config: TrainerConfig | SFTConfig, process: str, run_dir: RunDir, world: World, model_source: ModelSource
-) -> WeightPublisher:
-    # SFT exports are few and each is a result; RL keeps only what the async window and checkpoints need.
-    keep_all = config.weights.keep_all or process == "sft"
-    broadcast = config.weights.broadcast if process == "trainer" else None
-    return WeightPublisher(run_dir, world, model_source.tokenizer, config.async_level, keep_all, broadcast=broadcast)
 
 
 def resume(c: Components) -> dict[str, Any]:
@@ -143,7 +134,7 @@ def publish_initial(c: Components, step: int, random_init: bool) -> None:
     if c.config.bench or not c.config.weights.publish:
         return
     if (step == 0 and random_init) or (step > 0 and not is_stable(c.run_dir.weight_step(step))):
-        c.publisher.publish(step, c.model, c.ckpt.protected_steps(), send=False)
+        c.publisher.publish(step, c.model, c.ckpt.protected_steps(), durable=True, serve=False)
 
 
 def set_grad_sync(model: nn.Module, index: int, count: int) -> None:
@@ -183,9 +174,9 @@ def publish_weights(c: Components, step: int) -> dict[str, float]:
     if not c.config.bench and c.config.weights.publish:
         last = step == c.config.max_steps
         # Nobody samples with the final weights during the run: they go to disk, not to inference.
-        files = last or c.ckpt.due(step, c.config.max_steps)
-        c.publisher.publish(step, c.model, kept_steps(c, step), files=files, send=not last)
-        for key, value in c.publisher.last_timings.items():
+        durable = last or c.ckpt.due(step, c.config.max_steps)
+        published = c.publisher.publish(step, c.model, kept_steps(c, step), durable=durable, serve=not last)
+        for key, value in published.items():
             if key.endswith("_s"):
                 timings[f"time/publish_{key.removesuffix('_s')}"] = value
     timings["time/publish"] = time.perf_counter() - t0

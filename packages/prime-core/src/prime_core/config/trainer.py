@@ -203,6 +203,36 @@ class CISPOLossConfig(_LossOptions):
     """Clip the weight above at 1 + clip_high."""
 
 
+class DPPOLossConfig(_LossOptions):
+    """DPPO-Binary-TV trust-region mask on the probability difference (conditioned on the advantage's sign) with a
+    squared-log-ratio KL regularizer (Kimi K2.5): prime-rl's default RL loss. No ratio clipping: the mask replaces
+    it."""
+
+    type: Literal["dppo"] = "dppo"
+    """Objective type."""
+    dppo_mask_low: float = Field(default=0.2, ge=0)
+    """Drop a token with A <= 0 whose probability fell by more than this: p_theta - p_inference < -dppo_mask_low."""
+    dppo_mask_high: float = Field(default=0.2, ge=0)
+    """Drop a token with A > 0 whose probability rose by more than this: p_theta - p_inference > dppo_mask_high."""
+    adv_tau: float = Field(default=1.0, ge=0)
+    """Scale of the advantage (policy-gradient) term; 0 leaves only the KL regularizer."""
+    kl_tau: float = Field(default=1e-3, ge=0)
+    """Weight of the squared log-ratio (log r)^2 on every loss token, dropped or not; 0 disables it."""
+
+
+class IPOLossConfig(_LossOptions):
+    """IPO (INTELLECT Policy Optimization): as ``dppo`` but the trust region is symmetric and ignores the sign of A."""
+
+    type: Literal["ipo"] = "ipo"
+    """Objective type."""
+    ipo_threshold: float = Field(default=0.1, ge=0)
+    """Drop a token whose probability moved by more than this either way: |p_theta - p_inference| > ipo_threshold."""
+    adv_tau: float = Field(default=1.0, ge=0)
+    """Scale of the advantage (policy-gradient) term; 0 leaves only the KL regularizer."""
+    kl_tau: float = Field(default=1e-3, ge=0)
+    """Weight of the squared log-ratio (log r)^2 on every loss token, dropped or not; 0 disables it."""
+
+
 class CustomLossConfig(_LossOptions):
     """A user-supplied objective, found by import path; the shared options (KL, entropy, normalization) apply to it."""
 
@@ -217,7 +247,8 @@ class CustomLossConfig(_LossOptions):
 
 
 LossConfig = Annotated[
-    GRPOLossConfig | GSPOLossConfig | CISPOLossConfig | CustomLossConfig, Field(discriminator="type")
+    GRPOLossConfig | GSPOLossConfig | CISPOLossConfig | DPPOLossConfig | IPOLossConfig | CustomLossConfig,
+    Field(discriminator="type"),
 ]
 
 
@@ -255,12 +286,14 @@ class RLDataConfig(BaseConfig):
 
 
 class WeightBroadcastConfig(BaseConfig):
-    """How new weights reach inference: HF files on a shared filesystem, or a collective broadcast (NCCL)."""
+    """How new weights reach inference: HF files on a shared filesystem, a collective broadcast (NCCL), or CUDA IPC
+    handles when trainer and inference share a GPU (the weight transports of docs/architecture.md)."""
 
-    type: Literal["filesystem", "nccl"] = "filesystem"
+    type: Literal["filesystem", "nccl", "cuda_ipc"] = "filesystem"
     """filesystem: write safetensors to ``weights/step_N`` every step; nccl: rank 0 broadcasts the tensors to every
-    inference worker (gloo when the trainer runs on CPU) and files are written only for checkpoint steps, the final
-    step and the initial weights."""
+    inference worker (gloo when the trainer runs on CPU); cuda_ipc: rank 0 hands inference workers on its own GPU
+    its tensors by CUDA IPC handles, no copy through the host or disk. With nccl and cuda_ipc, files are written only
+    for checkpoint steps, the final step and the initial weights."""
     host: str = "127.0.0.1"
     """Address of the rendezvous store on the trainer's rank-0 host, reachable from every inference worker."""
     port: int = Field(default=29501, ge=1, le=65535)
@@ -271,7 +304,14 @@ class WeightBroadcastConfig(BaseConfig):
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds to wait for the workers to join or for one transfer before failing with an error naming them."""
     bucket_mb: int = Field(default=1024, ge=1)
-    """Tensors are sent in flat buckets of about this many MiB (fewer, larger collectives)."""
+    """Tensors are sent in flat buckets of about this many MiB (fewer, larger collectives; cuda_ipc holds at most
+    two buckets on the GPU at a time)."""
+
+    @property
+    def one_time(self) -> bool:
+        """Each step is sent once to workers that join the transfer (nccl, cuda_ipc): ``rl`` counts those workers,
+        and the orchestrator relays every step, since the trainer waits until inference takes it."""
+        return self.type != "filesystem"
 
 
 class WeightsConfig(BaseConfig):

@@ -29,7 +29,8 @@ def pad_to_common_count(micro_batches: list[MicroBatch], device: torch.device) -
     count = torch.tensor([len(micro_batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     rows, seq_len = micro_batches[0].shape if micro_batches else (1, 2)
-    return micro_batches + [MicroBatch.empty(rows, seq_len) for _ in range(int(count) - len(micro_batches))]
+    extra = micro_batches[0].extra_dtypes if micro_batches else None
+    return micro_batches + [MicroBatch.empty(rows, seq_len, extra) for _ in range(int(count) - len(micro_batches))]
 
 
 def forward_backward(
@@ -63,7 +64,9 @@ def forward_backward(
             multimodal=mb.multimodal,
             context_parallel=c.context_parallel,
         )
-        inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy)
+        inputs = LossInputs(
+            logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy, extra=mb.extra
+        )
         loss, stats = compute_loss(objective, cfg.loss, inputs, num_tokens=num_loss_tokens, num_samples=num_samples)
         (loss * (c.loss_scale / cp)).backward()
         sums += torch.stack([stats[k].to(torch.float64) for k in STAT_KEYS])
