@@ -19,6 +19,13 @@ from prime_models.parallel.mixed_precision import apply_mixed_precision
 from prime_models.quantization.float8 import apply_fp8
 
 
+def _one_rank(model: nn.Module, param_dtype: torch.dtype) -> nn.Module:
+    """Nothing to shard: compute in `param_dtype` on a working copy when the parameters have another dtype."""
+    if param_dtype != next(model.parameters()).dtype:
+        apply_mixed_precision(model, param_dtype)
+    return model
+
+
 def parallelize_transformer(
     model: nn.Module,
     parallel_dims: ParallelDims,
@@ -37,11 +44,8 @@ def parallelize_transformer(
     fp8: Fp8Config | None = None,
     one_rank_fsdp: bool = False,
 ) -> nn.Module:
-    """Apply expert parallelism, activation checkpointing and, when dp * cp > 1, FSDP2 to a `CausalLM` in place.
-
-    On one rank the model computes in `param_dtype` over its own parameters as masters (`apply_mixed_precision`;
-    nothing is applied when they already have that dtype, e.g. fp32 on CPU), unless `one_rank_fsdp` or
-    `cpu_offload` ask for FSDP2 anyway.
+    """Apply expert parallelism, activation checkpointing and, when dp * cp > 1, FSDP2 to a `CausalLM` in place. One
+    rank computes in `param_dtype` over its parameters as masters (`apply_mixed_precision`) instead of under FSDP2.
 
     Args:
         model: a model from `load_model` (its decoder layers live in `model.model.layers`); with ep > 1 every rank
@@ -52,14 +56,12 @@ def parallelize_transformer(
             options (`apply_activation_checkpointing`'s mode, every, keep_attention, mlp_chunks, offload_attention;
             `prime_models.parallel.activation_checkpoint`).
         param_dtype / reduce_dtype: override the default mixed precision (bf16/fp32 on CUDA, fp32/fp32 on CPU).
-        cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`); on CUDA, FSDP2 even on
-            one rank.
+        cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`; FSDP2 on one GPU too).
         reshard_after_forward: free gathered params after each layer's forward (ZeRO-3); False keeps them (ZeRO-2).
         dispatcher: expert-parallel token dispatch, "torch" (all-to-all) or "deepep" (GPU, needs DeepEP).
         fp8: `model.fp8` section: swap the decoder's linears (and MoE experts) for FP8 ones first
             (`prime_models.quantization.float8`); later steps shard the same parameters.
-        one_rank_fsdp: wrap a one-rank model in FSDP2 as multi-rank layouts are (slower: per-forward casts and
-            hooks); for comparisons.
+        one_rank_fsdp: wrap a one-rank model in FSDP2 as on several ranks (casts and hooks every forward).
     """
     layers = model.model.layers
     apply_fp8(model, fp8)
@@ -76,9 +78,7 @@ def parallelize_transformer(
     if param_dtype is not None or reduce_dtype is not None:
         mp = type(mp)(param_dtype=param_dtype or mp.param_dtype, reduce_dtype=reduce_dtype or mp.reduce_dtype)
     if not parallel_dims.fsdp_enabled and not (one_rank_fsdp or (cpu_offload and device_type == "cuda")):
-        if mp.param_dtype != next(model.parameters()).dtype:
-            apply_mixed_precision(model, mp.param_dtype)
-        return model
+        return _one_rank(model, mp.param_dtype)
     mesh = mesh or parallel_dims.build_mesh(device_type)
     divide = float(parallel_dims.dp_replicate * parallel_dims.fsdp_size)
     return apply_fsdp(model, layers, mesh.fsdp, mp_policy=mp, cpu_offload=cpu_offload,
