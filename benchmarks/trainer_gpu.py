@@ -135,7 +135,7 @@ def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str],
         env["PRIME_COMPILE_ELEMENTWISE"] = "0"
     if kind == "base":
         if host.pythonpath:
-            env["PYTHONPATH"] = host.pythonpath + os.pathsep + os.environ.get("PYTHONPATH", "")
+            env["PYTHONPATH"] = host.pythonpath
         device = "cpu" if host.device == "cpu" else "cuda"
         return baseline_cmd(seq, "liger" in flags, "ac" in flags, out, host.model, device), env
     shape = dict(rows=_flag_int(flags, "b", 1), micro_rows=_flag_int(flags, "m", 1), steps=_flag_int(flags, "s", 5))
@@ -153,7 +153,14 @@ def run_jobs(jobs: list[str], out_dir: Path, budget_s: float, host: Host | None 
     results_file = out_dir / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     deadline = time.time() + budget_s
-    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The tree's packages come first, so the jobs run the code of this checkout (the commit its records name) even
+    # where older wheels of them are installed (benchmarks/gpu_setup.sh).
+    src = os.pathsep.join(str(p) for p in sorted(ROOT.glob("packages/*/src")))
+    base_env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     for name in jobs:
         left = deadline - time.time()
         if left < 20:
@@ -165,8 +172,11 @@ def run_jobs(jobs: list[str], out_dir: Path, budget_s: float, host: Host | None 
         for stale in (tmp / f"{name}.json", tmp / f"{name}.txt"):  # a job that fails must not report an older run
             stale.unlink(missing_ok=True)
         t0 = time.time()
+        job_env = {**base_env, **env}
+        if "PYTHONPATH" in env:  # a job's own path (liger-kernel) goes in front of the tree's
+            job_env["PYTHONPATH"] = env["PYTHONPATH"] + os.pathsep + base_env["PYTHONPATH"]
         try:
-            proc = subprocess.run(cmd, env={**base_env, **env}, capture_output=True, text=True, timeout=left)
+            proc = subprocess.run(cmd, env=job_env, capture_output=True, text=True, timeout=left)
             rc, log = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
             rc, log = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
