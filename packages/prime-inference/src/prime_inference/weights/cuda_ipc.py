@@ -45,8 +45,10 @@ def open_handle(handle: CudaIpcHandle, dtype: torch.dtype, numel: int, device: t
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    # The torch engine's device is plain "cuda" (index None); the handle must be opened on a concrete device.
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return rebuild_cuda_tensor(
-        torch.Tensor, (numel,), (1,), 0, torch.storage.TypedStorage, dtype, device.index,
+        torch.Tensor, (numel,), (1,), 0, torch.storage.TypedStorage, dtype, index,
         _bytes(handle.storage_handle), handle.storage_size_bytes, handle.storage_offset_bytes, False,
         _bytes(handle.ref_counter_handle), handle.ref_counter_offset, _bytes(handle.event_handle),
         handle.event_sync_required,
