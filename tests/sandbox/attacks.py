@@ -112,7 +112,9 @@ for i in range(48):  # 16 MiB at a time: each is counted by RLIMIT_AS only while
 print("held", held)
 """
 )
-TMPFS_FILL = "chunk = b'x' * (1 << 20)\nwith open('/work/fill', 'wb') as f:\n    for _ in range(200):\n        f.write(chunk)\n"
+TMPFS_FILL = (
+    "chunk = b'x' * (1 << 20)\nwith open('/work/fill', 'wb') as f:\n    for _ in range(200):\n        f.write(chunk)\n"
+)
 
 # kernel surface: each call a code grader never needs; prints name and -errno (or the return value).
 KERNEL_PROBES = (

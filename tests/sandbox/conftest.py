@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -119,3 +123,35 @@ def _describe(pid: int) -> str:
     except (OSError, StopIteration):
         return f"{pid}: gone"
     return f"{pid}: {state.split(':', 1)[1].strip()} {cmdline[:200]}"
+
+
+@dataclass
+class Node:
+    url: str
+    key: str
+    proc: subprocess.Popen
+
+
+NODE_UID_BASE = 340_000
+
+
+@pytest.fixture(scope="module")
+def node():
+    """A ``sandbox-node`` on 127.0.0.1 with a random key (in its environment as NODE_KEY)."""
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox pool needs root")
+    key = secrets.token_urlsafe(24)
+    env = {**os.environ, "NODE_KEY": key}
+    argv = [sys.executable, "-m", "prime_orchestrator.entrypoints.sandbox_node", "--port", "0"]
+    argv += ["--api-key-var", "NODE_KEY", "--pool.uid-base", str(NODE_UID_BASE), "--pool.max-concurrency", "16"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        lines = [proc.stdout.readline()]
+        while not lines[-1].startswith("sandbox node listening on") and lines[-1] and len(lines) < 50:  # logs first
+            lines.append(proc.stdout.readline())
+        assert lines[-1].startswith("sandbox node listening on http://127.0.0.1:"), lines
+        yield Node(url=lines[-1].split()[-1], key=key, proc=proc)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        assert_no_sandbox_processes(span=uid_span(NODE_UID_BASE, 16))

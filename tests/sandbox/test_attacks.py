@@ -128,7 +128,7 @@ def test_integrity_junk_on_the_test_channel_fails_tests_only(sandbox):
     assert result.status == "ok", result
     # The code's own forged lines come first; the real ones (written after the code ran) win: the code solved it.
     assert [t.passed for t in result.tests] == [True, True], result.tests
-    forged_only = run(sandbox, attacks.DEEP_TEST_LINES + "raise SystemExit(0)\n", tests=tests)
+    forged_only = run(sandbox, attacks.DEEP_TEST_LINES + "os._exit(0)\n", tests=tests)
     assert forged_only.status != "sandbox_error", forged_only
     assert [t.passed for t in forged_only.tests] == [False, False], forged_only.tests
 
@@ -158,7 +158,7 @@ def test_isolation_concurrent_executions_cannot_reach_each_other(sandbox):
 
 
 def test_disk_a_workspace_holds_no_more_than_its_disk_mb(sandbox):
-    pool_dir = sandbox.pool.workspaces.parent
+    pool_dir = sandbox.pool.tmp_dir
     ws = asyncio.run(sandbox.open_workspace(disk_mb=16))
     try:
         fill = sandbox.execute_sync(ExecRequest(code=attacks.WORKSPACE_FILL, workspace=ws))
