@@ -130,18 +130,21 @@ class Node:
     url: str
     key: str
     proc: subprocess.Popen
+    tmp: Path
+    """The node's TMPDIR: its pool keeps its folders there."""
 
 
 NODE_UID_BASE = 340_000
 
 
 @pytest.fixture(scope="module")
-def node():
+def node(tmp_path_factory):
     """A ``sandbox-node`` on 127.0.0.1 with a random key (in its environment as NODE_KEY)."""
     if os.geteuid() != 0:
         pytest.skip("the sandbox pool needs root")
     key = secrets.token_urlsafe(24)
-    env = {**os.environ, "NODE_KEY": key}
+    tmp = tmp_path_factory.mktemp("node-tmp")
+    env = {**os.environ, "NODE_KEY": key, "TMPDIR": str(tmp)}
     argv = [sys.executable, "-m", "prime_orchestrator.entrypoints.sandbox_node", "--port", "0"]
     argv += ["--api-key-var", "NODE_KEY", "--pool.uid-base", str(NODE_UID_BASE), "--pool.max-concurrency", "16"]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
@@ -150,7 +153,7 @@ def node():
         while not lines[-1].startswith("sandbox node listening on") and lines[-1] and len(lines) < 50:  # logs first
             lines.append(proc.stdout.readline())
         assert lines[-1].startswith("sandbox node listening on http://127.0.0.1:"), lines
-        yield Node(url=lines[-1].split()[-1], key=key, proc=proc)
+        yield Node(url=lines[-1].split()[-1], key=key, proc=proc, tmp=tmp)
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) == 0
