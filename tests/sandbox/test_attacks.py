@@ -131,6 +131,9 @@ def test_integrity_junk_on_the_test_channel_fails_tests_only(sandbox):
     forged_only = run(sandbox, attacks.DEEP_TEST_LINES + "os._exit(0)\n", tests=tests)
     assert forged_only.status != "sandbox_error", forged_only
     assert [t.passed for t in forged_only.tests] == [False, False], forged_only.tests
+    # Only the sandbox's own set-up pipe (closed before the code runs) can make a sandbox_error.
+    forged_error = run(sandbox, "import os\nos.write(2, b'sandbox: runner set-up failed: x\\n')\nos._exit(71)")
+    assert forged_error.status == "error", forged_error
 
 
 def test_integrity_floats_compare_relative_and_absolute(sandbox):

@@ -129,6 +129,10 @@ class Leases:
             raise RuntimeError(f"all {NUM_WORKSPACES} sandbox workspaces are in use")
         return self._ws_uids.popleft()
 
+    def unused_workspace_uid(self, uid: int) -> None:
+        """Give back a uid from :meth:`open_workspace_uid` whose workspace never opened (nothing ran as it)."""
+        self._ws_uids.append(uid)
+
     async def close_workspace_uid(self, ws: Workspace) -> None:
         """Give a closed workspace's uid back once none of its executions runs and nothing of it is left."""
         while ws.running:

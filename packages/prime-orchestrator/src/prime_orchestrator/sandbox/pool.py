@@ -164,7 +164,7 @@ class SandboxPool:
             z = self._zygotes[i]
             if z is None or not z.alive():
                 if z is not None:
-                    self._retire(i, z, f"died (exit {z.proc.poll()})")
+                    await self._retire(i, z, f"died (exit {z.proc.poll()})")
                 num_uids = self.config.max_concurrency + NUM_WORKSPACES
                 root = self.tmp_dir / "root"
                 z = await asyncio.to_thread(Zygote, self.config, self.uid_base, num_uids, root, self._seccomp)
@@ -172,12 +172,16 @@ class SandboxPool:
                 self._counts["zygotes_started"] += 1
             return z
 
-    def _retire(self, i: int, z: Zygote, why: str) -> None:
+    async def _retire(self, i: int, z: Zygote, why: str) -> None:
+        """Kill a dead or hung zygote (once, however many requests found it so); the next request starts another."""
+        if z.retired:
+            return
+        z.retired = True
         if self._zygotes[i] is z:
             self._zygotes[i] = None
         self._counts["zygotes_replaced"] += 1
         logger.warning("sandbox zygote %d (pid %d) %s; replacing it", i, z.proc.pid, why)
-        z.kill()
+        await asyncio.to_thread(z.kill)
 
     def _oversized(self, request: ExecRequest) -> str:
         c = self.config
@@ -335,7 +339,7 @@ class SandboxPool:
         return True
 
     async def _hung(self, i: int, zygote: Zygote, job: _Job) -> bool:
-        self._retire(i, zygote, f"forked nothing for {self.config.hang_timeout_s} s with requests waiting (hung)")
+        await self._retire(i, zygote, f"forked nothing for {self.config.hang_timeout_s} s with requests waiting (hung)")
         await job.pipe.wait_eof(10.0)  # its queue and its unforked descriptors go with it
         return job.pipe.supervisor is not None  # forked at the last moment: it ran, and ends as "died"
 
@@ -370,10 +374,10 @@ class SandboxPool:
             op = {"op": "open", "name": name, "uid": uid, "disk_mb": disk_mb}
             error = await zygote.workspace(op, self.config.hang_timeout_s)
         except BaseException:
-            self._leases._ws_uids.append(uid)
+            self._leases.unused_workspace_uid(uid)
             raise
         if error:
-            self._leases._ws_uids.append(uid)
+            self._leases.unused_workspace_uid(uid)
             raise RuntimeError(f"cannot open a sandbox workspace: {error}")
         self._workspaces[name] = Workspace(name=name, uid=uid, disk_mb=disk_mb, zygote=zygote)
         return name

@@ -26,6 +26,7 @@ else:  # inside the zygote (see zygote.py)
     import pyharness
 
 TEST_FD = 3
+SETUP_FD = 5  # after the test channel (3) and the supervisor's liveness pipe (4)
 
 
 def _limit_and_drop(uid: int, limits: dict) -> None:
@@ -49,7 +50,32 @@ def _limit_and_drop(uid: int, limits: dict) -> None:
     lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run(req: dict, stdin_fd: int | None, pipes: tuple[int, int, int, int], cgroup_fds: list[int], seccomp) -> None:
+def run(req: dict, stdin_fd: int | None, pipes: tuple[int, ...], cgroup_fds: list[int], seccomp) -> None:
+    """Set up, then run the code (never returns). A set-up failure goes to the set-up pipe, which the code never
+    holds: the supervisor reports it as the sandbox's error, and the code cannot forge one."""
+    out_w, err_w, test_w, alive_r, setup_w = pipes
+    setup = [fcntl.fcntl(setup_w, fcntl.F_DUPFD_CLOEXEC, 64)]
+    try:
+        _set_up(req, stdin_fd, (out_w, err_w, test_w, alive_r), setup, cgroup_fds, seccomp)
+    except BaseException as e:
+        os.write(setup[0], f"{type(e).__name__}: {e}"[:500].encode())
+        os._exit(71)
+    env = {"PATH": req["path"], "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8", "USER": "sandbox"}
+    env.update(req.get("env") or {})
+    if req.get("argv"):
+        os.close(TEST_FD)
+        try:
+            os.execvpe(req["argv"][0], req["argv"], env)  # the set-up pipe is close-on-exec
+        except OSError as e:
+            os.write(2, f"sandbox: cannot execute {req['argv'][0]!r}: {e.strerror}\n".encode())
+            os._exit(127)
+    os.close(SETUP_FD)
+    os.environ.clear()
+    os.environ.update(env)
+    pyharness.run(req.get("code", ""), req.get("tests") or [], TEST_FD)
+
+
+def _set_up(req: dict, stdin_fd, pipes: tuple[int, ...], setup: list[int], cgroup_fds: list[int], seccomp) -> None:
     out_w, err_w, test_w, alive_r = pipes
     for fd in cgroup_fds:  # as the zygote's root still; the pool opened them, so the kernel lets us in
         os.write(fd, b"0")
@@ -61,7 +87,8 @@ def run(req: dict, stdin_fd: int | None, pipes: tuple[int, int, int, int], cgrou
     os.dup2(err_w, 2)
     os.dup2(test_w, TEST_FD)
     alive_r = os.dup2(alive_r, TEST_FD + 1)
-    os.closerange(TEST_FD + 2, 1 << 16)
+    setup[0] = os.dup2(setup[0], SETUP_FD, inheritable=False)
+    os.closerange(SETUP_FD + 1, 1 << 16)
     os.chdir("/work")
     _limit_and_drop(req["uid"], req["limits"])
     # A supervisor that died before the prctl sends no signal; as PID 1 of its namespace the runner cannot
@@ -69,17 +96,5 @@ def run(req: dict, stdin_fd: int | None, pipes: tuple[int, int, int, int], cgrou
     if select.select([alive_r], [], [], 0)[0]:
         os._exit(70)
     os.close(alive_r)
-    env = {"PATH": req["path"], "HOME": "/work", "TMPDIR": "/work", "LANG": "C.UTF-8", "USER": "sandbox"}
-    env.update(req.get("env") or {})
     if seccomp is not None:
         seccomp.install()
-    if req.get("argv"):
-        os.close(TEST_FD)
-        try:
-            os.execvpe(req["argv"][0], req["argv"], env)
-        except OSError as e:
-            os.write(2, f"sandbox: cannot execute {req['argv'][0]!r}: {e.strerror}\n".encode())
-            os._exit(127)
-    os.environ.clear()
-    os.environ.update(env)
-    pyharness.run(req.get("code", ""), req.get("tests") or [], TEST_FD)

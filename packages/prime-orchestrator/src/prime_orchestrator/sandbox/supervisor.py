@@ -73,20 +73,21 @@ def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp) ->
     err_r, err_w = os.pipe()
     test_r, test_w = os.pipe()
     alive_r, alive_w = os.pipe()  # held open by this process alone: the runner sees EOF once it is gone
+    setup_r, setup_w = os.pipe()  # the runner's set-up errors; closed before the code runs
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(alive_w)
-            runner.run(req, stdin_fd, (out_w, err_w, test_w, alive_r), cgroup_fds, seccomp)
+            runner.run(req, stdin_fd, (out_w, err_w, test_w, alive_r, setup_w), cgroup_fds, seccomp)
         except BaseException as e:  # set-up failed before the code ran: say so on its stderr
             os.write(err_w, f"sandbox: runner set-up failed: {type(e).__name__}: {e}\n".encode())
         finally:
             os._exit(71)
     pidfd = os.pidfd_open(pid)
-    for fd in (out_w, err_w, test_w, alive_r, *cgroup_fds) + ((stdin_fd,) if stdin_fd is not None else ()):
+    for fd in (out_w, err_w, test_w, alive_r, setup_w, *cgroup_fds) + ((stdin_fd,) if stdin_fd is not None else ()):
         os.close(fd)
-    names = {out_r: "stdout", err_r: "stderr", test_r: "tests"}
+    names = {out_r: "stdout", err_r: "stderr", test_r: "tests", setup_r: "setup"}
     streams, breach = _drain(pid, pidfd, names, req["limits"], start)
     _, status, usage = os.wait4(pid, 0)
     return _verdict(req["limits"], streams, breach, status, usage, time.monotonic() - start)
@@ -128,6 +129,11 @@ def _drain(pid: int, pidfd: int, names: dict[int, str], limits: dict, start: flo
 
 
 def _verdict(limits: dict, streams: dict, breach: str | None, status: int, usage, wall: float) -> dict:
+    if streams["setup"]:  # before the code ran: the sandbox's failure, whatever else the pipes hold
+        return {
+            "status": "sandbox_error",
+            "reason": "runner set-up failed: " + streams["setup"].decode(errors="replace"),
+        }
     cpu = usage.ru_utime + usage.ru_stime
     stderr = streams["stderr"].decode(errors="replace")
     code = os.waitstatus_to_exitcode(status)

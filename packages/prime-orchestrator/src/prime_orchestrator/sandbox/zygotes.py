@@ -85,6 +85,7 @@ class Zygote:
         child.close()
         self.sock = parent
         self.dead = False
+        self.retired = False  # the pool has given up on it (dead or hung) and counted it once
         try:
             self._handshake(config, uid_base, num_uids)
         except BaseException:
