@@ -327,7 +327,7 @@ async def main(args: argparse.Namespace) -> dict:
     return record
 
 
-async def _ok(pool: SandboxPool) -> bool:
+async def _ok(pool) -> bool:
     return _check(await pool.execute(REQUEST))
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from pathlib import Path
 
 MIB = 1 << 20
@@ -67,6 +66,10 @@ class Cgroups:
         self.parents = parents  # controller -> this pool's cgroup directory ("" for v2)
         self._limits: dict[str, tuple[int, int]] = {}
         self._ooms: dict[str, int] = {}
+        # Per key, kept open: its cgroup.procs descriptors (sent to each runner) and its peak counter (v1). Opening
+        # cgroup files is the costly part (about 0.1 ms each), and a slot serves one execution after another.
+        self._procs: dict[str, list[int]] = {}
+        self._peak: dict[str, int] = {}
 
     @classmethod
     def detect(cls, name: str) -> tuple[Cgroups | None, str]:
@@ -134,16 +137,19 @@ class Cgroups:
         self._limits[key] = (memory, pids)
 
     def enter(self, key: str, memory_mb: int, processes: int) -> list[int]:
-        """Set the slot's limits and reset its peak; the ``cgroup.procs`` descriptors a runner writes ``0`` to
-        (the caller closes them once sent)."""
+        """Set the key's limits and reset its peak; the ``cgroup.procs`` descriptors a runner writes ``0`` to
+        (kept open here: the caller only sends them)."""
         memory = memory_mb * MIB
         if self._limits.get(key) != (memory, processes):
             self._set_limits(key, memory, processes)
-        dirs = self._dirs(key)
-        if self.version == 1:
-            self._write(dirs["memory"] / "memory.max_usage_in_bytes", "0")
-        self._ooms[key] = self._oom_count(key)
-        return [os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for d in dirs.values()]
+        if key not in self._procs:
+            dirs = self._dirs(key)
+            self._procs[key] = [os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for d in dirs.values()]
+            if self.version == 1:
+                self._peak[key] = os.open(dirs["memory"] / "memory.max_usage_in_bytes", os.O_RDWR | os.O_CLOEXEC)
+        if key in self._peak:
+            os.write(self._peak[key], b"0")
+        return self._procs[key]
 
     def _oom_count(self, key: str) -> int:
         d = self._dirs(key)
@@ -158,15 +164,18 @@ class Cgroups:
         return 0
 
     def oom_killed(self, key: str) -> bool:
-        """Whether the memory limit killed a process of the slot since :meth:`enter`."""
-        return self._oom_count(key) > self._ooms.get(key, 0)
+        """Whether the memory limit killed a process of the key's cgroup since this was last asked (asked after
+        an execution's init died of SIGKILL, which nothing inside can send it)."""
+        count = self._oom_count(key)
+        killed, self._ooms[key] = count > self._ooms.get(key, 0), count
+        return killed
 
     def peak_mb(self, key: str) -> float | None:
         """The slot's peak memory since :meth:`enter` (v1; v2 keeps no resettable peak before Linux 6.12)."""
-        if self.version != 1:
+        if key not in self._peak:
             return None
         try:
-            return int((self._dirs(key)["memory"] / "memory.max_usage_in_bytes").read_text()) / MIB
+            return int(os.pread(self._peak[key], 32, 0)) / MIB
         except (OSError, ValueError):
             return None
 
@@ -178,21 +187,22 @@ class Cgroups:
                 found.update(int(p) for p in (d / "cgroup.procs").read_text().split())
         return sorted(found)
 
-    def kill(self, key: str) -> None:
-        """SIGKILL every process of the slot."""
-        for pid in self.pids(key):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    def _close_fds(self, key: str) -> None:
+        for fd in [*self._procs.pop(key, []), *([self._peak.pop(key)] if key in self._peak else [])]:
+            os.close(fd)
 
     def remove(self, key: str) -> None:
         """Remove one key's cgroups (once nothing runs in them)."""
         self._limits.pop(key, None)
+        self._close_fds(key)
         for d in self._dirs(key).values():
             with contextlib.suppress(OSError):
                 d.rmdir()
 
     def close(self) -> None:
         """Remove the pool's cgroups (those still holding a process stay, and the next pool's start says so)."""
+        for key in list(self._procs):
+            self._close_fds(key)
         for parent in self.parents.values():
             children = [p for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []
             for child in children:

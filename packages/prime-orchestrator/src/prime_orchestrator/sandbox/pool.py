@@ -221,7 +221,7 @@ class SandboxPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         try:
-            raw = await asyncio.shield(job.verdict)
+            raw = await job.verdict  # cancelling the caller cancels this future only; _run goes on
         except asyncio.CancelledError:  # the execution may still run: stop it; _run reaps it before the slot returns
             job.cancelled = True
             job.kill_supervisor()
@@ -286,62 +286,69 @@ class SandboxPool:
                 i, zygote = await self._pick(job)
             except (SandboxUnavailable, OSError) as e:
                 return {"status": "sandbox_error", "reason": f"sandbox worker unavailable: {e}"}, True
-            if await self._submit(i, zygote, job, body):
+            outcome = await self._wait(i, zygote, job) if await self._send(i, zygote, job, body) else "dropped"
+            if outcome != "dropped":
                 break
             job.pipe.close()
             job.pipe = None
             if attempt or job.lease.workspace is not None or job.cancelled:
                 return {"status": "sandbox_error", "reason": "the sandbox worker died before running it"}, True
-        if job.cancelled:
-            job.kill_supervisor()
-        limit = job.limits.wall_s + RESULT_SLACK_S
-        if not await job.pipe.wait_eof(limit):
+        if outcome == "late":
             job.kill_supervisor()
             await job.pipe.wait_eof(10.0)
+            limit = job.limits.wall_s + RESULT_SLACK_S
             return {"status": "sandbox_error", "reason": f"no verdict within {limit:.0f} s; execution killed"}, False
         if not job.pipe.data:
             return {"status": "sandbox_error", "reason": "the sandbox worker died during the execution"}, False
         return json.loads(job.pipe.data), True
 
-    async def _submit(self, i: int, zygote: Zygote, job: _Job, body: bytes) -> bool:
-        """Hand ``job`` to ``zygote``; True once forked, False when it certainly never ran (the zygote died or
-        hung with it queued: then it is killed and replaced)."""
+    async def _send(self, i: int, zygote: Zygote, job: _Job, body: bytes) -> bool:
+        """Hand ``job`` to ``zygote``; False when it takes nothing (dead, or hung: then it is retired)."""
         hang = self.config.hang_timeout_s
         r, w = os.pipe()
-        job.pipe = ResultPipe(r)
-        fds = [_memfd("request", body), w]
+        job.pipe = ResultPipe(r, on_ack=lambda: self._forked(zygote, job))
+        fds = [_memfd("request", body), w]  # these are ours to close; the cgroups' stay open
         try:
             if job.request.stdin is not None:
                 fds.append(_memfd("stdin", job.request.stdin.encode()))
+            cgroup_fds = []
             if self._cgroups is not None:
                 limits = job.limits
                 mb = limits.memory_mb + (job.lease.workspace.disk_mb if job.lease.workspace else limits.disk_mb)
-                fds += self._cgroups.enter(job.lease.cgroup, mb, limits.processes)
+                cgroup_fds = self._cgroups.enter(job.lease.cgroup, mb, limits.processes)
             while True:
                 try:
-                    await zygote.send(b"x", fds, hang)
-                    break
+                    await zygote.send(b"x", fds + cgroup_fds, hang)
+                    return True
                 except TimeoutError:  # its queue is full: hung, unless it is forking others' requests
                     if time.monotonic() - zygote.last_progress > hang:
-                        return await self._hung(i, zygote, job)
+                        await self._retire(i, zygote, f"took no request for {hang} s (hung)")
+                        return False
                 except OSError:
                     zygote.dead = True
                     return False
         finally:
             for fd in fds:
                 os.close(fd)
-        while not await job.pipe.wait_ack(hang):
-            if time.monotonic() - zygote.last_progress > hang:
-                return await self._hung(i, zygote, job)
-        if job.pipe.supervisor is None:  # EOF: the zygote died with the request unforked
-            return False
-        zygote.last_progress = time.monotonic()
-        return True
 
-    async def _hung(self, i: int, zygote: Zygote, job: _Job) -> bool:
-        await self._retire(i, zygote, f"forked nothing for {self.config.hang_timeout_s} s with requests waiting (hung)")
-        await job.pipe.wait_eof(10.0)  # its queue and its unforked descriptors go with it
-        return job.pipe.supervisor is not None  # forked at the last moment: it ran, and ends as "died"
+    def _forked(self, zygote: Zygote, job: _Job) -> None:
+        zygote.last_progress = time.monotonic()
+        if job.cancelled:
+            job.kill_supervisor()
+
+    async def _wait(self, i: int, zygote: Zygote, job: _Job) -> str:
+        """``done`` (a verdict, or EOF once forked), ``dropped`` (never forked: the zygote died or hung with it
+        queued, and is retired) or ``late`` (forked, no verdict within its wall limit plus the slack)."""
+        hang, pipe = self.config.hang_timeout_s, job.pipe
+        while not await pipe.wait_eof(hang):
+            if pipe.supervisor is not None:
+                remaining = pipe.acked_at + job.limits.wall_s + RESULT_SLACK_S - time.monotonic()
+                return "done" if await pipe.wait_eof(max(0.0, remaining)) else "late"
+            if time.monotonic() - zygote.last_progress > hang:
+                await self._retire(i, zygote, f"forked nothing for {hang} s with requests waiting (hung)")
+                await pipe.wait_eof(10.0)  # its queue and its unforked descriptors go with it
+                break
+        return "dropped" if pipe.supervisor is None else "done"
 
     def _result(self, request: ExecRequest, raw: dict) -> ExecResult:
         lines = parse_test_lines(raw.pop("test_lines", ""))

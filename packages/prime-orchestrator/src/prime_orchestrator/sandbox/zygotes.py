@@ -159,19 +159,21 @@ class Zygote:
 
 
 class ResultPipe:
-    """The read end of an execution's result pipe: ``+<supervisor pid>`` once the zygote forked it, then the
-    verdict, then EOF."""
+    """The read end of an execution's result pipe: ``+<supervisor pid>`` once the zygote forked it (``on_ack`` is
+    called then), then the verdict, then EOF."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, on_ack=None) -> None:
         self.fd = fd
         self.supervisor: int | None = None
+        self.acked_at = 0.0
         self.data = b""
+        self.eof = False
+        self._on_ack = on_ack
         self._buf = bytearray()
-        loop = asyncio.get_running_loop()
-        self._acked: asyncio.Future[None] = loop.create_future()
-        self._eof: asyncio.Future[None] = loop.create_future()
+        self._waiter: asyncio.Future[bool] | None = None
+        self._loop = asyncio.get_running_loop()
         os.set_blocking(fd, False)
-        loop.add_reader(fd, self._on_readable)
+        self._loop.add_reader(fd, self._on_readable)
         self._reading = True
 
     def _on_readable(self) -> None:
@@ -181,30 +183,33 @@ class ResultPipe:
             return
         if chunk:
             self._buf += chunk
-            if self.supervisor is None and self._buf[:1] == b"+" and b"\n" in self._buf:
+            if self.supervisor is None and b"\n" in self._buf and self._buf[:1] == b"+":
                 line, _, rest = bytes(self._buf).partition(b"\n")
-                self.supervisor, self._buf = int(line[1:]), bytearray(rest)
-                self._acked.set_result(None)
+                self.supervisor, self.acked_at, self._buf = int(line[1:]), time.monotonic(), bytearray(rest)
+                if self._on_ack is not None:
+                    self._on_ack()
             return
-        self.data = bytes(self._buf)
-        for fut in (self._acked, self._eof):
-            if not fut.done():
-                fut.set_result(None)
+        self.data, self.eof = bytes(self._buf), True
         self._stop()
-
-    async def wait_ack(self, timeout: float) -> bool:
-        """True once forked or at EOF (see :attr:`supervisor`); False after ``timeout``."""
-        done, _ = await asyncio.wait([self._acked], timeout=timeout)
-        return bool(done)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(True)
 
     async def wait_eof(self, timeout: float) -> bool:
-        done, _ = await asyncio.wait([self._eof], timeout=timeout)
-        return bool(done)
+        """True at EOF (the verdict is in :attr:`data`, empty if the writer died), False after ``timeout``."""
+        if self.eof:
+            return True
+        self._waiter = waiter = self._loop.create_future()
+        timer = self._loop.call_later(timeout, lambda: waiter.done() or waiter.set_result(False))
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
 
     def _stop(self) -> None:
         if self._reading:
             self._reading = False
-            asyncio.get_running_loop().remove_reader(self.fd)
+            self._loop.remove_reader(self.fd)
 
     def close(self) -> None:
         self._stop()
