@@ -77,6 +77,11 @@ def run(req: dict, stdin_fd: int | None, pipes: tuple[int, ...], cgroup_fds: lis
 
 def _set_up(req: dict, stdin_fd, pipes: tuple[int, ...], setup: list[int], cgroup_fds: list[int], seccomp) -> None:
     out_w, err_w, test_w, alive_r = pipes
+    # Dies with the supervisor from here on (the pool kills a supervisor to stop an execution): before the cgroup
+    # join, so a runner whose supervisor is gone never enters a slot the pool may have lent again.
+    lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if select.select([alive_r], [], [], 0)[0]:
+        os._exit(70)
     for fd in cgroup_fds:  # as the zygote's root still; the pool opened them, so the kernel lets us in
         os.write(fd, b"0")
     alive_r = fcntl.fcntl(alive_r, fcntl.F_DUPFD, 64)  # above the numbers the dup2 calls below overwrite
