@@ -279,9 +279,29 @@ def _commit() -> str | None:
     return out.stdout.strip() or os.environ.get("PRIME_COMMIT")
 
 
+def warm_before(src: Path, executions: int, zygotes: int) -> dict:
+    """The warm percentiles of the pool in another source tree (``src`` holds its ``prime_orchestrator``), in a
+    subprocess of this same benchmark: the "before" of a change, measured beside it."""
+    argv = [sys.executable, __file__, "--warm-only", "--warm", str(executions), "--zygotes", str(zygotes)]
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+async def warm_only(args: argparse.Namespace) -> dict:
+    config = SandboxPoolConfig(max_concurrency=8, zygotes=args.zygotes, uid_base=990_000)
+    async with SandboxPool(config) as pool:
+        import prime_orchestrator
+
+        warm = await bench_warm({"pool": lambda: _ok(pool)}, 1, args.warm)
+    return {**warm["pool"], "source": str(Path(prime_orchestrator.__file__).parent)}
+
+
 async def main(args: argparse.Namespace) -> dict:
     base = SandboxPoolConfig(max_concurrency=max(args.concurrency, 1), zygotes=args.zygotes)
     record = {"benchmark": "sandbox", "device": _device(), "commit": _commit(), "zygotes": args.zygotes or "auto"}
+    if args.before_src:
+        record["before"] = {"first": await asyncio.to_thread(warm_before, args.before_src, args.warm, args.zygotes)}
     record["cold"] = await bench_cold(base, args.cold_repeats)
     pools = {}
     for i, (name, overrides) in enumerate(POOL_VARIANTS.items()):
@@ -298,8 +318,11 @@ async def main(args: argparse.Namespace) -> dict:
     try:
         record["warm"] = await bench_warm(runners, args.rounds, max(1, args.warm // args.rounds))
         record["cpu_per_execution"] = {name: await bench_cpu(p, args.cpu) for name, p in pools.items()}
-        for name, b in baselines.items():
-            record["cpu_per_execution"][name] = await bench_cpu_baseline(b, max(1, args.cpu // 5))
+        # bwrap's processes are reaped inside its PID namespace, out of this process's RUSAGE_CHILDREN: only the
+        # plain subprocess's CPU can be counted from here.
+        record["cpu_per_execution"]["subprocess"] = await bench_cpu_baseline(
+            baselines["subprocess"], max(1, args.cpu // 5)
+        )
         for name, p in pools.items():
             if name != "pool":
                 await p.close()
@@ -323,6 +346,9 @@ async def main(args: argparse.Namespace) -> dict:
         "cold_ready_le_100ms": record["cold"]["ready_ms_p50"] <= 100,
         "concurrent_200_no_errors": args.concurrency >= 200 and record["concurrent"]["errors"] == 0,
     }
+    if args.before_src:
+        record["before"]["last"] = await asyncio.to_thread(warm_before, args.before_src, args.warm, args.zygotes)
+        record["before"]["commit"] = args.before_commit
     record["device"]["load_avg_1m_at_end"] = os.getloadavg()[0]
     return record
 
@@ -341,8 +367,19 @@ if __name__ == "__main__":
     parser.add_argument("--cold-repeats", type=int, default=5, help="cold pool starts")
     parser.add_argument("--zygotes", type=int, default=0, help="zygotes (0: one per 8 cores)")
     parser.add_argument("--tag", default=None, help="result file suffix (default: the host name)")
+    parser.add_argument(
+        "--before-src",
+        type=Path,
+        default=None,
+        help="a source tree's packages/prime-orchestrator/src: its pool's warm latency is measured first and last, as the before",
+    )
+    parser.add_argument("--before-commit", default=None, help="the commit of --before-src, for the record")
+    parser.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.warm_only:
+        print(json.dumps(asyncio.run(warm_only(args))))
+        raise SystemExit(0)
     record = asyncio.run(main(args))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"sandbox_{args.tag or socket.gethostname()}.json"
