@@ -41,6 +41,7 @@ from pathlib import Path
 
 from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 from prime_orchestrator.sandbox import ExecRequest, SandboxPool, TestCase
+from provenance import tree_commit
 
 SOLUTION = '''
 def run_length(text):
@@ -271,14 +272,6 @@ def _device() -> dict:
     }
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-    except OSError:
-        return None
-    return out.stdout.strip() or os.environ.get("PRIME_COMMIT")
-
-
 def warm_before(src: Path, executions: int, zygotes: int) -> dict:
     """The warm percentiles of the pool in another source tree (``src`` holds its ``prime_orchestrator``), in a
     subprocess of this same benchmark: the "before" of a change, measured beside it."""
@@ -299,7 +292,12 @@ async def warm_only(args: argparse.Namespace) -> dict:
 
 async def main(args: argparse.Namespace) -> dict:
     base = SandboxPoolConfig(max_concurrency=max(args.concurrency, 1), zygotes=args.zygotes)
-    record = {"benchmark": "sandbox", "device": _device(), "commit": _commit(), "zygotes": args.zygotes or "auto"}
+    record = {
+        "benchmark": "sandbox",
+        "device": _device(),
+        "commit": tree_commit(os.environ.get("PRIME_COMMIT")),
+        "zygotes": args.zygotes or "auto",
+    }
     if args.before_src:
         record["before"] = {"first": await asyncio.to_thread(warm_before, args.before_src, args.warm, args.zygotes)}
     record["cold"] = await bench_cold(base, args.cold_repeats)

@@ -22,8 +22,8 @@ from typing import Any
 from fastapi import FastAPI
 from prime_core.config.inference import InferenceConfig
 
+from prime_inference.app_common import EngineFactory, add_common, start_engine
 from prime_inference.routes import admin, generate
-from prime_inference.server import EngineFactory, add_common, start_engine
 from prime_inference.serving import FastJSONResponse
 
 logger = logging.getLogger(__name__)
