@@ -15,9 +15,10 @@ Measures:
   cgroups (``pool_no_cgroups``), without both (``pool_bare``), ``bwrap`` (all namespaces, no capabilities, the
   same seccomp program, ``python -I -S`` running the solution and tests) and a plain ``python -I -S`` subprocess.
   The variants take turns in rounds, so a host whose load changes over the run weighs on each alike;
-- cpu: CPU time per execution by process (pool, zygote, supervisor, runner; for the baselines the children's),
-  the part of the cost that does not depend on other load on the host (kernel work done in worker threads, such
-  as tearing down an execution's network namespace, is in no process's account);
+- cpu: CPU time per execution by process (pool, zygote, supervisor, runner; for the plain subprocess the
+  children's), counted over the same turns as the latencies: the part of the cost that depends least on other
+  load on the host (kernel work done in worker threads, such as tearing down an execution's network namespace, is
+  in no process's account; bwrap's processes are reaped inside its PID namespace, out of reach of this count);
 - concurrency: ``--executions`` of the same request with ``--concurrency`` in flight on the pool as configured:
   errors, throughput, throughput per core, and latency percentiles under load.
 """
@@ -151,21 +152,61 @@ class Baseline:
         return proc.returncode == 0 and got == [t.expected for t in TESTS]
 
 
-async def bench_warm(runners: dict, rounds: int, per_round: int) -> dict:
-    """Sequential executions, the variants taking turns in ``rounds`` rounds of ``per_round`` each."""
-    for run in runners.values():
+class PoolRunner:
+    """One pool variant of the warm comparison; sums the CPU its executions report (supervisor, runner)."""
+
+    kind = "pool"
+
+    def __init__(self, pool: SandboxPool) -> None:
+        self.pool, self.supervisor, self.runner = pool, 0.0, 0.0
+
+    async def execute(self) -> bool:
+        result = await self.pool.execute(REQUEST)
+        self.supervisor += result.supervisor_cpu_s
+        self.runner += result.cpu_s
+        return _check(result)
+
+    def cpu(self) -> dict[str, float]:
+        zygotes = sum(_cpu_s(z.proc.pid) for z in self.pool._zygotes if z is not None)
+        return {"zygote_ms": zygotes, "supervisor_ms": self.supervisor, "runner_ms": self.runner}
+
+
+def _rusage(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_snapshot(runner) -> dict[str, float]:
+    """Cumulative CPU seconds by part; this process's own is the caller's (the pool, or the subprocess spawner).
+    bwrap's processes are reaped inside its PID namespace, out of RUSAGE_CHILDREN: its CPU is not counted."""
+    snap = {"pool_ms" if runner.kind == "pool" else "caller_ms": _rusage(resource.RUSAGE_SELF)}
+    if runner.kind == "pool":
+        snap.update(runner.cpu())
+    elif runner.kind == "subprocess":
+        snap["children_ms"] = _rusage(resource.RUSAGE_CHILDREN)
+    return snap
+
+
+async def bench_warm(runners: dict, rounds: int, per_round: int) -> tuple[dict, dict]:
+    """Sequential executions, the variants taking turns in ``rounds`` rounds of ``per_round`` each: latency
+    percentiles, and CPU per execution by part (counted over the same turns, so load changes weigh alike)."""
+    for runner in runners.values():
         for _ in range(10):  # page in the zygote's copy-on-write state, fill the page cache
-            await run()
+            await runner.execute()
     latencies: dict[str, list[float]] = {name: [] for name in runners}
+    cpu: dict[str, dict[str, float]] = {name: {} for name in runners}
     errors = dict.fromkeys(runners, 0)
     for _ in range(rounds):
-        for name, run in runners.items():
+        for name, runner in runners.items():
+            before = _cpu_snapshot(runner)
             for _ in range(per_round):
                 t = time.perf_counter()
-                ok = await run()
+                ok = await runner.execute()
                 latencies[name].append(time.perf_counter() - t)
                 errors[name] += not ok
-    return {
+            for part, value in _cpu_snapshot(runner).items():
+                cpu[name][part] = cpu[name].get(part, 0.0) + value - before[part]
+    warm = {
         name: {
             "executions": len(lat),
             "errors": errors[name],
@@ -176,41 +217,14 @@ async def bench_warm(runners: dict, rounds: int, per_round: int) -> dict:
         }
         for name, lat in latencies.items()
     }
-
-
-async def bench_cpu(pool: SandboxPool, n: int) -> dict:
-    """CPU time per execution, by process, one execution at a time: what an execution costs whatever the load
-    (wall latencies on a shared host mostly measure the wait for a core)."""
-    zygotes = [z.proc.pid for z in pool._zygotes if z is not None]
-    pool_0, zyg_0 = resource.getrusage(resource.RUSAGE_SELF), sum(map(_cpu_s, zygotes))
-    supervisor = runner = 0.0
-    for _ in range(n):
-        result = await pool.execute(REQUEST)
-        supervisor += result.supervisor_cpu_s
-        runner += result.cpu_s
-    pool_1, zyg_1 = resource.getrusage(resource.RUSAGE_SELF), sum(map(_cpu_s, zygotes))
-    per = {
-        "pool_ms": 1e3 * (pool_1.ru_utime + pool_1.ru_stime - pool_0.ru_utime - pool_0.ru_stime) / n,
-        "zygote_ms": 1e3 * (zyg_1 - zyg_0) / n,
-        "supervisor_ms": 1e3 * supervisor / n,
-        "runner_ms": 1e3 * runner / n,
-    }
-    total = sum(per.values())
-    return {"executions": n, **per, "total_ms": total, "capacity_executions_per_s_per_core": 1e3 / total}
-
-
-async def bench_cpu_baseline(baseline: Baseline, n: int) -> dict:
-    self_0, kids_0 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    for _ in range(n):
-        await baseline.execute()
-    self_1, kids_1 = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-
-    def cpu(a, b) -> float:
-        return 1e3 * (b.ru_utime + b.ru_stime - a.ru_utime - a.ru_stime) / n
-
-    per = {"caller_ms": cpu(self_0, self_1), "children_ms": cpu(kids_0, kids_1)}
-    total = sum(per.values())
-    return {"executions": n, **per, "total_ms": total, "capacity_executions_per_s_per_core": 1e3 / total}
+    per_execution = {}
+    for name, parts in cpu.items():
+        n = len(latencies[name])
+        per_execution[name] = {part: 1e3 * v / n for part, v in parts.items()}
+        per_execution[name]["total_ms"] = sum(per_execution[name].values())
+        if runners[name].kind != "bwrap":
+            per_execution[name]["capacity_executions_per_s_per_core"] = 1e3 / per_execution[name]["total_ms"]
+    return warm, per_execution
 
 
 async def bench_concurrent(pool: SandboxPool, n: int, concurrency: int) -> dict:
@@ -269,6 +283,7 @@ def _device() -> dict:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "load_avg_1m_at_start": load,
+        "nice": os.nice(0),  # run under `nice -n -20` to measure the pool as a dedicated node would see it
     }
 
 
@@ -286,8 +301,8 @@ async def warm_only(args: argparse.Namespace) -> dict:
     async with SandboxPool(config) as pool:
         import prime_orchestrator
 
-        warm = await bench_warm({"pool": lambda: _ok(pool)}, 1, args.warm)
-    return {**warm["pool"], "source": str(Path(prime_orchestrator.__file__).parent)}
+        warm, cpu = await bench_warm({"pool": PoolRunner(pool)}, 1, args.warm)
+    return {**warm["pool"], "cpu_per_execution": cpu["pool"], "source": str(Path(prime_orchestrator.__file__).parent)}
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -311,16 +326,10 @@ async def main(args: argparse.Namespace) -> dict:
     baselines = {"subprocess": Baseline("subprocess", python)}
     if shutil.which("bwrap"):
         baselines["bwrap"] = Baseline("bwrap", python)
-    runners = {name: (lambda p=p: _ok(p)) for name, p in pools.items()}
-    runners.update({name: b.execute for name, b in baselines.items()})
+    runners = {name: PoolRunner(p) for name, p in pools.items()} | baselines
     try:
-        record["warm"] = await bench_warm(runners, args.rounds, max(1, args.warm // args.rounds))
-        record["cpu_per_execution"] = {name: await bench_cpu(p, args.cpu) for name, p in pools.items()}
-        # bwrap's processes are reaped inside its PID namespace, out of this process's RUSAGE_CHILDREN: only the
-        # plain subprocess's CPU can be counted from here.
-        record["cpu_per_execution"]["subprocess"] = await bench_cpu_baseline(
-            baselines["subprocess"], max(1, args.cpu // 5)
-        )
+        per_round = max(1, args.warm // args.rounds)
+        record["warm"], record["cpu_per_execution"] = await bench_warm(runners, args.rounds, per_round)
         for name, p in pools.items():
             if name != "pool":
                 await p.close()
@@ -351,15 +360,10 @@ async def main(args: argparse.Namespace) -> dict:
     return record
 
 
-async def _ok(pool) -> bool:
-    return _check(await pool.execute(REQUEST))
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warm", type=int, default=1000, help="sequential executions of each variant (warm)")
     parser.add_argument("--rounds", type=int, default=10, help="rounds the warm variants take turns in")
-    parser.add_argument("--cpu", type=int, default=500, help="executions of each pool variant for CPU accounting")
     parser.add_argument("--concurrency", type=int, default=200, help="executions in flight at once")
     parser.add_argument("--executions", type=int, default=4000, help="executions of the concurrency run")
     parser.add_argument("--cold-repeats", type=int, default=5, help="cold pool starts")

@@ -9,8 +9,9 @@ per execution slot (memory and pids controllers) under its own cgroup, where the
 - cgroup v1, when the ``memory`` and ``pids`` hierarchies are mounted writable (root on a v1 host).
 
 Otherwise :meth:`Cgroups.detect` says why, and the pool logs that these limits are not enforced. A runner joins its
-slot's cgroups by writing ``0`` to the ``cgroup.procs`` files the pool opened for it (the kernel checks the opener's
-credentials), before it drops its privileges; nothing of the cgroup filesystem is visible inside.
+slot's cgroups by writing ``0`` to the ``tasks`` (v1) or ``cgroup.procs`` (v2) files the pool opened for it (the
+kernel checks the opener's credentials), before it drops its privileges; nothing of the cgroup filesystem is
+visible inside.
 """
 
 from __future__ import annotations
@@ -144,7 +145,11 @@ class Cgroups:
             self._set_limits(key, memory, processes)
         if key not in self._procs:
             dirs = self._dirs(key)
-            self._procs[key] = [os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for d in dirs.values()]
+            # v1: the runner, single-threaded, moves itself through ``tasks``: migrating the current thread alone
+            # skips the global threadgroup lock that ``cgroup.procs`` takes (an RCU grace period when it is cold:
+            # a p99 of 3-11 ms per join on the loaded 2-core VM, against 0.2-0.8 ms).
+            name = "tasks" if self.version == 1 else "cgroup.procs"
+            self._procs[key] = [os.open(d / name, os.O_WRONLY | os.O_CLOEXEC) for d in dirs.values()]
             if self.version == 1:
                 self._peak[key] = os.open(dirs["memory"] / "memory.max_usage_in_bytes", os.O_RDWR | os.O_CLOEXEC)
         if key in self._peak:
