@@ -72,3 +72,24 @@ def test_health_counts_progress(sandbox):
     assert after.executions_completed == before.executions_completed + 3
     assert after.executions_started == before.executions_started + 3
     assert after.running == 0 and after.quarantined == 0
+
+
+def test_the_pool_says_what_it_cannot_enforce_and_still_holds_memory(caplog):
+    import logging
+
+    from prime_core.config.sandbox import SandboxLimits as Limits
+
+    from tests.sandbox import attacks
+
+    limits = Limits(memory_mb=64, disk_mb=16)
+    with (
+        caplog.at_level(logging.WARNING, logger="prime_orchestrator.sandbox.pool"),
+        own_pool(uid_base=366_000, cgroups=False) as client,
+    ):
+        health = client.pool.health()
+        hoard = client.execute_sync(ExecRequest(code=attacks.MEMFD_HOARD, limits=limits))
+    assert len(health.unenforced) == 1 and "cgroup" in health.unenforced[0], health.unenforced
+    assert any("not enforced on this host" in r.getMessage() for r in caplog.records)
+    # Without cgroups the filter still refuses the memory no rlimit counts.
+    assert hoard.status == "error" and "Operation not permitted" in hoard.reason, hoard
+    assert hoard.memory_peak_mb is None
