@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -72,7 +73,7 @@ class _Job:
         """SIGKILL the execution's supervisor (its runner and the whole PID namespace die with it)."""
         if self.pipe is not None and self.pipe.supervisor is not None and not self.pipe.data:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pipe.supervisor, 9)
+                os.kill(self.pipe.supervisor, signal.SIGKILL)
 
 
 class SandboxPool:
