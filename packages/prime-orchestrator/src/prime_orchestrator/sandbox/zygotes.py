@@ -45,6 +45,8 @@ def bytecode_cache(python: str, preload: list[str]) -> Path | None:
     if sandbox_owned(str(root)):  # e.g. XDG_CACHE_HOME under /tmp, which is the execution's tmpfs inside
         return None
     if (root / "complete").exists():
+        if root.stat().st_mode & 0o777 != 0o755:  # made 0700 by an older pool, whose zygote ran as host root
+            root.chmod(0o755)
         return root
     code = (
         f"import sys; sys.path.insert(0, {str(_HERE)!r}); import zygote\n"
