@@ -83,11 +83,17 @@ def _has(module: str) -> bool:
 
 
 def test_weight_dir_checks(tmp_path, other_weights_dir):
+    from prime_core.schemas.weights import FilesystemManifest, WeightUpdateRequest
     from prime_inference.protocol import RequestError
-    from prime_inference.weights import check_weight_dir
+    from prime_inference.weights import FilesystemReceiver, check
 
-    assert check_weight_dir(str(other_weights_dir), []) == (other_weights_dir.resolve(), None)
-    assert check_weight_dir(str(other_weights_dir), [other_weights_dir.parent]) == (other_weights_dir.resolve(), None)
+    def check_weight_dir(weight_dir: str, roots: list):
+        path, manifest, receiver = check(WeightUpdateRequest(weight_dir=weight_dir), roots)
+        assert isinstance(manifest, FilesystemManifest) and isinstance(receiver, FilesystemReceiver)
+        return path
+
+    assert check_weight_dir(str(other_weights_dir), []) == other_weights_dir.resolve()
+    assert check_weight_dir(str(other_weights_dir), [other_weights_dir.parent]) == other_weights_dir.resolve()
     with pytest.raises(RequestError, match="outside"):
         check_weight_dir(str(other_weights_dir), [tmp_path])
     link = tmp_path / "link"
@@ -128,3 +134,17 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_log_probs_are_raw_standalone_and_processed_under_rl():
+    """vLLM's default (raw) for `inference`; `rl` gives its server the trainer's (processed) unless told otherwise."""
+    from prime_core.config.rl import RLConfig
+    from prime_launch.host import HostFacts
+    from prime_launch.resolver import resolve
+
+    assert InferenceConfig().logprobs_mode == "raw"
+    assert load_config(InferenceConfig, argv=["--logprobs-mode", "processed"]).logprobs_mode == "processed"
+    facts = HostFacts(cores=4, executables={n: f"/bin/{n}" for n in ("inference", "orchestrator", "trainer")})
+    for argv, mode in (([], "processed"), (["--inference.logprobs-mode", "raw"], "raw")):
+        rl = load_config(RLConfig, ["--output-dir", "/data/exp", "--inference.engine", "torch", *argv])
+        assert resolve(rl, facts).configs["inference"].logprobs_mode == mode

@@ -82,7 +82,11 @@ def add_common(app: FastAPI, config: InferenceConfig) -> None:
 
 
 async def start_engine(config: InferenceConfig, engine_factory: EngineFactory) -> ServerState:
+    from prime_inference.tool_calling import resolve_tool_calling
+
     engine, tokenizer = await asyncio.to_thread(engine_factory)
     await engine.start()
+    config, tool_line = resolve_tool_calling(config, tokenizer, engine.name)
     logger.info("serving %s with the %s engine", config.served_model_name, engine.name)
+    logger.info(tool_line)
     return ServerState(config, engine, tokenizer)

@@ -116,7 +116,11 @@ def _inference_config(rl: RLConfig, place: Placement, run_dir: RunDir) -> Infere
     if len(rl.runs) > lora.max_loras and not rl.user_set("inference.lora.max_loras"):
         lora = lora.derive(max_loras=len(rl.runs))  # every run's adapter is sampled at once
     engine = place.inference_engine or inference.engine
-    return inference.derive(output_dir=run_dir.root, engine=engine, vllm=vllm, server=server, lora=lora)
+    # The trainer recomputes the distribution each token was drawn from (temperature included): rollouts carry
+    # processed log-probs, where a standalone `inference` keeps vLLM's raw default.
+    mode = inference.logprobs_mode if rl.user_set("inference.logprobs_mode") else "processed"
+    return inference.derive(output_dir=run_dir.root, engine=engine, vllm=vllm, server=server, lora=lora,
+                            logprobs_mode=mode)  # fmt: skip
 
 
 def _trainer_config(
@@ -127,7 +131,7 @@ def _trainer_config(
     broadcast = trainer.weights.broadcast
     if place.shares is not None and broadcast.type == "nccl":
         broadcast = broadcast.derive(type="filesystem")  # an NCCL group cannot hold two ranks on one GPU
-    if broadcast.type == "nccl" and inference is not None:
+    if broadcast.one_time and inference is not None:
         workers = _broadcast_workers(inference, place.num_inference_servers)
         if not rl.user_set("trainer.weights.broadcast.inference_workers"):
             broadcast = broadcast.derive(inference_workers=workers)
@@ -175,7 +179,7 @@ def _orchestrator_config(
     changes: dict = {
         "output_dir": run_dir.root,
         "num_trainer_ranks": place.num_trainer_ranks,
-        "weights_broadcast": trainer.weights.broadcast.type == "nccl",
+        "weights_broadcast": trainer.weights.broadcast.one_time,
         "client": client,
     }
     if resume_step is not None:
