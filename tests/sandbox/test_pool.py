@@ -115,26 +115,29 @@ def test_values_match_and_judge():
     assert outcomes[0].passed and not outcomes[1].passed and "no result" in outcomes[1].error
 
 
-def test_a_cancelled_execution_keeps_its_uid_out_of_use(sandbox):
+def test_a_cancelled_execution_is_killed_and_its_slot_held_until_nothing_of_it_lives(sandbox):
     import asyncio
 
     pool = sandbox.pool
-    free = len(pool._free_uids)
 
     async def cancel_one() -> None:
-        slow = ExecRequest(code="import time\ntime.sleep(30)", limits=SandboxLimits(wall_s=1))
+        slow = ExecRequest(code="import time\ntime.sleep(60)", limits=SandboxLimits(wall_s=60))
         task = asyncio.ensure_future(pool.execute(slow))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.5)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
+    start = time.monotonic()
     sandbox.call(cancel_one()).result()
-    assert len(pool._free_uids) == free - 1  # lent again only once the execution's wall limit has passed
+    while sandbox_pids():  # its uid stays out of use while any process of it lives
+        assert pool.health().running >= 1
+        assert time.monotonic() - start < 20, "a cancelled execution ran on"
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while pool.health().running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.health().running == 0 and time.monotonic() - start < 30  # killed, not left to its 60 s limit
     assert run(sandbox, "print(1)").stdout == "1\n"
-    deadline = time.monotonic() + 30
-    while sandbox_pids() and time.monotonic() < deadline:  # still ended by its own wall limit
-        time.sleep(0.1)
-    assert sandbox_pids() == []
 
 
 def test_zygote_bytecode_cache_is_filled_once_and_never_under_sandbox_paths(tmp_path, monkeypatch):
@@ -143,7 +146,7 @@ def test_zygote_bytecode_cache_is_filled_once_and_never_under_sandbox_paths(tmp_
     import tempfile
 
     from prime_core.config.sandbox import SandboxPoolConfig
-    from prime_orchestrator.sandbox.pool import _bytecode_cache
+    from prime_orchestrator.sandbox.zygotes import bytecode_cache as _bytecode_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # /tmp is the execution's tmpfs inside the sandbox
     assert _bytecode_cache(sys.executable, []) is None

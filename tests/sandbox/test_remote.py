@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import pytest
 from prime_core.config.sandbox import SandboxClientConfig
@@ -14,28 +11,9 @@ from prime_orchestrator.sandbox import ExecRequest, SandboxClient, TestCase
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 
-@pytest.fixture(scope="module")
-def node():
-    if os.geteuid() != 0:
-        pytest.skip("the sandbox pool needs root")
-    env = {**os.environ, "NODE_KEY": "s3cret"}
-    argv = [sys.executable, "-m", "prime_orchestrator.entrypoints.sandbox_node", "--host", "127.0.0.1", "--port", "0"]
-    argv += ["--api-key-var", "NODE_KEY", "--pool.uid-base", "340000", "--pool.max-concurrency", "16"]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        lines = [proc.stdout.readline()]
-        while not lines[-1].startswith("sandbox node listening on") and lines[-1] and len(lines) < 50:  # logs first
-            lines.append(proc.stdout.readline())
-        assert lines[-1].startswith("sandbox node listening on"), lines
-        yield lines[-1].split()[-1]
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=20) == 0
-
-
 def test_remote_execution_with_auth(node, monkeypatch):
-    monkeypatch.setenv("NODE_KEY", "s3cret")
-    client = SandboxClient(SandboxClientConfig(urls=[node], api_key_var="NODE_KEY"))
+    monkeypatch.setenv("NODE_KEY", node.key)
+    client = SandboxClient(SandboxClientConfig(urls=[node.url], api_key_var="NODE_KEY"))
     try:
         request = ExecRequest(code="def f(x):\n    return x * 2", tests=[TestCase(expr="f(4)", expected=8)])
         result = client.execute_sync(request)
@@ -45,7 +23,7 @@ def test_remote_execution_with_auth(node, monkeypatch):
     finally:
         client.close()
     monkeypatch.setenv("NODE_KEY", "wrong")
-    client = SandboxClient(SandboxClientConfig(urls=[node], api_key_var="NODE_KEY"))
+    client = SandboxClient(SandboxClientConfig(urls=[node.url], api_key_var="NODE_KEY"))
     try:
         denied = client.execute_sync(ExecRequest(code="print(1)"))
         assert denied.status == "sandbox_error" and "HTTP 401" in denied.reason
@@ -78,8 +56,8 @@ async def _runtime_roundtrip(config: dict) -> list:
 
 
 def test_verifiers_runtime_local_and_remote(node, monkeypatch):
-    monkeypatch.setenv("NODE_KEY", "s3cret")
-    for config in ({"type": "sandbox_pool"}, {"type": "sandbox_pool", "urls": [node], "api_key_var": "NODE_KEY"}):
+    monkeypatch.setenv("NODE_KEY", node.key)
+    for config in ({"type": "sandbox_pool"}, {"type": "sandbox_pool", "urls": [node.url], "api_key_var": "NODE_KEY"}):
         ran, back, planted = asyncio.run(_runtime_roundtrip(config))
         assert (ran.exit_code, ran.stdout) == (0, "hi there\n")
         assert back == b"import sys\nprint('hi', sys.argv[1])\n"

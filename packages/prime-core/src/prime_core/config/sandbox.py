@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
@@ -18,9 +19,12 @@ class SandboxLimits(BaseConfig):
     cpu_s: float = Field(default=10.0, gt=0, le=3600)
     """CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds)."""
     memory_mb: int = Field(default=512, ge=32, le=1 << 20)
-    """Address space per process in MiB (RLIMIT_AS); the interpreter itself takes about 20 MiB of it."""
+    """Memory in MiB: the address space of each process (RLIMIT_AS; the interpreter itself takes about 20 MiB of
+    it) and, where the pool has a memory cgroup, all the execution's processes and its /work files together
+    (``memory_mb + disk_mb``)."""
     processes: int = Field(default=16, ge=1, le=4096)
-    """Processes and threads the execution's uid may hold at once (RLIMIT_NPROC): a fork bomb stops here."""
+    """Processes and threads the execution may hold at once (RLIMIT_NPROC of its uid, and its pids cgroup where
+    there is one): a fork bomb stops here."""
     output_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     """Bytes of stdout + stderr kept; past this the execution is killed and reported as ``output_limit``."""
     disk_mb: int = Field(default=64, ge=1, le=1 << 16)
@@ -34,11 +38,12 @@ class SandboxPoolConfig(BaseConfig):
 
     zygotes: int = Field(default=0, ge=0, le=64)
     """Warm interpreters forking executions (0: one per 8 CPU cores, at least one); a dead one is replaced."""
-    max_concurrency: int = Field(default=256, ge=1, le=7168)
+    max_concurrency: int = Field(default=256, ge=1, le=7167)
     """Executions running at once; more wait in line. Each holds its own uid while it runs."""
     uid_base: int | None = Field(default=None, ge=1000, le=4_000_000_000)
-    """First of ``max_concurrency + 1024`` host uids lent to executions and workspaces; they must own no host
-    files. None: a range of its own per process (from its pid), so two pools on one host never share a uid."""
+    """First of ``1 + max_concurrency + 1024`` host uids: the zygotes' root inside their user namespace, then one
+    per concurrent execution and one per workspace. They must own no host files. None: a range of its own per
+    process (from its pid), so two pools on one host never share a uid."""
     python: str | None = None
     """Interpreter of the zygotes and of Python solutions (None: the one running the pool). Stdlib only."""
     preload: list[str] = Field(default_factory=list)
@@ -50,6 +55,24 @@ class SandboxPoolConfig(BaseConfig):
     """Default limits of an execution that names none."""
     start_timeout_s: float = Field(default=30.0, gt=0)
     """Seconds a zygote may take to become ready before start-up fails."""
+    hang_timeout_s: float = Field(default=20.0, gt=0, le=600)
+    """Seconds a zygote may fork nothing while requests wait before it is declared hung, killed and replaced (its
+    unforked requests are retried once on the replacement; its running executions end as ``sandbox_error``)."""
+    seccomp: bool = True
+    """Filter every execution's system calls (an allowlist, see docs/sandboxes.md; needs libseccomp2 on the host).
+    Off only for measuring what the filter costs."""
+    cgroups: bool = True
+    """Bound each execution's memory (processes and files together) and processes by a cgroup where the host lets
+    the pool make them (cgroup v2 delegation, or writable v1 hierarchies); the pool logs at start what it cannot
+    enforce."""
+    max_code_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
+    """Largest ``code`` (with ``argv`` and ``env``) accepted; a larger request ends as ``error`` before it runs."""
+    max_stdin_bytes: int = Field(default=16 << 20, ge=0, le=1 << 30)
+    """Largest ``stdin`` accepted; a larger request ends as ``error`` before it runs."""
+    max_tests: int = Field(default=1000, ge=1, le=1 << 20)
+    """Most test cases in one request; more end the request as ``error`` before it runs."""
+    max_test_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
+    """Largest total size of the test expressions of one request; more ends it as ``error`` before it runs."""
 
     @field_validator("ro_paths")
     @classmethod
@@ -87,12 +110,16 @@ class SandboxClientConfig(BaseConfig):
 class SandboxNodeConfig(BaseConfig):
     """A dedicated sandbox node: the local pool behind HTTP (``sandbox-node`` entry point)."""
 
-    host: str = "0.0.0.0"
-    """Address to listen on."""
+    host: str = "127.0.0.1"
+    """Address to listen on. Any other than a loopback address needs ``api_key_var``: the node runs code for
+    anyone who can reach it."""
     port: int = Field(default=8200, ge=0, le=65535)
     """Port to listen on (0: any free port, printed at start)."""
     api_key_var: str | None = None
-    """Environment variable holding the bearer token clients must send (None: no auth)."""
+    """Environment variable holding the bearer token clients must send on every route (None: no auth, for a
+    node on a loopback address only)."""
+    max_body_mb: int = Field(default=32, ge=1, le=1024)
+    """Largest request body in MiB; a larger one is refused with HTTP 413 before it is read."""
     pool: SandboxPoolConfig = Field(default_factory=SandboxPoolConfig)
     """The pool behind the server."""
     log: LogConfig = Field(default_factory=LogConfig)
@@ -104,4 +131,16 @@ class SandboxNodeConfig(BaseConfig):
     def _check(self) -> SandboxNodeConfig:
         if self.api_key_var is not None and not self.api_key_var.strip():
             raise ValueError("api_key_var: must name an environment variable")
+        if self.api_key_var is None and not is_loopback(self.host):
+            raise ValueError(f"host: {self.host} is reachable from other machines; set api_key_var to require a key")
         return self
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names a loopback address (only this machine can connect)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

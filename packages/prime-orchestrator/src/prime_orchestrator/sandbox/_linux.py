@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
@@ -26,13 +28,20 @@ MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
 
 PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
-_SYS_PIVOT_ROOT = 155  # x86_64 and, by the generic table, not aarch64: see pivot_root() below
+SECCOMP_MODE_FILTER = 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
+# Calls without a libc wrapper: their numbers differ between x86_64 and the generic table (aarch64).
+_NR = {"pivot_root": 155, "keyctl": 250}
+if platform.machine() in ("aarch64", "arm64"):
+    _NR = {"pivot_root": 41, "keyctl": 219}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.unshare.argtypes = [ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 
 
@@ -59,12 +68,32 @@ def umount(target: str, flags: int = MNT_DETACH) -> None:
 
 
 def pivot_root(new_root: str, put_old: str) -> None:
-    import platform
-
-    # pivot_root has no libc wrapper; its number differs per architecture (aarch64 uses the generic 41).
-    number = 41 if platform.machine() in ("aarch64", "arm64") else _SYS_PIVOT_ROOT
-    _check(_libc.syscall(number, _b(new_root), _b(put_old)), "pivot_root")
+    _check(_libc.syscall(_NR["pivot_root"], _b(new_root), _b(put_old)), "pivot_root")
 
 
-def prctl(option: int, arg: int = 0) -> None:
-    _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+def prctl(option: int, arg: int = 0, arg2: int = 0) -> None:
+    _check(_libc.prctl(option, arg, arg2, 0, 0), f"prctl({option})")
+
+
+def join_new_session_keyring() -> None:
+    """Subscribe to a fresh anonymous session keyring: the one inherited from the host is no longer possessed."""
+    ret = _libc.syscall(_NR["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None)
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class SeccompProgram:
+    """A BPF program (``struct sock_filter`` bytes) ready to install; built once in the zygote, installed by each
+    runner after ``no_new_privs`` with one ``prctl``."""
+
+    def __init__(self, program: bytes) -> None:
+        self._buf = ctypes.create_string_buffer(program, len(program))
+        self._prog = _SockFprog(len(program) // 8, ctypes.addressof(self._buf))
+
+    def install(self) -> None:
+        _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(self._prog), 0, 0), "seccomp")

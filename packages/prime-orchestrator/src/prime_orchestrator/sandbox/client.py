@@ -86,6 +86,10 @@ class SandboxClient:
                 continue
             except httpx.HTTPError as e:
                 return ExecResult(status="sandbox_error", reason=f"sandbox node {url}: {type(e).__name__}: {e}")
+            if resp.status_code == 413:  # over the node's body limit: the request's fault, like the pool's own limits
+                return ExecResult(
+                    status="error", reason=f"request body over the limit of sandbox node {url} (HTTP 413)"
+                )
             if resp.status_code != 200:
                 return ExecResult(status="sandbox_error", reason=f"sandbox node {url}: HTTP {resp.status_code}")
             return ExecResult.model_validate(resp.json())
@@ -99,24 +103,25 @@ class SandboxClient:
         """Run ``request`` from synchronous code (never from the client's own loop thread)."""
         return self._thread.submit(self._execute(request)).result()
 
-    async def _open_workspace(self) -> str:
+    async def _open_workspace(self, disk_mb: int | None = None) -> str:
         if self._pool is not None:
-            return self._pool.open_workspace()
+            return await self._pool.open_workspace(disk_mb)
         url = next(self._urls)
-        resp = await self._http.post(f"{url}/workspaces", timeout=self.config.timeout_s)
+        resp = await self._http.post(f"{url}/workspaces", json={"disk_mb": disk_mb}, timeout=self.config.timeout_s)
         resp.raise_for_status()
         return f"{url}#{resp.json()['name']}"
 
     async def _close_workspace(self, name: str) -> None:
         if self._pool is not None:
-            self._pool.close_workspace(name)
+            await self._pool.close_workspace(name)
             return
         url, _, ws = name.partition("#")
         await self._http.delete(f"{url}/workspaces/{ws}", timeout=self.config.timeout_s)
 
-    async def open_workspace(self) -> str:
-        """A workspace (persistent /work) to name in ``ExecRequest.workspace``; remote ones stay on their node."""
-        return await asyncio.wrap_future(self._thread.submit(self._open_workspace()))
+    async def open_workspace(self, disk_mb: int | None = None) -> str:
+        """A workspace (persistent /work of ``disk_mb``, default the pool's) to name in ``ExecRequest.workspace``;
+        remote ones stay on their node."""
+        return await asyncio.wrap_future(self._thread.submit(self._open_workspace(disk_mb)))
 
     async def close_workspace(self, name: str) -> None:
         await asyncio.wrap_future(self._thread.submit(self._close_workspace(name)))

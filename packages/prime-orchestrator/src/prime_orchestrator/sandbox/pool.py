@@ -1,56 +1,47 @@
 """The local sandbox pool: warm zygotes (see :mod:`zygote`) and the asyncio side that feeds them.
 
-An execution costs one JSON message and two file descriptors to a zygote (the result pipe, an optional stdin
-memfd), a fork there, and one JSON verdict back; no interpreter starts. Each running execution holds a uid
-of its own (so RLIMIT_NPROC counts it alone and it cannot signal a neighbour). A zygote that dies is replaced
-on the next request; the executions it was running end as ``sandbox_error``.
+An execution costs a request memfd and a few descriptors sent to a zygote, a fork there, and one JSON verdict
+back; no interpreter starts. Each running execution holds a slot, a host uid and a cgroup of its own
+(:mod:`leases`). Requests over the pool's size limits end as ``error`` before anything is sent. A zygote that dies,
+or that forks nothing for ``hang_timeout_s`` while requests wait, is killed and replaced: requests it never forked
+are retried once on its replacement, and the executions it was running end as ``sandbox_error`` saying so.
+:meth:`SandboxPool.health` gives the counters a launcher watches for progress.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
-import hashlib
+import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
-import socket
-import subprocess
+import signal
 import sys
 import tempfile
+import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig, sandbox_owned
+from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 
-from prime_orchestrator.sandbox.schemas import ExecRequest, ExecResult, judge
+from prime_orchestrator.sandbox.cgroups import Cgroups
+from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
+from prime_orchestrator.sandbox.schemas import ExecRequest, ExecResult, SandboxHealth, judge, parse_test_lines
+from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Zygote
+
+__all__ = ["NUM_LEASES", "SandboxPool", "SandboxUnavailable"]
 
 logger = logging.getLogger(__name__)
-
-_HERE = Path(__file__).resolve().parent
-_BOOT = "import sys; sys.path.insert(0, sys.argv[1]); import zygote; zygote.main(int(sys.argv[2]), sys.argv[3])"
-NUM_LEASES = 1024  # uids above the execution range, one per live workspace (verifiers runtimes)
-UIDS_PER_PROCESS = 8192  # max_concurrency + NUM_LEASES fit in it
-# A verdict later than its wall limit plus this is lost (the supervisor enforces the wall limit itself; a dead one
-# closes the result pipe at once). Generous: on an overloaded node, requests also wait for the zygote to fork them.
-RESULT_SLACK_S = 120.0
-QUARANTINE_SLACK_S = 10.0  # a cancelled execution keeps its uid and slot for its wall limit plus this
-
-
-class SandboxUnavailable(RuntimeError):
-    """The sandbox cannot run here (no user namespaces, not root, ...); the message says why."""
-
-
-@dataclass
-class Workspace:
-    """A persistent working directory (host ``path``) mounted on /work for executions that name it."""
-
-    name: str
-    path: Path
-    uid: int
+NUM_LEASES = NUM_WORKSPACES
+UIDS_PER_PROCESS = 8192  # 1 + max_concurrency + NUM_WORKSPACES fit in it
+# A verdict later than its wall limit plus this is lost: the supervisor enforces the wall limit itself, so this only
+# covers forking and tearing down on an overloaded node. Then the pool kills the supervisor and reaps the execution.
+RESULT_SLACK_S = 30.0
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 def _sandbox_path(python: str) -> str:
@@ -58,132 +49,31 @@ def _sandbox_path(python: str) -> str:
     return ":".join(dict.fromkeys([bindir, "/usr/local/bin", "/usr/bin", "/bin"]))
 
 
-def _bytecode_cache(python: str, preload: list[str]) -> Path | None:
-    """A host directory of compiled bytecode for the zygote's interpreter (``-X pycache_prefix``), filled once per
-    interpreter and module list and bound read-only into the sandbox. The sandbox's root is read-only, so with an
-    interpreter whose stdlib ships without .pyc files (slim images, some distributions) every zygote start would
-    compile each pre-imported module again: about 100 ms of a cold start. None when it cannot be written."""
-    from prime_orchestrator.sandbox.zygote import PRELOAD
-
-    modules = PRELOAD + preload
-    key = json.dumps([str(Path(python).resolve()), modules, str(_HERE)]).encode()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prime" / "sandbox-pyc"
-    root = cache / hashlib.sha256(key).hexdigest()[:16]
-    if sandbox_owned(str(root)):  # e.g. XDG_CACHE_HOME under /tmp, which is the execution's tmpfs inside
-        return None
-    if (root / "complete").exists():
-        return root
-    code = (
-        f"import sys; sys.path.insert(0, {str(_HERE)!r}); import zygote\n"
-        f"for m in {modules!r}:\n    try: __import__(m)\n    except Exception: pass"
-    )
-    try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        argv = [python, "-I", "-S", "-X", f"pycache_prefix={root}", "-c", code]
-        subprocess.run(argv, check=True, timeout=120, capture_output=True)
-        (root / "complete").touch()
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("no bytecode cache for the sandbox zygote (%s); each zygote start compiles its imports", e)
-        return None
-    return root
+def _memfd(name: str, data: bytes) -> int:
+    """A sealed memfd holding ``data``: the code reading it as stdin cannot grow it into memory nobody counts."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    return fd
 
 
-class _Zygote:
-    """One zygote process and its control socket (SOCK_SEQPACKET: one message per request, never split)."""
+@dataclass
+class _Job:
+    request: ExecRequest
+    limits: SandboxLimits
+    lease: Lease
+    verdict: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    pipe: ResultPipe | None = None
+    cancelled: bool = False
 
-    def __init__(self, config: SandboxPoolConfig, uid_base: int, workspaces: Path, num_uids: int) -> None:
-        python = config.python or sys.executable
-        prefix = str(Path(python).resolve().parent.parent)
-        bytecode = _bytecode_cache(python, config.preload)
-        setup = {
-            "root": str(workspaces.parent / "root"),
-            "ro_paths": [prefix, *config.ro_paths, *([str(bytecode)] if bytecode else [])],
-            "workspaces": str(workspaces),
-            "preload": config.preload,
-        }
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        flags = ["-X", f"pycache_prefix={bytecode}"] if bytecode else []
-        argv = [python, "-I", "-S", *flags, "-c", _BOOT, str(_HERE), str(child.fileno()), json.dumps(setup)]
-        self.proc = subprocess.Popen(argv, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
-        child.close()
-        self.sock = parent
-        try:
-            self._handshake(config, uid_base, num_uids)
-        except BaseException:
-            self.kill()
-            raise
-        self.sock.setblocking(False)
-        self.dead = False
-
-    def _handshake(self, config: SandboxPoolConfig, base: int, num_uids: int) -> None:
-        self.sock.settimeout(config.start_timeout_s)
-        first = self.sock.recv(4096)
-        if first != b"unshared":
-            raise SandboxUnavailable(f"sandbox zygote failed: {first.decode(errors='replace') or 'exited'}")
-        try:
-            for name in ("uid_map", "gid_map"):
-                Path(f"/proc/{self.proc.pid}/{name}").write_text(f"0 0 1\n{base} {base} {num_uids}\n")
-        except OSError as e:
-            raise SandboxUnavailable(
-                f"cannot map sandbox uids ({e.strerror}): the pool must run as root (CAP_SETUID) with user "
-                "namespaces enabled"
-            ) from None
-        self.sock.send(b"mapped")
-        reply = self.sock.recv(4096)
-        if reply != b"ready":
-            raise SandboxUnavailable(f"sandbox zygote failed: {reply.decode(errors='replace') or 'exited'}")
-
-    async def send(self, msg: bytes, fds: list[int]) -> None:
-        loop = asyncio.get_running_loop()
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        while True:
-            try:
-                self.sock.sendmsg([msg], anc)
-                return
-            except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_writer(self.sock, ready.set_result, None)
-                try:
-                    await ready
-                finally:
-                    loop.remove_writer(self.sock)
-
-    def alive(self) -> bool:
-        return not self.dead and self.proc.poll() is None
-
-    def kill(self) -> None:
-        self.dead = True
-        with contextlib.suppress(OSError):
-            self.sock.close()  # EOF: the zygote exits, its supervisors and their executions die with it
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
-
-
-async def _read_to_eof(fd: int, timeout: float) -> bytes:
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[bytes] = loop.create_future()
-    buf = bytearray()
-
-    def on_readable() -> None:
-        try:
-            chunk = os.read(fd, 1 << 20)
-        except BlockingIOError:
-            return
-        if chunk:
-            buf.extend(chunk)
-        elif not done.done():
-            done.set_result(bytes(buf))
-
-    os.set_blocking(fd, False)
-    loop.add_reader(fd, on_readable)
-    try:
-        return await asyncio.wait_for(done, timeout)
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
+    def kill_supervisor(self) -> None:
+        """SIGKILL the execution's supervisor (its runner and the whole PID namespace die with it)."""
+        if self.pipe is not None and self.pipe.supervisor is not None and not self.pipe.data:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pipe.supervisor, signal.SIGKILL)
 
 
 class SandboxPool:
@@ -194,24 +84,51 @@ class SandboxPool:
     """
 
     def __init__(self, config: SandboxPoolConfig | None = None) -> None:
-        self.config = config or SandboxPoolConfig()
-        self._num_zygotes = self.config.zygotes or max(1, len(os.sched_getaffinity(0)) // 8)
-        self._zygotes: list[_Zygote | None] = [None] * self._num_zygotes
-        self._next = 0
-        n = self.config.max_concurrency
-        self.uid_base = base = self.config.uid_base or 100_000 + (os.getpid() % 500_000) * UIDS_PER_PROCESS
-        self._free_uids = list(range(base + n - 1, base - 1, -1))
-        self._free_leases = list(range(base + n + NUM_LEASES - 1, base + n - 1, -1))
-        self._slots = asyncio.Semaphore(n)
-        self._workspaces: dict[str, Workspace] = {}
+        self.config = c = config or SandboxPoolConfig()
+        self._num_zygotes = c.zygotes or max(1, len(os.sched_getaffinity(0)) // 8)
+        self._zygotes: list[Zygote | None] = [None] * self._num_zygotes
         self._spawn_locks = [asyncio.Lock() for _ in range(self._num_zygotes)]
-        self._path = _sandbox_path(self.config.python or sys.executable)
-        self._tmp = Path(tempfile.mkdtemp(prefix="prime-sandbox-"))
-        (self._tmp / "root").mkdir()
-        self.workspaces = self._tmp / "ws"
-        self.workspaces.mkdir(mode=0o700)
-        weakref.finalize(self, shutil.rmtree, self._tmp, True)  # also at interpreter exit without close()
+        self._next = 0
+        self.uid_base = c.uid_base or 100_000 + (os.getpid() % 500_000) * UIDS_PER_PROCESS
+        self._path = _sandbox_path(c.python or sys.executable)
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="prime-sandbox-"))
+        (self.tmp_dir / "root").mkdir()
+        weakref.finalize(self, shutil.rmtree, self.tmp_dir, True)  # also at interpreter exit without close()
+        self.unenforced: list[str] = []
+        self._seccomp = self._compile_filter()
+        self._cgroups = self._make_cgroups()
+        if self._cgroups is not None:
+            weakref.finalize(self, self._cgroups.close)
+        self._leases = Leases(c.max_concurrency, self.uid_base, self._cgroups)
+        self._workspaces: dict[str, Workspace] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._counts = dict.fromkeys(
+            ("zygotes_started", "zygotes_replaced", "executions_started", "executions_completed", "sandbox_errors"), 0
+        )
         self.closed = False
+        if self.unenforced:
+            logger.warning("sandbox pool: not enforced on this host: %s", "; ".join(self.unenforced))
+
+    def _compile_filter(self) -> bytes | None:
+        if not self.config.seccomp:
+            self.unenforced.append("system-call filter (pool.seccomp = false)")
+            return None
+        from prime_orchestrator.sandbox.seccomp import SeccompUnavailable, compile_filter
+
+        try:
+            return compile_filter()
+        except SeccompUnavailable as e:
+            raise SandboxUnavailable(str(e)) from None
+
+    def _make_cgroups(self) -> Cgroups | None:
+        what = "memory of an execution's processes and files together, and its process count, by cgroup"
+        if not self.config.cgroups:
+            self.unenforced.append(f"{what} (pool.cgroups = false)")
+            return None
+        cgroups, why = Cgroups.detect(self.tmp_dir.name)
+        if cgroups is None:
+            self.unenforced.append(f"{what} ({why}); RLIMIT_AS per process and sized tmpfs still apply")
+        return cgroups
 
     @property
     def num_zygotes(self) -> int:
@@ -229,7 +146,18 @@ class SandboxPool:
         a host with many cores runs several, and starting them in turn multiplied the cold start."""
         await asyncio.gather(*(self._zygote(i) for i in range(self._num_zygotes)))
 
-    async def _zygote(self, i: int) -> _Zygote:
+    def health(self) -> SandboxHealth:
+        """Counters a launcher can poll: executions completing while some run is progress."""
+        alive = sum(1 for z in self._zygotes if z is not None and z.alive())
+        return SandboxHealth(
+            zygotes=alive,
+            running=self._leases.in_use,
+            quarantined=self._leases.quarantined,
+            unenforced=self.unenforced,
+            **self._counts,
+        )
+
+    async def _zygote(self, i: int) -> Zygote:
         z = self._zygotes[i]
         if z is not None and z.alive():
             return z
@@ -237,87 +165,194 @@ class SandboxPool:
             z = self._zygotes[i]
             if z is None or not z.alive():
                 if z is not None:
-                    logger.warning("sandbox zygote %d died (exit %s); starting a new one", i, z.proc.poll())
-                    await asyncio.to_thread(z.kill)
-                num_uids = self.config.max_concurrency + NUM_LEASES
-                z = await asyncio.to_thread(_Zygote, self.config, self.uid_base, self.workspaces, num_uids)
+                    await self._retire(i, z, f"died (exit {z.proc.poll()})")
+                num_uids = self.config.max_concurrency + NUM_WORKSPACES
+                root = self.tmp_dir / "root"
+                z = await asyncio.to_thread(Zygote, self.config, self.uid_base, num_uids, root, self._seccomp)
                 self._zygotes[i] = z
+                self._counts["zygotes_started"] += 1
             return z
+
+    async def _retire(self, i: int, z: Zygote, why: str) -> None:
+        """Kill a dead or hung zygote (once, however many requests found it so); the next request starts another."""
+        if z.retired:
+            return
+        z.retired = True
+        if self._zygotes[i] is z:
+            self._zygotes[i] = None
+        self._counts["zygotes_replaced"] += 1
+        logger.warning("sandbox zygote %d (pid %d) %s; replacing it", i, z.proc.pid, why)
+        await asyncio.to_thread(z.kill)
+
+    def _oversized(self, request: ExecRequest) -> str:
+        c = self.config
+        code = len(request.code.encode()) + sum(len(a.encode()) for a in request.argv or [])
+        code += sum(len(k.encode()) + len(v.encode()) for k, v in request.env.items())
+        stdin = len(request.stdin.encode()) if request.stdin is not None else 0
+        tests = sum(len(t.expr.encode()) for t in request.tests)
+        for what, size, cap, name in (
+            ("code (with argv and env)", code, c.max_code_bytes, "max_code_bytes"),
+            ("stdin", stdin, c.max_stdin_bytes, "max_stdin_bytes"),
+            ("tests' expressions", tests, c.max_test_bytes, "max_test_bytes"),
+        ):
+            if size > cap:
+                return f"{what} is {size} bytes, over the pool's limit of {cap} ({name})"
+        if len(request.tests) > c.max_tests:
+            return f"{len(request.tests)} tests, over the pool's limit of {c.max_tests} (max_tests)"
+        return ""
 
     async def execute(self, request: ExecRequest) -> ExecResult:
         """Run one request; every failure of the code (and of the sandbox) is a result, never an exception."""
         if self.closed:
             raise RuntimeError("the sandbox pool is closed")
-        limits = request.limits or self.config.limits
+        if problem := self._oversized(request):
+            return ExecResult(status="error", reason=problem)
         workspace = None
         if request.workspace is not None:
             workspace = self._workspaces.get(request.workspace)
             if workspace is None:
                 return ExecResult(status="sandbox_error", reason=f"no open workspace {request.workspace!r}")
-        await self._slots.acquire()
-        uid = workspace.uid if workspace else self._free_uids.pop()
-        settled = False
+            if workspace.zygote not in self._zygotes:
+                return ExecResult(
+                    status="sandbox_error", reason=f"workspace {workspace.name} was lost with its sandbox worker"
+                )
+        lease = await self._leases.acquire(workspace)
+        job = _Job(request, request.limits or self.config.limits, lease)
+        task = asyncio.ensure_future(self._run(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         try:
-            raw = await self._roundtrip(request, limits, uid, workspace)
-            settled = raw.get("status") != "sandbox_error"
-        finally:
-            if settled:
-                self._release(uid, workspace)
-            else:  # cancelled or lost: it may still run under this uid, so lend the uid again after its wall limit
-                asyncio.get_running_loop().call_later(limits.wall_s + QUARANTINE_SLACK_S, self._release, uid, workspace)
+            raw = await job.verdict  # cancelling the caller cancels this future only; _run goes on
+        except asyncio.CancelledError:  # the execution may still run: stop it; _run reaps it before the slot returns
+            job.cancelled = True
+            job.kill_supervisor()
+            raise
         return self._result(request, raw)
 
-    def _release(self, uid: int, workspace: Workspace | None) -> None:
-        if workspace is None:
-            self._free_uids.append(uid)
-        self._slots.release()
-
-    async def _roundtrip(self, request: ExecRequest, limits: SandboxLimits, uid: int, ws: Workspace | None) -> dict:
-        msg = {
-            "code": request.code,
-            "argv": request.argv,
-            "tests": [t.expr for t in request.tests],
-            "limits": limits.model_dump(),
-            "env": request.env,
-            "uid": uid,
-            "path": self._path,
-            "workspace": ws.name if ws else None,
-        }
-        body = json.dumps(msg).encode()
-        for attempt in (0, 1):  # a zygote found dead at send time is replaced once; nothing has run yet
-            i = self._next = (self._next + 1) % self._num_zygotes
-            try:
-                zygote = await self._zygote(i)
-            except (SandboxUnavailable, OSError) as e:  # a replacement failed to start: this request fails alone
-                return {"status": "sandbox_error", "reason": f"sandbox worker cannot start: {e}"}
-            r, w = os.pipe()
-            fds = [w]
-            if request.stdin is not None:
-                fds.append(os.memfd_create("stdin"))
-                os.write(fds[1], request.stdin.encode())
-                os.lseek(fds[1], 0, os.SEEK_SET)
-            try:
-                await zygote.send(body, fds)
-            except OSError as e:
-                os.close(r)
-                zygote.dead = True
-                if attempt:
-                    return {"status": "sandbox_error", "reason": f"sandbox worker unreachable: {e}"}
-                continue
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            break
+    async def _run(self, job: _Job) -> None:
+        self._counts["executions_started"] += 1
         try:
-            raw = await _read_to_eof(r, limits.wall_s + RESULT_SLACK_S)
-        except TimeoutError:
-            return {"status": "sandbox_error", "reason": "no verdict from the sandbox worker in time"}
-        if not raw:
-            return {"status": "sandbox_error", "reason": "the sandbox worker died during the execution"}
-        return json.loads(raw)
+            raw, clean = await self._roundtrip(job)
+        except Exception as e:  # a bug of the pool's own: the execution ends as a sandbox error, the pool goes on
+            logger.exception("sandbox execution failed")
+            raw, clean = {"status": "sandbox_error", "reason": f"sandbox pool: {type(e).__name__}: {e}"}, False
+        if clean and self._cgroups is not None:
+            self._memory_verdict(raw, job)
+        self._counts["sandbox_errors" if raw["status"] == "sandbox_error" else "executions_completed"] += 1
+        if not job.verdict.done():
+            job.verdict.set_result(raw)
+        if job.pipe is not None:
+            job.pipe.close()
+        if clean:  # a verdict: the supervisor saw the PID namespace's init reaped, so nothing of it is left
+            self._leases.release(job.lease)
+        else:
+            await self._leases.reap_and_release(job.lease)
+
+    def _memory_verdict(self, raw: dict, job: _Job) -> None:
+        key = job.lease.cgroup
+        raw["memory_peak_mb"] = self._cgroups.peak_mb(key)
+        if raw.get("exit_code") == -9 and raw["status"] == "error" and self._cgroups.oom_killed(key):
+            raw.update(status="memory_limit", reason=f"memory limit of {job.limits.memory_mb} MB exceeded")
+
+    def _body(self, job: _Job) -> bytes:
+        request, ws = job.request, job.lease.workspace
+        return json.dumps(
+            {
+                "code": request.code,
+                "argv": request.argv,
+                "tests": [t.expr for t in request.tests],
+                "limits": job.limits.model_dump(),
+                "env": request.env,
+                "uid": job.lease.uid,
+                "path": self._path,
+                "workspace": ws.name if ws else None,
+                "stdin": request.stdin is not None,
+            }
+        ).encode()
+
+    async def _pick(self, job: _Job) -> tuple[int, Zygote]:
+        ws = job.lease.workspace
+        if ws is not None:
+            if ws.zygote not in self._zygotes or not ws.zygote.alive():
+                raise OSError(f"workspace {ws.name} was lost with its sandbox worker")
+            return self._zygotes.index(ws.zygote), ws.zygote
+        i = self._next = (self._next + 1) % self._num_zygotes
+        return i, await self._zygote(i)
+
+    async def _roundtrip(self, job: _Job) -> tuple[dict, bool]:
+        """The verdict, and whether it came from the supervisor (then nothing of the execution is left)."""
+        body = self._body(job)
+        for attempt in (0, 1):  # a request its zygote never forked is sent once more, to a replacement
+            try:
+                i, zygote = await self._pick(job)
+            except (SandboxUnavailable, OSError) as e:
+                return {"status": "sandbox_error", "reason": f"sandbox worker unavailable: {e}"}, True
+            outcome = await self._wait(i, zygote, job) if await self._send(i, zygote, job, body) else "dropped"
+            if outcome != "dropped":
+                break
+            job.pipe.close()
+            job.pipe = None
+            if attempt or job.lease.workspace is not None or job.cancelled:
+                return {"status": "sandbox_error", "reason": "the sandbox worker died before running it"}, True
+        if outcome == "late":
+            job.kill_supervisor()
+            await job.pipe.wait_eof(10.0)
+            limit = job.limits.wall_s + RESULT_SLACK_S
+            return {"status": "sandbox_error", "reason": f"no verdict within {limit:.0f} s; execution killed"}, False
+        if not job.pipe.data:
+            return {"status": "sandbox_error", "reason": "the sandbox worker died during the execution"}, False
+        return json.loads(job.pipe.data), True
+
+    async def _send(self, i: int, zygote: Zygote, job: _Job, body: bytes) -> bool:
+        """Hand ``job`` to ``zygote``; False when it takes nothing (dead, or hung: then it is retired)."""
+        hang = self.config.hang_timeout_s
+        r, w = os.pipe()
+        job.pipe = ResultPipe(r, on_ack=lambda: self._forked(zygote, job))
+        fds = [_memfd("request", body), w]  # these are ours to close; the cgroups' stay open
+        try:
+            if job.request.stdin is not None:
+                fds.append(_memfd("stdin", job.request.stdin.encode()))
+            cgroup_fds = []
+            if self._cgroups is not None:
+                limits = job.limits
+                mb = limits.memory_mb + (job.lease.workspace.disk_mb if job.lease.workspace else limits.disk_mb)
+                cgroup_fds = self._cgroups.enter(job.lease.cgroup, mb, limits.processes)
+            while True:
+                try:
+                    await zygote.send(b"x", fds + cgroup_fds, hang)
+                    return True
+                except TimeoutError:  # its queue is full: hung, unless it is forking others' requests
+                    if time.monotonic() - zygote.last_progress > hang:
+                        await self._retire(i, zygote, f"took no request for {hang} s (hung)")
+                        return False
+                except OSError:
+                    zygote.dead = True
+                    return False
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _forked(self, zygote: Zygote, job: _Job) -> None:
+        zygote.last_progress = time.monotonic()
+        if job.cancelled:
+            job.kill_supervisor()
+
+    async def _wait(self, i: int, zygote: Zygote, job: _Job) -> str:
+        """``done`` (a verdict, or EOF once forked), ``dropped`` (never forked: the zygote died or hung with it
+        queued, and is retired) or ``late`` (forked, no verdict within its wall limit plus the slack)."""
+        hang, pipe = self.config.hang_timeout_s, job.pipe
+        while not await pipe.wait_eof(hang):
+            if pipe.supervisor is not None:
+                remaining = pipe.acked_at + job.limits.wall_s + RESULT_SLACK_S - time.monotonic()
+                return "done" if await pipe.wait_eof(max(0.0, remaining)) else "late"
+            if time.monotonic() - zygote.last_progress > hang:
+                await self._retire(i, zygote, f"forked nothing for {hang} s with requests waiting (hung)")
+                await pipe.wait_eof(10.0)  # its queue and its unforked descriptors go with it
+                break
+        return "dropped" if pipe.supervisor is None else "done"
 
     def _result(self, request: ExecRequest, raw: dict) -> ExecResult:
-        lines = raw.pop("tests", None) or []
+        lines = parse_test_lines(raw.pop("test_lines", ""))
         result = ExecResult.model_validate(raw)
         if request.tests:
             result.tests = judge(request.tests, lines)
@@ -334,24 +369,45 @@ class SandboxPool:
         """The direct form: ``await pool.run(code, tests=[TestCase(...)], limits=SandboxLimits(wall_s=2))``."""
         return await self.execute(ExecRequest(code=code, stdin=stdin, tests=tests or [], limits=limits))
 
-    def open_workspace(self) -> str:
-        """A persistent /work for a series of executions (a verifiers runtime); its name goes in
-        ``ExecRequest.workspace``; give it back with :meth:`close_workspace`."""
-        if not self._free_leases:
-            raise RuntimeError(f"all {NUM_LEASES} sandbox workspaces are in use")
-        uid = self._free_leases.pop()
-        name = f"ws{uid}"
-        path = self.workspaces / name
-        path.mkdir(mode=0o700)
-        os.chown(path, uid, uid)
-        self._workspaces[name] = Workspace(name=name, path=path, uid=uid)
+    async def open_workspace(self, disk_mb: int | None = None) -> str:
+        """A persistent /work of ``disk_mb`` (default: the pool's ``limits.disk_mb``) for a series of executions
+        (a verifiers runtime), held in memory by one zygote; its name goes in ``ExecRequest.workspace``. Give it
+        back with :meth:`close_workspace`."""
+        disk_mb = disk_mb or self.config.limits.disk_mb
+        uid = self._leases.open_workspace_uid()
+        name = "ws-" + secrets.token_urlsafe(18)
+        i = self._next = (self._next + 1) % self._num_zygotes
+        try:
+            zygote = await self._zygote(i)
+            op = {"op": "open", "name": name, "uid": uid, "disk_mb": disk_mb}
+            error = await zygote.workspace(op, self.config.hang_timeout_s)
+        except BaseException:
+            self._leases.unused_workspace_uid(uid)
+            raise
+        if error:
+            self._leases.unused_workspace_uid(uid)
+            raise RuntimeError(f"cannot open a sandbox workspace: {error}")
+        self._workspaces[name] = Workspace(name=name, uid=uid, disk_mb=disk_mb, zygote=zygote)
         return name
 
-    def close_workspace(self, name: str) -> None:
+    async def close_workspace(self, name: str) -> bool:
+        """Drop a workspace and its files; False when no such workspace is open."""
         ws = self._workspaces.pop(name, None)
-        if ws is not None:
-            shutil.rmtree(ws.path, ignore_errors=True)
-            self._free_leases.append(ws.uid)
+        if ws is None:
+            return False
+        ws.closed = True
+        if ws.zygote in self._zygotes and ws.zygote.alive():
+            with contextlib.suppress(OSError, TimeoutError):
+                await ws.zygote.workspace({"op": "close", "name": name}, self.config.hang_timeout_s)
+        task = asyncio.ensure_future(self._retire_workspace(ws))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _retire_workspace(self, ws: Workspace) -> None:
+        await self._leases.close_workspace_uid(ws)
+        if self._cgroups is not None:
+            self._cgroups.remove(f"w{ws.uid}")
 
     async def close(self) -> None:
         self.closed = True
@@ -359,4 +415,8 @@ class SandboxPool:
             if z is not None:
                 await asyncio.to_thread(z.kill)
         self._zygotes = [None] * self._num_zygotes
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tasks:  # each ends once its execution is reaped: the zygotes' deaths took their supervisors
+            await asyncio.wait(list(self._tasks), timeout=15)
+        if self._cgroups is not None:
+            self._cgroups.close()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -1,7 +1,9 @@
-"""What crosses the sandbox boundary: an execution request, its test cases, and the result (also the HTTP body)."""
+"""What crosses the sandbox boundary: an execution request, its test cases, the result (also the HTTP body), and
+the pool's health counters; and how the host judges what the code wrote on its test channel."""
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -21,6 +23,11 @@ class TestCase(BaseModel):
     """Python expression evaluated in the solution's globals, e.g. ``add(2, 3)``."""
     expected: Any = None
     """Expected value (JSON-like: None, bool, int, float, str, lists, dicts). It never enters the sandbox."""
+    rel_tol: float = Field(default=1e-6, ge=0, le=1)
+    """Floats match when ``|got - expected| <= max(rel_tol * max(|got|, |expected|), abs_tol)`` (``math.isclose``)."""
+    abs_tol: float = Field(default=1e-12, ge=0)
+    """Absolute tolerance of float comparisons, for values near zero: small, so that an expected 4.2e-7 is not
+    matched by 0.0; raise it for tasks whose answers are small differences of large numbers."""
 
 
 class ExecRequest(BaseModel):
@@ -81,6 +88,9 @@ class ExecResult(BaseModel):
     """Peak resident memory of the largest process."""
     supervisor_cpu_s: float = 0.0
     """CPU time of the execution's trusted supervisor (sandbox overhead, for capacity planning)."""
+    memory_peak_mb: float | None = None
+    """Peak memory of the whole execution (every process, and its files in /work), from its cgroup; None where
+    the pool has no memory cgroup (see ``SandboxHealth.unenforced``)."""
 
     @property
     def num_passed(self) -> int:
@@ -92,28 +102,86 @@ class ExecResult(BaseModel):
         return self.num_passed / len(self.tests) if self.tests else 0.0
 
 
-def values_match(got: Any, expected: Any) -> bool:
-    """Equality on JSON-like values: tuples and lists alike, floats within 1e-6 (relative or absolute), and a
-    bool never equal to an int."""
+class SandboxHealth(BaseModel):
+    """A pool's counters (``SandboxPool.health()``, a node's ``GET /health``): cheap to read, for a launcher's
+    progress check. Progress is ``executions_completed`` growing while ``running`` is above zero."""
+
+    zygotes: int
+    """Zygotes alive now."""
+    zygotes_started: int
+    """Zygotes started since the pool started (the first ones included)."""
+    zygotes_replaced: int
+    """Zygotes found dead, or killed because they forked nothing for ``hang_timeout_s`` with requests waiting."""
+    executions_started: int
+    """Executions handed to a zygote."""
+    executions_completed: int
+    """Executions that ended with a verdict of their supervisor (any status but ``sandbox_error``)."""
+    sandbox_errors: int
+    """Executions that ended as ``sandbox_error``."""
+    running: int
+    """Executions holding a slot now (running, waiting for a zygote, or being reaped)."""
+    quarantined: int
+    """Slots held back until every process of their ended execution is gone."""
+    unenforced: list[str]
+    """Limits this host does not let the pool enforce (logged at start)."""
+
+
+MAX_DEPTH = 100  # nesting of a test value compared on the host; deeper values fail the test
+
+
+def values_match(got: Any, expected: Any, rel_tol: float = 1e-6, abs_tol: float = 1e-12, depth: int = 0) -> bool:
+    """Equality on JSON-like values: tuples and lists alike, floats by ``math.isclose(rel_tol, abs_tol)``, and a
+    bool never equal to an int. Values nested deeper than :data:`MAX_DEPTH` never match."""
+    if depth > MAX_DEPTH:
+        return False
     if isinstance(expected, bool) or isinstance(got, bool):
         return type(got) is type(expected) and got == expected
     if isinstance(expected, float) or isinstance(got, float):
         if not isinstance(got, int | float) or not isinstance(expected, int | float):
             return False
-        return math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-6)
+        return math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol)
     if isinstance(expected, list | tuple):
         return (
             isinstance(got, list | tuple)
             and len(got) == len(expected)
-            and all(values_match(g, e) for g, e in zip(got, expected, strict=True))
+            and all(values_match(g, e, rel_tol, abs_tol, depth + 1) for g, e in zip(got, expected, strict=True))
         )
     if isinstance(expected, dict):
         return (
             isinstance(got, dict)
             and got.keys() == {str(k) for k in expected}
-            and all(values_match(got[str(k)], v) for k, v in expected.items())
+            and all(values_match(got[str(k)], v, rel_tol, abs_tol, depth + 1) for k, v in expected.items())
         )
     return type(got) is type(expected) and got == expected
+
+
+def _depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """Nesting depth of a JSON value, counted up to ``limit + 1`` (iteratively: no recursion on what the code wrote)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            break
+        if isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+        elif isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+    return deepest
+
+
+def parse_test_lines(text: str) -> list[dict]:
+    """The runner's test lines, as written by the code's process: a line that does not parse, is not an object,
+    or nests too deeply is dropped (its test then fails), never an error of the sandbox."""
+    lines = []
+    for raw in text.splitlines():
+        try:
+            line = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(line, dict) and _depth(line) <= MAX_DEPTH + 1:
+            lines.append(line)
+    return lines
 
 
 def judge(tests: list[TestCase], lines: list[dict]) -> list[TestOutcome]:
@@ -131,5 +199,6 @@ def judge(tests: list[TestCase], lines: list[dict]) -> list[TestOutcome]:
             outcomes.append(TestOutcome(passed=False, error=str(line["error"])[:500]))
         else:
             got = line.get("value")
-            outcomes.append(TestOutcome(passed=values_match(got, case.expected), got=got))
+            passed = values_match(got, case.expected, case.rel_tol, case.abs_tol)
+            outcomes.append(TestOutcome(passed=passed, got=got))
     return outcomes

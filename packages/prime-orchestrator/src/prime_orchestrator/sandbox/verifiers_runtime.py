@@ -61,7 +61,7 @@ class SandboxPoolRuntime(Runtime):
         import asyncio
 
         self._client = await asyncio.to_thread(get_client, self.config.client_config())
-        self.workspace = await self._client.open_workspace()
+        self.workspace = await self._client.open_workspace(self.config.limits.disk_mb)
         self.info.id = self.workspace
 
     async def run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:

@@ -1,17 +1,22 @@
 """The zygote: one pre-warmed interpreter inside the sandbox namespaces, forking one supervisor per execution.
 
-Stdlib only and started as ``python -I -S`` (no site-packages): the pool imports nothing of the project into
-it. Life of the process:
+Stdlib only and started as ``python -I -S`` with an environment of two variables (no site-packages, nothing of the
+host's environment on its stack). Life of the process:
 
-1. ``unshare`` user, mount, network, IPC and UTS namespaces; the pool (host root, in the parent user namespace)
-   writes the uid/gid maps: inside 0 is the zygote itself, ``[uid_base, uid_base + num_uids)`` are the
-   execution uids (one per concurrent execution, mapped to the same host uids, which own nothing).
-2. Build a new root on a tmpfs: read-only binds of ``/usr`` and the interpreter's prefix, a few ``/etc`` files,
-   five device nodes, a ``/.ws`` bind of the pool's workspace folder; ``pivot_root`` into it and detach the
-   host's tree, so nothing else of the host (its ``/etc/shadow``, ``/root``, the project) exists in here.
-3. Pre-import the stdlib modules solutions use, freeze the GC heap (fewer copy-on-write faults after fork),
-   say ``ready`` and serve: each request (JSON + a result pipe + an optional stdin memfd over SCM_RIGHTS)
-   forks a supervisor (:mod:`supervisor`), and the zygote goes back to ``recvmsg`` at once.
+1. Leave the host's session keyring for an anonymous one of its own.
+2. As host root, in a new mount namespace: build the sandbox's root on a tmpfs (read-only binds of ``/usr``, the
+   interpreter's prefix, a few ``/etc`` files, five device nodes), ``pivot_root`` into it, detach the host's tree
+   and make the root read-only. Doing this before the user namespace exists lets it bind paths only host root
+   may traverse (an interpreter under ``/root``), while the namespace's root never maps to host root.
+3. ``unshare`` user, mount, network, IPC and UTS namespaces; the pool writes the uid/gid maps: inside 0 is an
+   unprivileged host uid of the pool's range (``uid_base``), and the execution and workspace uids map to
+   themselves. The mounts of step 2 are locked in the new namespace: its root cannot remount them.
+4. Mount ``/.ws`` (a small tmpfs, mode 0700), under which each workspace is a tmpfs of its own size.
+5. Pre-import the stdlib modules solutions use, freeze the GC heap (fewer copy-on-write faults after fork), say
+   ``ready`` and serve: an ``x`` message (a request memfd, a result pipe and the execution's other descriptors, by
+   SCM_RIGHTS) forks a supervisor (:mod:`supervisor`) and the zygote goes back to ``recvmsg`` at once, without
+   reading the request: nothing of one execution stays in the memory the next one is forked from. A ``w`` message
+   opens or closes a workspace.
 
 EOF on the control socket (the pool is gone) ends the zygote; its supervisors die with it (PDEATHSIG), and
 each execution's processes die with their supervisor.
@@ -19,9 +24,11 @@ each execution's processes die with their supervisor.
 
 from __future__ import annotations
 
+import base64
 import gc
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -60,7 +67,8 @@ PRELOAD = [
 ]
 DEVICES = ("null", "zero", "full", "random", "urandom")
 ETC_FILES = ("ld.so.cache", "localtime", "nsswitch.conf", "alternatives")
-MAX_REQUEST = 16 << 20
+MAX_FDS = 8
+WORKSPACE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _bind_ro(source: str, target: str, devices: bool = False) -> None:
@@ -83,9 +91,11 @@ def _top_level(path: str, root: str) -> None:
         _bind_ro(path, root + path)
 
 
-def build_root(root: str, ro_paths: list[str], workspaces: str) -> None:
-    """Mount the sandbox's root filesystem on the empty directory ``root`` and pivot into it (the tmpfs
-    exists only in this mount namespace: the host sees an empty directory)."""
+def build_root(root: str, ro_paths: list[str]) -> None:
+    """As host root: a new mount namespace whose root is a read-only tmpfs built on the empty directory ``root``
+    (the host sees an empty directory)."""
+    os.umask(0o022)
+    lx.unshare(lx.CLONE_NEWNS)
     lx.mount(None, "/", None, lx.MS_REC | lx.MS_PRIVATE)  # nothing we mount propagates back to the host
     lx.mount("tmpfs", root, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, "size=1m,mode=0755")
     for top in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -106,9 +116,7 @@ def build_root(root: str, ro_paths: list[str], workspaces: str) -> None:
         _bind_ro("/dev/" + dev, root + "/dev/" + dev, devices=True)
     os.symlink("/work", root + "/tmp")  # one private writable tmpfs per execution, mounted on /work
     os.makedirs(root + "/work")
-    os.makedirs(root + "/.ws", mode=0o700)
-    lx.mount(workspaces, root + "/.ws", None, lx.MS_BIND)
-    lx.mount(None, root + "/.ws", None, lx.MS_BIND | lx.MS_REMOUNT | lx.MS_NOSUID | lx.MS_NODEV)
+    os.makedirs(root + "/.ws")
     os.makedirs(root + "/.old")
     lx.pivot_root(root, root + "/.old")
     os.chdir("/")
@@ -125,12 +133,34 @@ def enter_namespaces(ctl: socket.socket) -> None:
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
     socket.sethostname("sandbox")
+    lx.mount("tmpfs", "/.ws", "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, "size=1m,nr_inodes=4096,mode=0700")
 
 
-def serve(ctl: socket.socket) -> None:
+def workspace(op: dict) -> str:
+    """Open (a tmpfs of ``disk_mb`` owned by the workspace's uid) or close a workspace; '' or the error."""
+    name = op["name"]
+    if not WORKSPACE_NAME.fullmatch(name):
+        return f"bad workspace name {name!r}"
+    path = "/.ws/" + name
+    try:
+        if op["op"] == "open":
+            os.mkdir(path, 0o700)
+            uid, size = op["uid"], op["disk_mb"]
+            opts = f"size={size}m,nr_inodes={max(1024, size * 64)},mode=0700,uid={uid},gid={uid}"
+            lx.mount("tmpfs", path, "tmpfs", lx.MS_NOSUID | lx.MS_NODEV, opts)
+        else:
+            lx.umount(path)
+            os.rmdir(path)
+    except OSError as e:
+        return f"{op['op']} workspace {name}: {e.strerror or e}"
+    return ""
+
+
+def serve(ctl: socket.socket, seccomp: lx.SeccompProgram | None) -> None:
+    zygote_pid = os.getpid()
     while True:
         try:
-            msg, ancdata, _, _ = ctl.recvmsg(MAX_REQUEST, socket.CMSG_SPACE(8))
+            msg, ancdata, _, _ = ctl.recvmsg(4096, socket.CMSG_SPACE(MAX_FDS * 4))
         except InterruptedError:
             continue
         if not msg:
@@ -138,13 +168,18 @@ def serve(ctl: socket.socket) -> None:
         fds = []
         for level, kind, data in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(int.from_bytes(data[i : i + 4], sys.byteorder) for i in range(0, len(data), 4))
-        zygote_pid = os.getpid()
-        if os.fork() == 0:
+                fds.extend(int.from_bytes(data[i : i + 4], sys.byteorder) for i in range(0, len(data) - 3, 4))
+        if msg[:1] == b"x" and len(fds) >= 2:
+            if os.fork() == 0:
+                try:
+                    supervisor.supervise(fds, ctl.fileno(), zygote_pid, seccomp)
+                finally:
+                    os._exit(70)
+        elif msg[:1] == b"w" and fds:
             try:
-                supervisor.supervise(json.loads(msg), fds, ctl.fileno(), zygote_pid)
-            finally:
-                os._exit(70)
+                os.write(fds[0], workspace(json.loads(msg[1:])).encode() or b"ok")
+            except (OSError, ValueError, KeyError) as e:
+                os.write(fds[0], f"bad workspace message: {e}".encode())
         for fd in fds:
             os.close(fd)
 
@@ -153,8 +188,11 @@ def main(ctl_fd: int, setup_json: str) -> None:
     setup = json.loads(setup_json)
     ctl = socket.socket(fileno=ctl_fd)
     try:
+        lx.join_new_session_keyring()
+        build_root(setup["root"], setup["ro_paths"])
         enter_namespaces(ctl)
-        build_root(setup["root"], setup["ro_paths"], setup["workspaces"])
+        program = base64.b64decode(setup["seccomp"]) if setup.get("seccomp") else b""
+        seccomp = lx.SeccompProgram(program) if program else None
         for name in PRELOAD + setup.get("preload", []):
             __import__(name)
     except Exception as e:  # the pool reads this one line as the reason the sandbox cannot start
@@ -165,7 +203,7 @@ def main(ctl_fd: int, setup_json: str) -> None:
     gc.collect()
     gc.freeze()
     ctl.send(b"ready")
-    serve(ctl)
+    serve(ctl, seccomp)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""Which host uid and cgroup an execution runs as, and when they may be lent again.
+
+The pool's uids: ``uid_base`` is its zygotes' root, ``uid_base + 1 + slot`` the execution in slot ``slot`` (one per
+concurrent execution), and above those one uid per open workspace. An execution that ended with a verdict has no
+process left (its supervisor returned from ``wait4`` of the PID namespace's init), so its slot is free at once. Any
+other end (cancelled, its supervisor or zygote killed, no verdict in time) puts the slot in quarantine: the pool
+kills what still runs in it (its cgroup, or every host process of its uid where there are no cgroups) and lends it
+again only when nothing is left, however long that takes. A uid is never shared by two executions that might both
+have a live process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prime_orchestrator.sandbox.cgroups import Cgroups
+
+logger = logging.getLogger(__name__)
+NUM_WORKSPACES = 1024  # uids above the execution range, one per live workspace (verifiers runtimes)
+
+
+@dataclass
+class Workspace:
+    """A persistent /work: a tmpfs of ``disk_mb`` inside one zygote's mount namespace, owned by ``uid``."""
+
+    name: str
+    uid: int
+    disk_mb: int
+    zygote: object
+    running: int = 0
+    tainted: bool = False  # an execution of it ended without a verdict: processes of its uid may be left
+    closed: bool = False
+
+
+@dataclass
+class Lease:
+    slot: int
+    uid: int
+    cgroup: str
+    workspace: Workspace | None = None
+    acquired: float = field(default_factory=time.monotonic)
+
+
+def processes_of(uid: int) -> list[int]:
+    """Host pids of the live (not zombie) processes whose real uid is ``uid``: one pass over /proc."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                status = f.read()
+        except OSError:
+            continue
+        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+        state, uids = fields.get(b"State", b"").split(), fields.get(b"Uid", b"").split()
+        if uids and int(uids[0]) == uid and state and state[0] not in (b"Z", b"X"):
+            found.append(int(entry.name))
+    return found
+
+
+class Leases:
+    def __init__(self, max_concurrency: int, uid_base: int, cgroups: Cgroups | None) -> None:
+        self.uid_base = uid_base
+        self.cgroups = cgroups
+        self._slots = deque(range(max_concurrency))  # first in, first out: a uid is reused as late as possible
+        self._available = asyncio.Semaphore(max_concurrency)
+        first_ws = uid_base + 1 + max_concurrency
+        self._ws_uids = deque(range(first_ws, first_ws + NUM_WORKSPACES))
+        self.quarantined = 0
+        self.in_use = 0
+
+    async def acquire(self, workspace: Workspace | None) -> Lease:
+        await self._available.acquire()
+        self.in_use += 1
+        slot = self._slots.popleft()
+        if workspace is None:
+            return Lease(slot, self.uid_base + 1 + slot, f"s{slot}")
+        workspace.running += 1
+        return Lease(slot, workspace.uid, f"w{workspace.uid}", workspace)
+
+    def release(self, lease: Lease) -> None:
+        self._slots.append(lease.slot)
+        self.in_use -= 1
+        self._available.release()
+        if lease.workspace is not None:
+            lease.workspace.running -= 1
+
+    async def reap_and_release(self, lease: Lease) -> None:
+        """Kill whatever of the lease still runs, wait until nothing is left, then release it."""
+        self.quarantined += 1
+        if lease.workspace is not None:
+            lease.workspace.tainted = True
+        try:
+            await self._reap(lease.cgroup, lease.uid)
+        finally:
+            self.quarantined -= 1
+            self.release(lease)
+
+    async def _reap(self, cgroup: str, uid: int) -> None:
+        start, delay, warned = time.monotonic(), 0.02, False
+        while True:
+            if self.cgroups is not None:
+                pids = self.cgroups.pids(cgroup)
+            else:
+                pids = await asyncio.to_thread(processes_of, uid)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if not warned and time.monotonic() - start > 30:
+                logger.warning(
+                    "sandbox uid %d: %d process(es) still alive 30 s after SIGKILL; kept out of use", uid, len(pids)
+                )
+                warned = True
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
+
+    def open_workspace_uid(self) -> int:
+        if not self._ws_uids:
+            raise RuntimeError(f"all {NUM_WORKSPACES} sandbox workspaces are in use")
+        return self._ws_uids.popleft()
+
+    def unused_workspace_uid(self, uid: int) -> None:
+        """Give back a uid from :meth:`open_workspace_uid` whose workspace never opened (nothing ran as it)."""
+        self._ws_uids.append(uid)
+
+    async def close_workspace_uid(self, ws: Workspace) -> None:
+        """Give a closed workspace's uid back once none of its executions runs and nothing of it is left."""
+        while ws.running:
+            await asyncio.sleep(0.05)
+        if ws.tainted:
+            await self._reap(f"w{ws.uid}", ws.uid)
+        self._ws_uids.append(ws.uid)

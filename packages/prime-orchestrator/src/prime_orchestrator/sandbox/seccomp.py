@@ -1,0 +1,190 @@
+"""The system-call filter of every execution: an allowlist compiled to a BPF program on the host, by libseccomp.
+
+The pool compiles the policy once, at start, through libseccomp (``libseccomp2``, installed on Debian and Ubuntu
+with apt itself, so present on every such host) and hands the program's bytes to its zygotes; a runner installs
+them with ``prctl(PR_SET_SECCOMP)`` as its last step before the code runs. Nothing of libseccomp enters the sandbox.
+
+The policy is an allowlist in the spirit of Docker's default profile, narrowed for code grading:
+
+- every system call not listed fails with ``ENOSYS`` (a libc falls back from a newer call it does not find, e.g.
+  ``clone3`` to ``clone``); a new kernel's calls are denied until someone reviews them;
+- the calls a sandbox escape or a kernel exploit usually starts from fail with ``EPERM`` (:data:`DENIED`): new
+  namespaces, ``setns``, mounts, keyrings, ``io_uring``, ``bpf``, ``perf_event_open``, ``ptrace`` and cross-process
+  memory access, ``userfaultfd``, modules and kexec, SysV and POSIX IPC, ``memfd_create`` (memory RLIMIT_AS does
+  not count), and the host-administration calls;
+- ``clone`` is allowed without namespace flags; ``socket`` for ``AF_UNIX``, ``AF_INET`` and ``AF_INET6`` only
+  (other families ``EAFNOSUPPORT``); ``personality`` for the values Docker allows;
+- a call made through another ABI (i386 ``int 0x80``, x32) kills the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+from functools import cache
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+# The calls a Python solution, a shell and the usual compilers and runtimes make. Unknown names (another
+# architecture's, or newer than this host's libseccomp) are skipped.
+ALLOWED = _names(
+    # files and descriptors
+    "read write readv writev pread64 pwrite64 preadv pwritev preadv2 pwritev2 open openat openat2 creat close "
+    "close_range lseek dup dup2 dup3 fcntl ioctl flock fsync fdatasync syncfs sync_file_range truncate ftruncate "
+    "fallocate fadvise64 readahead sendfile splice tee vmsplice copy_file_range pipe pipe2 "
+    # metadata and directories
+    "stat lstat fstat newfstatat statx statfs fstatfs access faccessat faccessat2 readlink readlinkat getdents "
+    "getdents64 getcwd chdir fchdir mkdir mkdirat rmdir rename renameat renameat2 link linkat symlink symlinkat "
+    "unlink unlinkat chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes utimensat futimesat "
+    "umask mknod mknodat getxattr lgetxattr fgetxattr listxattr llistxattr flistxattr setxattr lsetxattr fsetxattr "
+    "removexattr lremovexattr fremovexattr getxattrat setxattrat listxattrat removexattrat file_getattr "
+    "file_setattr inotify_init inotify_init1 inotify_add_watch inotify_rm_watch "
+    # memory
+    "brk mmap munmap mremap mprotect pkey_mprotect pkey_alloc pkey_free madvise mincore msync mlock mlock2 munlock "
+    "mlockall munlockall membarrier mseal map_shadow_stack cachestat get_mempolicy set_mempolicy mbind "
+    "set_mempolicy_home_node "
+    # processes and threads (clone: see CONDITIONAL)
+    "fork vfork execve execveat exit exit_group wait4 waitid kill tkill tgkill rt_sigqueueinfo rt_tgsigqueueinfo "
+    "getpid getppid gettid getpgid setpgid getpgrp getsid setsid getuid geteuid getgid getegid getresuid getresgid "
+    "getgroups setuid setgid setreuid setregid setresuid setresgid setfsuid setfsgid setgroups capget capset prctl "
+    "arch_prctl set_tid_address set_robust_list get_robust_list rseq sched_yield sched_getaffinity "
+    "sched_setaffinity sched_getparam sched_setparam sched_getscheduler sched_setscheduler sched_get_priority_max "
+    "sched_get_priority_min sched_rr_get_interval sched_getattr sched_setattr getpriority setpriority getrlimit "
+    "setrlimit prlimit64 getrusage times uname sysinfo getrandom getcpu pidfd_open pidfd_send_signal "
+    "restart_syscall ioprio_get ioprio_set seccomp landlock_create_ruleset landlock_add_rule landlock_restrict_self "
+    # signals, time, waiting
+    "rt_sigaction rt_sigprocmask rt_sigreturn rt_sigpending rt_sigtimedwait rt_sigsuspend sigaltstack signalfd "
+    "signalfd4 pause alarm getitimer setitimer timer_create timer_settime timer_gettime timer_getoverrun "
+    "timer_delete clock_gettime clock_getres clock_nanosleep nanosleep gettimeofday time timerfd_create "
+    "timerfd_settime timerfd_gettime select pselect6 poll ppoll epoll_create epoll_create1 epoll_ctl epoll_wait "
+    "epoll_pwait epoll_pwait2 eventfd eventfd2 futex futex_waitv futex_wait futex_wake futex_requeue "
+    # sockets (socket itself: see CONDITIONAL); the execution's network namespace has no interface up
+    "socketpair bind connect listen accept accept4 getsockname getpeername sendto recvfrom sendmsg recvmsg sendmmsg "
+    "recvmmsg shutdown setsockopt getsockopt"
+)
+
+# Denied with EPERM, so the code (and a reader of its traceback) sees a refusal rather than a missing call.
+DENIED = _names(
+    # namespaces, mounts, root changes
+    "unshare setns mount umount2 pivot_root chroot move_mount open_tree open_tree_attr fsopen fsconfig fsmount "
+    "fspick mount_setattr statmount listmount "
+    # keyrings
+    "keyctl add_key request_key "
+    # kernel surfaces with a record of exploits
+    "io_uring_setup io_uring_enter io_uring_register bpf perf_event_open userfaultfd io_setup io_destroy io_submit "
+    "io_cancel io_getevents io_pgetevents "
+    # other processes' memory and descriptors
+    "ptrace process_vm_readv process_vm_writev kcmp pidfd_getfd process_madvise process_mrelease "
+    "name_to_handle_at open_by_handle_at "
+    # memory no limit counts, and IPC objects that outlive their process
+    "memfd_create memfd_secret shmget shmat shmdt shmctl semget semop semtimedop semctl msgget msgsnd msgrcv msgctl "
+    "mq_open mq_unlink mq_timedsend mq_timedreceive mq_notify mq_getsetattr migrate_pages move_pages "
+    # host administration
+    "init_module finit_module delete_module kexec_load kexec_file_load reboot swapon swapoff acct quotactl "
+    "quotactl_fd syslog settimeofday clock_settime clock_adjtime adjtimex sethostname setdomainname iopl ioperm "
+    "modify_ldt fanotify_init fanotify_mark vhangup sync lookup_dcookie nfsservctl uselib ustat sysfs _sysctl"
+)
+
+NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
+PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # as Docker: PER_LINUX, UNAME26, ADDR_NO_RANDOMIZE, query
+
+_ACT_ALLOW = 0x7FFF0000
+_ACT_KILL_PROCESS = 0x80000000
+_CMP_EQ, _CMP_GT, _CMP_MASKED_EQ = 4, 6, 7
+_ATTR_ACT_BADARCH, _ATTR_OPTIMIZE = 2, 8
+
+
+def _errno(value: int) -> int:
+    return 0x00050000 | (value & 0xFFFF)
+
+
+class _ArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+
+class SeccompUnavailable(RuntimeError):
+    """libseccomp is missing or refused the policy; the message says which."""
+
+
+@cache
+def _lib() -> ctypes.CDLL:
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as e:
+        raise SeccompUnavailable(
+            f"libseccomp not found ({e}): install libseccomp2, or set pool.seccomp = false to run without a "
+            "system-call filter"
+        ) from None
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_ArgCmp),
+    ]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def _add(lib, ctx, action: int, name: str, *cmps: tuple[int, int, int, int]) -> None:
+    nr = lib.seccomp_syscall_resolve_name(name.encode())
+    if nr < 0:  # not a call of this architecture (or unknown to this libseccomp)
+        return
+    array = (_ArgCmp * max(1, len(cmps)))(*[_ArgCmp(*c) for c in cmps])
+    ret = lib.seccomp_rule_add_array(ctx, action, nr, len(cmps), array)
+    if ret < 0:
+        raise SeccompUnavailable(f"libseccomp refused the rule for {name}: {os.strerror(-ret)}")
+
+
+def _rules(lib, ctx) -> None:
+    for name in ALLOWED:
+        _add(lib, ctx, _ACT_ALLOW, name)
+    for name in DENIED:
+        _add(lib, ctx, _errno(errno.EPERM), name)
+    _add(lib, ctx, _ACT_ALLOW, "clone", (0, _CMP_MASKED_EQ, NAMESPACE_FLAGS, 0))
+    for bit in range(32):
+        if NAMESPACE_FLAGS & (1 << bit):
+            _add(lib, ctx, _errno(errno.EPERM), "clone", (0, _CMP_MASKED_EQ, 1 << bit, 1 << bit))
+    for family in SOCKET_FAMILIES:
+        _add(lib, ctx, _ACT_ALLOW, "socket", (0, _CMP_EQ, family, 0))
+    for family in (0, 3, 4, 5, 6, 7, 8, 9):
+        _add(lib, ctx, _errno(errno.EAFNOSUPPORT), "socket", (0, _CMP_EQ, family, 0))
+    _add(lib, ctx, _errno(errno.EAFNOSUPPORT), "socket", (0, _CMP_GT, 10, 0))
+    for value in PERSONALITIES:
+        _add(lib, ctx, _ACT_ALLOW, "personality", (0, _CMP_EQ, value, 0))
+
+
+@cache
+def compile_filter() -> bytes:
+    """The BPF program (``struct sock_filter`` array) of the policy for this host's architecture."""
+    lib = _lib()
+    ctx = lib.seccomp_init(_errno(errno.ENOSYS))
+    if not ctx:
+        raise SeccompUnavailable("seccomp_init failed")
+    try:
+        lib.seccomp_attr_set(ctx, _ATTR_ACT_BADARCH, _ACT_KILL_PROCESS)
+        lib.seccomp_attr_set(ctx, _ATTR_OPTIMIZE, 2)  # a binary tree over the call numbers (libseccomp >= 2.5)
+        _rules(lib, ctx)
+        fd = os.memfd_create("seccomp-bpf")
+        try:
+            ret = lib.seccomp_export_bpf(ctx, fd)
+            if ret < 0:
+                raise SeccompUnavailable(f"seccomp_export_bpf: {os.strerror(-ret)}")
+            size = os.lseek(fd, 0, os.SEEK_END)
+            return os.pread(fd, size, 0)
+        finally:
+            os.close(fd)
+    finally:
+        lib.seccomp_release(ctx)
