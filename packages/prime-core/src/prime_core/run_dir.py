@@ -44,6 +44,14 @@ class RunDir:
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
+    @property
+    def progress(self) -> Path:
+        return self.root / "progress"
+
+    def progress_file(self, process: str, rank: int | None = None) -> Path:
+        """A process's heartbeat and activities (``prime_core.schemas.progress``); one file per trainer rank."""
+        return self.progress / (f"{process}_rank_{rank}.json" if rank is not None else f"{process}.json")
+
     def config_file(self, process: str) -> Path:
         return self.configs / f"{process}.toml"
 

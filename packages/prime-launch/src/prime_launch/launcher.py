@@ -24,6 +24,7 @@ from prime_launch.plan import (
 )
 from prime_launch.process import ProcessFailed, ProcessManager, full_disk_note, tail_lines
 from prime_launch.servers import StartupFailed, check_port_free, check_served_model, reset_to_base, wait_healthy
+from prime_launch.watchdog import RunWatchdog
 
 POLL_S = 0.2
 
@@ -174,25 +175,37 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, on_signal) for s in handled}
     manager = ProcessManager(grace_s=rl.stop_grace)
+    watchdog = RunWatchdog(plan, rl.liveness)
     code = 0
     finished_ok = False
     try:
         specs = {spec.name: spec for spec in plan.specs}
         append = rl.resume or plan.resume_step is not None
         own = "inference" in specs
+
+        def start(name: str) -> None:
+            manager.start(specs[name], append_log=append)
+            watchdog.started(name)
+
+        def poll(expected: dict[str, bool] | None = None) -> str | None:
+            done = manager.poll(expected)
+            watchdog.check(manager.finished)
+            return done
+
         if own:
             # The orchestrator starts its env servers while inference starts, and sends nothing until /health answers
             # with this run's id; the trainer waits (on a shared GPU vLLM must reserve its memory first).
-            manager.start(specs["inference"], append_log=append)
+            start("inference")
             for name in plan.orchestrators:
-                manager.start(specs[name], append_log=append)
+                start(name)
             console.message(
                 f"rl: started {', '.join(plan.orchestrators)}; waiting for inference at {', '.join(plan.health_urls)}"
             )
         else:
             console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
         run_id = specs["inference"].env["PRIME_RUN_ID"] if own else None
-        answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager.poll, run_id)
+        answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, poll, run_id)
+        watchdog.probe(plan.health_urls, plan.api_key, server="inference" if own else None)
         if not own:
             check_served_model(answers, rl.orchestrator.model.name)
         if not own and plan.resume_step in (None, 0):
@@ -203,12 +216,12 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
         else:
             console.message(f"rl: starting {', '.join(plan.orchestrators)} and trainer")
             for name in plan.orchestrators:
-                manager.start(specs[name], append_log=append)
-        manager.start(specs["trainer"], append_log=append)
+                start(name)
+        start("trainer")
         expected = {name: True for name in ("trainer", *plan.orchestrators)}
         # An orchestrator outlives the trainer when it evaluates the final weights; wait for it, then stop the rest.
         while not set(expected) <= set(manager.finished):
-            done = manager.poll(expected)
+            done = poll(expected)
             if done == "trainer":
                 finished_ok = True
                 if not set(plan.orchestrators) <= set(manager.finished):
@@ -237,6 +250,7 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
     finally:
         for s in handled:
             signal.signal(s, signal.SIG_IGN)
+        watchdog.close()
         took = manager.stop_all()
         manager.close()
         for s, handler in previous.items():

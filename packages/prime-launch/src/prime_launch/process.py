@@ -48,8 +48,9 @@ class ProcessFailed(RuntimeError):
 
     @property
     def cause(self) -> str:
-        """One line: which process ended and how, and where its log is."""
-        return f"{self.name} {self.reason} (log: {self.log_file})"
+        """One line: which process ended and how (with the ``error:`` line it printed last, if any), and its log."""
+        said = last_error_line(self.log_file)
+        return f"{self.name} {self.reason}{f': {said}' if said else ''} (log: {self.log_file})"
 
     def log_tail(self, num_lines: int = 30) -> str:
         """The last lines of the process's log, framed ("" for an empty log)."""
@@ -71,6 +72,12 @@ def full_disk_note(path: Path, min_free: int = 1 << 20) -> str | None:
     if free >= min_free:
         return None
     return f"No space left on device (errno 28 ENOSPC): {path} has {free} bytes free (its logs may be cut off)"
+
+
+def last_error_line(path: Path, num_lines: int = 30) -> str | None:
+    """The last ``error: ...`` line among a log's last lines (how an entry point names a fault), without the prefix."""
+    said = [line for line in tail_lines(path, num_lines) if line.startswith("error: ")]
+    return said[-1].removeprefix("error: ").strip()[:500] if said else None
 
 
 def tail_lines(path: Path, num_lines: int) -> list[str]:
@@ -140,8 +147,12 @@ def _signal_tree(pid: int, pgid: int, sig: int) -> None:
     for target in descendants(pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(target, sig)
+            if sig == signal.SIGTERM:  # a stopped process (SIGSTOP) handles SIGTERM only once continued
+                os.kill(target, signal.SIGCONT)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+        if sig == signal.SIGTERM:
+            os.killpg(pgid, signal.SIGCONT)
 
 
 # Runs as `python -c`: reads "add <pgid>", "del <pgid>" and "exit" lines; on EOF without "exit" (the launcher

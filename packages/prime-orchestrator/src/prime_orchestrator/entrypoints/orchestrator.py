@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> None:
         description="Rollouts, advantages, packing and weight relay for RL (see docs/orchestrator.md).",
     )
 
+    from prime_core.progress import start_reporting, stop_reporting
+
+    if not config.bench:
+        start_reporting(config.output_dir, "orchestrator")
     import asyncio
     import json
 
@@ -35,10 +39,18 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.config import write_config
 
     write_config(config, run_dir.config_file("orchestrator"))
+    from prime_orchestrator.client import WeightUpdateError
+    from prime_orchestrator.liveness import RolloutsFailed
+
     try:
         asyncio.run(orchestrator.run())
     except KeyboardInterrupt:
         sys.exit(130)
+    except (RolloutsFailed, WeightUpdateError, TimeoutError) as e:
+        # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
+        print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        sys.exit(1)
+    stop_reporting()
 
 
 if __name__ == "__main__":
