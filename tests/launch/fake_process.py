@@ -3,7 +3,8 @@
 inference serves /health on the configured port; orchestrator and trainer append metrics records and the
 trainer exits 0 after max_steps. FAKE_HANG=1 keeps trainer and orchestrator running (for teardown tests);
 FAKE_START_FAIL=1 fails the trainer before any step is logged; FAKE_FILL_DISK=1 has it write until the disk is full;
-FAKE_STALL_AT=N has the trainer start step N and never finish it (its heartbeat goes on).
+FAKE_STALL_AT=N has the trainer start step N and never finish it (its heartbeat goes on); FAKE_EXIT_HANG=<name> has
+that process report that it is exiting after its steps, then hang.
 Every process writes its pid (and that of a `sleep` grandchild) to <output_dir>/pids/.
 """
 
@@ -83,6 +84,9 @@ elif name in ("orchestrator", "trainer"):
         print(f"{name} step {step}", flush=True)
         time.sleep(0.05)
     print(f"{name} ready", flush=True)
+    if os.environ.get("FAKE_EXIT_HANG") == name:
+        progress.stop_reporting()  # says it is exiting, then never does (a deadlock at exit)
+        hang = True
     while hang:
         time.sleep(0.1)
     grandchild.kill()

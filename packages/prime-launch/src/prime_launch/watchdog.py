@@ -110,6 +110,8 @@ class HealthProbe:
     answer: HealthResponse | None = None
     error: str = "no answer yet"
     engine_stalled_since: float | None = None
+    asked_at: float | None = None
+    """When the request in flight was sent (None between requests)."""
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> HealthProbe:
@@ -129,12 +131,15 @@ class HealthProbe:
         request = urllib.request.Request(self.url)
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
+        self.asked_at = time.monotonic()
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 data = json.loads(response.read() or b"{}")
         except (urllib.error.URLError, OSError, ValueError) as e:
             self.error = _describe(e, self.timeout_s)
             return
+        finally:
+            self.asked_at = None
         answer = parse_health(data)
         now = time.monotonic()
         before = self.answer
@@ -207,7 +212,9 @@ class Watchdog:
         pid = self._server_pid(server)
         where = f" ({_pid_note(pid)})" if pid else ""
         if now - probe.last_ok > slack:
-            line = f"{url} has not answered for {now - probe.last_ok:.0f} s ({probe.error}){where}"
+            asked = probe.asked_at
+            error = f"the last request has waited {now - asked:.0f} s" if asked is not None else probe.error
+            line = f"{url} has not answered for {now - probe.last_ok:.0f} s ({error}){where}"
             raise ProcessStuck(name, line + _serving(probe.answer), log)
         stalled = probe.engine_stalled_since
         if stalled is not None and now - stalled > slack and probe.answer is not None:
