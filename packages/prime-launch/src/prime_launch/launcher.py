@@ -204,13 +204,13 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
         else:
             console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
         run_id = specs["inference"].env["PRIME_RUN_ID"] if own else None
-        answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, poll, run_id)
-        watchdog.probe(plan.health_urls, plan.api_key, server="inference" if own else None)
+        answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, poll, run_id, console.message)
         if not own:
             check_served_model(answers, rl.orchestrator.model.name)
         if not own and plan.resume_step in (None, 0):
             for message in reset_to_base(answers, plan.api_key, rl.health_timeout):
                 console.message(f"rl: {message}")
+        watchdog.probe(plan.health_urls, plan.api_key, server="inference" if own else None)
         if own:
             console.message("rl: inference is healthy; starting trainer")
         else:
