@@ -23,6 +23,7 @@ from prime_launch.plan import (
     existing_artifacts,
 )
 from prime_launch.process import ProcessFailed, ProcessManager, full_disk_note, tail_lines
+from prime_launch.resume import rewind
 from prime_launch.servers import StartupFailed, check_port_free, check_served_model, reset_to_base, wait_healthy
 from prime_launch.watchdog import RunWatchdog
 
@@ -168,6 +169,8 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
         console.message(f"rl: {note}")
     if plan.resume_step is not None:
         console.message(f"rl: resuming from step {plan.resume_step}")
+        for note in filter(None, (rewind(d, plan.resume_step) for d in (plan.run_dir, *plan.runs.values()))):
+            console.message(f"rl: {note}")
 
     def on_signal(signum, frame):
         raise Interrupted(signum)

@@ -142,8 +142,8 @@ def _url_port(url: str) -> tuple[str, int | None]:
     return parsed.hostname or "", parsed.port
 
 
-def latest_checkpoint_step(run_dir: RunDir) -> int | None:
-    steps = run_dir.checkpoint_steps()
+def latest_checkpoint_step(run_dir: RunDir, runs: list[RunDir] | None = None) -> int | None:
+    steps = run_dir.resumable_steps(runs or [])
     return steps[-1] if steps else None
 
 
@@ -322,10 +322,11 @@ def _resume_step(
     """The newest checkpoint (or the step given with ckpt.resume_step) on both sides."""
     resume_step = trainer.ckpt.resume_step
     if rl.resume and resume_step is None:
-        resume_step = latest_checkpoint_step(run_dir)
+        resume_step = latest_checkpoint_step(run_dir, [RunDir(run.output_dir) for run in rl.runs])
         if resume_step is None:
             raise ValueError(
-                f"--resume: no checkpoint under {run_dir.checkpoints} (with a STABLE marker) to resume from"
+                f"--resume: no complete checkpoint under {run_dir.checkpoints} (trainer and orchestrator parts and the "
+                "weights of its step) to resume from"
             )
         trainer = _update(trainer, "ckpt.resume_step", resume_step)
         orchestrator = _update(orchestrator, "ckpt.resume_step", resume_step)

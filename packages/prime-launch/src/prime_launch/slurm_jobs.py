@@ -90,7 +90,7 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
         orchestrator = _update(orchestrator, "output_dir", output_dir)
         orchestrator = _update(orchestrator, "num_trainer_ranks", num_trainer_nodes * procs)
         if rl.resume and trainer.ckpt.resume_step is None:
-            steps = run_dir.checkpoint_steps()
+            steps = run_dir.resumable_steps()
             if not steps:
                 raise ValueError(f"--resume: no checkpoint under {run_dir.checkpoints} to resume from")
             trainer = _update(trainer, "ckpt.resume_step", steps[-1])

@@ -54,6 +54,7 @@ class ProcessStuck(ProcessFailed):
 
     def __init__(self, name: str, line: str, log_file: Path | None):
         super().__init__(name, None, log_file or Path("/dev/null"), reason=line)
+        self.args = (f"{name} is stuck: {line}",)
         self.line = line
         self.has_log = log_file is not None
 
