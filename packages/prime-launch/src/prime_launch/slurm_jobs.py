@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from prime_launch.plan import DRY_RUN_MARKER, _update, check_output_dir, clear_run, orchestrator_name
 from prime_launch.slurm import SlurmJob, base_context, choose_template, render
+from prime_launch.watchdog import watch_context
 
 
 def _strip_none(value: Any) -> Any:
@@ -124,6 +125,7 @@ def _prepare_rl(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: b
             process_logs = [run_dir.log_file("orchestrator"), run_dir.log_file("trainer")]
         _mark(run_dir, dry_run)
         ctx["health_timeout"] = int(rl.health_timeout)
+        ctx.update(watch_context(rl.liveness, trainer.ckpt.resume_step))
     ctx["configs"] = configs
     script = render(template, ctx)
     script_path = slurm_dir / "rl.sbatch"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prime_core.config.liveness import LivenessConfig
+from prime_core.config.liveness import LivenessConfig, WatchConfig
 from prime_core.progress import read_progress
 from prime_core.schemas.health import HealthResponse, parse_health
 from prime_core.schemas.progress import Activity, Progress
@@ -161,10 +161,19 @@ def _describe(error: Exception, timeout_s: float) -> str:
 class Watchdog:
     """Reads progress files and probes servers; ``check`` raises ``ProcessStuck`` for the first stuck process."""
 
-    def __init__(self, config: LivenessConfig, run_id: str | None = None, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        config: LivenessConfig,
+        run_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+        exits_known: bool = True,
+    ):
         self.config = config
         self.run_id = run_id
         self.clock = clock
+        self.exits_known = exits_known
+        """Whether ``check`` hears of every process that exited (``rl``); else (``prime-launch watch``) a process that
+        announced its exit counts as gone unless it is still alive on this host."""
         self.processes: dict[str, _Watched] = {}
         self.probes: dict[str, HealthProbe] = {}
         self._server_of: dict[str, str | None] = {}
@@ -255,7 +264,7 @@ class Watchdog:
         label, pid = record.name, _pid_note(record.pid, record.host)
         age = now - record.time
         if record.exiting:
-            if age > slack:
+            if age > slack and (self.exits_known or process_state(record.pid, record.host) is not None):
                 line = f"{label} finished its work {age:.0f} s ago but has not exited ({pid})"
                 raise ProcessStuck(watched.name, line, watched.log_file)
             return
@@ -331,3 +340,44 @@ class RunWatchdog(Watchdog):
 
     def started(self, name: str) -> None:
         self.watch(name, self.files.get(name, []), self.logs.get(name))
+
+
+def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
+    """``prime-launch watch``: check until a process is stuck (``ProcessStuck``) or SIGTERM/SIGINT (return)."""
+    import os
+    import signal
+
+    from prime_core.run_dir import RunDir
+
+    run_dir = RunDir(config.output_dir)
+    dog = Watchdog(config.liveness, os.environ.get("PRIME_RUN_ID"), exits_known=False)
+    if config.orchestrator:
+        dog.watch("orchestrator", [run_dir.progress_file("orchestrator")], run_dir.log_file("orchestrator"))
+    if config.trainer_ranks:
+        ranks = [run_dir.progress_file("trainer", r) for r in range(config.trainer_ranks)]
+        dog.watch("trainer", ranks, run_dir.log_file("trainer"))
+    api_key = os.environ.get(config.api_key_var) if config.api_key_var else None
+    dog.probe(config.health_urls, api_key)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(
+        f"watching {', '.join(dog.processes)} and {len(dog.probes)} inference server(s) (slack {config.liveness.slack_s:g} s)",
+        flush=True,
+    )
+    try:
+        while not stop.wait(poll_s):
+            dog.check()
+    finally:
+        dog.close()
+
+
+def watch_context(config: LivenessConfig, resume_step: int | None) -> dict[str, object]:
+    """Template variables of a multi-node SLURM job: ``prime-launch watch``'s liveness flags, and the step a resumed
+    job rewinds to before it starts anything (None: a fresh run)."""
+    flags = [
+        f"--liveness.{name.replace('_', '-')} {value}"
+        for name, value in config.model_dump().items()
+        if value is not None and name != "enabled"
+    ]
+    return {"watch_args": " ".join(flags), "watch_enabled": config.enabled, "resume_step": resume_step}

@@ -87,8 +87,10 @@ def listening_paths(pids: set[int]) -> dict[int, str]:
 class HangWatch:
     """Probes one env server's processes; ``run`` kills what hangs, which the server's death watch then replaces."""
 
-    def __init__(self, name: str, proc: Any, client: Any, probe_timeout_s: float, workers: Any):
+    def __init__(self, name: str, proc: Any, client: Any, probe_timeout_s: float, workers: Any, note: Any = None):
         self.name = name
+        self.note = note
+        """``note(reason)`` hears why the server is being replaced (the rollouts it held name it)."""
         self.proc = proc
         self.client = client
         self.probe_timeout_s = probe_timeout_s
@@ -102,6 +104,8 @@ class HangWatch:
             while self.proc.is_alive():
                 if (reason := self.stopped() or await self.unanswered()) is not None:
                     logger.warning("env server %s: %s; replacing the server", self.name, reason)
+                    if self.note is not None:
+                        self.note(reason)
                     self.proc.kill()
                     return
                 await asyncio.sleep(PROBE_INTERVAL_S)

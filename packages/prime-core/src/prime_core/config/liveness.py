@@ -3,6 +3,8 @@ environments that fail (docs/liveness.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from prime_core.config.base import BaseConfig
@@ -51,3 +53,22 @@ class RecoveryConfig(BaseConfig):
     max_text_chars: int = Field(default=65536, ge=1024)
     """A rollout's prompt and completion text (log tables only) is cut to this many characters; a rollout whose
     reward or metrics are not finite counts as failed."""
+
+
+class WatchConfig(BaseConfig):
+    """``prime-launch watch``: the watchdog of ``rl`` beside processes started by someone else (a multi-node SLURM
+    job). It reads their heartbeats under ``output_dir`` and probes the inference servers, and exits 1 with one line
+    naming the first stuck process (the job then stops every step)."""
+
+    output_dir: Path = Path("outputs")
+    """The run directory the processes share (their heartbeats are under ``progress/``)."""
+    orchestrator: bool = True
+    """Watch the orchestrator's heartbeat."""
+    trainer_ranks: int = Field(default=1, ge=0)
+    """Trainer ranks whose heartbeats to watch (0: none)."""
+    health_urls: list[str] = Field(default_factory=list)
+    """``/health`` URLs of the inference servers to probe."""
+    api_key_var: str | None = None
+    """Environment variable holding the inference API key, if the servers require one."""
+    liveness: LivenessConfig = Field(default_factory=LivenessConfig)
+    """Bounds, as for ``rl``."""
