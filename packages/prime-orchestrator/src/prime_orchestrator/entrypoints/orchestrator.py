@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> None:
         # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
         print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         sys.exit(1)
+    except Exception as e:
+        from prime_core.io import storage_error, storage_error_line
+
+        if (found := storage_error(e)) is None:
+            raise
+        print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
+        sys.exit(1)
     stop_reporting()
 
 
