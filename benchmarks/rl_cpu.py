@@ -18,15 +18,9 @@ import time
 from pathlib import Path
 
 from prime_core.monitor import read_metrics
+from provenance import tree_commit
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def summarize(metrics: Path) -> dict:
@@ -76,7 +70,7 @@ def main() -> None:
         "config": args.config,
         "model": "examples/reverse_text/model (Qwen3-shaped, 1.6M params)",
         "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "commit": git_commit(),
+        "commit": tree_commit(os.environ.get("PRIME_COMMIT")),
         "results": results,
     }
     out = args.out or ROOT / "benchmarks" / "results" / f"rl_cpu_async_{platform.node() or 'host'}.json"

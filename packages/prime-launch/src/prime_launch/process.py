@@ -20,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 
@@ -202,8 +203,10 @@ class ProcessManager:
     fraction of a second.
     """
 
-    def __init__(self, grace_s: float = 5.0, watchdog: bool = True):
+    def __init__(self, grace_s: float = 5.0, watchdog: bool = True, liveness: Any = None):
         self.grace_s = grace_s
+        self.liveness = liveness
+        """``prime_launch.watchdog.RunWatchdog``: told of every start, checked on every ``poll`` (``ProcessStuck``)."""
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ProcessSpec] = {}
         self.finished: dict[str, int] = {}
@@ -256,6 +259,8 @@ class ProcessManager:
         self.procs[spec.name] = proc
         self.specs[spec.name] = spec
         self._tell_watchdog(f"add {proc.pid}")
+        if self.liveness is not None:
+            self.liveness.started(spec.name)
         return proc
 
     def running(self) -> list[str]:
@@ -281,11 +286,15 @@ class ProcessManager:
             if code == 0:
                 reason = "exited (code 0) before the run finished"
             raise ProcessFailed(name, code, self.specs[name].log_file, reason)
+        if self.liveness is not None:
+            self.liveness.check(self.finished)  # alive is not enough: raises ProcessStuck for one that is stuck
         return None
 
     def stop_all(self) -> float:
         """Stop every child and its descendants; return the seconds it took."""
         start = time.monotonic()
+        if self.liveness is not None:
+            self.liveness.close()
         pgids = {p.pid for p in self.procs.values()}
         # Remember descendants before the parents die: orphans are reparented and would be lost to the walk.
         tree = {pid for p in self.procs.values() for pid in [p.pid, *descendants(p.pid)]}

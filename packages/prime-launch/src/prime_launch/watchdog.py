@@ -37,7 +37,10 @@ from prime_core.schemas.progress import Activity, Progress
 from prime_launch.process import ProcessFailed
 
 if TYPE_CHECKING:
-    from prime_launch.plan import RunPlan
+    from prime_core.config.rl import RLConfig
+    from prime_core.run_dir import RunDir
+
+    from prime_launch.resolver import ResolvedRun
 
 _STATES = {
     "T": "stopped by a signal",
@@ -311,7 +314,7 @@ def _serving(answer: HealthResponse | None) -> str:
     )
 
 
-def progress_files(plan: RunPlan) -> dict[str, list[Path]]:
+def progress_files(plan: ResolvedRun) -> dict[str, list[Path]]:
     """Per process of a launch plan, the progress files it writes (the trainer: one per rank)."""
     from prime_core.run_dir import RunDir
 
@@ -332,7 +335,7 @@ def progress_files(plan: RunPlan) -> dict[str, list[Path]]:
 class RunWatchdog(Watchdog):
     """The watchdog of one ``rl`` launch: knows each process's progress files and log."""
 
-    def __init__(self, plan: RunPlan, config: LivenessConfig):
+    def __init__(self, plan: ResolvedRun, config: LivenessConfig):
         run_id = next((spec.env.get("PRIME_RUN_ID") for spec in plan.specs), None)
         super().__init__(config, run_id)
         self.files = progress_files(plan)
@@ -372,9 +375,16 @@ def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
         dog.close()
 
 
-def watch_context(config: LivenessConfig, resume_step: int | None) -> dict[str, object]:
+def watch_context(rl: RLConfig, run_dir: RunDir) -> dict[str, object]:
     """Template variables of a multi-node SLURM job: ``prime-launch watch``'s liveness flags, and the step a resumed
     job rewinds to before it starts anything (None: a fresh run)."""
+    from prime_launch.host import resumable_steps
+
+    resume_step = rl.trainer.ckpt.resume_step
+    if rl.resume and resume_step is None:
+        steps = resumable_steps(rl, run_dir.root)
+        resume_step = steps[-1] if steps else None
+    config = rl.liveness
     flags = [
         f"--liveness.{name.replace('_', '-')} {value}"
         for name, value in config.model_dump().items()

@@ -12,15 +12,13 @@ from prime_core.io import atomic_write_json
 from prime_core.schemas.rollout import RolloutResult
 
 from prime_orchestrator import client as inference
-from prime_orchestrator.envs import sampling_args
+from prime_orchestrator.envs import request_seed, sampling_args
 
 if TYPE_CHECKING:
     from prime_orchestrator.orchestrator import Orchestrator
 
 
 async def run_bench(orch: Orchestrator) -> dict[str, Any]:
-    from prime_orchestrator.orchestrator import request_seed
-
     c = orch.config
     await inference.wait_healthy(
         c.client.base_urls, api_key=c.client.resolved_api_key(), timeout=c.client.health_timeout

@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     orchestrator = Orchestrator(config)
     if config.bench:
-        print(json.dumps(asyncio.run(orchestrator.bench()), indent=2))
+        from prime_orchestrator.bench import run_bench
+
+        print(json.dumps(asyncio.run(run_bench(orchestrator)), indent=2))
         return
     from prime_core.config import write_config
 

@@ -21,7 +21,10 @@ def main(argv: list[str] | None = None) -> None:
         from prime_core.progress import start_reporting
 
         start_reporting(config.output_dir, "trainer", rank=int(os.environ.get("RANK", "0")))
-    from prime_trainer.rl.train import train
+    if config.runs:  # several LoRA runs on one base
+        from prime_trainer.rl.multi_run import train_runs as train
+    else:
+        from prime_trainer.rl.train import train
 
     run_training(train, config)
 

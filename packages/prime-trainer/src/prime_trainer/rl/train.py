@@ -124,10 +124,7 @@ def check_loss_tokens(c: common.Components, step: int, meta: RolloutBatchMeta, m
 
 
 def train(config: TrainerConfig) -> None:
-    if config.runs:
-        from prime_trainer.rl.multi_run import train_runs
-
-        return train_runs(config)
+    """One run; several LoRA runs on one base (``config.runs``) train in ``rl.multi_run.train_runs``."""
     with progress.activity("setting up: the process group, the model and the optimizer", kind="setup"):
         c = common.setup(config, "trainer")
     setup_lora(c)
