@@ -117,6 +117,7 @@ BLOCK = {"rollout_timeout": 600}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_a_reward_that_blocks_the_only_worker_fails_what_ran_beside_it(tmp_path, tiny_model, torch_server, monkeypatch):
     """One worker: a reward that never returns blocks its event loop and every rollout on it. The server is replaced
     (5 s without a health answer) and the rollouts re-run once (max_rollout_retries = 1); the blocking task blocks it
@@ -132,19 +133,20 @@ def test_a_reward_that_blocks_the_only_worker_fails_what_ran_beside_it(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # each replacement restarts the pool: 1-4 min on a loaded 2-core host
 def test_a_reward_that_blocks_a_pool_worker_gets_the_pool_replaced(tmp_path, tiny_model, torch_server, monkeypatch):
     """Two workers, one rollout per task, task 0 blocks: its worker is found silent, the pool replaced and the rollouts
-    re-run; task 0's rollout fails after its re-runs, most of the others train."""
+    it held re-run (those on the other worker finish); task 0's rollout fails after its re-run, most others train."""
     use_vf_envs(monkeypatch)
     config = fault_config(tmp_path, tiny_model, torch_server, "block", every=8, env={**BLOCK, "num_workers": 2},
-                          max_steps=1, rollouts_per_example=1, max_rollout_retries=2,
+                          max_steps=1, rollouts_per_example=1, max_rollout_retries=1,
                           recovery={"probe_timeout_s": 5, "min_ok_fraction": 0.25})  # fmt: skip
     orch, took, error, left = run_orchestrator(config)
     assert error is None and left == []
     metrics = step_metrics(tmp_path)[0]
     runner = orch.pools["vf-faults"]
-    assert 1 <= metrics["failed/vf-faults"] < 8 and runner.server.num_restarts >= 3
-    assert metrics["env_servers/vf-faults/retries"] >= 3
+    assert 1 <= metrics["failed/vf-faults"] < 8 and runner.server.num_restarts >= 2
+    assert metrics["env_servers/vf-faults/retries"] >= 2
     print(f"block (2 workers): {metrics['failed/vf-faults']} of 8 failed, {runner.server.num_restarts} restarts, "
           f"step in {took:.0f} s")  # fmt: skip
 
