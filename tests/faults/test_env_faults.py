@@ -35,14 +35,13 @@ def run_orchestrator(config):
 
     setup_logging("orchestrator", level="info")
     orch = Orchestrator(config)
-    servers: list[int] = []
+    seen: set[int] = set()
 
     async def main():
-        async def note_servers():
+        async def note_servers():  # every process of every env server (an orphan would leave the tree)
             while True:
-                servers.extend(
-                    p.server.pid for p in orch.pools.values() if p.server.pid and p.server.pid not in servers
-                )
+                for pool in orch.pools.values():
+                    seen.update(process_tree(pool.server.pid) if pool.server.pid else ())
                 await asyncio.sleep(0.1)
 
         noting = asyncio.create_task(note_servers())
@@ -57,7 +56,7 @@ def run_orchestrator(config):
         asyncio.run(main())
     except Exception as e:  # the caller asserts on it
         error = e
-    left = [pid for server in servers for pid in process_tree(server)]
+    left = [pid for pid in seen if process_tree(pid)]
     return orch, time.monotonic() - start, error, left
 
 

@@ -21,7 +21,13 @@ from prime_core.schemas import read_microbatches
 
 from tests.e2e.test_reverse_text import ROOT, _alive, _find, _process_tree, metrics, rl_cmd, run_rl, without_evals
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
+# Two rl runs a test (the fault, then the resume): minutes each on a loaded 2-core host.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.xdist_group("multiprocess"),
+    pytest.mark.timeout(2400),
+]
 
 SLACK_S = 15.0
 MAX_STEPS = 6

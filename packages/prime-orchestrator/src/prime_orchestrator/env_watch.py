@@ -106,7 +106,10 @@ class HangWatch:
                     logger.warning("env server %s: %s; replacing the server", self.name, reason)
                     if self.note is not None:
                         self.note(reason)
-                    self.proc.kill()
+                    # The whole tree: a hung worker cleans nothing up, and its tool servers would be orphaned.
+                    for pid in process_tree(self.proc.pid):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
                     return
                 await asyncio.sleep(PROBE_INTERVAL_S)
         finally:

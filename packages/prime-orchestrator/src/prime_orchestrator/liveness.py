@@ -125,3 +125,16 @@ def env_metrics(results: Iterable[RolloutResult], pools: dict[str, Any]) -> dict
         metrics[f"env_servers/{name}/restarts"] = pool.server.num_restarts
         metrics[f"env_servers/{name}/retries"] = pool.num_retries
     return metrics
+
+
+def report_env_servers(pools: dict[str, Any]) -> None:
+    """Each env server's replacements and re-run rollouts, in every heartbeat of the orchestrator."""
+
+    def counters() -> dict[str, float]:
+        found: dict[str, float] = {}
+        for name, pool in list(pools.items()):
+            found[f"env_servers/{name}/restarts"] = pool.server.num_restarts
+            found[f"env_servers/{name}/retries"] = pool.num_retries
+        return found
+
+    progress.current().add_counters(counters)

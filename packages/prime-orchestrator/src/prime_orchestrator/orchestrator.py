@@ -33,7 +33,14 @@ from prime_orchestrator import client as inference
 from prime_orchestrator.advantages import compute_advantages
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
-from prime_orchestrator.liveness import RolloutTracker, check_step, env_metrics, screen, ship_activity
+from prime_orchestrator.liveness import (
+    RolloutTracker,
+    check_step,
+    env_metrics,
+    report_env_servers,
+    screen,
+    ship_activity,
+)
 from prime_orchestrator.packing import Sample, pack
 from prime_orchestrator.weight_relay import Policy
 
@@ -109,6 +116,7 @@ class Orchestrator:
             self.pools[env.resolved_name] = self._runner(env, env.resolved_name)
         for env in c.eval.envs:
             self.eval_pools[env.resolved_name] = self._runner(env, f"eval/{env.resolved_name}")
+        report_env_servers(self.pools)
         # Env servers start (seconds of imports per worker) while the inference server starts; rl launches the
         # orchestrator beside its own server for this.
         progress.begin("starting env servers and waiting for inference /health", waits_for="inference")
