@@ -4,6 +4,10 @@ rewind of a run directory before a resume."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -196,3 +200,43 @@ def test_only_complete_checkpoints_are_resumable(tmp_path):
         run.weight_step(step).mkdir(parents=True)
         mark_stable(run.weight_step(step))
     assert run.checkpoint_steps() == [2, 4, 6] and run.resumable_steps() == [2]
+
+
+CLI = [sys.executable, "-m", "prime_launch.entrypoints.cli"]
+
+
+def test_prime_launch_watch_names_the_stuck_process_and_exits_1(tmp_path):
+    """The watchdog of a multi-node SLURM job: heartbeats in the shared output directory, exit 1 with one line."""
+    from prime_core.progress import ProgressReporter
+
+    run = RunDir(tmp_path)
+    beating = ProgressReporter(run.progress_file("orchestrator"), "orchestrator", run_id="job-7").start()
+    try:
+        args = ["watch", "--output-dir", str(tmp_path), "--trainer-ranks", "2", "--liveness.slack-s", "2",
+                "--liveness.startup-s", "3"]  # fmt: skip
+        env = {**os.environ, "PRIME_RUN_ID": "job-7"}
+        proc = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # rank 0 beats (started after the watcher), rank 1 never does
+        rank0 = ProgressReporter(run.progress_file("trainer", 0), "trainer", rank=0, run_id="job-7").start()
+        out, err = proc.communicate(timeout=60)
+        rank0.close()
+    finally:
+        beating.close()
+    assert proc.returncode == 1 and out.startswith("watching orchestrator, trainer and 0 inference server(s)")
+    assert err.startswith(f"error: trainer is stuck: it wrote no heartbeat to {run.progress_file('trainer', 1)}"), err
+    assert err.count("\n") == 1
+
+
+def test_prime_launch_watch_ends_cleanly_on_sigterm_and_rewind_cli(tmp_path):
+    proc = subprocess.Popen([*CLI, "watch", "--output-dir", str(tmp_path), "--trainer-ranks", "0", "--orchestrator",
+                             "false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    run = RunDir(tmp_path)
+    run.rollout_step(3).mkdir(parents=True)
+    done = subprocess.run(
+        [*CLI, "rewind", "--output-dir", str(tmp_path), "--step", "2"], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "removed the stopped run's rollouts of steps 3" in done.stdout
+    assert not run.rollout_step(3).exists()
