@@ -114,6 +114,8 @@ def test_each_process_killed_or_stopped_at_a_random_point(tmp_path, request, vic
     else:
         assert took < STOP_LIMIT_S and cause.startswith(f"error: {victim} is stuck: "), cause
         assert "stopped by a signal" in cause, cause
+        if victim == "inference":  # found by its /health probe, each request bounded by liveness.probe_timeout_s
+            assert "/health has not answered for" in cause, cause
     assert_nothing_left(tree)
     resume_to_the_end(out, config)
 
