@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from prime_core.monitor import read_metrics
 from provenance import tree_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,12 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def summarize(metrics: Path) -> dict:
     rewards, kls, step_times = {}, [], []
-    for line in metrics.read_text().splitlines():
-        record = json.loads(line)
-        values = record["values"]
-        if record["process"] == "orchestrator" and values.get("reward/mean") is not None:
-            rewards[record["step"]] = values["reward/mean"]
-        if record["process"] == "trainer":
+    for record in read_metrics(metrics):
+        values = record.values
+        if record.process == "orchestrator" and values.get("reward/mean") is not None:
+            rewards[record.step] = values["reward/mean"]
+        if record.process == "trainer":
             if values.get("mismatch_kl/mean") is not None:
                 kls.append(values["mismatch_kl/mean"])
             if values.get("time/step") is not None:

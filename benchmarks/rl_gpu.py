@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from prime_core.monitor import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
@@ -28,10 +30,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 def summarize(metrics: Path, async_level: int = 0) -> dict:
     trainer: dict[int, dict] = {}
     orchestrator: dict[int, dict] = {}
-    for line in metrics.read_text().splitlines():
-        record = json.loads(line)
-        target = trainer if record["process"] == "trainer" else orchestrator
-        target[record["step"]] = {"time": record["time"], **record["values"]}
+    for record in read_metrics(metrics):
+        target = trainer if record.process == "trainer" else orchestrator
+        target[record.step] = {"time": record.time, **record.values}
     steps = sorted(trainer)
     walls = [trainer[b]["time"] - trainer[a]["time"] for a, b in zip(steps, steps[1:], strict=False)]
     steady = walls[1:] or walls  # the first interval still holds compile/warm-up

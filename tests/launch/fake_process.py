@@ -2,7 +2,9 @@
 
 inference serves /health on the configured port; orchestrator and trainer append metrics records and the
 trainer exits 0 after max_steps. FAKE_HANG=1 keeps trainer and orchestrator running (for teardown tests);
-FAKE_START_FAIL=1 fails the trainer before any step is logged; FAKE_FILL_DISK=1 has it write until the disk is full.
+FAKE_START_FAIL=1 fails the trainer before any step is logged; FAKE_FILL_DISK=1 has it write until the disk is full;
+FAKE_STALL_AT=N has the trainer start step N and never finish it (its heartbeat goes on); FAKE_EXIT_HANG=<name> has
+that process report that it is exiting after its steps, then hang.
 Every process writes its pid (and that of a `sleep` grandchild) to <output_dir>/pids/.
 """
 
@@ -23,6 +25,11 @@ out = Path(config["output_dir"])
 grandchild = subprocess.Popen(["sleep", "1000"])
 (out / "pids" / name).write_text(f"{os.getpid()} {grandchild.pid}")
 print(f"{name} started with {' '.join(args)}", flush=True)
+# Heartbeats as the real processes write them (the launcher's watchdog reads them); FAKE_NO_HEARTBEAT=<name> skips it.
+if os.environ.get("FAKE_NO_HEARTBEAT") != name:
+    from prime_core import progress
+
+    progress.start_reporting(out, name, rank=0 if name == "trainer" else None)
 print(f"{name} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}", flush=True)
 
 
@@ -63,6 +70,10 @@ elif name in ("orchestrator", "trainer"):
             while True:
                 f.write(b"\0" * 65536)
     for step in range(config["max_steps"]):
+        if name == "trainer" and os.environ.get("FAKE_STALL_AT") == str(step):
+            progress.begin(f"training step {step}", kind="step")  # alive, beating, never done
+            while True:
+                time.sleep(0.1)
         if name == "orchestrator":
             log(step, {"reward/mean": 0.1 * step})
         else:
@@ -73,6 +84,9 @@ elif name in ("orchestrator", "trainer"):
         print(f"{name} step {step}", flush=True)
         time.sleep(0.05)
     print(f"{name} ready", flush=True)
+    if os.environ.get("FAKE_EXIT_HANG") == name:
+        progress.stop_reporting()  # says it is exiting, then never does (a deadlock at exit)
+        hang = True
     while hang:
         time.sleep(0.1)
     grandchild.kill()

@@ -102,7 +102,7 @@ def test_foreign_server_answering_is_refused(server):
     url = f"http://127.0.0.1:{other.port}/health"
     with pytest.raises(StartupFailed, match="answered by another server"):
         wait_healthy([url], None, 10, lambda: None, run_id="this-run")
-    assert wait_healthy([url], None, 10, lambda: None, run_id="another-run")[url]["run_id"] == "another-run"
+    assert wait_healthy([url], None, 10, lambda: None, run_id="another-run")[url].run_id == "another-run"
 
 
 def test_orchestrator_waits_for_its_own_server(server):
@@ -226,7 +226,7 @@ def test_real_server_reports_the_run_id_rl_gave_it(tmp_path):
 
     try:
         answer = wait_healthy([url], None, 120, alive, run_id="run-abc")[url]
-        assert answer["run_id"] == "run-abc" and answer["model"] == answer["model_name"] == str(model)
+        assert answer.run_id == "run-abc" and answer.model == answer.model_name == str(model)
         with pytest.raises(StartupFailed, match="answered by another server"):
             wait_healthy([url], None, 10, alive, run_id="run-xyz")
     finally:

@@ -81,6 +81,9 @@ def test_multi_node_rl_script(tmp_path):
     assert "--rdzv-endpoint $MASTER_ADDR:$MASTER_PORT" in script
     assert 'run_on "$MASTER_ADDR"' in script and "--client.base-urls $BASE_URLS" in script
     assert "--container-image=nvcr.io/x:1" in script
+    # The watchdog runs beside the steps and ends the job when one is stuck; a fresh run rewinds nothing.
+    assert "prime-launch watch --output-dir" in script and "--trainer-ranks 16" in script
+    assert "--liveness.slack-s 30.0" in script and "prime-launch rewind" not in script
     configs = tmp_path / "run" / "configs"
     assert "data_parallel_size = 8" in (configs / "inference.toml").read_text()
     assert "num_trainer_ranks = 16" in (configs / "orchestrator.toml").read_text()

@@ -38,19 +38,22 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             tmp_path.unlink()
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
+    """``fsync=False`` for files rewritten every second (heartbeats): the rename alone keeps readers from seeing a
+    partial file; only a power loss could lose the last version."""
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
+    atomic_write_bytes(path, text.encode(), fsync=fsync)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", fsync=fsync)
 
 
 @contextmanager

@@ -99,19 +99,44 @@ def build_monitor(
 
 
 def read_metrics(path: str | Path, process: str | None = None) -> list[MetricsRecord]:
-    """Read metrics.jsonl, optionally only one process's records (skips a torn last line)."""
-    records = []
-    path = Path(path)
-    if not path.exists():
-        return records
-    for line in path.read_text().splitlines():
+    """Read metrics.jsonl, optionally only one process's records (skips a torn or foreign line)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError:
+        return []
+    records = [r for line in data.split(b"\n") if (r := _parse(line)) is not None]
+    return [r for r in records if process is None or r.process == process]
+
+
+class MetricsTail:
+    """Follows a metrics file: ``read()`` returns the complete records appended since the previous call (a line
+    still being written waits for its end)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[MetricsRecord]:
         try:
-            record = MetricsRecord.model_validate_json(line)
-        except ValueError:
-            continue
-        if process is None or record.process == process:
-            records.append(record)
-    return records
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+                self._offset = f.tell()
+        except OSError:
+            return []
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        return [r for line in lines if (r := _parse(line)) is not None]
+
+
+def _parse(line: bytes) -> MetricsRecord | None:
+    if not line.strip():
+        return None
+    try:
+        return MetricsRecord.model_validate_json(line)
+    except ValueError:
+        return None
 
 
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:

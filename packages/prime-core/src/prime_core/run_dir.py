@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,14 @@ class RunDir:
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
+    @property
+    def progress(self) -> Path:
+        return self.root / "progress"
+
+    def progress_file(self, process: str, rank: int | None = None) -> Path:
+        """A process's heartbeat and activities (``prime_core.schemas.progress``); one file per trainer rank."""
+        return self.progress / (f"{process}_rank_{rank}.json" if rank is not None else f"{process}.json")
+
     def config_file(self, process: str) -> Path:
         return self.configs / f"{process}.toml"
 
@@ -75,6 +84,20 @@ class RunDir:
     def checkpoint_steps(self) -> list[int]:
         """Steps under ``checkpoints/`` with a STABLE marker, ascending."""
         return [s for s, p in _steps(self.checkpoints) if is_stable(p)]
+
+    def resumable_steps(self, runs: Sequence[RunDir] = ()) -> list[int]:
+        """Checkpoint steps a run can resume from, ascending: the trainer's part and, in every run's directory
+        (``runs`` of a multi-tenant trainer, else this one), the orchestrator's part and the step's weights (served
+        again on resume) are complete. A stop between the trainer's save and the orchestrator's leaves a step that is
+        not resumable."""
+        return [
+            step
+            for step in self.checkpoint_steps()
+            if is_stable(self.trainer_checkpoint(step))
+            and all(
+                is_stable(r.orchestrator_checkpoint(step)) and is_stable(r.weight_step(step)) for r in runs or [self]
+            )
+        ]
 
     def latest_stable_weight_step(self) -> int | None:
         steps = self.stable_weight_steps()

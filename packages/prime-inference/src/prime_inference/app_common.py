@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from prime_core import progress
 from prime_core.config.inference import InferenceConfig
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -84,9 +85,18 @@ def add_common(app: FastAPI, config: InferenceConfig) -> None:
 async def start_engine(config: InferenceConfig, engine_factory: EngineFactory) -> ServerState:
     from prime_inference.tool_calling import resolve_tool_calling
 
-    engine, tokenizer = await asyncio.to_thread(engine_factory)
-    await engine.start()
+    with progress.activity(f"loading {config.model.name} and starting the engine"):
+        engine, tokenizer = await asyncio.to_thread(engine_factory)
+        await engine.start()
+    progress.current().add_counters(lambda: _load(engine))
     config, tool_line = resolve_tool_calling(config, tokenizer, engine.name)
     logger.info("serving %s with the %s engine", config.served_model_name, engine.name)
     logger.info(tool_line)
     return ServerState(config, engine, tokenizer)
+
+
+def _load(engine: Engine) -> dict[str, float]:
+    """The engine's load and progress, for the heartbeat file."""
+    info = engine.info
+    load = {"running": info.running, "waiting": info.waiting, "weight_step": info.weight_step}
+    return load | ({"engine_steps": info.steps} if info.steps is not None else {})

@@ -122,10 +122,16 @@ def gather_host_facts(
         cores=available_cores() if cores is None else cores,
         environ=environ,
         executables=find_executables(environ),
-        checkpoint_steps=tuple(RunDir(rl.run_dir).checkpoint_steps()) if resume else (),
+        checkpoint_steps=resumable_steps(rl) if resume else (),
         run_id=run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12],
         model=model or ModelFacts(),
     )
+
+
+def resumable_steps(rl: RLConfig, output_dir: Path | None = None) -> tuple[int, ...]:
+    """Checkpoint steps the run can resume from: complete on every side, weights included (``RunDir.resumable_steps``)."""
+    runs = [RunDir(path) for path in rl.run_dirs().values()]
+    return tuple(RunDir(output_dir or rl.run_dir).resumable_steps(runs))
 
 
 def find_executable(name: str, environ: Mapping[str, str] | None = None) -> str:

@@ -20,7 +20,9 @@ from prime_launch.metrics import MetricsFollower, format_run_line, format_summar
 from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, clear_run, command_line, existing_artifacts
 from prime_launch.process import ProcessFailed, ProcessManager, full_disk_note, tail_lines
 from prime_launch.resolver import ResolvedRun, resolve
+from prime_launch.resume import rewind
 from prime_launch.servers import StartupFailed, check_port_free, check_served_model, reset_to_base, wait_healthy
+from prime_launch.watchdog import RunWatchdog
 
 POLL_S = 0.2
 
@@ -154,7 +156,7 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
     plan, cleared = _prepare(rl)
     console = _Console(rl, plan, out or sys.stdout)
     _announce(plan, cleared, console)
-    manager = ProcessManager(grace_s=rl.stop_grace)
+    manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness))
     code, finished_ok = 0, False
     with _signals_raise() as restore:
         try:
@@ -212,6 +214,8 @@ def _announce(plan: ResolvedRun, cleared: list[RunDir], console: _Console) -> No
         console.message(f"rl: {note}")
     if plan.resume_step is not None:
         console.message(f"rl: resuming from step {plan.resume_step}")
+        for note in filter(None, (rewind(d, plan.resume_step) for d in (plan.run_dir, *plan.runs.values()))):
+            console.message(f"rl: {note}")
 
 
 @contextmanager
@@ -250,7 +254,7 @@ def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _C
     else:
         console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
     run_id = specs["inference"].env["PRIME_RUN_ID"] if own else None
-    answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager.poll, run_id)
+    answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager.poll, run_id, console.message)
     if own:
         console.message("rl: inference is healthy; starting trainer")
     else:
@@ -261,6 +265,7 @@ def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _C
         console.message(f"rl: starting {', '.join(plan.orchestrators)} and trainer")
         for name in plan.orchestrators:
             manager.start(specs[name], append_log=append)
+    manager.liveness.probe(plan.health_urls, plan.api_key, server="inference" if own else None)
     manager.start(specs["trainer"], append_log=append)
 
 

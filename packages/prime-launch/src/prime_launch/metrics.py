@@ -2,42 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """Every complete record of a metrics file (a torn last line is skipped)."""
-    records = []
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(record, dict) and "step" in record and isinstance(record.get("values"), dict):
-                    records.append(record)
-    except OSError:
-        pass
-    return records
+from prime_core.monitor import MetricsTail, read_metrics
+from prime_core.schemas.metrics import MetricsRecord
 
 
-def series(records: list[dict[str, Any]], process: str, key: str) -> list[tuple[int, float]]:
+def series(records: list[MetricsRecord], process: str, key: str) -> list[tuple[int, float]]:
     """(step, value) of one metric of one process, by step; a step logged twice keeps its last value."""
     by_step: dict[int, float] = {}
     for r in records:
-        if r.get("process") != process:
+        if r.process != process:
             continue
-        value = r["values"].get(key)
+        value = r.values.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            by_step[int(r["step"])] = float(value)
+            by_step[r.step] = float(value)
     return sorted(by_step.items())
 
 
@@ -46,38 +28,17 @@ class MetricsFollower:
 
     def __init__(self, path: Path):
         self.path = path
-        self._offset = 0
-        self._partial = ""
+        self._tail = MetricsTail(path)
         self.latest: dict[str, dict[str, Any]] = defaultdict(dict)
         self.latest_step: dict[str, int] = {}
 
     def poll(self) -> bool:
         """Read what was appended since the last call; True if anything new arrived."""
-        try:
-            with open(self.path, encoding="utf-8", errors="replace") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-                self._offset = f.tell()
-        except OSError:
-            return False
-        if not chunk:
-            return False
-        text = self._partial + chunk
-        lines = text.split("\n")
-        self._partial = lines.pop()
-        new = False
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(record, dict) or not isinstance(record.get("values"), dict):
-                continue
-            process = str(record.get("process", "?"))
-            self.latest[process].update(record["values"])
-            self.latest_step[process] = max(int(record.get("step", 0)), self.latest_step.get(process, -1))
-            new = True
-        return new
+        records = self._tail.read()
+        for record in records:
+            self.latest[record.process].update(record.values)
+            self.latest_step[record.process] = max(record.step, self.latest_step.get(record.process, -1))
+        return bool(records)
 
     def line(self, max_steps: int | None, elapsed_s: float) -> str:
         trainer, orch = self.latest.get("trainer", {}), self.latest.get("orchestrator", {})
@@ -133,11 +94,11 @@ def _fmt_time(seconds: float) -> str:
 
 def summarize(path: Path, num: int = 3) -> dict[str, Any]:
     """First-``num`` vs last-``num`` mean reward, max mismatch KL, last trainer step and loss."""
-    records = read_records(path)
+    records = read_metrics(path)
     rewards = [v for _, v in series(records, "orchestrator", "reward/mean")]
     kls = [v for _, v in series(records, "trainer", "mismatch_kl/mean")]
     losses = series(records, "trainer", "loss/mean")
-    trainer_steps = [int(r["step"]) for r in records if r.get("process") == "trainer"]
+    trainer_steps = [r.step for r in records if r.process == "trainer"]
     summary: dict[str, Any] = {
         "trainer_steps": (max(trainer_steps) + 1) if trainer_steps else 0,
         "rollout_steps": len(rewards),
@@ -150,14 +111,14 @@ def summarize(path: Path, num: int = 3) -> dict[str, Any]:
     return summary
 
 
-def eval_before_after(records: list[dict[str, Any]]) -> dict[str, tuple[int, float, int, float]]:
+def eval_before_after(records: list[MetricsRecord]) -> dict[str, tuple[int, float, int, float]]:
     """Each eval reward series (``eval/<env>[/t<temperature>]/reward/mean``): (first step, value, last step, value)."""
     keys = sorted(
         {
             k
             for r in records
-            if r.get("process") == "orchestrator"
-            for k in r.get("values", {})
+            if r.process == "orchestrator"
+            for k in r.values
             if k.startswith("eval/") and k.endswith("/reward/mean")
         }
     )

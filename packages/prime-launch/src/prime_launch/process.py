@@ -20,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 
@@ -48,8 +49,9 @@ class ProcessFailed(RuntimeError):
 
     @property
     def cause(self) -> str:
-        """One line: which process ended and how, and where its log is."""
-        return f"{self.name} {self.reason} (log: {self.log_file})"
+        """One line: which process ended and how (with the ``error:`` line it printed last, if any), and its log."""
+        said = last_error_line(self.log_file)
+        return f"{self.name} {self.reason}{f': {said}' if said else ''} (log: {self.log_file})"
 
     def log_tail(self, num_lines: int = 30) -> str:
         """The last lines of the process's log, framed ("" for an empty log)."""
@@ -71,6 +73,12 @@ def full_disk_note(path: Path, min_free: int = 1 << 20) -> str | None:
     if free >= min_free:
         return None
     return f"No space left on device (errno 28 ENOSPC): {path} has {free} bytes free (its logs may be cut off)"
+
+
+def last_error_line(path: Path, num_lines: int = 30) -> str | None:
+    """The last ``error: ...`` line among a log's last lines (how an entry point names a fault), without the prefix."""
+    said = [line for line in tail_lines(path, num_lines) if line.startswith("error: ")]
+    return said[-1].removeprefix("error: ").strip()[:500] if said else None
 
 
 def tail_lines(path: Path, num_lines: int) -> list[str]:
@@ -140,8 +148,12 @@ def _signal_tree(pid: int, pgid: int, sig: int) -> None:
     for target in descendants(pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(target, sig)
+            if sig == signal.SIGTERM:  # a stopped process (SIGSTOP) handles SIGTERM only once continued
+                os.kill(target, signal.SIGCONT)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+        if sig == signal.SIGTERM:
+            os.killpg(pgid, signal.SIGCONT)
 
 
 # Runs as `python -c`: reads "add <pgid>", "del <pgid>" and "exit" lines; on EOF without "exit" (the launcher
@@ -191,8 +203,10 @@ class ProcessManager:
     fraction of a second.
     """
 
-    def __init__(self, grace_s: float = 5.0, watchdog: bool = True):
+    def __init__(self, grace_s: float = 5.0, watchdog: bool = True, liveness: Any = None):
         self.grace_s = grace_s
+        self.liveness = liveness
+        """``prime_launch.watchdog.RunWatchdog``: told of every start, checked on every ``poll`` (``ProcessStuck``)."""
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ProcessSpec] = {}
         self.finished: dict[str, int] = {}
@@ -245,6 +259,8 @@ class ProcessManager:
         self.procs[spec.name] = proc
         self.specs[spec.name] = spec
         self._tell_watchdog(f"add {proc.pid}")
+        if self.liveness is not None:
+            self.liveness.started(spec.name)
         return proc
 
     def running(self) -> list[str]:
@@ -270,11 +286,15 @@ class ProcessManager:
             if code == 0:
                 reason = "exited (code 0) before the run finished"
             raise ProcessFailed(name, code, self.specs[name].log_file, reason)
+        if self.liveness is not None:
+            self.liveness.check(self.finished)  # alive is not enough: raises ProcessStuck for one that is stuck
         return None
 
     def stop_all(self) -> float:
         """Stop every child and its descendants; return the seconds it took."""
         start = time.monotonic()
+        if self.liveness is not None:
+            self.liveness.close()
         pgids = {p.pid for p in self.procs.values()}
         # Remember descendants before the parents die: orphans are reparented and would be lost to the walk.
         tree = {pid for p in self.procs.values() for pid in [p.pid, *descendants(p.pid)]}

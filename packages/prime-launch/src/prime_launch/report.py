@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prime_launch.metrics import read_records, series
+from prime_core.monitor import read_metrics
+
+from prime_launch.metrics import series
 
 PANELS = (
     ("orchestrator", "reward/mean", "reward (mean)"),
@@ -21,7 +23,7 @@ def plot_run(metrics_path: Path, out_path: Path, title: str | None = None) -> Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_records(metrics_path)
+    records = read_metrics(metrics_path)
     if not records:
         raise ValueError(f"no metrics in {metrics_path}")
     panels = []

@@ -90,7 +90,8 @@ def _resume_step(rl: RLConfig, checkpoint_steps: tuple[int, ...], run_dir: RunDi
     if rl.resume and resume_step is None:
         if not checkpoint_steps:
             raise ValueError(
-                f"--resume: no checkpoint under {run_dir.checkpoints} (with a STABLE marker) to resume from"
+                f"--resume: no checkpoint under {run_dir.checkpoints} to resume from (a checkpoint counts once its "
+                "trainer and orchestrator parts and the weights of its step are complete)"
             )
         resume_step = checkpoint_steps[-1]
     return resume_step

@@ -13,6 +13,7 @@ from typing import Any
 
 from prime_core.config.inference import InferenceConfig
 from prime_core.preflight import port_in_use
+from prime_core.schemas.health import HealthResponse, parse_health
 
 
 class StartupFailed(Exception):
@@ -45,29 +46,41 @@ def _request(url: str, api_key: str | None, body: dict[str, Any] | None = None, 
         return {}
 
 
-def health(url: str, api_key: str | None) -> dict[str, Any] | None:
-    """The JSON of a ``/health`` answering 200, or None while the server does not answer."""
+def health(url: str, api_key: str | None) -> HealthResponse | None:
+    """A ``/health`` answering 200, or None while the server does not answer."""
     try:
         answer = _request(url, api_key)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return None
-    return answer if isinstance(answer, dict) else {}
+    return parse_health(answer)
 
 
 def wait_healthy(
-    urls: list[str], api_key: str | None, timeout: float, poll: Any, run_id: str | None = None
-) -> dict[str, dict[str, Any]]:
-    """Poll each ``/health`` URL until it answers; ``poll()`` raises if a started process died. With ``run_id``
-    (the server rl started), an answer carrying another run id is a foreign server holding the port."""
-    deadline = time.monotonic() + timeout
-    answers: dict[str, dict[str, Any]] = {}
+    urls: list[str],
+    api_key: str | None,
+    timeout: float,
+    poll: Any,
+    run_id: str | None = None,
+    say: Any = None,
+    say_every: float = 60.0,
+) -> dict[str, HealthResponse]:
+    """Poll each ``/health`` URL until it answers; ``poll()`` raises if a started process died (or is stuck). With
+    ``run_id`` (the server rl started), an answer carrying another run id is a foreign server holding the port.
+    ``say(line)`` hears every ``say_every`` seconds what is still awaited."""
+    start = time.monotonic()
+    deadline, said = start + timeout, start
+    answers: dict[str, HealthResponse] = {}
     for url in urls:
         while (answer := health(url, api_key)) is None:
             poll()
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise StartupFailed(f"{url} did not answer within {timeout:.0f} s (health_timeout)")
+            if say is not None and now - said >= say_every:
+                said = now
+                say(f"still waiting for {url} after {now - start:.0f} s (health_timeout {timeout:.0f} s)")
             time.sleep(0.5)
-        foreign = answer.get("run_id")
+        foreign = answer.run_id
         if run_id is not None and foreign is not None and foreign != run_id:
             raise StartupFailed(
                 f"{url} is answered by another server (its run id is {foreign!r}, this run's is {run_id!r}); "
@@ -77,11 +90,11 @@ def wait_healthy(
     return answers
 
 
-def check_served_model(answers: dict[str, dict[str, Any]], model_name: str) -> None:
+def check_served_model(answers: dict[str, HealthResponse], model_name: str) -> None:
     """Servers started separately must serve this run's model: its base weights are the run's step-0 weights,
     and the orchestrator's requests name it (``/health`` reports the served name and ``model.name``)."""
     for url, answer in answers.items():
-        served = [name for name in (answer.get("model"), answer.get("model_name")) if name]
+        served = [name for name in (answer.model, answer.model_name) if name]
         if served and model_name not in served:
             raise StartupFailed(
                 f"the inference server at {url.removesuffix('/health')} serves model {served[-1]!r}, not this run's "
@@ -89,13 +102,13 @@ def check_served_model(answers: dict[str, dict[str, Any]], model_name: str) -> N
             )
 
 
-def reset_to_base(answers: dict[str, dict[str, Any]], api_key: str | None, timeout: float) -> list[str]:
+def reset_to_base(answers: dict[str, HealthResponse], api_key: str | None, timeout: float) -> list[str]:
     """Servers started separately that serve weights of an earlier run go back to the base weights of their
     ``model.name`` (``POST /reload_weights``), so a fresh run samples step 0 from its own step-0 weights.
     Returns one message per server reset."""
     messages = []
     for url, answer in answers.items():
-        step, weight_dir = answer.get("weight_step"), answer.get("weight_dir")
+        step, weight_dir = answer.weight_step, answer.weight_dir
         if step in (0, None) and not weight_dir:
             continue
         root = url.removesuffix("/health")

@@ -13,10 +13,11 @@ from prime_core.io import atomic_write_text
 from prime_core.run_dir import RunDir
 from pydantic import BaseModel
 
-from prime_launch.host import ClusterFacts
+from prime_launch.host import ClusterFacts, resumable_steps
 from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, clear_run, orchestrator_name
 from prime_launch.resolver import resolve
 from prime_launch.slurm import SlurmJob, base_context, choose_template, render
+from prime_launch.watchdog import watch_context
 
 
 def _strip_none(value: Any) -> Any:
@@ -58,6 +59,7 @@ def _prepare_rl(rl: RLConfig, slurm: SlurmConfig, template: str, dry_run: bool) 
     if slurm.rl_multi_node:
         configs, process_logs = _resolve_nodes(rl, slurm, run_dir, dry_run)
         ctx["health_timeout"] = int(rl.health_timeout)
+        ctx.update(watch_context(rl, run_dir))
     else:
         configs, process_logs = _write_rl_toml(rl, run_dir)
         ctx["rl_config"] = configs["rl"]
@@ -91,7 +93,7 @@ def _resolve_nodes(
 ) -> tuple[dict[str, Path], list[Path]]:
     """Each process's config resolved for the job's nodes, written under ``configs/``."""
     resume = rl.resume and rl.trainer.ckpt.resume_step is None
-    steps = tuple(run_dir.checkpoint_steps()) if resume else ()
+    steps = resumable_steps(rl, run_dir.root) if resume else ()
     resolved = resolve(rl, ClusterFacts.of_job(slurm, run_dir.root, steps))
     if rl.overwrite and not dry_run:
         clear_run(run_dir)

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import httpx
+from prime_core.schemas.health import parse_health
 from prime_core.schemas.weights import WeightUpdateRequest, read_manifest
 
 logger = logging.getLogger("prime.orchestrator.client")
@@ -76,8 +77,8 @@ async def _answers(client: httpx.AsyncClient, url: str, run_id: str | None, fail
     if run_id is None:
         return True
     try:
-        return response.json().get("run_id") == run_id
-    except (ValueError, AttributeError):
+        return parse_health(response.json()).run_id == run_id
+    except ValueError:
         return False
 
 

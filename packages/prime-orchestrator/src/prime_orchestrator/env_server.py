@@ -23,6 +23,8 @@ from typing import Any
 
 from prime_core.schemas.rollout import EnvServerSpec
 
+from prime_orchestrator.env_watch import HangWatch
+
 logger = logging.getLogger("prime.orchestrator.env")
 
 
@@ -106,6 +108,9 @@ class EnvServer:
         self._generation = 0
         self._died: asyncio.Event | None = None
         self._watcher: asyncio.Task | None = None
+        self._hang_watch: asyncio.Task | None = None
+        self.replaced_because = ""
+        """Why the hang watch replaced the server last (``env_watch``), for the errors of the rollouts it held."""
         self._restart_lock = asyncio.Lock()
 
     @property
@@ -133,6 +138,9 @@ class EnvServer:
         self._generation += 1
         self._died = asyncio.Event()
         self._watcher = asyncio.create_task(self._watch(proc, self._died, pooled=self.spec.num_workers > 1))
+        workers = (lambda: pool_workers(proc.pid)) if self.spec.num_workers > 1 else set
+        hangs = HangWatch(self.name, proc, client, self.spec.probe_timeout_s, workers, self._note_hang)
+        self._hang_watch = asyncio.create_task(hangs.run())
         logger.info(
             "env server %s up at %s (pid %d, %d worker(s))", self.name, address, proc.pid, self.spec.num_workers
         )
@@ -178,6 +186,7 @@ class EnvServer:
             await self._stop()
             await self.start()
             self.num_restarts += 1
+            self.replaced_because = ""
 
     def _exit(self) -> int | None:
         return self._proc.exitcode if self._proc is not None else None
@@ -198,13 +207,18 @@ class EnvServer:
         if run.done():
             return run.result()
         run.cancel()
+        why = f" ({self.replaced_because})" if self.replaced_because else ""
         await asyncio.gather(run, return_exceptions=True)
         await self._restart(generation)
-        raise EnvServerCrashed(f"env server {self.name} died during a rollout")
+        raise EnvServerCrashed(f"env server {self.name} died during a rollout{why}")
+
+    def _note_hang(self, reason: str) -> None:
+        self.replaced_because = reason
 
     async def _stop(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
+        for task in (self._watcher, self._hang_watch):
+            if task is not None:
+                task.cancel()
         if self._client is not None:
             try:
                 await self._client.close()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from prime_core import progress
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
 from prime_core.io import atomic_dir, atomic_write_json, is_stable
 from prime_core.monitor import build_monitor
@@ -34,6 +35,14 @@ from prime_orchestrator.curriculum import Curriculum
 from prime_orchestrator.distill import Teachers
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
+from prime_orchestrator.liveness import (
+    RolloutTracker,
+    check_step,
+    env_metrics,
+    report_env_servers,
+    screen,
+    ship_activity,
+)
 from prime_orchestrator.packing import Sample, pack
 from prime_orchestrator.weight_relay import Policy
 
@@ -72,6 +81,7 @@ class Orchestrator:
         self.teachers = Teachers(config)
         self.start_step = 0
         self.policy = Policy(config, self.run_dir)
+        self.tracker = RolloutTracker(config)
         self.semaphore = asyncio.Semaphore(config.client.max_concurrent)
         self.monitor = None
         self.sender = None
@@ -99,7 +109,8 @@ class Orchestrator:
         return self._clients[url]
 
     def _runner(self, env: EnvConfig, name: str) -> EnvRunner:
-        return EnvRunner(env, server_spec(env, name), max_retries=self.config.max_rollout_retries)
+        spec = server_spec(env, name).model_copy(update={"probe_timeout_s": self.config.recovery.probe_timeout_s})
+        return EnvRunner(env, spec, max_retries=self.config.max_rollout_retries)
 
     async def setup(self) -> None:
         c = self.config
@@ -110,8 +121,10 @@ class Orchestrator:
             self.pools[env.resolved_name] = self._runner(env, env.resolved_name)
         for env in c.eval.envs:
             self.eval_pools[env.resolved_name] = self._runner(env, f"eval/{env.resolved_name}")
+        report_env_servers(self.pools)
         # Env servers start (seconds of imports per worker) while the inference server starts; rl launches the
         # orchestrator beside its own server for this.
+        progress.begin("starting env servers and waiting for inference /health", waits_for="inference")
         await asyncio.gather(
             inference.wait_healthy(
                 c.client.base_urls,
@@ -122,6 +135,7 @@ class Orchestrator:
             *(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]),
             self.teachers.start(),
         )
+        progress.end()
         self.curriculum.start({name: pool.num_examples for name, pool in self.pools.items()})
         if c.ckpt.resume_step:
             self._load_checkpoint(c.ckpt.resume_step)
@@ -184,11 +198,14 @@ class Orchestrator:
                 model=self.served_model,
                 sampling=sampling_args(c.sampling, seed=request_seed(c.seed, step, index)),
             )
+        result = self.tracker.record(screen(result, c.recovery.max_text_chars))
         return Rollout(env, example, group, weight_step, result)
 
     async def _group(self, step: int, env: str, example: int, gi: int) -> list[Rollout]:
         g = self.config.rollouts_per_example
-        rollouts = await asyncio.gather(*(self._rollout(step, env, example, gi, gi * g + j) for j in range(g)))
+        rollouts = await asyncio.gather(
+            *(self.tracker.track(step, self._rollout(step, env, example, gi, gi * g + j)) for j in range(g))
+        )
         return await self.teachers.score(step, env, list(rollouts))
 
     async def _generate_step(self, step: int, plan: list[tuple[str, int]], batch: StepBatch) -> StepBatch:
@@ -201,6 +218,7 @@ class Orchestrator:
     async def rollout_loop(self, buffer: asyncio.Queue) -> None:
         c = self.config
         for step in range(self.start_step, c.max_steps):
+            progress.set_step(step)
             waited = await self.policy.wait_for(step - c.async_level, c.weights_timeout)
             self.cursor_history[step] = dict(self.cursors)
             plan = self._plan_step(step)
@@ -274,6 +292,7 @@ class Orchestrator:
             "samples/trained": len(samples),
             "env_servers/restarts": sum(p.server.num_restarts for p in self.pools.values()),
             "env_servers/retries": sum(p.num_retries for p in self.pools.values()),
+            **env_metrics([r.result for r in rollouts], self.pools),
             **extra,
         }
         for env in self.envs:
@@ -314,6 +333,7 @@ class Orchestrator:
     async def ship(self, batch: StepBatch) -> None:
         c = self.config
         t0 = time.perf_counter()
+        check_step(batch.step, [r.result for g in batch.groups for r in g], c.recovery.min_ok_fraction)
         samples, extra = self._samples(batch)
         packed = pack(
             samples,
@@ -397,7 +417,9 @@ class Orchestrator:
 
     async def ship_loop(self, buffer: asyncio.Queue) -> None:
         while (item := await buffer.get()) is not None:
-            await self.ship(await item)
+            batch = await item
+            with ship_activity(self.config, batch.step):
+                await self.ship(batch)
 
     async def run(self) -> None:
         c = self.config
@@ -457,42 +479,3 @@ class Orchestrator:
             await asyncio.to_thread(self.sender.close)
         if self.monitor is not None:
             self.monitor.close()
-
-    # ----- bench -----
-    async def bench(self) -> dict[str, Any]:
-        c = self.config
-        await inference.wait_healthy(
-            c.client.base_urls, api_key=c.client.resolved_api_key(), timeout=c.client.health_timeout
-        )
-        env = c.env[0].model_copy(update={"max_turns": 1})
-        runner = self._runner(env, env.resolved_name)
-        await runner.start()
-        try:
-            t0 = time.perf_counter()
-
-            async def one(i: int) -> RolloutResult:
-                async with self.semaphore:
-                    sampling = sampling_args(
-                        c.sampling, seed=request_seed(c.seed, -1, i), max_tokens=c.bench_config.max_tokens
-                    )
-                    return await runner.rollout(
-                        i, client=self.client_for(i), model=self.served_model, sampling=sampling
-                    )
-
-            results = await asyncio.gather(*(one(i) for i in range(c.bench_config.num_requests)))
-            wall = time.perf_counter() - t0
-        finally:
-            await runner.close()
-        tokens = sum(r.completion_len for r in results)
-        report = {
-            "num_requests": len(results),
-            "completion_tokens": tokens,
-            "wall_s": wall,
-            "output_tokens_per_s": tokens / wall,
-            "requests_per_s": len(results) / wall,
-            "latency_mean_s": float(np.mean([r.latency for r in results])),
-            "failed": sum(r.failed for r in results),
-            "max_concurrent": c.client.max_concurrent,
-        }
-        atomic_write_json(self.run_dir.root / "bench" / "orchestrator.json", report)
-        return report

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 
+from prime_core import progress
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.run_dir import RunDir
 
@@ -31,15 +32,18 @@ class Policy:
         c = self.config.client
         weight_dir = self.run_dir.weight_step(step).resolve()
         t0 = time.perf_counter()
-        await client.update_weights(
-            c.base_urls,
-            str(weight_dir),
-            step,
-            api_key=c.resolved_api_key(),
-            timeout=c.update_weights_timeout,
-            retries=c.max_retries,
-            source=source,
-        )
+        # A server that takes longer than one request's timeout is stuck: the watchdog does not wait for the retries.
+        what = f"waiting for inference to load weights step {step} (client.update_weights_timeout)"
+        with progress.activity(what, lane="relay", limit_s=c.update_weights_timeout, waits_for="inference"):
+            await client.update_weights(
+                c.base_urls,
+                str(weight_dir),
+                step,
+                api_key=c.resolved_api_key(),
+                timeout=c.update_weights_timeout,
+                retries=c.max_retries,
+                source=source,
+            )
         self.last_update_time = time.perf_counter() - t0
         self.num_updates += 1
         logger.info("inference now serves weights step %d (update took %.2fs)", step, self.last_update_time)
@@ -58,12 +62,14 @@ class Policy:
     async def wait_for(self, min_version: int, timeout: float) -> float:
         """Block until the served version is >= ``min_version``; returns the seconds waited."""
         t0 = time.perf_counter()
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.version >= min_version), timeout)
-            except TimeoutError as e:
-                raise TimeoutError(
-                    f"waited {timeout:.0f}s for weights step {min_version} "
-                    f"({self.run_dir.weight_step(min_version)}/STABLE); is the trainer running?"
-                ) from e
+        path = self.run_dir.weight_step(min_version) / "STABLE"
+        waiting = f"waiting for the trainer's weights step {min_version} ({path})"
+        with progress.activity(waiting, lane="policy", waits_for="trainer"):
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(lambda: self.version >= min_version), timeout)
+                except TimeoutError as e:
+                    raise TimeoutError(
+                        f"waited {timeout:.0f}s for weights step {min_version} ({path}); is the trainer running?"
+                    ) from e
         return time.perf_counter() - t0

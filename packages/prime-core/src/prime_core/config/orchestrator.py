@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from prime_core.config.base import BaseConfig
+from prime_core.config.liveness import RecoveryConfig
 from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
 from prime_core.transport import RolloutTransportConfig
 
@@ -355,6 +356,9 @@ class OrchestratorConfig(BaseConfig):
     """Times a rollout is re-run after its env server crashed under it (a crash loses no rollout)."""
     failed_rollouts: Literal["zero_reward", "drop"] = "zero_reward"
     """A rollout that raised or timed out: kept in its group with reward 0 (no tokens trained), or dropped."""
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    """Failing environments: hung env-server workers and tool servers replaced, rollouts screened, the share of a
+    step's rollouts that must succeed (docs/liveness.md)."""
     bench: bool = False
     """Measure inference throughput in isolation and exit."""
     bench_config: BenchConfig = Field(default_factory=BenchConfig)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.inference import InferenceConfig
+from prime_core.config.liveness import LivenessConfig
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
 from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, WandbConfig
 from prime_core.config.trainer import TrainerConfig
@@ -243,6 +244,8 @@ class RLConfig(BaseConfig):
     """Resume the run in ``output_dir`` from its newest checkpoint (``ckpt.resume_step`` picks another)."""
     health_timeout: float = Field(default=900.0, gt=0)
     """Seconds to wait for the inference server's ``/health`` before giving up."""
+    liveness: LivenessConfig = Field(default_factory=LivenessConfig)
+    """The watchdog that finds a process that is alive but stuck (docs/liveness.md)."""
     stop_grace: float = Field(default=5.0, gt=0, le=8)
     """On shutdown, seconds between SIGTERM and SIGKILL of the process groups."""
     console: Literal["progress", "logs", "quiet"] = "progress"

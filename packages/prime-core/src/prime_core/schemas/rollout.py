@@ -29,6 +29,8 @@ class EnvServerSpec(BaseModel):
     """Rollouts one worker is sized for (the elastic pool grows at 90% of workers * multiplex in flight)."""
     start_timeout: float = Field(default=300.0, gt=0)
     """Seconds the server may take to come up."""
+    probe_timeout_s: float = Field(default=30.0, gt=0)
+    """A server (or pool worker) that answers no health probe for this long is hung and replaced."""
 
 
 class TrainedSequence(BaseModel):

@@ -63,6 +63,12 @@ class EngineInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     adapters: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Served LoRA adapters: name -> {"path", "weight_step"}."""
+    running: int = 0
+    """Requests being generated."""
+    waiting: int = 0
+    """Requests queued for a free slot."""
+    steps: int | None = None
+    """Engine steps so far (None: the engine does not count them); a watchdog sees an engine that stopped advancing."""
 
 
 class Engine(abc.ABC):

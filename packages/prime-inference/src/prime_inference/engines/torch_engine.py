@@ -122,6 +122,7 @@ class TorchEngine(Engine):
         self._paused = False
         self._swap: _Swap | None = None
         self._stop = False
+        self.num_steps = 0
         self._admin_lock: asyncio.Lock | None = None
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
         logger.info(
@@ -166,13 +167,10 @@ class TorchEngine(Engine):
             weight_dir=self.weight_dir,
             paused=self._paused,
             adapters={name: a.card() for name, a in self._adapters.items()},
-            extra={
-                "implementation": self.source,
-                "decoder": self.decoder.name,
-                "device": str(self.device),
-                "running": len(self._running),
-                "waiting": len(self._waiting),
-            },
+            extra={"implementation": self.source, "decoder": self.decoder.name, "device": str(self.device)},
+            running=len(self._running),
+            waiting=len(self._waiting),
+            steps=self.num_steps,
         )
 
     async def start(self) -> None:
@@ -422,6 +420,7 @@ class TorchEngine(Engine):
             swap.future.set_exception(e)
 
     def _step(self, admitted: list[_Sequence]) -> None:
+        self.num_steps += 1
         for first, *copies in _same_prompt_groups(admitted):
             logits = self.decoder.prefill(first.slot, first.request.prompt_ids, first.request.multimodal)
             for seq in copies:

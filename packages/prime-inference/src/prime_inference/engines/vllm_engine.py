@@ -164,6 +164,7 @@ class VllmEngine(Engine):
         self._adapters: dict[str, tuple[Any, int | None]] = {}
         self._next_lora_id = 1
         self._tap: TapFetcher | None = None
+        self._in_flight = 0
 
     @property
     def info(self) -> EngineInfo:
@@ -176,6 +177,8 @@ class VllmEngine(Engine):
             weight_dir=self.weight_dir,
             paused=self._paused,
             extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None},
+            # vLLM delivers a non-streamed request once, at its end: no per-step count to watch (steps stays None).
+            running=self._in_flight,
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
 
@@ -255,6 +258,7 @@ class VllmEngine(Engine):
                 raise RequestError(f"LoRA adapter {request.lora_name!r} was unloaded", status_code=404, param="model")
             lora = self._adapters[request.lora_name][0]
         taken = False
+        self._in_flight += 1
         try:
             async for result in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
                 out = result.outputs[0]
@@ -267,6 +271,7 @@ class VllmEngine(Engine):
                 finish = out.finish_reason if result.finished else None
                 yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
         finally:
+            self._in_flight -= 1
             if tapped and not taken:  # aborted: the worker forgets what it collected
                 self._tap.forget(request.request_id)  # type: ignore[union-attr]
 

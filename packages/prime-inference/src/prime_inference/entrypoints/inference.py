@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     busy = None if config.vllm.headless else port_in_use(config.server.host, config.server.port)
     if busy:
         fail(f"server.port: {busy}; stop that server or choose another --server.port")
+    if not config.vllm.headless:
+        from prime_core.progress import start_reporting
+
+        start_reporting(config.output_dir, "inference")
     serve(config)
 
 

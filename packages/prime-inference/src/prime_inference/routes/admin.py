@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from prime_core.schemas.adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from prime_core.schemas.health import HealthResponse
 from prime_core.schemas.weights import WeightUpdateRequest
 
 from prime_inference import adapters, weights
@@ -23,10 +24,13 @@ async def health(request: Request) -> dict[str, Any]:
     s = state(request)
     info = s.engine.info
     # `model` is the served name; `model_name` the config's model.name, which requests may also carry.
-    return {"status": "ok", "engine": info.engine, "model": info.model, "model_name": s.config.model.name,
-            "weight_step": info.weight_step, "weight_dir": info.weight_dir, "paused": info.paused,
-            "max_model_len": info.max_model_len, "adapters": info.adapters, "run_id": os.environ.get("PRIME_RUN_ID"),
-            **info.extra}  # fmt: skip
+    answer = HealthResponse(
+        engine=info.engine, model=info.model, model_name=s.config.model.name, weight_step=info.weight_step,
+        weight_dir=info.weight_dir, paused=info.paused, max_model_len=info.max_model_len, adapters=info.adapters,
+        run_id=os.environ.get("PRIME_RUN_ID"), running=info.running, waiting=info.waiting, engine_steps=info.steps,
+        **info.extra,
+    )  # fmt: skip
+    return answer.model_dump(mode="json")
 
 
 @router.post("/update_weights")

@@ -11,6 +11,9 @@ commands:
   slurm rl  @ rl.toml  [--slurm.KEY VALUE ...] [--dry-run]   render (and sbatch) an RL job
   slurm sft @ sft.toml [--slurm.KEY VALUE ...] [--dry-run]   render (and sbatch) an SFT job
   report [--output-dir DIR] [--out PNG]                      plot reward and loss curves (alias: plot)
+  watch --output-dir DIR [--trainer-ranks N] [--health-urls URL,...]
+                                                             the watchdog beside a job's processes (exit 1: stuck)
+  rewind --output-dir DIR --step N                           before a resume: drop the stopped run's later steps
 
 `prime-launch <command> --help` lists every option of a command.
 """
@@ -114,6 +117,45 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
+def _watch(argv: list[str]) -> int:
+    from prime_core.config import parse_cli
+    from prime_core.config.liveness import WatchConfig
+
+    config = parse_cli(WatchConfig, argv, prog="prime-launch watch")
+    from prime_launch.watchdog import ProcessStuck, watch_forever
+
+    try:
+        watch_forever(config)
+    except ProcessStuck as e:
+        return _fail_run(e.cause)
+    return 0
+
+
+def _fail_run(cause: str) -> int:
+    print(f"error: {cause}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _rewind(argv: list[str]) -> int:
+    from prime_core.config import BaseConfig, parse_cli
+
+    class RewindConfig(BaseConfig):
+        """Before resuming a stopped run at ``step``: remove its rollouts of steps >= step and weights after it."""
+
+        output_dir: Path = Path("outputs")
+        """The run directory."""
+        step: int
+        """The checkpoint step the run resumes from."""
+
+    config = parse_cli(RewindConfig, argv, prog="prime-launch rewind")
+    from prime_core.run_dir import RunDir
+
+    from prime_launch.resume import rewind
+
+    print(rewind(RunDir(config.output_dir), config.step) or f"nothing after step {config.step} to remove")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -131,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         return _slurm(rest[0], rest[1:])
     if command in ("report", "plot"):
         return _report(rest)
-    return _fail(f"unknown command {command!r} (slurm, report)")
+    if command == "watch":
+        return _watch(rest)
+    if command == "rewind":
+        return _rewind(rest)
+    return _fail(f"unknown command {command!r} (slurm, report, watch, rewind)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> None:
         description="Rollouts, advantages, packing and weight relay for RL (see docs/orchestrator.md).",
     )
 
+    from prime_core.progress import start_reporting, stop_reporting
+
+    if not config.bench:
+        start_reporting(config.output_dir, "orchestrator")
     import asyncio
     import json
 
@@ -30,15 +34,32 @@ def main(argv: list[str] | None = None) -> None:
     )
     orchestrator = Orchestrator(config)
     if config.bench:
-        print(json.dumps(asyncio.run(orchestrator.bench()), indent=2))
+        from prime_orchestrator.bench import run_bench
+
+        print(json.dumps(asyncio.run(run_bench(orchestrator)), indent=2))
         return
     from prime_core.config import write_config
 
     write_config(config, run_dir.config_file("orchestrator"))
+    from prime_orchestrator.client import WeightUpdateError
+    from prime_orchestrator.liveness import RolloutsFailed
+
     try:
         asyncio.run(orchestrator.run())
     except KeyboardInterrupt:
         sys.exit(130)
+    except (RolloutsFailed, WeightUpdateError, TimeoutError) as e:
+        # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
+        print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Exception as e:
+        from prime_core.io import storage_error, storage_error_line
+
+        if (found := storage_error(e)) is None:
+            raise
+        print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    stop_reporting()
 
 
 if __name__ == "__main__":

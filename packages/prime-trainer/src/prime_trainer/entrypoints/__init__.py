@@ -13,6 +13,7 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     """Run ``train(config)`` with the errors a user can act on reported as one line instead of a traceback."""
     from prime_core.config import ConfigError
     from prime_core.config.cli import fail
+    from prime_core.progress import stop_reporting
 
     from prime_trainer.world import shutdown_world
 
@@ -20,6 +21,7 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     try:
         train(config)
         finished = True
+        stop_reporting()  # the watchdog now expects this rank to exit
     except ConfigError as e:
         # Settings that only the world (ranks, data) shows to be wrong: one line, like a parse error.
         fail(str(e))

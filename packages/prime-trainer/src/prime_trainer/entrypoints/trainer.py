@@ -15,6 +15,12 @@ from prime_trainer.entrypoints import run_training
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(TrainerConfig, argv, prog="trainer", description=__doc__)
+    if not config.bench:
+        import os
+
+        from prime_core.progress import start_reporting
+
+        start_reporting(config.output_dir, "trainer", rank=int(os.environ.get("RANK", "0")))
     if config.runs:  # several LoRA runs on one base
         from prime_trainer.rl.multi_run import train_runs as train
     else:

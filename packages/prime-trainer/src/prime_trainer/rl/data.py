@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from prime_core import progress
 from prime_core.config import ConfigError
 from prime_core.config.trainer import FakeDataConfig, TrainerConfig
 from prime_core.run_dir import RunDir
@@ -81,8 +82,15 @@ class RolloutSource:
 
     def get(self, step: int) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
         self._step = step
+        where = (
+            f"rollouts/step_{step}/rank_{self.rank}"
+            if self.transport == "filesystem"
+            else f"{self.transport} transport"
+        )
+        waiting = f"waiting for the orchestrator's rollouts of step {step} ({where})"
         try:
-            return self.receiver.receive(step, timeout=self.timeout)
+            with progress.activity(waiting, waits_for="orchestrator"):
+                return self.receiver.receive(step, timeout=self.timeout)
         except TimeoutError as e:
             raise RuntimeError(
                 f"step {step}: no rollouts for rank {self.rank} after {self.timeout:.0f}s ({self.transport} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from prime_core import progress
 from prime_core.config.trainer import LoRARunConfig, TrainerConfig
 from prime_core.io import is_stable
 from prime_core.monitor import Monitor, build_monitor
@@ -22,6 +23,7 @@ from prime_core.run_dir import RunDir
 from prime_models.lora import set_active_adapter
 
 from prime_trainer import common
+from prime_trainer.liveness import checkpointing, publishing
 from prime_trainer.lora import build_run_optimizer, check_base_on_disk, clip_adapter_grad_norm
 from prime_trainer.optim import lr_at
 from prime_trainer.rl.data import RolloutSource
@@ -130,15 +132,18 @@ def train_runs(config: TrainerConfig) -> None:
             meta, micro_batches = next_micro_batches(c, run.rollouts, step, run.fake_seed(config.seed))
             wait_s += time.perf_counter() - t_wait
             set_active_adapter(c.model, run.name)
-            results.append((*forward_backward(c, objective, micro_batches, meta.temperature), meta))
+            with progress.activity(f"training step {step} of run {run.name}", kind="step"):
+                results.append((*forward_backward(c, objective, micro_batches, meta.temperature), meta))
         norms = optimizer_step(c, runs, step)
         compute_s = time.perf_counter() - t0 - wait_s
 
         # Step n's adapters are every run's weights n + 1: published, then checkpointed together, then logged.
         t_pub = time.perf_counter()
-        publish(c, runs, step + 1, common.kept_steps(c, step + 1), initial=False)
+        with publishing(c, step + 1):
+            publish(c, runs, step + 1, common.kept_steps(c, step + 1), initial=False)
         timings = {"time/step": compute_s, "time/publish": time.perf_counter() - t_pub}
-        timings.update(common.save_checkpoint(c, step + 1, {}))
+        with checkpointing(c, step + 1):
+            timings.update(common.save_checkpoint(c, step + 1, {}))
         total_tokens = log_runs(c, runs, step, results, norms, timings)
         metrics = common.perf_metrics(c, total_tokens, config.seq_len, compute_s)
         common.log_step(c, step, {**metrics, **timings, "time/wait": wait_s, "tokens": total_tokens})

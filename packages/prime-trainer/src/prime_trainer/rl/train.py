@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from prime_core import progress
 from prime_core.config.trainer import TrainerConfig
 from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
 
 from prime_trainer import common
+from prime_trainer.liveness import checkpointing, publishing
 from prime_trainer.lora import setup_lora
 from prime_trainer.memory import plan_memory
 from prime_trainer.model import token_logprobs
@@ -128,7 +130,8 @@ def check_loss_tokens(c: common.Components, step: int, meta: RolloutBatchMeta, m
 
 def train(config: TrainerConfig) -> None:
     """One run; several LoRA runs on one base (``config.runs``) train in ``rl.multi_run.train_runs``."""
-    c = common.setup(config, "trainer")
+    with progress.activity("setting up: the process group, the model and the optimizer", kind="setup"):
+        c = common.setup(config, "trainer")
     setup_lora(c)
     objective = build_objective(config.loss)
     start = common.resume(c)["step"]
@@ -138,21 +141,25 @@ def train(config: TrainerConfig) -> None:
     c.logger.info("training steps %d..%d with %s loss", start, config.max_steps - 1, config.loss.type)
 
     for step in range(start, config.max_steps):
+        progress.set_step(step)
         t0 = time.perf_counter()
         meta, micro_batches = next_micro_batches(c, rollouts, step, config.seed)
         wait_s = time.perf_counter() - t0
 
         common.perf.reset_peak_memory(c.world.device)
         t1 = time.perf_counter()
-        metrics = train_step(c, objective, step, micro_batches, meta.temperature)
+        with progress.activity(f"training step {step}", kind="step"):
+            metrics = train_step(c, objective, step, micro_batches, meta.temperature)
         compute_s = time.perf_counter() - t1
         metrics.update(common.perf_metrics(c, metrics["tokens"], meta.seq_len, compute_s))
         metrics.update({"time/step": compute_s, "time/wait": wait_s, "temperature": meta.temperature})
         check_loss_tokens(c, step, meta, metrics)
 
         # Step n's update is weights n + 1: published for inference, then checkpointed (both collective), then logged.
-        metrics.update(common.publish_weights(c, step + 1))
-        metrics.update(common.save_checkpoint(c, step + 1, {"loss": config.loss.type}))
+        with publishing(c, step + 1):
+            metrics.update(common.publish_weights(c, step + 1))
+        with checkpointing(c, step + 1):
+            metrics.update(common.save_checkpoint(c, step + 1, {"loss": config.loss.type}))
         common.log_step(c, step, metrics)
 
     if rollouts is not None:

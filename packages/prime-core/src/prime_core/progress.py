@@ -1,0 +1,234 @@
+"""A process's heartbeat and activities, written for the launcher's watchdog (schema: ``prime_core.schemas.progress``).
+
+An entry point calls ``start_reporting(output_dir, "trainer", rank=...)`` right after parsing its config, before the
+heavy imports (a process that hangs while importing is seen too); code anywhere in the process then says what it does:
+
+    with progress.activity("training step 3", kind="step"):
+        ...
+    progress.begin("waiting for weights step 4", lane="rollouts", waits_for="trainer")
+    progress.end("rollouts")
+
+A background thread rewrites ``progress/<name>.json`` every ``HEARTBEAT_INTERVAL_S``, so the heartbeat stops only when
+the whole process stops (SIGSTOP, a frozen host), and logs a line for every activity that lasts longer than
+``NOTICE_EVERY_S`` (what the process is waiting for, and for how long). Reporting never raises: a full disk must not
+kill a process through its heartbeat. Without ``start_reporting`` (tests, library use) every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from prime_core.io import atomic_write_text
+from prime_core.run_dir import RunDir
+from prime_core.schemas.progress import HEARTBEAT_INTERVAL_S, Activity, Progress
+
+logger = logging.getLogger("prime.progress")
+
+NOTICE_EVERY_S = 60.0
+"""An activity running longer than this gets a log line saying what the process waits for, and again as often."""
+
+CounterSource = Callable[[], dict[str, float]]
+
+
+class ProgressReporter:
+    """The state behind one progress file; thread-safe (asyncio tasks and threads report, a thread writes)."""
+
+    def __init__(self, path: Path | None, process: str, *, rank: int | None = None, run_id: str | None = None):
+        self.path = path
+        now = time.time()
+        self._progress = Progress(
+            process=process, rank=rank, pid=os.getpid(), host=socket.gethostname(), run_id=run_id, started=now, time=now
+        )
+        self._activities: dict[str, Activity] = {}
+        self._noticed: dict[str, float] = {}
+        self._sources: list[CounterSource] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._write_failed = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    def start(self) -> ProgressReporter:
+        if self.enabled and self._thread is None:
+            self.write()
+            self._thread = threading.Thread(target=self._beat, name="prime-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def begin(
+        self,
+        what: str,
+        *,
+        lane: str = "main",
+        kind: str = "",
+        limit_s: float | None = None,
+        waits_for: str | None = None,
+    ) -> None:
+        """Start (or replace) the activity of ``lane``."""
+        activity = Activity(lane=lane, what=what, kind=kind, since=time.time(), limit_s=limit_s, waits_for=waits_for)
+        with self._lock:
+            self._activities[lane] = activity
+            self._noticed.pop(lane, None)
+
+    def touch(self, lane: str = "main", what: str | None = None) -> None:
+        """The activity of ``lane`` made progress (a rollout finished): its clock restarts."""
+        with self._lock:
+            current = self._activities.get(lane)
+            if current is not None:
+                update = {"since": time.time(), **({"what": what} if what is not None else {})}
+                self._activities[lane] = current.model_copy(update=update)
+                self._noticed.pop(lane, None)
+
+    def end(self, lane: str = "main") -> None:
+        """``lane`` is idle; a kind's duration is remembered for the watchdog's learned bound."""
+        with self._lock:
+            done = self._activities.pop(lane, None)
+            if done is not None and done.kind:
+                took = time.time() - done.since
+                slowest = self._progress.slowest_s
+                slowest[done.kind] = max(slowest.get(done.kind, 0.0), took)
+
+    @contextlib.contextmanager
+    def activity(self, what: str, **kwargs) -> Iterator[None]:
+        lane = kwargs.get("lane", "main")
+        self.begin(what, **kwargs)
+        try:
+            yield
+        finally:
+            self.end(lane)
+
+    def set_step(self, step: int) -> None:
+        with self._lock:
+            self._progress.step = step
+
+    def count(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self._progress.counters[name] = self._progress.counters.get(name, 0) + n
+
+    def add_counters(self, source: CounterSource) -> None:
+        """``source()`` is read at every heartbeat (e.g. an engine's running requests and steps)."""
+        self._sources.append(source)
+
+    def snapshot(self) -> Progress:
+        counters: dict[str, float] = {}
+        for source in self._sources:
+            try:
+                counters.update(source())
+            except Exception:  # a counter must never stop the heartbeat
+                logger.debug("progress counter source failed", exc_info=True)
+        with self._lock:
+            return self._progress.model_copy(
+                update={
+                    "time": time.time(),
+                    "activities": list(self._activities.values()),
+                    "counters": {**self._progress.counters, **counters},
+                    "slowest_s": dict(self._progress.slowest_s),
+                },
+                deep=True,
+            )
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        try:
+            atomic_write_text(self.path, self.snapshot().model_dump_json() + "\n", fsync=False)
+            self._write_failed = False
+        except OSError as e:
+            if not self._write_failed:
+                logger.warning("cannot write the progress file %s: %s", self.path, e)
+            self._write_failed = True
+
+    def close(self) -> None:
+        """The process finished: say so (a process that then fails to exit is found), stop the heartbeat."""
+        with self._lock:
+            self._progress.exiting = True
+            self._activities.clear()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.write()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            self.write()
+            self._notice()
+
+    def _notice(self) -> None:
+        now = time.time()
+        with self._lock:
+            due = [
+                a
+                for a in self._activities.values()
+                if now - a.since >= NOTICE_EVERY_S and now - self._noticed.get(a.lane, a.since) >= NOTICE_EVERY_S
+            ]
+            for a in due:
+                self._noticed[a.lane] = now
+        for a in due:
+            bound = f" (limit {a.limit_s:.0f} s)" if a.limit_s is not None else ""
+            logger.info("%s: still %s after %.0f s%s", self._progress.name, a.what, now - a.since, bound)
+
+
+_current = ProgressReporter(None, "process")
+
+
+def start_reporting(output_dir: str | os.PathLike, process: str, *, rank: int | None = None) -> ProgressReporter:
+    """Start this process's heartbeat in ``<output_dir>/progress/``; later calls return the running reporter."""
+    global _current
+    if not _current.enabled:
+        path = RunDir(output_dir).progress_file(process, rank)
+        _current = ProgressReporter(path, process, rank=rank, run_id=os.environ.get("PRIME_RUN_ID")).start()
+    return _current
+
+
+def current() -> ProgressReporter:
+    return _current
+
+
+def begin(what: str, **kwargs) -> None:
+    _current.begin(what, **kwargs)
+
+
+def touch(lane: str = "main", what: str | None = None) -> None:
+    _current.touch(lane, what)
+
+
+def end(lane: str = "main") -> None:
+    _current.end(lane)
+
+
+def activity(what: str, **kwargs) -> contextlib.AbstractContextManager[None]:
+    return _current.activity(what, **kwargs)
+
+
+def count(name: str, n: float = 1) -> None:
+    _current.count(name, n)
+
+
+def set_step(step: int) -> None:
+    _current.set_step(step)
+
+
+def stop_reporting() -> None:
+    """Write the final ``exiting`` record and stop the heartbeat thread."""
+    global _current
+    _current.close()
+    _current = ProgressReporter(None, "process")
+
+
+def read_progress(path: str | os.PathLike) -> Progress | None:
+    """A progress file, or None when it is missing or unreadable (being replaced, another version)."""
+    try:
+        return Progress.model_validate_json(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,394 @@
+"""The watchdog: finds a process of a run that is alive but stuck, and names it in one line.
+
+Every process writes ``progress/<name>.json`` once a second (``prime_core.progress``): a heartbeat and what it is doing,
+each activity with its bound. The inference servers are probed at ``/health`` once a second, each request bounded by
+``probe_timeout_s``. ``Watchdog.check`` raises ``ProcessStuck`` when
+
+- a process wrote no heartbeat for ``slack_s`` (SIGSTOP, a frozen host), or none at all within ``startup_s`` of its
+  start, or announced that it is exiting and is still there ``slack_s`` later;
+- an inference server has not answered ``/health`` for ``slack_s``, or holds running requests while its engine has made
+  no step for ``slack_s``;
+- an activity runs ``slack_s`` past its bound: the limit the process took from its config (a rollout timeout, a weight
+  update timeout; an activity waiting on another process blames that one), else for steps, weight publishes and
+  checkpoints a bound learned from the slowest one so far (``LivenessConfig``). A wait on another process without a
+  limit is not a fault by itself: the process waited for is watched.
+
+``rl`` runs it in its loop; ``prime-launch watch`` runs it beside a SLURM job's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prime_core.config.liveness import LivenessConfig, WatchConfig
+from prime_core.progress import read_progress
+from prime_core.schemas.health import HealthResponse, parse_health
+from prime_core.schemas.progress import Activity, Progress
+
+from prime_launch.process import ProcessFailed
+
+if TYPE_CHECKING:
+    from prime_core.config.rl import RLConfig
+    from prime_core.run_dir import RunDir
+
+    from prime_launch.resolver import ResolvedRun
+
+_STATES = {
+    "T": "stopped by a signal",
+    "t": "stopped by a debugger",
+    "D": "in uninterruptible I/O",
+    "Z": "a zombie",
+    "R": "running",
+    "S": "sleeping",
+}
+
+
+class ProcessStuck(ProcessFailed):
+    """A process (or inference server) that is alive but makes no progress; ``cause`` is one line."""
+
+    def __init__(self, name: str, line: str, log_file: Path | None):
+        super().__init__(name, None, log_file or Path("/dev/null"), reason=line)
+        self.args = (f"{name} is stuck: {line}",)
+        self.line = line
+        self.has_log = log_file is not None
+
+    @property
+    def cause(self) -> str:
+        log = f" (log: {self.log_file})" if self.has_log else ""
+        return f"{self.name} is stuck: {self.line}{log}"
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return super().log_tail(num_lines) if self.has_log else ""
+
+
+def process_state(pid: int, host: str = "") -> str | None:
+    """``stopped by a signal``, ``running``, ... of a local process (None for another host or a missing pid)."""
+    if host and host != socket.gethostname():
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    code = stat[stat.rfind(")") + 2 :].split(" ", 1)[0]
+    return _STATES.get(code, f"state {code}")
+
+
+def _pid_note(pid: int | None, host: str = "") -> str:
+    if pid is None:
+        return ""
+    state = process_state(pid, host)
+    return (
+        f"pid {pid}"
+        + (f", {state}" if state else "")
+        + (f" on {host}" if host and host != socket.gethostname() else "")
+    )
+
+
+@dataclass
+class _Watched:
+    """A process the watchdog reads: its progress files (one per trainer rank) and since when it runs."""
+
+    name: str
+    files: list[Path]
+    started: float
+    log_file: Path | None = None
+
+
+@dataclass
+class HealthProbe:
+    """Probes one server's ``/health`` every second in a thread; each request is bounded by ``timeout_s``."""
+
+    url: str
+    api_key: str | None
+    timeout_s: float
+    last_ok: float = field(default_factory=time.monotonic)
+    answer: HealthResponse | None = None
+    error: str = "no answer yet"
+    engine_stalled_since: float | None = None
+    asked_at: float | None = None
+    """When the request in flight was sent (None between requests)."""
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> HealthProbe:
+        threading.Thread(target=self._loop, name=f"probe {self.url}", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.once()
+            self._stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
+
+    def once(self) -> None:
+        request = urllib.request.Request(self.url)
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        self.asked_at = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                data = json.loads(response.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            self.error = _describe(e, self.timeout_s)
+            return
+        finally:
+            self.asked_at = None
+        answer = parse_health(data)
+        now = time.monotonic()
+        before = self.answer
+        # Only an engine that counts its steps, is not paused and holds requests can be seen stalling.
+        idle = answer.running == 0 or answer.engine_steps is None or answer.paused
+        if idle or before is None or answer.engine_steps != before.engine_steps or self.engine_stalled_since is None:
+            self.engine_stalled_since = None if idle else now
+        self.answer, self.last_ok = answer, now
+
+
+def _describe(error: Exception, timeout_s: float) -> str:
+    if isinstance(error, TimeoutError) or "timed out" in str(error):
+        return f"each request timed out after {timeout_s:g} s"
+    reason = getattr(error, "reason", error)
+    return f"{type(reason).__name__}: {reason}".splitlines()[0][:200]
+
+
+class Watchdog:
+    """Reads progress files and probes servers; ``check`` raises ``ProcessStuck`` for the first stuck process."""
+
+    def __init__(
+        self,
+        config: LivenessConfig,
+        run_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+        exits_known: bool = True,
+    ):
+        self.config = config
+        self.run_id = run_id
+        self.clock = clock
+        self.exits_known = exits_known
+        """Whether ``check`` hears of every process that exited (``rl``); else (``prime-launch watch``) a process that
+        announced its exit counts as gone unless it is still alive on this host."""
+        self.processes: dict[str, _Watched] = {}
+        self.probes: dict[str, HealthProbe] = {}
+        self._server_of: dict[str, str | None] = {}
+        self._last_check = 0.0
+
+    def watch(self, name: str, files: Iterable[Path], log_file: Path | None = None) -> None:
+        """``name`` was just started; it writes ``files`` (a trainer: one per rank)."""
+        self.processes[name] = _Watched(name, list(files), self.clock(), log_file)
+
+    def probe(self, urls: Iterable[str], api_key: str | None, server: str | None = None) -> None:
+        """Probe each ``/health`` URL from now on; ``server`` names the process serving them (None: external)."""
+        for url in urls:
+            if url not in self.probes:
+                self.probes[url] = HealthProbe(url, api_key, self.config.probe_timeout_s).start()
+                self._server_of[url] = server
+
+    def close(self) -> None:
+        for probe in self.probes.values():
+            probe.stop()
+
+    def check(self, finished: Iterable[str] = ()) -> None:
+        """Raise ``ProcessStuck`` for the first stuck process, at most once a second; ``finished`` processes exited
+        normally and are no longer watched."""
+        if not self.config.enabled:
+            return
+        now = self.clock()
+        if now - self._last_check < 1.0:
+            return
+        self._last_check = now
+        done = set(finished)
+        for url, probe in self.probes.items():
+            server = self._server_of.get(url)
+            if server not in done:
+                self._check_probe(url, probe, server)
+        for watched in self.processes.values():
+            if watched.name not in done:
+                for path in watched.files:
+                    self._check_file(watched, path, now)
+
+    # ----- servers -----
+    def _check_probe(self, url: str, probe: HealthProbe, server: str | None) -> None:
+        slack = self.config.slack_s
+        now = time.monotonic()
+        name = server or f"the inference server at {url.removesuffix('/health')}"
+        log = self.processes[server].log_file if server in self.processes else None
+        pid = self._server_pid(server)
+        where = f" ({_pid_note(pid)})" if pid else ""
+        if now - probe.last_ok > slack:
+            asked = probe.asked_at
+            error = f"the last request has waited {now - asked:.0f} s" if asked is not None else probe.error
+            line = f"{url} has not answered for {now - probe.last_ok:.0f} s ({error}){where}"
+            raise ProcessStuck(name, line + _serving(probe.answer), log)
+        stalled = probe.engine_stalled_since
+        if stalled is not None and now - stalled > slack and probe.answer is not None:
+            a = probe.answer
+            line = (
+                f"its engine made no step for {now - stalled:.0f} s with {a.running} requests running and {a.waiting} "
+                f"waiting (weights step {a.weight_step}){where}"
+            )
+            raise ProcessStuck(name, line, log)
+
+    def _server_pid(self, server: str | None) -> int | None:
+        watched = self.processes.get(server) if server else None
+        for path in watched.files if watched else []:
+            record = self._fresh(path, watched)
+            if record is not None:
+                return record.pid
+        return None
+
+    # ----- progress files -----
+    def _fresh(self, path: Path, watched: _Watched) -> Progress | None:
+        """The record of this launch (a file left by an earlier launch, or another run's, is ignored)."""
+        record = read_progress(path)
+        if record is None or record.time < watched.started - 2.0:
+            return None
+        if self.run_id is not None and record.run_id is not None and record.run_id != self.run_id:
+            return None
+        return record
+
+    def _check_file(self, watched: _Watched, path: Path, now: float) -> None:
+        slack = self.config.slack_s
+        record = self._fresh(path, watched)
+        if record is None:
+            if now - watched.started > self.config.startup_s:
+                line = f"it wrote no heartbeat to {path} in the {now - watched.started:.0f} s since it started"
+                raise ProcessStuck(watched.name, line, watched.log_file)
+            return
+        label, pid = record.name, _pid_note(record.pid, record.host)
+        age = now - record.time
+        if record.exiting:
+            if age > slack and (self.exits_known or process_state(record.pid, record.host) is not None):
+                line = f"{label} finished its work {age:.0f} s ago but has not exited ({pid})"
+                raise ProcessStuck(watched.name, line, watched.log_file)
+            return
+        # A server being probed is judged by its /health answers (a bounded request that says what it served).
+        if age > slack and watched.name not in self._server_of.values():
+            line = f"{label} sent no heartbeat for {age:.0f} s ({pid}); it was {record.doing()}"
+            raise ProcessStuck(watched.name, line, watched.log_file)
+        for activity in record.activities:
+            bound = self.bound(record, activity)
+            elapsed = now - activity.since
+            if bound is not None and elapsed > bound + slack:
+                self._overdue(watched, record, activity, elapsed, bound)
+
+    def _overdue(self, watched: _Watched, record: Progress, a: Activity, elapsed: float, bound: float) -> None:
+        line = (
+            f"{record.name} has been {a.what} for {elapsed:.0f} s, past its bound of {bound:.0f} s "
+            f"+ {self.config.slack_s:.0f} s slack"
+        )
+        blamed = a.waits_for or watched.name
+        log = self.processes[blamed].log_file if blamed in self.processes else watched.log_file
+        raise ProcessStuck(blamed, line, log)
+
+    def bound(self, record: Progress, a: Activity) -> float | None:
+        """Longest ``a`` may take before the slack: its own limit; a learned one for its kind; None for an unlimited
+        wait on another process (watched itself)."""
+        if a.limit_s is not None:
+            return a.limit_s
+        if a.waits_for is not None or not a.kind:
+            return None
+        c = self.config
+        if c.step_timeout_s is not None:
+            return c.step_timeout_s
+        slowest = record.slowest_s.get(a.kind)
+        if slowest is None:
+            return c.first_timeout_s
+        return max(c.learned_floor_s, c.learned_factor * slowest)
+
+
+def _serving(answer: HealthResponse | None) -> str:
+    if answer is None:
+        return ""
+    return (
+        f"; it last served weights step {answer.weight_step} with {answer.running} requests running and "
+        f"{answer.waiting} waiting"
+    )
+
+
+def progress_files(plan: ResolvedRun) -> dict[str, list[Path]]:
+    """Per process of a launch plan, the progress files it writes (the trainer: one per rank)."""
+    from prime_core.run_dir import RunDir
+
+    from prime_launch.plan import role
+
+    files: dict[str, list[Path]] = {}
+    ranks = 1
+    for name, cfg in plan.configs.items():
+        if role(name) == "orchestrator":
+            files[name] = [RunDir(cfg.output_dir).progress_file("orchestrator")]
+            ranks = cfg.num_trainer_ranks
+        elif name == "inference":
+            files[name] = [plan.run_dir.progress_file("inference")]
+    files["trainer"] = [plan.run_dir.progress_file("trainer", rank) for rank in range(ranks)]
+    return files
+
+
+class RunWatchdog(Watchdog):
+    """The watchdog of one ``rl`` launch: knows each process's progress files and log."""
+
+    def __init__(self, plan: ResolvedRun, config: LivenessConfig):
+        run_id = next((spec.env.get("PRIME_RUN_ID") for spec in plan.specs), None)
+        super().__init__(config, run_id)
+        self.files = progress_files(plan)
+        self.logs = {spec.name: spec.log_file for spec in plan.specs}
+
+    def started(self, name: str) -> None:
+        self.watch(name, self.files.get(name, []), self.logs.get(name))
+
+
+def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
+    """``prime-launch watch``: check until a process is stuck (``ProcessStuck``) or SIGTERM/SIGINT (return)."""
+    import os
+    import signal
+
+    from prime_core.run_dir import RunDir
+
+    run_dir = RunDir(config.output_dir)
+    dog = Watchdog(config.liveness, os.environ.get("PRIME_RUN_ID"), exits_known=False)
+    if config.orchestrator:
+        dog.watch("orchestrator", [run_dir.progress_file("orchestrator")], run_dir.log_file("orchestrator"))
+    if config.trainer_ranks:
+        ranks = [run_dir.progress_file("trainer", r) for r in range(config.trainer_ranks)]
+        dog.watch("trainer", ranks, run_dir.log_file("trainer"))
+    api_key = os.environ.get(config.api_key_var) if config.api_key_var else None
+    dog.probe(config.health_urls, api_key)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(
+        f"watching {', '.join(dog.processes)} and {len(dog.probes)} inference server(s) (slack {config.liveness.slack_s:g} s)",
+        flush=True,
+    )
+    try:
+        while not stop.wait(poll_s):
+            dog.check()
+    finally:
+        dog.close()
+
+
+def watch_context(rl: RLConfig, run_dir: RunDir) -> dict[str, object]:
+    """Template variables of a multi-node SLURM job: ``prime-launch watch``'s liveness flags, and the step a resumed
+    job rewinds to before it starts anything (None: a fresh run)."""
+    from prime_launch.host import resumable_steps
+
+    resume_step = rl.trainer.ckpt.resume_step
+    if rl.resume and resume_step is None:
+        steps = resumable_steps(rl, run_dir.root)
+        resume_step = steps[-1] if steps else None
+    config = rl.liveness
+    flags = [
+        f"--liveness.{name.replace('_', '-')} {value}"
+        for name, value in config.model_dump().items()
+        if value is not None and name != "enabled"
+    ]
+    return {"watch_args": " ".join(flags), "watch_enabled": config.enabled, "resume_step": resume_step}

@@ -1,0 +1,162 @@
+"""Environments that fail, against the real orchestrator, env servers and the torch engine (tiny model, in-process
+server): a reward function that raises, returns NaN, awaits forever or blocks its worker; an env that answers with an
+enormous message; a step where too few rollouts succeed. The run goes on (the failures counted per environment, each
+named in the log tables) or stops with one line, and no env-server process is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from prime_core.monitor import read_metrics
+from prime_orchestrator.env_watch import process_tree
+
+from tests.fixtures.vf import use_vf_envs
+from tests.orchestrator.test_integration import make_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
+
+
+def fault_config(tmp_path, model, server, faults: str, *, every: int = 4, env: dict | None = None, **overrides):
+    # A worker's first rollouts wait for its renderer and HTTP pool to load: 30 s on a busy 2-core machine.
+    env = {"id": "vf-faults", "args": {"faults": faults, "every": every}, "rollout_timeout": 120, **(env or {})}
+    base = dict(batch_size=8, rollouts_per_example=2, max_steps=2, async_level=2, num_trainer_ranks=1,
+                max_rollout_retries=1, recovery={"probe_timeout_s": 5}, env=[env], sampling={"max_tokens": 8})  # fmt: skip
+    return make_config(tmp_path, model, server, **{**base, **overrides})
+
+
+def run_orchestrator(config):
+    """Run the orchestrator in this process; return it, the seconds it took, and the env-server processes that
+    outlived it."""
+    from prime_core.logging import setup_logging
+    from prime_orchestrator.orchestrator import Orchestrator
+
+    setup_logging("orchestrator", level="info")
+    orch = Orchestrator(config)
+    seen: set[int] = set()
+
+    async def main():
+        async def note_servers():  # every process of every env server (an orphan would leave the tree)
+            while True:
+                for pool in orch.pools.values():
+                    seen.update(process_tree(pool.server.pid) if pool.server.pid else ())
+                await asyncio.sleep(0.1)
+
+        noting = asyncio.create_task(note_servers())
+        try:
+            await orch.run()
+        finally:
+            noting.cancel()
+
+    start = time.monotonic()
+    error = None
+    try:
+        asyncio.run(main())
+    except Exception as e:  # the caller asserts on it
+        error = e
+    left = [pid for pid in seen if process_tree(pid)]
+    return orch, time.monotonic() - start, error, left
+
+
+def step_metrics(tmp_path) -> dict[int, dict]:
+    return {r.step: r.values for r in read_metrics(tmp_path / "metrics.jsonl", "orchestrator")}
+
+
+def sample_errors(tmp_path) -> list[str]:
+    rows = [json.loads(line) for p in (tmp_path / "samples").glob("*.jsonl") for line in p.read_text().splitlines()]
+    return [r["completion"] for r in rows if r["failed"]]
+
+
+def test_rewards_that_raise_or_are_nan_fail_their_rollouts_and_the_run_goes_on(tmp_path, tiny_model, torch_server,
+                                                                                 monkeypatch):  # fmt: skip
+    use_vf_envs(monkeypatch)
+    config = fault_config(tmp_path, tiny_model, torch_server, "raise,nan", log_extras={"interval": 1, "num_samples": 8})
+    orch, took, error, left = run_orchestrator(config)
+    assert error is None and left == []
+    metrics = step_metrics(tmp_path)
+    assert sorted(metrics) == [0, 1]
+    # 4 groups of 2 rollouts a step: step 0 has tasks 0-3 (task 0 raises), step 1 tasks 4-7 (task 4 is NaN).
+    assert [metrics[s]["failed/vf-faults"] for s in (0, 1)] == [2, 2]
+    assert metrics[1]["failed/rollouts"] == 2 and metrics[1]["env_servers/vf-faults/restarts"] == 0
+    errors = sample_errors(tmp_path)
+    assert any("the reward function exploded" in e for e in errors), errors
+    assert any(e == "not finite: reward = nan, reward/reversed_words = nan" for e in errors), errors
+    print(f"raise + nan: 2 steps in {took:.0f} s")
+
+
+@pytest.mark.slow
+def test_too_few_good_rollouts_stop_the_run_with_one_line(tmp_path, tiny_model, torch_server, monkeypatch):
+    use_vf_envs(monkeypatch)
+    config = fault_config(tmp_path, tiny_model, torch_server, "raise", every=1)
+    _, _, error, left = run_orchestrator(config)
+    assert left == []
+    assert str(error).startswith("step 0: 8 of 8 rollouts failed (vf-faults: 8), more than "
+                                 "orchestrator.recovery.min_ok_fraction = 0.5 allows; first error: ")  # fmt: skip
+    assert "the reward function exploded" in str(error) and "\n" not in str(error)
+
+
+@pytest.mark.slow
+def test_a_rollout_that_hangs_is_cancelled_at_its_timeout_and_counted(tmp_path, tiny_model, torch_server, monkeypatch):
+    use_vf_envs(monkeypatch)
+    config = fault_config(tmp_path, tiny_model, torch_server, "hang", env={"rollout_timeout": 60})
+    orch, took, error, left = run_orchestrator(config)
+    assert error is None and left == []
+    metrics = step_metrics(tmp_path)
+    assert [metrics[s]["failed/vf-faults"] for s in (0, 1)] == [2, 2]
+    # The worker stays responsive (the reward awaits): nothing is replaced, the rollout ends at its own timeout.
+    assert all(e == "timed out after 60s" for e in sample_errors(tmp_path))
+    assert metrics[1]["env_servers/vf-faults/restarts"] == 0
+    print(f"hang: 2 steps in {took:.0f} s")
+
+
+# Workers need a minute to start on a loaded 2-core host; the blocked worker is found 5 s after its reward blocks.
+BLOCK = {"rollout_timeout": 600}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_a_reward_that_blocks_the_only_worker_fails_what_ran_beside_it(tmp_path, tiny_model, torch_server, monkeypatch):
+    """One worker: a reward that never returns blocks its event loop and every rollout on it. The server is replaced
+    (5 s without a health answer) and the rollouts re-run once (max_rollout_retries = 1); the blocking task blocks it
+    again, so all fail, named, and the step stops the run (recovery.min_ok_fraction)."""
+    use_vf_envs(monkeypatch)
+    config = fault_config(tmp_path, tiny_model, torch_server, "block", env=BLOCK, max_steps=1)
+    orch, took, error, left = run_orchestrator(config)
+    assert left == [] and orch.pools["vf-faults"].server.num_restarts >= 2
+    assert str(error).startswith("step 0: 8 of 8 rollouts failed (vf-faults: 8)")
+    assert "env server vf-faults died during a rollout (the server pid " in str(error)
+    assert "did not answer a health probe for" in str(error)
+    print(f"block (1 worker): stopped after {took:.0f} s: {error}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # each replacement restarts the pool: 1-4 min on a loaded 2-core host
+def test_a_reward_that_blocks_a_pool_worker_gets_the_pool_replaced(tmp_path, tiny_model, torch_server, monkeypatch):
+    """Two workers, one rollout per task, task 0 blocks: its worker is found silent, the pool replaced and the rollouts
+    it held re-run (those on the other worker finish); task 0's rollout fails after its re-run, most others train."""
+    use_vf_envs(monkeypatch)
+    config = fault_config(tmp_path, tiny_model, torch_server, "block", every=8, env={**BLOCK, "num_workers": 2},
+                          max_steps=1, rollouts_per_example=1, max_rollout_retries=1,
+                          recovery={"probe_timeout_s": 5, "min_ok_fraction": 0.25})  # fmt: skip
+    orch, took, error, left = run_orchestrator(config)
+    assert error is None and left == []
+    metrics = step_metrics(tmp_path)[0]
+    runner = orch.pools["vf-faults"]
+    assert 1 <= metrics["failed/vf-faults"] < 8 and runner.server.num_restarts >= 2
+    assert metrics["env_servers/vf-faults/retries"] >= 2
+    print(f"block (2 workers): {metrics['failed/vf-faults']} of 8 failed, {runner.server.num_restarts} restarts, "
+          f"step in {took:.0f} s")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_enormous_env_answer_fails_its_rollout_and_nothing_else(tmp_path, tiny_model, torch_server, monkeypatch):
+    use_vf_envs(monkeypatch)
+    env = {"id": "vf-faults", "env_args": {"huge_chars": 2_000_000}, "max_turns": 2}
+    config = fault_config(tmp_path, tiny_model, torch_server, "huge", env=env, max_steps=1)
+    orch, took, error, left = run_orchestrator(config)
+    assert error is None and left == []
+    metrics = step_metrics(tmp_path)[0]
+    assert metrics["failed/vf-faults"] == 2, metrics
+    print(f"huge: errors {sample_errors(tmp_path)}; step in {took:.0f} s")

@@ -1,0 +1,242 @@
+"""The watchdog's rules on synthetic progress files and servers (the end-to-end cases: tests/faults/), and the
+rewind of a run directory before a resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from prime_core.config.liveness import LivenessConfig
+from prime_core.io import atomic_dir, mark_stable
+from prime_core.run_dir import RunDir
+from prime_core.schemas.progress import Activity, Progress
+from prime_launch.resume import rewind
+from prime_launch.watchdog import ProcessStuck, Watchdog
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def write(path, **fields):
+    record = {"process": "trainer", "pid": 1, "started": 990.0, "time": 1000.0, "run_id": "run", **fields}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(Progress.model_validate(record).model_dump_json())
+
+
+def watchdog(tmp_path, clock, **config):
+    dog = Watchdog(LivenessConfig(slack_s=10, **config), run_id="run", clock=clock)
+    dog.watch("trainer", [tmp_path / "t.json"], tmp_path / "trainer.log")
+    dog.watch("orchestrator", [tmp_path / "o.json"], tmp_path / "orchestrator.log")
+    return dog
+
+
+def check(dog, clock, at):
+    clock.now = at
+    dog._last_check = 0.0
+    dog.check()
+
+
+def test_heartbeat_age_and_startup_allowance(tmp_path):
+    clock = Clock()
+    dog = watchdog(tmp_path, clock, startup_s=30)
+    write(tmp_path / "o.json", process="orchestrator", time=1019.0)
+    check(dog, clock, 1020.0)  # the trainer has not written yet, within its 30 s
+    write(tmp_path / "t.json", time=1020.0)
+    write(tmp_path / "o.json", process="orchestrator", time=1020.0)
+    check(dog, clock, 1029.0)
+    with pytest.raises(ProcessStuck, match=r"trainer sent no heartbeat for 11 s \(pid 1.*\); it was idle"):
+        check(dog, clock, 1031.0)
+
+
+def test_files_of_an_earlier_launch_or_another_run_are_ignored(tmp_path):
+    clock = Clock()
+    dog = watchdog(tmp_path, clock, startup_s=5)
+    write(tmp_path / "t.json", time=900.0)  # left by the run that was stopped
+    write(tmp_path / "o.json", process="orchestrator", time=1001.0, run_id="another")
+    with pytest.raises(ProcessStuck, match="trainer is stuck: it wrote no heartbeat to .* in the 6 s since it started"):
+        check(dog, clock, 1006.0)
+
+
+def test_bounds_limit_learned_first_and_waits(tmp_path):
+    dog = Watchdog(LivenessConfig(learned_factor=4, learned_floor_s=60, first_timeout_s=1800))
+    record = Progress(process="trainer", pid=1, started=0, time=0, slowest_s={"step": 20.0, "publish": 1.0})
+
+    def bound(**a):
+        return dog.bound(record, Activity(what="x", since=0, **a))
+
+    assert bound(kind="step") == 80 and bound(kind="publish") == 60 and bound(kind="checkpoint") == 1800
+    assert bound(limit_s=5, waits_for="inference") == 5
+    assert bound(waits_for="orchestrator") is None and bound() is None
+    fixed = Watchdog(LivenessConfig(step_timeout_s=7))
+    assert fixed.bound(record, Activity(what="x", since=0, kind="checkpoint")) == 7
+
+
+def test_an_overdue_wait_blames_the_process_waited_for(tmp_path):
+    clock = Clock()
+    dog = watchdog(tmp_path, clock)
+    dog.watch("inference", [], tmp_path / "inference.log")
+    relay = Activity(lane="relay", what="waiting for inference to load weights step 2", since=1000.0, limit_s=20,
+                     waits_for="inference")  # fmt: skip
+    policy = Activity(lane="policy", what="waiting for the trainer's weights step 3", since=900.0, waits_for="trainer")
+    write(
+        tmp_path / "o.json", process="orchestrator", time=1031.0, activities=[relay.model_dump(), policy.model_dump()]
+    )
+    write(tmp_path / "t.json", time=1031.0)
+    check(dog, clock, 1029.0)
+    with pytest.raises(ProcessStuck) as stuck:
+        check(dog, clock, 1031.0)
+    assert stuck.value.cause == (
+        "inference is stuck: orchestrator has been waiting for inference to load weights step 2 for 31 s, past its "
+        f"bound of 20 s + 10 s slack (log: {tmp_path / 'inference.log'})"
+    )
+
+
+def test_exiting_processes_must_go_and_finished_ones_are_left_alone(tmp_path):
+    clock = Clock()
+    dog = watchdog(tmp_path, clock)
+    write(tmp_path / "t.json", time=1000.0, exiting=True)
+    write(tmp_path / "o.json", process="orchestrator", time=1011.0)
+    clock.now = 1011.0
+    dog.check(finished=["trainer"])
+    with pytest.raises(ProcessStuck, match="trainer finished its work 11 s ago but has not exited"):
+        check(dog, clock, 1011.0)
+
+
+class _Server:
+    """A /health that answers with ``state`` until ``hang`` is set, then never answers."""
+
+    def __init__(self, state):
+        self.state, self.hang = state, threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                while outer.hang.is_set():
+                    time.sleep(0.05)
+                body = json.dumps(outer.state).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/health"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.hang.clear()
+        self.httpd.shutdown()
+
+
+def test_health_probe_finds_a_silent_server_and_a_stalled_engine():
+    server = _Server({"status": "ok", "weight_step": 2, "running": 3, "engine_steps": 10})
+    dog = Watchdog(LivenessConfig(slack_s=1.5, probe_timeout_s=0.5))
+    try:
+        dog.probe([server.url], None)
+        probe = dog.probes[server.url]
+        deadline = time.monotonic() + 20
+        while probe.answer is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dog._last_check = 0.0
+        dog.check()  # it answers, and its engine just stepped
+        time.sleep(2.5)  # 3 requests running, no step since
+        dog._last_check = 0.0
+        with pytest.raises(ProcessStuck, match="its engine made no step for [0-9]+ s with 3 requests running"):
+            dog.check()
+        server.state["running"] = 0  # idle: no step is expected
+        time.sleep(1.2)
+        dog._last_check = 0.0
+        dog.check()
+        server.hang.set()
+        time.sleep(2.5)
+        dog._last_check = 0.0
+        with pytest.raises(ProcessStuck, match=r"has not answered for [0-9]+ s \(the last request has waited"):
+            dog.check()
+    finally:
+        dog.close()
+        server.close()
+
+
+def test_rewind_removes_what_the_stopped_run_made_after_the_checkpoint(tmp_path):
+    run = RunDir(tmp_path)
+    for step in range(5):
+        with atomic_dir(run.weight_step(step)):
+            pass
+        run.rollout_step(step).mkdir(parents=True)
+    note = rewind(run, 2)
+    assert sorted(p.name for p in run.rollouts.iterdir()) == ["step_0", "step_1"]
+    assert sorted(p.name for p in run.weights.iterdir()) == ["step_0", "step_1", "step_2"]
+    assert note == f"removed the stopped run's rollouts of steps 2-4 and weights of steps 3-4 in {tmp_path} " \
+        "(resuming from step 2 makes them again)"  # fmt: skip
+    assert rewind(run, 2) is None
+
+
+def test_only_complete_checkpoints_are_resumable(tmp_path):
+    run = RunDir(tmp_path)
+    for step in (2, 4, 6):
+        run.trainer_checkpoint(step).mkdir(parents=True)
+        mark_stable(run.trainer_checkpoint(step))
+        mark_stable(run.checkpoint_step(step))
+    for step in (2, 4):  # step 6: the orchestrator's part never came
+        run.orchestrator_checkpoint(step).mkdir(parents=True)
+        mark_stable(run.orchestrator_checkpoint(step))
+    for step in (2, 6):  # step 4: its weights are gone
+        run.weight_step(step).mkdir(parents=True)
+        mark_stable(run.weight_step(step))
+    assert run.checkpoint_steps() == [2, 4, 6] and run.resumable_steps() == [2]
+
+
+CLI = [sys.executable, "-m", "prime_launch.entrypoints.cli"]
+
+
+def test_prime_launch_watch_names_the_stuck_process_and_exits_1(tmp_path):
+    """The watchdog of a multi-node SLURM job: heartbeats in the shared output directory, exit 1 with one line."""
+    from prime_core.progress import ProgressReporter
+
+    run = RunDir(tmp_path)
+    beating = ProgressReporter(run.progress_file("orchestrator"), "orchestrator", run_id="job-7").start()
+    try:
+        args = ["watch", "--output-dir", str(tmp_path), "--trainer-ranks", "2", "--liveness.slack-s", "2",
+                "--liveness.startup-s", "3"]  # fmt: skip
+        env = {**os.environ, "PRIME_RUN_ID": "job-7"}
+        proc = subprocess.Popen([*CLI, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # rank 0 beats (started after the watcher), rank 1 never does
+        rank0 = ProgressReporter(run.progress_file("trainer", 0), "trainer", rank=0, run_id="job-7").start()
+        out, err = proc.communicate(timeout=60)
+        rank0.close()
+    finally:
+        beating.close()
+    assert proc.returncode == 1 and out.startswith("watching orchestrator, trainer and 0 inference server(s)")
+    assert err.startswith(f"error: trainer is stuck: it wrote no heartbeat to {run.progress_file('trainer', 1)}"), err
+    assert err.count("\n") == 1
+
+
+def test_prime_launch_watch_ends_cleanly_on_sigterm_and_rewind_cli(tmp_path):
+    proc = subprocess.Popen([*CLI, "watch", "--output-dir", str(tmp_path), "--trainer-ranks", "0", "--orchestrator",
+                             "false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    run = RunDir(tmp_path)
+    run.rollout_step(3).mkdir(parents=True)
+    done = subprocess.run(
+        [*CLI, "rewind", "--output-dir", str(tmp_path), "--step", "2"], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "removed the stopped run's rollouts of steps 3" in done.stdout
+    assert not run.rollout_step(3).exists()

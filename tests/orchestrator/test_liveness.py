@@ -1,0 +1,134 @@
+"""The orchestrator's liveness pieces alone: screening rollouts, the share of good rollouts a step needs, the progress
+lane of rollouts in flight, and finding hung env-server processes (end to end: tests/faults/test_env_faults.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.progress import ProgressReporter
+from prime_core.schemas.rollout import RolloutResult, TrainedSequence
+from prime_orchestrator import liveness
+from prime_orchestrator.env_watch import HangWatch, process_tree
+from prime_orchestrator.liveness import RolloutsFailed, RolloutTracker, check_step, screen
+
+
+def ok(env="a", reward=1.0, **kw) -> RolloutResult:
+    seq = TrainedSequence(token_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0, -0.5])
+    return RolloutResult(env=env, example=0, sequences=[seq], reward=reward, **kw)
+
+
+def failed(env="a", error="TimeoutError: timed out after 600s") -> RolloutResult:
+    return RolloutResult(env=env, example=0, failed=True, error=error)
+
+
+def test_a_reward_or_metric_that_is_not_finite_fails_the_rollout():
+    bad = screen(ok(reward=float("nan")), 1000)
+    assert bad.failed and bad.error == "not finite: reward = nan" and bad.sequences == []
+    assert screen(ok(metrics={"len": float("inf")}), 1000).error == "not finite: len = inf"
+    assert not screen(ok(metrics={"len": 3.0}), 1000).failed
+
+
+def test_enormous_text_is_cut_for_the_log_tables():
+    big = screen(ok(prompt="p" * 5000, completion="c" * 10), 1024)
+    assert big.prompt == "p" * 1024 + "... [3976 more characters]" and big.completion == "c" * 10
+    assert big.sequences == ok().sequences
+
+
+def test_a_step_stops_the_run_when_too_few_rollouts_succeed():
+    check_step(3, [ok(), ok(), failed(), failed()], 0.5)
+    check_step(3, [], 0.5)
+    with pytest.raises(RolloutsFailed) as e:
+        check_step(3, [ok(), failed("b", "KeyError: 'x'"), failed("a"), failed("b")], 0.5)
+    assert str(e.value) == (
+        "step 3: 3 of 4 rollouts failed (b: 2, a: 1), more than orchestrator.recovery.min_ok_fraction = 0.5 allows; "
+        "first error: KeyError: 'x'"
+    )
+
+
+def test_tracker_shows_rollouts_in_flight_and_counts_failures(tmp_path, monkeypatch):
+    reporter = ProgressReporter(tmp_path / "o.json", "orchestrator")
+    monkeypatch.setattr(liveness.progress, "_current", reporter)
+    config = OrchestratorConfig.model_validate({"env": [{"id": "reverse-text", "rollout_timeout": 40}]})
+    tracker = RolloutTracker(config)
+    release = asyncio.Event()
+
+    async def rollout(result):
+        await release.wait()
+        return tracker.record(result)
+
+    async def main():
+        tasks = [asyncio.create_task(tracker.track(s, rollout(r))) for s, r in [(0, ok()), (0, failed()), (1, ok())]]
+        await asyncio.sleep(0.01)
+        (lane,) = reporter.snapshot().activities
+        assert lane.lane == "rollouts" and lane.limit_s == 40 + config.recovery.probe_timeout_s
+        assert lane.what == "generating rollouts (0 of 2 done for step 0, 0 of 1 done for step 1)"
+        release.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    snapshot = reporter.snapshot()
+    assert snapshot.activities == [] and snapshot.counters == {"rollouts/a/done": 3, "rollouts/a/failed": 1}
+
+
+class _Proc:
+    def __init__(self, popen):
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self):
+        return self.popen.poll() is None
+
+    def kill(self):
+        self.popen.kill()
+
+
+def test_a_stopped_process_of_an_env_server_is_killed_and_named():
+    server = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(process_tree(server.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = max(p for p in process_tree(server.pid) if p != server.pid)
+        os.kill(child, signal.SIGSTOP)
+        while process_tree(server.pid).get(child) != "T" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watch = HangWatch("tool-env", _Proc(server), None, 30, set)
+        reason = watch.stopped()
+        assert reason == f"pid {child} (sleep 60) was stopped by a signal and would never resume; killed it"
+        while child in process_tree(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child not in process_tree(server.pid) and watch.stopped() is None
+    finally:
+        server.kill()
+        server.wait()
+
+
+class _SilentClient:
+    async def health(self, timeout):
+        await asyncio.sleep(0.01)
+        return False
+
+
+def test_a_server_that_answers_no_health_probe_is_replaced():
+    server = subprocess.Popen(["sleep", "60"])
+    try:
+        watch = HangWatch("reverse-text", _Proc(server), _SilentClient(), 0.3, set)
+        liveness_probe = asyncio.run(_probe_twice(watch))
+        assert liveness_probe[0] is None
+        assert liveness_probe[1].startswith(f"the server pid {server.pid} did not answer a health probe for ")
+        assert "(its event loop is blocked: a reward function or tool call that never returns?)" in liveness_probe[1]
+    finally:
+        server.kill()
+        server.wait()
+
+
+async def _probe_twice(watch: HangWatch):
+    first = await watch.unanswered()
+    await asyncio.sleep(0.4)
+    return first, await watch.unanswered()
