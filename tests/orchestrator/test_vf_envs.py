@@ -21,6 +21,7 @@ from tests.trainer.trainer_utils import read_trainer_metrics, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = save_tiny_model(tmp_path_factory.mktemp("tool_model"), build_tool_tokenizer())
