@@ -19,10 +19,11 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from provenance import tree_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,12 +100,11 @@ def main() -> None:
     share = mean(measured, "rollout/scoring_share")
     latency = mean(measured, "rollout/latency_mean")
     step_code, step_base = mean(measured, "time/rollouts"), mean(baseline, "time/rollouts")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     record = {
         "benchmark": "code_reward_path",
         "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "load_avg_1m_at_end": os.getloadavg()[0],
-        "commit": commit.stdout.strip() or None,
+        "commit": tree_commit(os.environ.get("PRIME_COMMIT")),
         "vocab_size": 2000,
         "batch_size": args.batch_size,
         "rollouts_per_example": args.rollouts_per_example,

@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from provenance import tree_commit
 from pyspy_profile import profile_during
 from serve_load import free_port, host_cpu, post_all, request_body, stop_server, wait_healthy
 
@@ -436,10 +437,9 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"inference_vllm-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     result: dict = {
         "benchmark": "inference_vllm", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "host_cpu": host_cpu(), "commit": args.commit or git.stdout.strip(), "config": vars(args),
+        "host_cpu": host_cpu(), "commit": tree_commit(args.commit), "config": vars(args),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "stages_s": {}, "server": {}, "server_vllm_logprobs": {}, "vllm_server": {}, "offline": {},
     }  # fmt: skip

@@ -17,14 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import tree_commit
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def summarize(metrics: Path) -> dict:
@@ -75,7 +70,7 @@ def main() -> None:
         "config": args.config,
         "model": "examples/reverse_text/model (Qwen3-shaped, 1.6M params)",
         "device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "commit": git_commit(),
+        "commit": tree_commit(os.environ.get("PRIME_COMMIT")),
         "results": results,
     }
     out = args.out or ROOT / "benchmarks" / "results" / f"rl_cpu_async_{platform.node() or 'host'}.json"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,30 @@ def summarize(metrics: Path, async_level: int = 0) -> dict:
     }
 
 
+def run_level(cmd: list[str], run: Path, async_level: int) -> dict:
+    """Run ``rl`` once into ``run`` and summarize its metrics. The directory is emptied first: metrics a previous run
+    left there must never pass for this one's (``rl`` clears its artifacts only once it gets that far). A run that
+    fails reports how far it got, not step times."""
+    shutil.rmtree(run, ignore_errors=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT)
+    entry: dict = {
+        "async_level": async_level,
+        "returncode": proc.returncode,
+        "wall_time_s": time.perf_counter() - start,
+    }
+    metrics = run / "metrics.jsonl"
+    try:
+        summary = summarize(metrics, async_level) if metrics.is_file() else {"steps": 0}
+    except (ValueError, KeyError) as e:  # a process killed mid-write leaves a partial line
+        summary = {"steps": None, "metrics_error": f"{type(e).__name__}: {e}"}
+    if proc.returncode == 0:
+        entry.update(summary)
+    else:
+        entry.update(steps=summary["steps"], error=f"rl exited with code {proc.returncode}: no step times recorded")
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--async-levels", type=int, nargs="+", default=[0, 1])
@@ -76,6 +101,7 @@ def main() -> None:
 
     import torch
     from examples_gpu import full_vocab_tokenizer
+    from provenance import tree_commit
     from weight_update_gpu import save_model
 
     work = Path(os.environ.get("PRIME_RL_GPU_DIR", "/tmp/prime-rl-gpu"))
@@ -87,7 +113,7 @@ def main() -> None:
     rl = os.environ.get("PRIME_LAUNCH_BIN_DIR", str(Path(sys.executable).parent)) + "/rl"
     report = {
         "benchmark": "rl_gpu_reverse_text", "config": args.config, "device": torch.cuda.get_device_name(0),
-        "gpus": torch.cuda.device_count(), "commit": args.commit, "model": {"shape": "Qwen3-0.6B", **model},
+        "gpus": torch.cuda.device_count(), "commit": tree_commit(args.commit), "model": {"shape": "Qwen3-0.6B", **model},
         "extra": args.extra, "results": [],
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
@@ -98,11 +124,7 @@ def main() -> None:
                "--max-steps", str(args.max_steps), "--output-dir", str(run), "--overwrite", "--console", "logs",
                *args.extra]  # fmt: skip
         print("$", " ".join(cmd), flush=True)
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT)
-        entry = {"async_level": level, "returncode": proc.returncode, "wall_time_s": time.perf_counter() - start}
-        if (run / "metrics.jsonl").is_file():
-            entry.update(summarize(run / "metrics.jsonl", level))
+        entry = run_level(cmd, run, level)
         report["results"].append(entry)
         print(json.dumps(entry), flush=True)
         out.write_text(json.dumps(report, indent=2) + "\n")

@@ -26,12 +26,12 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 from prime_orchestrator.sandbox import ExecRequest, SandboxPool, TestCase
+from provenance import tree_commit
 
 SOLUTION = '''
 def run_length(text):
@@ -194,17 +194,14 @@ def _device() -> dict:
     }
 
 
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-    except OSError:
-        return None
-    return out.stdout.strip() or os.environ.get("PRIME_COMMIT")
-
-
 async def main(args: argparse.Namespace) -> dict:
     config = SandboxPoolConfig(max_concurrency=max(args.concurrency, 1), zygotes=args.zygotes)
-    record = {"benchmark": "sandbox", "device": _device(), "commit": _commit(), "zygotes": args.zygotes or "auto"}
+    record = {
+        "benchmark": "sandbox",
+        "device": _device(),
+        "commit": tree_commit(os.environ.get("PRIME_COMMIT")),
+        "zygotes": args.zygotes or "auto",
+    }
     record["cold"] = await bench_cold(config, args.cold_repeats)
     async with SandboxPool(config) as pool:
         record["warm"] = await bench_warm(pool, args.warm)

@@ -10,6 +10,10 @@ import socket
 import subprocess
 import time
 
+from provenance import tree_commit
+
+__all__ = ["free_port", "host_cpu", "tree_commit", "wait_healthy"]
+
 
 def host_cpu() -> str:
     """The host's CPU model and core count: server throughput depends on it (host-side scheduling and IPC), so
@@ -18,16 +22,6 @@ def host_cpu() -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     return f"{model or 'unknown'}, {os.cpu_count()} cores"
-
-
-def tree_commit(explicit: str | None = None) -> str:
-    """The commit a record is of: ``explicit`` (``--commit`` / ``PRIME_COMMIT``: a device copy of the tree may carry
-    another HEAD), else this checkout's short HEAD."""
-    if explicit:
-        return explicit
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-    return git.stdout.strip()
 
 
 def free_port() -> int:

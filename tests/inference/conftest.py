@@ -26,6 +26,7 @@ def other_weights_dir(tmp_path_factory, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = start_server(model_dir)
+    # As `rl` serves rollouts: log-probs of the distribution each token was drawn from (the trainer's).
+    s = start_server(model_dir, logprobs_mode="processed")
     yield s
     s.stop()

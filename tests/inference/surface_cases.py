@@ -168,3 +168,124 @@ def check_tokenize_routes(url: str, model: str) -> None:
     assert chat.status_code == 200 and chat.json()["count"] > tok["count"] - 2
     assert "version" in httpx.get(f"{url}/version").json()
     assert httpx.get(f"{url}/ping").status_code == 200
+
+
+# ---- the 14 cases where the torch engine used to answer otherwise than vLLM 0.26 (issue #40) ----
+
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+REQUIRED, NAMED = "required", {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _stream_calls(stream) -> tuple[dict, str, str | None]:
+    calls, content, finish = {}, "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return calls, content, finish
+
+
+def _bounded_arguments(arguments: str) -> None:
+    """What the tool's schema allows: exactly {"city": "Paris" | "Berlin"}."""
+    value = json.loads(arguments)
+    assert set(value) == {"city"} and value["city"] in ("Paris", "Berlin"), arguments
+
+
+def check_forced_tool_calls(client, model: str) -> None:
+    """``tool_choice`` required and named, plain and streamed: the output is constrained to the tool's JSON schema
+    (in the parser's call syntax) and comes back as tool calls; finish reasons as OpenAI's (tool_calls for required,
+    stop for a named function). Thinking off: vLLM binds the grammar once reasoning has ended (an empty think block
+    in the prompt); sampled, as a greedy random-init model can stay in the JSON's free whitespace."""
+    messages = [{"role": "user", "content": "weather as json"}]
+    for choice, finish in ((REQUIRED, "tool_calls"), (NAMED, "stop")):
+        kw = {"model": model, "messages": messages, "tools": BOUNDED_TOOLS, "tool_choice": choice, "max_tokens": 200,
+              "temperature": 1, "seed": 3, "extra_body": NO_THINK}  # fmt: skip
+        r = client.chat.completions.create(**kw)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == finish, r.choices[0]
+        assert message.tool_calls and not message.content, message
+        for call in message.tool_calls:
+            assert call.function.name == "get_weather" and call.id
+            _bounded_arguments(call.function.arguments)
+        calls, content, streamed_finish = _stream_calls(client.chat.completions.create(stream=True, **kw))
+        assert calls and not content.strip() and streamed_finish == finish, (calls, content, streamed_finish)
+        for call in calls.values():
+            assert call["name"] == "get_weather"
+            _bounded_arguments(call["arguments"])
+
+
+def check_reasoning_without_think_block(client, model: str, tokenizer) -> None:
+    """``--reasoning-parser qwen3`` with thinking on (the default): output without ``</think>`` is all reasoning and
+    ``content`` is None (the chat template may have opened the think block)."""
+    # No marker and no special token (skipped from the text), and no early EOS: six tokens of plain text.
+    banned = [tokenizer.convert_tokens_to_ids(m) for m in MARKERS] + list(tokenizer.all_special_ids)
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       temperature=0, logit_bias={str(t): -100 for t in banned},
+                                       extra_body={"min_tokens": 6})  # fmt: skip
+    message = r.choices[0].message
+    assert message.content is None and message.model_extra["reasoning"], message
+
+
+def check_unknown_field_ignored(url: str, model: str) -> None:
+    """vLLM ignores a top-level field it does not know (and logs it) rather than answering 400."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "no_such_option": 1}
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    prompt = {"model": model, "prompt": "hi", "max_tokens": 2, "no_such_option": {"a": 1}}
+    assert httpx.post(f"{url}/v1/completions", json=prompt, timeout=120).status_code == 200
+
+
+def check_echo(client, model: str, tokenizer) -> None:
+    """Completions: the echoed prompt's positions carry their token and its top alternatives (at most k + 1
+    entries, the token among them), the first none. Chat: the continued last message leads the content."""
+    r = client.completions.create(model=model, prompt="the quick brown", max_tokens=2, temperature=0, logprobs=1,
+                                  echo=True)  # fmt: skip
+    lp = r.choices[0].logprobs
+    prompt_len = len(tokenizer("the quick brown")["input_ids"])
+    assert len(lp.tokens) == prompt_len + 2 and r.choices[0].text.startswith("the quick brown")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True):
+        assert token in top and 1 <= len(top) <= 2, (token, top)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello world"}]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=3, temperature=0,
+                                       extra_body={"echo": True, "add_generation_prompt": False,
+                                                   "continue_final_message": True, **NO_THINK})  # fmt: skip
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content.startswith("hello world")
+
+
+def check_raw_logprobs_by_default(url: str, model: str) -> None:
+    """vLLM's default log-probs are raw (log_softmax of the logits): the same at temperature 0.7 and 1.5, and not
+    the log 1 = 0 of the processed distribution when ``allowed_token_ids`` leaves one token."""
+    values = []
+    for temperature in (0.7, 1.5):
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 1, "temperature": temperature, "seed": 0,
+                "logprobs": 0, "allowed_token_ids": [9]}  # fmt: skip
+        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert choice["logprobs"]["tokens"] and choice["logprobs"]["top_logprobs"][0]
+        values.append(choice["logprobs"]["token_logprobs"][0])
+    assert values[0] < -1e-3 and abs(values[0] - values[1]) < 2e-2, values
+
+
+def check_refused_requests(url: str, model: str, stop_limit: int | None = 16) -> None:
+    """What vLLM answers 400, naming the field in ``param``. ``stop_limit``: the most stop strings the server takes
+    (the torch engine 16, as vLLM's later releases; vLLM 0.26 has no limit)."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    bad_tool = [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]
+    cases = [
+        ({**chat, "tool_choice": "auto"}, "tool_choice"),
+        ({**chat, "temperature": 3}, "temperature"),
+        ({**chat, "tools": bad_tool}, "tools"),
+        ({**chat, "messages": [{"role": "user", "content": None}]}, "messages"),
+    ]
+    for body, param in cases:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 400 and param in (r.json()["error"]["param"] or ""), (body, r.text)
+    stops = {**chat, "stop": [f"s{i}" for i in range(17)]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=stops, timeout=120)
+    if stop_limit is None:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text

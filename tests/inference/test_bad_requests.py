@@ -78,7 +78,8 @@ def bad_requests(paths: dict, vocab: int) -> list[tuple[str, str, dict, bytes | 
         post(path, None, raw=b"")
         post(path, None, raw=b"[1, 2, 3]")
         post(path, None, raw=b"\xff\xfe\x00")
-        post(path, {**ok, "unknown_field": 1})
+        if "token_ids" in ok:  # the OpenAI routes ignore an unknown top-level field, as vLLM does
+            post(path, {**ok, "unknown_field": 1})
         post(path, {**ok, "model": "no-such-model"})
     for key, value in bad_sampling:
         post("/v1/chat/completions", {**chat_ok, key: value})
@@ -94,6 +95,14 @@ def bad_requests(paths: dict, vocab: int) -> list[tuple[str, str, dict, bytes | 
     post("/v1/chat/completions", {**chat_ok, "response_format": {"type": "yaml"}})
     post("/v1/chat/completions", {**chat_ok, "response_format": {"type": "json_schema", "json_schema": {}}})
     post("/v1/chat/completions", {**chat_ok, "tool_choice": "required"})  # without tools
+    post("/v1/chat/completions", {**chat_ok, "tool_choice": "auto"})  # without tools
+    post("/v1/chat/completions", {**chat_ok, "tools": []})
+    post("/v1/chat/completions", {**chat_ok, "tools": [{"type": "function", "function": {"parameters": {}}}]})
+    post("/v1/chat/completions", {**chat_ok, "messages": [{"role": "user", "content": None}]})
+    post("/v1/chat/completions", {**chat_ok, "temperature": 2.5})
+    post("/v1/chat/completions", {**chat_ok, "stop": ["x"] * 17})
+    post("/v1/chat/completions", {**chat_ok, "use_beam_search": True})
+    post("/v1/chat/completions", {**chat_ok, "chat_template": "{{ messages }}"})
     post("/v1/chat/completions", {**chat_ok, "n": 2, "temperature": 0})
     post("/v1/chat/completions", {**chat_ok, "stream_options": {"include_usage": True}})  # without stream
     post("/v1/completions", {**cmpl_ok, "prompt": ""})
@@ -132,8 +141,15 @@ def bad_requests(paths: dict, vocab: int) -> list[tuple[str, str, dict, bytes | 
         path, ok = rng.choice(routes)
         body = json.loads(json.dumps(ok))
         mutation = rng.randrange(5)
-        if mutation == 0:
-            body[rng.choice(["temperture", "max_token", "topp", "prompt_ids", "x"])] = rng.random()
+        if mutation == 0:  # a typo, top-level on the token-in route and nested on the OpenAI routes (vLLM ignores
+            # unknown top-level fields there)
+            typo = rng.choice(["temperture", "max_token", "topp", "prompt_ids", "x"])
+            if "messages" in body:
+                body["messages"][0][typo] = rng.random()
+            elif "prompt" in body:
+                body.update(stream=True, stream_options={typo: True})
+            else:
+                body.get("sampling_params", body)[typo] = rng.random()
         elif mutation == 1:
             target = body.get("sampling_params", body)
             key, value = rng.choice(bad_sampling)

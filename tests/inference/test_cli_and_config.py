@@ -128,3 +128,17 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_log_probs_are_raw_standalone_and_processed_under_rl():
+    """vLLM's default (raw) for `inference`; `rl` gives its server the trainer's (processed) unless told otherwise."""
+    from prime_core.config.rl import RLConfig
+    from prime_launch.host import HostFacts
+    from prime_launch.resolver import resolve
+
+    assert InferenceConfig().logprobs_mode == "raw"
+    assert load_config(InferenceConfig, argv=["--logprobs-mode", "processed"]).logprobs_mode == "processed"
+    facts = HostFacts(cores=4, executables={n: f"/bin/{n}" for n in ("inference", "orchestrator", "trainer")})
+    for argv, mode in (([], "processed"), (["--inference.logprobs-mode", "raw"], "raw")):
+        rl = load_config(RLConfig, ["--output-dir", "/data/exp", "--inference.engine", "torch", *argv])
+        assert resolve(rl, facts).configs["inference"].logprobs_mode == mode

@@ -5,6 +5,7 @@ constrained decoding and sampling parameters (the same cases run on vLLM in test
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -55,16 +56,41 @@ def parsing(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
+    s = fixed_server(tmp_path_factory, tool_call_parser="none")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def defaults(tmp_path_factory):
+    """No parser settings: tool calling is on by default (the template writes hermes calls), reasoning is not."""
     s = fixed_server(tmp_path_factory)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    model_dir = save_surface_model(tmp_path_factory.mktemp("surface") / "model")
-    s = start_server(model_dir, max_model_len=1024, **NAMED, **PARSERS)
+def surface_model(tmp_path_factory):
+    return save_surface_model(tmp_path_factory.mktemp("surface") / "model")
+
+
+def real_server(model_dir, **config):
+    s = start_server(model_dir, max_model_len=1024, **NAMED, **PARSERS, **config)
     s.tokenizer = build_surface_tokenizer()
+    return s
+
+
+@pytest.fixture(scope="module")
+def real(surface_model):
+    s = real_server(surface_model)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def processed(surface_model):
+    """Log-probs of the distribution each token was drawn from, as `rl` serves them."""
+    s = real_server(surface_model, logprobs_mode="processed")
     yield s
     s.stop()
 
@@ -137,12 +163,22 @@ def test_fixed_json_and_plain_text_without_parsers(plain):
     )
     r = ask(plain, "REASON")  # no reasoning parser: the think block is content, as on vLLM
     assert r.choices[0].message.content == THINK_TEXT + ANSWER_TEXT
-    with pytest.raises(Exception) as err:  # tools need --enable-auto-tool-choice, as on vLLM
+    with pytest.raises(Exception) as err:  # tools need both settings, as on vLLM; the 400 names them
         ask(plain, "TOOLCALL", tools=TOOLS)
     assert err.value.status_code == 400 and "--enable-auto-tool-choice" in err.value.message
+    assert "tool_call_parser=none" in err.value.message
     r = httpx.post(f"{plain.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                    "tools": TOOLS, "tool_choice": "required"})  # fmt: skip
-    assert r.status_code == 400 and r.json()["error"]["message"].endswith("requires --tool-call-parser to be set")
+    assert r.status_code == 400 and "requires --tool-call-parser to be set" in r.json()["error"]["message"]
+
+
+def test_tool_calling_is_on_by_default_where_the_template_renders_tools(defaults, caplog):
+    r = ask(defaults, "TOOLCALL", tools=TOOLS)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments)["city"] == "Paris"
+    # No reasoning parser unless asked: the think block stays in the content before the call.
+    assert r.choices[0].message.content.strip() == THINK_TEXT.strip()
+    assert defaults.config.tool_call_parser == "auto"  # resolved at start, the config as given stays as it was
 
 
 def test_tolerant_requests_render_as_vllm(parsing):
@@ -242,7 +278,8 @@ def reference_logits(model_dir, ids: list[int], last: bool = True) -> torch.Tens
     return logits[-1] if last else logits
 
 
-def test_penalties_and_logit_bias_follow_vllms_formulas(real):
+def test_penalties_and_logit_bias_follow_vllms_formulas(processed):
+    real = processed
     prompt, penalties = [5, 6, 7, 5, 6], {"repetition_penalty": 1.7, "frequency_penalty": 0.9, "presence_penalty": 0.6}
     bias = {"12": 4.0, "30": -3.0}
     body = {"token_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 0, "logprobs": 0,
@@ -263,7 +300,8 @@ def test_penalties_and_logit_bias_follow_vllms_formulas(real):
         assert abs(lps[i] - float(torch.log_softmax(logits, -1)[token])) < 1e-4
 
 
-def test_processed_log_probs_are_those_sampled_from(real):
+def test_processed_log_probs_are_those_sampled_from(processed):
+    real = processed
     body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4, "temperature": 2.0, "top_k": 1,
                                                          "logprobs": 0, "seed": 0}}  # fmt: skip
     content = httpx.post(f"{real.url}/v1/generate", json=body).json()["choices"][0]["logprobs"]["content"]
@@ -279,3 +317,20 @@ def test_skip_special_tokens(real):
     kept = httpx.post(f"{real.url}/v1/completions", json={**body, "skip_special_tokens": False}).json()
     skipped = httpx.post(f"{real.url}/v1/completions", json=body).json()
     assert kept["choices"][0]["text"] == "<|im_start|><|im_start|>" and skipped["choices"][0]["text"] == ""
+
+
+def test_forced_tool_calls_follow_the_tool_schema(real):
+    cases.check_forced_tool_calls(client(real), "m")
+
+
+def test_reasoning_echo_and_log_probs_as_vllm(real):
+    cases.check_reasoning_without_think_block(client(real), "m", real.tokenizer)
+    cases.check_echo(client(real), "m", real.tokenizer)
+    cases.check_raw_logprobs_by_default(real.url, "m")
+
+
+def test_unknown_fields_are_ignored_and_logged_bad_values_refused(real, caplog):
+    with caplog.at_level(logging.WARNING, logger="prime_inference.protocol"):
+        cases.check_unknown_field_ignored(real.url, "m")
+    assert "no_such_option" in caplog.text
+    cases.check_refused_requests(real.url, "m")

@@ -122,3 +122,17 @@ def test_vllm_prime_routes_in_front_of_vllms(vllm_server):
     assert chat.status_code == 200 and chat.headers["X-Weight-Step"] == "0"
     assert httpx.post(f"{url}/pause").json() == {"status": "paused"}
     assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
+
+
+def test_vllm_forced_tool_calls(vllm_server_default_backend):
+    # xgrammar: vLLM 0.26 builds forced tool choices as structural tags, which its guidance backend cannot read.
+    cases.check_forced_tool_calls(client(vllm_server_default_backend), "m")
+
+
+def test_vllm_reasoning_echo_log_probs_and_refusals(vllm_server):
+    """The cases the torch engine was measured against (issue #40), on vLLM itself."""
+    cases.check_reasoning_without_think_block(client(vllm_server), "m", vllm_server.tokenizer)
+    cases.check_echo(client(vllm_server), "m", vllm_server.tokenizer)
+    cases.check_raw_logprobs_by_default(vllm_server.url, "m")
+    cases.check_unknown_field_ignored(vllm_server.url, "m")
+    cases.check_refused_requests(vllm_server.url, "m", stop_limit=None)  # vLLM 0.26 takes any number of stops

@@ -47,7 +47,7 @@ def test_vllm_cli_args_pass_options_through():
     joined = " ".join(args)
     for part in ("--model m", "--tensor-parallel-size 2", "--data-parallel-size 4", "--data-parallel-size-local 2",
                  "--data-parallel-address 10.0.0.1", "--enforce-eager", "--max-model-len 4096", "--headless",
-                 f"--worker-extension-cls {WORKER_EXTENSION_CLS}", "--logprobs-mode processed_logprobs"):  # fmt: skip
+                 f"--worker-extension-cls {WORKER_EXTENSION_CLS}", "--logprobs-mode raw_logprobs"):  # fmt: skip
         assert part in joined
     assert args[-2:] == ["--kv-cache-dtype", "fp8"]
     assert "--disable-log-stats" in args  # vLLM's per-step statistics cost rollout throughput (vllm.log_stats)

@@ -4,7 +4,8 @@ import pytest
 from prime_core.config import load_config
 from prime_core.config.rl import RLConfig
 from prime_launch.cpu_threads import split_cpu_threads
-from prime_launch.plan import build_plan, command_line
+from prime_launch.launcher import resolve_here
+from prime_launch.plan import command_line
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin"}
 
@@ -50,7 +51,7 @@ def thread_env(plan) -> dict[str, dict[str, str]]:
 
 def test_cpu_plan_sets_threads_per_process_and_shows_them():
     cfg = load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-cpu-trainer-procs", "2"])
-    plan = build_plan(cfg, CPU_ONLY, cores=16)
+    plan = resolve_here(cfg, CPU_ONLY, cores=16)
     assert thread_env(plan) == {
         "inference": {"OMP_NUM_THREADS": "6", "MKL_NUM_THREADS": "6"},
         "orchestrator": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
@@ -68,18 +69,18 @@ def test_user_omp_num_threads_is_kept():
         ({**CPU_ONLY, "OMP_NUM_THREADS": "3"}, [], {}),  # children inherit the launcher's environment
         (CPU_ONLY, from_env_vars, {"OMP_NUM_THREADS": "3"}),
     ]:
-        plan = build_plan(load_config(RLConfig, ["--inference.engine", "auto", *args]), environ, cores=16)
+        plan = resolve_here(load_config(RLConfig, ["--inference.engine", "auto", *args]), environ, cores=16)
         assert thread_env(plan) == {"inference": env, "orchestrator": env, "trainer": env}
         assert plan.devices["trainer"] == "CPU, OMP_NUM_THREADS=3 (inherited)"
     # devices.cpu_threads names a role: it wins over the inherited value for that role only.
     cfg = load_config(RLConfig, ["--inference.engine", "auto", "--devices.cpu-threads", '{"trainer": 2}'])
-    plan = build_plan(cfg, {**CPU_ONLY, "OMP_NUM_THREADS": "3"}, cores=16)
+    plan = resolve_here(cfg, {**CPU_ONLY, "OMP_NUM_THREADS": "3"}, cores=16)
     assert thread_env(plan)["trainer"]["OMP_NUM_THREADS"] == "2" and thread_env(plan)["inference"] == {}
 
 
 def test_inference_num_threads_counts_as_explicit():
     cfg = load_config(RLConfig, ["--inference.engine", "auto", "--inference.torch.num-threads", "4"])
-    plan = build_plan(cfg, CPU_ONLY, cores=16)
+    plan = resolve_here(cfg, CPU_ONLY, cores=16)
     assert thread_env(plan)["inference"]["OMP_NUM_THREADS"] == "4"
     assert thread_env(plan)["trainer"]["OMP_NUM_THREADS"] == "12"
     with pytest.raises(ValueError, match="devices.cpu_threads.inference"):
@@ -98,7 +99,7 @@ def test_inference_num_threads_counts_as_explicit():
 
 def test_gpu_plan_sets_threads_of_the_orchestrator_only():
     cfg = load_config(RLConfig, ["--inference.engine", "auto"])
-    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/usr/bin"}, cores=16)
+    plan = resolve_here(cfg, {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/usr/bin"}, cores=16)
     assert thread_env(plan) == {
         "inference": {},
         "orchestrator": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prime_core.config import ConfigError, load_config
 from prime_core.config.rl import RLConfig
-from prime_launch.plan import build_plan
+from prime_launch.launcher import resolve_here
 
 from tests.launch.launch_fakes import HERE
 from tests.launch.test_rl_launcher import TEARDOWN_LIMIT_S, alive, rl_cmd, wait_for
@@ -30,7 +30,7 @@ def rl_config(*args: str) -> RLConfig:
 
 
 def test_plan_has_one_trainer_one_inference_and_an_orchestrator_per_run():
-    plan = build_plan(rl_config("--inference.server.port", "8123"), CPU_ONLY, cores=4)
+    plan = resolve_here(rl_config("--inference.server.port", "8123"), CPU_ONLY, cores=4)
     assert list(plan.configs) == ["inference", "orchestrator-run-a", "orchestrator-run-b", "trainer"]
     assert [s.name for s in plan.specs] == list(plan.configs)
     assert plan.orchestrators == ["orchestrator-run-a", "orchestrator-run-b"]
@@ -65,7 +65,7 @@ def test_run_overrides_and_explicit_dirs():
         RLConfig,
         ["--output-dir", "/data/exp", "--model.lora.rank", "8", "--runs", runs, "--wandb.name", "exp", "--seed", "3"],
     )
-    plan = build_plan(cfg, CPU_ONLY)
+    plan = resolve_here(cfg, CPU_ONLY)
     a, b = plan.configs["orchestrator-a"], plan.configs["orchestrator-b"]
     assert a.output_dir == Path("/elsewhere/a") and b.output_dir == Path("/data/exp/runs/b")
     assert a.env[0].args == {"n": 1} and b.env == cfg.orchestrator.env
@@ -75,18 +75,18 @@ def test_run_overrides_and_explicit_dirs():
 
 
 def test_confined_server_may_read_every_runs_adapters():
-    plan = build_plan(rl_config("--inference.server.weight-roots", '["/data/exp/weights"]'), CPU_ONLY)
+    plan = resolve_here(rl_config("--inference.server.weight-roots", '["/data/exp/weights"]'), CPU_ONLY)
     roots = plan.configs["inference"].server.weight_roots
     assert roots == [
         Path("/data/exp/weights"),
         Path("/data/exp/runs/run-a/weights"),
         Path("/data/exp/runs/run-b/weights"),
     ]
-    assert build_plan(rl_config(), CPU_ONLY).configs["inference"].server.weight_roots == []  # unconfined stays so
+    assert resolve_here(rl_config(), CPU_ONLY).configs["inference"].server.weight_roots == []  # unconfined stays so
 
 
 def test_gpu_plan_keeps_orchestrators_off_the_gpus():
-    plan = build_plan(rl_config(), {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/usr/bin"}, cores=16)
+    plan = resolve_here(rl_config(), {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/usr/bin"}, cores=16)
     env = {s.name: s.env for s in plan.specs}
     assert env["inference"]["CUDA_VISIBLE_DEVICES"] == "0" and env["trainer"]["CUDA_VISIBLE_DEVICES"] == "1"
     assert env["orchestrator-run-a"]["CUDA_VISIBLE_DEVICES"] == env["orchestrator-run-b"]["CUDA_VISIBLE_DEVICES"] == ""
@@ -95,7 +95,8 @@ def test_gpu_plan_keeps_orchestrators_off_the_gpus():
 def test_more_runs_than_served_adapters_raises_max_loras():
     runs = "[" + ", ".join(f'{{"name": "r{i}"}}' for i in range(10)) + "]"
     cfg = load_config(RLConfig, ["--inference.engine", "auto", "--model.lora.rank", "8", "--runs", runs])
-    assert cfg.inference.lora.max_loras == 10
+    assert cfg.inference.lora.max_loras == 8  # the resolver derives it; the user's config stays as given
+    assert resolve_here(cfg, CPU_ONLY).configs["inference"].lora.max_loras == 10
 
 
 @pytest.mark.parametrize(

@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 from prime_core.config import ConfigError, load_config
 from prime_core.config.rl import RLConfig
-from prime_launch.colocate import (
-    activation_bytes,
-    config_params,
-    count_params,
-    gpu_memory_bytes,
-    safetensors_params,
-)
-from prime_launch.launcher import dry_run
-from prime_launch.plan import build_plan
+from prime_launch.colocate import activation_bytes, config_params, gpu_memory_of
+from prime_launch.host import count_params, gpu_memory, safetensors_params
+from prime_launch.launcher import dry_run, resolve_here
 
 ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0", "PATH": "/usr/bin"}
 TWO_GPUS = {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/usr/bin"}
@@ -54,7 +48,7 @@ def envs(plan) -> dict[str, dict[str, str]]:
 
 def test_one_visible_gpu_colocates_with_memory_shares_and_file_weights(model_dir, tmp_path):
     cfg = rl_config(model_dir, tmp_path, "--devices.gpu-memory-gib", "80")
-    plan = build_plan(cfg, ONE_GPU, cores=4)
+    plan = resolve_here(cfg, ONE_GPU, cores=4)
     env = envs(plan)
     assert env["inference"]["CUDA_VISIBLE_DEVICES"] == env["trainer"]["CUDA_VISIBLE_DEVICES"] == "0"
     assert env["orchestrator"]["CUDA_VISIBLE_DEVICES"] == ""
@@ -81,7 +75,7 @@ def test_colocated_fraction_replaces_a_configured_one_with_a_note(model_dir, tmp
         "--devices.gpu-memory-gib",
         "40",
     )
-    plan = build_plan(cfg, ONE_GPU, cores=4)
+    plan = resolve_here(cfg, ONE_GPU, cores=4)
     assert plan.configs["inference"].vllm.gpu_memory_utilization == 0.3
     assert "gpu_memory_utilization 0.3 instead of 0.85" in " ".join(plan.notes)
     assert "0.6 of its memory (24.0 of 40.0 GiB" in plan.devices["trainer"]
@@ -90,7 +84,7 @@ def test_colocated_fraction_replaces_a_configured_one_with_a_note(model_dir, tmp
 def test_too_big_a_model_is_a_one_line_error_naming_the_fields(model_dir, tmp_path):
     cfg = rl_config(model_dir, tmp_path, "--devices.gpu-memory-gib", "16")
     with pytest.raises(ValueError, match="does not fit beside vLLM on GPU 0") as err:
-        build_plan(cfg, ONE_GPU, cores=4)
+        resolve_here(cfg, ONE_GPU, cores=4)
     message = str(err.value)
     assert "\n" not in message
     assert "596.0M parameters x 18 bytes" in message and "gets 8.8 GiB of 16.0 GiB" in message
@@ -100,21 +94,21 @@ def test_too_big_a_model_is_a_one_line_error_naming_the_fields(model_dir, tmp_pa
     lora = rl_config(
         model_dir, tmp_path, "--devices.gpu-memory-gib", "16", "--model.lora.rank", "8", broadcast="filesystem"
     )
-    assert "needs ~8.3 GiB" in build_plan(lora, ONE_GPU, cores=4).devices["trainer"]
+    assert "needs ~8.3 GiB" in resolve_here(lora, ONE_GPU, cores=4).devices["trainer"]
 
 
 def test_micro_batch_activations_count_in_the_fit(model_dir, tmp_path):
     # 8 rows of 2048 tokens per forward (the GPU configs' setting): ~23.6 GiB of activations without checkpointing;
     # one H100 measured a 34.5 GiB peak for this shape, the estimate says 35.6 with the 2 GiB margin.
     rows8 = ("--orchestrator.micro-batch-rows", "8")
-    plan = build_plan(rl_config(model_dir, tmp_path, *rows8, "--devices.gpu-memory-gib", "80"), ONE_GPU, cores=4)
+    plan = resolve_here(rl_config(model_dir, tmp_path, *rows8, "--devices.gpu-memory-gib", "80"), ONE_GPU, cores=4)
     assert "needs ~35.6 GiB" in plan.devices["trainer"]
     with pytest.raises(ValueError, match="23.6 GiB of activations for 16384 tokens a micro-batch") as err:
-        build_plan(rl_config(model_dir, tmp_path, *rows8, "--devices.gpu-memory-gib", "48"), ONE_GPU, cores=4)
+        resolve_here(rl_config(model_dir, tmp_path, *rows8, "--devices.gpu-memory-gib", "48"), ONE_GPU, cores=4)
     assert "lower orchestrator.micro_batch_rows or set trainer.parallel.ac" in str(err.value)
     # Full checkpointing keeps a layer's input per layer (plus one layer being recomputed): it fits on 48 GB.
     full = rl_config(model_dir, tmp_path, *rows8, "--trainer.parallel.ac", "full", "--devices.gpu-memory-gib", "48")
-    assert "needs ~13.7 GiB" in build_plan(full, ONE_GPU, cores=4).devices["trainer"]
+    assert "needs ~13.7 GiB" in resolve_here(full, ONE_GPU, cores=4).devices["trainer"]
 
 
 def test_activation_estimate_by_checkpointing_and_moe(model_dir, tmp_path):
@@ -138,21 +132,21 @@ def test_vllm_share_must_hold_the_weights(model_dir, tmp_path):
         model_dir, tmp_path, "--devices.gpu-memory-gib", "80", "--devices.inference-memory-fraction", "0.01"
     )
     with pytest.raises(ValueError, match=r"devices.inference_memory_fraction 0.01 = 0.8 GiB\) cannot hold"):
-        build_plan(cfg, ONE_GPU, cores=4)
+        resolve_here(cfg, ONE_GPU, cores=4)
 
 
 def test_memory_unknown_or_model_unsized_leaves_a_note(model_dir, tmp_path):
-    plan = build_plan(rl_config(model_dir, tmp_path), ONE_GPU, cores=4)  # no nvidia-smi on PATH
+    plan = resolve_here(rl_config(model_dir, tmp_path), ONE_GPU, cores=4)  # no nvidia-smi on PATH
     assert plan.devices["trainer"] == "GPU 0 shared, 0.55 of its memory (needs ~14.9 GiB)"
     assert any("set devices.gpu_memory_gib" in note for note in plan.notes)
     missing = rl_config(tmp_path / "nowhere", tmp_path, "--devices.gpu-memory-gib", "80")
-    plan = build_plan(missing, {**ONE_GPU, "HF_HUB_CACHE": str(tmp_path / "cache")}, cores=4)
+    plan = resolve_here(missing, {**ONE_GPU, "HF_HUB_CACHE": str(tmp_path / "cache")}, cores=4)
     assert any("no weights or config.json" in note for note in plan.notes)
 
 
 def test_two_gpus_keep_their_own_roles(model_dir, tmp_path):
     cfg = rl_config(model_dir, tmp_path, "--inference.vllm.gpu-memory-utilization", "0.85")
-    plan = build_plan(cfg, TWO_GPUS, cores=4)
+    plan = resolve_here(cfg, TWO_GPUS, cores=4)
     env = envs(plan)
     assert env["inference"]["CUDA_VISIBLE_DEVICES"] == "0" and env["trainer"]["CUDA_VISIBLE_DEVICES"] == "1"
     assert plan.devices["inference"] == "GPU 0" and plan.devices["trainer"] == "GPU 1"
@@ -166,7 +160,7 @@ def test_colocate_on_request_shares_every_gpu(model_dir, tmp_path):
         model_dir, tmp_path, "--devices.colocate", "true", "--devices.num-inference-gpus", "2",
         "--devices.num-trainer-gpus", "2", "--devices.gpu-memory-gib", "80",
     )  # fmt: skip
-    plan = build_plan(cfg, TWO_GPUS, cores=4)
+    plan = resolve_here(cfg, TWO_GPUS, cores=4)
     env = envs(plan)
     assert env["inference"]["CUDA_VISIBLE_DEVICES"] == env["trainer"]["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert plan.configs["inference"].vllm.data_parallel_size == 2
@@ -174,21 +168,21 @@ def test_colocate_on_request_shares_every_gpu(model_dir, tmp_path):
     trainer_cmd = next(spec.cmd for spec in plan.specs if spec.name == "trainer")
     assert trainer_cmd[trainer_cmd.index("--nproc-per-node") + 1] == "2"
     with pytest.raises(ValueError, match="devices.colocate: 1 inference and 3 trainer GPUs"):
-        build_plan(rl_config(model_dir, tmp_path, "--devices.colocate", "true", "--devices.num-trainer-gpus", "3"),
+        resolve_here(rl_config(model_dir, tmp_path, "--devices.colocate", "true", "--devices.num-trainer-gpus", "3"),
                    TWO_GPUS)  # fmt: skip
 
 
 def test_colocate_false_on_one_gpu_is_the_old_error(model_dir, tmp_path):
     cfg = rl_config(model_dir, tmp_path, "--devices.colocate", "false")
     with pytest.raises(ValueError, match="only 1 available .*devices.colocate = true"):
-        build_plan(cfg, ONE_GPU)
+        resolve_here(cfg, ONE_GPU)
 
 
 def test_without_an_inference_server_the_trainer_has_the_gpu(model_dir, tmp_path):
     cfg = load_config(
         RLConfig, ["--model.name", str(model_dir), "--orchestrator.client.base-urls", "http://10.0.0.5:8000"]
     )
-    plan = build_plan(cfg, ONE_GPU, cores=4)
+    plan = resolve_here(cfg, ONE_GPU, cores=4)
     assert plan.devices["trainer"] == "GPU 0" and plan.notes == []
 
 
@@ -225,6 +219,8 @@ def test_gpu_memory_from_nvidia_smi(tmp_path):
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\necho '0, 81559'\necho '1, 24576'\n")
     smi.chmod(0o755)
-    assert gpu_memory_bytes([0], {"PATH": str(tmp_path)}) == 81559 * 1024**2
-    assert gpu_memory_bytes([7], {"PATH": str(tmp_path)}) == 24576 * 1024**2  # unknown id: the smallest GPU
-    assert gpu_memory_bytes([0], {"PATH": str(tmp_path / "none")}) is None
+    memory = gpu_memory({"PATH": str(tmp_path)})
+    assert memory == {0: 81559 * 1024**2, 1: 24576 * 1024**2}
+    assert gpu_memory_of([0], memory) == 81559 * 1024**2
+    assert gpu_memory_of([7], memory) == 24576 * 1024**2  # unknown id: the smallest GPU
+    assert gpu_memory({"PATH": str(tmp_path / "none")}) == {} and gpu_memory_of([0], {}) is None

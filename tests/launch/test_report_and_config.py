@@ -7,7 +7,7 @@ import sys
 import pytest
 from prime_core.config import ConfigError, load_config
 from prime_core.config.rl import RLConfig
-from prime_launch.plan import build_plan
+from prime_launch.launcher import resolve_here
 
 
 def test_report_writes_png(tmp_path):
@@ -67,7 +67,7 @@ def test_wandb_shared_section_enables_both_sides():
 
 def test_devices_inference_first_then_trainer(monkeypatch):
     cfg = load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-trainer-gpus", "2"])
-    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "PATH": "/usr/bin"})
+    plan = resolve_here(cfg, {"CUDA_VISIBLE_DEVICES": "4,5,6,7", "PATH": "/usr/bin"})
     env = {s.name: s.env for s in plan.specs}
     assert env["inference"]["CUDA_VISIBLE_DEVICES"] == "4"
     assert env["trainer"]["CUDA_VISIBLE_DEVICES"] == "5,6"
@@ -76,7 +76,7 @@ def test_devices_inference_first_then_trainer(monkeypatch):
     assert "--nproc-per-node" in trainer_cmd and trainer_cmd[trainer_cmd.index("--nproc-per-node") + 1] == "2"
     assert plan.configs["orchestrator"].num_trainer_ranks == 2
     with pytest.raises(ValueError, match="only 4 available"):
-        build_plan(
+        resolve_here(
             load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-trainer-gpus", "4"]),
             {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
         )
@@ -84,7 +84,7 @@ def test_devices_inference_first_then_trainer(monkeypatch):
 
 def test_cpu_only_uses_torch_engine_and_gloo_ranks():
     cfg = load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-cpu-trainer-procs", "2"])
-    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": ""})
+    plan = resolve_here(cfg, {"CUDA_VISIBLE_DEVICES": ""})
     assert plan.configs["inference"].engine == "torch"
     assert plan.configs["trainer"].device == "cpu"
     trainer_cmd = next(s.cmd for s in plan.specs if s.name == "trainer")
@@ -93,14 +93,14 @@ def test_cpu_only_uses_torch_engine_and_gloo_ranks():
 
 def test_cpu_trainer_with_torch_engine_stays_on_cpu_beside_gpus():
     cfg = load_config(RLConfig, ["--trainer.device", "cpu", "--inference.engine", "torch"])
-    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": "0"})
+    plan = resolve_here(cfg, {"CUDA_VISIBLE_DEVICES": "0"})
     assert plan.devices["trainer"].startswith("CPU") and plan.devices["inference"].startswith("CPU (torch engine)")
     assert all(s.env.get("CUDA_VISIBLE_DEVICES") == "" for s in plan.specs if s.name in ("trainer", "inference"))
 
 
 def test_without_inference_uses_external_server():
     cfg = load_config(RLConfig, ["--orchestrator.client.base-urls", "http://10.0.0.5:8000"])
-    plan = build_plan(cfg, {"CUDA_VISIBLE_DEVICES": ""})
+    plan = resolve_here(cfg, {"CUDA_VISIBLE_DEVICES": ""})
     assert [s.name for s in plan.specs] == ["orchestrator", "trainer"]
     assert plan.health_urls == ["http://10.0.0.5:8000/health"]
 
@@ -110,4 +110,4 @@ def test_base_url_must_match_the_started_server():
         RLConfig, ["--inference.server.port", "8001", "--orchestrator.client.base-urls", "http://127.0.0.1:8000"]
     )
     with pytest.raises(ValueError, match="port 8001"):
-        build_plan(cfg, {"CUDA_VISIBLE_DEVICES": ""})
+        resolve_here(cfg, {"CUDA_VISIBLE_DEVICES": ""})

@@ -1,5 +1,7 @@
-"""OpenAI chat completions and completions on our engines (the torch engine; vLLM serves its own): prompts from
-the chat template, vLLM's tool-call, reasoning and structured-output behaviour, responses and stream chunks."""
+"""OpenAI chat completions on our engines (the torch engine; vLLM serves its own), as vLLM 0.26's chat server answers
+them: prompts from the chat template, tool calls (forced ones constrained to the parser's syntax and the tools'
+schemas), reasoning, ``echo``, log-probs, responses and stream chunks. Completions: `prime_inference.completions_serving`.
+"""
 
 from __future__ import annotations
 
@@ -9,70 +11,59 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from prime_inference.chat_parsing import forced_tool_calls
-from prime_inference.protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from prime_inference.serving import Choice, FastJSONResponse, ServerState, collect, sse, stream, usage
-from prime_inference.structured import request_grammar
+from prime_inference.chat_parsing import FORCED_CALL_MARKERS, FORCED_CALL_SYNTAX, forced_tool_calls
+from prime_inference.chat_protocol import ChatCompletionRequest
+from prime_inference.completions_serving import token_entries
+from prime_inference.protocol import RequestError
+from prime_inference.serving import Choice, FastJSONResponse, ServerState, collect, sse, stream, usage, with_usage
+from prime_inference.structured import forced_call_grammar, json_tool_grammar, request_grammar
 
 
-def _lp(value: float) -> float:
-    return max(value, -9999.0)
-
-
-def chat_logprobs(state: ServerState, ids: list[int], lps: list[float], tops: list[dict[int, float]]) -> dict:
+def chat_logprobs(state: ServerState, ids: list[int], lps: list[float], tops: list[dict[int, float]], k: int) -> dict:
+    """vLLM's chat log-probs: each token's ``top_logprobs`` are the first k of (the token, then the top k by rank)."""
     content = []
     for tid, lp, top in zip(ids, lps, tops, strict=True):
         tok = state.token_str(tid)
-        alternatives = [{"token": (t := state.token_str(k)), "logprob": _lp(v), "bytes": list(t.encode())}
-                        for k, v in top.items()]  # fmt: skip
-        content.append({"token": tok, "logprob": _lp(lp), "bytes": list(tok.encode()), "top_logprobs": alternatives})
+        entries = list(token_entries(tid, lp, top).items())[:k]
+        alternatives = [{"token": (t := state.token_str(a)), "logprob": max(v, -9999.0), "bytes": list(t.encode())}
+                        for a, v in entries]  # fmt: skip
+        content.append({"token": tok, "logprob": max(lp, -9999.0), "bytes": list(tok.encode()),
+                        "top_logprobs": alternatives})  # fmt: skip
     return {"content": content}
 
 
-def completion_logprobs(state: ServerState, ids: list[int], lps: list[float], tops: list[dict[int, float]],
-                        offset: int, k: int) -> dict[str, Any]:  # fmt: skip
-    tokens = [state.token_str(t) for t in ids]
-    offsets, pos = [], offset
-    for tok in tokens:
-        offsets.append(pos)
-        pos += len(tok)
-    top = [{state.token_str(t): v for t, v in d.items()} for d in tops] if k > 0 else None
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
-
-
-def echo_logprobs(state: ServerState, choice: Choice, k: int, completion: dict[str, Any]) -> dict[str, Any]:
-    """``completion``'s log-probs after those of the echoed prompt (its first token has none), as vLLM's echo."""
-    entries = choice.prompt_logprobs or [None] * len(choice.prompt_ids)
-    tokens = [state.token_str(t) for t in choice.prompt_ids]
-    lps = [None if e is None else e[t][0] for t, e in zip(choice.prompt_ids, entries, strict=True)]
-    top = [None if e is None else {state.token_str(t): lp for t, (lp, rank) in e.items() if rank <= k}
-           for e in entries]  # fmt: skip
-    offsets, pos = [], 0
-    for tok in tokens:
-        offsets.append(pos)
-        pos += len(tok)
-    return {
-        "tokens": tokens + completion["tokens"],
-        "token_logprobs": lps + completion["token_logprobs"],
-        "top_logprobs": top + completion["top_logprobs"] if completion["top_logprobs"] is not None else None,
-        "text_offset": offsets + [o + pos for o in completion["text_offset"]],
-    }
-
-
-# ---- chat ----
-
-
 def tool_choice(state: ServerState, req: ChatCompletionRequest) -> str | dict | None:
-    """vLLM's rules: tools without a tool_choice mean "auto"; any tool_choice but "none" needs a tool-call parser."""
+    """vLLM's rules: tools without a tool_choice mean "auto"; "auto" needs auto tool choice, any other choice but
+    "none" a tool-call parser. The 400 adds what this server was started with."""
+    from prime_inference.tool_calling import no_parser_hint
+
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else None)
-    if req.tools and choice not in (None, "none") and state.config.tool_call_parser is None:
-        if choice == "auto":
-            message = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-        else:
-            named = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
-            message = f"tool_choice={named} requires --tool-call-parser to be set"
-        raise RequestError(message, param="tool_choice")
+    if not req.tools or choice in (None, "none"):
+        return choice
+    if choice == "auto" and not state.config.auto_tool_choice:
+        message = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        raise RequestError(message + no_parser_hint(state.config), param="tool_choice")
+    if choice != "auto" and state.config.tool_parser is None:
+        named = f'function "{choice["function"]["name"]}"' if isinstance(choice, dict) else f'"{choice}"'
+        message = f"tool_choice={named} requires --tool-call-parser to be set"
+        raise RequestError(message + no_parser_hint(state.config), param="tool_choice")
     return choice
+
+
+def forced(req: ChatCompletionRequest, choice: Any) -> bool:
+    return bool(req.tools) and choice not in (None, "none", "auto")
+
+
+def forced_tool_grammar(state: ServerState, req: ChatCompletionRequest, choice: Any) -> str | None:
+    """A required or named tool choice's grammar: the parser's own call syntax where one is known (vLLM 0.26's
+    structural tag), else vLLM's JSON form."""
+    if not forced(req, choice):
+        return None
+    tools = req.template_tools() or []
+    syntax = FORCED_CALL_SYNTAX.get(state.config.tool_parser)
+    if syntax is None:
+        return json_tool_grammar(tools, choice)
+    return forced_call_grammar(tools, choice, syntax, state.single_tokens(FORCED_CALL_MARKERS))
 
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -81,7 +72,9 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     messages = [m.template_dict() for m in req.messages]
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools:
-        kwargs["tools"] = req.tools
+        kwargs["tools"] = req.template_tools()
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
     try:
         text = state.tokenizer.apply_chat_template(
             messages,
@@ -92,7 +85,7 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
         )
     except Exception as e:  # jinja errors (raise_exception in templates), bad kwargs
         raise RequestError(f"chat template failed: {e}", param="messages") from e
-    return list(state.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(state.tokenizer(text, add_special_tokens=bool(req.add_special_tokens))["input_ids"])
 
 
 def chat_images(state: ServerState, req: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[list[int], Any]:
@@ -110,6 +103,21 @@ def chat_images(state: ServerState, req: ChatCompletionRequest, prompt_ids: list
     return prompt_ids, multimodal
 
 
+def response_role(req: ChatCompletionRequest) -> str:
+    """vLLM: the assistant's, unless the last message is continued (no generation prompt): then that message's."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's content when it has the answer's role."""
+    last = req.messages[-1]
+    if not req.echo or last.role != response_role(req) or not last.content:
+        return ""
+    return (
+        last.content if isinstance(last.content, str) else "\n".join(p.text for p in last.content if p.type == "text")
+    )
+
+
 @dataclass
 class ChatView:
     """What a choice says so far: reasoning, content and tool calls, and the finish reason to report."""
@@ -120,29 +128,35 @@ class ChatView:
     finish_reason: str | None
 
 
-def chat_view(state: ServerState, req: ChatCompletionRequest, choice: Choice, choice_of_tool: Any, final: bool):
+def chat_view(state: ServerState, req: ChatCompletionRequest, choice: Choice, choice_of_tool: Any, final: bool,
+              streaming: bool = False) -> ChatView:  # fmt: skip
     text = state.text(choice, final)
     finish = choice.finish_reason
-    forced = req.tools and choice_of_tool not in (None, "none", "auto")
-    if forced:
-        calls = forced_tool_calls(text, choice_of_tool) if final else []
-        if choice_of_tool == "required" and finish == "stop":
-            finish = "tool_calls"
-        return ChatView(None, "", calls, finish)
     if state.parser is None:
         return ChatView(None, text, [], finish)
-    parse_tools = bool(req.tools) and choice_of_tool == "auto" and state.config.enable_auto_tool_choice
-    ids = choice.token_ids[: len(choice.token_ids) - (final and state.stopped_on_token(choice))]
-    parsed = state.parser.parse(ids, text, parse_tools, choice.params.skip_special_tokens, final)
-    if parsed.tool_calls and finish is not None:
+    thinking = bool((req.chat_template_kwargs or {}).get("enable_thinking", True))
+    is_forced = forced(req, choice_of_tool)
+    if is_forced and state.config.tool_parser not in FORCED_CALL_SYNTAX:  # vLLM's JSON form
+        reasoning, content = state.parser.split_reasoning(text, thinking, final)
+        calls = forced_tool_calls(content or "", choice_of_tool) if final else []
+        content = ""
+    else:
+        parse_tools = bool(req.tools) and (is_forced or (choice_of_tool == "auto" and state.config.auto_tool_choice))
+        ids = choice.token_ids[: len(choice.token_ids) - (final and state.stopped_on_token(choice))]
+        parsed = state.parser.parse(ids, text, parse_tools, choice.params.skip_special_tokens, final, thinking)
+        reasoning, content, calls = parsed.reasoning, parsed.content, parsed.tool_calls
+        content = (content or "") if is_forced else content
+    # OpenAI's finish reasons, as vLLM gives them: tool_calls for auto and required, stop for a named function.
+    called = choice_of_tool == "auto" or (choice_of_tool == "required" and (streaming or finish == "stop"))
+    if finish is not None and calls and called:
         finish = "tool_calls"
-    reasoning = parsed.reasoning if req.include_reasoning else None
-    return ChatView(reasoning, parsed.content, parsed.tool_calls, finish)
+    return ChatView(reasoning if req.include_reasoning else None, content, calls, finish)
 
 
-def chat_message(view: ChatView) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": view.content, "refusal": None, "annotations": None,
-                               "audio": None, "function_call": None, "reasoning": view.reasoning,
+def chat_message(view: ChatView, role: str, echo: str) -> dict[str, Any]:
+    content = echo + (view.content or "") if echo else view.content
+    message: dict[str, Any] = {"role": role, "content": content, "refusal": None, "annotations": None, "audio": None,
+                               "function_call": None, "reasoning": view.reasoning,
                                "reasoning_content": view.reasoning}  # fmt: skip
     if view.tool_calls:
         message["tool_calls"] = view.tool_calls
@@ -154,19 +168,23 @@ async def chat(state: ServerState, req: ChatCompletionRequest) -> Any:
     choice_of_tool = tool_choice(state, req)
     prompt_ids, multimodal = chat_images(state, req, chat_prompt(state, req))
     params = req.sampling(state.max_tokens(len(prompt_ids), req.requested_max_tokens()), req.requested_logprobs())
-    params.grammar = request_grammar(req.structured_outputs, req.response_format, req.tools, choice_of_tool)
+    tool_grammar = forced_tool_grammar(state, req, choice_of_tool)
+    params.grammar = request_grammar(req.structured_outputs, req.response_format, tool_grammar)
+    plain = adapter is None and multimodal is None and state.engine.supports_prompt_logprobs
+    if req.echo and params.prompt_logprobs is None and plain:
+        params.prompt_logprobs = req.top_logprobs or 0  # vLLM: an echo returns the prompt's log-probs
     requests = state.requests(prompt_ids, params, req.n, 0, adapter, multimodal)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": adapter or state.model_name}
     if req.stream:
         return sse(chat_chunks(state, req, requests, prompt_ids, base, choice_of_tool))
     choices = await collect(state.engine, requests)
-    out = []
+    out, k = [], req.top_logprobs or 0
     for c in choices:
         view = chat_view(state, req, c, choice_of_tool, final=True)
         item: dict[str, Any] = {
             "index": c.index,
-            "message": chat_message(view),
-            "logprobs": chat_logprobs(state, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None,
+            "message": chat_message(view, response_role(req), echoed(req)),
+            "logprobs": chat_logprobs(state, c.token_ids, c.logprobs, c.top_logprobs, k) if req.logprobs else None,
             "finish_reason": view.finish_reason,
             "stop_reason": c.stop_reason,
         }
@@ -214,117 +232,25 @@ async def chat_chunks(
     chunk = {**base, "object": "chat.completion.chunk"}
     sent = [_Sent() for _ in requests]
     live: dict[int, Choice] = {}
+    role, echo, k = response_role(req), echoed(req), req.top_logprobs or 0
     for i in range(len(requests)):
-        role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield _with_usage({**chunk, "choices": [role]}, req, len(prompt_ids), [])
+        first = {"index": i, "delta": {"role": role, "content": ""}, "logprobs": None, "finish_reason": None}
+        yield with_usage({**chunk, "choices": [first]}, req, len(prompt_ids), [])
+    for i in range(len(requests) if echo else 0):
+        item = {"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+        yield with_usage({**chunk, "choices": [item]}, req, len(prompt_ids), [])
     async for c, final in stream(state.engine, requests):
         live[c.index] = c
-        view = chat_view(state, req, c, tool_choice, final)
+        view = chat_view(state, req, c, tool_choice, final, streaming=True)
         delta = chat_delta(view, sent[c.index])
         ids, lps, tops = c.unsent()
-        logprobs = chat_logprobs(state, ids, lps, tops) if req.logprobs and ids else None
+        logprobs = chat_logprobs(state, ids, lps, tops, k) if req.logprobs and ids else None
         if not delta and not final and logprobs is None:
             continue
         if req.return_token_ids:
             delta["token_ids"] = ids
         item = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": view.finish_reason,
                 "stop_reason": c.stop_reason if final else None}  # fmt: skip
-        yield _with_usage({**chunk, "choices": [item]}, req, len(prompt_ids), list(live.values()))
+        yield with_usage({**chunk, "choices": [item]}, req, len(prompt_ids), list(live.values()))
     if req.include_usage():
         yield {**chunk, "choices": [], "usage": usage(len(prompt_ids), list(live.values()))}
-
-
-def _with_usage(chunk: dict[str, Any], req: Any, prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
-    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far."""
-    if req.include_usage() and req.continuous_usage():
-        chunk["usage"] = usage(prompt_tokens, choices)
-    return chunk
-
-
-# ---- completions ----
-
-
-def completion_prompts(state: ServerState, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
-    """Each prompt's token ids, with its text when it came as text (echo returns it as given)."""
-    p = req.prompt
-    if isinstance(p, str):
-        prompts: list[Any] = [p]
-    elif p and all(isinstance(x, int) for x in p):
-        prompts = [list(p)]
-    else:
-        prompts = list(p)
-    out = []
-    for item in prompts:
-        ids = list(state.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
-        state.check_tokens(ids, "prompt")
-        out.append((ids, item if isinstance(item, str) else None))
-    return out
-
-
-async def completion(state: ServerState, req: CompletionRequest) -> Any:
-    adapter = state.adapter(req.model)
-    prompts = completion_prompts(state, req)
-    grammar = request_grammar(req.structured_outputs, req.response_format)
-    requests, echoes = [], []
-    for ids, text in prompts:
-        params = req.sampling(
-            state.max_tokens(len(ids), 16 if req.max_tokens is None else req.max_tokens), req.logprobs
-        )
-        params.grammar = grammar
-        if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
-            params.prompt_logprobs = req.logprobs  # vLLM: echoed prompt tokens carry their log-probs
-        requests += state.requests(ids, params, req.n, len(requests), adapter)
-        echo = (text if text is not None else state.tokenizer.decode(ids)) if req.echo else ""
-        echoes += [echo] * req.n
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": adapter or state.model_name}
-    prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    if req.stream:
-        return sse(completion_chunks(state, req, requests, prompt_tokens, base, echoes))
-    choices = await collect(state.engine, requests)
-    out = []
-    for c in choices:
-        item: dict[str, Any] = {"index": c.index, "text": echoes[c.index] + state.text(c, final=True),
-                                "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
-        if req.logprobs is not None:
-            item["logprobs"] = completion_logprobs(state, c.token_ids, c.logprobs, c.top_logprobs, 0, req.logprobs)
-            if req.echo:
-                item["logprobs"] = echo_logprobs(state, c, req.logprobs, item["logprobs"])
-        item["prompt_logprobs"] = state.prompt_logprobs(c)
-        if req.return_token_ids:
-            item["prompt_token_ids"] = c.prompt_ids
-            item["token_ids"] = c.token_ids
-        out.append(item)
-    return FastJSONResponse(
-        {**base, "object": "text_completion", "choices": out, "usage": usage(prompt_tokens, choices)}
-    )
-
-
-async def completion_chunks(
-    state: ServerState, req: CompletionRequest, requests: list, prompt_tokens: int, base: dict, echoes: list[str]
-) -> AsyncIterator[dict[str, Any]]:
-    chunk = {**base, "object": "text_completion"}
-    live: dict[int, Choice] = {}
-    echoed: set[int] = set()
-    async for c, final in stream(state.engine, requests):
-        live[c.index] = c
-        text = state.text(c, final)
-        delta, start = text[c.sent_text :], c.sent_text
-        c.sent_text = max(c.sent_text, len(text))
-        if c.index not in echoed:
-            delta = echoes[c.index] + delta
-        ids, lps, tops = c.unsent()
-        logprobs = None
-        if req.logprobs is not None and ids:
-            logprobs = completion_logprobs(state, ids, lps, tops, start, req.logprobs)
-            if req.echo and c.index not in echoed:
-                logprobs = echo_logprobs(state, c, req.logprobs, logprobs)
-        if not delta and not final and logprobs is None:
-            continue
-        echoed.add(c.index)
-        item: dict[str, Any] = {"index": c.index, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason if final else None}  # fmt: skip
-        if req.return_token_ids:
-            item["token_ids"] = ids
-        yield _with_usage({**chunk, "choices": [item]}, req, prompt_tokens, list(live.values()))
-    if req.include_usage():
-        yield {**chunk, "choices": [], "usage": usage(prompt_tokens, list(live.values()))}

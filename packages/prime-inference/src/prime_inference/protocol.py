@@ -1,19 +1,25 @@
-"""HTTP request schemas (OpenAI chat/completions, vLLM token-in generate) and engine-facing sampling params.
+"""HTTP request schemas (OpenAI completions, vLLM token-in generate; chat in `prime_inference.chat_protocol`) and
+engine-facing sampling params.
 
-Every request model forbids unknown fields, so a typo is a 400 rather than a silently ignored option; the OpenAI SDK
-fields that vLLM accepts and ignores (``store``, ``metadata``, ``reasoning_effort``, ...) are declared and ignored.
+The OpenAI routes treat an unknown top-level field as vLLM does: ignored, with a warning in the log (once per field
+name); nested objects and the token-in route forbid unknown fields. vLLM's own fields that this server does not
+implement and that would change the output (``use_beam_search``, ``bad_words``, ...) are 400s when set, not ignored.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
+MAX_STOP = 16
+MIN_TEMPERATURE = 0.01
+"""vLLM raises a temperature in (0, 0.01) to 0.01 (below it, logits / temperature overflow)."""
+logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -81,7 +87,7 @@ class _Strict(BaseModel):
 
 
 Bool = Annotated[bool, Strict()]
-Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]  # vLLM's [0, 2]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
@@ -99,11 +105,17 @@ def _check_stop(v: str | list[str] | None) -> list[str]:
     if v is None:
         return []
     stops = [v] if isinstance(v, str) else list(v)
-    if len(stops) > 16:
-        raise ValueError("at most 16 stop strings")
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"stop holds at most {MAX_STOP} strings, got {len(stops)}")
     if any(not s for s in stops):
-        raise ValueError("stop strings must be non-empty")
+        raise ValueError("stop cannot contain an empty string")
     return stops
+
+
+def _temperature(v: float | None) -> float:
+    if v is None:
+        return 1.0
+    return MIN_TEMPERATURE if 0.0 < v < MIN_TEMPERATURE else v
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float]:
@@ -122,7 +134,26 @@ def check_greedy_n(n: int, temperature: float) -> None:
         raise RequestError(f"n must be 1 when using greedy sampling, got {n}.", param="n")
 
 
-class _OpenAISampling(_Strict):
+_warned_fields: set[str] = set()
+
+
+def warn_ignored(route: str, fields: set[str]) -> None:
+    """vLLM's treatment of unknown request fields: ignored; logged once per field name (a client that always sends
+    one must not flood the log), for a bounded number of names."""
+    new = sorted(fields - _warned_fields)
+    if new and len(_warned_fields) < 1024:
+        _warned_fields.update(new)
+        logger.warning("%s: ignored unknown request fields %s (as vLLM does)", route, new)
+
+
+# vLLM request fields whose effect this server does not implement: a 400 when set to anything but their default.
+REFUSED_FIELDS = ("use_beam_search", "bad_words", "truncate_prompt_tokens", "logprob_token_ids",
+                  "return_tokens_as_token_ids", "priority")  # fmt: skip
+
+
+class _OpenAISampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
     model: str | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -150,18 +181,51 @@ class _OpenAISampling(_Strict):
     """vLLM extension: include ``prompt_token_ids`` and per-choice ``token_ids`` in the response."""
     structured_outputs: dict[str, Any] | None = None
     """vLLM's ``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`` (see `prime_inference.structured`)."""
-    # OpenAI SDK fields that vLLM accepts and ignores.
+    add_special_tokens: Bool | None = None
+    """vLLM: special tokens (e.g. BOS) added when tokenizing the prompt; default false for chat (the template writes
+    them), true for completions."""
+    # OpenAI SDK fields, and vLLM fields without an effect here, that vLLM accepts and ignores.
     store: Bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     prediction: dict[str, Any] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    spaces_between_special_tokens: Bool = True
+    # vLLM fields this server refuses when set (REFUSED_FIELDS).
+    use_beam_search: Bool = False
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    logprob_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: Bool | None = None
+    priority: int = 0
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _ignore_unknown(cls, data: Any, handler: Any) -> Any:
+        if isinstance(data, dict) and (unknown := set(data) - set(cls.model_fields)):
+            warn_ignored(cls.__name__, unknown)
+        return handler(data)
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int | None) -> int | None:
         return None if v is None else _check_top_k(v)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        _check_stop(v)
+        return v
+
+    @field_validator(*REFUSED_FIELDS)
+    @classmethod
+    def _refused(cls, v: Any, info: Any) -> Any:
+        if v not in (None, False, 0, []):
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -176,7 +240,6 @@ class _OpenAISampling(_Strict):
 
     @model_validator(mode="after")
     def _checks(self) -> _OpenAISampling:
-        _check_stop(self.stop)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -188,7 +251,7 @@ class _OpenAISampling(_Strict):
         return bool(self.stream_options and self.stream_options.get("continuous_usage_stats"))
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        temperature = 1.0 if self.temperature is None else self.temperature
+        temperature = _temperature(self.temperature)
         check_greedy_n(self.n, temperature)
         return SamplingParams(
             max_tokens=max_tokens,
@@ -211,141 +274,6 @@ class _OpenAISampling(_Strict):
             logit_bias=logit_bias_ids(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
         )
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURL(_Strict):
-    url: str
-    """A ``data:image/...;base64,...`` URL or bare base64 (remote URLs are not fetched)."""
-    detail: str | None = None
-
-
-class ImageURLPart(_Strict):
-    """OpenAI's image content part; only vision-language models accept it."""
-
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-
-class RefusalPart(_Strict):
-    """An assistant message's refusal part, as the SDK echoes it back."""
-
-    type: Literal["refusal"]
-    refusal: str
-
-
-ContentPart = Annotated[TextPart | ImageURLPart | RefusalPart, Field(discriminator="type")]
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    # What the SDK echoes back from an assistant message; vLLM accepts and ignores them.
-    refusal: str | None = None
-    annotations: list[Any] | None = None
-    audio: dict[str, Any] | None = None
-    function_call: dict[str, Any] | None = None
-
-    def image_urls(self) -> list[str]:
-        return (
-            [p.image_url.url for p in self.content if isinstance(p, ImageURLPart)]
-            if isinstance(self.content, list)
-            else []
-        )
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates expect it: developer is system, tool-call arguments are objects, and the
-        history's reasoning is ``reasoning_content`` (what Qwen3-style templates read)."""
-        content = self.content
-        if isinstance(content, list) and any(isinstance(p, ImageURLPart) for p in content):
-            # VL chat templates render each image part as one placeholder; the server expands it afterwards.
-            content = [p.model_dump(exclude_none=True) for p in content if not isinstance(p, RefusalPart)]
-        elif isinstance(content, list):
-            content = "".join(p.text for p in content if isinstance(p, TextPart))
-        role = "system" if self.role == "developer" else self.role
-        out: dict[str, Any] = {"role": role, "content": content or ""}
-        for key in ("name", "tool_call_id"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.tool_calls is not None:
-            out["tool_calls"] = [_decoded_tool_call(c) for c in self.tool_calls]
-        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
-        if reasoning is not None:
-            out["reasoning_content"] = out["reasoning"] = reasoning
-        return out
-
-
-def _decoded_tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A tool call with its JSON ``arguments`` string decoded (templates iterate over them), as vLLM does."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
-class ChatCompletionRequest(_OpenAISampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: Bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: Bool = True
-    continue_final_message: Bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: Bool | None = None
-    response_format: dict[str, Any] | None = None
-    include_reasoning: Bool = True
-    """vLLM: false drops ``reasoning`` from the response (the parser still separates it from ``content``)."""
-    # OpenAI SDK fields that vLLM accepts and ignores.
-    reasoning_effort: str | None = None
-    modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
-    verbosity: str | None = None
-
-    @model_validator(mode="after")
-    def _chat_checks(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message are mutually exclusive")
-        choice = self.tool_choice
-        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-            raise ValueError("tool_choice must be none, auto, required or a named function")
-        if choice is not None and choice != "none" and choice != "auto" and not self.tools:
-            raise ValueError("tool_choice requires tools")
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            if choice.get("type") != "function" or not isinstance(name, str):
-                raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
-            if name not in self.tool_names():
-                raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
-        return self
-
-    def tool_names(self) -> list[str]:
-        return [(t.get("function") or {}).get("name") for t in self.tools or []]
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def requested_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -455,7 +383,7 @@ class GenerateRequest(_Strict):
         check_greedy_n(sp.n, sp.temperature)
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=sp.temperature,
+            temperature=_temperature(sp.temperature),
             top_p=sp.top_p,
             top_k=sp.top_k,
             min_p=sp.min_p,

@@ -122,6 +122,13 @@ def usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
     }
 
 
+def with_usage(chunk: dict[str, Any], req: Any, prompt_tokens: int, choices: list[Choice]) -> dict[str, Any]:
+    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far."""
+    if req.include_usage() and req.continuous_usage():
+        chunk["usage"] = usage(prompt_tokens, choices)
+    return chunk
+
+
 def sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     """Server-sent events ending in ``[DONE]``; an error after the headers went out is reported in-band, as vLLM."""
 
@@ -154,12 +161,16 @@ class ServerState:
         # A vision-language model's image preprocessing and special tokens (None for text models and hub ids).
         self.vision = VisionSpec.from_model_dir(config.model.name)
         self.parser = None
-        if config.tool_call_parser or config.reasoning_parser:
+        if config.tool_parser or config.reasoning_parser:
             from prime_inference.chat_parsing import OutputParser
 
-            tool_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
-            self.parser = OutputParser(tokenizer, tool_parser, config.reasoning_parser)
+            self.parser = OutputParser(tokenizer, config.tool_parser, config.reasoning_parser)
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+
+    def single_tokens(self, texts: tuple[str, ...]) -> dict[str, int]:
+        """Those of ``texts`` that the tokenizer writes as one token, with its id."""
+        ids = {t: self.tokenizer.encode(t, add_special_tokens=False) for t in texts}
+        return {t: i[0] for t, i in ids.items() if len(i) == 1}
 
     def adapter(self, model: str | None) -> str | None:
         """The LoRA adapter that the request's ``model`` names, or None for the base model."""

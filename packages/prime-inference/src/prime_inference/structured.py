@@ -10,14 +10,18 @@ means the same thing on both engines. The fields, as vLLM reads them:
   ``{"json_object": true}`` (one key), plus ``"disable_any_whitespace": true`` for JSON without free whitespace
   (JSON allows it by default, as in vLLM);
 * ``response_format``: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": ..}}``;
-* ``tool_choice`` ``"required"`` (a non-empty JSON array of ``{"name", "parameters"}``) or a named function (that
-  function's parameters), built as vLLM's ``get_json_schema_from_tools`` does.
+* ``tool_choice`` ``"required"`` or a named function: in the tool-call parser's own syntax where
+  `prime_inference.chat_parsing.FORCED_CALL_SYNTAX` has it (vLLM 0.26's structural tag: one call or more, or the
+  named function's one call, each with the tool's JSON schema for its arguments); otherwise vLLM's JSON form
+  (``get_json_schema_from_tools``: a non-empty array of ``{"name", "parameters"}``, or the named function's
+  parameters).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 from prime_inference.protocol import RequestError
@@ -83,10 +87,24 @@ def _from_response_format(fmt: dict[str, Any]) -> str | None:
     raise RequestError(f"response_format type {kind!r} is not supported", param="response_format")
 
 
-def _tool_schema(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any]) -> dict[str, Any]:
-    functions = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools if "function" in t}
+def _functions(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any]) -> dict[str, Any]:
+    """name -> arguments schema of the tools a forced choice allows (vLLM: no parameters, or strict false, is any
+    JSON value)."""
+    named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+    out = {}
+    for tool in tools:
+        function = tool["function"]
+        if named is None or function["name"] == named:
+            loose = function.get("strict") is False or function.get("parameters") is None
+            out[function["name"]] = {} if loose else function["parameters"]
+    return out
+
+
+def json_tool_grammar(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any]) -> str:
+    """vLLM's JSON form of a forced tool choice (``get_json_schema_from_tools``)."""
+    functions = _functions(tools, tool_choice)
     if isinstance(tool_choice, dict):
-        return functions[tool_choice["function"]["name"]]
+        return _validated(_json_grammar(next(iter(functions.values())), "tools"), "tools")
     calls = [
         {
             "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
@@ -94,19 +112,56 @@ def _tool_schema(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any])
         }
         for name, params in functions.items()
     ]
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    return _validated(_json_grammar(schema, "tools"), "tools")
+
+
+def _lark_text(text: str, marker_ids: dict[str, int]) -> str:
+    """``text`` as Lark: each marker that is one token as a token reference (llguidance cannot emit an added token
+    from its text), the rest as string literals."""
+    if not marker_ids:
+        return json.dumps(text, ensure_ascii=False)
+    pieces = re.split("(" + "|".join(map(re.escape, marker_ids)) + ")", text)
+    return " ".join(f"<[{marker_ids[p]}]>" if p in marker_ids else json.dumps(p, ensure_ascii=False)
+                    for p in pieces if p)  # fmt: skip
+
+
+def forced_call_grammar(
+    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], syntax: tuple, marker_ids: dict[str, int]
+) -> str:
+    """vLLM 0.26's structural tag for a forced tool choice as a Lark grammar: each call is one of ``syntax``'s
+    ``(begin, end)`` forms around the arguments (the tool's JSON schema); required: one call or more, named: one."""
+    rules, calls = [], []
+    for i, (name, schema) in enumerate(_functions(tools, tool_choice).items()):
+        if not isinstance(schema, dict):
+            raise RequestError(f"tool {name!r}: parameters must be a JSON schema object", param="tools")
+        rules.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+        for begin, end in syntax:
+            head = _lark_text(begin.replace("{name}", name), marker_ids)
+            calls.append(f"{head} args_{i} {_lark_text(end, marker_ids)}")
+    start = "start: call" if isinstance(tool_choice, dict) else "start: call+"
+    grammar = "\n".join([start, "call: " + "\n    | ".join(calls), *rules])
+    import llguidance
+
+    return _validated(llguidance.LLMatcher.grammar_from_lark(grammar), "tools")
+
+
+def _validated(grammar: str, param: str) -> str:
+    """``grammar`` once llguidance has compiled it (its JSON schemas included): a bad one is a 400 naming ``param``."""
+    import llguidance
+
+    result = llguidance.LLMatcher.validate_grammar(grammar)
+    error = result[1] if isinstance(result, tuple) else result  # (ok, message) in some releases
+    if error and not (isinstance(result, tuple) and result[0]):
+        raise RequestError(f"invalid JSON schema: {error.strip().splitlines()[0]}", param=param)
+    return grammar
 
 
 def request_grammar(
-    structured: dict[str, Any] | None,
-    response_format: dict[str, Any] | None = None,
-    tools: list[dict[str, Any]] | None = None,
-    tool_choice: str | dict[str, Any] | None = None,
+    structured: dict[str, Any] | None, response_format: dict[str, Any] | None = None, tool_grammar: str | None = None
 ) -> str | None:
     """The llguidance grammar a request asks for, or None; a bad spec is a `RequestError` naming the field."""
-    grammars = []
-    if tools and tool_choice is not None and tool_choice not in ("none", "auto"):
-        grammars.append(_json_grammar(_tool_schema(tools, tool_choice), "tool_choice"))
+    grammars = [tool_grammar] if tool_grammar is not None else []
     if structured:
         grammars.append(_from_structured(structured))
     if response_format:

@@ -22,8 +22,8 @@ from typing import Any
 from fastapi import FastAPI
 from prime_core.config.inference import InferenceConfig
 
+from prime_inference.app_common import EngineFactory, add_common, start_engine
 from prime_inference.routes import admin, generate
-from prime_inference.server import EngineFactory, add_common, start_engine
 from prime_inference.serving import FastJSONResponse
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,11 @@ async def _vllm_app(args: Namespace, shell: FastAPI) -> FastAPI:
 
 
 def build_vllm_app(config: InferenceConfig, engine_factory: EngineFactory) -> FastAPI:
+    from prime_inference.engines import load_tokenizer
+    from prime_inference.tool_calling import resolve_tool_calling
+
+    # vLLM's chat server takes its tool-call parser as a flag, so `auto` is resolved before the engine loads.
+    config, _ = resolve_tool_calling(config, load_tokenizer(config), "vllm")
     args = serve_args(config)  # a bad flag fails here, before the engine loads
 
     @asynccontextmanager

@@ -1,86 +1,24 @@
 """Inference and trainer on the same GPUs: vLLM's share of the memory, the check that the trainer fits in the rest,
 and weights by files (an NCCL group cannot hold two ranks on one GPU, so the trainer cannot broadcast to vLLM).
 
-Nothing here imports torch: the launcher must not create a CUDA context on the GPU it hands to vLLM. The model's
-size comes from its safetensors headers (exact) or, for a random init or changed architecture, from its config.json.
+Pure arithmetic on the facts ``prime_launch.host`` gathered (the GPU's memory, the model's size and config).
 """
 
 from __future__ import annotations
 
-import json
-import math
-import shutil
-import struct
-import subprocess
 from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from prime_core.config.inference import InferenceConfig
 from prime_core.config.rl import DevicesConfig
 from prime_core.config.trainer import TrainerConfig
-from prime_core.preflight import hf_cache_dir
 
 GIB = 1024**3
 
 
-def gpu_memory_bytes(gpus: list[int], environ: Mapping[str, str]) -> int | None:
-    """Total memory of the smallest of ``gpus`` (``nvidia-smi --query-gpu=memory.total``); None without nvidia-smi.
-
-    ``nvidia-smi`` numbers GPUs in PCI order, CUDA_VISIBLE_DEVICES in CUDA's: ids it does not list fall back to
-    the smallest GPU of the node."""
-    smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
-    if smi is None:
-        return None
-    cmd = [smi, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    mib: dict[int, int] = {}
-    for line in out.stdout.splitlines() if out.returncode == 0 else []:
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
-            mib[int(parts[0])] = int(parts[1])
-    if not mib:
-        return None
-    chosen = [mib[g] for g in gpus if g in mib] if all(g in mib for g in gpus) else list(mib.values())
-    return min(chosen) * 1024**2
-
-
-def model_dir(name: str, environ: Mapping[str, str]) -> Path | None:
-    """The local directory of a model: the path itself, else its HF cache snapshot (``refs/main`` first)."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    repo = hf_cache_dir(dict(environ)) / f"models--{name.replace('/', '--')}"
-    ref = repo / "refs" / "main"
-    if ref.is_file() and (repo / "snapshots" / ref.read_text().strip()).is_dir():
-        return repo / "snapshots" / ref.read_text().strip()
-    snapshots = sorted((repo / "snapshots").iterdir()) if (repo / "snapshots").is_dir() else []
-    return snapshots[-1] if snapshots else None
-
-
-def safetensors_params(directory: Path) -> int | None:
-    """Parameters stored in the directory's safetensors files, from their headers; None without (readable) files."""
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    try:
-        for file in files:
-            with open(file, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            total += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
-        return None
-    return total
-
-
-def config_params(config: dict[str, Any]) -> int:
+def config_params(config: Mapping[str, Any]) -> int:
     """Parameters of a decoder (dense or MoE; a vision-language model's tower roughly) from its HF config; norms and
     biases, well under 1%, are left out."""
     text = config.get("text_config") or config
@@ -102,33 +40,7 @@ def config_params(config: dict[str, Any]) -> int:
     return total
 
 
-def model_config(trainer: TrainerConfig, environ: Mapping[str, str]) -> dict[str, Any] | None:
-    """The HF config of the model the trainer builds (its overrides applied); None when no config.json is here."""
-    directory = model_dir(trainer.model.name, environ)
-    try:
-        config = json.loads((directory / "config.json").read_text()) if directory is not None else None
-    except (OSError, ValueError):
-        return None
-    return {**config, **trainer.init.config_overrides} if isinstance(config, dict) else None
-
-
-def count_params(trainer: TrainerConfig, environ: Mapping[str, str]) -> int | None:
-    """Parameters of the model the trainer builds; None when neither its weights nor its config.json are here."""
-    directory = model_dir(trainer.model.name, environ)
-    if directory is None:
-        return None
-    if not trainer.init.random and not trainer.init.config_overrides:
-        found = safetensors_params(directory)
-        if found is not None:
-            return found
-    config = model_config(trainer, environ)
-    try:
-        return config_params(config) if config is not None else None
-    except (KeyError, TypeError):
-        return None
-
-
-def activation_bytes(config: dict[str, Any], trainer: TrainerConfig, tokens: int) -> int:
+def activation_bytes(config: Mapping[str, Any], trainer: TrainerConfig, tokens: int) -> int:
     """bf16 activations one forward keeps for its backward, over ``tokens`` tokens (a micro-batch's rows on one rank).
 
     Without checkpointing a decoder layer keeps about 2 x (12 h + 5 i) bytes per token (the inputs of its norms,
@@ -191,27 +103,37 @@ def _millions(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
+def gpu_memory_of(gpus: list[int], memory: Mapping[int, int]) -> int | None:
+    """Memory of the smallest of ``gpus`` (bytes by ``nvidia-smi`` index); None when unknown. ``nvidia-smi`` numbers
+    GPUs in PCI order, CUDA_VISIBLE_DEVICES in CUDA's: ids it does not list fall back to the smallest GPU."""
+    if not memory:
+        return None
+    return min(memory[g] for g in gpus) if all(g in memory for g in gpus) else min(memory.values())
+
+
 def check_fit(
     devices: DevicesConfig,
     trainer: TrainerConfig,
     num_trainer_ranks: int,
     gpus: list[int],
-    environ: Mapping[str, str],
+    gpu_memory: Mapping[int, int],
+    num_params: int | None,
+    config: Mapping[str, Any] | None,
     micro_batch_tokens: int,
 ) -> Shares:
     """The memory split of a shared GPU; ``ValueError`` when the trainer's estimate exceeds its share or vLLM's
-    share cannot hold the bf16 weights. ``micro_batch_tokens``: tokens of one micro-batch (rows x row length)."""
+    share cannot hold the bf16 weights. ``gpu_memory``: bytes by GPU index; ``num_params`` and ``config``: the
+    trainer's model (None: unknown); ``micro_batch_tokens``: tokens of one micro-batch (rows x row length)."""
     inference_fraction = devices.inference_memory_fraction
     trainer_fraction = devices.trainer_memory_fraction or round(1.0 - inference_fraction, 6)
-    total = int(devices.gpu_memory_gib * GIB) if devices.gpu_memory_gib is not None else gpu_memory_bytes(gpus, environ)
-    num_params = count_params(trainer, environ)
+    gib = devices.gpu_memory_gib
+    total = int(gib * GIB) if gib is not None else gpu_memory_of(gpus, gpu_memory)
     shares = Shares(inference_fraction, trainer_fraction, total, num_params, None)
     if num_params is None:
         return shares
     shards = num_trainer_ranks if trainer.parallel.dp_shard == -1 else trainer.parallel.dp_shard
     per_param = trainer_bytes_per_param(trainer)
     margin = devices.trainer_memory_margin_gib * GIB
-    config = model_config(trainer, environ)
     with suppress(KeyError, TypeError):
         # Context parallelism splits every row over cp ranks.
         tokens = micro_batch_tokens // trainer.model.cp
@@ -243,11 +165,14 @@ def check_fit(
     return shares
 
 
-def sharing_notes(shares: Shares, trainer: TrainerConfig, inference: InferenceConfig) -> list[str]:
-    """What a colocated plan changes in the configs, and what it could not check."""
+def sharing_notes(
+    shares: Shares, trainer: TrainerConfig, inference: InferenceConfig, utilization_given: bool
+) -> list[str]:
+    """What a colocated plan changes in the configs, and what it could not check. ``utilization_given``: the user set
+    ``inference.vllm.gpu_memory_utilization``."""
     notes = []
     given = inference.vllm.gpu_memory_utilization
-    if "gpu_memory_utilization" in inference.vllm.model_fields_set and given != shares.inference_fraction:
+    if utilization_given and given != shares.inference_fraction:
         notes.append(
             f"inference: gpu_memory_utilization {shares.inference_fraction:g} instead of {given:g} "
             "(devices.inference_memory_fraction, as the GPU is shared)"

@@ -6,23 +6,20 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
 from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
+from prime_core.run_dir import RunDir
 
+from prime_launch.host import gather_host_facts
 from prime_launch.metrics import MetricsFollower, format_run_line, format_summary, summarize
-from prime_launch.plan import (
-    DRY_RUN_MARKER,
-    RunPlan,
-    build_plan,
-    check_output_dir,
-    clear_run,
-    command_line,
-    existing_artifacts,
-)
+from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, clear_run, command_line, existing_artifacts
 from prime_launch.process import ProcessFailed, ProcessManager, full_disk_note, tail_lines
+from prime_launch.resolver import ResolvedRun, resolve
 from prime_launch.servers import StartupFailed, check_port_free, check_served_model, reset_to_base, wait_healthy
 
 POLL_S = 0.2
@@ -34,7 +31,15 @@ class Interrupted(Exception):
         super().__init__(signal.Signals(signum).name)
 
 
-def write_configs(plan: RunPlan, *, dry_run: bool) -> dict[str, Path]:
+def resolve_here(
+    rl: RLConfig, environ: Mapping[str, str] | None = None, *, run_id: str | None = None, cores: int | None = None
+) -> ResolvedRun:
+    """Resolve ``rl`` on this machine: its facts gathered (``environ``, ``cores`` default to the launcher's), then the
+    pure resolver."""
+    return resolve(rl, gather_host_facts(rl, environ, run_id=run_id, cores=cores))
+
+
+def write_configs(plan: ResolvedRun, *, dry_run: bool) -> dict[str, Path]:
     paths = {}
     plan.run_dir.configs.mkdir(parents=True, exist_ok=True)
     for name, cfg in plan.configs.items():
@@ -47,7 +52,7 @@ def write_configs(plan: RunPlan, *, dry_run: bool) -> dict[str, Path]:
     return paths
 
 
-def check_output_dirs(plan: RunPlan, rl: RLConfig) -> None:
+def check_output_dirs(plan: ResolvedRun, rl: RLConfig) -> None:
     """The shared output directory and every run's directory must be fresh, resumed or overwritten."""
     resume = rl.resume or plan.resume_step is not None
     for run_dir in (plan.run_dir, *plan.runs.values()):
@@ -57,7 +62,7 @@ def check_output_dirs(plan: RunPlan, rl: RLConfig) -> None:
 def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
     """Resolve and write the per-process configs; print the commands ``rl`` would run (to stdout by default)."""
     out = out or sys.stdout
-    plan = build_plan(rl)
+    plan = resolve_here(rl)
     check_output_dirs(plan, rl)
     paths = write_configs(plan, dry_run=True)
     print(f"rl dry run: resolved configs written to {plan.run_dir.configs}", file=out)
@@ -78,7 +83,7 @@ def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
 class _Console:
     """The live status line (redrawn in place on a terminal, one line per new step otherwise) and log echo."""
 
-    def __init__(self, rl: RLConfig, plan: RunPlan, out: TextIO):
+    def __init__(self, rl: RLConfig, plan: ResolvedRun, out: TextIO):
         self.mode = rl.console
         self.out = out
         self.tty = out.isatty()
@@ -146,8 +151,45 @@ class _Console:
 
 def run(rl: RLConfig, out: TextIO | None = None) -> int:
     """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal)."""
-    out = out or sys.stdout
-    plan = build_plan(rl)
+    plan, cleared = _prepare(rl)
+    console = _Console(rl, plan, out or sys.stdout)
+    _announce(plan, cleared, console)
+    manager = ProcessManager(grace_s=rl.stop_grace)
+    code, finished_ok = 0, False
+    with _signals_raise() as restore:
+        try:
+            _start(plan, rl, manager, console)
+            finished_ok = _wait_for_trainer(plan, manager, console)
+        except ProcessFailed as e:
+            if tail := e.log_tail():
+                console.message(tail)
+            note = full_disk_note(plan.run_dir.root)  # a child that died of it could not log why
+            console.error(f"{note}; {e.cause}" if note else e.cause)
+            code = 1
+        except StartupFailed as e:
+            if "inference" in manager.procs:
+                log = plan.run_dir.log_file("inference")
+                console.message("\n".join([f"---- last lines of {log} ----", *tail_lines(log, 30), "----"]))
+            console.error(str(e))
+            code = 1
+        except Interrupted as e:
+            console.message(f"rl: received {e}; stopping every process")
+            code = 128 + e.signum
+        finally:
+            restore(ignore=True)
+            took = manager.stop_all()
+            manager.close()
+            restore(ignore=False)
+            if code != 0 or not finished_ok:
+                console.message(f"rl: stopped every process in {took:.1f} s")
+    _report(plan, console, finished_ok and code == 0)
+    return code
+
+
+def _prepare(rl: RLConfig) -> tuple[ResolvedRun, list[RunDir]]:
+    """Resolve the run, check its directories and port, clear leftovers (returned: those of a failed start), write
+    the configs."""
+    plan = resolve_here(rl)
     check_output_dirs(plan, rl)
     check_port_free(plan.configs.get("inference"))
     resume = rl.resume or plan.resume_step is not None
@@ -157,9 +199,12 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
     for run_dir in (plan.run_dir, *plan.runs.values()) if rl.overwrite else failed_starts:
         clear_run(run_dir)
     write_configs(plan, dry_run=False)
-    console = _Console(rl, plan, out)
+    return plan, [] if rl.overwrite else failed_starts
+
+
+def _announce(plan: ResolvedRun, cleared: list[RunDir], console: _Console) -> None:
     console.message(f"rl: run directory {plan.run_dir.root}")
-    for run_dir in failed_starts if not rl.overwrite else []:
+    for run_dir in cleared:
         console.message(f"rl: cleared the leftovers of a start that failed before its first step in {run_dir.root}")
     for spec in plan.specs:
         console.message(f"rl: {spec.name:<{plan.name_width}}{plan.devices.get(spec.name, '')}  log {spec.log_file}")
@@ -168,92 +213,89 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
     if plan.resume_step is not None:
         console.message(f"rl: resuming from step {plan.resume_step}")
 
+
+@contextmanager
+def _signals_raise() -> Iterator[Callable[..., None]]:
+    """SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` inside the block; ``restore(ignore=True)`` ignores them
+    while the processes are stopped, ``restore(ignore=False)`` puts the previous handlers back."""
+
     def on_signal(signum, frame):
         raise Interrupted(signum)
 
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, on_signal) for s in handled}
-    manager = ProcessManager(grace_s=rl.stop_grace)
-    code = 0
-    finished_ok = False
+
+    def restore(*, ignore: bool) -> None:
+        for s in handled:
+            signal.signal(s, signal.SIG_IGN if ignore else previous[s])
+
     try:
-        specs = {spec.name: spec for spec in plan.specs}
-        append = rl.resume or plan.resume_step is not None
-        own = "inference" in specs
-        if own:
-            # The orchestrator starts its env servers while inference starts, and sends nothing until /health answers
-            # with this run's id; the trainer waits (on a shared GPU vLLM must reserve its memory first).
-            manager.start(specs["inference"], append_log=append)
-            for name in plan.orchestrators:
-                manager.start(specs[name], append_log=append)
-            console.message(
-                f"rl: started {', '.join(plan.orchestrators)}; waiting for inference at {', '.join(plan.health_urls)}"
-            )
-        else:
-            console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
-        run_id = specs["inference"].env["PRIME_RUN_ID"] if own else None
-        answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager.poll, run_id)
-        if not own:
-            check_served_model(answers, rl.orchestrator.model.name)
-        if not own and plan.resume_step in (None, 0):
+        yield restore
+    finally:
+        restore(ignore=False)
+
+
+def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _Console) -> None:
+    """Inference and the orchestrators (which start their env servers while inference starts, and send nothing
+    until /health answers with this run's id), then, once it is healthy, the trainer (on a shared GPU vLLM must
+    reserve its memory first). With a server started elsewhere: check it, reset it to the base weights, start all."""
+    specs = {spec.name: spec for spec in plan.specs}
+    append = rl.resume or plan.resume_step is not None
+    own = "inference" in specs
+    if own:
+        for name in ("inference", *plan.orchestrators):
+            manager.start(specs[name], append_log=append)
+        urls = ", ".join(plan.health_urls)
+        console.message(f"rl: started {', '.join(plan.orchestrators)}; waiting for inference at {urls}")
+    else:
+        console.message(f"rl: using the inference server at {', '.join(plan.health_urls)}")
+    run_id = specs["inference"].env["PRIME_RUN_ID"] if own else None
+    answers = wait_healthy(plan.health_urls, plan.api_key, rl.health_timeout, manager.poll, run_id)
+    if own:
+        console.message("rl: inference is healthy; starting trainer")
+    else:
+        check_served_model(answers, rl.orchestrator.model.name)
+        if plan.resume_step in (None, 0):
             for message in reset_to_base(answers, plan.api_key, rl.health_timeout):
                 console.message(f"rl: {message}")
-        if own:
-            console.message("rl: inference is healthy; starting trainer")
-        else:
-            console.message(f"rl: starting {', '.join(plan.orchestrators)} and trainer")
-            for name in plan.orchestrators:
-                manager.start(specs[name], append_log=append)
-        manager.start(specs["trainer"], append_log=append)
-        expected = {name: True for name in ("trainer", *plan.orchestrators)}
-        # An orchestrator outlives the trainer when it evaluates the final weights; wait for it, then stop the rest.
-        while not set(expected) <= set(manager.finished):
-            done = manager.poll(expected)
-            if done == "trainer":
-                finished_ok = True
-                if not set(plan.orchestrators) <= set(manager.finished):
-                    console.message("rl: trainer finished; waiting for the final evaluation")
-            elif done is not None and "trainer" not in manager.finished:
-                console.message(f"rl: {done} finished its rollouts; waiting for the trainer")
-            console.tick()
-            time.sleep(POLL_S)
+        console.message(f"rl: starting {', '.join(plan.orchestrators)} and trainer")
+        for name in plan.orchestrators:
+            manager.start(specs[name], append_log=append)
+    manager.start(specs["trainer"], append_log=append)
+
+
+def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Console) -> bool:
+    """Until the trainer and every orchestrator finished (an orchestrator outlives the trainer when it evaluates
+    the final weights); ``ProcessFailed`` when any process fails."""
+    expected = {name: True for name in ("trainer", *plan.orchestrators)}
+    finished_ok = False
+    while not set(expected) <= set(manager.finished):
+        done = manager.poll(expected)
+        if done == "trainer":
+            finished_ok = True
+            if not set(plan.orchestrators) <= set(manager.finished):
+                console.message("rl: trainer finished; waiting for the final evaluation")
+        elif done is not None and "trainer" not in manager.finished:
+            console.message(f"rl: {done} finished its rollouts; waiting for the trainer")
         console.tick()
-        console.message("rl: trainer finished; stopping the other processes")
-    except ProcessFailed as e:
-        if tail := e.log_tail():
-            console.message(tail)
-        note = full_disk_note(plan.run_dir.root)  # a child that died of it could not log why
-        console.error(f"{note}; {e.cause}" if note else e.cause)
-        code = 1
-    except StartupFailed as e:
-        if "inference" in manager.procs:
-            log = plan.run_dir.log_file("inference")
-            console.message("\n".join([f"---- last lines of {log} ----", *tail_lines(log, 30), "----"]))
-        console.error(str(e))
-        code = 1
-    except Interrupted as e:
-        console.message(f"rl: received {e}; stopping every process")
-        code = 128 + e.signum
-    finally:
-        for s in handled:
-            signal.signal(s, signal.SIG_IGN)
-        took = manager.stop_all()
-        manager.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if code != 0 or not finished_ok:
-            console.message(f"rl: stopped every process in {took:.1f} s")
-    # A multi-tenant trainer logs each run's losses to the run's own metrics.jsonl.
+        time.sleep(POLL_S)
+    console.tick()
+    console.message("rl: trainer finished; stopping the other processes")
+    return finished_ok
+
+
+def _report(plan: ResolvedRun, console: _Console, succeeded: bool) -> None:
+    """Each run's summary (a multi-tenant trainer logs each run's losses to the run's own metrics.jsonl) and, after
+    a normal finish, where the final weights are."""
     results = {f"run {name}": run_dir for name, run_dir in plan.runs.items()} or {"": plan.run_dir}
     for label, run_dir in results.items():
         summary = summarize(run_dir.metrics)
         if summary["trainer_steps"] or summary["rollout_steps"]:
             console.message(format_summary(summary, title=label))
-    if finished_ok and code == 0:
+    if succeeded:
         for label, run_dir in results.items():
             latest = run_dir.latest_stable_weight_step()
             if latest is not None:
                 prefix = f"{label} " if label else ""
                 console.message(f"rl: {prefix}final weights {run_dir.weight_step(latest)}")
         console.message("rl: done")
-    return code

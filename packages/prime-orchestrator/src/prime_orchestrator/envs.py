@@ -10,6 +10,7 @@ ids with the sampled tokens' log-probs. Each trainable trace branch becomes a tr
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -131,6 +132,12 @@ class EnvRunner:
 
     async def close(self) -> None:
         await self.server.close()
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """Per-request sampling seed from (run seed, step, sample index): a resumed run samples the same."""
+    digest = hashlib.sha256(f"{seed}:{step}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def sampling_args(sampling: SamplingConfig, *, seed: int, max_tokens: int | None = None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from prime_orchestrator.envs import EnvRunner, sampling_args
+from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -55,8 +55,6 @@ async def evaluate_env(
     semaphore: asyncio.Semaphore | None = None,
 ) -> tuple[dict[str, Any], list[dict]]:
     """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0."""
-    from prime_orchestrator.orchestrator import request_seed
-
     semaphore = semaphore or asyncio.Semaphore(64)
 
     async def one(example: int, j: int) -> Any:

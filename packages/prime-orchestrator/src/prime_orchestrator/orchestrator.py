@@ -12,7 +12,6 @@ finished step n - async_level - 1: the orchestrator is at most async_level steps
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import random
@@ -31,19 +30,13 @@ from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.credit import seat_step_metrics, step_samples
-from prime_orchestrator.envs import EnvRunner, sampling_args, server_spec, train_client
+from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
 from prime_orchestrator.judges import check_judges, judge_endpoint
 from prime_orchestrator.packing import Sample, pack
 from prime_orchestrator.weight_relay import Policy
 
 logger = logging.getLogger("prime.orchestrator")
-
-
-def request_seed(seed: int, step: int, index: int) -> int:
-    """Per-request sampling seed from (run seed, step, sample index): a resumed run samples the same."""
-    digest = hashlib.sha256(f"{seed}:{step}:{index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 @dataclass

@@ -103,6 +103,19 @@ def build_model(
         if not hasattr(model, "freeze_vision"):
             raise ValueError(f"init.freeze_vision: {name} ({source.hf_config['model_type']}) has no vision tower")
         model.freeze_vision()
+    return _parallelize(model, source, parallel, layout, world, fp8), source
+
+
+def _parallelize(
+    model: nn.Module,
+    source: ModelSource,
+    parallel: ParallelConfig,
+    layout: TrainerLayout,
+    world: World,
+    fp8: Fp8Config | None,
+) -> nn.Module:
+    """The family's parallelize function (FP8, EP, CP, AC, FSDP2), then FSDP on one GPU for bf16 compute."""
+    dims = layout.dims
     spec = get_model_spec(source.hf_config["model_type"])
     model = spec.parallelize_fn(
         model,
@@ -128,7 +141,7 @@ def build_model(
             mp_policy=default_mp_policy("cuda"),
             reshard_after_forward=parallel.reshard_after_forward,
         )
-    return model, source
+    return model
 
 
 def loss_scale(model: nn.Module, world: World) -> float:

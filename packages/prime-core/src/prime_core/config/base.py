@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Self
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -14,3 +16,12 @@ class BaseConfig(BaseModel):
         validate_default=True,
         populate_by_name=True,
     )
+
+    def derive(self, **changes: Any) -> Self:
+        """A copy with ``changes`` (field name -> value; a sub-section is given as a derived section) applied and
+        the whole section validated again, so a derived config obeys every rule a user's would. How the launcher
+        fills in what one process's config needs from another's; a misspelt field is a ``TypeError``."""
+        unknown = sorted(set(changes) - set(type(self).model_fields))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field {', '.join(unknown)}")
+        return type(self).model_validate(self.model_copy(update=changes).model_dump())

@@ -101,7 +101,9 @@ TORCH_TOOL_PARSERS = {
     "glm47": "glm",
     "deepseek_v3": "deepseek-v3",
 }
-TORCH_REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think"}
+TORCH_REASONING_PARSERS = ("qwen3", "deepseek_r1")
+TOOL_PARSER_SETTINGS = ("auto", "none")
+"""``tool_call_parser`` values that are not parser names: detect one from the chat template, or none."""
 
 
 class LoRAServingConfig(BaseConfig):
@@ -146,20 +148,24 @@ class InferenceConfig(BaseConfig):
     """Longest prompt + completion in tokens; unset uses the model's ``max_position_embeddings``."""
     max_batch_size: int = Field(default=32, ge=1)
     """Torch engine: sequences decoded together (the running batch); more requests wait in a queue."""
-    logprobs_mode: Literal["processed", "raw"] = "processed"
-    """Which logits returned log-probs come from (vLLM's processed_logprobs / raw_logprobs): processed is the
-    distribution the token was drawn from (after logit bias, penalties, temperature, min_p, top-k and top-p; greedy
-    counts temperature as 1), which is what the trainer recomputes when those are left at their defaults; raw is
-    log_softmax(logits). vLLM's own default is raw; prime's is processed, as prime-rl's."""
-    enable_auto_tool_choice: bool = False
-    """Parse tool calls out of chat completions when a request has ``tools`` (vLLM's flag; needs
-    ``tool_call_parser``)."""
-    tool_call_parser: str | None = None
+    logprobs_mode: Literal["processed", "raw"] = "raw"
+    """Which logits returned log-probs come from (vLLM's raw_logprobs / processed_logprobs): raw, vLLM's default, is
+    log_softmax of the model's logits; processed is the distribution the token was drawn from (after logit bias,
+    penalties, temperature, min_p, top-k and top-p; greedy counts temperature as 1), which is what the trainer
+    recomputes. ``rl`` sets processed for the server it starts (and writes it into that server's config), as
+    prime-rl does."""
+    enable_auto_tool_choice: bool | None = None
+    """Parse tool calls out of chat completions whose request has ``tools`` (vLLM's flag). Unset: on whenever a
+    tool-call parser is in use (``tool_call_parser`` names one or ``auto`` finds one); false: off."""
+    tool_call_parser: str = "auto"
     """Tool-call format, by vLLM's parser names: ``hermes`` (Qwen2.5/Qwen3), ``qwen3_xml``/``qwen3_coder``,
-    ``glm45``/``glm47``, ``deepseek_v3``. The vLLM engine takes any name vLLM knows; the torch engine these."""
+    ``glm45``/``glm47``, ``deepseek_v3``; the vLLM engine takes any name vLLM knows, the torch engine these.
+    ``auto``: the parser that matches how the served model's chat template writes tool calls, when the template
+    renders tools (the startup line names it, or says why there is none); ``none``: no parser (a request with
+    tools is then a 400 that names this setting and ``enable_auto_tool_choice``)."""
     reasoning_parser: str | None = None
-    """Split ``<think>`` reasoning from content (``message.reasoning``), by vLLM's names: ``qwen3``,
-    ``deepseek_r1``. The vLLM engine takes any name vLLM knows; the torch engine these."""
+    """Split reasoning from content (``message.reasoning``), by vLLM's names: ``qwen3``, ``deepseek_r1``. The vLLM
+    engine takes any name vLLM knows; the torch engine these, with vLLM 0.26's semantics."""
     seed: int = 0
     """Seed of requests that carry no seed of their own (and of vLLM's engine)."""
     output_dir: Path = Path("outputs")
@@ -187,12 +193,13 @@ class InferenceConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_parsers(self) -> InferenceConfig:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice requires tool_call_parser")
+        if self.enable_auto_tool_choice and self.tool_call_parser == "none":
+            raise ValueError("enable_auto_tool_choice requires a tool_call_parser (a parser name, or auto)")
         if self.engine == "torch":
-            if self.tool_call_parser is not None and self.tool_call_parser not in TORCH_TOOL_PARSERS:
+            known = (*TOOL_PARSER_SETTINGS, *TORCH_TOOL_PARSERS)
+            if self.tool_call_parser not in known:
                 raise ValueError(
-                    f"tool_call_parser={self.tool_call_parser!r}: the torch engine knows {', '.join(TORCH_TOOL_PARSERS)}"
+                    f"tool_call_parser={self.tool_call_parser!r}: the torch engine knows {', '.join(known)}"
                 )
             if self.reasoning_parser is not None and self.reasoning_parser not in TORCH_REASONING_PARSERS:
                 raise ValueError(
@@ -200,6 +207,16 @@ class InferenceConfig(BaseConfig):
                     f"{', '.join(TORCH_REASONING_PARSERS)}"
                 )
         return self
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The tool-call parser in effect (None for ``none``, and for ``auto`` until the server has resolved it)."""
+        return None if self.tool_call_parser in TOOL_PARSER_SETTINGS else self.tool_call_parser
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        """Whether tool calls are parsed out of ``tool_choice: auto`` requests (vLLM's --enable-auto-tool-choice)."""
+        return self.tool_parser is not None and self.enable_auto_tool_choice is not False
 
     @property
     def lora_enabled(self) -> bool:

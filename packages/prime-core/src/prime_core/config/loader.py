@@ -245,11 +245,48 @@ def collect_sources(
     extra_flags: Sequence[str] = (),
 ) -> ParsedArgs:
     """Merge defaults < env < TOML files < CLI into one nested dict with origins (not yet validated)."""
-    environ = os.environ if environ is None else environ
     merged = _Sources()
     parsed = ParsedArgs(sources=merged)
+    _read_environment(model, merged, os.environ if environ is None else environ, env_prefix)
+    toml_layers: list[tuple[tuple[str, ...], dict[str, Any], str]] = []
+    cli: list[tuple[tuple[str, ...], Any, str]] = []
+    tokens = list(argv)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token.startswith("@"):
+            path_text, i = _file_argument(tokens, i)
+            origin = f"file {path_text}" if path_text else "CLI"
+            tree = load_toml(path_text, "CLI" if not path_text else origin)
+            toml_layers.append(((), _normalize_tree(model, tree, (), origin), origin))
+        elif token in ("-h", "--help"):
+            parsed.help, i = True, i + 1
+        elif token in ("--dry-run", "--dry_run"):
+            parsed.dry_run, i = True, i + 1
+        elif not token.startswith("--") or token == "--":
+            raise ConfigError(f"CLI: unexpected argument {token!r} (options look like --key value or @ file.toml)")
+        elif _split_flag(token)[0] in extra_flags:
+            i += 1
+        elif _split_flag(token)[1] is None and i + 1 < len(tokens) and tokens[i + 1].startswith("@"):
+            # --section @ file.toml loads a file into that section.
+            key = _split_flag(token)[0]
+            path_text, i = _file_argument(tokens, i + 1)
+            path, annotation = resolve_path(model, key, f"CLI --{key}")
+            if not _models_in(annotation):
+                raise ConfigError(f"CLI --{key}: '@ file' can only load a section, and {key!r} is a value")
+            origin = f"file {path_text}" if path_text else f"CLI --{key}"
+            toml_layers.append((path, _normalize_tree(model, load_toml(path_text, origin), path, origin), origin))
+        else:
+            path, value, origin, i = _flag(model, tokens, i)
+            cli.append((path, value, origin))
+    for prefix, tree, origin in toml_layers:
+        merged.merge_tree(prefix, tree, origin)
+    _apply_flags(merged, cli)
+    return parsed
 
-    # Environment: PRIME_A__B=value. Unknown PRIME_ names are left alone: several processes share an env.
+
+def _read_environment(model: type[BaseModel], merged: _Sources, environ: Mapping[str, str], env_prefix: str) -> None:
+    """``PRIME_A__B=value``. Unknown PRIME_ names are left alone: several processes share an environment."""
     known_top = set(_fields_of([model]))
     for name in sorted(environ):
         if not name.startswith(env_prefix):
@@ -265,107 +302,86 @@ def collect_sources(
             raise ConfigError(f"{origin}: {e}") from None
         merged.set(path, value, origin)
 
-    toml_layers: list[tuple[tuple[str, ...], dict[str, Any], str]] = []
-    cli: list[tuple[tuple[str, ...], Any, str, str]] = []
-    tokens = list(argv)
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if token.startswith("@"):
-            path_text = token[1:] or (tokens[i + 1] if i + 1 < len(tokens) else "")
-            i += 1 if token[1:] else 2
-            origin = f"file {path_text}" if path_text else "CLI"
-            tree = load_toml(path_text, "CLI" if not path_text else origin)
-            toml_layers.append(((), _normalize_tree(model, tree, (), origin), origin))
-            continue
-        if token in ("-h", "--help"):
-            parsed.help = True
-            i += 1
-            continue
-        if token == "--dry-run" or token == "--dry_run":
-            parsed.dry_run = True
-            i += 1
-            continue
-        if not token.startswith("--") or token == "--":
-            raise ConfigError(f"CLI: unexpected argument {token!r} (options look like --key value or @ file.toml)")
-        key, inline = _split_flag(token)
-        if key in extra_flags:
-            i += 1
-            continue
-        i += 1
-        # --section @ file.toml loads a file into that section.
-        if inline is None and i < len(tokens) and tokens[i].startswith("@"):
-            path_text = tokens[i][1:] or (tokens[i + 1] if i + 1 < len(tokens) else "")
-            i += 1 if tokens[i][1:] else 2
-            path, annotation = resolve_path(model, key, f"CLI --{key}")
-            if not _models_in(annotation):
-                raise ConfigError(f"CLI --{key}: '@ file' can only load a section, and {key!r} is a value")
-            origin = f"file {path_text}" if path_text else f"CLI --{key}"
-            tree = load_toml(path_text, origin)
-            toml_layers.append((path, _normalize_tree(model, tree, path, origin), origin))
-            continue
-        negated = False
-        try:
-            path, annotation = resolve_path(model, key, f"CLI --{key}")
-        except ConfigError:
-            # --no-a.flag and --a.no-flag both negate a.flag.
-            head, _, leaf = key.rpartition(".")
-            if leaf.startswith(("no-", "no_")):
-                positive = f"{head}.{leaf[3:]}" if head else leaf[3:]
-            elif key.startswith(("no-", "no_")):
-                positive = key[3:]
-            else:
-                raise
-            path, annotation = resolve_path(model, positive, f"CLI --{key}")
-            negated = True
-        origin = f"CLI --{key}"
-        if negated:
-            if not _is_bool_type(annotation):
-                raise ConfigError(f"{origin}: --no- only applies to boolean options, and {'.'.join(path)!r} is not one")
-            if inline is not None:
-                raise ConfigError(f"{origin}: --{key} takes no value")
-            value: Any = False
-        elif inline is not None:
-            value = inline
-        elif _is_bool_type(annotation):
-            if i < len(tokens) and tokens[i].lower() in ("true", "false", "1", "0", "yes", "no"):
-                value = tokens[i]
-                i += 1
-            else:
-                value = True
-        else:
-            values = []
-            while i < len(tokens) and not tokens[i].startswith("--") and not tokens[i].startswith("@"):
-                values.append(tokens[i])
-                i += 1
-            if not values:
-                raise ConfigError(f"{origin}: missing value")
-            if len(values) > 1 and not _is_list_type(annotation):
-                raise ConfigError(f"{origin}: expected one value, got {len(values)}: {' '.join(values)}")
-            value = values if len(values) > 1 else values[0]
-        if isinstance(value, str):
-            try:
-                value = parse_scalar_text(value, annotation)
-            except ValueError as e:
-                raise ConfigError(f"{origin}: {e}") from None
-        elif isinstance(value, list):
-            flat: list[Any] = []
-            for v in value:
-                flat.extend(parse_scalar_text(v, annotation) if "," in v else [v])
-            value = flat
-        cli.append((path, value, origin, key))
 
-    for prefix, tree, origin in toml_layers:
-        merged.merge_tree(prefix, tree, origin)
+def _file_argument(tokens: list[str], i: int) -> tuple[str, int]:
+    """The path of ``@file`` or ``@ file`` at ``tokens[i]``, and the index after it."""
+    token = tokens[i]
+    if token[1:]:
+        return token[1:], i + 1
+    return (tokens[i + 1] if i + 1 < len(tokens) else ""), i + 2
+
+
+def _flag(model: type[BaseModel], tokens: list[str], i: int) -> tuple[tuple[str, ...], Any, str, int]:
+    """The option at ``tokens[i]`` (``--key value``, ``--key=value``, ``--flag``, ``--no-flag``): its path, value,
+    origin and the index after it."""
+    key, inline = _split_flag(tokens[i])
+    i += 1
+    origin = f"CLI --{key}"
+    path, annotation, negated = _flag_path(model, key)
+    if negated:
+        if not _is_bool_type(annotation):
+            raise ConfigError(f"{origin}: --no- only applies to boolean options, and {'.'.join(path)!r} is not one")
+        if inline is not None:
+            raise ConfigError(f"{origin}: --{key} takes no value")
+        return path, False, origin, i
+    if inline is not None:
+        value: Any = inline
+    elif _is_bool_type(annotation):
+        value = True
+        if i < len(tokens) and tokens[i].lower() in ("true", "false", "1", "0", "yes", "no"):
+            value, i = tokens[i], i + 1
+    else:
+        values = []
+        while i < len(tokens) and not tokens[i].startswith("--") and not tokens[i].startswith("@"):
+            values.append(tokens[i])
+            i += 1
+        if not values:
+            raise ConfigError(f"{origin}: missing value")
+        if len(values) > 1 and not _is_list_type(annotation):
+            raise ConfigError(f"{origin}: expected one value, got {len(values)}: {' '.join(values)}")
+        value = values if len(values) > 1 else values[0]
+    return path, _parse_flag_value(value, annotation, origin), origin, i
+
+
+def _flag_path(model: type[BaseModel], key: str) -> tuple[tuple[str, ...], Any, bool]:
+    """The field an option names, its annotation, and whether it is negated (``--no-a.flag``, ``--a.no-flag``)."""
+    try:
+        return (*resolve_path(model, key, f"CLI --{key}"), False)
+    except ConfigError:
+        head, _, leaf = key.rpartition(".")
+        if leaf.startswith(("no-", "no_")):
+            positive = f"{head}.{leaf[3:]}" if head else leaf[3:]
+        elif key.startswith(("no-", "no_")):
+            positive = key[3:]
+        else:
+            raise
+        return (*resolve_path(model, positive, f"CLI --{key}"), True)
+
+
+def _parse_flag_value(value: Any, annotation: Any, origin: str) -> Any:
+    if isinstance(value, str):
+        try:
+            return parse_scalar_text(value, annotation)
+        except ValueError as e:
+            raise ConfigError(f"{origin}: {e}") from None
+    if not isinstance(value, list):
+        return value
+    flat: list[Any] = []
+    for v in value:
+        flat.extend(parse_scalar_text(v, annotation) if "," in v else [v])
+    return flat
+
+
+def _apply_flags(merged: _Sources, cli: list[tuple[tuple[str, ...], Any, str]]) -> None:
+    """CLI options win over files and environment; the same option given twice must agree."""
     seen: dict[tuple[str, ...], tuple[Any, str]] = {}
-    for path, value, origin, _ in cli:
+    for path, value, origin in cli:
         if path in seen and seen[path][0] != value:
             raise ConfigError(
                 f"{origin}: conflicts with {seen[path][1]} ({'.'.join(path)} given {seen[path][0]!r} and {value!r})"
             )
         seen[path] = (value, origin)
         merged.set(path, value, origin)
-    return parsed
 
 
 # ---------------------------------------------------------------- validation

@@ -122,13 +122,6 @@ def _same(a: Any, b: Any) -> bool:
     return str(a) == str(b)
 
 
-def _client_urls_given(orchestrator: Any) -> bool:
-    client = orchestrator.get("client") if isinstance(orchestrator, dict) else getattr(orchestrator, "client", None)
-    if isinstance(client, BaseModel):
-        return bool({"base_urls", "base_url"} & client.model_fields_set)
-    return isinstance(client, dict) and bool({"base_urls", "base_url"} & set(client))
-
-
 def _fill(target: dict[str, Any], key: str, value: Any, path: str, conflicts: list[str]) -> None:
     """Copy ``value`` into ``target[key]`` where absent; recurse into sections; record differing leaves."""
     value = _as_dict(value)
@@ -143,6 +136,63 @@ def _fill(target: dict[str, Any], key: str, value: Any, path: str, conflicts: li
         target[key] = merged
     elif not _same(existing, value):
         conflicts.append(f"{path} is {existing!r} but the shared value is {value!r}")
+
+
+def _share(data: dict[str, Any]) -> dict[str, Any]:
+    """Fill the process sections with the shared top-level fields (see the module docstring)."""
+    data = dict(data)
+    conflicts: list[str] = []
+    wandb = _as_dict(data.get("wandb"))
+    if isinstance(wandb, dict):
+        data["wandb"] = wandb = {"enabled": True, **wandb}
+    for name in PROCESSES:
+        sub = _as_dict(data.get(name))
+        if sub is None:
+            if name == "inference":
+                continue
+            sub = {}
+        if not isinstance(sub, dict):
+            continue
+        sub = dict(sub)
+        fields = _PROCESS_CLASSES[name].model_fields
+        for key in SHARED_FIELDS:
+            value = data.get(key)
+            if _is_set(value) and key in fields:
+                if key == "output_dir":
+                    sub[key] = value
+                else:
+                    _fill(sub, key, value, f"{name}.{key}", conflicts)
+        if isinstance(wandb, dict) and "monitor" in fields:
+            _fill(sub, "monitor", {"wandb": wandb}, f"{name}.monitor", conflicts)
+        data[name] = sub
+    if conflicts:
+        raise ValueError("shared fields conflict with sub-configs: " + "; ".join(conflicts))
+    return data
+
+
+def _paths(data: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every key in nested input data (list items by index: ``orchestrator.env.0.id``)."""
+    data = _as_dict(data)
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    out = []
+    for key, value in items:
+        path = f"{prefix}{key}"
+        out.append(path)
+        out += _paths(value, f"{path}.")
+    return out
+
+
+def _keep_paths(data: Any, paths: frozenset[str], prefix: str) -> Any:
+    """``data`` with only the keys at ``paths`` (a list's items keep their length: only their keys are filtered)."""
+    if isinstance(data, list):
+        return [_keep_paths(item, paths, f"{prefix}{i}.") for i, item in enumerate(data)]
+    if not isinstance(data, dict):
+        return data
+    return {
+        key: _keep_paths(value, paths, f"{prefix}{key}.")
+        for key, value in data.items()
+        if f"{prefix}{key}" in paths and value is not None
+    }
 
 
 class RLConfig(BaseConfig):
@@ -200,55 +250,52 @@ class RLConfig(BaseConfig):
     env_vars: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for every process (CUDA_VISIBLE_DEVICES and PRIME_RUN_ID are the launcher's)."""
 
-    _base_urls_given: bool = PrivateAttr(default=False)
+    _user_set: frozenset[str] = PrivateAttr(default=frozenset())
 
     @model_validator(mode="wrap")
     @classmethod
-    def _note_base_urls(cls, data: Any, handler: Any) -> RLConfig:
+    def _share_and_note_user_set(cls, data: Any, handler: Any) -> RLConfig:
+        if not isinstance(data, dict):
+            return handler(data)
+        data = _share(data)
         config = handler(data)
-        if isinstance(data, dict):
-            config._base_urls_given = _client_urls_given(data.get("orchestrator"))
+        config._user_set = frozenset(_paths(data))
+        config._check_served_adapters()
         return config
+
+    def _check_served_adapters(self) -> None:
+        """Every run's adapter is served at once: a limit the user set must allow it (an unset ``max_loras`` is
+        raised to the number of runs by the resolver)."""
+        if not self.runs or self.inference is None:
+            return
+        serving, num_runs = self.inference.lora, len(self.runs)
+        if serving.max_cpu_loras is not None and serving.max_cpu_loras < num_runs:
+            raise ValueError(f"inference.lora.max_cpu_loras ({serving.max_cpu_loras}) < number of runs ({num_runs})")
+        if num_runs > serving.max_loras and self.user_set("inference.lora.max_loras"):
+            raise ValueError(
+                f"inference.lora.max_loras ({serving.max_loras}) < number of runs ({num_runs}): "
+                "every run's adapter is sampled at once"
+            )
+
+    def user_set(self, path: str) -> bool:
+        """Whether the user gave the dotted field ``path`` (a shared field counts for every section it fills), read
+        once from the input: a re-validated copy of a section reports every field as set, and the resolver derives
+        only what the user left unset."""
+        return path in self._user_set
 
     @property
     def base_urls_given(self) -> bool:
-        """Whether the user named the orchestrator's inference servers (else rl points it at the one it starts).
-        Read from the input: the client's own validator may rewrite ``base_urls``."""
-        return self._base_urls_given
+        """Whether the user named the orchestrator's inference servers (else rl points it at the one it starts)."""
+        return self.user_set("orchestrator.client.base_urls") or self.user_set("orchestrator.client.base_url")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _share(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        conflicts: list[str] = []
-        wandb = _as_dict(data.get("wandb"))
-        if isinstance(wandb, dict):
-            data["wandb"] = wandb = {"enabled": True, **wandb}
-        for name in PROCESSES:
-            sub = _as_dict(data.get(name))
-            if sub is None:
-                if name == "inference":
-                    continue
-                sub = {}
-            if not isinstance(sub, dict):
-                continue
-            sub = dict(sub)
-            fields = _PROCESS_CLASSES[name].model_fields
-            for key in SHARED_FIELDS:
-                value = data.get(key)
-                if _is_set(value) and key in fields:
-                    if key == "output_dir":
-                        sub[key] = value
-                    else:
-                        _fill(sub, key, value, f"{name}.{key}", conflicts)
-            if isinstance(wandb, dict) and "monitor" in fields:
-                _fill(sub, "monitor", {"wandb": wandb}, f"{name}.monitor", conflicts)
-            data[name] = sub
-        if conflicts:
-            raise ValueError("shared fields conflict with sub-configs: " + "; ".join(conflicts))
-        return data
+    def user_input(self) -> dict[str, Any]:
+        """What the user set, as JSON-ready data (a resolved config's other fields left out): the ``rl.toml`` that
+        reproduces this config elsewhere."""
+        return _keep_paths(self.model_dump(mode="json"), self._user_set, "")
+
+    def run_dirs(self) -> dict[str, Path]:
+        """Multi-tenant LoRA: each run's directory by run name (default ``<output_dir>/runs/<name>``)."""
+        return {run.name: Path(run.output_dir or self.run_dir / "runs" / run.name) for run in self.runs}
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
@@ -272,19 +319,6 @@ class RLConfig(BaseConfig):
             )
         if t.model.name != o.model.name:
             raise ValueError(f"trainer.model.name ({t.model.name!r}) != orchestrator.model.name ({o.model.name!r})")
-        broadcast = t.weights.broadcast
-        if broadcast.type == "nccl":
-            o.weights_broadcast = True
-        if broadcast.type == "nccl" and self.inference is not None:
-            # One worker per vLLM GPU; the torch engine is one worker (its vllm sizes stay 1).
-            workers = self.inference.vllm.tensor_parallel_size * self.inference.vllm.data_parallel_size
-            if "inference_workers" not in broadcast.model_fields_set:
-                broadcast.inference_workers = workers
-            elif broadcast.inference_workers != workers:
-                raise ValueError(
-                    f"trainer.weights.broadcast.inference_workers ({broadcast.inference_workers}) != the inference "
-                    f"server's workers ({workers} = tensor_parallel_size x data_parallel_size)"
-                )
         inference_threads = self.devices.cpu_threads.get("inference")
         engine_threads = self.inference.torch.num_threads if self.inference is not None else None
         if None not in (inference_threads, engine_threads) and inference_threads != engine_threads:
@@ -310,29 +344,13 @@ class RLConfig(BaseConfig):
         names = [run.name for run in self.runs]
         if len(set(names)) != len(names):
             raise ValueError(f"runs: names must be unique, got {names}")
-        for run in self.runs:
-            if run.output_dir is None:
-                run.output_dir = self.run_dir / "runs" / run.name
-        dirs = [Path(run.output_dir).resolve() for run in self.runs]
+        dirs = [run_dir.resolve() for run_dir in self.run_dirs().values()]
         if len(set(dirs)) != len(dirs) or self.run_dir.resolve() in dirs:
             raise ValueError("runs: every run needs its own output_dir, distinct from the shared output_dir")
         if t.transport.type != "filesystem" or self.orchestrator.transport.type != "filesystem":
             raise ValueError(
                 "runs: the trainer reads each run's rollouts from the run's directory; use transport.type = 'filesystem'"
             )
-        if self.inference is not None:
-            serving, num_runs = self.inference.lora, len(self.runs)
-            if serving.max_cpu_loras is not None and serving.max_cpu_loras < num_runs:
-                raise ValueError(
-                    f"inference.lora.max_cpu_loras ({serving.max_cpu_loras}) < number of runs ({num_runs})"
-                )
-            if num_runs > serving.max_loras:
-                if "max_loras" in serving.model_fields_set:
-                    raise ValueError(
-                        f"inference.lora.max_loras ({serving.max_loras}) < number of runs ({num_runs}): "
-                        "every run's adapter is sampled at once"
-                    )
-                serving.max_loras = num_runs
 
     def processes(self) -> dict[str, BaseModel]:
         """The process configs that will run, in start order (inference first)."""

@@ -75,10 +75,10 @@ def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[st
         args += ["--enable-lora", "--max-loras", str(config.lora.max_loras), "--max-lora-rank", rank]
         if config.lora.max_cpu_loras is not None:
             args += ["--max-cpu-loras", str(config.lora.max_cpu_loras)]
-    if config.enable_auto_tool_choice:
+    if config.auto_tool_choice:
         args.append("--enable-auto-tool-choice")
-    if config.tool_call_parser is not None:
-        args += ["--tool-call-parser", config.tool_call_parser]
+    if config.tool_parser is not None:
+        args += ["--tool-call-parser", config.tool_parser]
     if config.reasoning_parser is not None:
         args += ["--reasoning-parser", config.reasoning_parser]
     if headless:

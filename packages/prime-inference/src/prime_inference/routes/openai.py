@@ -8,8 +8,10 @@ from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
 import prime_inference
-from prime_inference.openai_serving import chat, chat_prompt, completion
-from prime_inference.protocol import ChatCompletionRequest, CompletionRequest, _Strict
+from prime_inference.chat_protocol import ChatCompletionRequest
+from prime_inference.completions_serving import completion
+from prime_inference.openai_serving import chat, chat_prompt
+from prime_inference.protocol import CompletionRequest, _Strict
 from prime_inference.routes.common import parse_body, read_json, state, validate
 
 router = APIRouter()

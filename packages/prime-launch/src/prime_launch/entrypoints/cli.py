@@ -21,8 +21,8 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _slurm(kind: str, argv: list[str]) -> int:
-    from prime_core.config import parse_cli
+def slurm_config_model(kind: str) -> type:
+    """The config of ``prime-launch slurm <kind>``: the rl or sft config plus a ``[slurm]`` section."""
     from prime_core.config.slurm import SlurmConfig
     from pydantic import Field, create_model
 
@@ -39,13 +39,19 @@ def _slurm(kind: str, argv: list[str]) -> int:
                 Field(default=False, description="Submit even if the output directory holds another run."),
             )
         }
-    model = create_model(
+    return create_model(
         f"Slurm{Base.__name__}",
         __base__=Base,
         __doc__=f"A SLURM job running {kind}: the {kind} config plus a [slurm] section.",
         slurm=(SlurmConfig, Field(default_factory=SlurmConfig, description="SLURM job settings.")),
         **extra,
     )
+
+
+def _slurm(kind: str, argv: list[str]) -> int:
+    from prime_core.config import parse_cli
+
+    model = slurm_config_model(kind)
     from prime_launch import slurm_jobs
 
     config = parse_cli(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from prime_models.parallel.expert_parallel import ExpertGroup
+from prime_models.parallel.expert_group import ExpertGroup
 
 if TYPE_CHECKING:
     from prime_models.layers.moe import GroupedExperts

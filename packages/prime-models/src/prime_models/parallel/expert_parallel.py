@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from prime_models.layers.moe import MoE, sort_by_expert
+from prime_models.parallel.expert_group import ExpertGroup
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,18 +50,6 @@ def source_major_to_expert_major(counts_PL: torch.Tensor) -> torch.Tensor:
     segment_R = torch.repeat_interleave(torch.arange(counts_PL.numel(), device=counts_PL.device), counts_PL.reshape(-1))
     source_R, expert_R = segment_R // num_local, segment_R % num_local
     return (expert_R * num_ranks + source_R).argsort(stable=True)
-
-
-class ExpertGroup:
-    """An expert-parallel process group holding ``num_experts / ep`` experts on each rank (rank-major layout)."""
-
-    def __init__(self, group: dist.ProcessGroup, num_experts: int):
-        self.group = group
-        self.num_ranks = dist.get_world_size(group)
-        if num_experts % self.num_ranks:
-            raise ValueError(f"ep={self.num_ranks} must divide the number of experts ({num_experts})")
-        self.num_experts = num_experts
-        self.num_local = num_experts // self.num_ranks
 
 
 class AllToAllDispatcher(ExpertGroup):

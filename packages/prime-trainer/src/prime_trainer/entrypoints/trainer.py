@@ -15,7 +15,10 @@ from prime_trainer.entrypoints import run_training
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(TrainerConfig, argv, prog="trainer", description=__doc__)
-    from prime_trainer.rl.train import train
+    if config.runs:  # several LoRA runs on one base
+        from prime_trainer.rl.multi_run import train_runs as train
+    else:
+        from prime_trainer.rl.train import train
 
     run_training(train, config)
 

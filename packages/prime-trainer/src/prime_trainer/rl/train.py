@@ -122,10 +122,7 @@ def check_loss_tokens(c: common.Components, step: int, meta: RolloutBatchMeta, m
 
 
 def train(config: TrainerConfig) -> None:
-    if config.runs:
-        from prime_trainer.rl.multi_run import train_runs
-
-        return train_runs(config)
+    """One run; several LoRA runs on one base (``config.runs``) train in ``rl.multi_run.train_runs``."""
     c = common.setup(config, "trainer")
     setup_lora(c)
     objective = build_objective(config.loss)
