@@ -48,10 +48,9 @@ def script(prompt: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # The chat route parses Hermes-style tool calls only with these two flags (default-on is the inference
-    # engineer's change; until it lands the test names them).
+    # Default settings: the chat route parses tool calls with the parser the chat template's format names.
     model = save_tiny_model(tmp_path_factory.mktemp("kinds_model"), build_tool_tokenizer())
-    srv = ScriptedServer(model, script, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    srv = ScriptedServer(model, script)
     yield srv
     srv.stop()
 
