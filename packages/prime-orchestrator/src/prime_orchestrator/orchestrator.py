@@ -95,7 +95,8 @@ class Orchestrator:
         return self._clients[url]
 
     def _runner(self, env: EnvConfig, name: str) -> EnvRunner:
-        judge = judge_endpoint(self.config.judge, self.config.client, self.served_model)
+        # The base model's name: a LoRA run's adapter is loaded only after the start-up check of judge endpoints.
+        judge = judge_endpoint(self.config.judge, self.config.client, self.config.model.name)
         return EnvRunner(env, server_spec(env, name, judge), max_retries=self.config.max_rollout_retries)
 
     async def setup(self) -> None:

@@ -74,7 +74,8 @@ class JudgeEndpointConfig(BaseConfig):
     """OpenAI-compatible base URL (``.../v1``). Unset: the policy's own inference server, the first of
     ``client.base_urls`` (the one ``rl`` starts), so judging needs nothing outside the run."""
     model: str | None = None
-    """Model named in judge requests. Unset: the policy's served name when ``base_url`` is unset, else required."""
+    """Model named in judge requests. Unset: the run's ``model.name`` (a LoRA run's base) when ``base_url`` is unset,
+    else required."""
     api_key_var: str | None = None
     """Environment variable holding the endpoint's API key. Unset: the policy server's key (``client.api_key`` /
     ``client.api_key_var``) when ``base_url`` is unset, else none."""
