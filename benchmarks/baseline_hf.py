@@ -8,6 +8,7 @@ CUDA, like the trainer), grad-norm clipping at 1.0. One row of `--seq-len` rando
 fake data), `--steps` steps of which the first is warmup. `--liger` computes the loss with liger-kernel's fused
 linear cross-entropy on the final hidden states (no `[tokens, vocab]` logits); `--ac` turns on HF's full activation
 checkpointing (non-reentrant). Writes tokens/s, MFU (prime_models.flops_per_token) and peak memory as JSON.
+`--device cpu` runs the same on CPU over gloo, fp32, for smoke tests of the benchmark's plumbing (no liger there).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class LossModel(nn.Module):
         return self.flce(self.hf.lm_head.weight, h, labels[:, 1:].reshape(-1))
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--seq-len", type=int, default=16384)
@@ -61,7 +62,12 @@ def main() -> None:
     ap.add_argument("--ac", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -69,9 +75,14 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages/prime-models/src"))
     from prime_models import flops_per_token
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    on_cuda = args.device == "cuda"
+    device = torch.device("cuda", 0) if on_cuda else torch.device("cpu")
+    if on_cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     torch.manual_seed(args.seed)
     config = AutoConfig.from_pretrained(args.model)
     with device:
@@ -79,20 +90,21 @@ def main() -> None:
     if args.ac:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = LossModel(hf, args.liger)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if on_cuda else torch.float32, reduce_dtype=torch.float32)
     layers = hf.model.layers
     for i, layer in enumerate(layers):
         fully_shard(layer, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=on_cuda or None)
 
     gen = torch.Generator().manual_seed(args.seed)
     times, peaks = [], []
     status = "ok"
     for step in range(args.steps):
         ids = torch.randint(0, config.vocab_size, (1, args.seq_len), generator=gen).to(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize()
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        sync()
         t0 = time.perf_counter()
         try:
             loss = model(ids, ids)
@@ -105,9 +117,9 @@ def main() -> None:
             status = "oom"
             peaks.append(torch.cuda.max_memory_allocated(device) / 2**30)
             break
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
-        peaks.append(torch.cuda.max_memory_allocated(device) / 2**30)
+        peaks.append(torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else 0.0)
         print(
             f"step {step}: {times[-1]:.3f}s {args.seq_len / times[-1]:.0f} tok/s peak {peaks[-1]:.2f} GiB", flush=True
         )
@@ -119,13 +131,13 @@ def main() -> None:
         "benchmark": "baseline_hf" + ("_liger" if args.liger else "") + ("_ac" if args.ac else ""),
         "status": status,
         "seq_len": args.seq_len,
-        "device": torch.cuda.get_device_name(device),
+        "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "liger": args.liger,
         "activation_checkpointing": args.ac,
         "tokens_per_s": tps,
-        "mfu": 100.0 * fpt * tps / 989e12 if tps else None,
+        "mfu": 100.0 * fpt * tps / 989e12 if tps and on_cuda else None,
         "step_time_s": statistics.fmean(measured) if measured and status == "ok" else None,
         "peak_memory_gib": max(peaks) if peaks else None,
         "steps_measured": len(measured),

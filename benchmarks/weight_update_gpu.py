@@ -1,11 +1,13 @@
 """Weight-update latency (issue 9, item 7): from the trainer starting to publish step N to inference serving it.
 
     python benchmarks/weight_update_gpu.py --shape 0.6b --out $OUT [--reps 5] [--modes filesystem,nccl]
+    python benchmarks/weight_update_gpu.py --shape 0.6b --out $OUT --modes filesystem,cuda_ipc   # one shared GPU
 
 The trainer side is prime's own: `prime_trainer` builds the model (FSDP2-wrapped, bf16 compute, fp32 master
-weights) on GPU 0 and publishes through `WeightPublisher` (safetensors + STABLE, or broadcast.json + STABLE and a
-broadcast from rank 0). The inference side is `inference --engine vllm` on GPU 1 (GPU 0 too when only one is
-visible). The orchestrator's part is played here: poll for STABLE every 5 ms, then POST /update_weights.
+weights) on GPU 0 and publishes through its weight transport (`prime_trainer.weights`: safetensors + STABLE, or
+broadcast.json + STABLE and a broadcast from rank 0, or cuda_ipc.json + STABLE and CUDA IPC handles). The inference
+side is `inference --engine vllm` on GPU 1 (GPU 0 too when only one is visible, and always with cuda_ipc, which
+needs trainer and inference on one GPU; nccl cannot run then). The orchestrator's part is played here: poll for STABLE every 5 ms, then POST /update_weights.
 Latency = time from `publish()` starting to /update_weights returning (the server answers after the new weights are
 loaded and generation resumed). Between repetitions every parameter is perturbed, so each update changes outputs; a
 final filesystem update of the same weights as the last broadcast must give the same greedy tokens.
@@ -72,6 +74,11 @@ def greedy(url: str, prompt: list[int]) -> list[int]:
     return r.json()["choices"][0]["token_ids"]
 
 
+def publish_into(timings: dict, publisher, step: int, model) -> None:
+    """What the trainer does each step (every step served, none kept on disk as files), timings into ``timings``."""
+    timings.update(publisher.publish(step, model, durable=False))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
@@ -87,7 +94,7 @@ def main() -> None:
     from prime_core.config.trainer import ModelInitConfig, ParallelConfig, WeightBroadcastConfig
     from prime_core.run_dir import RunDir
     from prime_trainer.model import build_model
-    from prime_trainer.weights import WeightPublisher
+    from prime_trainer.weights import BroadcastPublisher, CudaIpcPublisher, FilesystemPublisher
     from prime_trainer.world import init_world
 
     out = Path(args.out) / f"weight_update_gpu-{args.shape}.json"
@@ -106,10 +113,12 @@ def main() -> None:
     result["model"] = save_model(base, args.shape)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    inference_gpu = "1" if gpus > 1 else "0"
+    same_gpu = gpus == 1 or "cuda_ipc" in args.modes
+    inference_gpu = "0" if same_gpu else "1"
+    result["same_gpu"] = same_gpu
     cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", "vllm", "--model.name", str(base),
            "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(work / "inference"),
-           "--max-model-len", "1024", "--vllm.gpu-memory-utilization", "0.5" if gpus == 1 else "0.85",
+           "--max-model-len", "1024", "--vllm.gpu-memory-utilization", "0.5" if same_gpu else "0.85",
            "--vllm.enforce-eager"]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": inference_gpu, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -124,8 +133,12 @@ def main() -> None:
         run_dir = RunDir(work / "run")
         step = 0
         for mode in args.modes.split(","):
-            broadcast = WeightBroadcastConfig(type=mode, port=free_port(), timeout_s=120)
-            publisher = WeightPublisher(run_dir, world, source.tokenizer, async_level=0, broadcast=broadcast)
+            if mode in ("nccl", "cuda_ipc"):
+                transport = WeightBroadcastConfig(type=mode, port=free_port(), timeout_s=120)
+                cls = BroadcastPublisher if mode == "nccl" else CudaIpcPublisher
+                publisher = cls(run_dir, world, 0, tokenizer=source.tokenizer, config=transport)
+            else:
+                publisher = FilesystemPublisher(run_dir, world, 0, tokenizer=source.tokenizer)
             runs = []
             for rep in range(args.reps + 1):  # the first nccl update also opens the group: reported apart
                 step += 1
@@ -135,7 +148,8 @@ def main() -> None:
                 torch.cuda.synchronize()
                 weight_dir = run_dir.weight_step(step)
                 t0 = time.perf_counter()
-                sender = threading.Thread(target=publisher.publish, args=(step, model), kwargs={"files": False})
+                timings: dict = {}
+                sender = threading.Thread(target=publish_into, args=(timings, publisher, step, model))
                 sender.start()
                 while not (weight_dir / "STABLE").exists():
                     time.sleep(0.005)
@@ -144,7 +158,7 @@ def main() -> None:
                 t_served = time.perf_counter() - t0
                 sender.join()
                 r.raise_for_status()
-                runs.append({"latency_s": t_served, "stable_s": t_stable, **publisher.last_timings,
+                runs.append({"latency_s": t_served, "stable_s": t_stable, **timings,
                              "server_step": r.json()["weight_step"]})  # fmt: skip
                 print(f"{mode} rep {rep}: {json.dumps(runs[-1])}", flush=True)
                 served.append(greedy(url, prompt))
@@ -152,10 +166,10 @@ def main() -> None:
             result[mode] = {"runs": runs, "median_latency_s": statistics.median(steady), "max_latency_s": max(steady),
                             "first_latency_s": runs[0]["latency_s"]}  # fmt: skip
             write()
-        # The weights of the last update again, from files: the same greedy tokens prove the broadcast was exact.
-        if "nccl" in args.modes:
+        # The weights of the last update again, from files: the same greedy tokens prove the transfer was exact.
+        if args.modes.split(",")[-1] in ("nccl", "cuda_ipc"):
             step += 1
-            WeightPublisher(run_dir, world, source.tokenizer, async_level=0).publish(step, model)
+            FilesystemPublisher(run_dir, world, 0, tokenizer=source.tokenizer).publish(step, model)
             weight_dir = run_dir.weight_step(step)
             r = httpx.post(f"{url}/update_weights", json={"weight_dir": str(weight_dir), "step": step}, timeout=600)
             r.raise_for_status()

@@ -12,7 +12,7 @@ from prime_core.io import atomic_dir, atomic_write_json, is_stable, wait_for_pat
 from prime_core.monitor import JsonlMonitor, read_metrics
 from prime_core.run_dir import RunDir
 from prime_core.schemas import MicroBatch, RolloutBatchMeta, WeightUpdateRequest, read_microbatches, write_microbatches
-from prime_core.schemas.microbatch import read_microbatch_meta
+from prime_core.schemas.microbatch import MICROBATCH_FIELDS, read_microbatch_meta
 
 
 def make_microbatch(rows: int, seq_len: int, seed: int) -> MicroBatch:
@@ -25,6 +25,10 @@ def make_microbatch(rows: int, seq_len: int, seed: int) -> MicroBatch:
         inference_logprobs=-rng.random((rows, seq_len)).astype(np.float32),
         sample_ids=np.zeros((rows, seq_len), dtype=np.int64),
     )
+
+
+def required_fields(mb: MicroBatch) -> dict[str, np.ndarray]:
+    return {name: getattr(mb, name) for name in MICROBATCH_FIELDS}
 
 
 def test_microbatch_file_round_trip(tmp_path):
@@ -62,6 +66,38 @@ def test_microbatch_rejects_bad_shapes_and_versions(tmp_path):
 def test_empty_microbatch_has_no_loss_tokens():
     mb = MicroBatch.empty(2, 8)
     assert mb.num_loss_tokens == 0 and (mb.sample_ids == -1).all()
+
+
+def test_extra_per_token_arrays_round_trip_stack_and_pad(tmp_path):
+    from prime_core.schemas.microbatch import stack_rows
+
+    extra = {"teacher_logprobs": -np.arange(16, dtype=np.float32).reshape(2, 8), "token_class": np.ones((2, 8))}
+    mb = MicroBatch(**required_fields(make_microbatch(2, 8, 0)), extra=extra)
+    path = tmp_path / "mb.safetensors"
+    write_microbatches(path, RolloutBatchMeta(step=0, rank=0, num_micro_batches=1, seq_len=8), [mb])
+    got = read_microbatches(path)[1][0]
+    assert got.extra.keys() == {"teacher_logprobs", "token_class"}
+    np.testing.assert_array_equal(got.extra["teacher_logprobs"], mb.extra["teacher_logprobs"])
+    assert got.extra["teacher_logprobs"].dtype == np.float32 and got.extra["token_class"].dtype == np.float64
+    # Padding keeps the names (every micro-batch a loss sees has them), with zeros; rows without one get zeros too.
+    pad = MicroBatch.empty(1, 8, got.extra_dtypes)
+    assert pad.extra_dtypes == got.extra_dtypes and not pad.extra["teacher_logprobs"].any()
+    stacked = stack_rows([got, MicroBatch.empty(1, 8)])
+    assert stacked.extra["teacher_logprobs"].shape == (3, 8) and not stacked.extra["teacher_logprobs"][2].any()
+    np.testing.assert_array_equal(stacked.extra["teacher_logprobs"][:2], mb.extra["teacher_logprobs"])
+
+
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("ok", np.zeros((2, 7)), r"extra 'ok' has shape \(2, 7\), expected \(2, 8\)"),
+        ("ok", np.array([["a"] * 8] * 2), "must hold integers or floats"),
+        ("has.dot", np.zeros((2, 8)), "extra name 'has.dot' must match"),
+    ],
+)
+def test_extra_arrays_are_checked_per_token(name, value, message):
+    with pytest.raises(ValueError, match=message):
+        MicroBatch(**required_fields(make_microbatch(2, 8, 0)), extra={name: value})
 
 
 def test_atomic_dir_publishes_complete_directories_only(tmp_path):

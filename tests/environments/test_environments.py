@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 
@@ -21,6 +23,10 @@ def test_arithmetic_generator_and_math_verify():
     assert all(score_answer(e["completion"], e["answer"]) == 1.0 for e in ex)
     assert score_answer("\\boxed{-1}", ex[0]["answer"]) == 0.0
     assert score_answer("I don't know", "3") == 0.0
+    mixed = generate_examples(400, seed=1, max_operand=10, hard_fraction=0.5, hard_max_operand=99)
+    big = [e for e in mixed if any(int(n) > 10 for n in re.findall(r"\d+", e["prompt"]))]
+    assert 0.4 < len(big) / len(mixed) < 0.6  # half are hard
+    assert all(int(n) <= 99 for e in mixed for n in re.findall(r"\d+", e["prompt"]))
 
 
 def test_guess_number_game():

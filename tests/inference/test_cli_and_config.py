@@ -83,11 +83,17 @@ def _has(module: str) -> bool:
 
 
 def test_weight_dir_checks(tmp_path, other_weights_dir):
+    from prime_core.schemas.weights import FilesystemManifest, WeightUpdateRequest
     from prime_inference.protocol import RequestError
-    from prime_inference.weights import check_weight_dir
+    from prime_inference.weights import FilesystemReceiver, check
 
-    assert check_weight_dir(str(other_weights_dir), []) == (other_weights_dir.resolve(), None)
-    assert check_weight_dir(str(other_weights_dir), [other_weights_dir.parent]) == (other_weights_dir.resolve(), None)
+    def check_weight_dir(weight_dir: str, roots: list):
+        path, manifest, receiver = check(WeightUpdateRequest(weight_dir=weight_dir), roots)
+        assert isinstance(manifest, FilesystemManifest) and isinstance(receiver, FilesystemReceiver)
+        return path
+
+    assert check_weight_dir(str(other_weights_dir), []) == other_weights_dir.resolve()
+    assert check_weight_dir(str(other_weights_dir), [other_weights_dir.parent]) == other_weights_dir.resolve()
     with pytest.raises(RequestError, match="outside"):
         check_weight_dir(str(other_weights_dir), [tmp_path])
     link = tmp_path / "link"

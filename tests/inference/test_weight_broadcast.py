@@ -12,7 +12,7 @@ from prime_core.config.trainer import WeightBroadcastConfig
 from prime_core.io import atomic_dir
 from prime_core.schemas.weights import BROADCAST_FILE, BroadcastManifest
 from prime_models import load_model
-from prime_trainer.broadcast import BroadcastTimeout, WeightBroadcaster
+from prime_trainer.weights.broadcast import BroadcastTimeout, WeightBroadcaster
 from prime_trainer.world import World
 
 from tests.inference.helpers import start_server

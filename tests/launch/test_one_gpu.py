@@ -57,9 +57,19 @@ def test_one_visible_gpu_colocates_with_memory_shares_and_file_weights(model_dir
     assert trainer.weights.broadcast.type == "filesystem" and not orchestrator.weights_broadcast
     assert trainer.device == "cuda"
     assert plan.devices["inference"] == "GPU 0 shared, vLLM 0.45 of its memory (36.0 of 80.0 GiB)"
-    assert plan.devices["trainer"] == "GPU 0 shared, 0.55 of its memory (44.0 of 80.0 GiB; needs ~14.9 GiB)"
+    assert plan.devices["trainer"] == "GPU 0 shared, 0.55 of its memory (44.0 of 80.0 GiB; needs ~12.2 GiB)"
     assert any("weights: by files" in note for note in plan.notes)
     assert not any("gpu_memory_utilization" in note for note in plan.notes)  # the default was not the user's
+
+
+def test_cuda_ipc_keeps_weights_on_the_shared_gpu(model_dir, tmp_path):
+    """cuda_ipc is the one-time transport that works on a shared GPU: kept, its workers counted, every step relayed."""
+    cfg = rl_config(model_dir, tmp_path, "--devices.gpu-memory-gib", "80", broadcast="cuda_ipc")
+    plan = resolve_here(cfg, ONE_GPU, cores=4)
+    trainer, orchestrator = plan.configs["trainer"], plan.configs["orchestrator"]
+    assert trainer.weights.broadcast.type == "cuda_ipc" and trainer.weights.broadcast.inference_workers == 1
+    assert orchestrator.weights_broadcast
+    assert not any("weights: by files" in note for note in plan.notes)
 
 
 def test_colocated_fraction_replaces_a_configured_one_with_a_note(model_dir, tmp_path):
@@ -94,21 +104,27 @@ def test_too_big_a_model_is_a_one_line_error_naming_the_fields(model_dir, tmp_pa
     lora = rl_config(
         model_dir, tmp_path, "--devices.gpu-memory-gib", "16", "--model.lora.rank", "8", broadcast="filesystem"
     )
-    assert "needs ~8.3 GiB" in resolve_here(lora, ONE_GPU, cores=4).devices["trainer"]
+    assert "needs ~5.5 GiB" in resolve_here(lora, ONE_GPU, cores=4).devices["trainer"]
 
 
 def test_micro_batch_activations_count_in_the_fit(model_dir, tmp_path):
     # 8 rows of 2048 tokens per forward (the GPU configs' setting): ~23.6 GiB of activations without checkpointing;
     # one H100 measured a 34.5 GiB peak for this shape, the estimate says 35.6 with the 2 GiB margin.
     rows8 = ("--orchestrator.micro-batch-rows", "8")
-    plan = resolve_here(rl_config(model_dir, tmp_path, *rows8, "--devices.gpu-memory-gib", "80"), ONE_GPU, cores=4)
+    none = ("--trainer.parallel.ac", "none")
+    plan = resolve_here(
+        rl_config(model_dir, tmp_path, *rows8, *none, "--devices.gpu-memory-gib", "80"), ONE_GPU, cores=4
+    )
     assert "needs ~35.6 GiB" in plan.devices["trainer"]
     with pytest.raises(ValueError, match="23.6 GiB of activations for 16384 tokens a micro-batch") as err:
-        resolve_here(rl_config(model_dir, tmp_path, *rows8, "--devices.gpu-memory-gib", "48"), ONE_GPU, cores=4)
+        resolve_here(rl_config(model_dir, tmp_path, *rows8, *none, "--devices.gpu-memory-gib", "48"), ONE_GPU, cores=4)
     assert "lower orchestrator.micro_batch_rows or set trainer.parallel.ac" in str(err.value)
-    # Full checkpointing keeps a layer's input per layer (plus one layer being recomputed): it fits on 48 GB.
+    # Full checkpointing keeps a layer's input per layer (plus one layer being recomputed): it fits on 48 GB. So does
+    # the default, `auto`, which the fit check counts as full (the trainer checkpoints as much as its share needs).
     full = rl_config(model_dir, tmp_path, *rows8, "--trainer.parallel.ac", "full", "--devices.gpu-memory-gib", "48")
     assert "needs ~13.7 GiB" in resolve_here(full, ONE_GPU, cores=4).devices["trainer"]
+    auto = rl_config(model_dir, tmp_path, *rows8, "--devices.gpu-memory-gib", "48")
+    assert "needs ~13.7 GiB" in resolve_here(auto, ONE_GPU, cores=4).devices["trainer"]
 
 
 def test_activation_estimate_by_checkpointing_and_moe(model_dir, tmp_path):
@@ -116,15 +132,19 @@ def test_activation_estimate_by_checkpointing_and_moe(model_dir, tmp_path):
         trainer = rl_config(model_dir, tmp_path, *args).trainer
         return activation_bytes(config, trainer, 1000) / 1000
 
-    none, full = estimate(QWEN3_06B), estimate(QWEN3_06B, "--trainer.parallel.ac", "full")
+    none, full = (
+        estimate(QWEN3_06B, "--trainer.parallel.ac", "none"),
+        estimate(QWEN3_06B, "--trainer.parallel.ac", "full"),
+    )
+    assert estimate(QWEN3_06B) == full  # auto
     assert none == 28 * 2 * (12 * 1024 + 5 * 3072)
     assert full == 28 * 2 * 1024 + none / 28
     half = estimate(QWEN3_06B, "--trainer.parallel.ac", "selective", "--trainer.parallel.ac-every", "2")
     assert full < half < none
     # An MoE keeps its routed experts' width (top-k x expert width), not every expert's.
     moe = {**QWEN3_06B, "num_experts": 64, "num_experts_per_tok": 4, "moe_intermediate_size": 768}
-    assert estimate(moe) == none
-    assert estimate({"text_config": QWEN3_06B}) == none  # a vision-language model's text decoder
+    assert estimate(moe, "--trainer.parallel.ac", "none") == none
+    assert estimate({"text_config": QWEN3_06B}, "--trainer.parallel.ac", "none") == none  # a VLM's text decoder
 
 
 def test_vllm_share_must_hold_the_weights(model_dir, tmp_path):
@@ -137,7 +157,7 @@ def test_vllm_share_must_hold_the_weights(model_dir, tmp_path):
 
 def test_memory_unknown_or_model_unsized_leaves_a_note(model_dir, tmp_path):
     plan = resolve_here(rl_config(model_dir, tmp_path), ONE_GPU, cores=4)  # no nvidia-smi on PATH
-    assert plan.devices["trainer"] == "GPU 0 shared, 0.55 of its memory (needs ~14.9 GiB)"
+    assert plan.devices["trainer"] == "GPU 0 shared, 0.55 of its memory (needs ~12.2 GiB)"
     assert any("set devices.gpu_memory_gib" in note for note in plan.notes)
     missing = rl_config(tmp_path / "nowhere", tmp_path, "--devices.gpu-memory-gib", "80")
     plan = resolve_here(missing, {**ONE_GPU, "HF_HUB_CACHE": str(tmp_path / "cache")}, cores=4)
@@ -164,7 +184,7 @@ def test_colocate_on_request_shares_every_gpu(model_dir, tmp_path):
     env = envs(plan)
     assert env["inference"]["CUDA_VISIBLE_DEVICES"] == env["trainer"]["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert plan.configs["inference"].vllm.data_parallel_size == 2
-    assert "needs ~9.9 GiB" in plan.devices["trainer"]  # states sharded over the 2 ranks
+    assert "needs ~7.2 GiB" in plan.devices["trainer"]  # states sharded over the 2 ranks
     trainer_cmd = next(spec.cmd for spec in plan.specs if spec.name == "trainer")
     assert trainer_cmd[trainer_cmd.index("--nproc-per-node") + 1] == "2"
     with pytest.raises(ValueError, match="devices.colocate: 1 inference and 3 trainer GPUs"):
@@ -199,7 +219,7 @@ def test_dry_run_shows_both_roles_on_gpu_0(model_dir, tmp_path, monkeypatch):
     dry_run(rl_config(model_dir, tmp_path, "--devices.gpu-memory-gib", "80"), out)
     text = out.getvalue()
     assert "(GPU 0 shared, vLLM 0.45 of its memory (36.0 of 80.0 GiB))" in text
-    assert "(GPU 0 shared, 0.55 of its memory (44.0 of 80.0 GiB; needs ~14.9 GiB))" in text
+    assert "(GPU 0 shared, 0.55 of its memory (44.0 of 80.0 GiB; needs ~12.2 GiB))" in text
     assert "note: weights: by files" in text
 
 

@@ -1,6 +1,7 @@
 import random
 
 import numpy as np
+import pytest
 from prime_core.run_dir import RunDir
 from prime_core.schemas.microbatch import read_microbatches
 from prime_core.transport import FilesystemSender
@@ -77,6 +78,30 @@ def test_long_samples_truncated_or_dropped():
     assert (t.num_truncated, t.num_dropped) == (1, 0) and t.metas[0].global_num_samples == 6
     d = pack(samples, step=0, seq_len=64, num_ranks=1, micro_batch_rows=1, temperature=1.0, long_samples="drop")
     assert (d.num_truncated, d.num_dropped) == (0, 1) and d.metas[0].global_num_samples == 5
+
+
+def test_sample_extra_lands_in_every_micro_batch_aligned_with_its_tokens():
+    """A producer's per-token array (here a fake teacher log-prob per token) reaches the micro-batches under its name:
+    on its sample's tokens, zero elsewhere, cut with the sample, and present on ranks and rows without samples."""
+    samples = make_samples(7, max_len=30)
+    for i, s in enumerate(samples):
+        s.extra = {"teacher_logprobs": [-(i + 1) - t / 100 for t in range(len(s))]}
+    samples.append(Sample(list(range(1, 81)), [True] * 80, [0.0] * 80, 1.0, 0, extra={"teacher_logprobs": [-9.0] * 80}))
+    res = pack(samples, step=0, seq_len=64, num_ranks=3, micro_batch_rows=3, temperature=1.0)
+    assert res.num_truncated == 1
+    found = {}
+    for rank, mbs in enumerate(res.micro_batches):
+        for mb in mbs:
+            extra = mb.extra["teacher_logprobs"]
+            assert extra.shape == mb.shape and extra.dtype == np.float32
+            assert not extra[mb.sample_ids < 0].any()
+            for row, t in zip(*np.nonzero(mb.sample_ids >= 0), strict=True):
+                found.setdefault((rank, int(mb.sample_ids[row, t])), []).append(float(extra[row, t]))
+    expected = sorted(round(v, 4) for s in samples for v in np.asarray(s.extra["teacher_logprobs"][:64], np.float32))
+    assert sorted(round(v, 4) for vs in found.values() for v in vs) == expected
+    with pytest.raises(ValueError, match=r"sample extra 'x' has shape \(2,\), expected \(3,\)"):
+        pack([Sample([1, 2, 3], [0, 1, 1], [0, 0, 0], 1.0, 0, extra={"x": [1, 2]})], step=0, seq_len=8, num_ranks=1,
+             micro_batch_rows=1, temperature=1.0)  # fmt: skip
 
 
 def test_empty_step_still_ships_one_micro_batch_per_rank():

@@ -6,7 +6,14 @@ import re
 import pytest
 import torch
 from prime_core.config import ConfigError
-from prime_core.config.trainer import CISPOLossConfig, CustomLossConfig, GRPOLossConfig, GSPOLossConfig
+from prime_core.config.trainer import (
+    CISPOLossConfig,
+    CustomLossConfig,
+    DPPOLossConfig,
+    GRPOLossConfig,
+    GSPOLossConfig,
+    IPOLossConfig,
+)
 from prime_trainer.rl.loss import LOSSES, LossInputs, PolicyTerm, build_objective, compute_loss, kl_penalty
 
 
@@ -33,7 +40,7 @@ L = math.log
 
 
 def test_registry_has_every_type():
-    assert set(LOSSES) == {"grpo", "gspo", "cispo", "custom"}
+    assert set(LOSSES) == {"grpo", "gspo", "cispo", "dppo", "ipo", "custom"}
 
 
 class Reinforce:
@@ -165,3 +172,58 @@ def test_sequence_normalization():
     b = batch(lp, lp, [0, 1, 0, 1, 1, 1], [0, 1, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1])
     loss, grad, _ = run(GRPOLossConfig(normalization="token"), b, num_tokens=4)
     assert grad == pytest.approx([0.0, -0.25, 0.0, -0.25, -0.25, -0.25])
+
+
+# Four loss tokens after a prompt token: (p_inference, p_theta, A). Probability differences 0, +0.3, -0.15, -0.3.
+TRUST_REGION_TOKENS = [(0.5, 0.5, 1.0), (0.3, 0.6, 1.0), (0.5, 0.35, -1.0), (0.6, 0.3, -0.5)]
+
+
+def trust_region_by_hand(in_region, adv_tau, kl_tau):
+    """The DPPO (arXiv 2602.04879) binary-TV objective with Kimi K2.5's KL, token by token: a token in the trust
+    region contributes -adv_tau * A * pi/mu, every token kl_tau * log(pi/mu)^2; d/d log pi is -adv_tau * A * pi/mu
+    (in region) + 2 * kl_tau * log(pi/mu). Returns (mean loss, gradient per position incl. the prompt)."""
+    losses, grads = [], [0.0]
+    for mu, pi, adv in TRUST_REGION_TOKENS:
+        rho, keep = math.log(pi / mu), in_region(pi - mu, adv)
+        losses.append(-keep * adv_tau * adv * pi / mu + kl_tau * rho**2)
+        grads.append((-keep * adv_tau * adv * pi / mu + 2 * kl_tau * rho) / len(TRUST_REGION_TOKENS))
+    return sum(losses) / len(losses), grads
+
+
+def trust_region_batch():
+    mu, pi, adv = zip(*TRUST_REGION_TOKENS, strict=True)
+    return batch([0.0, *map(L, pi)], [0.0, *map(L, mu)], [0, *adv], [0, 1, 1, 1, 1], [0] * 5)
+
+
+def test_dppo_masks_by_the_sign_of_the_advantage():
+    # Binary TV trust region: A > 0 may not raise p by more than 0.2, A <= 0 may not lower it by more than 0.2.
+    config = DPPOLossConfig(adv_tau=0.5, kl_tau=0.1)
+    loss, grad, stats = run(config, trust_region_batch(), num_tokens=4)
+    want_loss, want_grad = trust_region_by_hand(lambda dp, a: (dp <= 0.2) if a > 0 else (dp >= -0.2), 0.5, 0.1)
+    assert loss == pytest.approx(want_loss)
+    assert grad == pytest.approx(want_grad)
+    assert stats["masked"].item() == 2  # tokens 2 (+0.3, A > 0) and 4 (-0.3, A < 0)
+    assert stats["clipped"].item() == 0
+
+
+def test_ipo_masks_both_directions():
+    config = IPOLossConfig(adv_tau=0.5, kl_tau=0.1)
+    loss, grad, stats = run(config, trust_region_batch(), num_tokens=4)
+    want_loss, want_grad = trust_region_by_hand(lambda dp, a: abs(dp) <= 0.1, 0.5, 0.1)
+    assert loss == pytest.approx(want_loss)
+    assert grad == pytest.approx(want_grad)
+    assert stats["masked"].item() == 3
+
+
+def test_dppo_and_ipo_defaults():
+    # prime-rl's checks: ratio 1, A = 1, one token -> loss -1, gradient -1; dp = +0.3 with A > 0 is dropped and keeps
+    # only the KL gradient 2 * kl_tau * rho; dp = -0.15 with A > 0 is dropped by IPO (0.1) but not by DPPO (0.2).
+    for config in (DPPOLossConfig(), IPOLossConfig()):
+        loss, grad, _ = run(config, batch([0.0, L(0.5)], [0.0, L(0.5)], [0, 1.0], [0, 1], [0, 0]), num_tokens=1)
+        assert (loss, grad) == (pytest.approx(-1.0), pytest.approx([0.0, -1.0]))
+    _, grad, _ = run(DPPOLossConfig(), batch([0.0, L(0.6)], [0.0, L(0.3)], [0, 1.0], [0, 1], [0, 0]), num_tokens=1)
+    assert grad == pytest.approx([0.0, 2e-3 * L(2.0)])
+    lower = batch([0.0, L(0.35)], [0.0, L(0.5)], [0, 1.0], [0, 1], [0, 0])
+    assert run(DPPOLossConfig(), lower, num_tokens=1)[2]["masked"].item() == 0
+    lower = batch([0.0, L(0.35)], [0.0, L(0.5)], [0, 1.0], [0, 1], [0, 0])
+    assert run(IPOLossConfig(), lower, num_tokens=1)[2]["masked"].item() == 1

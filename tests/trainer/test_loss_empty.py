@@ -6,7 +6,14 @@ one of two ranks holds only such micro-batches."""
 import numpy as np
 import pytest
 import torch
-from prime_core.config.trainer import CISPOLossConfig, CustomLossConfig, GRPOLossConfig, GSPOLossConfig
+from prime_core.config.trainer import (
+    CISPOLossConfig,
+    CustomLossConfig,
+    DPPOLossConfig,
+    GRPOLossConfig,
+    GSPOLossConfig,
+    IPOLossConfig,
+)
 from prime_core.schemas.microbatch import MicroBatch
 from prime_trainer.rl.data import TensorMicroBatch
 from prime_trainer.rl.loss import LOSSES, LossInputs, build_objective, compute_loss
@@ -18,6 +25,8 @@ CONFIGS = {
     "grpo": GRPOLossConfig,
     "gspo": GSPOLossConfig,
     "cispo": CISPOLossConfig,
+    "dppo": DPPOLossConfig,
+    "ipo": IPOLossConfig,
     "custom": lambda **options: CustomLossConfig(import_path="tests.trainer.test_loss:Reinforce", **options),
 }
 OPTIONS = [

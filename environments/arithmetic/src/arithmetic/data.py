@@ -18,13 +18,18 @@ _TEMPLATES = (
 )
 
 
-def generate_examples(n: int, seed: int = 0, max_operand: int = 20) -> list[dict[str, str]]:
-    """``n`` problems ``{"prompt", "answer", "completion", "system_prompt"}``, deterministic in ``seed``."""
+def generate_examples(
+    n: int, seed: int = 0, max_operand: int = 20, hard_fraction: float = 0.0, hard_max_operand: int = 100
+) -> list[dict[str, str]]:
+    """``n`` problems ``{"prompt", "answer", "completion", "system_prompt"}``, deterministic in ``seed``; a share
+    ``hard_fraction`` of them (drawn per problem) takes operands up to ``hard_max_operand`` instead."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
+        # Without hard problems no extra draw is taken: the problems of a seed stay those of earlier versions.
+        top = hard_max_operand if hard_fraction > 0 and rng.random() < hard_fraction else max_operand
         op, template = rng.choice(_TEMPLATES)
-        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        a, b = rng.randint(1, top), rng.randint(1, top)
         if op == "-" and b > a:
             a, b = b, a
         value = {"+": a + b, "-": a - b, "*": a * b}[op]

@@ -28,12 +28,16 @@ class ArithmeticConfig(vf.TasksetConfig):
     """Generator seed."""
     max_operand: int = 20
     """Largest operand."""
+    hard_fraction: float = 0.0
+    """Share of problems (drawn per problem) with operands up to ``hard_max_operand``: a mix of easy and hard."""
+    hard_max_operand: int = 100
+    """Largest operand of the hard problems."""
 
 
 class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
     def load(self) -> Iterable[ArithmeticTask]:
         c = self.config
-        for ex in generate_examples(c.num_examples, c.seed, c.max_operand):
+        for ex in generate_examples(c.num_examples, c.seed, c.max_operand, c.hard_fraction, c.hard_max_operand):
             yield ArithmeticTask(ArithmeticData(prompt=ex["prompt"], system_prompt=SYSTEM_PROMPT, answer=ex["answer"]))
 
 

@@ -58,19 +58,20 @@ class PrimeWorkerExtension:
         """
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
 
-    def prime_receive_broadcast(self, manifest: dict[str, Any]) -> int:
-        """Receive the trainer's weight broadcast into this worker's model (vLLM maps HF names to its fused layers).
-
-        Joins the broadcast group on first use; returns the number of tensors loaded.
+    def prime_receive_weights(self, manifest: dict[str, Any]) -> int:
+        """Receive a streamed weight update into this worker's model (vLLM maps HF names to its fused layers): the
+        manifest's transport (`prime_inference.weights.StreamReceiver`) yields the buckets. Returns the tensors loaded.
         """
         import torch
+        from prime_core.schemas.weights import parse_manifest
 
-        from prime_inference.broadcast import receive
+        from prime_inference.weights import stream_receiver
 
+        parsed = parse_manifest(manifest)
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         device = torch.device("cuda", torch.cuda.current_device())
         loaded = 0
-        for bucket in receive(manifest, device):
+        for bucket in stream_receiver(parsed).tensors(parsed, device):
             model.load_weights(weights=bucket)
             loaded += len(bucket)
         return loaded

@@ -48,7 +48,8 @@ def activation_bytes(config: Mapping[str, Any], trainer: TrainerConfig, tokens: 
     Qwen3-0.6B shape that is 1.55 MB a token; one H100 measured 1.44 (a micro-batch of 8 rows of 2048 tokens peaked at
     34.5 GiB, one row at 13.9: benchmarks/results/trainer_gpu_rl2k_*).
     Full checkpointing keeps each layer's input and recomputes one layer at a time; ``selective`` with ``ac_every = k``
-    recomputes every k-th layer (``k = 0`` is counted as none)."""
+    recomputes every k-th layer (``k = 0`` is counted as none). ``auto`` (the default) is counted as full: the trainer
+    then checkpoints as much as its share needs (`prime_trainer.memory`), full checkpointing at most."""
     text = config.get("text_config") or config
     h, layers = text["hidden_size"], text["num_hidden_layers"]
     width = text.get("intermediate_size") or 0
@@ -56,7 +57,7 @@ def activation_bytes(config: Mapping[str, Any], trainer: TrainerConfig, tokens: 
         width = (text.get("moe_intermediate_size") or width) * (text.get("num_experts_per_tok") or 1)
     per_layer = 2 * (12 * h + 5 * width)
     ac = trainer.parallel.ac
-    if ac == "full":
+    if ac in ("full", "auto"):
         per_token = layers * 2 * h + per_layer
     elif ac == "selective" and trainer.parallel.ac_every:
         full = layers // trainer.parallel.ac_every

@@ -131,7 +131,7 @@ def _trainer_config(
     broadcast = trainer.weights.broadcast
     if place.shares is not None and broadcast.type == "nccl":
         broadcast = broadcast.derive(type="filesystem")  # an NCCL group cannot hold two ranks on one GPU
-    if broadcast.type == "nccl" and inference is not None:
+    if broadcast.one_time and inference is not None:
         workers = _broadcast_workers(inference, place.num_inference_servers)
         if not rl.user_set("trainer.weights.broadcast.inference_workers"):
             broadcast = broadcast.derive(inference_workers=workers)
@@ -179,7 +179,7 @@ def _orchestrator_config(
     changes: dict = {
         "output_dir": run_dir.root,
         "num_trainer_ranks": place.num_trainer_ranks,
-        "weights_broadcast": trainer.weights.broadcast.type == "nccl",
+        "weights_broadcast": trainer.weights.broadcast.one_time,
         "client": client,
     }
     if resume_step is not None:

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 import httpx
-from prime_core.schemas.weights import WeightUpdateRequest
+from prime_core.schemas.weights import WeightUpdateRequest, read_manifest
 
 logger = logging.getLogger("prime.orchestrator.client")
 
@@ -93,13 +93,19 @@ async def update_weights(
 ) -> None:
     """POST /update_weights to every server (concurrently); a failure names the server and the step.
 
-    Servers receiving a broadcast must be asked together: the trainer sends once, to all of them at the same time.
+    ``retries`` applies to weights the directory holds; a one-time transfer it announces (a broadcast: see
+    `prime_core.schemas.weights`) is asked for once, of all servers together, as the sender sends once to all.
     """
+    try:
+        manifest = read_manifest(weight_dir, source)
+    except (OSError, ValueError) as e:
+        raise WeightUpdateError(f"weights step {step} ({weight_dir}) cannot be relayed: {e}") from e
     body = WeightUpdateRequest(weight_dir=str(weight_dir), step=step, source=source).model_dump()
+    attempts = retries if manifest.repeatable else 0
 
     async def one(client: httpx.AsyncClient, url: str) -> None:
         try:
-            await post_json(client, url.rstrip("/") + "/update_weights", body, timeout=timeout, retries=retries)
+            await post_json(client, url.rstrip("/") + "/update_weights", body, timeout=timeout, retries=attempts)
         except Exception as e:
             raise WeightUpdateError(
                 f"inference server {url} failed to load weights step {step} ({weight_dir}): {e}"

@@ -52,9 +52,13 @@ def _units(group: Sequence[Any]) -> list[Unit]:
     return units
 
 
-def group_samples(group: Sequence[Any], config: OrchestratorConfig) -> tuple[list[Sample], int, list[float]]:
+def group_samples(
+    group: Sequence[Any], config: OrchestratorConfig, teachers: Any = None
+) -> tuple[list[Sample], int, list[float]]:
     """(samples, seat groups filtered, every unit's advantage) of one group: advantages per seat, a seat whose
-    advantages are all zero dropped when ``filters.zero_advantage_groups``."""
+    advantages are all zero dropped when ``filters.zero_advantage_groups`` (unless its env distils: the teacher's
+    per-token signal remains). ``teachers`` (``prime_orchestrator.distill.Teachers``) turns a sequence's advantage
+    into its distillation advantages."""
     by_seat: dict[str, list[Unit]] = defaultdict(list)
     for unit in _units(group):
         by_seat[unit.seat].append(unit)
@@ -64,26 +68,40 @@ def group_samples(group: Sequence[Any], config: OrchestratorConfig) -> tuple[lis
     for units in by_seat.values():
         adv = compute_advantages([u.reward for u in units], [u.length for u in units], config.advantage)
         advantages += adv.tolist()
-        if config.filters.zero_advantage_groups and np.all(np.abs(adv) < ZERO):
+        distils = teachers is not None and teachers.distils(units[0].env)
+        if config.filters.zero_advantage_groups and np.all(np.abs(adv) < ZERO) and not distils:
             filtered += 1
             continue
         for u, a in zip(units, adv, strict=True):
             samples += [
-                Sample(q.token_ids, q.loss_mask, q.logprobs, float(a), u.weight_step, u.env, u.reward, images=q.images)
+                Sample(
+                    q.token_ids,
+                    q.loss_mask,
+                    q.logprobs,
+                    teachers.advantage(u.env, q, float(a)) if teachers is not None else float(a),
+                    u.weight_step,
+                    u.env,
+                    u.reward,
+                    images=q.images,
+                )
                 for q in u.sequences
             ]
     return samples, filtered, advantages
 
 
-def step_samples(groups: Sequence[Sequence[Any]], config: OrchestratorConfig) -> tuple[list[Sample], dict[str, Any]]:
-    """Samples of a step's groups; a failed rollout is a reward-0 unit (zero_reward) or dropped (drop)."""
+def step_samples(
+    groups: Sequence[Sequence[Any]], config: OrchestratorConfig, teachers: Any = None
+) -> tuple[list[Sample], dict[str, Any]]:
+    """Samples of a step's groups: the rollouts the curriculum marks as training (``train``); a failed rollout is a
+    reward-0 unit (zero_reward) or dropped (drop)."""
     samples: list[Sample] = []
     filtered_groups = filtered_seats = 0
     advantages: list[float] = []
     for group in groups:
+        group = [r for r in group if getattr(r, "train", True)]
         if config.failed_rollouts == "drop":
             group = [r for r in group if not r.result.failed]
-        kept, filtered, adv = group_samples(group, config) if group else ([], 0, [])
+        kept, filtered, adv = group_samples(group, config, teachers) if group else ([], 0, [])
         samples += kept
         filtered_seats += filtered
         filtered_groups += not kept

@@ -43,7 +43,10 @@ async def _load(config: EvalConfig, label: str, step: int | None) -> None:
         await inference.reload_weights(c.base_urls, api_key=key, timeout=timeout, retries=retries)
     else:
         weight_dir = str(Path(config.weights_dir) / f"step_{step}")
-        await inference.update_weights(c.base_urls, weight_dir, step, api_key=key, timeout=timeout, retries=retries)
+        # Saved weights: what the directory holds, never a broadcast it once announced to a training run's servers.
+        await inference.update_weights(
+            c.base_urls, weight_dir, step, api_key=key, timeout=timeout, retries=retries, source="filesystem"
+        )
     logger.info("scoring %s", label)
 
 

@@ -30,6 +30,8 @@ from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.credit import seat_step_metrics, step_samples
+from prime_orchestrator.curriculum import Curriculum
+from prime_orchestrator.distill import Teachers
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
 from prime_orchestrator.judges import check_judges, judge_endpoint
@@ -46,6 +48,7 @@ class Rollout:
     group: int
     weight_step: int
     result: RolloutResult
+    train: bool = True  # False: the curriculum scored the group but does not train it
 
 
 @dataclass
@@ -66,6 +69,8 @@ class Orchestrator:
         self.eval_pools: dict[str, EnvRunner] = {}
         self.envs: dict[str, EnvConfig] = {e.resolved_name: e for e in config.env}
         self.cursors = {name: 0 for name in self.envs}
+        self.curriculum = Curriculum(config)
+        self.teachers = Teachers(config)
         self.start_step = 0
         self.policy = Policy(config, self.run_dir)
         self.semaphore = asyncio.Semaphore(config.client.max_concurrent)
@@ -118,7 +123,9 @@ class Orchestrator:
                 run_id=c.client.server_run_id,
             ),
             *(p.start() for p in [*self.pools.values(), *self.eval_pools.values()]),
+            self.teachers.start(),
         )
+        self.curriculum.start({name: pool.num_examples for name, pool in self.pools.items()})
         if c.judge.check:
             await check_judges(
                 [p.spec for p in [*self.pools.values(), *self.eval_pools.values()]], c.judge.check_timeout
@@ -151,6 +158,7 @@ class Orchestrator:
         cursors = self.cursor_history.get(next_step, self.cursors)
         with atomic_dir(self.run_dir.orchestrator_checkpoint(next_step)) as tmp:
             atomic_write_json(tmp / "progress.json", {"step": next_step, "cursors": cursors, "seed": self.config.seed})
+            self.curriculum.save(tmp, next_step)
         logger.info("saved orchestrator checkpoint %s", self.run_dir.orchestrator_checkpoint(next_step))
 
     def _load_checkpoint(self, step: int) -> None:
@@ -169,11 +177,8 @@ class Orchestrator:
         rng = random.Random(f"{c.seed}:{step}")
         names = list(self.envs)
         weights = [self.envs[n].ratio for n in names]
-        plan = []
-        for name in rng.choices(names, weights=weights, k=c.batch_size // c.rollouts_per_example):
-            plan.append((name, self.cursors[name]))
-            self.cursors[name] += 1
-        return plan
+        chosen = rng.choices(names, weights=weights, k=c.batch_size // c.rollouts_per_example)
+        return self.curriculum.plan(step, chosen, self.cursors)
 
     async def _rollout(self, step: int, env: str, example: int, group: int, index: int) -> Rollout:
         c = self.config
@@ -188,15 +193,15 @@ class Orchestrator:
             )
         return Rollout(env, example, group, weight_step, result)
 
-    async def _generate_step(self, step: int, plan: list[tuple[str, int]], batch: StepBatch) -> StepBatch:
+    async def _group(self, step: int, env: str, example: int, gi: int) -> list[Rollout]:
         g = self.config.rollouts_per_example
-        tasks = [
-            self._rollout(step, env, example, gi, gi * g + j)
-            for gi, (env, example) in enumerate(plan)
-            for j in range(g)
-        ]
-        results = await asyncio.gather(*tasks)
-        batch.groups = [list(results[i * g : (i + 1) * g]) for i in range(len(plan))]
+        rollouts = await asyncio.gather(*(self._rollout(step, env, example, gi, gi * g + j) for j in range(g)))
+        return await self.teachers.score(step, env, list(rollouts))
+
+    async def _generate_step(self, step: int, plan: list[tuple[str, int]], batch: StepBatch) -> StepBatch:
+        batch.groups = list(await asyncio.gather(*(self._group(step, e, x, gi) for gi, (e, x) in enumerate(plan))))
+        # The curriculum marks the groups that train; its dynamic sampling draws more through _group.
+        batch.groups = await self.curriculum.fill(step, batch.groups, lambda *a: self._group(step, *a))
         batch.finished = time.perf_counter()
         return batch
 
@@ -214,7 +219,7 @@ class Orchestrator:
     # ----- training side -----
     def _samples(self, batch: StepBatch) -> tuple[list[Sample], dict[str, float]]:
         """Samples of the step: per-seat advantages within each group (``prime_orchestrator.credit``)."""
-        return step_samples(batch.groups, self.config)
+        return step_samples(batch.groups, self.config, self.teachers)
 
     def _metrics(self, batch: StepBatch, samples: list[Sample], extra: dict[str, Any]) -> dict[str, Any]:
         rollouts = [r for g in batch.groups for r in g]
@@ -307,6 +312,8 @@ class Orchestrator:
                 "dropped/long_samples": packed.num_dropped,
                 "micro_batches": packed.metas[0].num_micro_batches,
                 "time/pack_and_send": time.perf_counter() - t0,
+                **self.curriculum.metrics(batch.step),
+                **self.teachers.metrics(batch.step, batch.groups),
             }
         )
         metrics = self._metrics(batch, samples, extra)
@@ -419,7 +426,9 @@ class Orchestrator:
 
     async def close(self) -> None:
         await asyncio.gather(
-            *(p.close() for p in [*self.pools.values(), *self.eval_pools.values()]), return_exceptions=True
+            *(p.close() for p in [*self.pools.values(), *self.eval_pools.values()]),
+            self.teachers.close(),
+            return_exceptions=True,
         )
         if self.sender is not None:
             await asyncio.to_thread(self.sender.close)

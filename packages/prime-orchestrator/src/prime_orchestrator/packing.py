@@ -7,6 +7,10 @@
 4. Group rows into micro-batches of ``micro_batch_rows``; every rank gets the same number of
    micro-batches (short ranks are padded with ``MicroBatch.empty``).
 
+Per-token arrays of a sample (``Sample.extra``, e.g. a teacher's log-probs) land in the micro-batch's ``extra``
+under the same name, aligned with the sample's tokens and 0 elsewhere; every micro-batch of the step carries every
+name, so the loss finds it on each rank (``LossInputs.extra``).
+
 Samples with images (vision-language models) carry their image sources; packing patchifies them into the
 micro-batch's ``pixel_values`` / ``image_grid_thw`` and writes per-sample 3D positions (``mrope_position_ids``,
 restarting at every sample). Truncation never cuts an image: a sample whose cut falls inside (or before) an image's
@@ -30,11 +34,13 @@ class Sample:
     token_ids: list[int]
     loss_mask: list[bool]
     logprobs: list[float]
-    advantage: float
+    advantage: float | list[float]
+    """The sample's advantage, or one per token (on-policy distillation)."""
     weight_step: int
     env: str = ""
     reward: float = 0.0
-    extras: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Per-token arrays by name, one value per token of ``token_ids``: the micro-batch's ``extra`` (see above)."""
     images: list[Any] = field(default_factory=list)
     """Image sources (data: URLs) of the sample's placeholder runs, in order."""
 
@@ -86,11 +92,11 @@ def fit_to_seq_len(
                     s.token_ids[:seq_len],
                     s.loss_mask[:seq_len],
                     s.logprobs[:seq_len],
-                    s.advantage,
+                    s.advantage if isinstance(s.advantage, float) else s.advantage[:seq_len],
                     s.weight_step,
                     s.env,
                     s.reward,
-                    s.extras,
+                    {name: np.asarray(v)[:seq_len] for name, v in s.extra.items()},
                     s.images,
                 )
             )
@@ -127,7 +133,28 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def _row(samples: list[Sample], local_ids: list[int], seq_len: int, vision: VisionSpec | None = None) -> MicroBatch:
+def extra_dtypes(samples: list[Sample]) -> dict[str, np.dtype]:
+    """The step's ``extra`` arrays: every name any sample has, float64 stored as float32 (like the log-probs)."""
+    dtypes: dict[str, np.dtype] = {}
+    for s in samples:
+        for name, value in s.extra.items():
+            arr = np.asarray(value)
+            if arr.shape != (len(s),):
+                raise ValueError(f"sample extra {name!r} has shape {arr.shape}, expected ({len(s)},): one per token")
+            dtype = np.dtype(np.float32) if arr.dtype == np.float64 else arr.dtype
+            dtypes[name] = np.result_type(dtypes.get(name, dtype), dtype)
+    return dtypes
+
+
+def _row(
+    samples: list[Sample],
+    local_ids: list[int],
+    seq_len: int,
+    vision: VisionSpec | None = None,
+    extra: dict[str, np.dtype] | None = None,
+) -> MicroBatch:
+    extra = extra or {}
+    extra_row = {name: np.zeros(seq_len, dtype) for name, dtype in extra.items()}
     row = {
         "input_ids": np.zeros(seq_len, np.int64),
         "position_ids": np.zeros(seq_len, np.int64),
@@ -153,9 +180,11 @@ def _row(samples: list[Sample], local_ids: list[int], seq_len: int, vision: Visi
         row["advantages"][sl] = np.where(mask, s.advantage, 0.0)
         row["inference_logprobs"][sl] = np.where(mask, np.asarray(s.logprobs, np.float32), 0.0)
         row["sample_ids"][sl] = sid
+        for name, value in s.extra.items():
+            extra_row[name][sl] = value
         pos += n
     row["position_ids"][pos:] = np.arange(seq_len - pos)  # padding counts from 0 as its own segment
-    mb = MicroBatch(**{k: v[None] for k, v in row.items()})
+    mb = MicroBatch(**{k: v[None] for k, v in row.items()}, extra={k: v[None] for k, v in extra_row.items()})
     if images:
         mb.pixel_values, mb.image_grid_thw = vision.processor.process_many(images)
         mrope = np.broadcast_to(mb.position_ids, (3, 1, seq_len)).copy()
@@ -181,6 +210,7 @@ def pack(
     vision: VisionSpec | None = None,
 ) -> PackResult:
     """Pack one step's samples for every trainer rank (see the module docstring)."""
+    extra = extra_dtypes(samples)
     samples, num_truncated, num_dropped = fit_to_seq_len(samples, seq_len, long_samples, vision)
     per_rank = balance_across_ranks([len(s) for s in samples], num_ranks)
     global_loss_tokens = sum(int(sum(s.loss_mask)) for s in samples)
@@ -191,19 +221,19 @@ def pack(
         rows = []
         for b in first_fit_decreasing([len(s) for s in local], seq_len):
             b = sorted(b)
-            rows.append(_row([local[i] for i in b], b, seq_len, vision))
+            rows.append(_row([local[i] for i in b], b, seq_len, vision, extra))
         mbs = []
         for start in range(0, len(rows), micro_batch_rows):
             chunk = rows[start : start + micro_batch_rows]
             while len(chunk) < micro_batch_rows:
-                chunk.append(MicroBatch.empty(1, seq_len))
+                chunk.append(MicroBatch.empty(1, seq_len, extra))
             mbs.append(stack_rows(chunk))
         rank_batches.append(mbs)
         rank_weight_steps.append([s.weight_step for s in local])
     num_mb = max(1, max(len(m) for m in rank_batches))
     for mbs in rank_batches:
         while len(mbs) < num_mb:
-            mbs.append(MicroBatch.empty(micro_batch_rows, seq_len))
+            mbs.append(MicroBatch.empty(micro_batch_rows, seq_len, extra))
     metas = [
         RolloutBatchMeta(
             step=step,

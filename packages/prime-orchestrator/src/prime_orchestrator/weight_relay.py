@@ -8,7 +8,6 @@ import time
 
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.run_dir import RunDir
-from prime_core.schemas.weights import BROADCAST_FILE
 
 from prime_orchestrator import client
 
@@ -27,11 +26,10 @@ class Policy:
         self._changed = asyncio.Condition()
 
     async def load(self, step: int, source: str = "auto") -> None:
-        """Make inference serve weights ``step``; ``source="filesystem"`` ignores an announced broadcast (resume)."""
+        """Make inference serve weights ``step``; ``source="filesystem"``: only what the directory holds, not a
+        one-time transfer it announces (re-serving a checkpoint step on resume)."""
         c = self.config.client
         weight_dir = self.run_dir.weight_step(step).resolve()
-        # A broadcast is sent once: a retried request would wait for a transfer that never comes again.
-        broadcast = source != "filesystem" and (weight_dir / BROADCAST_FILE).is_file()
         t0 = time.perf_counter()
         await client.update_weights(
             c.base_urls,
@@ -39,7 +37,7 @@ class Policy:
             step,
             api_key=c.resolved_api_key(),
             timeout=c.update_weights_timeout,
-            retries=0 if broadcast else c.max_retries,
+            retries=c.max_retries,
             source=source,
         )
         self.last_update_time = time.perf_counter() - t0

@@ -24,10 +24,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from prime_trainer import perf
 from prime_trainer.ckpt import CheckpointManager
+from prime_trainer.memory import MemoryPlan
 from prime_trainer.model import ModelSource, build_model, loss_scale
 from prime_trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 from prime_trainer.parallel import TrainerLayout, build_layout
-from prime_trainer.weights import WeightPublisher
+from prime_trainer.weights import WeightPublisher, build_publisher
 from prime_trainer.world import World, init_world
 
 
@@ -51,6 +52,8 @@ class Components:
     step_times: list[dict[str, float]] = field(default_factory=list)
     layout: TrainerLayout | None = None
     """Parallel layout (meshes, expert and context parallelism)."""
+    memory_plan: MemoryPlan | None = None
+    """Activation checkpointing in use; set before the first forward (`prime_trainer.memory.plan_memory`)."""
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -111,21 +114,12 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         model_source=model_source,
         optimizer=optimizer,
         ckpt=CheckpointManager(config.ckpt, run_dir, world),
-        publisher=_publisher(config, process, run_dir, world, model_source),
+        publisher=build_publisher(config, process, run_dir, world, tokenizer=model_source.tokenizer),
         monitor=monitor,
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
         loss_scale=loss_scale(model, world),
         layout=layout,
     )
-
-
-def _publisher(
-    config: TrainerConfig | SFTConfig, process: str, run_dir: RunDir, world: World, model_source: ModelSource
-) -> WeightPublisher:
-    # SFT exports are few and each is a result; RL keeps only what the async window and checkpoints need.
-    keep_all = config.weights.keep_all or process == "sft"
-    broadcast = config.weights.broadcast if process == "trainer" else None
-    return WeightPublisher(run_dir, world, model_source.tokenizer, config.async_level, keep_all, broadcast=broadcast)
 
 
 def resume(c: Components) -> dict[str, Any]:
@@ -140,7 +134,7 @@ def publish_initial(c: Components, step: int, random_init: bool) -> None:
     if c.config.bench or not c.config.weights.publish:
         return
     if (step == 0 and random_init) or (step > 0 and not is_stable(c.run_dir.weight_step(step))):
-        c.publisher.publish(step, c.model, c.ckpt.protected_steps(), send=False)
+        c.publisher.publish(step, c.model, c.ckpt.protected_steps(), durable=True, serve=False)
 
 
 def set_grad_sync(model: nn.Module, index: int, count: int) -> None:
@@ -180,9 +174,9 @@ def publish_weights(c: Components, step: int) -> dict[str, float]:
     if not c.config.bench and c.config.weights.publish:
         last = step == c.config.max_steps
         # Nobody samples with the final weights during the run: they go to disk, not to inference.
-        files = last or c.ckpt.due(step, c.config.max_steps)
-        c.publisher.publish(step, c.model, kept_steps(c, step), files=files, send=not last)
-        for key, value in c.publisher.last_timings.items():
+        durable = last or c.ckpt.due(step, c.config.max_steps)
+        published = c.publisher.publish(step, c.model, kept_steps(c, step), durable=durable, serve=not last)
+        for key, value in published.items():
             if key.endswith("_s"):
                 timings[f"time/publish_{key.removesuffix('_s')}"] = value
     timings["time/publish"] = time.perf_counter() - t0
@@ -236,6 +230,17 @@ def finish(c: Components) -> None:
         c.monitor.close()
 
 
+def one_rank_path(c: Components) -> str | None:
+    """How a one-rank model computes: ``mixed_precision`` (bf16 working copy), ``fsdp`` or ``plain``; None on more."""
+    from prime_models.parallel.mixed_precision import mixed_precision_of
+
+    if c.world.world_size > 1:
+        return None
+    if isinstance(c.model, FSDPModule):
+        return "fsdp"
+    return "mixed_precision" if mixed_precision_of(c.model) is not None else "plain"
+
+
 def write_bench(c: Components) -> dict[str, Any]:
     """Summarize the bench steps (the first is warmup and skipped when there are more) as JSON."""
     steps = c.step_times[1:] if len(c.step_times) > 1 else c.step_times
@@ -259,6 +264,8 @@ def write_bench(c: Components) -> dict[str, Any]:
         "mfu": mean("mfu"),
         "step_time_s": mean("time/step"),
         "peak_memory_gib": max((s["peak_memory_gib"] for s in steps), default=None),
+        "memory_plan": c.memory_plan.describe() if c.memory_plan is not None else None,
+        "one_rank_path": one_rank_path(c),
     }
     path = Path(c.config.bench_file or c.run_dir.root / "bench" / f"{c.process}.json")
     atomic_write_json(path, result)

@@ -15,7 +15,6 @@ import torch
 from prime_core.config.shared import Fp8Config, LoRAConfig, ModelConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
 from prime_models import get_model_spec, load_model
-from prime_models.parallel import apply_fsdp, default_mp_policy
 from prime_models.parallel.context_parallel import ContextParallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -103,7 +102,7 @@ def build_model(
         if not hasattr(model, "freeze_vision"):
             raise ValueError(f"init.freeze_vision: {name} ({source.hf_config['model_type']}) has no vision tower")
         model.freeze_vision()
-    return _parallelize(model, source, parallel, layout, world, fp8), source
+    return _parallelize(model, source, parallel, layout, fp8), source
 
 
 def _parallelize(
@@ -111,16 +110,16 @@ def _parallelize(
     source: ModelSource,
     parallel: ParallelConfig,
     layout: TrainerLayout,
-    world: World,
     fp8: Fp8Config | None,
 ) -> nn.Module:
-    """The family's parallelize function (FP8, EP, CP, AC, FSDP2), then FSDP on one GPU for bf16 compute."""
-    dims = layout.dims
+    """The family's parallelize function: FP8, EP, CP, AC, then FSDP2 over several ranks or, on one GPU, bf16 compute
+    on a working copy of the fp32 masters (`prime_models.parallel.mixed_precision`). ``parallel.ac = "auto"`` leaves
+    checkpointing to the first step (`prime_trainer.memory`), when a micro-batch's size is known."""
     spec = get_model_spec(source.hf_config["model_type"])
-    model = spec.parallelize_fn(
+    return spec.parallelize_fn(
         model,
-        dims,
-        ac=parallel.ac,
+        layout.dims,
+        ac="none" if parallel.ac == "auto" else parallel.ac,
         ac_every=parallel.ac_every,
         ac_keep_attention=parallel.ac_keep_attention,
         ac_mlp_chunks=parallel.ac_mlp_chunks,
@@ -130,18 +129,8 @@ def _parallelize(
         fp8=fp8,
         mesh=layout.mesh,
         dispatcher=layout.ep_dispatcher,
+        one_rank_fsdp=parallel.fsdp_one_rank,
     )
-    if not dims.fsdp_enabled and world.device.type == "cuda":
-        # parallelize_fn skips FSDP on one rank; wrap anyway for bf16 compute with fp32 master weights.
-        mesh = dims.build_mesh("cuda").fsdp
-        model = apply_fsdp(
-            model,
-            model.model.layers,
-            mesh,
-            mp_policy=default_mp_policy("cuda"),
-            reshard_after_forward=parallel.reshard_after_forward,
-        )
-    return model
 
 
 def loss_scale(model: nn.Module, world: World) -> float:

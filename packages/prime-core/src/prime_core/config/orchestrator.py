@@ -94,6 +94,48 @@ class JudgeEndpointConfig(BaseConfig):
         return self
 
 
+class TeacherConfig(BaseConfig):
+    """A frozen teacher model behind an OpenAI-compatible server that serves the token-in route
+    ``/inference/v1/generate`` with ``prompt_logprobs`` (prime's ``inference`` with either engine, or vLLM with
+    prime's app)."""
+
+    base_url: str
+    """The server's base URL (with or without ``/v1``), e.g. ``http://127.0.0.1:8001``."""
+    model: str
+    """Model name the requests carry (the server's served model)."""
+    tokenizer: str | None = None
+    """A local directory (or ``tokenizer.json``) with the teacher's tokenizer, compared with the student's at start;
+    unset: the server's ``/tokenize`` is compared on probe texts."""
+    api_key_var: str | None = None
+    """Environment variable holding the server's API key (unset: no key)."""
+    timeout: float = Field(default=120.0, gt=0)
+    """Seconds one scoring request may take; after ``max_retries`` the run stops, naming the teacher."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries of a scoring request on connection errors and 5xx."""
+    max_concurrent: int = Field(default=32, ge=1)
+    """Scoring requests in flight to this teacher."""
+    health_timeout: float = Field(default=300.0, gt=0)
+    """Seconds to wait for the teacher's /health at start."""
+
+    @field_validator("base_url")
+    @classmethod
+    def _bare_url(cls, v: str) -> str:
+        return v.rstrip("/").removesuffix("/v1")
+
+
+class DistillConfig(BaseConfig):
+    """On-policy distillation of one environment (see docs/algorithms.md ## On-policy distillation): the teacher
+    scores the student's own sampled tokens; each token's advantage is ``reward_weight * A + kl_weight * (log
+    p_teacher - log p_student)``, the negative per-token reverse KL plus the task advantage."""
+
+    teacher: TeacherConfig
+    """The teacher model."""
+    kl_weight: float = Field(default=1.0, ge=0)
+    """Weight of the per-token distillation signal (the negative reverse KL on the sampled token)."""
+    reward_weight: float = Field(default=0.0, ge=0)
+    """Weight of the environment's group advantage (0: pure distillation; the reward is still logged)."""
+
+
 class EnvConfig(BaseConfig):
     """One verifiers environment, run by verifiers' own env server in a subprocess (what ``vf-eval`` would run)."""
 
@@ -130,6 +172,8 @@ class EnvConfig(BaseConfig):
     """Start the pool with one worker and grow it with the load up to num_workers (static when off)."""
     rollout_timeout: float = Field(default=600.0, gt=0)
     """Seconds one rollout may take; a slower one counts as failed (see ``failed_rollouts``)."""
+    distill: DistillConfig | None = None
+    """On-policy distillation from a teacher for this environment (unset: RL on its reward)."""
 
     @property
     def resolved_name(self) -> str:
@@ -181,6 +225,61 @@ class FilterConfig(BaseConfig):
     """Drop groups whose advantages are all zero (they carry no gradient); counted in filtered/groups."""
     long_samples: Literal["truncate", "drop"] = "truncate"
     """Samples longer than seq_len: cut at seq_len, or drop them (counted in filtered/long_samples)."""
+
+
+class DifficultyPoolConfig(BaseConfig):
+    """One difficulty pool of ``curriculum.sampler = "difficulty_pool"``."""
+
+    threshold: float
+    """Inclusive upper bound of the running mean reward of the pool's examples (the pool with the highest threshold
+    also takes everything above it)."""
+    weight: float = Field(ge=0)
+    """Relative sampling weight of each example in the pool (0: never drawn while it is in this pool)."""
+
+
+def _default_pools() -> dict[str, DifficultyPoolConfig]:
+    return {
+        "hard": DifficultyPoolConfig(threshold=0.25, weight=0.2),
+        "normal": DifficultyPoolConfig(threshold=0.75, weight=1.0),
+        "easy": DifficultyPoolConfig(threshold=1.0, weight=0.2),
+    }
+
+
+class CurriculumConfig(BaseConfig):
+    """Which examples a step draws, and refilling the batch with groups that carry a learning signal (see
+    docs/algorithms.md ## Curricula). Active when ``sampler = "difficulty_pool"`` or ``dynamic_sampling`` is on;
+    needs finite tasksets. Its state is saved with the orchestrator checkpoint."""
+
+    sampler: Literal["sequential", "difficulty_pool"] = "sequential"
+    """sequential: each environment's examples in order (the default sampling); difficulty_pool: examples drawn with
+    replacement, weighted by the pool their running mean reward falls in."""
+    pools: dict[str, DifficultyPoolConfig] = Field(default_factory=_default_pools)
+    """Pools of ``difficulty_pool`` by name (the defaults are prime-rl's: hard <= 0.25 weight 0.2, normal <= 0.75
+    weight 1, easy <= 1 weight 0.2)."""
+    unseen_weight: float = Field(default=1.0, ge=0)
+    """Sampling weight of an example never scored yet."""
+    reward_ema: float = Field(default=0.5, gt=0, le=1)
+    """Weight of a new group's mean reward in its example's running mean reward (1: the latest group only)."""
+    reject_advantage: tuple[float, float] | None = (0.0, 0.0)
+    """Advantage-range gate: a group whose every advantage lies in [low, high] is rejected (not trained; replaced
+    under dynamic sampling). The default rejects groups without signal; unset admits every group."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: after a step's groups finish, draw more groups until the step has ``batch_size /
+    rollouts_per_example`` admitted groups or the draw cap is reached; surplus admitted groups are not trained."""
+    max_draws_factor: float = Field(default=3.0, ge=1)
+    """Cap of dynamic sampling: at most this many times the step's groups are drawn in all."""
+
+    @model_validator(mode="after")
+    def _check_curriculum(self) -> CurriculumConfig:
+        if self.sampler == "difficulty_pool" and not any(p.weight > 0 for p in self.pools.values()):
+            raise ValueError("curriculum.pools: at least one pool needs a positive weight")
+        if self.reject_advantage is not None and self.reject_advantage[0] > self.reject_advantage[1]:
+            raise ValueError("curriculum.reject_advantage: low must not exceed high")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.sampler != "sequential" or self.dynamic_sampling
 
 
 class EvalEnvsConfig(BaseConfig):
@@ -270,6 +369,8 @@ class OrchestratorConfig(BaseConfig):
     """Advantage estimator."""
     filters: FilterConfig = Field(default_factory=FilterConfig)
     """Filters."""
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    """Difficulty curriculum and dynamic sampling (off by default)."""
     transport: RolloutTransportConfig = Field(default_factory=RolloutTransportConfig)
     """Rollout transport to the trainer."""
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -283,8 +384,8 @@ class OrchestratorConfig(BaseConfig):
     weights_timeout: float = Field(default=1200.0, gt=0)
     """Seconds to wait for the weights a step needs before failing."""
     weights_broadcast: bool = False
-    """The trainer broadcasts weights (``trainer.weights.broadcast.type = "nccl"``; ``rl`` sets this): each
-    broadcast blocks the trainer until inference takes it, so the orchestrator relays every step up to
+    """The trainer sends each step once (``trainer.weights.broadcast.type`` nccl or cuda_ipc; ``rl`` sets this): each
+    transfer blocks the trainer until inference takes it, so the orchestrator relays every step up to
     ``max_steps - 1`` before exiting, even those no rollout will use."""
     max_rollout_retries: int = Field(default=3, ge=0)
     """Times a rollout is re-run after its env server crashed under it (a crash loses no rollout)."""

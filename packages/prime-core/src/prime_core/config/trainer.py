@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
+from prime_core.config.parallel import ParallelConfig
 from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
 from prime_core.transport import RolloutTransportConfig
 
@@ -34,58 +35,6 @@ class ModelInitConfig(BaseConfig):
     freeze_vision: bool = False
     """Vision-language models: keep the vision tower (patch embedding, ViT blocks, mergers) fixed; only the language
     model trains. An error for text-only models."""
-
-
-class ParallelConfig(BaseConfig):
-    """FSDP2 data parallelism and memory savers."""
-
-    dp_shard: int = -1
-    """FSDP shard degree; -1 uses every rank. Must divide the world size (the rest replicates: HSDP)."""
-    ac: Literal["none", "full", "selective"] = "none"
-    """Activation checkpointing: ``full`` recomputes every decoder layer in backward; ``selective`` keeps more (see
-    ``ac_every``)."""
-    ac_every: int = Field(default=0, ge=0)
-    """Under ``ac = "selective"``: k >= 1 recomputes every k-th decoder layer fully (2 halves the kept activations);
-    0 checkpoints every layer but keeps its attention and matmul outputs, recomputing only the cheap ops (norms,
-    rotary embedding, activation functions)."""
-    ac_keep_attention: int = Field(default=0, ge=-1)
-    """Under ``ac = "full"``: this many decoder layers (counted from the last; -1 = all) keep their attention
-    output instead of recomputing it (faster at long context, costs one [tokens, hidden] activation per layer)."""
-    ac_mlp_chunks: int = Field(default=0, ge=0)
-    """Under ``ac = "full"``: run each dense MLP in this many sequence chunks in backward, keeping only its input;
-    the backward peak then holds one chunk's MLP intermediates instead of all (~1/N of them, for long rows), at no
-    extra compute. 0 disables it; MoE layers ignore it."""
-    ac_offload_attention: bool = False
-    """Under ``ac = "full"`` with ``ac_keep_attention != 0``: hold the kept attention outputs in pinned host memory
-    between forward and backward (copies on a side CUDA stream, overlapped with compute; the GPU holds at most two
-    layers' worth instead of ``ac_keep_attention``). Bitwise the same results; costs PCIe traffic and host memory."""
-    cpu_offload: bool = False
-    """Keep FSDP parameters, gradients and optimizer state on CPU (GPU only)."""
-    reshard_after_forward: bool = True
-    """Free gathered parameters after each layer's forward (ZeRO-3); false keeps them (ZeRO-2, faster)."""
-    timeout_s: int = Field(default=3600, ge=1)
-    """Timeout of collective operations, in seconds."""
-
-    @model_validator(mode="after")
-    def _every_needs_selective_ac(self) -> ParallelConfig:
-        if self.ac_every and self.ac != "selective":
-            raise ValueError(f"ac_every needs ac = 'selective' (got ac = {self.ac!r})")
-        return self
-
-    @model_validator(mode="after")
-    def _mlp_chunks_need_full_ac(self) -> ParallelConfig:
-        if self.ac_mlp_chunks and self.ac != "full":
-            raise ValueError(f"ac_mlp_chunks needs ac = 'full' (got ac = {self.ac!r})")
-        return self
-
-    @model_validator(mode="after")
-    def _offload_attention_needs_kept_attention(self) -> ParallelConfig:
-        if self.ac_offload_attention and (self.ac != "full" or self.ac_keep_attention == 0):
-            raise ValueError(
-                "ac_offload_attention needs ac = 'full' and ac_keep_attention != 0 "
-                f"(got ac = {self.ac!r}, ac_keep_attention = {self.ac_keep_attention})"
-            )
-        return self
 
 
 class PerfConfig(BaseConfig):
@@ -191,6 +140,36 @@ class CISPOLossConfig(_LossOptions):
     """Clip the weight above at 1 + clip_high."""
 
 
+class DPPOLossConfig(_LossOptions):
+    """DPPO-Binary-TV trust-region mask on the probability difference (conditioned on the advantage's sign) with a
+    squared-log-ratio KL regularizer (Kimi K2.5): prime-rl's default RL loss. No ratio clipping: the mask replaces
+    it."""
+
+    type: Literal["dppo"] = "dppo"
+    """Objective type."""
+    dppo_mask_low: float = Field(default=0.2, ge=0)
+    """Drop a token with A <= 0 whose probability fell by more than this: p_theta - p_inference < -dppo_mask_low."""
+    dppo_mask_high: float = Field(default=0.2, ge=0)
+    """Drop a token with A > 0 whose probability rose by more than this: p_theta - p_inference > dppo_mask_high."""
+    adv_tau: float = Field(default=1.0, ge=0)
+    """Scale of the advantage (policy-gradient) term; 0 leaves only the KL regularizer."""
+    kl_tau: float = Field(default=1e-3, ge=0)
+    """Weight of the squared log-ratio (log r)^2 on every loss token, dropped or not; 0 disables it."""
+
+
+class IPOLossConfig(_LossOptions):
+    """IPO (INTELLECT Policy Optimization): as ``dppo`` but the trust region is symmetric and ignores the sign of A."""
+
+    type: Literal["ipo"] = "ipo"
+    """Objective type."""
+    ipo_threshold: float = Field(default=0.1, ge=0)
+    """Drop a token whose probability moved by more than this either way: |p_theta - p_inference| > ipo_threshold."""
+    adv_tau: float = Field(default=1.0, ge=0)
+    """Scale of the advantage (policy-gradient) term; 0 leaves only the KL regularizer."""
+    kl_tau: float = Field(default=1e-3, ge=0)
+    """Weight of the squared log-ratio (log r)^2 on every loss token, dropped or not; 0 disables it."""
+
+
 class CustomLossConfig(_LossOptions):
     """A user-supplied objective, found by import path; the shared options (KL, entropy, normalization) apply to it."""
 
@@ -205,7 +184,8 @@ class CustomLossConfig(_LossOptions):
 
 
 LossConfig = Annotated[
-    GRPOLossConfig | GSPOLossConfig | CISPOLossConfig | CustomLossConfig, Field(discriminator="type")
+    GRPOLossConfig | GSPOLossConfig | CISPOLossConfig | DPPOLossConfig | IPOLossConfig | CustomLossConfig,
+    Field(discriminator="type"),
 ]
 
 
@@ -243,12 +223,14 @@ class RLDataConfig(BaseConfig):
 
 
 class WeightBroadcastConfig(BaseConfig):
-    """How new weights reach inference: HF files on a shared filesystem, or a collective broadcast (NCCL)."""
+    """How new weights reach inference: HF files on a shared filesystem, a collective broadcast (NCCL), or CUDA IPC
+    handles when trainer and inference share a GPU (the weight transports of docs/architecture.md)."""
 
-    type: Literal["filesystem", "nccl"] = "filesystem"
+    type: Literal["filesystem", "nccl", "cuda_ipc"] = "filesystem"
     """filesystem: write safetensors to ``weights/step_N`` every step; nccl: rank 0 broadcasts the tensors to every
-    inference worker (gloo when the trainer runs on CPU) and files are written only for checkpoint steps, the final
-    step and the initial weights."""
+    inference worker (gloo when the trainer runs on CPU); cuda_ipc: rank 0 hands inference workers on its own GPU
+    its tensors by CUDA IPC handles, no copy through the host or disk. With nccl and cuda_ipc, files are written only
+    for checkpoint steps, the final step and the initial weights."""
     host: str = "127.0.0.1"
     """Address of the rendezvous store on the trainer's rank-0 host, reachable from every inference worker."""
     port: int = Field(default=29501, ge=1, le=65535)
@@ -259,7 +241,14 @@ class WeightBroadcastConfig(BaseConfig):
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds to wait for the workers to join or for one transfer before failing with an error naming them."""
     bucket_mb: int = Field(default=1024, ge=1)
-    """Tensors are sent in flat buckets of about this many MiB (fewer, larger collectives)."""
+    """Tensors are sent in flat buckets of about this many MiB (fewer, larger collectives; cuda_ipc holds at most
+    two buckets on the GPU at a time)."""
+
+    @property
+    def one_time(self) -> bool:
+        """Each step is sent once to workers that join the transfer (nccl, cuda_ipc): ``rl`` counts those workers,
+        and the orchestrator relays every step, since the trainer waits until inference takes it."""
+        return self.type != "filesystem"
 
 
 class WeightsConfig(BaseConfig):

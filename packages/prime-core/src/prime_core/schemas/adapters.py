@@ -7,9 +7,9 @@ An adapter directory is PEFT's format (``adapter_config.json`` + ``adapter_model
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,21 +26,22 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
 
 
 class AdapterInfo(BaseModel):
-    """``prime_adapter.json``: which adapter a trainer-written directory holds."""
+    """``prime_adapter.json``: which adapter a trainer-written directory holds (the adapter transport's manifest, see
+    `prime_core.schemas.weights`)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
+    file: ClassVar[str | None] = ADAPTER_INFO
+    repeatable: ClassVar[bool] = True
+
+    type: Literal["adapter"] = "adapter"
+    """Transport: a PEFT adapter in the directory."""
     name: str = Field(pattern=f"^{ADAPTER_NAME_PATTERN}$")
     """Adapter name: the ``model`` that requests use to be served by it."""
     step: int | None = None
     """Weight step the adapter was published at."""
     base_model: str | None = None
     """The base model it was trained on (``model.name``)."""
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> AdapterInfo | None:
-        f = Path(path) / ADAPTER_INFO
-        return cls.model_validate(json.loads(f.read_text())) if f.is_file() else None
 
 
 class LoadLoRAAdapterRequest(BaseModel):

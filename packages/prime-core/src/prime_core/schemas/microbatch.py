@@ -25,12 +25,18 @@ they existed):
 - ``image_grid_thw`` ``[num_images, 3]`` int64: each image's (temporal, height, width) patch grid.
 - ``mrope_position_ids`` ``[3, rows, seq_len]`` int64: 3D rotary positions (``prime_core.vision.mrope_positions``),
   restarting at 0 at every sample start like ``position_ids``; text tokens carry equal values on all three axes.
+
+``extra`` holds further per-token arrays ``[rows, seq_len]`` (integer or floating point, 0 where no sample put a
+value), stored as ``{index}.extra.{name}``. They reach the loss unchanged, as ``LossInputs.extra[name]`` on the
+training device: a loss that needs a new per-token input (a teacher's log-probs, a per-token reward) reads it there,
+and whoever packs the micro-batch fills it (the orchestrator from ``Sample.extra``); nothing in between names it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from prime_core.io import atomic_path
 
 MICROBATCH_SCHEMA_VERSION = 1
+EXTRA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 # Optional vision-language arrays: name -> dtype (shapes in the module docstring).
 MULTIMODAL_FIELDS: dict[str, np.dtype] = {
@@ -97,6 +104,7 @@ class MicroBatch:
     inference_logprobs: np.ndarray
     sample_ids: np.ndarray
     extra: dict[str, np.ndarray] = field(default_factory=dict)
+    """Further per-token arrays ``[rows, seq_len]`` by name, handed to the loss as they are (module docstring)."""
     pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None
     mrope_position_ids: np.ndarray | None = None
@@ -114,6 +122,7 @@ class MicroBatch:
             elif arr.shape != shape:
                 raise ValueError(f"micro-batch field {name!r} has shape {arr.shape}, expected {shape}")
             setattr(self, name, arr)
+        self.extra = {name: _extra_array(name, arr, shape) for name, arr in self.extra.items()}
         for name, dtype in MULTIMODAL_FIELDS.items():
             if getattr(self, name) is not None:
                 setattr(self, name, np.ascontiguousarray(np.asarray(getattr(self, name)), dtype=dtype))
@@ -143,19 +152,46 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def extra_dtypes(self) -> dict[str, np.dtype]:
+        return {name: arr.dtype for name, arr in self.extra.items()}
+
     @classmethod
-    def empty(cls, rows: int, seq_len: int) -> MicroBatch:
-        """An all-padding micro-batch (used to keep ranks in lockstep when one has less data)."""
+    def empty(cls, rows: int, seq_len: int, extra: dict[str, np.dtype] | None = None) -> MicroBatch:
+        """An all-padding micro-batch (used to keep ranks in lockstep when one has less data), with zero ``extra``
+        arrays of these names and dtypes (the other micro-batches' `extra_dtypes`)."""
         zeros = {n: np.zeros((rows, seq_len), dtype=d) for n, d in MICROBATCH_FIELDS.items()}
         zeros["sample_ids"][:] = -1
         zeros["position_ids"][:] = np.arange(seq_len)
-        return cls(**zeros)
+        return cls(**zeros, extra={n: np.zeros((rows, seq_len), dtype=d) for n, d in (extra or {}).items()})
+
+
+def _extra_array(name: str, value: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
+        raise ValueError(f"micro-batch extra name {name!r} must match {EXTRA_NAME.pattern}")
+    arr = np.ascontiguousarray(np.asarray(value))
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"micro-batch extra {name!r} must hold integers or floats, got {arr.dtype}")
+    if arr.ndim == 1:
+        arr = arr[None, :]
+    if arr.shape != shape:
+        raise ValueError(f"micro-batch extra {name!r} has shape {arr.shape}, expected {shape} (one value per token)")
+    return arr
 
 
 def stack_rows(rows: list[MicroBatch]) -> MicroBatch:
     """Concatenate micro-batches along rows; images keep their row-major order. Rows without 3D positions get their
     ``position_ids`` on all three axes when another row has them."""
     stacked = {f: np.concatenate([getattr(r, f) for r in rows]) for f in MICROBATCH_FIELDS}
+    dtypes: dict[str, list[np.dtype]] = {}
+    for r in rows:
+        for name, dtype in r.extra_dtypes.items():
+            dtypes.setdefault(name, []).append(dtype)
+    # A row without an array (padding, a sample that had none) holds zeros there.
+    extra = {
+        name: np.concatenate([r.extra.get(name, np.zeros(r.shape, np.result_type(*ds))) for r in rows])
+        for name, ds in dtypes.items()
+    }
     images = [r for r in rows if r.pixel_values is not None]
     if images:
         stacked["pixel_values"] = np.concatenate([r.pixel_values for r in images])
@@ -170,7 +206,7 @@ def stack_rows(rows: list[MicroBatch]) -> MicroBatch:
             ],
             axis=1,
         )
-    return MicroBatch(**stacked)
+    return MicroBatch(**stacked, extra=extra)
 
 
 def microbatch_tensors(index: int, mb: MicroBatch) -> dict[str, np.ndarray]:

@@ -47,6 +47,8 @@ class TrainedSequence(BaseModel):
     """Inference log-prob of each sampled token, 0.0 elsewhere."""
     images: list[str] = Field(default_factory=list)
     """data: URLs of the images whose placeholder runs ``token_ids`` holds (vision-language models)."""
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's log-prob of each token given the tokens before it (0.0 at position 0)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> TrainedSequence:

@@ -1,41 +1,71 @@
-"""Messages about weight updates between trainer, orchestrator and inference.
+"""Weight transports: what a ``weights/step_N`` directory announces, and the messages that load it into inference.
 
-Two ways move a new policy from the trainer to inference, both announced by a ``weights/step_N`` directory with a
-STABLE marker that the orchestrator relays through ``POST /update_weights``:
+The trainer announces step N's weights by a ``weights/step_N`` directory with a STABLE marker; the orchestrator
+relays it to every inference server with ``POST /update_weights`` (`WeightUpdateRequest`). What the directory
+announces is one typed manifest (`WeightManifest`, discriminated on ``type``), read with `read_manifest`:
 
-* filesystem: the directory holds HF safetensors; the server loads them.
-* broadcast: the directory holds ``broadcast.json`` (a `BroadcastManifest`); the trainer's rank 0 sends the
-  tensors over a collective group (NCCL on GPUs, gloo on CPUs) that every inference worker joins. The wire
-  protocol, repeated per bucket until a header length of 0:
+* ``filesystem`` (`FilesystemManifest`): the directory holds HF safetensors + ``config.json``; no manifest file.
+* ``broadcast`` (`BroadcastManifest`, ``broadcast.json``): the trainer's rank 0 sends the tensors once over a
+  collective group (NCCL between GPUs, gloo between CPU processes) that every inference worker joins.
+* ``adapter`` (`AdapterInfo` of `prime_core.schemas.adapters`, ``prime_adapter.json``): the directory holds a PEFT
+  LoRA adapter and names the served adapter it replaces.
+* ``cuda_ipc`` (`CudaIpcManifest`, ``cuda_ipc.json``): trainer and inference share a GPU; the trainer's rank 0 hands
+  each bucket of tensors over as a CUDA IPC handle (`CudaIpcBucket`, through the rendezvous store the manifest
+  names), inference copies it into its model and acknowledges, and only then is the buffer reused or freed.
 
-  1. an int64 tensor of one element: the byte length L of the bucket header (0 ends the update);
-  2. a uint8 tensor of L bytes: a `BucketHeader` as JSON;
-  3. one flat tensor of ``header.dtype`` and ``header.numel`` elements holding the bucket's tensors back to back.
+Each manifest class declares ``file`` (the file announcing it; None for plain HF files) and ``repeatable``: whether
+the directory itself holds the weights, so that loading it can be repeated (a retried request after a failure or a
+timeout, a resumed run re-serving a checkpoint step). A one-time transfer (``repeatable = False``) is asked for
+once, of all servers together, and never retried: the sender does not send again. The trainer side of a transport
+is ``prime_trainer.weights.<type>``, the inference side ``prime_inference.weights.<type>``.
 
-  Every tensor is broadcast from rank 0 (the trainer); inference workers take ranks 1.. in the order they join.
+Broadcast wire protocol, repeated per bucket until a header length of 0:
+
+1. an int64 tensor of one element: the byte length L of the bucket header (0 ends the update);
+2. a uint8 tensor of L bytes: a `BucketHeader` as JSON;
+3. one flat tensor of ``header.dtype`` and ``header.numel`` elements holding the bucket's tensors back to back.
+
+Every tensor is broadcast from rank 0 (the trainer); inference workers take ranks 1.. in the order they join.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from prime_core.io import atomic_write_text
+from prime_core.schemas.adapters import ADAPTER_INFO, AdapterInfo, is_adapter_dir
 
 BROADCAST_FILE = "broadcast.json"
+MAX_MANIFEST_BYTES = 16 * 2**20
+"""A manifest is a few KiB; a larger file is refused before it is parsed."""
 
 
-class WeightUpdateRequest(BaseModel):
-    """Body of ``POST /update_weights``."""
+class Manifest(Protocol):
+    """What every transport's manifest declares (pydantic models discriminated on ``type``)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    file: ClassVar[str | None]
+    """The file in ``weights/step_N`` that announces the transport; None: the directory's HF files themselves."""
+    repeatable: ClassVar[bool]
+    """The directory itself holds the weights: loading it may be repeated (retried, re-served on resume)."""
+    type: str
 
-    weight_dir: str
-    """Directory written by the trainer; must carry the STABLE marker."""
-    step: int | None = None
-    """Weight step of that directory, echoed in the response and in the served model's metadata."""
-    source: Literal["auto", "filesystem", "broadcast"] = "auto"
-    """auto: receive the broadcast when the directory holds ``broadcast.json``, else load its safetensors;
-    filesystem: load the safetensors even if a broadcast was announced (e.g. re-serving a checkpoint on resume)."""
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]: ...
+
+
+class FilesystemManifest(BaseModel):
+    """A directory of HF safetensors (``config.json`` + ``*.safetensors``), announced by no file of its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    file: ClassVar[str | None] = None
+    repeatable: ClassVar[bool] = True
+
+    type: Literal["filesystem"] = "filesystem"
+    """Transport: the directory's own HF files."""
 
 
 class BroadcastManifest(BaseModel):
@@ -43,6 +73,11 @@ class BroadcastManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
+    file: ClassVar[str | None] = BROADCAST_FILE
+    repeatable: ClassVar[bool] = False
+
+    type: Literal["broadcast"] = "broadcast"
+    """Transport: a collective broadcast from trainer rank 0."""
     step: int
     """Weight step being broadcast."""
     host: str
@@ -65,3 +100,138 @@ class BucketHeader(BaseModel):
     dtype: str
     numel: int
     tensors: list[tuple[str, list[int], int]]
+
+
+class CudaIpcManifest(BaseModel):
+    """``weights/step_N/cuda_ipc.json``: where the trainer hands over step N's weights by CUDA IPC handles."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    file: ClassVar[str | None] = "cuda_ipc.json"
+    repeatable: ClassVar[bool] = False
+
+    type: Literal["cuda_ipc"] = "cuda_ipc"
+    """Transport: CUDA IPC handles on a GPU that trainer and inference share."""
+    step: int
+    """Weight step being handed over."""
+    host: str
+    """Address of the rendezvous store (a ``torch.distributed.TCPStore``) on the trainer's rank 0."""
+    port: int = Field(ge=1, le=65535)
+    """Port of that store."""
+    num_workers: int = Field(ge=1)
+    """Inference workers that take every bucket; the trainer frees a bucket once all of them acknowledged it."""
+    gpu_uuid: str
+    """The physical GPU (``torch.cuda.get_device_properties(i).uuid``) holding the buffers; a worker elsewhere
+    refuses the transfer."""
+    timeout_s: float = Field(gt=0)
+    """Seconds either side waits for the other (a bucket, an acknowledgement) before failing."""
+
+
+class CudaIpcHandle(BaseModel):
+    """One CUDA allocation shared by torch's IPC (``UntypedStorage._share_cuda_``), as plain data: bytes are base64,
+    so no pickle crosses the process boundary."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    storage_handle: str
+    storage_size_bytes: int = Field(ge=0)
+    storage_offset_bytes: int = Field(ge=0)
+    ref_counter_handle: str
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: str | None
+    event_sync_required: bool
+
+
+class CudaIpcBucket(BaseModel):
+    """One bucket of a CUDA IPC hand-over: ``tensors`` are ``(hf_name, shape, offset)`` into a flat ``dtype`` buffer
+    of ``numel`` elements shared by ``handle``. ``index`` counts the step's buckets from 0; ``handle`` None ends the
+    step (``index`` is then the number of buckets), with ``error`` set when the trainer failed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int = Field(ge=0)
+    dtype: str = ""
+    numel: int = Field(default=0, ge=0)
+    tensors: list[tuple[str, list[int], int]] = Field(default_factory=list)
+    handle: CudaIpcHandle | None = None
+    error: str | None = None
+
+
+MANIFESTS: tuple[type[BaseModel], ...] = (FilesystemManifest, BroadcastManifest, AdapterInfo, CudaIpcManifest)
+"""Every transport's manifest; a new transport adds its class here (its ``type`` names its modules on both sides)."""
+TRANSPORTS: tuple[str, ...] = tuple(m.model_fields["type"].default for m in MANIFESTS)
+ANNOUNCED = tuple(m for m in MANIFESTS if m.file is not None)
+"""Manifests announced by a file in the directory (the others are the directory's content itself)."""
+WeightManifest = Annotated[Union[MANIFESTS], Field(discriminator="type")]  # noqa: UP007 (a union of a tuple)
+_MANIFEST: TypeAdapter[Any] = TypeAdapter(WeightManifest)
+
+
+class WeightUpdateRequest(BaseModel):
+    """Body of ``POST /update_weights``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    weight_dir: str
+    """Directory written by the trainer; must carry the STABLE marker."""
+    step: int | None = None
+    """Weight step of that directory, echoed in the response and in the served model's metadata."""
+    source: str = "auto"
+    """auto: the transport the directory announces; filesystem: only what the directory itself holds (a one-time
+    transfer's manifest is ignored and its HF files are loaded, e.g. a checkpoint step re-served on resume); another
+    transport's name (``broadcast``, ``adapter``): refuse a directory that announces something else."""
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, value: str) -> str:
+        if value != "auto" and value not in TRANSPORTS:
+            raise ValueError(f"source must be auto or one of {', '.join(TRANSPORTS)}, got {value!r}")
+        return value
+
+
+def parse_manifest(data: dict[str, Any] | Manifest) -> Manifest:
+    """A manifest from its JSON form (e.g. after crossing an RPC boundary)."""
+    return data if isinstance(data, MANIFESTS) else _MANIFEST.validate_python(data)
+
+
+def read_manifest(weight_dir: str | os.PathLike, source: str = "auto") -> Manifest:
+    """What ``weight_dir`` announces (see the module docstring for ``source``); ValueError names the bad file."""
+    directory = Path(weight_dir)
+    found = [cls for cls in ANNOUNCED if (directory / cls.file).is_file()]
+    if len(found) > 1:
+        raise ValueError(f"{directory} announces several transports: {', '.join(c.file for c in found)}")
+    if found:
+        manifest = _read(directory / found[0].file, found[0])
+    elif is_adapter_dir(directory):
+        raise ValueError(
+            f"{directory} holds a LoRA adapter without {ADAPTER_INFO} naming it: "
+            "load it with POST /v1/load_lora_adapter {lora_name, lora_path}"
+        )
+    else:
+        manifest = FilesystemManifest()
+    if source == "filesystem" and not manifest.repeatable:
+        return FilesystemManifest()
+    if source not in ("auto", "filesystem", manifest.type):
+        raise ValueError(f"{directory} announces {manifest.type} weights, not {source}")
+    return manifest
+
+
+def _read(path: Path, cls: type[BaseModel]) -> Manifest:
+    try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{size} bytes, more than {MAX_MANIFEST_BYTES}")
+        return cls.model_validate_json(path.read_bytes())
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"{path} is not a valid {cls.model_fields['type'].default} manifest: {problems}") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a valid {cls.model_fields['type'].default} manifest: {e}") from None
+
+
+def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
+    """Write ``manifest`` into ``directory`` under its file name (atomically); returns the file."""
+    assert manifest.file is not None, f"a {manifest.type} manifest is not written to a file"
+    path = Path(directory) / manifest.file
+    # The file's name says the transport: on disk the manifest stays what it was before ``type`` existed.
+    atomic_write_text(path, manifest.model_dump_json(indent=2, exclude={"type"}) + "\n")
+    return path

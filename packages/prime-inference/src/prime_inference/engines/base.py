@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from prime_core.schemas.weights import BroadcastManifest
+from prime_core.schemas.weights import Manifest
 
 from prime_inference.protocol import RequestError, SamplingParams
 
@@ -86,29 +86,28 @@ class Engine(abc.ABC):
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Stream deltas until one carries a finish reason. Closing the iterator early aborts the request."""
 
+    # Weight transports (`prime_inference.weights`) drive the engine through these three primitives.
+
     @abc.abstractmethod
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
-        """Load weights from a checked HF directory (see `prime_inference.weights.check_weight_dir`)."""
+        """Load HF safetensors from a checked directory (the filesystem transport)."""
 
-    @abc.abstractmethod
-    async def reload_weights(self) -> None:
-        """Go back to the base weights of ``model.name``."""
-
-    async def receive_weights(self, manifest: BroadcastManifest, step: int | None) -> None:
-        """Receive the trainer's broadcast announced by ``manifest`` and serve it (see `prime_inference.broadcast`)."""
-        raise RequestError(f"the {self.name} engine cannot receive a weight broadcast", param="weight_dir")
+    async def receive_weights(self, manifest: Manifest, step: int | None) -> None:
+        """Where the model lives, run ``StreamReceiver.tensors`` of the manifest's transport, load every bucket and
+        serve the result (the broadcast transport, and any other that streams tensors)."""
+        raise RequestError(f"the {self.name} engine cannot receive {manifest.type} weights", param="weight_dir")
 
     async def load_adapter(self, name: str, path: str, step: int | None) -> None:
         """Serve the PEFT LoRA adapter in ``path`` under ``name``, replacing an adapter of that name."""
         raise RequestError(f"the {self.name} engine does not serve LoRA adapters", status_code=404)
 
+    @abc.abstractmethod
+    async def reload_weights(self) -> None:
+        """Go back to the base weights of ``model.name``."""
+
     async def unload_adapter(self, name: str) -> None:
         """Stop serving adapter ``name``."""
         raise RequestError(f"the {self.name} engine does not serve LoRA adapters", status_code=404)
-
-    async def weight_transfer(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """Engine-native weight transfer (NCCL broadcast); only the vLLM engine has one."""
-        raise RequestError(f"the {self.name} engine has no weight transfer; use /update_weights", status_code=404)
 
     @abc.abstractmethod
     async def pause(self) -> None:

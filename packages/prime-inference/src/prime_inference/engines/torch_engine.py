@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from prime_core.config.inference import InferenceConfig
-from prime_core.schemas.weights import BroadcastManifest
+from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter
@@ -224,30 +224,31 @@ class TorchEngine(Engine):
             self._check_compatible(hf_config)
             await self._apply_swap(_Swap(model, hf_config, self.weight_step + 1 if step is None else step, weight_dir))
 
-    async def receive_weights(self, manifest: BroadcastManifest, step: int | None) -> None:
+    async def receive_weights(self, manifest: Manifest, step: int | None) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
             model = await asyncio.to_thread(self._receive, manifest)
             await self._apply_swap(_Swap(model, self.hf_config, self.weight_step + 1 if step is None else step, None))
 
-    def _receive(self, manifest: BroadcastManifest) -> Any:
+    def _receive(self, manifest: Manifest) -> Any:
         """Receive every tensor, then load a copy of the served model (the running one keeps serving meanwhile)."""
-        from prime_inference.broadcast import receive
+        from prime_inference.weights import stream_receiver
 
-        state = {name: t.to(self.dtype) for bucket in receive(manifest, self.device) for name, t in bucket}
+        tensors = stream_receiver(manifest).tensors(manifest, self.device)
+        # A bucket may be reused once the next one is asked for (CUDA IPC buffers): keep copies.
+        state = {name: t.to(self.dtype, copy=True) for bucket in tensors for name, t in bucket}
         model = copy.deepcopy(self.model)
+        what = f"{manifest.type} weights of step {getattr(manifest, 'step', '?')}"
         if self.source == "prime_models":
             from prime_models.loading import load_hf_state
 
-            load_hf_state(model, state, source=f"broadcast of step {manifest.step}")
+            load_hf_state(model, state, source=what)
         else:
             missing, unexpected = model.load_state_dict(state, strict=False)
             tied = getattr(model, "_tied_weights_keys", None) or ()
             missing = [k for k in missing if k not in tied]
             if missing or unexpected:
-                raise ValueError(
-                    f"broadcast does not match the served model: missing={missing} unexpected={unexpected}"
-                )
+                raise ValueError(f"{what} do not match the served model: missing={missing} unexpected={unexpected}")
         return model
 
     async def reload_weights(self) -> None:

@@ -7,8 +7,8 @@ vLLM is extended through its seams, not forked:
   ``vllm.fast_token_logprobs``, the sampled-log-prob tap (`prime_inference.token_logprobs`);
 * the ``vllm.general_plugins`` entry point (`prime_inference.vllm_plugin.register`) runs in every vLLM process;
 * weight updates from a directory use vLLM's native layerwise reload (``collective_rpc("reload_weights",
-  kwargs={"weights_path": dir})``); NCCL broadcast from trainer rank 0 uses vLLM's native weight-transfer engine
-  (``weight_transfer_config={"backend": "nccl"}``: init / start / update / finish RPCs, see `weight_transfer`).
+  kwargs={"weights_path": dir})``); a streamed transport (the trainer's broadcast) runs its receiver inside every
+  worker (``collective_rpc("prime_receive_weights")``), which loads each bucket with ``model.load_weights``.
 
 Pause semantics match the torch engine: ``/pause`` is ``pause_generation(mode="keep", clear_cache=False)`` (running
 requests freeze with their KV cache, new ones queue); an update while not paused is bracketed by
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from prime_core.config.inference import InferenceConfig
-from prime_core.schemas.weights import BroadcastManifest
+from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.protocol import RequestError
@@ -48,7 +48,6 @@ def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[st
         "--data-parallel-size", str(v.data_parallel_size),
         "--logprobs-mode", LOGPROBS_MODES[config.logprobs_mode],
         "--worker-extension-cls", WORKER_EXTENSION_CLS,
-        "--weight-transfer-config", '{"backend": "nccl"}',
     ]  # fmt: skip
     if config.model.trust_remote_code:
         args.append("--trust-remote-code")
@@ -308,10 +307,10 @@ class VllmEngine(Engine):
             self.weight_step = self.weight_step + 1 if step is None else step
             self.weight_dir = weight_dir
 
-    async def receive_weights(self, manifest: BroadcastManifest, step: int | None) -> None:
+    async def receive_weights(self, manifest: Manifest, step: int | None) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
-            await self._swap_weights("prime_receive_broadcast", {"manifest": manifest.model_dump()})
+            await self._swap_weights("prime_receive_weights", {"manifest": manifest.model_dump()})
             self.weight_step = self.weight_step + 1 if step is None else step
             self.weight_dir = None
 
@@ -356,33 +355,3 @@ class VllmEngine(Engine):
     async def resume(self) -> None:
         await self.llm.resume_generation()
         self._paused = False
-
-    async def weight_transfer(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's native weight transfer (NCCL from trainer rank 0). Ops, in order per update:
-
-        * ``init`` once: ``{"init_info": {"master_address", "master_port", "rank_offset", "world_size"}}``; every
-          worker joins a stateless NCCL group where the trainer is rank 0 (rank = rank_offset + worker rank + 1);
-        * ``start``: opens an update (call after ``/pause`` or let it drain: see `update_weights`);
-        * ``update``: ``{"update_info": {"names", "dtype_names", "shapes", "packed"}}``, matching the trainer's
-          ``NCCLWeightTransferEngine.trainer_send_weights`` broadcast;
-        * ``finish``: ``{"step": n}``; finalizes layerwise loading and records the served step.
-        """
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
-
-        if op == "init":
-            await self.llm.init_weight_transfer_engine(
-                WeightTransferInitRequest(init_info=payload.get("init_info", {}))
-            )
-        elif op == "start":
-            await self.llm.start_weight_update()
-        elif op == "update":
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=payload.get("update_info", {})))
-        elif op == "finish":
-            await self.llm.finish_weight_update()
-            await self._forget_old_weights()
-            step = payload.get("step")
-            self.weight_step = self.weight_step + 1 if step is None else int(step)
-            self.weight_dir = None
-        else:
-            raise RequestError(f"unknown weight transfer op {op!r}", status_code=404)
-        return {"status": "ok", "weight_step": self.weight_step}

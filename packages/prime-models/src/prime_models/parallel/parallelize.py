@@ -1,6 +1,8 @@
 """Parallelize function shared by the decoder families (EP, then AC, then FSDP2, in torchtitan's order).
 
-Context parallelism changes no parameter: it is applied per forward (`prime_models.parallel.context_parallel`).
+Context parallelism changes no parameter: it is applied per forward (`prime_models.parallel.context_parallel`). On one
+rank there is nothing to shard: mixed precision then comes from `prime_models.parallel.mixed_precision` (a working
+copy in the compute dtype over the fp32 masters) instead of an FSDP2 wrap that would redo its work every forward.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ from prime_models.parallel.activation_checkpoint import apply_activation_checkpo
 from prime_models.parallel.dims import ParallelDims, ParallelMesh
 from prime_models.parallel.expert_parallel import apply_expert_parallel
 from prime_models.parallel.fsdp import apply_fsdp, default_mp_policy
+from prime_models.parallel.mixed_precision import apply_mixed_precision
 from prime_models.quantization.float8 import apply_fp8
+
+
+def _one_rank(model: nn.Module, param_dtype: torch.dtype) -> nn.Module:
+    """Nothing to shard: compute in `param_dtype` on a working copy when the parameters have another dtype."""
+    if param_dtype != next(model.parameters()).dtype:
+        apply_mixed_precision(model, param_dtype)
+    return model
 
 
 def parallelize_transformer(
@@ -32,8 +42,10 @@ def parallelize_transformer(
     reshard_after_forward: bool = True,
     dispatcher: str = "torch",
     fp8: Fp8Config | None = None,
+    one_rank_fsdp: bool = False,
 ) -> nn.Module:
-    """Apply expert parallelism, activation checkpointing and, when dp * cp > 1, FSDP2 to a `CausalLM` in place.
+    """Apply expert parallelism, activation checkpointing and, when dp * cp > 1, FSDP2 to a `CausalLM` in place. One
+    rank computes in `param_dtype` over its parameters as masters (`apply_mixed_precision`) instead of under FSDP2.
 
     Args:
         model: a model from `load_model` (its decoder layers live in `model.model.layers`); with ep > 1 every rank
@@ -44,11 +56,12 @@ def parallelize_transformer(
             options (`apply_activation_checkpointing`'s mode, every, keep_attention, mlp_chunks, offload_attention;
             `prime_models.parallel.activation_checkpoint`).
         param_dtype / reduce_dtype: override the default mixed precision (bf16/fp32 on CUDA, fp32/fp32 on CPU).
-        cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`).
+        cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`; FSDP2 on one GPU too).
         reshard_after_forward: free gathered params after each layer's forward (ZeRO-3); False keeps them (ZeRO-2).
         dispatcher: expert-parallel token dispatch, "torch" (all-to-all) or "deepep" (GPU, needs DeepEP).
         fp8: `model.fp8` section: swap the decoder's linears (and MoE experts) for FP8 ones first
             (`prime_models.quantization.float8`); later steps shard the same parameters.
+        one_rank_fsdp: wrap a one-rank model in FSDP2 as on several ranks (casts and hooks every forward).
     """
     layers = model.model.layers
     apply_fp8(model, fp8)
@@ -61,11 +74,12 @@ def parallelize_transformer(
         parallel_dims.validate_experts(getattr(model.args, "num_experts", 0))
         apply_expert_parallel(model, mesh.ep, dispatcher)
     apply_activation_checkpointing(layers, ac, ac_every, ac_keep_attention, ac_mlp_chunks, ac_offload_attention)
-    if not parallel_dims.fsdp_enabled:
-        return model
     mp = default_mp_policy(device_type)
     if param_dtype is not None or reduce_dtype is not None:
         mp = type(mp)(param_dtype=param_dtype or mp.param_dtype, reduce_dtype=reduce_dtype or mp.reduce_dtype)
+    if not parallel_dims.fsdp_enabled and not (one_rank_fsdp or (cpu_offload and device_type == "cuda")):
+        return _one_rank(model, mp.param_dtype)
+    mesh = mesh or parallel_dims.build_mesh(device_type)
     divide = float(parallel_dims.dp_replicate * parallel_dims.fsdp_size)
     return apply_fsdp(model, layers, mesh.fsdp, mp_policy=mp, cpu_offload=cpu_offload,
                       reshard_after_forward=reshard_after_forward, expert_mesh=mesh.expert_fsdp,

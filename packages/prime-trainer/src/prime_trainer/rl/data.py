@@ -31,6 +31,8 @@ class TensorMicroBatch:
     multimodal: dict[str, torch.Tensor] = field(default_factory=dict)
     """Image inputs of a vision-language micro-batch (``pixel_values``, ``image_grid_thw``, ``mrope_position_ids``),
     keyword arguments of the model's forward; empty for text."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The micro-batch's further per-token arrays [R, S], for the loss (``LossInputs.extra``)."""
 
     @classmethod
     def from_numpy(cls, mb: MicroBatch, device: torch.device) -> TensorMicroBatch:
@@ -47,6 +49,7 @@ class TensorMicroBatch:
             inference_logprobs=torch.from_numpy(mb.inference_logprobs).to(device),
             sample_ids=torch.from_numpy(mb.sample_ids).to(device),
             multimodal=multimodal,
+            extra={name: torch.from_numpy(arr).to(device) for name, arr in mb.extra.items()},
         )
 
     @property

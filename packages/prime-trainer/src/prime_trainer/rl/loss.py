@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from prime_core.config import ConfigError
-from prime_core.config.trainer import CISPOLossConfig, CustomLossConfig, GRPOLossConfig, GSPOLossConfig, LossConfig
+from prime_core.config.trainer import (
+    CISPOLossConfig,
+    CustomLossConfig,
+    DPPOLossConfig,
+    GRPOLossConfig,
+    GSPOLossConfig,
+    IPOLossConfig,
+    LossConfig,
+)
 from torch import Tensor
 
 
@@ -35,6 +43,9 @@ class LossInputs:
     """Sample index per token (-1 on padding); a sample never spans micro-batches."""
     entropy: Tensor | None = None
     """Trainer entropy per position (differentiable when the entropy bonus is on)."""
+    extra: dict[str, Tensor] = field(default_factory=dict)
+    """The micro-batch file's further per-token arrays by name (``MicroBatch.extra``, filled by whoever packed it,
+    e.g. from the orchestrator's ``Sample.extra``): a loss needing a new per-token input reads it here."""
 
 
 @dataclass
@@ -42,7 +53,7 @@ class PolicyTerm:
     """An objective's per-token policy-gradient loss and which tokens it dropped or clipped."""
 
     loss: Tensor
-    """[R, S] per-token loss; already zero on dropped and non-loss tokens."""
+    """[R, S] per-token loss; zero off the loss mask, no policy gradient on dropped tokens (a regularizer may stay)."""
     masked: Tensor
     """bool [R, S]: loss tokens dropped (no policy gradient)."""
     clipped: Tensor
@@ -136,6 +147,41 @@ class CISPOLoss:
         return PolicyTerm(loss=per_token, masked=torch.zeros_like(b.loss_mask), clipped=clipped)
 
 
+def _trust_region_term(b: LossInputs, drop: Tensor, adv_tau: float, kl_tau: float) -> PolicyTerm:
+    """-keep * adv_tau * A * r + kl_tau * (log r)^2: the dropped tokens lose the policy gradient, never the KL."""
+    log_ratio = b.logprobs - b.inference_logprobs
+    keep = b.loss_mask & ~drop
+    per_token = -adv_tau * b.advantages * torch.exp(log_ratio) * keep + kl_tau * log_ratio**2 * b.loss_mask
+    return PolicyTerm(loss=per_token, masked=b.loss_mask & drop, clipped=torch.zeros_like(b.loss_mask))
+
+
+class DPPOLoss:
+    """DPPO-Binary-TV mask on dp = p - p_inf by the sign of A (A > 0: drop dp > high; A <= 0: drop dp < -low), plus
+    Kimi K2.5's squared log-ratio. prime-rl's default."""
+
+    def __init__(self, config: DPPOLossConfig):
+        self.config = config
+
+    def __call__(self, b: LossInputs) -> PolicyTerm:
+        c = self.config
+        with torch.no_grad():
+            dp = torch.exp(b.logprobs) - torch.exp(b.inference_logprobs)
+            drop = torch.where(b.advantages > 0, dp > c.dppo_mask_high, dp < -c.dppo_mask_low)
+        return _trust_region_term(b, drop, c.adv_tau, c.kl_tau)
+
+
+class IPOLoss:
+    """IPO (INTELLECT Policy Optimization): DPPO's objective with a symmetric mask |p - p_inf| > threshold."""
+
+    def __init__(self, config: IPOLossConfig):
+        self.config = config
+
+    def __call__(self, b: LossInputs) -> PolicyTerm:
+        with torch.no_grad():
+            drop = (torch.exp(b.logprobs) - torch.exp(b.inference_logprobs)).abs() > self.config.ipo_threshold
+        return _trust_region_term(b, drop, self.config.adv_tau, self.config.kl_tau)
+
+
 def custom_objective(config: CustomLossConfig) -> Objective:
     """The objective ``loss.import_path`` names, built with ``loss.kwargs``."""
     module_name, _, attr = config.import_path.replace(":", ".").rpartition(".")
@@ -156,6 +202,8 @@ LOSSES: dict[str, Callable[..., Objective]] = {
     "grpo": GRPOLoss,
     "gspo": GSPOLoss,
     "cispo": CISPOLoss,
+    "dppo": DPPOLoss,
+    "ipo": IPOLoss,
     "custom": custom_objective,
 }
 

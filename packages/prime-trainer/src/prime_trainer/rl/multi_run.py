@@ -22,16 +22,12 @@ from prime_core.run_dir import RunDir
 from prime_models.lora import set_active_adapter
 
 from prime_trainer import common
-from prime_trainer.lora import (
-    AdapterPublisher,
-    build_run_optimizer,
-    check_base_on_disk,
-    clip_adapter_grad_norm,
-)
+from prime_trainer.lora import build_run_optimizer, check_base_on_disk, clip_adapter_grad_norm
 from prime_trainer.optim import lr_at
 from prime_trainer.rl.data import RolloutSource
 from prime_trainer.rl.loss import build_objective
 from prime_trainer.rl.train import forward_backward, next_micro_batches, step_metrics
+from prime_trainer.weights import WeightPublisher, build_publisher
 
 
 @dataclass
@@ -40,7 +36,7 @@ class Run:
     index: int
     lr: float
     run_dir: RunDir
-    publisher: AdapterPublisher
+    publisher: WeightPublisher
     rollouts: RolloutSource | None
     """The run's rollouts; None for fake data."""
     monitor: Monitor | None
@@ -70,9 +66,7 @@ def build_runs(c: common.Components, config: TrainerConfig) -> list[Run]:
             run_monitor = config.monitor.model_copy(update={"wandb": wandb})
             monitor = build_monitor(run_monitor, output_dir=rc.output_dir, process="trainer",
                                     run_config={**config.model_dump(mode="json"), "run": rc.model_dump(mode="json")})  # fmt: skip
-        publisher = AdapterPublisher(
-            run_dir, c.world, config.async_level, config.weights.keep_all, adapter=rc.name, base_model=config.model.name
-        )
+        publisher = build_publisher(config, "trainer", run_dir, c.world, tokenizer=config.model.name, adapter=rc.name)
         runs.append(Run(rc, i, rc.lr or config.optim.lr, run_dir, publisher, rollouts, monitor))
     return runs
 

@@ -16,6 +16,7 @@ from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta
 
 from prime_trainer import common
 from prime_trainer.lora import setup_lora
+from prime_trainer.memory import plan_memory
 from prime_trainer.model import token_logprobs
 from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import RolloutSource, TensorMicroBatch, fake_micro_batches
@@ -28,7 +29,8 @@ def pad_to_common_count(micro_batches: list[MicroBatch], device: torch.device) -
     count = torch.tensor([len(micro_batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     rows, seq_len = micro_batches[0].shape if micro_batches else (1, 2)
-    return micro_batches + [MicroBatch.empty(rows, seq_len) for _ in range(int(count) - len(micro_batches))]
+    extra = micro_batches[0].extra_dtypes if micro_batches else None
+    return micro_batches + [MicroBatch.empty(rows, seq_len, extra) for _ in range(int(count) - len(micro_batches))]
 
 
 def forward_backward(
@@ -37,6 +39,7 @@ def forward_backward(
     """Forward/backward every micro-batch (gradients accumulate). Returns the global loss statistics and the global
     (loss tokens, samples, tokens) counts."""
     cfg: TrainerConfig = c.config
+    plan_memory(c, micro_batches)
     local = [
         sum(mb.num_loss_tokens for mb in micro_batches),
         sum(mb.num_loss_samples for mb in micro_batches),
@@ -61,7 +64,9 @@ def forward_backward(
             multimodal=mb.multimodal,
             context_parallel=c.context_parallel,
         )
-        inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy)
+        inputs = LossInputs(
+            logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy, extra=mb.extra
+        )
         loss, stats = compute_loss(objective, cfg.loss, inputs, num_tokens=num_loss_tokens, num_samples=num_samples)
         (loss * (c.loss_scale / cp)).backward()
         sums += torch.stack([stats[k].to(torch.float64) for k in STAT_KEYS])

@@ -17,6 +17,7 @@ from prime_core.vision import VisionSpec
 
 from prime_trainer import common
 from prime_trainer.lora import setup_lora
+from prime_trainer.memory import plan_memory
 from prime_trainer.model import token_logprobs
 from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import TensorMicroBatch, fake_micro_batches
@@ -40,6 +41,7 @@ def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
 
 
 def sft_step(c: common.Components, step: int, micro_batches: list[TensorMicroBatch]) -> dict[str, Any]:
+    plan_memory(c, micro_batches)
     local = [sum(mb.num_loss_tokens for mb in micro_batches), sum(mb.num_tokens for mb in micro_batches)]
     # Under context parallelism the ranks of a CP group share pooled micro-batches (see prime_trainer.parallel): sums
     # over the world count them cp times, and the replicated losses' gradients add up cp times.

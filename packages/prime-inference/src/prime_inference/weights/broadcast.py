@@ -1,8 +1,9 @@
-"""Receiving weights from the trainer's rank 0 over a collective group (see `prime_core.schemas.weights`).
+"""Broadcast transport, inference side: the tensors of one update arrive from the trainer's rank 0 over a collective
+group (NCCL between GPUs, gloo on CPU; wire protocol in `prime_core.schemas.weights`).
 
-Used inside every vLLM worker (through `prime_inference.vllm_plugin.PrimeWorkerExtension`) and by the torch
-engine. A process joins the group of a given store address once and keeps it for later updates. torch is
-imported lazily so the server imports without it.
+`BroadcastReceiver.tensors` runs inside every vLLM worker (through the worker extension) and in the torch engine's
+process. A process joins the group of a given store address once and keeps it for later updates. torch is imported
+lazily so the server imports without it.
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ import json
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prime_core.schemas.weights import BroadcastManifest, BucketHeader
+
+from prime_inference.weights.base import Bucket, StreamReceiver, TransferError
 
 if TYPE_CHECKING:
     import torch
 
 
-class BroadcastError(RuntimeError):
+class BroadcastError(TransferError):
     """The trainer did not show up, or a transfer failed or timed out."""
 
 
@@ -65,7 +68,7 @@ class _Member:
             ) from e
         return tensor
 
-    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def buckets(self) -> Iterator[Bucket]:
         """Receive bucket after bucket until the trainer sends the end marker; views into each bucket's buffer."""
         import torch
 
@@ -75,7 +78,10 @@ class _Member:
                 return
             raw = self._recv(torch.empty(length, dtype=torch.uint8, device=self.device)).cpu().numpy().tobytes()
             header = BucketHeader.model_validate(json.loads(raw))
-            flat = self._recv(torch.empty(header.numel, dtype=getattr(torch, header.dtype), device=self.device))
+            dtype = getattr(torch, header.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise BroadcastError(f"weight broadcast bucket names no torch dtype: {header.dtype!r}")
+            flat = self._recv(torch.empty(header.numel, dtype=dtype, device=self.device))
             yield [(name, flat[offset : offset + _numel(shape)].view(shape)) for name, shape, offset in header.tensors]
 
 
@@ -90,19 +96,18 @@ _members: dict[tuple[str, int], _Member] = {}
 _lock = threading.Lock()
 
 
-def receive(manifest: BroadcastManifest | dict[str, Any], device: torch.device) -> Iterator[list[tuple[str, Any]]]:
-    """Join the broadcast group of ``manifest`` (first time only) and yield the received buckets of one update."""
-    if not isinstance(manifest, BroadcastManifest):
-        manifest = BroadcastManifest.model_validate(manifest)
-    key = (manifest.host, manifest.port)
-    with _lock:
-        member = _members.get(key)
-        if member is None or member.manifest.world_size != manifest.world_size:
-            member = _members[key] = _Member(manifest, device)
-    member.manifest = manifest
-    try:
-        yield from member.buckets()
-    except BroadcastError:
-        # A broken group cannot be reused: the next update joins afresh.
-        _members.pop(key, None)
-        raise
+class BroadcastReceiver(StreamReceiver):
+    def tensors(self, manifest: BroadcastManifest, device: torch.device) -> Iterator[Bucket]:
+        """Join the broadcast group of ``manifest`` (first time only) and yield the received buckets of one update."""
+        key = (manifest.host, manifest.port)
+        with _lock:
+            member = _members.get(key)
+            if member is None or member.manifest.world_size != manifest.world_size:
+                member = _members[key] = _Member(manifest, device)
+        member.manifest = manifest
+        try:
+            yield from member.buckets()
+        except BroadcastError:
+            # A broken group cannot be reused: the next update joins afresh.
+            _members.pop(key, None)
+            raise

@@ -1,4 +1,6 @@
-"""Sending weights to inference over a collective group (NCCL between GPUs, gloo on CPU) instead of files.
+"""Broadcast transport, trainer side: the tensors go to inference over a collective group (NCCL between GPUs, gloo
+on CPU) instead of files; ``weights/step_N`` holds only ``broadcast.json`` (plus HF files when the step must stay
+loadable from disk: initial weights, checkpoint steps, the final step).
 
 Trainer rank 0 is rank 0 of a small group that only it and the inference workers join; the trainer's own FSDP
 group is untouched. The group is opened at the first broadcast (inference joins when the orchestrator relays that
@@ -11,16 +13,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from prime_core.config.trainer import WeightBroadcastConfig
+from prime_core.run_dir import RunDir
 from prime_core.schemas.weights import BroadcastManifest, BucketHeader
 from prime_models.checkpoint import hf_state_dict
 from torch import nn
 
+from prime_trainer.weights.base import buckets, pack
+from prime_trainer.weights.filesystem import FilesystemPublisher
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")
@@ -32,34 +38,6 @@ class BroadcastTimeout(RuntimeError):
 
 def _bucket_bytes(config: WeightBroadcastConfig) -> int:
     return config.bucket_mb * 2**20
-
-
-def buckets(tensors: Iterator[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group consecutive same-dtype tensors into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
-    current: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if current and (size + nbytes > max_bytes or t.dtype != current[0][1].dtype):
-            yield current
-            current, size = [], 0
-        current.append((name, t))
-        size += nbytes
-    if current:
-        yield current
-
-
-def pack(bucket: list[tuple[str, torch.Tensor]]) -> tuple[BucketHeader, torch.Tensor]:
-    """One flat buffer holding the bucket's tensors back to back, and the header that tells where each one is."""
-    dtype = bucket[0][1].dtype
-    numel = sum(t.numel() for _, t in bucket)
-    flat = torch.empty(numel, dtype=dtype, device=bucket[0][1].device)
-    entries, offset = [], 0
-    for name, t in bucket:
-        flat[offset : offset + t.numel()].copy_(t.reshape(-1))
-        entries.append((name, list(t.shape), offset))
-        offset += t.numel()
-    return BucketHeader(dtype=str(dtype).removeprefix("torch."), numel=numel, tensors=entries), flat
 
 
 class WeightBroadcaster:
@@ -144,3 +122,34 @@ class WeightBroadcaster:
                 torch.cuda.synchronize(self.device)
         total = time.perf_counter() - t0
         return {"join_s": t_join, "send_s": total - t_join, "bytes": float(sent)}
+
+
+class BroadcastPublisher(FilesystemPublisher):
+    """``broadcast.json`` announces each served step; the tensors follow over the group once STABLE is written."""
+
+    def __init__(
+        self,
+        run_dir: RunDir,
+        world: World,
+        async_level: int,
+        keep_all: bool = False,
+        *,
+        tokenizer: str,
+        config: WeightBroadcastConfig,
+    ):
+        super().__init__(run_dir, world, async_level, keep_all, tokenizer=tokenizer)
+        self.broadcaster = WeightBroadcaster(config, world)
+
+    @classmethod
+    def build(cls, run_dir: RunDir, world: World, config: Any, *, keep_all: bool, tokenizer: str, adapter: str | None):
+        return cls(run_dir, world, config.async_level, keep_all, tokenizer=tokenizer, config=config.weights.broadcast)
+
+    def write(self, directory: Path, step: int, model: nn.Module, *, durable: bool, serve: bool) -> None:
+        if durable or not serve:
+            self.write_hf(directory, model)
+
+    def manifest(self, step: int, *, serve: bool) -> BroadcastManifest | None:
+        return self.broadcaster.manifest(step) if serve else None
+
+    def deliver(self, step: int, model: nn.Module) -> dict[str, float]:
+        return self.broadcaster.send(model, self.dtype)

@@ -1,0 +1,74 @@
+"""The trainer's parallel layout and memory savers (``parallel``): FSDP2 sharding, activation checkpointing and its
+long-row knobs, CPU offload, and FSDP2 on one rank."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from prime_core.config.base import BaseConfig
+
+
+class ParallelConfig(BaseConfig):
+    """FSDP2 data parallelism and memory savers."""
+
+    dp_shard: int = -1
+    """FSDP shard degree; -1 uses every rank. Must divide the world size (the rest replicates: HSDP)."""
+    ac: Literal["auto", "none", "full", "selective"] = "auto"
+    """Activation checkpointing: ``full`` recomputes every decoder layer in backward; ``selective`` keeps more (see
+    ``ac_every``). ``auto`` chooses at the first step, from a micro-batch's tokens and the GPU memory left once
+    weights, gradients and optimizer state are counted, the fastest of: none; full keeping every layer's attention
+    output (on the GPU, or offloaded to host memory); full keeping as many as fit; full; full with chunked MLPs
+    (`prime_trainer.memory`; the choice is logged). On CPU ``auto`` is ``none``."""
+    ac_every: int = Field(default=0, ge=0)
+    """Under ``ac = "selective"``: k >= 1 recomputes every k-th decoder layer fully (2 halves the kept activations);
+    0 checkpoints every layer but keeps its attention and matmul outputs, recomputing only the cheap ops (norms,
+    rotary embedding, activation functions)."""
+    ac_keep_attention: int = Field(default=0, ge=-1)
+    """Under ``ac = "full"``: this many decoder layers (counted from the last; -1 = all) keep their attention
+    output instead of recomputing it (faster at long context, costs one [tokens, hidden] activation per layer)."""
+    ac_mlp_chunks: int = Field(default=0, ge=0)
+    """Under ``ac = "full"``: run each dense MLP in this many sequence chunks in backward, keeping only its input;
+    the backward peak then holds one chunk's MLP intermediates instead of all (~1/N of them, for long rows), at no
+    extra compute. 0 disables it; MoE layers ignore it."""
+    ac_offload_attention: bool = False
+    """Under ``ac = "full"`` with ``ac_keep_attention != 0``: hold the kept attention outputs in pinned host memory
+    between forward and backward (copies on a side CUDA stream, overlapped with compute; the GPU holds at most two
+    layers' worth instead of ``ac_keep_attention``). Bitwise the same results; costs PCIe traffic and host memory."""
+    cpu_offload: bool = False
+    """Keep FSDP parameters, gradients and optimizer state on CPU (GPU only)."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after each layer's forward (ZeRO-3); false keeps them (ZeRO-2, faster)."""
+    fsdp_one_rank: bool = False
+    """On one rank, wrap the model in FSDP2 as on several (casts and hooks every forward) instead of computing in
+    bf16 on a working copy of the fp32 master weights refreshed once per optimizer step (the default, faster)."""
+    timeout_s: int = Field(default=3600, ge=1)
+    """Timeout of collective operations, in seconds."""
+
+    @model_validator(mode="after")
+    def _every_needs_selective_ac(self) -> ParallelConfig:
+        if self.ac_every and self.ac != "selective":
+            raise ValueError(f"ac_every needs ac = 'selective' (got ac = {self.ac!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _kept_attention_needs_full_ac(self) -> ParallelConfig:
+        if self.ac_keep_attention and self.ac != "full":
+            raise ValueError(f"ac_keep_attention needs ac = 'full' (got ac = {self.ac!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _mlp_chunks_need_full_ac(self) -> ParallelConfig:
+        if self.ac_mlp_chunks and self.ac != "full":
+            raise ValueError(f"ac_mlp_chunks needs ac = 'full' (got ac = {self.ac!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_attention_needs_kept_attention(self) -> ParallelConfig:
+        if self.ac_offload_attention and (self.ac != "full" or self.ac_keep_attention == 0):
+            raise ValueError(
+                "ac_offload_attention needs ac = 'full' and ac_keep_attention != 0 "
+                f"(got ac = {self.ac!r}, ac_keep_attention = {self.ac_keep_attention})"
+            )
+        return self

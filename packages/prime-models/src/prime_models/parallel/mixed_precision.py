@@ -1,0 +1,168 @@
+"""Low-precision compute over fp32 master weights on one device, without FSDP: the one-rank training path.
+
+FSDP2 on one rank also gives bf16 compute over fp32 masters, but pays for it in every forward and backward: each
+layer's hooks cast and "gather" its parameters, wait on the gather stream, reshard, and cast gradients back, which
+cost ~0.2 s of host time per forward/backward on an H100 whatever the row length (issue #43). Here the model keeps
+its fp32 master parameters (what the optimizer steps, DCP checkpoints and HF exports see, under their usual names)
+and a working copy in the compute dtype, refreshed only when a master changed (once per optimizer step):
+
+* the root's forward pre-hook refreshes the working copy when a master's version counter moved (one fused copy),
+  then points every module at its working tensor (``module._parameters[name]``; the module tree, names and hooks
+  stay as they are, so activation checkpointing recomputes with the same tensors);
+* backward leaves gradients on the working tensors in the compute dtype. From the second micro-batch of a step on
+  they are added to the masters' gradients as they arrive (post-accumulate-grad hooks); what is left at the end of a
+  backward (the first micro-batch's) is cast into the masters' gradients then, when activations are gone, so the
+  backward's peak holds bf16 gradients only. Then every module points at its master again.
+
+Numerics equal FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on one rank: the same bf16
+copies of the same masters, floating-point forward inputs cast to the compute dtype at the root, gradients summed in
+fp32 as fp32(g1) + g2 + ... (tests/models/test_mixed_precision.py). Parameters added to the model after
+`apply_mixed_precision` are not tracked: apply it again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+
+@dataclass
+class _Slot:
+    """One registration of a parameter in a module (a tied parameter has several)."""
+
+    module: nn.Module
+    name: str
+    master: nn.Parameter
+    working: nn.Parameter
+
+
+class MixedPrecision:
+    """The working copy of a model's parameters and the hooks that swap it in and out; see the module docstring."""
+
+    def __init__(self, model: nn.Module, param_dtype: torch.dtype):
+        self.model_ref = weakref.ref(model)
+        self.param_dtype = param_dtype
+        self.slots: list[_Slot] = []
+        working_of: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, master in module._parameters.items():
+                if master is None:
+                    continue
+                if id(master) not in working_of:
+                    dtype = param_dtype if master.is_floating_point() else master.dtype
+                    working_of[id(master)] = nn.Parameter(
+                        master.detach().to(dtype, copy=True), requires_grad=master.requires_grad
+                    )
+                self.slots.append(_Slot(module, name, master, working_of[id(master)]))
+        unique = {id(s.master): s for s in self.slots}.values()
+        self.masters = [s.master for s in unique]
+        self.working = [s.working for s in unique]
+        self.master_of = {id(s.working): s.master for s in unique}
+        self.versions = [m._version for m in self.masters]
+        self.computing = False
+        self.callback_queued = False
+        self.handles = [w.register_post_accumulate_grad_hook(self._accumulate) for w in self.working if w.requires_grad]
+
+    @property
+    def num_bytes(self) -> int:
+        """Device memory of the working copy."""
+        return sum(w.numel() * w.element_size() for w in self.working)
+
+    # --- forward ------------------------------------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not self.computing:
+            self._refresh_if_stale()
+            for s in self.slots:
+                s.module._parameters[s.name] = s.working
+            self.computing = True
+        return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        # A forward without autograd has no backward to wait for; with autograd the working tensors stay in place
+        # until the backward ends (activation checkpointing re-runs the layers' forwards inside it).
+        if not torch.is_grad_enabled():
+            self.use_masters()
+
+    def _cast_input(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
+            return x.to(self.param_dtype)
+        return x
+
+    @torch.no_grad()
+    def _refresh_if_stale(self) -> None:
+        versions = [m._version for m in self.masters]
+        if versions != self.versions:
+            torch._foreach_copy_(self.working, [m.detach() for m in self.masters])
+            self.versions = versions
+
+    # --- backward -----------------------------------------------------------------------------------------------
+
+    def _accumulate(self, working: nn.Parameter) -> None:
+        if not self.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self.callback_queued = True
+        master = self.master_of[id(working)]
+        if master.grad is not None:
+            master.grad.add_(working.grad)
+            working.grad = None
+
+    def _end_backward(self) -> None:
+        self.callback_queued = False
+        for working, master in zip(self.working, self.masters, strict=True):
+            if working.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = working.grad.to(master.dtype)
+            else:
+                master.grad.add_(working.grad)
+            working.grad = None
+        self.use_masters()
+
+    def use_masters(self) -> None:
+        """Point every module back at its master parameters (what state dicts, optimizers and exports read)."""
+        if self.computing:
+            for s in self.slots:
+                s.module._parameters[s.name] = s.master
+            self.computing = False
+
+    def remove(self) -> None:
+        self.use_masters()
+        for h in self.handles:
+            h.remove()
+
+
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[MixedPrecision, list]] = weakref.WeakKeyDictionary()
+
+
+def mixed_precision_of(model: nn.Module) -> MixedPrecision | None:
+    """The model's `MixedPrecision`, or None when `apply_mixed_precision` was not applied to it."""
+    entry = _APPLIED.get(model)
+    return entry[0] if entry is not None else None
+
+
+def apply_mixed_precision(model: nn.Module, param_dtype: torch.dtype = torch.bfloat16) -> MixedPrecision:
+    """Compute `model` in `param_dtype` over its (fp32) parameters as masters, on one device; see the module docstring.
+
+    Applying it again (e.g. after adding parameters) replaces the previous working copy."""
+    previous = _APPLIED.pop(model, None)
+    if previous is not None:
+        previous[0].remove()
+        for h in previous[1]:
+            h.remove()
+    mp = MixedPrecision(model, param_dtype)
+    handles = [
+        model.register_forward_pre_hook(mp.pre_forward, with_kwargs=True),
+        model.register_forward_hook(mp.post_forward),
+        # Whatever reads or loads the model's state sees (and fills) the masters, even after a forward whose
+        # backward never ran.
+        model.register_state_dict_pre_hook(lambda *_: mp.use_masters()),
+        model.register_load_state_dict_pre_hook(lambda *_: mp.use_masters()),
+    ]
+    _APPLIED[model] = (mp, handles)
+    return mp

@@ -1,0 +1,258 @@
+"""Difficulty curriculum and dynamic sampling: which examples a step draws, and which of its groups train.
+
+Every drawn group is scored into its example's running mean reward (an EMA of group mean rewards). A
+``difficulty_pool`` sampler draws examples with replacement, weighted by the pool that running mean falls in
+(unseen examples get ``unseen_weight``). An advantage-range gate rejects groups without signal; under dynamic
+sampling (DAPO) the step then draws more groups until it holds the batch's number of admitted groups, or the cap.
+
+Determinism (a resumed run draws what an uninterrupted one would, whatever the timing): the draws of step n,
+round k come from an RNG seeded with (seed, n, k), and from the difficulty of exactly the steps <= n - 1 -
+async_level, the steps the orchestrator has shipped, hence scored, before it may dispatch step n. Scores of later
+steps wait in ``pending`` until then; the checkpoint of step n holds the scores folded through n - 1 - async_level
+plus the pending ones of the steps before n.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.io import atomic_write_json
+from prime_core.run_dir import RunDir
+
+from prime_orchestrator.advantages import compute_advantages
+
+logger = logging.getLogger("prime.orchestrator.curriculum")
+
+STATE_FILE = "curriculum.json"
+
+
+class _Result(Protocol):
+    reward: float
+    completion_len: int
+    failed: bool
+
+
+class GroupRollout(Protocol):
+    """What the curriculum reads of a rollout (``prime_orchestrator.orchestrator.Rollout``)."""
+
+    env: str
+    example: int
+    result: _Result
+    train: bool
+
+
+Group = Sequence[GroupRollout]
+RunGroup = Callable[[str, int, int], Awaitable[Group]]
+"""Runs one group: (env, example, group index within the step) -> its rollouts."""
+
+
+class Curriculum:
+    """Off (``curriculum.enabled`` false): the plain run's sequential draws, every group trains, no state."""
+
+    def __init__(self, config: OrchestratorConfig, num_examples: dict[str, int] | None = None):
+        self.config = config
+        self.c = config.curriculum
+        self.enabled = self.c.enabled
+        self.envs = [e.resolved_name for e in config.env]
+        self.ratios = [e.ratio for e in config.env]
+        self.num_examples: dict[str, int] = {}
+        self.groups_per_step = config.batch_size // config.rollouts_per_example
+        self.distilling = {e.resolved_name for e in config.env if e.distill is not None}
+        # Pools by threshold; a mean above every threshold belongs to the last one.
+        self.pools = sorted(self.c.pools.items(), key=lambda item: item[1].threshold)
+        self.difficulty: dict[tuple[str, int], tuple[float, int]] = {}
+        """(env, example) -> (running mean reward, groups scored), folded through step ``folded_through``."""
+        self.folded_through = -1
+        self.totals = {"draws": 0, "admitted": 0, "trained": 0}
+        self.pending: dict[int, dict[str, Any]] = {}
+        """step -> {"scores": [[env, example, mean reward], ...], "draws"/"admitted"/"trained"/"rounds": int}."""
+        if num_examples is not None:
+            self.start(num_examples)
+
+    def start(self, num_examples: dict[str, int]) -> None:
+        """Once the tasksets are loaded: their sizes, and the state of the checkpoint ``ckpt.resume_step``."""
+        self.num_examples = num_examples
+        unbounded = [name for name, n in num_examples.items() if n <= 0]
+        if self.enabled and unbounded:
+            raise ValueError(f"curriculum needs finite tasksets; env {unbounded[0]!r} streams an unbounded one")
+        if self.enabled and self.config.ckpt.resume_step:
+            self.load(RunDir(self.config.output_dir).orchestrator_checkpoint(self.config.ckpt.resume_step))
+
+    # ----- difficulty -----
+    def _update(self, old: tuple[float, int] | None, mean: float) -> tuple[float, int]:
+        if old is None:
+            return mean, 1
+        return old[0] + self.c.reward_ema * (mean - old[0]), old[1] + 1
+
+    def _fold(self, table: dict, through: int, start: int) -> None:
+        for step in sorted(s for s in self.pending if start < s <= through):
+            for env, example, mean in self.pending[step]["scores"]:
+                key = (env, int(example))
+                table[key] = self._update(table.get(key, self.difficulty.get(key)), mean)
+
+    def pool_of(self, mean: float) -> str:
+        return next((name for name, p in self.pools if mean <= p.threshold), self.pools[-1][0])
+
+    def _weights(self, env: str, view: dict) -> list[float]:
+        weights = []
+        for example in range(self.num_examples[env]):
+            known = view.get((env, example)) or self.difficulty.get((env, example))
+            weights.append(self.c.unseen_weight if known is None else self.c.pools[self.pool_of(known[0])].weight)
+        return weights
+
+    # ----- draws -----
+    def _examples(self, step: int, rnd: int, envs: list[str], cursors: dict[str, int]) -> list[tuple[str, int]]:
+        rng = random.Random(f"{self.config.seed}:curriculum:{step}:{rnd}")
+        if self.c.sampler == "sequential" and rnd == 0:
+            return sequential_plan(envs, cursors)
+        if self.c.sampler == "sequential":  # refills of dynamic sampling: uniform over the taskset
+            return [(env, rng.randrange(self.num_examples[env])) for env in envs]
+        view: dict = {}
+        self._fold(view, step - 1 - self.config.async_level, self.folded_through)
+        cum_weights = {env: list(itertools.accumulate(self._weights(env, view))) for env in sorted(set(envs))}
+        plan = []
+        for env in envs:
+            if cum_weights[env][-1] <= 0:
+                raise ValueError(f"curriculum: every example of env {env!r} is in a pool of weight 0")
+            plan.append((env, rng.choices(range(self.num_examples[env]), cum_weights=cum_weights[env])[0]))
+        return plan
+
+    def plan(self, step: int, envs: list[str], cursors: dict[str, int]) -> list[tuple[str, int]]:
+        """(env, example) of each group of the step's first round; ``envs`` is the orchestrator's env mix."""
+        return self._examples(step, 0, envs, cursors) if self.enabled else sequential_plan(envs, cursors)
+
+    def admits(self, group: Group) -> bool:
+        if self.c.reject_advantage is None or group[0].env in self.distilling:  # the teacher's signal, always
+            return True
+        if self.config.failed_rollouts == "drop":
+            group = [r for r in group if not r.result.failed]
+        if not group:
+            return False
+        rewards = [r.result.reward for r in group]
+        adv = compute_advantages(rewards, [r.result.completion_len for r in group], self.config.advantage)
+        low, high = self.c.reject_advantage
+        return not bool(np.all((adv >= low - 1e-9) & (adv <= high + 1e-9)))
+
+    def _mean_reward(self, group: Group) -> float | None:
+        drop = self.config.failed_rollouts == "drop"
+        rewards = [r.result.reward for r in group if not (drop and r.result.failed)]
+        return float(np.mean(rewards)) if rewards else None
+
+    async def fill(self, step: int, groups: list[Group], run_group: RunGroup) -> list[Group]:
+        """Every group the step drew; those that do not train (rejected, or admitted beyond the batch's number of
+        groups) are marked ``train = False``. Dynamic sampling draws until that number is admitted or the cap."""
+        if not self.enabled:
+            return groups
+        drawn, target = list(groups), len(groups)
+        admitted = [g for g in drawn if self.admits(g)]
+        cap, rounds = math.floor(self.c.max_draws_factor * target), 1
+        while self.c.dynamic_sampling and len(admitted) < target and len(drawn) < cap:
+            # Oversample by the admission rate seen so far in the step (at least 1/4) to save rounds.
+            rate = max(len(admitted) / len(drawn), 0.25)
+            k = min(math.ceil((target - len(admitted)) / rate), cap - len(drawn))
+            rng = random.Random(f"{self.config.seed}:curriculum-envs:{step}:{rounds}")
+            envs = rng.choices(self.envs, weights=self.ratios, k=k)
+            plan = self._examples(step, rounds, envs, {})
+            new = await asyncio.gather(*(run_group(env, ex, len(drawn) + i) for i, (env, ex) in enumerate(plan)))
+            drawn += new
+            admitted += [g for g in new if self.admits(g)]
+            rounds += 1
+        trained = admitted[:target]
+        chosen = {id(g) for g in trained}
+        for g in drawn:
+            for r in g:
+                r.train = id(g) in chosen
+        self.pending[step] = {
+            "scores": [[g[0].env, g[0].example, mean] for g in drawn if (mean := self._mean_reward(g)) is not None],
+            "draws": len(drawn),
+            "admitted": len(admitted),
+            "trained": len(trained),
+            "rounds": rounds,
+        }
+        return drawn
+
+    # ----- shipping, metrics, checkpoints -----
+    def metrics(self, step: int) -> dict[str, float]:
+        """Metrics of a shipped step, and folds the scores an uninterrupted run has used by the next dispatch."""
+        if not self.enabled:
+            return {}
+        record = self.pending[step]
+        g = self.config.rollouts_per_example
+        totals = {k: v + sum(p[k] for s, p in self.pending.items() if s <= step) for k, v in self.totals.items()}
+        m = {
+            "curriculum/draws": record["draws"],
+            "curriculum/rollouts": record["draws"] * g,
+            "curriculum/admitted": record["admitted"],
+            "curriculum/rejected": record["draws"] - record["admitted"],
+            "curriculum/rounds": record["rounds"],
+            "curriculum/reward/mean": float(np.mean([s[2] for s in record["scores"]])) if record["scores"] else 0.0,
+            "curriculum/draws_total": totals["draws"],
+            "curriculum/rollouts_total": totals["draws"] * g,
+            "curriculum/trained_total": totals["trained"],
+        }
+        self.commit(step - self.config.async_level)
+        if self.c.sampler == "difficulty_pool":
+            counts = dict.fromkeys(self.c.pools, 0)
+            for mean, _ in self.difficulty.values():
+                counts[self.pool_of(mean)] += 1
+            m.update({f"curriculum/pool/{name}": n for name, n in counts.items()})
+            m["curriculum/pool/unseen"] = sum(self.num_examples.values()) - len(self.difficulty)
+        return m
+
+    def commit(self, through: int) -> None:
+        if through <= self.folded_through:
+            return
+        self._fold(self.difficulty, through, self.folded_through)
+        for step in [s for s in self.pending if s <= through]:
+            record = self.pending.pop(step)
+            for k in self.totals:
+                self.totals[k] += record[k]
+        self.folded_through = through
+
+    def state_dict(self, next_step: int) -> dict[str, Any]:
+        """State an uninterrupted run has when it dispatches ``next_step`` (every step before it shipped)."""
+        through = next_step - 1 - self.config.async_level
+        self.commit(through)
+        return {
+            "folded_through": self.folded_through,
+            "totals": dict(self.totals),
+            "difficulty": [[env, ex, mean, n] for (env, ex), (mean, n) in sorted(self.difficulty.items())],
+            "pending": {str(s): p for s, p in sorted(self.pending.items()) if s < next_step},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.folded_through = int(state["folded_through"])
+        self.totals = {k: int(state["totals"][k]) for k in self.totals}
+        self.difficulty = {(env, int(ex)): (float(mean), int(n)) for env, ex, mean, n in state["difficulty"]}
+        self.pending = {int(s): p for s, p in state["pending"].items()}
+
+    def save(self, directory: Path, next_step: int) -> None:
+        if self.enabled:
+            atomic_write_json(directory / STATE_FILE, self.state_dict(next_step))
+
+    def load(self, directory: Path) -> None:
+        import json
+
+        path = directory / STATE_FILE
+        if not path.is_file():
+            logger.warning("no %s in %s: the curriculum starts from scratch", STATE_FILE, directory)
+            return
+        self.load_state_dict(json.loads(path.read_text()))
+
+
+def sequential_plan(envs: list[str], cursors: dict[str, int]) -> list[tuple[str, int]]:
+    """Each env's next examples in order; advances ``cursors``."""
+    plan = []
+    for env in envs:
+        plan.append((env, cursors[env]))
+        cursors[env] += 1
+    return plan

@@ -1,0 +1,190 @@
+"""On-policy distillation: a frozen teacher scores the tokens the student sampled.
+
+For every trained sequence of an environment with ``distill`` set, the teacher's log-prob of each token given the
+tokens before it comes from one prefill on the token-in route (``/inference/v1/generate`` with ``max_tokens = 1``,
+``prompt_logprobs = 0``): the student's own context, no re-tokenization. On a sampled token t the per-token reverse
+KL estimate is k_t = log p_student(t) - log p_teacher(t) (the student's log-prob is the one it sampled with), and
+the token's advantage is ``reward_weight * A + kl_weight * (-k_t)``: the trainer's policy-gradient loss then
+minimizes the reverse KL to the teacher, mixed with the task reward. It rides the existing per-token advantages
+array, so the trainer and its losses are unchanged.
+
+Teacher and student must share a tokenizer (the teacher scores the student's token ids); ``start`` checks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from prime_core.config.orchestrator import DistillConfig, OrchestratorConfig, TeacherConfig
+from prime_core.schemas.rollout import TrainedSequence
+
+from prime_orchestrator.client import headers, post_json, wait_healthy
+
+logger = logging.getLogger("prime.orchestrator.distill")
+
+SCORE_ROUTE = "/inference/v1/generate"
+# Probe texts of the tokenizer check through a server's /tokenize: words, digits, whitespace, punctuation, scripts.
+PROBES = (
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = \\boxed{42}",
+    "  leading spaces,\ttabs\nand new lines\n\n  ",
+    "Ünïcödé: naïve café, 你好世界, Привет, مرحبا, 🙂👍",
+    '<think>reasoning</think> {"name": "f", "arguments": {"x": 1}} <answer>7</answer>',
+)
+
+
+class TokenizerMismatch(ValueError):
+    pass
+
+
+def _load_tokenizer(name: str) -> Any:
+    """A ``tokenizers`` tokenizer from a model directory, a ``tokenizer.json``, or a hub id (its cache)."""
+    from tokenizers import Tokenizer
+
+    path = Path(name)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else Tokenizer.from_pretrained(name)
+
+
+def _vocab_mismatch(student: Any, teacher: Any) -> str | None:
+    a, b = student.get_vocab(with_added_tokens=True), teacher.get_vocab(with_added_tokens=True)
+    if a == b:
+        return None
+    differ = sum(a.get(t) != i for t, i in b.items()) + sum(t not in b for t in a)
+    return f"vocabularies of {len(a):,} and {len(b):,} tokens, {differ:,} entries differ"
+
+
+async def check_tokenizer(student_dir: str, teacher: TeacherConfig, client: httpx.AsyncClient) -> None:
+    """A one-line ``TokenizerMismatch`` unless the teacher tokenizes as the student: the same vocabulary (given
+    ``teacher.tokenizer``), else the same ids from the server's ``/tokenize`` on the probes and special tokens."""
+    student = await asyncio.to_thread(_load_tokenizer, student_dir)
+    what = f"the teacher {teacher.model!r} at {teacher.base_url} and the student {student_dir!r}"
+    if teacher.tokenizer is not None:
+        problem = _vocab_mismatch(student, await asyncio.to_thread(_load_tokenizer, teacher.tokenizer))
+        if problem:
+            raise TokenizerMismatch(f"{what} must share a tokenizer: {problem} (distill.teacher.tokenizer)")
+        return
+    specials = [t.content for t in student.get_added_tokens_decoder().values() if t.special]
+    for text in (*PROBES, " ".join(specials)):
+        want = student.encode(text, add_special_tokens=False).ids
+        body = {"model": teacher.model, "prompt": text, "add_special_tokens": False}
+        try:
+            got = (await post_json(client, f"{teacher.base_url}/tokenize", body, timeout=30, retries=1))["tokens"]
+        except (RuntimeError, KeyError, TypeError) as e:
+            reason = str(e).splitlines()[0][:200]
+            raise TokenizerMismatch(
+                f"cannot check the tokenizer of {what} ({reason}): set distill.teacher.tokenizer"
+            ) from None
+        if got != want:
+            raise TokenizerMismatch(f"{what} must share a tokenizer: {text[:30]!r} is {got[:8]}... vs {want[:8]}...")
+
+
+class Teacher:
+    """One teacher endpoint: scoring requests with a concurrency bound and retries."""
+
+    def __init__(self, env: str, config: DistillConfig):
+        self.env = env
+        self.config = config
+        t = config.teacher
+        key = os.environ.get(t.api_key_var) if t.api_key_var else None
+        self.key = key
+        self.client = httpx.AsyncClient(headers=headers(key), timeout=t.timeout)
+        self.semaphore = asyncio.Semaphore(t.max_concurrent)
+
+    async def start(self, student_dir: str) -> None:
+        t = self.config.teacher
+        await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
+        await check_tokenizer(student_dir, t, self.client)
+
+    async def logprobs(self, token_ids: list[int]) -> list[float]:
+        """The teacher's log-prob of every token given the ones before it; 0.0 at position 0."""
+        t = self.config.teacher
+        body = {
+            "model": t.model,
+            "token_ids": token_ids,
+            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+        }
+        async with self.semaphore:
+            try:
+                out = await post_json(
+                    self.client, t.base_url + SCORE_ROUTE, body, timeout=t.timeout, retries=t.max_retries
+                )
+            except RuntimeError as e:
+                raise RuntimeError(f"teacher of env {self.env!r} at {t.base_url}: {str(e).splitlines()[0]}") from None
+        entries = out.get("prompt_logprobs") or []
+        if len(entries) != len(token_ids):
+            raise RuntimeError(
+                f"teacher of env {self.env!r} at {t.base_url} returned {len(entries)} prompt log-probs for "
+                f"{len(token_ids)} tokens (does it serve prompt_logprobs on {SCORE_ROUTE}?)"
+            )
+        return [0.0 if not e else float(e[str(tid)]["logprob"]) for e, tid in zip(entries, token_ids, strict=True)]
+
+    def advantages(self, seq: TrainedSequence, advantage: float) -> list[float]:
+        """Per token: reward_weight * A + kl_weight * (log p_teacher - log p_student) on sampled tokens, else 0."""
+        c = self.config
+        mask = np.asarray(seq.loss_mask, np.bool_)
+        signal = np.asarray(seq.teacher_logprobs, np.float64) - np.asarray(seq.logprobs, np.float64)
+        return np.where(mask, c.reward_weight * advantage + c.kl_weight * signal, 0.0).tolist()
+
+
+class Teachers:
+    """The teachers of a run's distilling environments; for the others every call is a no-op."""
+
+    def __init__(self, config: OrchestratorConfig):
+        self.student_dir = config.model.name
+        self.by_env = {e.resolved_name: Teacher(e.resolved_name, e.distill) for e in config.env if e.distill}
+        self.seconds: dict[int, float] = {}
+        """step -> wall time spent in teacher scoring (summed over concurrent requests)."""
+
+    async def start(self) -> None:
+        await asyncio.gather(*(t.start(self.student_dir) for t in self.by_env.values()))
+
+    def distils(self, env: str) -> bool:
+        return env in self.by_env
+
+    async def score(self, step: int, env: str, rollouts: list) -> list:
+        """Attach the teacher's log-probs to every trained sequence of a group's rollouts (no-op for RL envs)."""
+        teacher = self.by_env.get(env)
+        if teacher is None:
+            return rollouts
+        t0 = time.perf_counter()
+        seqs = [q for r in rollouts for q in r.result.sequences]
+        scores = await asyncio.gather(*(teacher.logprobs(q.token_ids) for q in seqs))
+        for q, lps in zip(seqs, scores, strict=True):
+            q.teacher_logprobs = lps
+        self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - t0
+        return rollouts
+
+    def advantage(self, env: str, seq: TrainedSequence, advantage: float) -> float | list[float]:
+        teacher = self.by_env.get(env)
+        return advantage if teacher is None else teacher.advantages(seq, advantage)
+
+    def metrics(self, step: int, groups: list) -> dict[str, float]:
+        """Per distilling env: the mean reverse KL per sampled token; the step's teacher scoring time."""
+        if not self.by_env:
+            return {}
+        m: dict[str, float] = {"time/teacher_scoring": self.seconds.pop(step, 0.0)}
+        for env in self.by_env:
+            kl = [
+                lp - tlp
+                for g in groups
+                for r in g
+                if r.env == env
+                for q in r.result.sequences
+                if q.teacher_logprobs is not None
+                for lp, tlp, sampled in zip(q.logprobs, q.teacher_logprobs, q.loss_mask, strict=True)
+                if sampled
+            ]
+            if kl:
+                m[f"distill/{env}/reverse_kl"] = float(np.mean(kl))
+        return m
+
+    async def close(self) -> None:
+        await asyncio.gather(*(t.client.aclose() for t in self.by_env.values()), return_exceptions=True)

@@ -1,0 +1,110 @@
+"""CUDA IPC on a real GPU (marker ``gpu``): the trainer (this process, cuda:0, the publisher `build_publisher` picks
+for ``weights.broadcast.type = "cuda_ipc"``) hands an inference server on the same GPU its tensors by IPC handles,
+relayed by the orchestrator's client; the server then samples exactly what the same weights give from files. The
+server runs in its own process (CUDA IPC opens handles of another process), both engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+from prime_core.config.trainer import TrainerConfig
+from prime_core.io import wait_stable
+from prime_core.run_dir import RunDir
+from prime_models import load_model
+from prime_orchestrator import client
+from prime_trainer.weights import build_publisher
+from prime_trainer.weights.cuda_ipc import CudaIpcPublisher
+from prime_trainer.world import World
+
+from tests.tiny import free_port
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+ENGINES = [
+    "torch",
+    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vllm")),
+]
+
+
+@contextlib.contextmanager
+def inference_server(model_dir, engine: str, tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", engine, "--model.name",
+           str(model_dir), "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(tmp_path / "inf"),
+           "--max-model-len", "128", "--vllm.gpu-memory-utilization", "0.3", "--vllm.enforce-eager"]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    server = subprocess.Popen(cmd, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert server.poll() is None, f"inference exited during startup (rc={server.returncode})"
+            assert time.time() < deadline, "inference not healthy after 600 s"
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def greedy(url: str) -> list[int]:
+    body = {"token_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_tokens": 12, "temperature": 0}}
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def publish_into(timings: dict, publisher, step: int, model) -> None:
+    timings.update(publisher.publish(step, model, durable=False))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_cuda_ipc_serves_the_trainers_weights_on_its_gpu(engine, tmp_path, model_dir, other_weights_dir):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+        config = TrainerConfig.model_validate({
+            "model": {"name": str(model_dir)}, "output_dir": str(tmp_path / "run"),
+            "weights": {"broadcast": {"type": "cuda_ipc", "port": free_port(), "timeout_s": 120}},
+        })  # fmt: skip
+        run_dir = RunDir(config.output_dir)
+        publisher = build_publisher(config, "trainer", run_dir, world, tokenizer=str(model_dir))
+        assert isinstance(publisher, CudaIpcPublisher)
+        with inference_server(model_dir, engine, tmp_path) as url:
+            before = greedy(url)
+            timings = {}
+            for step, weights in ((1, other_weights_dir), (2, model_dir)):  # the store serves every step
+                model = load_model(weights).to(world.device)
+                sender = threading.Thread(target=publish_into, args=(timings, publisher, step, model))
+                sender.start()
+                step_dir = wait_stable(run_dir.weight_step(step), timeout=120)
+                t0 = time.perf_counter()
+                asyncio.run(client.update_weights([url], str(step_dir), step, api_key=None, timeout=300, retries=0))
+                print(f"{engine} step {step}: relayed in {time.perf_counter() - t0:.3f}s, trainer {timings}")
+                sender.join(timeout=120)
+                assert not sender.is_alive() and not any(step_dir.glob("*.safetensors"))
+                if step == 1:
+                    via_ipc = greedy(url)
+            assert greedy(url) == before  # step 2 handed the base weights back
+            r = httpx.post(f"{url}/update_weights", json={"weight_dir": str(other_weights_dir), "step": 3}, timeout=600)
+            assert r.status_code == 200, r.text
+            assert greedy(url) == via_ipc != before  # the same weights from files sample the same tokens
+    finally:
+        dist.destroy_process_group()

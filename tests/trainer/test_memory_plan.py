@@ -1,0 +1,173 @@
+"""``parallel.ac = "auto"``: the activation checkpointing plan chosen from a micro-batch's size and the free memory
+(pure function, facts passed in), its estimates against the H100 peaks they were fit to, and the trainer's use of it."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prime_core.config import load_config
+from prime_core.config.trainer import TrainerConfig
+from prime_models import load_model
+from prime_trainer import memory as M
+from prime_trainer.world import World
+
+from tests.trainer.trainer_utils import TINY_QWEN3
+
+GIB = M.GIB
+# Qwen3-0.6B (the benchmarks' shape) and what one GPU holds besides activations on the one-rank path: fp32 masters,
+# the bf16 working copy, AdamW's moments, bf16 gradients during the backward.
+QWEN3_06B = M.ModelShape(
+    hidden=1024, layers=28, mlp_width=3072, attn_width=2048, heads=16, vocab=151936,
+    layer_params=6 * 1024 * 1024 + 3 * 1024 * 3072,
+)  # fmt: skip
+NUM_PARAMS = 596_049_920
+ONE_RANK_STATE = NUM_PARAMS * (4 + 2) + M.training_state_bytes(NUM_PARAMS, 4, False, 2)
+HOST = 200 * GIB
+
+
+def plan(tokens: int, row_len: int, free_gib: float, host: int = HOST, packed_rows: int = 0) -> M.MemoryPlan:
+    budget = M.activation_budget(int(free_gib * GIB), ONE_RANK_STATE)
+    return M.choose_plan(QWEN3_06B, tokens, row_len, budget, host, packed_rows=packed_rows)
+
+
+def knobs(p: M.MemoryPlan) -> tuple:
+    return p.ac, p.keep_attention, p.offload_attention, p.mlp_chunks
+
+
+def test_a_64k_row_gets_the_best_measured_flags_and_stays_under_16_gib():
+    # The 64k row's best flags on an H100 (docs/benchmarks.md): keep every attention output, offloaded to host memory.
+    # Long rows hide the copies (ratio 0.2), so this is chosen even where everything would fit on the GPU.
+    whole_gpu = plan(65536, 65536, free_gib=79)
+    assert knobs(whole_gpu) == ("full", -1, True, 0)
+    assert whole_gpu.host_bytes == 65536 * 28 * (2 * 2048 + 4 * 16)
+    assert ONE_RANK_STATE + whole_gpu.activation_bytes < 16 * GIB
+    assert M.offload_copy_ratio(QWEN3_06B, 65536) < 0.5
+    # Without the host memory for it, the outputs stay on the GPU when they fit, else as many as fit.
+    assert knobs(plan(65536, 65536, free_gib=79, host=4 * GIB)) == ("full", -1, False, 0)
+    partial = plan(65536, 65536, free_gib=20, host=4 * GIB)
+    assert partial.ac == "full" and 0 < partial.keep_attention < 28 and not partial.offload_attention
+    assert partial.fits
+
+
+def test_a_16k_row_keeps_everything_when_it_can_and_offloads_under_a_12_5_gib_cap():
+    assert knobs(plan(16384, 16384, free_gib=79)) == ("none", 0, False, 0)
+    capped = plan(16384, 16384, free_gib=12.5)
+    # At 16k the copies take about half a layer's forward: worth it only where the GPU cannot keep the outputs.
+    assert 0.5 < M.offload_copy_ratio(QWEN3_06B, 16384) <= 1.0
+    assert knobs(capped) == ("full", -1, True, 0) and capped.fits
+    assert knobs(plan(16384, 16384, free_gib=16)) == ("full", -1, False, 0)
+
+
+def test_short_rows_never_offload_and_the_last_resort_says_it_may_not_fit():
+    # The loop's 2048-token rows, 8 a forward: the copies would outlast the layer's compute.
+    assert M.offload_copy_ratio(QWEN3_06B, 2048) > 1.0
+    eight = plan(8 * 2048, 2048, free_gib=20, packed_rows=8)
+    assert eight.ac == "full" and not eight.offload_attention
+    tight = plan(16384, 16384, free_gib=10)
+    assert knobs(tight) == ("full", 0, False, M.LAST_RESORT_MLP_CHUNKS) and not tight.fits
+    assert "may not fit" in tight.describe()
+
+
+def test_more_memory_never_means_more_recompute():
+    # Order of the ladder by recompute: none < keep all (wherever) < keep some < full < full + chunks.
+    def rank(p: M.MemoryPlan) -> tuple:
+        return (p.ac == "full", p.keep_attention == 0, -p.keep_attention % 1000, p.mlp_chunks)
+
+    for tokens, row_len in [(65536, 65536), (16384, 16384), (16384, 2048)]:
+        ranks = [rank(plan(tokens, row_len, free_gib=g / 2)) for g in range(16, 200)]
+        assert ranks == sorted(ranks, reverse=True), (tokens, row_len)
+
+
+@pytest.mark.parametrize(
+    "tokens,row_len,packed,knob,measured_gib",
+    [
+        # H100 peaks under FSDP2 on one rank (benchmarks/results/trainer_gpu_*.json), same shape.
+        (16384, 16384, 0, dict(ac="full"), 10.34),
+        (65536, 65536, 0, dict(ac="full"), 14.38),
+        (16384, 16384, 0, dict(ac="full", keep_attention=-1), 12.12),
+        (65536, 65536, 0, dict(ac="full", keep_attention=-1), 21.24),
+        (65536, 65536, 0, dict(ac="full", keep_attention=-1, offload_attention=True), 14.64),
+        (65536, 65536, 0, dict(ac="full", mlp_chunks=8), 14.03),
+        (2048, 2048, 1, dict(ac="none"), 13.88),
+        (8 * 2048, 2048, 8, dict(ac="none"), 34.51),
+        (16384, 16384, 1, dict(ac="none"), 46.76),
+        (16384, 16384, 1, dict(ac="full"), 12.82),
+    ],
+)
+def test_estimates_with_their_margin_cover_the_measured_peaks(tokens, row_len, packed, knob, measured_gib):
+    # FSDP2 on one rank holds fp32 parameters, moments and gradients, plus the root's and two layers' bf16 copies.
+    fsdp_state = NUM_PARAMS * 16 + 2 * (2 * 15_730_688 + 155_584_512)
+    act = M.activation_bytes(QWEN3_06B, tokens, M.MemoryPlan(**knob), packed_rows=packed, row_len=row_len)
+    with_margin = fsdp_state + act * (1 + M.MARGIN_FRACTION) + M.MARGIN_BYTES
+    print(f"{knob} {tokens}: measured {measured_gib} GiB, estimate + margin {with_margin / GIB:.2f} GiB")
+    assert measured_gib * GIB <= with_margin <= (measured_gib * 1.1 + 1) * GIB
+
+
+def test_state_and_budget_arithmetic():
+    assert M.training_state_bytes(1000, 4, optimizer_allocated=False, grad_bytes=2) == 1000 * (8 + 2)
+    assert M.training_state_bytes(1000, 4, optimizer_allocated=True, grad_bytes=4) == 4000  # resumed: moments exist
+    assert M.activation_budget(10 * GIB, 4 * GIB) == 6 * GIB
+    assert M.host_budget(64 * GIB, local_ranks=4) == 8 * GIB
+    assert M.ModelShape.from_args(load_model(dict(TINY_QWEN3), seed=0).args) == M.ModelShape(
+        hidden=32, layers=2, mlp_width=64, attn_width=32, heads=2, vocab=96,
+        layer_params=2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64,
+    )  # fmt: skip
+
+
+def _components(*args: str, device: str = "cpu"):
+    config = load_config(TrainerConfig, list(args))
+    model = load_model(dict(TINY_QWEN3), seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device(device))
+    return SimpleNamespace(
+        config=config, model=model, optimizer=optimizer, world=world, cp_size=1, memory_plan=None,
+        logger=logging.getLogger("prime.trainer"),
+    )  # fmt: skip
+
+
+def _micro_batch(rows: int, seq: int, packed: bool = False):
+    position_ids = torch.arange(seq).repeat(rows, 1)
+    if packed:
+        position_ids[:, seq // 2 :] -= seq // 2
+    return SimpleNamespace(input_ids=torch.zeros(rows, seq, dtype=torch.long), position_ids=position_ids)
+
+
+def test_the_trainer_applies_the_auto_plan_once_and_logs_it(monkeypatch, caplog):
+    checkpointed = lambda c: [type(layer).__name__.startswith("Checkpointed") for layer in c.model.model.layers]  # noqa: E731
+    # On CPU `auto` is no checkpointing.
+    c = _components()
+    with caplog.at_level(logging.INFO, logger="prime.trainer"):
+        assert M.plan_memory(c, [_micro_batch(2, 32)]).ac == "none"
+    assert "memory: no activation checkpointing for 64 tokens a micro-batch (parallel.ac = auto, on CPU)" in caplog.text
+    assert checkpointed(c) == [False, False]
+
+    # On a GPU the facts decide; here they are passed in: 10 kB free for 64 tokens of activations is full AC.
+    c = _components(device="cuda")
+    facts = []
+    monkeypatch.setattr(M, "_budgets", lambda c: facts.append(1) or (10_000, 10**9))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="prime.trainer"):
+        first = M.plan_memory(c, [_micro_batch(2, 32, packed=True)])
+        again = M.plan_memory(c, [_micro_batch(4, 32)])
+    assert first is again and first.ac == "full" and len(facts) == 1
+    assert checkpointed(c) == [True, True]
+    assert len([r for r in caplog.records if r.message.startswith("memory: ")]) == 1
+    assert "memory: full activation checkpointing" in caplog.text and "(parallel.ac = auto)" in caplog.text
+
+    # A hand-set plan is logged as such and applied by the parallelize function, not here.
+    c = _components("--parallel.ac", "full", "--parallel.ac-keep-attention", "-1", device="cuda")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="prime.trainer"):
+        assert knobs(M.plan_memory(c, [_micro_batch(1, 32)])) == ("full", -1, False, 0)
+    assert "(parallel.ac = full)" in caplog.text and checkpointed(c) == [False, False]
+
+
+def test_knobs_without_full_checkpointing_are_one_line_errors():
+    for args in (["--parallel.ac-keep-attention", "-1"], ["--parallel.ac-mlp-chunks", "4"]):
+        with pytest.raises(ValueError, match=r"needs ac = 'full' \(got ac = 'auto'\)") as e:
+            load_config(TrainerConfig, args)
+        assert "\n" not in str(e.value).strip().splitlines()[-1]
+    assert load_config(TrainerConfig, []).parallel.ac == "auto"
