@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
 
 def fault_config(tmp_path, model, server, faults: str, *, every: int = 4, env: dict | None = None, **overrides):
     # A worker's first rollouts wait for its renderer and HTTP pool to load: 30 s on a busy 2-core machine.
-    env = {"id": "vf-faults", "args": {"faults": faults, "every": every}, "rollout_timeout": 120, **(env or {})}
+    env = {"id": "vf-faults", "harness": "null", "args": {"faults": faults, "every": every}, "rollout_timeout": 120,
+           **(env or {})}  # fmt: skip
     base = dict(batch_size=8, rollouts_per_example=2, max_steps=2, async_level=2, num_trainer_ranks=1,
                 max_rollout_retries=1, recovery={"probe_timeout_s": 5}, env=[env], sampling={"max_tokens": 8})  # fmt: skip
     return make_config(tmp_path, model, server, **{**base, **overrides})

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from prime_core.config.orchestrator import OrchestratorConfig
-from prime_core.schemas.rollout import RolloutResult, TrainedSequence
+from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
 from prime_orchestrator.curriculum import Curriculum
 from prime_orchestrator.orchestrator import Orchestrator, Rollout, StepBatch
 
@@ -39,7 +39,8 @@ def reward(env: str, example: int, step: int, index: int) -> float:
 def group(step: int, env: str, example: int, gi: int) -> list[Rollout]:
     seq = TrainedSequence(token_ids=[5, 6, 7], loss_mask=[False, True, True], logprobs=[0.0, -1.0, -1.0])
     results = [RolloutResult(env=env, example=example, reward=reward(env, example, step, j)) for j in range(G)]
-    return [Rollout(env, example, gi, step, r.model_copy(update={"sequences": [seq]})) for r in results]
+    traces = [r.model_copy(update={"traces": [TraceResult(reward=r.reward, sequences=[seq])]}) for r in results]
+    return [Rollout(env, example, gi, step, r) for r in traces]
 
 
 def fill(cur: Curriculum, step: int, plan: list[tuple[str, int]]) -> list[list[Rollout]]:

@@ -65,3 +65,38 @@ def test_help_states_the_real_temperature_default():
     i = next(i for i, line in enumerate(lines) if "--sampling.temperature" in line)
     assert "(default: 0.0)" in lines[i]
     assert EvalConfig().sampling.temperature == 0.0
+
+
+def test_a_judge_endpoint_that_does_not_answer_is_one_line_before_any_rollout(tmp_path):
+    """A server that only answers /health stands in for the policy's; the judges point at a port nobody serves."""
+    import http.server
+    import os
+    import threading
+
+    from tests.fixtures.vf import vf_envs_path
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's hook name
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    env = {**os.environ, "PYTHONPATH": vf_envs_path()}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "prime_orchestrator.entrypoints.eval", "--environment-ids", "vf-rubric",
+             "--client.base-url", f"http://127.0.0.1:{server.server_port}", "--model.name", str(MODEL),
+             "--judge.base-url", dead, "--judge.model", "judge", "--output-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"eval: judge endpoint {dead} (taskset.task.judges.0 of env vf-rubric) does not answer")
+    assert not (tmp_path / "eval").exists()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import verifiers.v1 as vf
-from prime_orchestrator.envs import to_result
+from prime_orchestrator.traces import to_result
 from verifiers.v1.configs.agent import AgentConfig
 from verifiers.v1.episode import Episode
 from verifiers.v1.graph import MessageNode
@@ -53,3 +53,31 @@ def test_an_episode_without_a_trainable_seat_is_scored_over_all_seats_and_trains
 def test_an_episode_with_no_trace_is_a_failed_rollout():
     result = to_result(Episode(task=TASK, traces=[]), "env", 5, 1.0)
     assert result.failed and not result.sequences and "no trace" in result.error
+
+
+def test_each_seat_of_a_two_player_episode_carries_its_own_reward_and_metrics():
+    first = trace([node(None, [1]), node(0, [2, 3], True)], 1.0, name="first")
+    second = trace([node(None, [4]), node(0, [5], True)], -1.0, name="second")
+    first.metrics["moves"], second.metrics["moves"] = 1.0, 3.0
+    result = to_result(Episode(task=TASK, traces=[first, second]), "duel", 0, 1.0)
+    assert [(t.seat, t.reward, t.completion_len) for t in result.traces] == [("first", 1.0, 2), ("second", -1.0, 1)]
+    assert result.seats == ["first", "second"] and result.reward == 0.0
+    assert result.metrics == {"first/moves": 1.0, "first/reward/score": 1.0, "second/moves": 3.0,
+                              "second/reward/score": -1.0}  # fmt: skip
+
+
+def test_attempts_of_one_seat_are_separate_traces_and_metrics_average_over_them():
+    attempts = [trace([node(None, [1]), node(0, [2], True)], r) for r in (1.0, 0.0, 0.5)]
+    result = to_result(Episode(task=TASK, traces=attempts), "best-of", 0, 1.0)
+    assert [t.reward for t in result.traces] == [1.0, 0.0, 0.5] and result.seats == ["agent"]
+    assert result.metrics == {"reward/score": 0.5} and len(result.sequences) == 3
+
+
+def test_a_sampled_node_shared_by_two_branches_trains_only_in_the_first():
+    # prompt -> sampled reply (shared) -> two continuations, each a leaf: two branches through node 1
+    nodes = [node(None, [1]), node(0, [2, 3], True), node(1, [4]), node(2, [5], True), node(1, [6]), node(4, [7], True)]
+    result = to_result(Episode(task=TASK, traces=[trace(nodes, 1.0)]), "env", 0, 1.0)
+    first, second = result.sequences
+    assert first.token_ids == [1, 2, 3, 4, 5] and first.loss_mask == [False, True, True, False, True]
+    assert second.token_ids == [1, 2, 3, 6, 7] and second.loss_mask == [False, False, False, False, True]
+    assert second.logprobs == [0.0, 0.0, 0.0, 0.0, -0.5] and result.completion_len == 4

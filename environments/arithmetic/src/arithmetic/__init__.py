@@ -3,11 +3,11 @@
 from arithmetic.data import SYSTEM_PROMPT, generate_examples, score_answer
 
 __version__ = "0.1.0"
-__all__ = ["ArithmeticTaskset"]
+__all__ = ["ArithmeticHarness", "ArithmeticTaskset"]
 
 
 def __getattr__(name: str):
-    if name in ("ArithmeticTaskset", "ArithmeticTask", "ArithmeticData", "ArithmeticConfig"):
+    if name in ("ArithmeticHarness", "ArithmeticTaskset", "ArithmeticTask", "ArithmeticData", "ArithmeticConfig"):
         from arithmetic import taskset
 
         return getattr(taskset, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import verifiers.v1 as vf
+from verifiers.v1.harnesses.null import NullHarness
 
 from arithmetic.data import SYSTEM_PROMPT, generate_examples, score_answer
 
@@ -38,3 +39,8 @@ class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
         c = self.config
         for ex in generate_examples(c.num_examples, c.seed, c.max_operand, c.hard_fraction, c.hard_max_operand):
             yield ArithmeticTask(ArithmeticData(prompt=ex["prompt"], system_prompt=SYSTEM_PROMPT, answer=ex["answer"]))
+
+
+class ArithmeticHarness(NullHarness):
+    """The harness arithmetic ships: a chat task, played by verifiers' tool-less chat loop (``null``; tools only from the
+    task's toolsets) rather than verifiers' default for a taskset without one, the ``bash`` coding agent."""

@@ -7,11 +7,11 @@
 from code_tasks.data import SYSTEM_PROMPT, extract_code, generate_tasks
 
 __version__ = "0.1.0"
-__all__ = ["CodeTaskset"]
+__all__ = ["CodeHarness", "CodeTaskset"]
 
 
 def __getattr__(name: str):
-    if name in ("CodeTaskset", "CodeTask", "CodeData", "CodeConfig"):
+    if name in ("CodeHarness", "CodeTaskset", "CodeTask", "CodeData", "CodeConfig"):
         from code_tasks import taskset
 
         return getattr(taskset, name)

@@ -10,6 +10,7 @@ import verifiers.v1 as vf
 from prime_core.config.sandbox import SandboxClientConfig, SandboxLimits
 from prime_orchestrator.sandbox import ExecResult, TestCase, arun
 from pydantic import Field
+from verifiers.v1.harnesses.null import NullHarness
 
 from code_tasks.data import extract_code, generate_tasks
 
@@ -100,3 +101,8 @@ class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):
                     sandbox_api_key_var=c.sandbox_api_key_var,
                 )
             )
+
+
+class CodeHarness(NullHarness):
+    """The harness code ships: a chat task, played by verifiers' tool-less chat loop (``null``; tools only from the
+    task's toolsets) rather than verifiers' default for a taskset without one, the ``bash`` coding agent."""

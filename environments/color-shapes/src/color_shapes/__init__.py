@@ -3,11 +3,11 @@
 from color_shapes.data import SYSTEM_PROMPT, generate_examples, prompt_messages, score_answer, sft_rows
 
 __version__ = "0.1.0"
-__all__ = ["ColorShapesTaskset"]
+__all__ = ["ColorShapesHarness", "ColorShapesTaskset"]
 
 
 def __getattr__(name: str):
-    if name in ("ColorShapesTaskset", "ColorShapesTask", "ColorShapesData", "ColorShapesConfig"):
+    if name in ("ColorShapesHarness", "ColorShapesTaskset", "ColorShapesTask", "ColorShapesData", "ColorShapesConfig"):
         from color_shapes import taskset
 
         return getattr(taskset, name)

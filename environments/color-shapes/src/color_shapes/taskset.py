@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import verifiers.v1 as vf
+from verifiers.v1.harnesses.null import NullHarness
 
 from color_shapes.data import SYSTEM_PROMPT, generate_examples, prompt_messages, score_answer
 
@@ -43,3 +44,8 @@ class ColorShapesTaskset(vf.Taskset[ColorShapesTask, ColorShapesConfig]):
                 prompt=prompt_messages(ex), system_prompt=SYSTEM_PROMPT, answer=ex["answer"], kind=ex["kind"]
             )
             yield ColorShapesTask(data)
+
+
+class ColorShapesHarness(NullHarness):
+    """The harness color-shapes ships: a chat task, played by verifiers' tool-less chat loop (``null``; tools only from the
+    task's toolsets) rather than verifiers' default for a taskset without one, the ``bash`` coding agent."""

@@ -7,11 +7,11 @@ SFT data; ``ReverseTextTaskset`` (imported lazily, it needs verifiers) is the en
 from reverse_text.data import SYSTEM_PROMPT, generate_examples, lcs_ratio, parse_answer
 
 __version__ = "0.1.0"
-__all__ = ["ReverseTextTaskset"]
+__all__ = ["ReverseTextHarness", "ReverseTextTaskset"]
 
 
 def __getattr__(name: str):
-    if name in ("ReverseTextTaskset", "ReverseTextTask", "ReverseTextData", "ReverseTextConfig"):
+    if name in ("ReverseTextHarness", "ReverseTextTaskset", "ReverseTextTask", "ReverseTextData", "ReverseTextConfig"):
         from reverse_text import taskset
 
         return getattr(taskset, name)

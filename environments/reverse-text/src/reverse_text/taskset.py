@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import verifiers.v1 as vf
+from verifiers.v1.harnesses.null import NullHarness
 
 from reverse_text.data import SYSTEM_PROMPT, generate_examples, lcs_ratio
 
@@ -38,3 +39,8 @@ class ReverseTextTaskset(vf.Taskset[ReverseTextTask, ReverseTextConfig]):
             yield ReverseTextTask(
                 ReverseTextData(prompt=ex["prompt"], system_prompt=SYSTEM_PROMPT, answer=ex["answer"])
             )
+
+
+class ReverseTextHarness(NullHarness):
+    """The harness reverse-text ships: a chat task, played by verifiers' tool-less chat loop (``null``; tools only from the
+    task's toolsets) rather than verifiers' default for a taskset without one, the ``bash`` coding agent."""

@@ -7,9 +7,9 @@
 from tool_use.data import SYSTEM_PROMPT, evaluate, generate_examples, parse_answer
 
 __version__ = "0.1.0"
-__all__ = ["ToolUseTaskset"]
+__all__ = ["ToolUseHarness", "ToolUseTaskset"]
 
-_LAZY = ("ToolUseTaskset", "ToolUseTask", "ToolUseData", "ToolUseConfig")
+_LAZY = ("ToolUseHarness", "ToolUseTaskset", "ToolUseTask", "ToolUseData", "ToolUseConfig")
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import verifiers.v1 as vf
+from verifiers.v1.harnesses.null import NullHarness
 
 from tool_use.calculator import CalculatorToolset
 from tool_use.data import SYSTEM_PROMPT, generate_examples, parse_answer
@@ -57,3 +58,8 @@ class ToolUseTaskset(vf.Taskset[ToolUseTask, ToolUseConfig]):
                 prompt=ex["prompt"], system_prompt=SYSTEM_PROMPT, expression=ex["expression"], answer=ex["answer"]
             )
             yield ToolUseTask(data)
+
+
+class ToolUseHarness(NullHarness):
+    """The harness tool-use ships: a chat task, played by verifiers' tool-less chat loop (``null``; tools only from the
+    task's toolsets) rather than verifiers' default for a taskset without one, the ``bash`` coding agent."""

@@ -17,6 +17,7 @@ from prime_core.io import atomic_write_json, atomic_write_text
 from prime_orchestrator import client as inference
 from prime_orchestrator.envs import EnvRunner, server_spec, train_client
 from prime_orchestrator.evals import evaluate_env, format_table
+from prime_orchestrator.judges import check_judges, judge_endpoint
 
 logger = logging.getLogger("prime.eval")
 
@@ -54,7 +55,10 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     key = c.client.resolved_api_key()
     await inference.wait_healthy(c.client.base_urls, api_key=key, timeout=c.client.health_timeout, fail_fast=True)
     envs = c.resolved_envs()
-    runners = {e.resolved_name: EnvRunner(e, server_spec(e), max_retries=1) for e in envs}
+    judge = judge_endpoint(c.judge, c.client, c.model.name)
+    runners = {e.resolved_name: EnvRunner(e, server_spec(e, judge=judge), max_retries=1) for e in envs}
+    if c.judge.check:
+        await check_judges([r.spec for r in runners.values()], c.judge.check_timeout)
     labels: list[tuple[str, int | None]] = [("base", None)] if c.eval_base else []
     labels += [(f"step_{s}", s) for s in c.steps]
     results: dict[str, dict[str, dict[str, Any]]] = {}

@@ -74,11 +74,12 @@ async def evaluate_env(
         [results[i * rollouts_per_example + j].reward for j in range(rollouts_per_example)]
         for i in range(len(examples))
     ]
-    rows = [
-        r.model_dump(include={"example", "reward", "failed", "error", "prompt", "completion", "num_turns", "metrics"})
-        for r in results
-    ]
+    fields = {"example", "reward", "failed", "error", "prompt", "completion", "num_turns", "metrics"}
+    rows = [{**r.model_dump(include=fields), "traces": [(t.seat, t.reward) for t in r.traces]} for r in results]
     summary = summarize(per_example)
+    seats = {t.seat for r in results for t in r.traces}
+    for seat in sorted(seats) if len(seats) > 1 else []:
+        summary[f"reward/{seat}/mean"] = float(np.mean([t.reward for r in results for t in r.traces if t.seat == seat]))
     summary["failed"] = sum(r.failed for r in results)
     summary["num_turns/mean"] = float(np.mean([r.num_turns for r in results]))
     return summary, rows

@@ -30,11 +30,12 @@ from prime_core.transport import make_sender
 from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
-from prime_orchestrator.advantages import compute_advantages
+from prime_orchestrator.credit import seat_step_metrics, step_samples
 from prime_orchestrator.curriculum import Curriculum
 from prime_orchestrator.distill import Teachers
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
+from prime_orchestrator.judges import check_judges, judge_endpoint
 from prime_orchestrator.liveness import (
     RolloutTracker,
     check_step,
@@ -109,7 +110,11 @@ class Orchestrator:
         return self._clients[url]
 
     def _runner(self, env: EnvConfig, name: str) -> EnvRunner:
-        spec = server_spec(env, name).model_copy(update={"probe_timeout_s": self.config.recovery.probe_timeout_s})
+        # The base model's name: a LoRA run's adapter is loaded only after the start-up check of judge endpoints.
+        judge = judge_endpoint(self.config.judge, self.config.client, self.config.model.name)
+        spec = server_spec(env, name, judge).model_copy(
+            update={"probe_timeout_s": self.config.recovery.probe_timeout_s}
+        )
         return EnvRunner(env, spec, max_retries=self.config.max_rollout_retries)
 
     async def setup(self) -> None:
@@ -137,6 +142,10 @@ class Orchestrator:
         )
         progress.end()
         self.curriculum.start({name: pool.num_examples for name, pool in self.pools.items()})
+        if c.judge.check:
+            await check_judges(
+                [p.spec for p in [*self.pools.values(), *self.eval_pools.values()]], c.judge.check_timeout
+            )
         if c.ckpt.resume_step:
             self._load_checkpoint(c.ckpt.resume_step)
         if self.start_step > 0:
@@ -229,39 +238,8 @@ class Orchestrator:
 
     # ----- training side -----
     def _samples(self, batch: StepBatch) -> tuple[list[Sample], dict[str, float]]:
-        """Samples of the step: advantages per group; a failed rollout is reward 0 (trains nothing) or dropped."""
-        c = self.config
-        samples: list[Sample] = []
-        filtered = 0
-        for group in batch.groups:
-            group = [r for r in group if r.train]
-            if c.failed_rollouts == "drop":
-                group = [r for r in group if not r.result.failed]
-            if not group:
-                filtered += 1
-                continue
-            r0, rewards = group[0], [r.result.reward for r in group]
-            lengths = [r.result.completion_len for r in group]
-            adv = compute_advantages(rewards, lengths, c.advantage)
-            if c.filters.zero_advantage_groups and np.all(np.abs(adv) < 1e-9) and not self.teachers.distils(r0.env):
-                filtered += 1
-                continue
-            for r, a in zip(group, adv, strict=True):
-                res = r.result
-                samples += [
-                    Sample(
-                        q.token_ids,
-                        q.loss_mask,
-                        q.logprobs,
-                        self.teachers.advantage(r.env, q, float(a)),
-                        r.weight_step,
-                        r.env,
-                        res.reward,
-                        images=q.images,
-                    )
-                    for q in res.sequences
-                ]
-        return samples, {"filtered/groups": filtered}
+        """Samples of the step: per-seat advantages within each group (``prime_orchestrator.credit``)."""
+        return step_samples(batch.groups, self.config, self.teachers)
 
     def _metrics(self, batch: StepBatch, samples: list[Sample], extra: dict[str, Any]) -> dict[str, Any]:
         rollouts = [r for g in batch.groups for r in g]
@@ -302,6 +280,7 @@ class Orchestrator:
                 m[f"reward/{env}/std"] = float(env_rewards.std())
                 m[f"pass_rate/{env}"] = float((env_rewards >= 1.0).mean())
                 m[f"batch/{env}"] = len(env_rewards)
+                m.update(seat_step_metrics(env, [r.result for r in rollouts if r.env == env]))
         return m
 
     def _log_extras(self, step: int, batch: StepBatch) -> None:

@@ -64,6 +64,37 @@ class ClientConfig(BaseConfig):
         return os.environ.get(self.api_key_var) if self.api_key_var else None
 
 
+class JudgeEndpointConfig(BaseConfig):
+    """Where the judges of the run's environments send their requests: every ``vf.JudgeConfig`` an environment's
+    verifiers config holds (``task.judges`` plugins, judge fields of a task config such as ``task.judge``)."""
+
+    enabled: bool = True
+    """Point every judge at this endpoint (off: each keeps the endpoint its environment configures; verifiers'
+    default is a hosted service)."""
+    base_url: str | None = None
+    """OpenAI-compatible base URL (``.../v1``). Unset: the policy's own inference server, the first of
+    ``client.base_urls`` (the one ``rl`` starts), so judging needs nothing outside the run."""
+    model: str | None = None
+    """Model named in judge requests. Unset: the run's ``model.name`` (a LoRA run's base) when ``base_url`` is unset,
+    else required."""
+    api_key_var: str | None = None
+    """Environment variable holding the endpoint's API key. Unset: the policy server's key (``client.api_key`` /
+    ``client.api_key_var``) when ``base_url`` is unset, else none."""
+    timeout: float = Field(default=300.0, gt=0)
+    """Seconds one judge request may wait for its answer (verifiers' own default waits forever)."""
+    check: bool = True
+    """At start, ask every judge endpoint of the run's environments for its models (``GET /models``) and stop with
+    a one-line error naming the environment when one does not answer or does not serve the judge's model."""
+    check_timeout: float = Field(default=30.0, gt=0)
+    """Seconds that start-up check waits for each endpoint."""
+
+    @model_validator(mode="after")
+    def _model_with_url(self) -> JudgeEndpointConfig:
+        if self.enabled and self.base_url is not None and not self.model:
+            raise ValueError("judge.model is required with judge.base_url (the model that endpoint serves)")
+        return self
+
+
 class TeacherConfig(BaseConfig):
     """A frozen teacher model behind an OpenAI-compatible server that serves the token-in route
     ``/inference/v1/generate`` with ``prompt_logprobs`` (prime's ``inference`` with either engine, or vLLM with
@@ -122,13 +153,16 @@ class EnvConfig(BaseConfig):
     env_args: dict[str, Any] = Field(default_factory=dict)
     """Other fields of the verifiers EnvConfig (env knobs, per-role agent settings such as ``agent.timeout``)."""
     harness: str = "auto"
-    """Harness id of every agent seat (``null``, ``bash``, ``prime-chat``, an installed harness). ``auto``: the
-    taskset's bundled harness, else ``prime-chat`` (verifiers' ``null`` chat loop run in-process; verifiers' own
-    default there would be ``bash``)."""
+    """Harness id of every agent seat (``null``, ``bash``, ``prime-chat``, an installed harness). ``auto``: what the
+    environment gives each seat, as ``vf-eval`` would (the seat's own pin, else the taskset's bundled harness, else
+    verifiers' ``bash``). A seat played by verifiers' ``null`` chat loop on a local runtime runs that loop
+    in-process (``prime-chat``)."""
     harness_args: dict[str, Any] = Field(default_factory=dict)
     """Harness config fields."""
-    runtime: str = "subprocess"
-    """Verifiers runtime the harness program runs in, by its type name (``subprocess``, ``docker``, ``prime``, ...)."""
+    runtime: str = "auto"
+    """Verifiers runtime the harness program runs in, by its type name (``subprocess``, ``docker``, ``prime``,
+    ``sandbox_pool``, ...). ``auto``: the runtime the environment declares for the seat, else ``subprocess`` (a
+    local process; verifiers' own default is a hosted sandbox)."""
     runtime_args: dict[str, Any] = Field(default_factory=dict)
     """Runtime config fields (e.g. a docker image)."""
     max_turns: int | None = Field(default=8, ge=1)
@@ -328,6 +362,8 @@ class OrchestratorConfig(BaseConfig):
     """Training environments, mixed by ratio."""
     eval: EvalEnvsConfig = Field(default_factory=EvalEnvsConfig)
     """Evaluation during training."""
+    judge: JudgeEndpointConfig = Field(default_factory=JudgeEndpointConfig)
+    """Where the environments' judges send their requests (default: the policy's own server)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling of training rollouts."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
@@ -394,6 +430,8 @@ class EvalConfig(BaseConfig):
     """Environments with every setting of ``[[orchestrator.env]]`` (harness, runtime, ...); overrides environment_ids."""
     client: ClientConfig = Field(default_factory=ClientConfig)
     """Inference server (the first base URL is used for weight loading)."""
+    judge: JudgeEndpointConfig = Field(default_factory=JudgeEndpointConfig)
+    """Where the environments' judges send their requests (default: the evaluated model's server)."""
     num_examples: int = Field(default=32, ge=1)
     """Examples per environment."""
     rollouts_per_example: int = Field(default=1, ge=1)

@@ -1,8 +1,9 @@
 """What crosses the orchestrator's process boundaries: env server specs in, rollout results out.
 
 An env server (a subprocess per environment, verifiers' own) is started from an ``EnvServerSpec``; each episode it
-plays comes back as a verifiers trace, which the orchestrator turns into one ``RolloutResult`` per rollout: the
-trained token stream of every turn (env/tool tokens masked) with the inference log-probs of the sampled tokens.
+plays comes back as verifiers traces (one per agent run), which the orchestrator turns into one ``RolloutResult`` per
+rollout: per trace, its seat, its own reward and the trained token stream of every turn (env/tool tokens masked) with
+the inference log-probs of the sampled tokens.
 """
 
 from __future__ import annotations
@@ -61,6 +62,30 @@ class TrainedSequence(BaseModel):
         return self
 
 
+class TraceResult(BaseModel):
+    """One agent run of an episode (a verifiers trace): the unit of credit. A two-player game has one per seat; an
+    env that runs a seat several times (attempts scored against each other) has one per attempt."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seat: str = "agent"
+    """The seat that played it: verifiers' agent name (the env config's role field, e.g. ``player``)."""
+    trainable: bool = True
+    """The seat trains the policy (verifiers' ``trace.agent.trainable``; a simulated user or a judge does not)."""
+    reward: float = 0.0
+    """The trace's own reward (the weighted sum of its named rewards): its sequences train on it."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Its named rewards (``reward/<name>``, weighted as they count in ``reward``) and metrics."""
+    num_turns: int = 0
+    """Model turns it sampled."""
+    sequences: list[TrainedSequence] = Field(default_factory=list)
+    """Its trainable branches (none for an untrainable seat)."""
+
+    @property
+    def completion_len(self) -> int:
+        return sum(sum(s.loss_mask) for s in self.sequences)
+
+
 class RolloutResult(BaseModel):
     """One rollout, as the trainer-facing side of the orchestrator needs it."""
 
@@ -70,15 +95,16 @@ class RolloutResult(BaseModel):
     """Environment name."""
     example: int
     """Index of the task in the environment's task stream."""
-    sequences: list[TrainedSequence] = Field(default_factory=list)
-    """What the rollout trains: each trainable branch of each trainable trace (agent seat), all with the rollout's
-    advantage. Untrainable seats (a simulated user, a judge) train nothing."""
+    traces: list[TraceResult] = Field(default_factory=list)
+    """The scored traces: every trainable one (each trains on its own reward and advantage); when no seat trains
+    (an eval of fixed agents), all of them. Untrainable seats beside trainable ones train nothing and do not score."""
     reward: float = 0.0
-    """Total reward of the rollout (the mean over its trainable traces)."""
+    """Summary reward of the rollout: the mean over its scored traces (what eval and ``reward/mean`` report)."""
     metrics: dict[str, float] = Field(default_factory=dict)
-    """Named rewards and metrics the environment recorded."""
+    """Named rewards and metrics the environment recorded, averaged over a seat's traces; ``<seat>/<name>`` when
+    the episode has several seats."""
     num_turns: int = 0
-    """Model turns sampled by the trainable seats."""
+    """Model turns sampled by the scored traces."""
     prompt_len: int = 0
     """Tokens before the first sampled token of the first sequence."""
     completion_len: int = 0
@@ -97,6 +123,16 @@ class RolloutResult(BaseModel):
     """The prompt as the model saw it (messages before the first sampled turn)."""
     completion: str = ""
     """The conversation from the first sampled turn on."""
+
+    @property
+    def sequences(self) -> list[TrainedSequence]:
+        """Every trained sequence of the rollout, trace by trace."""
+        return [s for t in self.traces for s in t.sequences]
+
+    @property
+    def seats(self) -> list[str]:
+        """The scored seats, in the order their first trace finished."""
+        return list(dict.fromkeys(t.seat for t in self.traces))
 
     @property
     def num_tokens(self) -> int:

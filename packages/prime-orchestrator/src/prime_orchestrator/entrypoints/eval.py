@@ -22,12 +22,15 @@ def main(argv: list[str] | None = None) -> None:
 
     from prime_orchestrator.client import ServerUnreachable
     from prime_orchestrator.eval_runner import run_eval
+    from prime_orchestrator.judges import JudgeUnreachable
 
     setup_logging("eval", level=config.log.level)
     try:
         asyncio.run(run_eval(config))
     except ServerUnreachable as e:
         sys.exit(f"eval: {e}; start one (inference ...) or pass --client.base-url")
+    except JudgeUnreachable as e:
+        sys.exit(f"eval: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
 

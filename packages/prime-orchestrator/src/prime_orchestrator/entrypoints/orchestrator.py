@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
+    from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.orchestrator import Orchestrator
 
     run_dir = RunDir(config.output_dir)
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         asyncio.run(orchestrator.run())
+    except JudgeUnreachable as e:
+        sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
     except (RolloutsFailed, WeightUpdateError, TimeoutError) as e:

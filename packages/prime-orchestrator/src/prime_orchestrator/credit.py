@@ -1,0 +1,134 @@
+"""Per-seat credit: a group's traces -> trained samples with their own advantages, and per-seat step metrics.
+
+A group is ``rollouts_per_example`` episodes of one task. Each trainable trace of an episode (a seat of a
+multi-agent game, an attempt of a multi-attempt env) trains on its own reward; its advantage is taken against the
+traces of the same seat in the group (prime-rl's per-(agent, group) baseline). Self-play, one policy in both seats
+of a zero-sum game, thus trains both seats: each seat's wins against its losses, where the mean of the two payoffs
+would be 0 in every episode. A single-seat env is plain GRPO over the group's rollouts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.schemas.rollout import RolloutResult, TrainedSequence
+
+from prime_orchestrator.advantages import compute_advantages
+from prime_orchestrator.packing import Sample
+
+ZERO = 1e-9
+
+
+@dataclass
+class Unit:
+    """One unit of credit: a trainable trace (or a failed rollout's zero reward for a seat)."""
+
+    seat: str
+    reward: float
+    length: int
+    weight_step: int
+    env: str
+    sequences: list[TrainedSequence] = field(default_factory=list)
+
+
+def _units(group: Sequence[Any]) -> list[Unit]:
+    """The group's units; ``group`` holds rollouts with ``.result``, ``.env``, ``.weight_step``. A failed rollout
+    is a reward-0 unit (no tokens) for each seat the group's other rollouts show (``agent`` when none does)."""
+    seats = list(dict.fromkeys(t.seat for r in group for t in r.result.traces if t.trainable)) or ["agent"]
+    units = []
+    for r in group:
+        res: RolloutResult = r.result
+        if res.failed:
+            units += [Unit(seat, 0.0, 0, r.weight_step, r.env) for seat in seats]
+            continue
+        for t in res.traces:
+            if t.trainable:
+                units.append(Unit(t.seat, t.reward, t.completion_len, r.weight_step, r.env, t.sequences))
+    return units
+
+
+def group_samples(
+    group: Sequence[Any], config: OrchestratorConfig, teachers: Any = None
+) -> tuple[list[Sample], int, list[float]]:
+    """(samples, seat groups filtered, every unit's advantage) of one group: advantages per seat, a seat whose
+    advantages are all zero dropped when ``filters.zero_advantage_groups`` (unless its env distils: the teacher's
+    per-token signal remains). ``teachers`` (``prime_orchestrator.distill.Teachers``) turns a sequence's advantage
+    into its distillation advantages."""
+    by_seat: dict[str, list[Unit]] = defaultdict(list)
+    for unit in _units(group):
+        by_seat[unit.seat].append(unit)
+    samples: list[Sample] = []
+    filtered = 0
+    advantages: list[float] = []
+    for units in by_seat.values():
+        adv = compute_advantages([u.reward for u in units], [u.length for u in units], config.advantage)
+        advantages += adv.tolist()
+        distils = teachers is not None and teachers.distils(units[0].env)
+        if config.filters.zero_advantage_groups and np.all(np.abs(adv) < ZERO) and not distils:
+            filtered += 1
+            continue
+        for u, a in zip(units, adv, strict=True):
+            samples += [
+                Sample(
+                    q.token_ids,
+                    q.loss_mask,
+                    q.logprobs,
+                    teachers.advantage(u.env, q, float(a)) if teachers is not None else float(a),
+                    u.weight_step,
+                    u.env,
+                    u.reward,
+                    images=q.images,
+                )
+                for q in u.sequences
+            ]
+    return samples, filtered, advantages
+
+
+def step_samples(
+    groups: Sequence[Sequence[Any]], config: OrchestratorConfig, teachers: Any = None
+) -> tuple[list[Sample], dict[str, Any]]:
+    """Samples of a step's groups: the rollouts the curriculum marks as training (``train``); a failed rollout is a
+    reward-0 unit (zero_reward) or dropped (drop)."""
+    samples: list[Sample] = []
+    filtered_groups = filtered_seats = 0
+    advantages: list[float] = []
+    for group in groups:
+        group = [r for r in group if getattr(r, "train", True)]
+        if config.failed_rollouts == "drop":
+            group = [r for r in group if not r.result.failed]
+        kept, filtered, adv = group_samples(group, config, teachers) if group else ([], 0, [])
+        samples += kept
+        filtered_seats += filtered
+        filtered_groups += not kept
+        advantages += adv
+    adv = np.abs(np.asarray(advantages or [0.0]))
+    return samples, {
+        "filtered/groups": filtered_groups,
+        "filtered/seat_groups": filtered_seats,
+        "advantage/abs_mean": float(adv.mean()),
+        "advantage/nonzero_fraction": float((adv >= ZERO).mean()),
+    }
+
+
+def seat_step_metrics(env: str, results: Sequence[RolloutResult]) -> dict[str, float]:
+    """``reward/<env>/<seat>/{mean,std}`` for envs with several seats, and every env metric's mean
+    (``metrics/<env>/<name>``, with the seat in the name where several play)."""
+    out: dict[str, float] = {}
+    done = [r for r in results if not r.failed]
+    seats = {t.seat for r in done for t in r.traces}
+    if len(seats) > 1:
+        for seat in sorted(seats):
+            rewards = np.array([t.reward for r in done for t in r.traces if t.seat == seat])
+            out[f"reward/{env}/{seat}/mean"] = float(rewards.mean())
+            out[f"reward/{env}/{seat}/std"] = float(rewards.std())
+    values: dict[str, list[float]] = defaultdict(list)
+    for r in done:
+        for k, v in r.metrics.items():
+            values[k].append(v)
+    out.update({f"metrics/{env}/{k}": float(np.mean(vs)) for k, vs in values.items()})
+    return out

@@ -1,0 +1,81 @@
+"""The verifiers ``EnvConfig`` an environment runs with: each seat's harness and runtime, and its judges' endpoint.
+
+``harness = "auto"`` and ``runtime = "auto"`` keep what the environment gives each seat, as ``vf-eval`` would run
+it: the seat's own pin (an Env's role declared ``vf.AgentConfig(harness=..., runtime=...)``), else the taskset's
+bundled harness, else verifiers' ``bash``; a runtime the environment does not declare is ``subprocess`` (verifiers'
+default is a hosted sandbox, which an offline host cannot reach). One substitution keeps semantics: a seat played
+by verifiers' plain ``null`` chat loop on the local runtime runs that same loop in-process (``prime-chat``), which
+saves a Python process per turn and never fetches the program's dependencies.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Any
+
+from prime_core.config.orchestrator import EnvConfig
+
+from prime_orchestrator.env_server import PROJECT_RUNTIMES
+from prime_orchestrator.judges import JudgeEndpoint, point_judges
+
+CHAT_HARNESS = "prime-chat"
+LOCAL_RUNTIME = "subprocess"
+
+
+def _seat(env: EnvConfig, declared: Any, role: str) -> dict[str, Any]:
+    """The project-level settings of one seat, over what the environment declares for it."""
+    seat: dict[str, Any] = {"max_turns": env.max_turns}
+    authored = type(declared).model_fields[role].default
+    if env.harness != "auto":
+        seat["harness"] = {"id": env.harness, **env.harness_args}
+    elif env.harness_args:
+        seat["harness"] = {"id": declared.agent_harnesses()[role].id, **env.harness_args}
+    if env.runtime != "auto":
+        seat["runtime"] = {"type": env.runtime, **env.runtime_args}
+    elif "runtime" in authored.model_fields_set:
+        if env.runtime_args:
+            seat["runtime"] = {"type": authored.runtime.type, **env.runtime_args}
+    else:
+        seat["runtime"] = {"type": LOCAL_RUNTIME, **env.runtime_args}
+    return seat
+
+
+def plays_null_loop(harness_id: str) -> bool:
+    """Whether a harness is verifiers' ``null`` chat loop unchanged (a taskset may export it under its own name)."""
+    from verifiers.v1.harnesses.null import NullHarness
+    from verifiers.v1.utils.loaders import harness_class
+
+    cls = harness_class(harness_id)
+    return issubclass(cls, NullHarness) and cls.launch is NullHarness.launch and cls.setup is NullHarness.setup
+
+
+def resolve(data: dict[str, Any]) -> Any:
+    """verifiers' ``resolve_env_config`` on a copy: its validators replace nested dicts of their input in place."""
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    return resolve_env_config(copy.deepcopy(data))
+
+
+def env_config_data(env: EnvConfig, judge: JudgeEndpoint | None = None) -> dict[str, Any]:
+    """The verifiers EnvConfig (as JSON data) of one environment; ``env_args`` holds other EnvConfig fields and
+    per-seat tables that win over the settings above; ``judge`` is where every judge of it is pointed."""
+    if module := PROJECT_RUNTIMES.get(env.runtime):
+        importlib.import_module(module)
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    data: dict[str, Any] = {**env.env_args, "id": env.env_id, "taskset": {"id": env.id, **env.args}}
+    declared = resolve(data)
+    roles = list(agent_config_fields(declared))
+    for role in roles:
+        data[role] = {**_seat(env, declared, role), **env.env_args.get(role, {})}
+    config = resolve(data)
+    harnesses = config.agent_harnesses()
+    for role in roles:
+        harness = harnesses[role]
+        if getattr(getattr(config, role).runtime, "type", None) == LOCAL_RUNTIME and plays_null_loop(harness.id):
+            data[role]["harness"] = {**harness.model_dump(mode="json"), "id": CHAT_HARNESS}
+    full = resolve(data).model_dump(mode="json")
+    if judge is not None:
+        point_judges(resolve(full), full, judge)
+    return resolve(full).model_dump(mode="json")

@@ -1,0 +1,125 @@
+"""A verifiers episode -> the rollout the trainer side sees: per trace (agent run), its seat, its own reward and the
+token sequences it trains.
+
+Verifiers records rewards per trace: a two-player game scores each seat's trace, an env that runs a seat several
+times scores each attempt, and ``Env.finalize`` may add cross-trace rewards to each. Every trainable trace is
+therefore its own unit of credit (``prime_orchestrator.credit``); its branches (verifiers: "each branch becomes one
+training sample") all carry its reward. A sampled node that several branches of a trace share trains only in the
+first of them, as in prime-rl, so no turn's gradient is counted twice.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
+
+
+def _text(content: Any) -> str:
+    from verifiers.v1.types import content_text
+
+    return content_text(content) if content is not None else ""
+
+
+def _message_text(message: Any) -> str:
+    text = _text(getattr(message, "content", None))
+    calls = getattr(message, "tool_calls", None) or []
+    calls_text = "".join(f"\n[tool_call {c.name}({c.arguments})]" for c in calls)
+    return f"[{message.role}] {text}{calls_text}"
+
+
+def _images(messages: list[Any]) -> list[str]:
+    """The image URLs of a branch's messages in prompt order (the order of its placeholder runs)."""
+    urls = []
+    for message in messages:
+        content = getattr(message, "content", None)
+        for part in content if isinstance(content, list) else []:
+            if getattr(part, "type", None) == "image_url":
+                urls.append(part.image_url.url)
+    return urls
+
+
+def _sequences(trace: Any) -> list[TrainedSequence]:
+    """Every trainable branch of ``trace`` that samples something new; sampled nodes an earlier branch holds are
+    masked (context, not trained, in this one)."""
+    sequences = []
+    trained: set[int] = set()
+    for branch in trace.branches:
+        if not branch.trainable:
+            continue
+        mask, logprobs = branch.sampled_mask, branch.logprobs
+        at = 0
+        for node in branch.nodes:
+            n = len(node.token_ids)
+            if node.sampled and id(node) in trained:
+                mask[at : at + n] = [False] * n
+                logprobs[at : at + n] = [0.0] * n
+            elif node.sampled:
+                trained.add(id(node))
+            at += n
+        if not any(mask):
+            continue
+        images = _images(branch.messages) if branch.mm_token_type_ids else []
+        sequences.append(TrainedSequence(token_ids=branch.token_ids, loss_mask=mask, logprobs=logprobs, images=images))
+    return sequences
+
+
+def trace_result(trace: Any, trains: bool) -> TraceResult:
+    metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
+    metrics.update({f"reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+    return TraceResult(
+        seat=trace.agent.name,
+        trainable=trains,
+        reward=float(trace.reward),
+        metrics=metrics,
+        num_turns=trace.num_turns,
+        sequences=_sequences(trace) if trains else [],
+    )
+
+
+def seat_metrics(traces: list[TraceResult]) -> dict[str, float]:
+    """Each metric averaged over a seat's traces (its attempts); named ``<seat>/<name>`` when several seats play."""
+    per_seat: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for t in traces:
+        for k, v in t.metrics.items():
+            per_seat[t.seat][k].append(v)
+    prefix = len({t.seat for t in traces}) > 1
+    return {
+        f"{seat}/{k}" if prefix else k: sum(vs) / len(vs)
+        for seat, values in per_seat.items()
+        for k, vs in values.items()
+    }
+
+
+def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutResult:
+    """The trained view of an episode: one ``TraceResult`` per trainable trace (agent seats and attempts; a simulated
+    user or judge trains nothing), with the tokens, mask and log-probs verifiers recorded. A failed episode (it
+    raised, or the env marked it not ok) is failed."""
+    done = [t for t in episode.traces if t.branches]
+    error = episode.last_error or next((t.last_error for t in episode.traces if t.last_error is not None), None)
+    if not done or error is not None:
+        message = error.message if error is not None else "the episode produced no trace"
+        return RolloutResult(env=env, example=example, failed=True, error=f"{message}".splitlines()[0][:500])
+    # An env where no seat trains (an eval of a fixed pair of agents) is scored over all of them, as vf-eval does.
+    trainable = [t for t in done if t.agent.trainable]
+    scored = trainable or done
+    traces = [trace_result(t, trains=bool(trainable)) for t in scored]
+    shown = scored[0].branches[-1]
+    first = next((i for i, n in enumerate(shown.nodes) if n.sampled), len(shown.nodes))
+    head = traces[0].sequences[0].loss_mask if traces[0].sequences else []
+    return RolloutResult(
+        env=env,
+        example=example,
+        traces=traces,
+        reward=sum(t.reward for t in traces) / len(traces),
+        metrics=seat_metrics(traces),
+        num_turns=sum(t.num_turns for t in traces),
+        prompt_len=head.index(True) if True in head else len(head),
+        completion_len=sum(t.completion_len for t in traces),
+        truncated=any(t.is_truncated for t in scored),
+        latency=latency,
+        scoring_s=sum(t.timing.scoring.duration for t in scored),
+        prompt="\n".join(_message_text(m) for m in shown.messages[:first]),
+        completion="\n".join(_message_text(m) for m in shown.messages[first:]),
+    )

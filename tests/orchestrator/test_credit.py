@@ -1,0 +1,84 @@
+"""Per-seat credit: each trainable trace trains on its own reward, its advantage taken against its seat's traces in
+the group (self-play trains both seats of a zero-sum game; attempts of one seat are compared with each other)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
+from prime_orchestrator.credit import seat_step_metrics, step_samples
+
+
+@dataclass
+class Rollout:
+    result: RolloutResult
+    env: str = "duel"
+    weight_step: int = 0
+
+
+def seq(n: int = 2) -> TrainedSequence:
+    return TrainedSequence(token_ids=[1] * (n + 1), loss_mask=[False] + [True] * n, logprobs=[0.0] + [-0.1] * n)
+
+
+def rollout(*seats: tuple[str, float], failed: bool = False) -> Rollout:
+    if failed:
+        return Rollout(RolloutResult(env="duel", example=0, failed=True, error="boom"))
+    traces = [TraceResult(seat=s, reward=r, sequences=[seq()]) for s, r in seats]
+    mean = sum(r for _, r in seats) / len(seats)
+    return Rollout(RolloutResult(env="duel", example=0, traces=traces, reward=mean))
+
+
+def config(**kw) -> OrchestratorConfig:
+    return OrchestratorConfig(**{"batch_size": 4, "rollouts_per_example": 4, **kw})
+
+
+def test_zero_sum_self_play_trains_both_seats_where_the_mean_payoff_is_always_zero():
+    # each episode: one seat wins (+1), the other loses (-1); the rollout's mean reward is 0 every time
+    group = [rollout(("a", 1.0), ("b", -1.0)), rollout(("a", -1.0), ("b", 1.0)),
+             rollout(("a", 1.0), ("b", -1.0)), rollout(("a", 1.0), ("b", -1.0))]  # fmt: skip
+    assert {r.result.reward for r in group} == {0.0}
+    samples, m = step_samples([group], config())
+    assert len(samples) == 8 and m["filtered/groups"] == 0 and m["advantage/nonzero_fraction"] == 1.0
+    # seat a: rewards [1, -1, 1, 1], mean 0.5 -> [0.5, -1.5, 0.5, 0.5]; seat b mirrors it (samples seat by seat)
+    np.testing.assert_allclose([s.advantage for s in samples], [0.5, -1.5, 0.5, 0.5, -0.5, 1.5, -0.5, -0.5])
+    assert [s.reward for s in samples] == [1.0, -1.0, 1.0, 1.0, -1.0, 1.0, -1.0, -1.0]
+
+
+def test_attempts_of_one_seat_each_train_on_their_own_reward():
+    group = [rollout(("agent", 1.0), ("agent", 0.0)), rollout(("agent", 0.0), ("agent", 0.0))]
+    samples, _ = step_samples([group], config(rollouts_per_example=2))
+    np.testing.assert_allclose([s.advantage for s in samples], [0.75, -0.25, -0.25, -0.25])
+
+
+def test_a_seat_without_signal_is_filtered_while_the_other_trains():
+    group = [rollout(("a", 1.0), ("b", 0.0)), rollout(("a", 1.0), ("b", 1.0))]
+    samples, m = step_samples([group], config(rollouts_per_example=2))
+    assert [s.reward for s in samples] == [0.0, 1.0]  # seat b only
+    assert m["filtered/seat_groups"] == 1 and m["filtered/groups"] == 0
+    samples, m = step_samples([group[:1] * 2], config(rollouts_per_example=2))
+    assert samples == [] and m["filtered/groups"] == 1 and m["filtered/seat_groups"] == 2
+
+
+def test_a_failed_rollout_is_a_zero_reward_for_every_seat_or_dropped():
+    group = [rollout(("a", 1.0), ("b", 1.0)), rollout(failed=True)]
+    samples, _ = step_samples([group], config(rollouts_per_example=2))
+    np.testing.assert_allclose([s.advantage for s in samples], [0.5, 0.5])
+    samples, m = step_samples([group], config(rollouts_per_example=2, failed_rollouts="drop"))
+    assert samples == [] and m["filtered/groups"] == 1  # one rollout left per seat: no baseline
+
+
+def test_single_seat_groups_are_plain_grpo():
+    group = [rollout(("agent", r)) for r in (0.0, 0.0, 1.0, 1.0)]
+    samples, _ = step_samples([group], config())
+    np.testing.assert_allclose([s.advantage for s in samples], [-0.5, -0.5, 0.5, 0.5])
+
+
+def test_seat_metrics_are_logged_per_seat_for_multi_seat_envs_only():
+    results = [rollout(("a", 1.0), ("b", -1.0)).result, rollout(("a", -1.0), ("b", 1.0)).result]
+    results[0].metrics = {"a/moves": 2.0}
+    m = seat_step_metrics("duel", results)
+    assert m["reward/duel/a/mean"] == 0.0 and m["reward/duel/b/std"] == 1.0 and m["metrics/duel/a/moves"] == 2.0
+    single = seat_step_metrics("one", [rollout(("agent", 1.0)).result])
+    assert not any(k.startswith("reward/") for k in single)
