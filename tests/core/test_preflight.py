@@ -102,7 +102,8 @@ def test_hub_id_without_network_fails_at_once(in_repo, empty_cache, monkeypatch,
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
     start = time.monotonic()
     err = rl_error(capsys, "--model.name", "Qwen/Qwen3-0.6B")
-    assert time.monotonic() - start < 5
+    # Hub retries take 53 s; a bound well under that, not a timing, so a loaded CI machine does not fail it.
+    assert time.monotonic() - start < 20
     assert "is unreachable" in err
 
 
@@ -193,7 +194,7 @@ def test_mistake_fails_in_seconds(tmp_path, mistake):
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and cause in proc.stderr, proc.stderr
     assert proc.stdout == ""
     assert not (tmp_path / "run").exists(), "nothing was written or started"
-    assert took < 10, took
+    assert took < 30, took  # well under the 53 s of hub retries; not a timing (CI machines are loaded)
 
 
 def test_unknown_eval_environment_id_is_one_line(capsys):

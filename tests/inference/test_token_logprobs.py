@@ -160,6 +160,7 @@ def engine_with(llm: FakeLLM):
 
     engine = VllmEngine.__new__(VllmEngine)  # no vLLM here: the engine's state around a stand-in client
     engine.llm, engine.weight_step, engine._adapters, engine.seen = llm, 3, {}, []
+    engine._in_flight = 0  # the liveness counter __init__ sets
     engine._sampling_params = lambda request, tapped: engine.seen.append(tapped)
 
     async def take(ids):

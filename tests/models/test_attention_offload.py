@@ -141,7 +141,7 @@ def test_offload_needs_full_ac_with_kept_attention(mode, keep_attention):
         apply_activation_checkpointing(model.model.layers, mode, keep_attention=keep_attention, offload_attention=True)
 
 
-@pytest.mark.parametrize("ac,keep_attention", [("full", 0), ("selective", -1), ("none", 0)])
+@pytest.mark.parametrize("ac,keep_attention", [("full", 0), ("selective", 0), ("none", 0)])
 def test_config_rejects_offload_without_kept_attention(ac, keep_attention):
     with pytest.raises(ValidationError) as info:
         ParallelConfig(ac=ac, ac_keep_attention=keep_attention, ac_offload_attention=True)

@@ -12,7 +12,7 @@ import time
 import pytest
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.progress import ProgressReporter
-from prime_core.schemas.rollout import RolloutResult, TrainedSequence
+from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
 from prime_orchestrator import liveness
 from prime_orchestrator.env_watch import HangWatch, process_tree
 from prime_orchestrator.liveness import RolloutsFailed, RolloutTracker, check_step, screen
@@ -20,7 +20,7 @@ from prime_orchestrator.liveness import RolloutsFailed, RolloutTracker, check_st
 
 def ok(env="a", reward=1.0, **kw) -> RolloutResult:
     seq = TrainedSequence(token_ids=[1, 2], loss_mask=[False, True], logprobs=[0.0, -0.5])
-    return RolloutResult(env=env, example=0, sequences=[seq], reward=reward, **kw)
+    return RolloutResult(env=env, example=0, traces=[TraceResult(reward=reward, sequences=[seq])], reward=reward, **kw)
 
 
 def failed(env="a", error="TimeoutError: timed out after 600s") -> RolloutResult:
