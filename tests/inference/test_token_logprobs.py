@@ -91,14 +91,27 @@ def test_tap_files_values_by_position_and_drops_vllms_tensors_only_when_nobody_e
 
     got = tap.take(["A", "C", "never-seen"])
     assert sorted(got) == ["A", "C"]
-    assert align(got["A"], 3, [11, 13]) == [-0.5, -0.75]
-    assert align(got["C"], 4, [21]) == [-1.0]
+    assert align(got["A"], 3, [11, 13]) == ([-0.5, -0.75], [0, 0])
+    assert align(got["C"], 4, [21]) == ([-1.0], [0])
     assert align(got["A"], 3, [11, 12]) is None  # the values belong to other tokens
     assert align(got["C"], 4, [21, 22]) is None  # a token without a value
     assert align(None, 4, [21]) is None
     assert tap.take(["A", "C"]) == {}  # handed over once
     assert tap.filing == {} and tap.internal_ids == {}  # nothing kept for requests handed over
     assert "B" not in got and "D" not in got
+
+
+def test_tap_files_each_value_with_the_weight_step_that_sampled_it():
+    runner = Runner()
+    tap = SampledLogprobTap.install(runner)
+    runner.sampler.add_request(0, 2, params(0, tapped=True))
+    runner.step([("A-1234abcd", 0, 2, 11, -0.5, 1)])
+    tap.set_version(4)  # an in-flight update between two engine steps (the worker runs both on one thread)
+    runner.step([("A-1234abcd", 0, 3, 12, -0.25, 1)])
+    tap.set_version(5)
+    runner.step([("A-1234abcd", 0, 4, 13, -0.125, 1)])
+    assert align(tap.take(["A"])["A"], 2, [11, 12, 13]) == ([-0.5, -0.25, -0.125], [0, 4, 5])
+    assert align(([2], [11], [-0.5]), 2, [11]) == ([-0.5], None)  # values filed without steps
 
 
 def test_tap_is_not_installed_where_rows_are_not_requests():
@@ -161,6 +174,7 @@ def engine_with(llm: FakeLLM):
     engine = VllmEngine.__new__(VllmEngine)  # no vLLM here: the engine's state around a stand-in client
     engine.llm, engine.weight_step, engine._adapters, engine.seen = llm, 3, {}, []
     engine._in_flight = 0  # the liveness counter __init__ sets
+    engine.in_flight_updates = False
     engine._sampling_params = lambda request, tapped: engine.seen.append(tapped)
 
     async def take(ids):
@@ -181,6 +195,7 @@ def test_engine_reads_tapped_logprobs_for_the_rl_pattern_only():
     engine = engine_with(FakeLLM([11, 12]))
     (out,) = run(engine, EngineRequest("r1", [1, 2], SamplingParams(max_tokens=2, logprobs=0), stream=False))
     assert out.logprobs == [-0.5, -0.25] and out.token_ids == [11, 12] and out.weight_step == 3
+    assert out.weight_steps == [3, 3] and out.versions_exact is False  # the stand-in worker filed no steps: bounds
     assert engine.seen == [True] and engine.llm.rpcs == [("prime_take_token_logprobs", (["r1"],))]
     # renderers' client asks for logprobs=1: on the token-in route that is the sampled token's entry alone too.
     (out,) = run(engine, EngineRequest("r5", [1, 2], SamplingParams(max_tokens=2, logprobs=1), stream=False))
@@ -200,3 +215,67 @@ def test_engine_falls_back_to_vllms_values_and_fails_loudly_without_either():
     engine = engine_with(FakeLLM([11, 12]))
     with pytest.raises(RuntimeError, match="sampled log-probs missing for request x2"):
         run(engine, EngineRequest("x2", [1, 2], SamplingParams(max_tokens=2, logprobs=0), stream=False))
+
+
+class UpdatingLLM(FakeLLM):
+    """A stand-in that records how the engine brackets a weight update, and whose tap files weight steps."""
+
+    def __init__(self):
+        super().__init__([11, 12])
+        self.calls, self.prompts = [], []
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.prompts.append(prompt)
+        async for out in super().generate(prompt, params, request_id, lora_request):
+            yield out
+
+    async def pause_generation(self, *, mode, clear_cache):
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+    async def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    async def reset_encoder_cache(self):
+        self.calls.append(("reset_encoder_cache",))
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        if method == "prime_take_token_logprobs":
+            return [{rid: ([2, 3], [11, 12], [-0.5, -0.25], [3, 4]) for rid in args[0]}]
+        self.calls.append((method, kwargs))
+        return [None]
+
+
+@pytest.mark.parametrize("mode", ["in_flight", "drain"])
+def test_vllm_update_keeps_running_requests_in_flight_and_drains_otherwise(mode):
+    import asyncio as aio
+
+    llm = UpdatingLLM()
+    engine = engine_with(llm)
+    engine.in_flight_updates, engine._paused, engine._admin_lock, engine.weight_dir = (
+        mode == "in_flight",
+        False,
+        None,
+        None,
+    )
+
+    async def main():
+        engine._admin_lock = aio.Lock()
+        await engine.update_weights("/w/step_4", 4)
+        return [o async for o in engine.generate(EngineRequest("r1", [1, 2], SamplingParams(max_tokens=2, logprobs=0),
+                                                               stream=False))]  # fmt: skip
+
+    (out,) = aio.run(main())
+    reload = ("prime_reload_weights", {"weights_path": "/w/step_4", "version": 4})
+    if mode == "in_flight":  # frozen at a step boundary, KV kept; new requests' prefixes salted by the weight step
+        assert llm.calls == [("pause", "keep", False), reload, ("reset_encoder_cache",), ("resume",)]
+        assert llm.prompts[-1]["cache_salt"] == "prime-weights-4"
+    else:
+        assert llm.calls == [("pause", "wait", False), reload, ("reset_prefix_cache",), ("reset_encoder_cache",),
+                             ("resume",)]  # fmt: skip
+        assert "cache_salt" not in llm.prompts[-1]
+    assert engine.weight_step == 4 and engine.weight_dir == "/w/step_4"
+    # The worker filed each token with the step that sampled it: exact per-token steps of a request spanning an update.
+    assert out.weight_steps == [3, 4] and out.versions_exact is True

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from prime_core.config.inference import InferenceConfig
 
 from prime_inference.engines.base import Engine, EngineOutput, EngineRequest
 from prime_inference.protocol import RequestError, SamplingParams, error_body
+from prime_inference.versions import VersionLedger
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,10 @@ class Choice:
         return self.token_ids[start:], self.logprobs[start:], self.top_logprobs[start:]
 
 
-async def collect(engine: Engine, requests: list[EngineRequest]) -> list[Choice]:
-    """Run every request to the end."""
+async def collect(
+    engine: Engine, requests: list[EngineRequest], on_output: Callable[[EngineOutput], None] | None = None
+) -> list[Choice]:
+    """Run every request to the end; ``on_output`` sees each engine output as it comes."""
     choices = [Choice(i, r.params, r.prompt_ids) for i, r in enumerate(requests)]
     for r in requests:
         r.stream = False
@@ -74,6 +77,8 @@ async def collect(engine: Engine, requests: list[EngineRequest]) -> list[Choice]
     async def run(choice: Choice, request: EngineRequest) -> None:
         async for out in engine.generate(request):
             choice.add(out)
+            if on_output is not None:
+                on_output(out)
 
     tasks = [asyncio.ensure_future(run(c, r)) for c, r in zip(choices, requests, strict=True)]
     try:
@@ -84,7 +89,9 @@ async def collect(engine: Engine, requests: list[EngineRequest]) -> list[Choice]
     return choices
 
 
-async def stream(engine: Engine, requests: list[EngineRequest]) -> AsyncIterator[tuple[Choice, bool]]:
+async def stream(
+    engine: Engine, requests: list[EngineRequest], on_output: Callable[[EngineOutput], None] | None = None
+) -> AsyncIterator[tuple[Choice, bool]]:
     """Each engine delta as it comes, added to its choice: yields (choice, finished)."""
     choices = [Choice(i, r.params, r.prompt_ids) for i, r in enumerate(requests)]
     queue: asyncio.Queue = asyncio.Queue()
@@ -104,6 +111,8 @@ async def stream(engine: Engine, requests: list[EngineRequest]) -> AsyncIterator
             if isinstance(out, Exception):
                 raise out
             choices[index].add(out)
+            if on_output is not None:
+                on_output(out)
             finished = out.finish_reason is not None
             remaining -= finished
             yield choices[index], finished
@@ -166,6 +175,7 @@ class ServerState:
 
             self.parser = OutputParser(tokenizer, config.tool_parser, config.reasoning_parser)
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.versions = VersionLedger()
 
     def single_tokens(self, texts: tuple[str, ...]) -> dict[str, int]:
         """Those of ``texts`` that the tokenizer writes as one token, with its id."""

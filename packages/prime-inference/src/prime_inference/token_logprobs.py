@@ -12,7 +12,9 @@ goes"). With this option:
 * when every request of a step that asked for log-probs is a tapped one, it drops vLLM's log-prob tensors from the
   step's output, so the scheduler, the IPC and the API process handle none;
 * when a request finishes, the engine fetches its values with one ``collective_rpc`` for all requests that
-  finished together (`TapFetcher`) and aligns them to the output tokens by position (`align`).
+  finished together (`TapFetcher`) and aligns them to the output tokens by position (`align`);
+* each value is filed with the weight step the worker served when it was sampled (``set_version`` by every
+  update, on the thread that runs the steps), so a request that spans an in-flight update knows each token's step.
 
 The values are the ones vLLM's own ``logprobs=0`` returns (same sampler call, same ``logprobs_mode``). Positions
 make the result independent of chunked prefill (no sample), a preemption that samples a position again (the last
@@ -34,8 +36,8 @@ TAP_FLAG = "prime_token_logprobs"
 """Key in ``SamplingParams.extra_args`` that marks a request whose sampled log-probs the worker tap collects."""
 NO_LOGPROBS = -1  # vLLM's marker for "this request asked for no log-probs" in its sampling states
 
-Entries = tuple[list[int], list[int], list[float]]
-"""(positions in the whole sequence, sampled token ids, log-probs) collected for one request."""
+Entries = tuple[list[int], list[int], list[float], list[int]]
+"""(positions in the whole sequence, sampled token ids, log-probs, weight steps) collected for one request."""
 
 
 def external_id(internal_id: str) -> str:
@@ -52,7 +54,10 @@ class SampledLogprobTap:
         self.tapped = np.zeros(max_num_reqs, dtype=bool)  # by vLLM's request slot
         self.sampling_states = sampling_states
         self.token_ids_state = token_ids_state
-        self.pending: deque[tuple[list[str], Any, Any, Any]] = deque()
+        self.pending: deque[tuple[list[str], Any, Any, Any, int]] = deque()
+        # The weight step the worker serves (`set_version`, with each update): steps and updates run on one thread
+        # here, so every value is filed with the step of the weights that sampled it.
+        self.version = 0
         self.entries: dict[str, Entries] = {}  # by the API process's request id
         # The same lists by vLLM's internal id, and those ids by request id: filing a value costs one lookup.
         self.filing: dict[str, Entries] = {}
@@ -110,7 +115,7 @@ class SampledLogprobTap:
             event = torch.cuda.Event()
             event.record()
         with self.lock:
-            self.pending.append((list(input_batch.req_ids[:n]), tapped, host, event))
+            self.pending.append((list(input_batch.req_ids[:n]), tapped, host, event, self.version))
         wanted = self.sampling_states.num_logprobs[slots] != NO_LOGPROBS
         if not (wanted & ~tapped).any() and self.token_ids_state.max_num_token_ids(slots) == 0:
             output.logprobs_tensors = None
@@ -123,7 +128,7 @@ class SampledLogprobTap:
         import numpy as np
 
         while self.pending:
-            req_ids, tapped, host, event = self.pending[0]
+            req_ids, tapped, host, event, version = self.pending[0]
             if event is not None:
                 if not block and not event.query():
                     return
@@ -139,12 +144,18 @@ class SampledLogprobTap:
                 entry[0].append(pos)
                 entry[1].append(tok)
                 entry[2].append(val)
+                entry[3].append(version)
 
     def start_filing(self, internal_id: str) -> Entries:
         request_id = external_id(internal_id)
         self.internal_ids.setdefault(request_id, []).append(internal_id)
-        entry = self.filing[internal_id] = self.entries.setdefault(request_id, ([], [], []))
+        entry = self.filing[internal_id] = self.entries.setdefault(request_id, ([], [], [], []))
         return entry
+
+    def set_version(self, step: int) -> None:
+        """Values of steps sampled from now on carry ``step`` (pending ones keep the step they were taken with)."""
+        with self.lock:
+            self.version = step
 
     def take(self, request_ids: Sequence[str]) -> dict[str, Entries]:
         """Hand over (and forget) what was collected for these requests."""
@@ -156,20 +167,26 @@ class SampledLogprobTap:
             return {rid: self.entries.pop(rid) for rid in request_ids if rid in self.entries}
 
 
-def align(entries: Entries | None, prompt_len: int, token_ids: Sequence[int]) -> list[float] | None:
-    """The log-prob of each output token, or None unless every token has one collected for exactly that token."""
+def align(
+    entries: Entries | None, prompt_len: int, token_ids: Sequence[int]
+) -> tuple[list[float], list[int] | None] | None:
+    """The log-prob and weight step of each output token (steps None where the worker filed none), or None unless
+    every token has a value collected for exactly that token."""
     if entries is None:
         return None
     n = len(token_ids)
     values: list[float | None] = [None] * n
     sampled: list[int | None] = [None] * n
-    for pos, tok, val in zip(*entries, strict=True):
+    steps: list[int] = [0] * n
+    versions = entries[3] if len(entries) > 3 and len(entries[3]) == len(entries[0]) else None
+    for i, (pos, tok, val) in enumerate(zip(*entries[:3], strict=True)):
         j = pos - prompt_len
         if 0 <= j < n:
             values[j], sampled[j] = val, tok
+            steps[j] = versions[i] if versions is not None else 0
     if sampled != list(token_ids):
         return None
-    return values  # type: ignore[return-value]
+    return values, (steps if versions is not None else None)  # type: ignore[return-value]
 
 
 class TapFetcher:

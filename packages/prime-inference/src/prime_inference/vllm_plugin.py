@@ -51,14 +51,22 @@ class PrimeWorkerExtension:
         tap = getattr(self, "_prime_tap", None)
         return {} if tap is None else tap.take(request_ids)
 
-    def prime_reload_weights(self, weights_path: str) -> None:
-        """Layerwise in-place reload from an HF directory (or the base model id) via vLLM's own reload.
+    def _prime_serve_version(self, version: int | None) -> None:
+        """Sampled log-probs collected from here on carry ``version`` (`prime_inference.token_logprobs`)."""
+        tap = getattr(self, "_prime_tap", None)
+        if tap is not None and version is not None:
+            tap.set_version(version)
+
+    def prime_reload_weights(self, weights_path: str, version: int | None = None) -> None:
+        """Layerwise in-place reload from an HF directory (or the base model id) via vLLM's own reload; ``version``:
+        the weight step it serves.
 
         The server has already confined the path to the weight roots and checked its STABLE marker.
         """
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        self._prime_serve_version(version)
 
-    def prime_receive_weights(self, manifest: dict[str, Any]) -> int:
+    def prime_receive_weights(self, manifest: dict[str, Any], version: int | None = None) -> int:
         """Receive a streamed weight update into this worker's model (vLLM maps HF names to its fused layers): the
         manifest's transport (`prime_inference.weights.StreamReceiver`) yields the buckets. Returns the tensors loaded.
         """
@@ -74,6 +82,7 @@ class PrimeWorkerExtension:
         for bucket in stream_receiver(parsed).tensors(parsed, device):
             model.load_weights(weights=bucket)
             loaded += len(bucket)
+        self._prime_serve_version(version)
         return loaded
 
     def prime_weights_checksum(self) -> float:

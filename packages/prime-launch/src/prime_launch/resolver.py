@@ -120,8 +120,12 @@ def _inference_config(rl: RLConfig, place: Placement, run_dir: RunDir) -> Infere
     # The trainer recomputes the distribution each token was drawn from (temperature included): rollouts carry
     # processed log-probs, where a standalone `inference` keeps vLLM's raw default.
     mode = inference.logprobs_mode if rl.user_set("inference.logprobs_mode") else "processed"
+    # Continuous rollouts: an update must not wait for the long tail of running rollouts.
+    update = inference.weight_update
+    if rl.orchestrator.max_off_policy_steps is not None and not rl.user_set("inference.weight_update"):
+        update = "in_flight"
     return inference.derive(output_dir=run_dir.root, engine=engine, vllm=vllm, server=server, lora=lora,
-                            logprobs_mode=mode)  # fmt: skip
+                            logprobs_mode=mode, weight_update=update)  # fmt: skip
 
 
 def _trainer_config(

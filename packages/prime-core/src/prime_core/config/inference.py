@@ -166,6 +166,11 @@ class InferenceConfig(BaseConfig):
     reasoning_parser: str | None = None
     """Split reasoning from content (``message.reasoning``), by vLLM's names: ``qwen3``, ``deepseek_r1``. The vLLM
     engine takes any name vLLM knows; the torch engine these, with vLLM 0.26's semantics."""
+    weight_update: Literal["in_flight", "drain"] = "drain"
+    """How ``/update_weights`` meets running requests (docs/inference.md ## Weight updates): ``drain`` lets them
+    finish on the old weights first (each completion from one weight step); ``in_flight`` swaps at the next engine
+    step and they go on with the new weights (their KV cache kept). ``rl`` sets in_flight with
+    ``max_off_policy_steps``."""
     seed: int = 0
     """Seed of requests that carry no seed of their own (and of vLLM's engine)."""
     output_dir: Path = Path("outputs")

@@ -344,6 +344,10 @@ class OrchestratorConfig(BaseConfig):
     """Number of training steps to produce rollouts for."""
     async_level: int = Field(default=1, ge=0)
     """Rollouts of step n use weights of step >= n - async_level (0 = synchronous on-policy)."""
+    max_off_policy_steps: int | None = Field(default=None, ge=0)
+    """Continuous rollouts (docs/orchestrator.md): a rollout trains at step n only if n minus the weight step of its
+    first token is at most this, queue time included (staler groups are cancelled or dropped, and redrawn); weights
+    are updated in flight. Unset: the step-synchronous loop of ``async_level``."""
     batch_size: int = Field(default=128, ge=1)
     """Samples per step (groups of rollouts_per_example)."""
     rollouts_per_example: int = Field(default=8, ge=1)
@@ -412,6 +416,14 @@ class OrchestratorConfig(BaseConfig):
             raise ValueError(f"environment names must be unique, got {names}")
         if not self.env:
             raise ValueError("at least one training environment is needed (env)")
+        k = self.max_off_policy_steps
+        if k is not None and k < self.async_level:
+            raise ValueError(f"max_off_policy_steps ({k}) < async_level ({self.async_level}): batches formed that far "
+                             "ahead would hold only stale rollouts")  # fmt: skip
+        if k is not None and self.curriculum.enabled:
+            raise ValueError(
+                "curriculum (difficulty_pool, dynamic_sampling) draws per step: unset max_off_policy_steps"
+            )
         return self
 
 

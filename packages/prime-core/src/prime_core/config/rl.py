@@ -1,8 +1,8 @@
 """Config of the ``rl`` launcher: the three process configs plus shared fields that fill them.
 
-A shared top-level field (``model``, ``output_dir``, ``seq_len``, ``max_steps``, ``async_level``, ``seed``,
-``ckpt``, ``log``, ``transport``, ``wandb``) is copied into every sub-config that has the field and does
-not set it itself; sections are filled key by key. A key set both at the top and in a sub-config with a
+A shared top-level field (``model``, ``output_dir``, ``seq_len``, ``max_steps``, ``async_level``,
+``max_off_policy_steps``, ``seed``, ``ckpt``, ``log``, ``transport``, ``wandb``) is copied into every sub-config that
+has the field and does not set it itself; sections are filled key by key. A key set both at the top and in a sub-config with a
 different value is an error listing every conflict, except ``output_dir``: the shared one replaces the
 sub-configs' (a dry run's resolved process configs carry its directory, and ``rl --trainer @
 outputs/configs/trainer.toml ... --output-dir outputs2`` starts the same run elsewhere).
@@ -24,7 +24,8 @@ from prime_core.config.trainer import TrainerConfig
 from prime_core.transport import RolloutTransportConfig
 
 PROCESSES = ("trainer", "orchestrator", "inference")
-SHARED_FIELDS = ("model", "output_dir", "seq_len", "max_steps", "async_level", "seed", "ckpt", "log", "transport")
+SHARED_FIELDS = ("model", "output_dir", "seq_len", "max_steps", "async_level", "max_off_policy_steps", "seed", "ckpt",
+                 "log", "transport")  # fmt: skip
 _PROCESS_CLASSES: dict[str, type[BaseModel]] = {
     "trainer": TrainerConfig,
     "orchestrator": OrchestratorConfig,
@@ -218,6 +219,9 @@ class RLConfig(BaseConfig):
     """Shared: number of training steps (trainer and orchestrator)."""
     async_level: int | None = Field(default=None, ge=0)
     """Shared: how many steps rollouts may lag the trainer (trainer and orchestrator)."""
+    max_off_policy_steps: int | None = Field(default=None, ge=0)
+    """Shared: continuous rollouts with this bound on each rollout's staleness (orchestrator; the server rl starts
+    then updates weights in flight)."""
     seed: int | None = None
     """Shared: seed of all three processes."""
     ckpt: CheckpointConfig | None = None

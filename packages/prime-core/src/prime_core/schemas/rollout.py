@@ -12,6 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+ROLLOUT_TAG = "prime_rollout"
+"""Key in a token-in request's ``sampling_params.extra_args`` naming the rollout the request belongs to: the inference
+server records which weight steps sampled the tokens of each tag (``POST /rollout_versions``)."""
+
 
 class EnvServerSpec(BaseModel):
     """How one environment's verifiers env server is started."""
@@ -32,6 +36,46 @@ class EnvServerSpec(BaseModel):
     """Seconds the server may take to come up."""
     probe_timeout_s: float = Field(default=30.0, gt=0)
     """A server (or pool worker) that answers no health probe for this long is hung and replaced."""
+
+
+class PolicyVersions(BaseModel):
+    """The policy versions (weight steps) that sampled a rollout's tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    first: int
+    """Weight step that sampled the rollout's first token."""
+    last: int
+    """Weight step that sampled its last token."""
+    num_tokens: int = 0
+    """Sampled tokens the record covers (0: requests under way, none sampled yet or none reported yet)."""
+    exact: bool = True
+    """The engine recorded the step of every token as it was sampled. False: bounds, ``first`` no newer and ``last``
+    no older than the truth (a server without the record, or vLLM without its log-prob tap)."""
+
+
+class RolloutVersionsRequest(BaseModel):
+    """``POST /rollout_versions`` of an inference server: what the tokens of tagged requests were sampled with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tags: list[str] = Field(max_length=65536)
+    """Rollout tags (``ROLLOUT_TAG``)."""
+    pop: bool = False
+    """Forget these tags once answered (the rollout finished)."""
+    abort: bool = False
+    """Abort the tags' requests still generating (a stale rollout): they answer 409 and sample nothing more."""
+
+
+class RolloutVersionsResponse(BaseModel):
+    """The answer: a record per known tag; a tag whose requests sampled nothing yet is absent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    versions: dict[str, PolicyVersions] = Field(default_factory=dict)
+    """Tag -> the versions its tokens were sampled with so far."""
+    aborted: int = 0
+    """Requests aborted (``abort``)."""
 
 
 class TrainedSequence(BaseModel):
@@ -119,6 +163,8 @@ class RolloutResult(BaseModel):
     """Wall seconds of the episode."""
     scoring_s: float = 0.0
     """Wall seconds of its rewards and metrics (verifiers' scoring span; sandboxed tests run there)."""
+    versions: PolicyVersions | None = None
+    """Weight steps that sampled its first and last token (None: it sampled nothing, or nobody recorded them)."""
     prompt: str = ""
     """The prompt as the model saw it (messages before the first sampled turn)."""
     completion: str = ""

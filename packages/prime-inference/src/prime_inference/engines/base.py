@@ -46,6 +46,12 @@ class EngineOutput:
     """The stop token id or stop string that ended the sequence, if any."""
     weight_step: int | None = None
     """Weight step the engine served when this delta was sampled."""
+    weight_steps: list[int] | None = None
+    """The weight step that sampled each token, where a delta may span a weight update (vLLM's final-only outputs);
+    None: every token of the delta was sampled with ``weight_step``."""
+    versions_exact: bool = True
+    """The steps were recorded as the tokens were sampled. False: bounds (the first token's no newer, the others' no
+    older than the truth)."""
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
     """First delta of a request with ``params.prompt_logprobs``: per prompt position, None for the first, else
     {token id: (log-prob, rank)} for the prompt's token and the top k alternatives (vLLM's prompt log-probs)."""
@@ -77,6 +83,9 @@ class Engine(abc.ABC):
     name: str
     supports_prompt_logprobs: bool = False
     """Whether `generate` fills `EngineOutput.prompt_logprobs` (text prompts on the base model)."""
+    live_versions: bool = True
+    """Each token reaches `generate`'s caller as it is sampled, with its weight step (so a request that has delivered
+    nothing has sampled nothing). False: outputs may come at the end only (vLLM's non-streamed requests)."""
 
     @property
     @abc.abstractmethod

@@ -6,13 +6,21 @@ running sequence, and (4) hands each sequence's new token to its asyncio consume
 leave the running batch between decode steps. Requests admitted together with the same prompt and adapter (an RL
 group's rollouts) share one prefill: its KV cache is copied to their slots and each samples its own first token.
 
-Weight updates and pause:
-* ``update_weights`` loads the new model off the scheduler thread, then swaps it in between steps. When not paused
-  it drains first: no new request is admitted, running ones finish on the old weights, then the swap happens and
-  queued requests start on the new ones, so every completion comes from a single weight step.
-* ``pause`` freezes the scheduler: running sequences keep their KV cache and wait, new requests queue. A swap while
-  paused happens at once, and frozen sequences continue on the new weights after ``resume`` (like vLLM's
-  ``pause_generation(mode="keep")``).
+Weight updates (``inference.weight_update``) and pause. ``update_weights`` loads the new model off the scheduler
+thread (`prime_inference.engines.torch_loading`), then the thread swaps it in between two steps:
+* ``in_flight``: at the next step boundary, without waiting. Running sequences go on with the new weights; each
+  token's log-prob and weight step are those of the weights that sampled it, so a completion may span steps.
+  Their KV cache is kept, not recomputed: the cached keys and values of tokens before the swap stay those of the
+  old weights (as PipelineRL and AReaL do). Recomputing would cost a prefill of every running context per update
+  (the long tail's contexts are the longest) to make the new tokens' distribution the new policy's exactly; kept,
+  the returned log-probs are still those of the distribution each token was drawn from, which is what the trainer's
+  importance ratio divides by, so the mismatch is corrected, not ignored. (The recompute fallback decoder, which
+  keeps no cache, recomputes anyway.)
+* ``drain``: no new request is admitted, running ones finish on the old weights, then the swap happens and queued
+  requests start on the new ones, so every completion comes from a single weight step.
+``pause`` freezes the scheduler: running sequences keep their KV cache and wait, new requests queue. A swap while
+paused happens at once, and frozen sequences continue on the new weights after ``resume`` (like vLLM's
+``pause_generation(mode="keep")``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import copy
 import logging
 import random
 import threading
@@ -34,15 +41,11 @@ from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter
-from prime_inference.engines.model_runner import build_decoder, load_causal_lm, resolve_dtype
+from prime_inference.engines.model_runner import build_decoder, resolve_dtype
 from prime_inference.engines.sampling import prompt_logprobs, sample
+from prime_inference.engines.torch_loading import check_compatible, load_model, receive_model, text_config
 
 logger = logging.getLogger(__name__)
-
-
-def _text_config(hf_config: Any) -> Any:
-    """The language model's config (vision-language configs nest it as ``text_config``)."""
-    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
 @dataclass
@@ -98,13 +101,13 @@ class TorchEngine(Engine):
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         model, source, hf_config = self._load(config.model.name)
         self.source = source
-        max_pos = getattr(_text_config(hf_config), "max_position_embeddings", None) or 2048
+        max_pos = getattr(text_config(hf_config), "max_position_embeddings", None) or 2048
         self.max_model_len = config.max_model_len or max_pos
         if self.max_model_len > max_pos:
             logger.warning(
                 "max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len, max_pos
             )
-        self.vocab_size = _text_config(hf_config).vocab_size
+        self.vocab_size = text_config(hf_config).vocab_size
         self.eos_ids = self._eos_ids(hf_config)
         self.decoder = AdapterRouter(
             build_decoder(
@@ -121,6 +124,7 @@ class TorchEngine(Engine):
         self._free_slots = list(range(config.max_batch_size))
         self._paused = False
         self._swap: _Swap | None = None
+        self.in_flight = config.weight_update == "in_flight"
         self._stop = False
         self.num_steps = 0
         self._admin_lock: asyncio.Lock | None = None
@@ -132,20 +136,8 @@ class TorchEngine(Engine):
         )  # fmt: skip
 
     def _load(self, path: str) -> tuple[Any, str, Any]:
-        model, source = load_causal_lm(
-            path, dtype=self.dtype, device=self.device, trust_remote_code=self.config.model.trust_remote_code
-        )
-        hf_config = getattr(model, "config", None)
-        if hf_config is None or not hasattr(_text_config(hf_config), "vocab_size"):
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=self.config.model.trust_remote_code)
-        if self._adapters:
-            from prime_models.lora import copy_adapters
-
-            # New base weights keep serving the loaded adapters (their files may be gone by now).
-            copy_adapters(self.model, model)
-        return model, source, hf_config
+        adapters_of = self.model if self._adapters else None  # new base weights keep serving the loaded adapters
+        return load_model(path, self.config, dtype=self.dtype, device=self.device, adapters_of=adapters_of)
 
     def _eos_ids(self, hf_config: Any) -> set[int]:
         ids: set[int] = set()
@@ -219,35 +211,14 @@ class TorchEngine(Engine):
         assert self._admin_lock is not None
         async with self._admin_lock:
             model, _, hf_config = await asyncio.to_thread(self._load, weight_dir)
-            self._check_compatible(hf_config)
+            check_compatible(hf_config, self.hf_config)
             await self._apply_swap(_Swap(model, hf_config, self.weight_step + 1 if step is None else step, weight_dir))
 
     async def receive_weights(self, manifest: Manifest, step: int | None) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
-            model = await asyncio.to_thread(self._receive, manifest)
+            model = await asyncio.to_thread(receive_model, manifest, self.model, self.source, self.dtype, self.device)
             await self._apply_swap(_Swap(model, self.hf_config, self.weight_step + 1 if step is None else step, None))
-
-    def _receive(self, manifest: Manifest) -> Any:
-        """Receive every tensor, then load a copy of the served model (the running one keeps serving meanwhile)."""
-        from prime_inference.weights import stream_receiver
-
-        tensors = stream_receiver(manifest).tensors(manifest, self.device)
-        # A bucket may be reused once the next one is asked for (CUDA IPC buffers): keep copies.
-        state = {name: t.to(self.dtype, copy=True) for bucket in tensors for name, t in bucket}
-        model = copy.deepcopy(self.model)
-        what = f"{manifest.type} weights of step {getattr(manifest, 'step', '?')}"
-        if self.source == "prime_models":
-            from prime_models.loading import load_hf_state
-
-            load_hf_state(model, state, source=what)
-        else:
-            missing, unexpected = model.load_state_dict(state, strict=False)
-            tied = getattr(model, "_tied_weights_keys", None) or ()
-            missing = [k for k in missing if k not in tied]
-            if missing or unexpected:
-                raise ValueError(f"{what} do not match the served model: missing={missing} unexpected={unexpected}")
-        return model
 
     async def reload_weights(self) -> None:
         assert self._admin_lock is not None
@@ -273,14 +244,6 @@ class TorchEngine(Engine):
                 self._adapter_ops.append(op)
                 self._cond.notify_all()
             await asyncio.wrap_future(op.future)
-
-    def _check_compatible(self, hf_config: Any) -> None:
-        from prime_inference.protocol import RequestError
-
-        for key in ("vocab_size", "num_hidden_layers", "hidden_size", "num_key_value_heads", "model_type"):
-            new, old = getattr(_text_config(hf_config), key, None), getattr(_text_config(self.hf_config), key, None)
-            if new != old:
-                raise RequestError(f"weight_dir has {key}={new!r}, the served model has {old!r}", param="weight_dir")
 
     async def _apply_swap(self, swap: _Swap) -> None:
         with self._cond:
@@ -310,8 +273,12 @@ class TorchEngine(Engine):
     def _waits_for_adapter(self, seq: _Sequence) -> bool:
         return seq.request.lora_name is not None and any(op.name == seq.request.lora_name for op in self._adapter_ops)
 
+    def _swap_due(self) -> bool:
+        """A pending swap happens now: in flight, paused, or (draining) once nothing runs."""
+        return self._swap is not None and (self.in_flight or self._paused or not self._running)
+
     def _has_work(self) -> bool:
-        if self._swap is not None and (self._paused or not self._running):
+        if self._swap_due():
             return True
         if self._adapter_op_ready() is not None:
             return True
@@ -327,7 +294,7 @@ class TorchEngine(Engine):
                 if self._stop:
                     break
                 swap = None
-                if self._swap is not None and (self._paused or not self._running):
+                if self._swap_due():
                     swap, self._swap = self._swap, None
                 adapter_op = self._adapter_op_ready() if swap is None else None
                 if adapter_op is not None:

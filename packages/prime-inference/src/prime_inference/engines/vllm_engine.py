@@ -10,9 +10,14 @@ vLLM is extended through its seams, not forked:
   kwargs={"weights_path": dir})``); a streamed transport (the trainer's broadcast) runs its receiver inside every
   worker (``collective_rpc("prime_receive_weights")``), which loads each bucket with ``model.load_weights``.
 
-Pause semantics match the torch engine: ``/pause`` is ``pause_generation(mode="keep", clear_cache=False)`` (running
-requests freeze with their KV cache, new ones queue); an update while not paused is bracketed by
-``pause_generation(mode="wait")`` so in-flight requests finish on the old weights, then ``resume_generation``.
+Pause and update semantics match the torch engine: ``/pause`` is ``pause_generation(mode="keep", clear_cache=False)``
+(running requests freeze with their KV cache, new ones queue). An update while not paused is bracketed by
+``pause_generation`` and ``resume_generation``: with ``weight_update = "in_flight"`` in mode ``keep`` (running requests
+freeze at a step boundary and go on with the new weights, their KV cache kept, as the torch engine explains), with
+``drain`` in mode ``wait`` (they finish on the old weights). In flight, cached prefixes are salted by the weight step
+instead of reset (a reset cannot drop the blocks of frozen requests), so a new request never reuses KV of older
+weights. The worker tap files each sampled log-prob with the weight step that sampled it (exact per-token steps);
+an untapped request reports bounds (its first token no older than the step at its start).
 """
 
 from __future__ import annotations
@@ -142,6 +147,7 @@ def split_logprobs(token_ids: Any, entries: Any, k: int) -> tuple[list[float], l
 
 class VllmEngine(Engine):
     name = "vllm"
+    live_versions = False  # non-streamed requests deliver their tokens at the end
 
     def __init__(self, config: InferenceConfig):
         from vllm.usage.usage_lib import UsageContext
@@ -165,6 +171,7 @@ class VllmEngine(Engine):
         self._next_lora_id = 1
         self._tap: TapFetcher | None = None
         self._in_flight = 0
+        self.in_flight_updates = config.weight_update == "in_flight"
 
     @property
     def info(self) -> EngineInfo:
@@ -251,38 +258,46 @@ class VllmEngine(Engine):
         prompt = {"prompt_token_ids": list(request.prompt_ids)}
         if request.multimodal is not None:
             prompt = request.multimodal.vllm_prompt(list(request.prompt_ids))
+        first_step = self.weight_step  # no token of this request is sampled with older weights
+        if self.in_flight_updates:
+            prompt["cache_salt"] = f"prime-weights-{first_step}"
         # Closing this generator early closes vLLM's, which aborts the request inside the engine.
         lora = None
         if request.lora_name is not None:
             if request.lora_name not in self._adapters:
                 raise RequestError(f"LoRA adapter {request.lora_name!r} was unloaded", status_code=404, param="model")
             lora = self._adapters[request.lora_name][0]
-        taken = False
+        taken, delivered = False, 0
         self._in_flight += 1
         try:
             async for result in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
                 out = result.outputs[0]
-                logprobs = top = None
+                logprobs = top = steps = None
                 if tapped and result.finished:
                     taken = True
-                    logprobs = await self._tapped_logprobs(request, out)
+                    logprobs, steps = await self._tapped_logprobs(request, out)
                 elif k is not None and out.logprobs is not None:
                     logprobs, top = split_logprobs(out.token_ids, out.logprobs, k)
-                finish = out.finish_reason if result.finished else None
-                yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
+                ids, finish = list(out.token_ids), out.finish_reason if result.finished else None
+                exact = steps is not None
+                if steps is None:  # bounds: the first token no older than the start, the others than now
+                    steps = [first_step if delivered == 0 and i == 0 else self.weight_step for i in range(len(ids))]
+                delivered += len(ids)
+                yield EngineOutput(ids, logprobs, top, finish, out.stop_reason, self.weight_step, steps, exact)
         finally:
             self._in_flight -= 1
             if tapped and not taken:  # aborted: the worker forgets what it collected
                 self._tap.forget(request.request_id)  # type: ignore[union-attr]
 
-    async def _tapped_logprobs(self, request: EngineRequest, out: Any) -> list[float]:
+    async def _tapped_logprobs(self, request: EngineRequest, out: Any) -> tuple[list[float], list[int] | None]:
+        """Each token's log-prob, and the weight step that sampled it (None: not known exactly)."""
         assert self._tap is not None
-        values = align(await self._tap.take(request.request_id), len(request.prompt_ids), out.token_ids)
-        if values is not None:
-            return values
+        aligned = align(await self._tap.take(request.request_id), len(request.prompt_ids), out.token_ids)
+        if aligned is not None:
+            return aligned
         # A step the tap did not file (it leaves vLLM's tensors in place then): vLLM's own values, if complete.
         if out.logprobs is not None and len(out.logprobs) == len(out.token_ids):
-            return split_logprobs(out.token_ids, out.logprobs, 0)[0]
+            return split_logprobs(out.token_ids, out.logprobs, 0)[0], None
         raise RuntimeError(f"sampled log-probs missing for request {request.request_id}")
 
     async def _forget_old_weights(self) -> None:
@@ -292,15 +307,21 @@ class VllmEngine(Engine):
         await self.llm.reset_prefix_cache()
         await self.llm.reset_encoder_cache()
 
-    async def _swap_weights(self, method: str, kwargs: dict[str, Any]) -> None:
-        """Run a worker RPC that replaces the weights, between requests: unless paused, running requests finish on
-        the old weights first."""
+    async def _swap_weights(self, method: str, kwargs: dict[str, Any], step: int, weight_dir: str | None) -> None:
+        """Run a worker RPC that replaces the weights with those of ``step``, between engine steps: unless paused,
+        running requests freeze (in flight) or finish on the old weights first (drain)."""
         was_paused = self._paused
         if not was_paused:
-            await self.llm.pause_generation(mode="wait", clear_cache=False)
+            mode = "keep" if self.in_flight_updates else "wait"
+            await self.llm.pause_generation(mode=mode, clear_cache=False)
         try:
-            await self.llm.collective_rpc(method, kwargs=kwargs)
-            await self._forget_old_weights()
+            await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
+            if self.in_flight_updates:
+                await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
+            else:
+                await self._forget_old_weights()
+            # Before resuming: a request that starts from here on samples with these weights only.
+            self.weight_step, self.weight_dir = step, weight_dir
         finally:
             if not was_paused:
                 await self.llm.resume_generation()
@@ -308,22 +329,19 @@ class VllmEngine(Engine):
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
-            await self._swap_weights("prime_reload_weights", {"weights_path": weight_dir})
-            self.weight_step = self.weight_step + 1 if step is None else step
-            self.weight_dir = weight_dir
+            new = self.weight_step + 1 if step is None else step
+            await self._swap_weights("prime_reload_weights", {"weights_path": weight_dir}, new, weight_dir)
 
     async def receive_weights(self, manifest: Manifest, step: int | None) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
-            await self._swap_weights("prime_receive_weights", {"manifest": manifest.model_dump()})
-            self.weight_step = self.weight_step + 1 if step is None else step
-            self.weight_dir = None
+            new = self.weight_step + 1 if step is None else step
+            await self._swap_weights("prime_receive_weights", {"manifest": manifest.model_dump()}, new, None)
 
     async def reload_weights(self) -> None:
         assert self._admin_lock is not None
         async with self._admin_lock:
-            await self._swap_weights("prime_reload_weights", {"weights_path": self.config.model.name})
-            self.weight_step, self.weight_dir = 0, None
+            await self._swap_weights("prime_reload_weights", {"weights_path": self.config.model.name}, 0, None)
 
     async def load_adapter(self, name: str, path: str, step: int | None) -> None:
         """vLLM's LoRA manager loads the adapter; an existing name is reloaded in place (``load_inplace``)."""

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from prime_core.schemas.adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from prime_core.schemas.health import HealthResponse
+from prime_core.schemas.rollout import RolloutVersionsRequest
 from prime_core.schemas.weights import WeightUpdateRequest
 
 from prime_inference import adapters, weights
@@ -39,6 +40,13 @@ async def update_weights(request: Request) -> dict[str, Any]:
     s = state(request)
     req = await parse_body(request, WeightUpdateRequest)
     return await weights.update_weights(s.engine, req, s.config.server.weight_roots)
+
+
+@router.post("/rollout_versions")
+async def rollout_versions(request: Request) -> dict[str, Any]:
+    """The weight steps that sampled the tokens of tagged rollouts (`prime_inference.versions`); may abort them."""
+    req = await parse_body(request, RolloutVersionsRequest)
+    return state(request).versions.query(req).model_dump(mode="json")
 
 
 @router.post("/v1/load_lora_adapter")

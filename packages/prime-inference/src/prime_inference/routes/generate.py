@@ -1,20 +1,23 @@
 """vLLM 0.26's token-in route, ``POST /inference/v1/generate`` (also ``/v1/generate``), on either engine: prompt
-token ids in, completion token ids and log-probs out, through `Engine.generate` (the orchestrator's hot path)."""
+token ids in, completion token ids and log-probs out, through `Engine.generate` (the orchestrator's hot path). A request tagged with its
+rollout records the weight steps of its tokens in the server's version ledger (`prime_inference.versions`)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 
+from prime_inference.engines.base import EngineOutput
 from prime_inference.generate_logprobs import generate_logprobs
 from prime_inference.protocol import GenerateRequest, RequestError
 from prime_inference.routes.common import parse_body, state
 from prime_inference.serving import Choice, FastJSONResponse, ServerState, collect, sse, stream, usage
 from prime_inference.structured import request_grammar
+from prime_inference.versions import rollout_tag
 
 router = APIRouter()
 GENERATE_ROUTES = ("/inference/v1/generate", "/v1/generate")
@@ -60,9 +63,11 @@ async def generate(request: Request) -> Any:
     requests = _requests(s, req, prompt, multimodal)
     rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
     k = req.sampling_params.logprobs
+    tag = rollout_tag(req.sampling_params.extra_args)
+    on_output = _recorder(s, tag)
     if req.stream:
-        return sse(_chunks(s, req, requests, rid, len(prompt)))
-    choices = await collect(s.engine, requests)
+        return sse(_chunks(s, req, requests, rid, len(prompt), on_output))
+    choices = await s.versions.run(tag, collect(s.engine, requests, on_output))
     body = {
         "request_id": rid,
         "model": s.adapter(req.model) or s.model_name,
@@ -88,12 +93,26 @@ async def generate(request: Request) -> Any:
     return FastJSONResponse(body)
 
 
+def _recorder(s: ServerState, tag: str | None) -> Callable[[EngineOutput], None] | None:
+    """What records a tagged request's weight steps in the server's version ledger (`prime_inference.versions`)."""
+    if tag is None:
+        return None
+    if not s.engine.live_versions:
+        s.versions.begin(tag, s.engine.info.weight_step)
+    return lambda out: s.versions.record(tag, out)
+
+
 async def _chunks(
-    s: ServerState, req: GenerateRequest, requests: list, rid: str, prompt_len: int
+    s: ServerState,
+    req: GenerateRequest,
+    requests: list,
+    rid: str,
+    prompt_len: int,
+    on_output: Callable[[EngineOutput], None] | None,
 ) -> AsyncIterator[dict[str, Any]]:
     k = req.sampling_params.logprobs
     live: dict[int, Choice] = {}
-    async for c, final in stream(s.engine, requests):
+    async for c, final in stream(s.engine, requests, on_output):
         live[c.index] = c
         ids, lps, tops = c.unsent()
         logprobs = generate_logprobs(ids, lps, tops, k) if k is not None else None

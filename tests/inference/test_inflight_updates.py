@@ -1,0 +1,193 @@
+"""In-flight weight updates on the torch engine: a request that spans an update keeps going on the new weights, each
+token carries the log-prob and weight step of the weights that sampled it, and the server's version ledger records
+the range a tagged rollout spans (and aborts a stale one).
+
+The engine is held after a few steps until the update is pending or done (``gate``), so the swap lands mid-request at a
+known step boundary whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from .helpers import start_server
+
+PROMPT = [12, 40, 7, 99, 3, 250, 17]
+MAX_TOKENS = 40
+
+
+def gate(engine, hold_after: int, release) -> None:
+    """After ``hold_after`` engine steps, hold the scheduler thread until ``release()`` is true (at most 60 s)."""
+    step, count = engine._step, [0]
+
+    def gated(admitted):
+        step(admitted)
+        count[0] += 1
+        if count[0] == hold_after:
+            deadline = time.time() + 60
+            while not release() and time.time() < deadline:
+                time.sleep(0.005)
+
+    engine._step = gated
+
+
+def config(model_dir: Path, mode: str, **overrides):
+    from prime_core.config.inference import InferenceConfig
+
+    return InferenceConfig.model_validate(
+        {"model": {"name": str(model_dir), "dtype": "float32"}, "engine": "torch", "max_model_len": 128,
+         "weight_update": mode, "log": {"file": False}, **overrides}
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def head_only_dir(tmp_path_factory, model_dir, tokenizer) -> Path:
+    """The base model with another LM head only: the same keys and values at every position, so a kept KV cache is
+    exactly what this model computes, and its log-probs of tokens after the swap are checkable against a forward."""
+    from prime_core.io import mark_stable
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("weights") / "step_1"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight) * 0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    mark_stable(path)
+    return path
+
+
+def reference_logprobs(model_dir: Path, completion: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([PROMPT + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1 : -1].double()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(PROMPT) :, None])[:, 0]
+
+
+def span_update(model_dir: Path, new_dir: Path, mode: str) -> list:
+    """Engine outputs of one sampled request, with an update to ``new_dir`` (step 1) issued after its 4th step."""
+    from prime_inference.engines.base import EngineRequest
+    from prime_inference.engines.torch_engine import TorchEngine
+    from prime_inference.protocol import SamplingParams
+    from transformers import AutoTokenizer
+
+    engine = TorchEngine(config(model_dir, mode), AutoTokenizer.from_pretrained(model_dir))
+    gate(engine, 4, lambda: engine._swap is not None or engine.weight_step == 1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, logprobs=0, ignore_eos=True)
+
+    async def main() -> list:
+        await engine.start()
+        try:
+            update = None
+            outputs = []
+            async for out in engine.generate(EngineRequest("r", PROMPT, params)):
+                outputs.append(out)
+                if update is None:
+                    update = asyncio.create_task(engine.update_weights(str(new_dir), 1))
+            await asyncio.wait_for(update, 60)
+            return outputs
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_a_request_spanning_an_in_flight_update_carries_both_versions_logprobs(model_dir, head_only_dir):
+    outputs = span_update(model_dir, head_only_dir, "in_flight")
+    tokens = [t for o in outputs for t in o.token_ids]
+    steps = [o.weight_step for o in outputs for _ in o.token_ids]
+    served = torch.tensor([lp for o in outputs for lp in o.logprobs], dtype=torch.float64)
+    n_old = steps.count(0)
+    assert len(tokens) == MAX_TOKENS and 0 < n_old < MAX_TOKENS
+    assert steps == [0] * n_old + [1] * (MAX_TOKENS - n_old)  # swapped at one step boundary, without draining
+    old, new = reference_logprobs(model_dir, tokens), reference_logprobs(head_only_dir, tokens)
+    assert torch.allclose(served[:n_old], old[:n_old], atol=1e-4)
+    assert torch.allclose(served[n_old:], new[n_old:], atol=1e-4)
+    assert not torch.allclose(old[n_old:], new[n_old:], atol=1e-2)  # the two versions do differ there
+
+
+def test_in_flight_update_keeps_the_kv_cache_of_running_requests(model_dir, other_weights_dir):
+    """All weights differ: the tokens after the swap attend to keys and values the old weights cached (kept, not
+    recomputed), so their log-probs are the new weights' over that cache, not a fresh forward of the new model."""
+    outputs = span_update(model_dir, other_weights_dir, "in_flight")
+    tokens = [t for o in outputs for t in o.token_ids]
+    n_old = sum(o.weight_step == 0 for o in outputs)
+    served = torch.tensor([lp for o in outputs for lp in o.logprobs], dtype=torch.float64)
+    recomputed = reference_logprobs(other_weights_dir, tokens)
+    assert torch.allclose(served[:n_old], reference_logprobs(model_dir, tokens)[:n_old], atol=1e-4)
+    assert not torch.allclose(served[n_old:], recomputed[n_old:], atol=1e-3)
+
+
+def test_drain_finishes_running_requests_on_the_old_weights(model_dir, head_only_dir):
+    outputs = span_update(model_dir, head_only_dir, "drain")
+    assert len(outputs) == MAX_TOKENS and {o.weight_step for o in outputs} == {0}
+
+
+def tagged(url: str, tag: str, max_tokens: int = MAX_TOKENS) -> httpx.Response:
+    body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True, "seed": 1,
+            "logprobs": 1, "extra_args": {"prime_rollout": tag}}}  # fmt: skip
+    return httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60)
+
+
+def versions(url: str, tags: list[str], **flags) -> dict:
+    r = httpx.post(f"{url}/rollout_versions", json={"tags": tags, **flags}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_server_records_the_versions_a_tagged_rollout_spans_and_aborts_stale_ones(model_dir, head_only_dir):
+    from prime_inference.engines import build_engine
+
+    cfg = config(model_dir, "in_flight")
+    release = threading.Event()
+    engines = []
+
+    def factory():
+        engine, tokenizer = build_engine(cfg)
+        gate(engine, 4, lambda: engine._swap is not None or engine.weight_step == 1 or release.is_set())
+        engines.append(engine)
+        return engine, tokenizer
+
+    server = start_server(model_dir, weight_update="in_flight", engine_factory=factory)
+    try:
+        done: dict = {}
+        worker = threading.Thread(target=lambda: done.update(r=tagged(server.url, "rollout-1")))
+        worker.start()
+        while not engines[0].num_steps >= 4:
+            time.sleep(0.01)
+        live = versions(server.url, ["rollout-1", "unknown"])["versions"]  # read while it runs: the first token's
+        assert set(live) == {"rollout-1"} and live["rollout-1"]["first"] == 0 and live["rollout-1"]["exact"]
+        r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(head_only_dir), "step": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        worker.join(60)
+        assert done["r"].status_code == 200 and len(done["r"].json()["choices"][0]["token_ids"]) == MAX_TOKENS
+        got = versions(server.url, ["rollout-1"], pop=True)["versions"]["rollout-1"]
+        assert (got["first"], got["last"], got["num_tokens"], got["exact"]) == (0, 1, MAX_TOKENS, True)
+        assert versions(server.url, ["rollout-1"])["versions"] == {}  # popped
+
+        # A second turn of another rollout, held mid-request, aborted by its tag: it answers 409 and stops.
+        # The gate holds only once: hold the next request by pausing.
+        httpx.post(f"{server.url}/pause", timeout=10)
+        worker = threading.Thread(target=lambda: done.update(r=tagged(server.url, "rollout-2")))
+        worker.start()
+        deadline = time.time() + 30
+        while engines[0].info.waiting == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        assert versions(server.url, ["rollout-2"], abort=True)["aborted"] == 1
+        worker.join(30)
+        assert done["r"].status_code == 409 and "aborted" in done["r"].json()["error"]["message"]
+        httpx.post(f"{server.url}/resume", timeout=10)
+    finally:
+        release.set()
+        server.stop()
