@@ -32,10 +32,10 @@ def build_model(path: Path, seed: int = 0) -> Path:
 class TorchServer(InProcessServer):
     """The real ``prime_inference`` torch engine, served in a thread."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, **overrides):
         from prime_inference.engines import build_engine
 
-        config = torch_server_config(model_dir, max_model_len=512)
+        config = torch_server_config(model_dir, max_model_len=512, **overrides)
         super().__init__(config, lambda: build_engine(config))
 
 

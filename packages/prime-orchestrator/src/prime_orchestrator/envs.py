@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
-from prime_core.schemas.rollout import EnvServerSpec, RolloutResult
+from prime_core.schemas.rollout import ROLLOUT_TAG, EnvServerSpec, RolloutResult
 
 from prime_orchestrator.env_config import env_config_data, resolve
 from prime_orchestrator.env_server import EnvServer, EnvServerCrashed
@@ -140,10 +140,17 @@ def request_seed(seed: int, step: int, index: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def sampling_args(sampling: SamplingConfig, *, seed: int, max_tokens: int | None = None) -> dict[str, Any]:
-    return {
+def sampling_args(
+    sampling: SamplingConfig, *, seed: int, max_tokens: int | None = None, tag: str | None = None
+) -> dict[str, Any]:
+    """Verifiers' sampling fields of a rollout; ``tag`` names the rollout in its requests (the inference server's
+    version ledger, `prime_orchestrator.versions`), a field the train client passes through."""
+    args: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "max_tokens": max_tokens or sampling.max_tokens,
         "seed": seed,
     }
+    if tag is not None:
+        args["extra_args"] = {ROLLOUT_TAG: tag}
+    return args

@@ -7,6 +7,10 @@ the trainer trains. ``ship_loop`` takes the batches in step order: advantages, f
 metrics and checkpoints. ``Policy.watch`` relays every new ``weights/step_N`` to inference. Because
 weights N + 1 only exist after the trainer consumed step N, step n is never dispatched before the trainer
 finished step n - async_level - 1: the orchestrator is at most async_level steps ahead.
+
+With ``max_off_policy_steps`` the rollout side is ``prime_orchestrator.continuous`` instead: groups run back to back
+and batches take them in completion order, under an exact bound on each rollout's staleness. Either way every
+rollout's requests are tagged and the versions that sampled its tokens read back (``prime_orchestrator.versions``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,11 +28,12 @@ from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
 from prime_core.io import atomic_dir, atomic_write_json, is_stable
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
-from prime_core.schemas.rollout import RolloutResult
 from prime_core.transport import make_sender
 from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
+from prime_orchestrator.batch import Rollout, StepBatch
+from prime_orchestrator.continuous import Continuous
 from prime_orchestrator.credit import seat_step_metrics, step_samples
 from prime_orchestrator.curriculum import Curriculum
 from prime_orchestrator.distill import Teachers
@@ -45,29 +49,10 @@ from prime_orchestrator.liveness import (
     ship_activity,
 )
 from prime_orchestrator.packing import Sample, pack
+from prime_orchestrator.versions import Flight, VersionRecords, bounds, version_metrics
 from prime_orchestrator.weight_relay import Policy
 
 logger = logging.getLogger("prime.orchestrator")
-
-
-@dataclass
-class Rollout:
-    env: str
-    example: int
-    group: int
-    weight_step: int
-    result: RolloutResult
-    train: bool = True  # False: the curriculum scored the group but does not train it
-
-
-@dataclass
-class StepBatch:
-    step: int
-    groups: list[list[Rollout]]
-    started: float
-    wait_for_policy: float
-    finished: float = 0.0
-    cursors: dict[str, int] = field(default_factory=dict)
 
 
 class Orchestrator:
@@ -84,6 +69,7 @@ class Orchestrator:
         self.policy = Policy(config, self.run_dir)
         self.tracker = RolloutTracker(config)
         self.semaphore = asyncio.Semaphore(config.client.max_concurrent)
+        self.versions = VersionRecords(config.client)
         self.monitor = None
         self.sender = None
         self.shipped: list[int] = []
@@ -101,10 +87,14 @@ class Orchestrator:
         c = self.config
         return c.model.lora.adapter_name if c.model.lora is not None else c.model.name
 
+    def url_for(self, index: int) -> str:
+        """The server of rollout ``index``: rollouts are spread over the servers round-robin."""
+        urls = self.config.client.base_urls
+        return urls[index % len(urls)]
+
     def client_for(self, index: int) -> Any:
         """Verifiers' train client config of request ``index``: requests are spread over the servers round-robin."""
-        urls = self.config.client.base_urls
-        url = urls[index % len(urls)]
+        url = self.url_for(index)
         if url not in self._clients:
             self._clients[url] = train_client(self.config.client, self.config.model.name, url)
         return self._clients[url]
@@ -196,17 +186,25 @@ class Orchestrator:
         chosen = rng.choices(names, weights=weights, k=c.batch_size // c.rollouts_per_example)
         return self.curriculum.plan(step, chosen, self.cursors)
 
-    async def _rollout(self, step: int, env: str, example: int, group: int, index: int) -> Rollout:
+    async def _rollout(
+        self, step: int, env: str, example: int, group: int, index: int, flight: Flight | None = None
+    ) -> Rollout:
         c = self.config
+        flight = flight or Flight()
         async with self.semaphore:
-            weight_step = self.policy.version
+            weight_step = flight.started = self.policy.version
             self._requests += 1
+            flight.url, flight.tag = self.url_for(self._requests), self.versions.new_tag()
+            seed = request_seed(c.seed, step, index) if flight.seed is None else flight.seed
             result = await self.pools[env].rollout(
                 example,
                 client=self.client_for(self._requests),
                 model=self.served_model,
-                sampling=sampling_args(c.sampling, seed=request_seed(c.seed, step, index)),
+                sampling=sampling_args(c.sampling, seed=seed, tag=flight.tag),
             )
+        if not result.failed:  # the weight steps that sampled its tokens (`prime_orchestrator.versions`)
+            result.versions = await self.versions.take(flight) or bounds(weight_step, self.policy.version)
+            flight.versions = result.versions
         result = self.tracker.record(screen(result, c.recovery.max_text_chars))
         return Rollout(env, example, group, weight_step, result)
 
@@ -271,6 +269,7 @@ class Orchestrator:
             "env_servers/restarts": sum(p.server.num_restarts for p in self.pools.values()),
             "env_servers/retries": sum(p.num_retries for p in self.pools.values()),
             **env_metrics([r.result for r in rollouts], self.pools),
+            **version_metrics(batch.step, [r.result for r in rollouts]),
             **extra,
         }
         for env in self.envs:
@@ -336,6 +335,7 @@ class Orchestrator:
                 "time/pack_and_send": time.perf_counter() - t0,
                 **self.curriculum.metrics(batch.step),
                 **self.teachers.metrics(batch.step, batch.groups),
+                **batch.metrics,
             }
         )
         metrics = self._metrics(batch, samples, extra)
@@ -409,7 +409,8 @@ class Orchestrator:
             # Before any rollout: once step 0 trains, new weights would reach inference in the middle of this eval.
             await self._eval(0)
         watcher = asyncio.create_task(self.policy.watch())
-        producer = asyncio.create_task(self.rollout_loop(buffer))
+        continuous = c.max_off_policy_steps is not None
+        producer = asyncio.create_task((Continuous(self).rollout_loop if continuous else self.rollout_loop)(buffer))
         consumer = asyncio.create_task(self.ship_loop(buffer))
         try:
             # Run until every batch shipped; a failure in any loop (or the weight relay) ends the run.
@@ -454,6 +455,7 @@ class Orchestrator:
             self.teachers.close(),
             return_exceptions=True,
         )
+        await self.versions.close()
         if self.sender is not None:
             await asyncio.to_thread(self.sender.close)
         if self.monitor is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from prime_core import progress
 from prime_core.config.orchestrator import OrchestratorConfig
@@ -25,6 +26,8 @@ class Policy:
         self.num_updates = 0
         self.last_update_time = 0.0
         self._changed = asyncio.Condition()
+        self.listeners: list[Callable[[], None]] = []
+        """Called whenever the served version changes (continuous dispatch starts groups for the new weights)."""
 
     async def load(self, step: int, source: str = "auto") -> None:
         """Make inference serve weights ``step``; ``source="filesystem"``: only what the directory holds, not a
@@ -50,6 +53,8 @@ class Policy:
         async with self._changed:
             self.version = step
             self._changed.notify_all()
+        for listener in self.listeners:
+            listener()
 
     async def watch(self, poll_interval: float = 0.1) -> None:
         """Forever: relay the newest STABLE weight step when it is newer than the served one."""

@@ -1,0 +1,147 @@
+"""The policy versions each rollout spans, read from the inference servers' version ledgers.
+
+Every rollout's requests carry a tag (``ROLLOUT_TAG`` in ``sampling_params.extra_args``: verifiers' train client
+passes sampling fields it does not know through to ``/inference/v1/generate``). The server records, per tag, the
+weight step of the first and last sampled token (`prime_inference.versions`); this module reads those records
+(``POST /rollout_versions``): ``take`` when a rollout ends (requests of rollouts that end together share one call
+per server), ``peek`` while it runs, ``abort`` to stop a stale one. A server without the route (another server, an
+older prime) answers 404: the rollout then gets bounds from the weight relay's timeline instead (the version served
+when its first request went out, and when it ended), marked ``exact = False``, and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+from prime_core.config.orchestrator import ClientConfig
+from prime_core.schemas.rollout import PolicyVersions, RolloutVersionsRequest, RolloutVersionsResponse
+
+from prime_orchestrator.client import headers
+
+logger = logging.getLogger("prime.orchestrator.versions")
+TIMEOUT_S = 30.0
+
+
+@dataclass
+class Flight:
+    """One rollout's requests: its tag, the server they go to, and the served version when the first went out."""
+
+    tag: str = ""
+    url: str = ""
+    started: int | None = None
+    """``Policy.version`` when the rollout got its concurrency slot (None: still waiting, nothing sampled)."""
+    seed: int | None = None
+    """Its sampling seed (None: the step-synchronous seed of its step and index)."""
+    versions: PolicyVersions | None = None
+    """Once it finished: the versions it spans."""
+
+
+class VersionRecords:
+    def __init__(self, client: ClientConfig):
+        self.client = client
+        self.prefix = uuid.uuid4().hex[:12]
+        self.count = 0
+        self.unsupported: set[str] = set()
+        self.warned_missing = False
+        self._http: httpx.AsyncClient | None = None
+        self._waiting: dict[str, dict[str, asyncio.Future]] = {}
+        self._flush: asyncio.Task | None = None
+
+    def new_tag(self) -> str:
+        self.count += 1
+        return f"{self.prefix}-{self.count}"
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(headers=headers(self.client.resolved_api_key()), timeout=TIMEOUT_S)
+        return self._http
+
+    async def _post(self, url: str, req: RolloutVersionsRequest) -> RolloutVersionsResponse | None:
+        """The server's answer; None where it keeps no record (404) or could not answer (logged)."""
+        if url in self.unsupported:
+            return None
+        try:
+            resp = await self._client().post(url.rstrip("/") + "/rollout_versions", json=req.model_dump())
+        except httpx.HTTPError as e:
+            logger.warning("rollout versions from %s failed (%s); using the weight relay's bounds", url, e)
+            return None
+        if resp.status_code == 404:
+            self.unsupported.add(url)
+            logger.warning("inference server %s keeps no version record (no /rollout_versions): rollout versions "
+                           "are bounds from the weight relay's timeline", url)  # fmt: skip
+            return None
+        if resp.status_code != 200:
+            logger.warning("rollout versions from %s: %s %s", url, resp.status_code, resp.text[:200])
+            return None
+        return RolloutVersionsResponse.model_validate(resp.json())
+
+    async def take(self, flight: Flight) -> PolicyVersions | None:
+        """The record of a finished rollout (forgotten by the server once read)."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(flight.url, {})[flight.tag] = future
+        if self._flush is None:
+            self._flush = asyncio.create_task(self._flush_takes())
+        return await future
+
+    async def _flush_takes(self) -> None:
+        await asyncio.sleep(0)  # rollouts that end together share one call per server
+        batch, self._waiting, self._flush = self._waiting, {}, None
+        for url, futures in batch.items():
+            answer = await self._post(url, RolloutVersionsRequest(tags=list(futures), pop=True))
+            found = answer.versions if answer is not None else {}
+            if answer is not None and len(found) < len(futures) and not self.warned_missing:
+                self.warned_missing = True
+                logger.warning("inference server %s has no version record of some finished rollouts (does the "
+                               "client pass sampling_params.extra_args through?); using the weight relay's bounds",
+                               url)  # fmt: skip
+            for tag, future in futures.items():
+                if not future.done():
+                    future.set_result(found.get(tag))
+
+    async def peek(self, flights: list[Flight]) -> dict[str, PolicyVersions] | None:
+        """Records of running rollouts; None where a server keeps none."""
+        found: dict[str, PolicyVersions] = {}
+        for url in {f.url for f in flights}:
+            answer = await self._post(url, RolloutVersionsRequest(tags=[f.tag for f in flights if f.url == url]))
+            if answer is None:
+                return None
+            found.update(answer.versions)
+        return found
+
+    async def abort(self, flights: list[Flight]) -> None:
+        """Stop the requests of these rollouts still generating, and forget their records."""
+        for url in {f.url for f in flights if f.tag}:
+            tags = [f.tag for f in flights if f.url == url]
+            await self._post(url, RolloutVersionsRequest(tags=tags, pop=True, abort=True))
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+
+def bounds(started: int, now: int) -> PolicyVersions:
+    """Versions from the weight relay's timeline: the first token is no older than the version served when the
+    rollout's first request went out, the last no newer than the one served when it ended."""
+    return PolicyVersions(first=started, last=now, exact=False)
+
+
+def version_metrics(step: int, results: list[Any]) -> dict[str, float]:
+    """Staleness (the step minus the version of each rollout's first token, queue time included) and the versions
+    each rollout spans, over the step's rollouts that sampled something."""
+    versions = [r.versions for r in results if r.versions is not None and not r.failed]
+    if not versions:
+        return {}
+    staleness = np.array([step - v.first for v in versions])
+    return {
+        "off_policy/max": int(staleness.max()),
+        "off_policy/mean": float(staleness.mean()),
+        "policy/version_span/max": max(v.last - v.first for v in versions),
+        "policy/version_span/mean": float(np.mean([v.last - v.first for v in versions])),
+        "policy/versions_exact": float(np.mean([v.exact for v in versions])),
+    }
