@@ -126,3 +126,18 @@ def test_one_node_slurm_job_resolves_the_users_port(tmp_path):
     cfg = load_config(RLConfig, ["@", str(rl_toml)])
     resolved = resolve(cfg, facts(0, 1))
     assert resolved.configs["orchestrator"].client.base_urls == ["http://127.0.0.1:9000"]
+
+
+def test_continuous_rollouts_update_the_server_in_flight_unless_the_user_chose():
+    plain = resolve(rl(), facts(0, 1))
+    assert plain.configs["inference"].weight_update == "drain"
+    assert plain.configs["orchestrator"].max_off_policy_steps is None
+    continuous = resolve(rl("--max-off-policy-steps", "2"), facts(0, 1))
+    assert continuous.configs["orchestrator"].max_off_policy_steps == 2  # the shared field fills the orchestrator
+    assert continuous.configs["inference"].weight_update == "in_flight"
+    kept = resolve(rl("--max-off-policy-steps", "2", "--inference.weight-update", "drain"), facts(0, 1))
+    assert kept.configs["inference"].weight_update == "drain"
+    with pytest.raises(ValueError, match=r"max_off_policy_steps \(0\) < async_level \(1\)"):
+        rl("--max-off-policy-steps", "0")
+    with pytest.raises(ValueError, match="curriculum .* unset max_off_policy_steps"):
+        rl("--max-off-policy-steps", "1", "--orchestrator.curriculum.dynamic-sampling", "true")
