@@ -143,3 +143,55 @@ def test_vllm_fast_token_logprobs_equal_vllms_own(model_dir):
             assert all(-50 < e["logprob"] <= 0 for e in c["logprobs"]["content"])
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
+def test_vllm_in_flight_update_keeps_running_requests_and_records_exact_versions(model_dir, other_weights_dir):
+    """weight_update = in_flight: an update does not wait for running requests (pause_generation(mode="keep")), they
+    go on with the new weights, and the worker tap files each token with the step that sampled it, so the server's
+    record of a tagged rollout spans both versions exactly."""
+    import asyncio
+
+    server = start_server(
+        model_dir,
+        engine="vllm",
+        weight_update="in_flight",
+        model={"name": str(model_dir), "dtype": "bfloat16"},
+        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True, "fast_token_logprobs": True},
+        startup_timeout=600,
+    )
+
+    async def main() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+
+            async def one(i: int) -> dict:
+                sp = {"max_tokens": 200, "temperature": 1.0, "seed": i, "logprobs": 1, "ignore_eos": True,
+                      "extra_args": {"prime_rollout": f"r{i}"}}  # fmt: skip
+                r = await client.post(
+                    f"{server.url}/inference/v1/generate", json={"token_ids": [5, 6, 7], "sampling_params": sp}
+                )
+                return r.json()["choices"][0]
+
+            requests = [asyncio.create_task(one(i)) for i in range(16)]
+            await asyncio.sleep(0.3)  # they are decoding
+            start = time.perf_counter()
+            r = await client.post(
+                f"{server.url}/update_weights", json={"weight_dir": str(other_weights_dir), "step": 1}
+            )
+            assert r.status_code == 200, r.text
+            assert not all(t.done() for t in requests), "the requests ended before the update: make them longer"
+            update_s = time.perf_counter() - start
+            choices = await asyncio.gather(*requests)
+            print(f"in-flight update took {update_s:.2f}s with 16 requests running")
+            return choices
+
+    try:
+        choices = asyncio.run(main())
+        assert all(len(c["token_ids"]) == 200 for c in choices)
+        got = httpx.post(f"{server.url}/rollout_versions", json={"tags": [f"r{i}" for i in range(16)]}).json()
+        records = got["versions"]
+        assert len(records) == 16 and all(v["exact"] and v["num_tokens"] == 200 for v in records.values())
+        assert any((v["first"], v["last"]) == (0, 1) for v in records.values())  # spans the update
+    finally:
+        server.stop()
