@@ -6,7 +6,8 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
-from prime_core.config.orchestrator import DistillConfig, OrchestratorConfig, TeacherConfig
+from prime_core.config.distill import DistillConfig, TeacherConfig
+from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.microbatch import read_microbatches
 from prime_core.schemas.rollout import TrainedSequence
 from prime_orchestrator.distill import Teacher, Teachers, TokenizerMismatch, check_tokenizer
@@ -137,3 +138,42 @@ def test_teacher_server_tokenizer_is_checked(tmp_path, teacher_server):
     with pytest.raises(TokenizerMismatch, match="must share a tokenizer"):
         asyncio.run(check(other))
     assert CORPUS  # the student and teacher tokenizers are both trained on it
+
+
+@pytest.mark.integration
+def test_privileged_prompt_conditions_the_teacher_only(tmp_path, teacher_server):
+    """Self-distillation: the teacher scores the student's tokens after a privileged prompt the student never saw;
+    the log-probs returned are those of the student's tokens, read after the prompt."""
+    from tokenizers import Tokenizer
+
+    student = build_model(tmp_path / "student")
+    prompt = "<|im_start|>system\nthe quick brown fox<|im_end|>\n"
+    config = distill(*teacher_of(teacher_server), privileged_prompt=prompt)
+    teacher = Teacher("env", config)
+    tokenizer = Tokenizer.from_file(str(student / "tokenizer.json"))
+    ids = tokenizer.encode("<|im_start|>user\nhello there<|im_end|>\n", add_special_tokens=False).ids
+
+    async def score():
+        await teacher.start(str(student))
+        try:
+            return await teacher.logprobs(ids)
+        finally:
+            await teacher.client.aclose()
+
+    got = asyncio.run(score())
+    prefix = tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert teacher.prefix == prefix and len(prefix) > 3
+    full = teacher_logprobs(teacher_server.config.model.name, prefix + ids)
+    assert got == pytest.approx(full[len(prefix) :].tolist(), abs=2e-4)
+    assert got[0] != 0.0  # the first token is now predicted from the prompt
+
+
+def test_a_teacher_nobody_serves_is_named():
+    from prime_orchestrator.distill import unserved_teacher
+
+    started = OrchestratorConfig(env=[{"id": "a"}, {"id": "b", "distill": {}}])  # rl fills it from [teacher]
+    assert unserved_teacher(started) == (
+        "env 'b': distill.teacher.base_url is unset (rl fills it from [teacher]; a standalone orchestrator needs the "
+        "teacher server's)"
+    )
+    assert unserved_teacher(OrchestratorConfig(env=[{"id": "b", "distill": distill().model_dump()}])) is None

@@ -9,6 +9,10 @@ minimizes the reverse KL to the teacher, mixed with the task reward. It rides th
 array, so the trainer and its losses are unchanged.
 
 Teacher and student must share a tokenizer (the teacher scores the student's token ids); ``start`` checks it.
+
+Self-distillation (``opsd``): with a ``privileged_prompt`` the teacher scores ``prompt + the student's tokens`` and the
+log-probs of the student's tokens are read after the prompt, so the teacher (for instance the frozen initial policy
+that ``rl`` serves from ``[teacher]`` without a model) conditions on context the student never sees.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Any
 
 import httpx
 import numpy as np
-from prime_core.config.orchestrator import DistillConfig, OrchestratorConfig, TeacherConfig
+from prime_core.config.distill import DistillConfig, TeacherConfig
+from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import TrainedSequence
 
 from prime_orchestrator.client import headers, post_json, wait_healthy
@@ -39,8 +44,25 @@ PROBES = (
 )
 
 
-class TokenizerMismatch(ValueError):
+class TeacherError(RuntimeError):
+    """The teacher cannot serve this run (unreachable, failing, another tokenizer): one line naming it."""
+
+
+class TokenizerMismatch(TeacherError, ValueError):
     pass
+
+
+def unserved_teacher(config: OrchestratorConfig) -> str | None:
+    """Why a distilling env has no teacher to ask (``rl`` fills both fields from ``[teacher]``), or None."""
+    for env in config.env:
+        t = env.distill.teacher if env.distill is not None else None
+        for name, value in (("base_url", t and t.base_url), ("model", t and t.model)):
+            if t is not None and value is None:
+                return (
+                    f"env {env.resolved_name!r}: distill.teacher.{name} is unset (rl fills it from [teacher]; a "
+                    "standalone orchestrator needs the teacher server's)"
+                )
+    return None
 
 
 def _load_tokenizer(name: str) -> Any:
@@ -97,18 +119,25 @@ class Teacher:
         self.key = key
         self.client = httpx.AsyncClient(headers=headers(key), timeout=t.timeout)
         self.semaphore = asyncio.Semaphore(t.max_concurrent)
+        self.prefix: list[int] = []
+        """The privileged prompt's token ids (self-distillation), before every scored sequence."""
 
     async def start(self, student_dir: str) -> None:
         t = self.config.teacher
         await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
         await check_tokenizer(student_dir, t, self.client)
+        if self.config.privileged_prompt:
+            student = await asyncio.to_thread(_load_tokenizer, student_dir)
+            self.prefix = student.encode(self.config.privileged_prompt, add_special_tokens=False).ids
+            logger.info("env %s: the teacher reads a privileged prompt of %d tokens", self.env, len(self.prefix))
 
     async def logprobs(self, token_ids: list[int]) -> list[float]:
-        """The teacher's log-prob of every token given the ones before it; 0.0 at position 0."""
+        """The teacher's log-prob of every token given the ones before it (and the privileged prompt); 0.0 at
+        position 0 without one."""
         t = self.config.teacher
         body = {
             "model": t.model,
-            "token_ids": token_ids,
+            "token_ids": self.prefix + token_ids,
             "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
         }
         async with self.semaphore:
@@ -117,13 +146,14 @@ class Teacher:
                     self.client, t.base_url + SCORE_ROUTE, body, timeout=t.timeout, retries=t.max_retries
                 )
             except RuntimeError as e:
-                raise RuntimeError(f"teacher of env {self.env!r} at {t.base_url}: {str(e).splitlines()[0]}") from None
+                raise TeacherError(f"teacher of env {self.env!r} at {t.base_url}: {str(e).splitlines()[0]}") from None
         entries = out.get("prompt_logprobs") or []
-        if len(entries) != len(token_ids):
-            raise RuntimeError(
+        if len(entries) != len(self.prefix) + len(token_ids):
+            raise TeacherError(
                 f"teacher of env {self.env!r} at {t.base_url} returned {len(entries)} prompt log-probs for "
-                f"{len(token_ids)} tokens (does it serve prompt_logprobs on {SCORE_ROUTE}?)"
+                f"{len(self.prefix) + len(token_ids)} tokens (does it serve prompt_logprobs on {SCORE_ROUTE}?)"
             )
+        entries = entries[len(self.prefix) :]
         return [0.0 if not e else float(e[str(tid)]["logprob"]) for e, tid in zip(entries, token_ids, strict=True)]
 
     def advantages(self, seq: TrainedSequence, advantage: float) -> list[float]:

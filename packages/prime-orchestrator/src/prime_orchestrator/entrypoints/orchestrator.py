@@ -23,11 +23,16 @@ def main(argv: list[str] | None = None) -> None:
     import asyncio
     import json
 
+    from prime_core.config.cli import fail
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
+    from prime_orchestrator.distill import TeacherError, unserved_teacher
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.orchestrator import Orchestrator
+
+    if problem := unserved_teacher(config):
+        fail(problem)
 
     run_dir = RunDir(config.output_dir)
     setup_logging(
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    except (RolloutsFailed, WeightUpdateError, TimeoutError) as e:
+    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError) as e:
         # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
         print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         sys.exit(1)
