@@ -72,13 +72,25 @@ def test_teacher_gpus_follow_inference_and_trainer():
         resolve(rl("--teacher.model.name", "/models/t"), facts(0, 1))
     with pytest.raises(ValueError, match=r"teacher.gpu_ids shares GPU \[0\].*gpu_memory_utilization"):
         resolve(rl("--teacher.model.name", "/models/t", "--teacher.gpu-ids", "[0]"), facts(0))
-    shared = rl("--teacher.model.name", "/models/t", "--teacher.gpu-ids", "[0]",
-                "--teacher.vllm.gpu-memory-utilization", "0.15")  # fmt: skip
-    plan = resolve(shared, facts(0))
+    one_gpu = ("--teacher.model.name", "/models/t", "--teacher.gpu-ids", "[0]",
+               "--teacher.vllm.gpu-memory-utilization", "0.15")  # fmt: skip
+    # One GPU, colocated: vLLM 0.45 and the trainer's default cap of what vLLM leaves (0.55) leave the teacher nothing.
+    with pytest.raises(ValueError, match=r"GPU 0 is over-committed \(teacher.vllm.gpu_memory_utilization 0.15 \+ "
+                       r"devices.inference_memory_fraction 0.45 \+ devices.trainer_memory_fraction 0.55 > 1\)"):  # fmt: skip
+        resolve(rl(*one_gpu), facts(0))
+    plan = resolve(rl(*one_gpu, "--devices.trainer-memory-fraction", "0.4"), facts(0))
     assert {s.name: s.env["CUDA_VISIBLE_DEVICES"] for s in plan.specs if s.name != "orchestrator"} == {
         "inference": "0", "teacher": "0", "trainer": "0"
     }  # fmt: skip
     assert plan.configs["teacher"].vllm.gpu_memory_utilization == 0.15
+    # Beside a policy server on a GPU of its own: the two vLLM shares; never on the uncapped trainer's GPU.
+    two = ("--teacher.model.name", "/models/t", "--teacher.vllm.gpu-memory-utilization", "0.3")
+    with pytest.raises(ValueError, match=r"inference.vllm.gpu_memory_utilization 0.9 > 1"):
+        resolve(rl(*two, "--teacher.gpu-ids", "[0]"), facts(0, 1))
+    plan = resolve(rl(*two, "--teacher.gpu-ids", "[0]", "--inference.vllm.gpu-memory-utilization", "0.6"), facts(0, 1))
+    assert plan.devices["teacher"] == "GPU 0"
+    with pytest.raises(ValueError, match="GPU 1 is the trainer's, which takes its memory uncapped"):
+        resolve(rl(*two, "--teacher.gpu-ids", "[1]"), facts(0, 1))
 
 
 def test_teacher_mistakes_are_one_line():
@@ -96,7 +108,9 @@ def test_teacher_mistakes_are_one_line():
 
 
 def test_env_with_its_own_teacher_url_keeps_it():
-    env = '[{"id": "a", "distill": {"teacher": {"base_url": "http://h:9/v1", "model": "m"}}}, {"id": "b", "distill": {}}]'
+    env = (
+        '[{"id": "a", "distill": {"teacher": {"base_url": "http://h:9/v1", "model": "m"}}}, {"id": "b", "distill": {}}]'
+    )
     plan = resolve(rl("--teacher.engine", "torch", cpu=True, env=env), facts())
     a, b = plan.configs["orchestrator"].env
     assert (a.distill.teacher.base_url, a.distill.teacher.model) == ("http://h:9", "m")

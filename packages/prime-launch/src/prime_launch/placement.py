@@ -86,12 +86,21 @@ def _place_on_gpus(rl: RLConfig, gpus: list[int], facts: HostFacts) -> Placement
         )
     inf_ids = gpus[:num_inf]
     train_ids = gpus[:num_train] if shared else gpus[num_inf : num_inf + num_train]
-    _place_teacher_on_gpus(rl, place, gpus, taken=inf_ids + train_ids)
     place.env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, train_ids))
     place.trainer_device = "cuda" if rl.trainer.device == "auto" else None
     place.devices["trainer"] = f"GPU {','.join(map(str, train_ids))}"
-    if inference is None:
-        return place
+    if inference is not None:
+        _place_inference_on_gpus(rl, place, inf_ids, train_ids, shared, facts)
+    _place_teacher_on_gpus(rl, place, gpus, inf_ids, train_ids)
+    return place
+
+
+def _place_inference_on_gpus(
+    rl: RLConfig, place: Placement, inf_ids: list[int], train_ids: list[int], shared: bool, facts: HostFacts
+) -> None:
+    inference = rl.inference
+    assert inference is not None
+    num_inf = len(inf_ids)
     place.env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, inf_ids))
     place.devices["inference"] = f"GPU {','.join(map(str, inf_ids))}"
     if shared:
@@ -102,14 +111,16 @@ def _place_on_gpus(rl: RLConfig, gpus: list[int], facts: HostFacts) -> Placement
     if inference.vllm.data_parallel_size == 1 and num_inf // tp > 1:
         place.inference_data_parallel = num_inf // tp
         place.notes.append(f"inference: data parallel size {num_inf // tp} (x tensor parallel {tp})")
-    return place
 
 
-def _place_teacher_on_gpus(rl: RLConfig, place: Placement, gpus: list[int], taken: list[int]) -> None:
+def _place_teacher_on_gpus(
+    rl: RLConfig, place: Placement, gpus: list[int], inf_ids: list[int], train_ids: list[int]
+) -> None:
     """The teacher's vLLM on ``teacher.gpu_ids``, else on the next ``teacher.num_gpus`` GPUs nobody else has."""
     teacher = rl.teacher
     if teacher is None:
         return
+    taken = inf_ids + train_ids
     if teacher.gpu_ids is not None:
         ids = list(teacher.gpu_ids)
         shared = sorted(set(ids) & set(taken))
@@ -118,6 +129,8 @@ def _place_teacher_on_gpus(rl: RLConfig, place: Placement, gpus: list[int], take
                 f"teacher.gpu_ids shares GPU {shared} with the other processes: set teacher.vllm.gpu_memory_utilization "
                 "to the share of its memory the teacher may take"
             )
+        for gpu in shared:
+            _check_teacher_share(rl, place, gpu, gpu in inf_ids, gpu in train_ids)
     else:
         free = [g for g in gpus if g not in taken]
         if len(free) < teacher.num_gpus:
@@ -133,6 +146,26 @@ def _place_teacher_on_gpus(rl: RLConfig, place: Placement, gpus: list[int], take
         place.teacher_data_parallel = len(ids) // tp
     place.env_of["teacher"] = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
     place.devices["teacher"] = f"GPU {','.join(map(str, ids))}"
+
+
+def _check_teacher_share(rl: RLConfig, place: Placement, gpu: int, inference: bool, trainer: bool) -> None:
+    """A GPU the teacher's vLLM shares: the memory shares of everyone on it fit (the trainer's only when capped)."""
+    assert rl.teacher is not None
+    shares, util = place.shares, rl.teacher.vllm.gpu_memory_utilization
+    if trainer and shares is None:
+        raise ValueError(
+            f"teacher.gpu_ids: GPU {gpu} is the trainer's, which takes its memory uncapped unless inference and trainer "
+            "share GPUs (devices.colocate); give the teacher another GPU"
+        )
+    taken = {"teacher.vllm.gpu_memory_utilization": util}
+    if inference:
+        key = "devices.inference_memory_fraction" if shares else "inference.vllm.gpu_memory_utilization"
+        taken[key] = shares.inference_fraction if shares else rl.inference.vllm.gpu_memory_utilization
+    if trainer and shares is not None:
+        taken["devices.trainer_memory_fraction"] = shares.trainer_fraction
+    if sum(taken.values()) > 1.0 + 1e-9:
+        parts = " + ".join(f"{key} {value:g}" for key, value in taken.items())
+        raise ValueError(f"teacher.gpu_ids: GPU {gpu} is over-committed ({parts} > 1); lower them")
 
 
 def _share_gpus(rl: RLConfig, place: Placement, train_ids: list[int], facts: HostFacts) -> None:
