@@ -88,7 +88,7 @@ def test_teacher_gpus_follow_inference_and_trainer():
     with pytest.raises(ValueError, match=r"inference.vllm.gpu_memory_utilization 0.9 > 1"):
         resolve(rl(*two, "--teacher.gpu-ids", "[0]"), facts(0, 1))
     plan = resolve(rl(*two, "--teacher.gpu-ids", "[0]", "--inference.vllm.gpu-memory-utilization", "0.6"), facts(0, 1))
-    assert plan.devices["teacher"] == "GPU 0"
+    assert plan.devices["teacher"] == "GPU 0 shared, vLLM 0.3 of its memory" and plan.teacher_after_inference
     with pytest.raises(ValueError, match="GPU 1 is the trainer's, which takes its memory uncapped"):
         resolve(rl(*two, "--teacher.gpu-ids", "[1]"), facts(0, 1))
 

@@ -169,11 +169,13 @@ def test_privileged_prompt_conditions_the_teacher_only(tmp_path, teacher_server)
 
 
 def test_a_teacher_nobody_serves_is_named():
-    from prime_orchestrator.distill import unserved_teacher
+    from prime_orchestrator.distill import TeacherError
 
-    started = OrchestratorConfig(env=[{"id": "a"}, {"id": "b", "distill": {}}])  # rl fills it from [teacher]
-    assert unserved_teacher(started) == (
+    # No base_url: rl fills it from [teacher]; an orchestrator started alone stops at start with one line.
+    teachers = Teachers(OrchestratorConfig(env=[{"id": "a"}, {"id": "b", "distill": {}}]))
+    with pytest.raises(TeacherError) as e:
+        asyncio.run(teachers.start())
+    assert str(e.value) == (
         "env 'b': distill.teacher.base_url is unset (rl fills it from [teacher]; a standalone orchestrator needs the "
         "teacher server's)"
     )
-    assert unserved_teacher(OrchestratorConfig(env=[{"id": "b", "distill": distill().model_dump()}])) is None

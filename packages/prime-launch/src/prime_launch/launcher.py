@@ -247,7 +247,8 @@ def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _C
     specs = {spec.name: spec for spec in plan.specs}
     append = rl.resume or plan.resume_step is not None
     own = "inference" in specs
-    if "teacher" in specs:  # loads while the rest starts; the orchestrators wait for it themselves too
+    # The teacher loads while the rest starts (the orchestrators wait for it themselves too), unless it shares a GPU.
+    if "teacher" in specs and not (own and plan.teacher_after_inference):
         manager.start(specs["teacher"], append_log=append)
     if own:
         for name in ("inference", *plan.orchestrators):
@@ -270,12 +271,21 @@ def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _C
             manager.start(specs[name], append_log=append)
     manager.liveness.probe(plan.health_urls, plan.api_key, server="inference" if own else None)
     if plan.teacher_health_url is not None:
-        # The same check as the policy server's: the teacher answering is the one rl started.
-        teacher_run_id = specs["teacher"].env["PRIME_RUN_ID"]
-        wait_healthy([plan.teacher_health_url], None, rl.health_timeout, manager.poll, teacher_run_id, console.message)
-        console.message("rl: teacher is healthy")
-        manager.liveness.probe([plan.teacher_health_url], None, server="teacher")
+        _start_teacher(plan, rl, manager, console, append)
     manager.start(specs["trainer"], append_log=append)
+
+
+def _start_teacher(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _Console, append: bool) -> None:
+    """Start the teacher unless it already loads (it waited for the policy's server to hold its share of a GPU), wait
+    for its /health with the same foreign-server check as the policy's, and probe it from then on."""
+    spec = next(spec for spec in plan.specs if spec.name == "teacher")
+    if spec.name not in manager.procs:
+        manager.start(spec, append_log=append)
+    assert plan.teacher_health_url is not None
+    run_id = spec.env["PRIME_RUN_ID"]
+    wait_healthy([plan.teacher_health_url], None, rl.health_timeout, manager.poll, run_id, console.message)
+    console.message("rl: teacher is healthy")
+    manager.liveness.probe([plan.teacher_health_url], None, server="teacher")
 
 
 def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Console) -> bool:

@@ -35,6 +35,8 @@ class Placement:
     """The teacher server's engine as placed (None keeps ``teacher.engine``)."""
     teacher_data_parallel: int | None = None
     """vLLM's ``data_parallel_size`` over the teacher's GPUs (None keeps ``teacher.vllm``'s)."""
+    teacher_shares_gpu: bool = False
+    """The teacher shares a GPU with the others: it starts once the policy's server has reserved its memory."""
     env_of: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per role, the environment variables its devices and threads need."""
     devices: dict[str, str] = field(default_factory=dict)
@@ -131,6 +133,7 @@ def _place_teacher_on_gpus(
             )
         for gpu in shared:
             _check_teacher_share(rl, place, gpu, gpu in inf_ids, gpu in train_ids)
+        place.teacher_shares_gpu = bool(shared)
     else:
         free = [g for g in gpus if g not in taken]
         if len(free) < teacher.num_gpus:
@@ -146,6 +149,8 @@ def _place_teacher_on_gpus(
         place.teacher_data_parallel = len(ids) // tp
     place.env_of["teacher"] = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
     place.devices["teacher"] = f"GPU {','.join(map(str, ids))}"
+    if place.teacher_shares_gpu:
+        place.devices["teacher"] += f" shared, vLLM {teacher.vllm.gpu_memory_utilization:g} of its memory"
 
 
 def _check_teacher_share(rl: RLConfig, place: Placement, gpu: int, inference: bool, trainer: bool) -> None:

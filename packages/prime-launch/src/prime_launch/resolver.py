@@ -49,6 +49,9 @@ class ResolvedRun:
     """Multi-tenant LoRA: each run's directory, by run name (its orchestrator is ``orchestrator-<name>``)."""
     teacher_health_url: str | None = None
     """``/health`` of the distillation teacher rl starts (``[teacher]``), waited for before the trainer starts."""
+    teacher_after_inference: bool = False
+    """The teacher shares a GPU with the policy's server: it starts once that server is healthy (one vLLM at a time
+    sizes its memory)."""
 
     @property
     def orchestrators(self) -> list[str]:
@@ -87,6 +90,7 @@ def resolve(rl: RLConfig, facts: HostFacts | ClusterFacts) -> ResolvedRun:
         notes=place.notes,
         runs={name: RunDir(path) for name, path in rl.run_dirs().items()},
         teacher_health_url=teacher_url(teacher) + "/health" if teacher is not None else None,
+        teacher_after_inference=place.teacher_shares_gpu,
     )
 
 

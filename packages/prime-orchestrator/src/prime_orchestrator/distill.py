@@ -52,16 +52,14 @@ class TokenizerMismatch(TeacherError, ValueError):
     pass
 
 
-def unserved_teacher(config: OrchestratorConfig) -> str | None:
-    """Why a distilling env has no teacher to ask (``rl`` fills both fields from ``[teacher]``), or None."""
-    for env in config.env:
-        t = env.distill.teacher if env.distill is not None else None
-        for name, value in (("base_url", t and t.base_url), ("model", t and t.model)):
-            if t is not None and value is None:
-                return (
-                    f"env {env.resolved_name!r}: distill.teacher.{name} is unset (rl fills it from [teacher]; a "
-                    "standalone orchestrator needs the teacher server's)"
-                )
+def unserved(env: str, teacher: TeacherConfig) -> str | None:
+    """Why an env's teacher cannot be asked (``rl`` fills both fields from ``[teacher]``), or None."""
+    for name, value in (("base_url", teacher.base_url), ("model", teacher.model)):
+        if value is None:
+            return (
+                f"env {env!r}: distill.teacher.{name} is unset (rl fills it from [teacher]; a standalone orchestrator "
+                "needs the teacher server's)"
+            )
     return None
 
 
@@ -124,6 +122,8 @@ class Teacher:
 
     async def start(self, student_dir: str) -> None:
         t = self.config.teacher
+        if problem := unserved(self.env, t):
+            raise TeacherError(problem)
         await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
         await check_tokenizer(student_dir, t, self.client)
         if self.config.privileged_prompt:

@@ -23,16 +23,12 @@ def main(argv: list[str] | None = None) -> None:
     import asyncio
     import json
 
-    from prime_core.config.cli import fail
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
-    from prime_orchestrator.distill import TeacherError, unserved_teacher
+    from prime_orchestrator.distill import TeacherError
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.orchestrator import Orchestrator
-
-    if problem := unserved_teacher(config):
-        fail(problem)
 
     run_dir = RunDir(config.output_dir)
     setup_logging(
