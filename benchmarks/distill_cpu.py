@@ -6,7 +6,7 @@ Runs `rl @ examples/reverse_text/rl.toml` (plain RL, 60 steps; its final weights
 examples/distill_reverse_text/teacher) and `rl @ examples/distill_reverse_text/rl.toml` (distillation from that
 teacher, which rl serves from [teacher]), both evaluating every ``--interval`` steps, or with ``--no-run`` reads their
 run directories. Writes benchmarks/results/distill_cpu.json: each run's eval curve (64 held-out prompts x 4 samples at
-temperature 1.0, and greedily) against the samples trained so far, the teacher's eval (RL's final), the samples
+temperature 1.0, and greedily) against the samples (rollouts) drawn so far, the teacher's eval (RL's final), the samples
 distillation took to come within ``--tolerance`` of the teacher at temperature 1.0, the samples RL took to reach its
 own final eval, and both runs at equal samples.
 """
@@ -34,8 +34,9 @@ T1, T0 = "eval/reverse-text/t1/reward/mean", "eval/reverse-text/t0/reward/mean"
 
 
 def curve(run_dir: Path) -> tuple[list[dict], dict]:
-    """[{step, samples trained by the steps before it, eval at T=1, greedy}], and the run's totals."""
-    samples, evals, teacher_s, rollout_s, kl = {}, {}, [], [], {}
+    """[{step, samples drawn by the steps before it, eval at T=1, greedy}], and the run's totals. A sample is a
+    rollout drawn (the inference spent), trained or not: RL drops groups whose rewards are all equal."""
+    samples, trained, evals, teacher_s, rollout_s, kl = {}, {}, {}, [], [], {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         values, step = record["values"], record["step"]
@@ -44,7 +45,8 @@ def curve(run_dir: Path) -> tuple[list[dict], dict]:
         if T1 in values:
             evals[step] = (values[T1], values[T0])
         if "samples/trained" in values:
-            samples[step] = values["samples/trained"]
+            samples[step] = sum(v for k, v in values.items() if k.startswith("batch/"))
+            trained[step] = values["samples/trained"]
             rollout_s.append(values["time/rollouts"])
             teacher_s.append(values.get("time/teacher_scoring", 0.0))
             if "distill/reverse-text/reverse_kl" in values:
@@ -53,12 +55,21 @@ def curve(run_dir: Path) -> tuple[list[dict], dict]:
         {"step": s, "samples": sum(n for t, n in samples.items() if t < s), "eval_t1": e[0], "eval_t0": e[1]}
         for s, e in sorted(evals.items())
     ]
-    totals = {"samples": sum(samples.values()), "steps": len(samples)}
+    totals = {"samples": sum(samples.values()), "trained_samples": sum(trained.values()), "steps": len(samples)}
     totals["time_rollouts_s"] = round(sum(rollout_s), 1)
     if kl:
         totals["time_teacher_scoring_s"] = round(sum(teacher_s), 1)
         totals["reverse_kl"] = {str(s): round(v, 4) for s, v in sorted(kl.items()) if s % 5 == 0 or s == max(kl)}
     return points, totals
+
+
+def at(results: dict, samples: int) -> dict[str, float]:
+    """Each run's evals (T=1, greedy) after ``samples`` samples."""
+    out = {}
+    for name, r in results.items():
+        point = next(p for p in r["evals"] if p["samples"] == samples)
+        out |= {f"{name}_t1": round(point["eval_t1"], 4), f"{name}_t0": round(point["eval_t0"], 4)}
+    return out
 
 
 def first(points: list[dict], at_least: float) -> dict | None:
@@ -114,11 +125,7 @@ def main() -> None:
         "distill_target_t1": round(target, 4),
         "distill_samples_to_target": reached["samples"] if reached else None,
         "rl_samples_to_its_final_eval": rl_final["samples"] if rl_final else None,
-        "at_equal_samples": [
-            {"samples": n, **{f"{k}_t1": next(p["eval_t1"] for p in results[k]["evals"] if p["samples"] == n)
-                               for k in RUNS}}  # fmt: skip
-            for n in sorted(same)
-        ],
+        "at_equal_samples": [{"samples": n, **at(results, n)} for n in sorted(same)],
         "accepted": bool(reached and rl_final and reached["samples"] < rl_final["samples"]),
         "results": results,
     }
