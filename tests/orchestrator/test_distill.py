@@ -10,7 +10,7 @@ from prime_core.config.distill import DistillConfig, TeacherConfig
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.microbatch import read_microbatches
 from prime_core.schemas.rollout import TrainedSequence
-from prime_orchestrator.distill import Teacher, Teachers, TokenizerMismatch, check_tokenizer
+from prime_orchestrator.distill import Teacher, Teachers, TokenizerMismatch, _covered, check_tokenizer
 from prime_orchestrator.packing import Sample, fit_to_seq_len
 
 from tests.orchestrator.conftest import CORPUS, TorchServer, build_model
@@ -179,3 +179,9 @@ def test_a_teacher_nobody_serves_is_named():
         "env 'b': distill.teacher.base_url is unset (rl fills it from [teacher]; a standalone orchestrator needs the "
         "teacher server's)"
     )
+
+
+def test_teacher_scoring_time_is_the_wall_time_covered_by_concurrent_groups():
+    # Three groups scored concurrently over [0, 2] and [1, 3], then one alone over [5, 6]: 4 s of wall time, 5 s summed.
+    assert _covered([(1.0, 3.0), (0.0, 2.0), (5.0, 6.0), (1.5, 2.5)]) == pytest.approx(4.0)
+    assert _covered([]) == 0.0

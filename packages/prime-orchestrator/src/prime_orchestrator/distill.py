@@ -164,14 +164,24 @@ class Teacher:
         return np.where(mask, c.reward_weight * advantage + c.kl_weight * signal, 0.0).tolist()
 
 
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of the intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 class Teachers:
     """The teachers of a run's distilling environments; for the others every call is a no-op."""
 
     def __init__(self, config: OrchestratorConfig):
         self.student_dir = config.model.name
         self.by_env = {e.resolved_name: Teacher(e.resolved_name, e.distill) for e in config.env if e.distill}
-        self.seconds: dict[int, float] = {}
-        """step -> wall time spent in teacher scoring (summed over concurrent requests)."""
+        self.spans: dict[int, list[tuple[float, float]]] = {}
+        """step -> (start, end) of each group's teacher scoring; groups score concurrently, so these overlap."""
 
     async def start(self) -> None:
         await asyncio.gather(*(t.start(self.student_dir) for t in self.by_env.values()))
@@ -189,7 +199,7 @@ class Teachers:
         scores = await asyncio.gather(*(teacher.logprobs(q.token_ids) for q in seqs))
         for q, lps in zip(seqs, scores, strict=True):
             q.teacher_logprobs = lps
-        self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - t0
+        self.spans.setdefault(step, []).append((t0, time.perf_counter()))
         return rollouts
 
     def advantage(self, env: str, seq: TrainedSequence, advantage: float) -> float | list[float]:
@@ -200,7 +210,12 @@ class Teachers:
         """Per distilling env: the mean reverse KL per sampled token; the step's teacher scoring time."""
         if not self.by_env:
             return {}
-        m: dict[str, float] = {"time/teacher_scoring": self.seconds.pop(step, 0.0)}
+        spans = self.spans.pop(step, [])
+        m: dict[str, float] = {
+            # Wall time with a scoring request of the step in flight: what to hold against time/rollouts.
+            "time/teacher_scoring": _covered(spans),
+            "time/teacher_scoring_sum": sum(end - start for start, end in spans),
+        }
         for env in self.by_env:
             kl = [
                 lp - tlp
