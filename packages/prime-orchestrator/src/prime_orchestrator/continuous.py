@@ -155,7 +155,8 @@ class Continuous:
                     for j, flight in enumerate(run.flights)
                 )
             )
-            rollouts = await self.o.teachers.score(step, run.env, list(rollouts))
+            # Scored for the batch being formed as it finishes (its teacher time is logged there).
+            rollouts = await self.o.teachers.score(self.fill_step, run.env, list(rollouts))
         except Exception as e:  # the run stops with it, as a failed step task does in the step-synchronous loop
             self.error = e
             self.changed.set()
