@@ -3,7 +3,8 @@
 An env server (a subprocess per environment, verifiers' own) is started from an ``EnvServerSpec``; each episode it
 plays comes back as verifiers traces (one per agent run), which the orchestrator turns into one ``RolloutResult`` per
 rollout: per trace, its seat, its own reward and the trained token stream of every turn (env/tool tokens masked) with
-the inference log-probs of the sampled tokens.
+the inference log-probs of the sampled tokens, and the policy versions that sampled them (``PolicyVersions``, read
+from an inference server's version record with ``RolloutVersionsRequest``).
 """
 
 from __future__ import annotations
