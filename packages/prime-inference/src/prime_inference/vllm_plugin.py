@@ -23,6 +23,10 @@ def register() -> None:
     _REGISTERED = True
     # The engine core must run in spawned processes (CUDA cannot be re-initialized in a fork).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from prime_inference.engines.vllm_load import install_probe_if_engine_core
+
+    # The engine core answers /health's load questions (KV-cache usage, queue, preemptions) with vLLM's stats off.
+    install_probe_if_engine_core()
 
 
 def plugin_registered() -> bool:

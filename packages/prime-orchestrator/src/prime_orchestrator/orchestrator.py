@@ -30,6 +30,7 @@ from prime_core.transport import make_sender
 from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
+from prime_orchestrator.concurrency import ConcurrencyLimiter
 from prime_orchestrator.credit import seat_step_metrics, step_samples
 from prime_orchestrator.curriculum import Curriculum
 from prime_orchestrator.distill import Teachers
@@ -83,7 +84,7 @@ class Orchestrator:
         self.start_step = 0
         self.policy = Policy(config, self.run_dir)
         self.tracker = RolloutTracker(config)
-        self.semaphore = asyncio.Semaphore(config.client.max_concurrent)
+        self.semaphore = ConcurrencyLimiter.from_config(config.client)  # rollouts in flight (concurrency.py)
         self.monitor = None
         self.sender = None
         self.shipped: list[int] = []
@@ -271,6 +272,7 @@ class Orchestrator:
             "env_servers/restarts": sum(p.server.num_restarts for p in self.pools.values()),
             "env_servers/retries": sum(p.num_retries for p in self.pools.values()),
             **env_metrics([r.result for r in rollouts], self.pools),
+            **self.semaphore.metrics(),
             **extra,
         }
         for env in self.envs:
@@ -454,6 +456,7 @@ class Orchestrator:
             self.teachers.close(),
             return_exceptions=True,
         )
+        await self.semaphore.aclose()
         if self.sender is not None:
             await asyncio.to_thread(self.sender.close)
         if self.monitor is not None:

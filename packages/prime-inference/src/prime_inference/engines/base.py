@@ -69,6 +69,10 @@ class EngineInfo:
     """Requests queued for a free slot."""
     steps: int | None = None
     """Engine steps so far (None: the engine does not count them); a watchdog sees an engine that stopped advancing."""
+    kv_cache_usage: float | None = None
+    """Fraction of the KV cache held by requests, 0..1 (None: unknown); ``/health`` reports it."""
+    preemptions: int | None = None
+    """Requests evicted from the KV cache for lack of room since start, cumulative (None: unknown)."""
 
 
 class Engine(abc.ABC):

@@ -36,6 +36,7 @@ from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, Engin
 from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter
 from prime_inference.engines.model_runner import build_decoder, load_causal_lm, resolve_dtype
 from prime_inference.engines.sampling import prompt_logprobs, sample
+from prime_inference.engines.torch_load import load_fields
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +169,9 @@ class TorchEngine(Engine):
             paused=self._paused,
             adapters={name: a.card() for name, a in self._adapters.items()},
             extra={"implementation": self.source, "decoder": self.decoder.name, "device": str(self.device)},
-            running=len(self._running),
             waiting=len(self._waiting),
             steps=self.num_steps,
+            **load_fields(list(self._running), self.config.max_batch_size, self.max_model_len),
         )
 
     async def start(self) -> None:

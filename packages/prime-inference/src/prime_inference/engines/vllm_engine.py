@@ -27,6 +27,7 @@ from prime_core.config.inference import InferenceConfig
 from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
+from prime_inference.engines.vllm_load import LoadPoller
 from prime_inference.protocol import RequestError
 from prime_inference.token_logprobs import TAP_FLAG, TapFetcher, align
 
@@ -148,6 +149,7 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.config = config
+        self._load = LoadPoller()  # KV-cache usage, queue and preemptions for /health (engines/vllm_load.py)
         # `vllm serve`'s context, hence its batch defaults (on an H100: 1024 sequences and 8192 tokens per step);
         # vLLM's default engine context gives 128 and 2048: a server without vllm.max_num_seqs decoded only 128
         # rollouts at a time.
@@ -178,7 +180,7 @@ class VllmEngine(Engine):
             paused=self._paused,
             extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None},
             # vLLM delivers a non-streamed request once, at its end: no per-step count to watch (steps stays None).
-            running=self._in_flight,
+            **self._load.fields(self._in_flight),
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
 
@@ -188,6 +190,7 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         self._admin_lock = asyncio.Lock()
+        self._load.start(self.llm.engine_core)
         # vLLM swallows plugin failures, so check that the worker extension really answers on every worker.
         replies = await self.llm.collective_rpc("prime_plugin_status")
         self._plugin = {"workers": len(replies), "loaded": all(r.get("general_plugin") for r in replies)}
@@ -214,6 +217,7 @@ class VllmEngine(Engine):
         self._tap = TapFetcher(take)
 
     async def shutdown(self) -> None:
+        await self._load.stop()
         self.llm.shutdown()
 
     def _sampling_params(self, request: EngineRequest, tapped: bool) -> Any:
