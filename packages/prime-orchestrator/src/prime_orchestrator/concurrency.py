@@ -111,6 +111,7 @@ class ConcurrencyLimiter:
         self.load, self.controller, self.interval_s, self._close_load = load, controller, interval_s, close_load
         self.last: EngineLoad | None = None
         self._preemptions: list[int | None] = []
+        self._new_preemptions = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._task: asyncio.Task | None = None
 
@@ -189,33 +190,38 @@ class ConcurrencyLimiter:
         """Poll every server once and move the limit; None (limit unchanged) unless every server reported its load."""
         assert self.load is not None
         answers = await self.load()
-        if len(self._preemptions) != len(answers):
-            self._preemptions = [None] * len(answers)
-        new = 0
-        for i, answer in enumerate(answers):
-            count = answer.preemptions if answer is not None else None
-            before = self._preemptions[i]
-            if count is not None:
-                # A restarted server counts from 0 again: no new preemptions, a new baseline.
-                new += max(0, count - before) if before is not None else 0
-                self._preemptions[i] = count
+        self._count_preemptions(answers)
         if any(a is None or a.kv_cache_usage is None for a in answers):
             return None
         load = EngineLoad(
             kv_cache_usage=max(a.kv_cache_usage for a in answers),  # type: ignore[union-attr, type-var]
             waiting=sum(a.waiting for a in answers),  # type: ignore[union-attr]
             preemptions=sum(a.preemptions or 0 for a in answers),  # type: ignore[union-attr]
-            new_preemptions=new,
+            new_preemptions=self._new_preemptions,
         )
-        self.last = load
+        self.last, self._new_preemptions = load, 0
         if self.controller is not None:
             limit = self.controller.update(self.limit, load, in_flight=self.in_flight, queued=self.queued)
             if limit < self.limit:
-                logger.info("concurrency limit %d -> %d: %s", self.limit, limit,
-                            f"{new} preemption(s)" if new else f"KV cache {load.kv_cache_usage:.0%} full, "
-                            f"{load.waiting} request(s) waiting")  # fmt: skip
+                why = f"{load.new_preemptions} preemption(s)" if load.new_preemptions else (
+                    f"KV cache {load.kv_cache_usage:.0%} full, {load.waiting} request(s) waiting")  # fmt: skip
+                logger.info("concurrency limit %d -> %d: %s", self.limit, limit, why)
             self.set_limit(limit)
         return load
+
+    def _count_preemptions(self, answers: list[HealthResponse | None]) -> None:
+        """Add each server's new preemptions to those not yet acted on (a poll where some server is silent acts on
+        nothing, and the next complete one sees them)."""
+        if len(self._preemptions) != len(answers):
+            self._preemptions = [None] * len(answers)
+        for i, answer in enumerate(answers):
+            count, before = (answer.preemptions if answer is not None else None), self._preemptions[i]
+            if count is None:
+                continue
+            # A restarted server counts from 0 again: a new baseline, nothing new.
+            if before is not None and count > before:
+                self._new_preemptions += count - before
+            self._preemptions[i] = count
 
     def metrics(self) -> dict[str, Any]:
         m: dict[str, Any] = {"concurrency/limit": self.limit, "concurrency/in_flight": self.in_flight}
