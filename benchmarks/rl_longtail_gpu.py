@@ -12,8 +12,8 @@ times ``--median-tokens``, otherwise uniform around the median. Each arm is one 
 - ``fixed_<N>`` for N in ``--sweep``: today's loop: async_level 1, weight updates that drain running requests
   (``inference.weight_update = "drain"``), ``client.concurrency = "fixed"``, ``max_concurrent`` N. The best of them by
   rollout tok/s is "today's best";
-- ``mean_length``: today's loop at N = batch size with every response at the distribution's mean length; its rollout
-  time per step is the reference "rollout time of the mean-length batch";
+- ``mean_length``: every response at the distribution's mean length, N = batch size, async_level 0 (each step's batch
+  generated alone); its rollout time per step is the reference "rollout time of the mean-length batch";
 - ``continuous``: ``orchestrator.max_off_policy_steps = 1``, ``inference.weight_update = "in_flight"``, adaptive
   concurrency (no ``max_concurrent`` in the config).
 
@@ -55,7 +55,7 @@ def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
         n = args.batch_size if arm == "mean_length" else int(arm.removeprefix("fixed_"))
         client = f'concurrency = "fixed"\nmax_concurrent = {n}'
     lines = [
-        f"max_steps = {args.max_steps}", f"seq_len = {args.seq_len}", "async_level = 1", "seed = 0",
+        f"max_steps = {args.max_steps}", f"seq_len = {args.seq_len}", f"async_level = {async_level(arm)}", "seed = 0",
         f'[model]\nname = "{model_dir}"',
         '[trainer]\ndevice = "cpu"' if args.smoke else "",
         "[trainer.optim]\nlr = 1e-5", '[trainer.loss]\ntype = "grpo"',
@@ -67,6 +67,12 @@ def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
         '[inference]\nengine = "torch"' if args.smoke else '[inference]\nengine = "vllm"',
     ]  # fmt: skip
     return "\n".join(line for line in lines if line) + "\n"
+
+
+def async_level(arm: str) -> int:
+    """The reference batch is generated alone (async 0): its step's rollouts neither queue behind the previous step's
+    nor overlap a weight update, so ``time/rollouts`` is the batch's own generation time."""
+    return 0 if arm == "mean_length" else 1
 
 
 def arm_flags(arm: str, fields: dict[str, bool]) -> list[str]:
@@ -162,7 +168,7 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, work: Path, fie
     cmd = [rl, "@", str(config), "--output-dir", str(run), "--overwrite", "--console", "logs",
            *arm_flags(arm, fields), *args.extra]  # fmt: skip
     print("$", " ".join(cmd), flush=True)
-    entry = {"arm": arm, **run_level(cmd, run, 1), "commit": tree_commit(args.commit)}
+    entry = {"arm": arm, **run_level(cmd, run, async_level(arm)), "commit": tree_commit(args.commit)}
     if (run / "metrics.jsonl").is_file() and entry["returncode"] == 0:
         entry.update(longtail_summary(run / "metrics.jsonl", args.batch_size))
     for name in ("inference", "orchestrator", "trainer"):

@@ -34,7 +34,8 @@ def test_arm_configs_differ_only_in_the_loop_settings(tmp_path):
     assert mean["orchestrator"]["client"] == {"concurrency": "fixed", "max_concurrent": 16}
     assert new["orchestrator"]["client"] == {"concurrency": "adaptive"}  # no max_concurrent to tune
     assert [c["orchestrator"]["env"][0]["args"]["mean_only"] for c in (fixed, mean, new)] == [False, True, False]
-    assert fixed["async_level"] == 1 and fixed["orchestrator"]["sampling"]["max_tokens"] == 32
+    assert fixed["async_level"] == new["async_level"] == 1 and mean["async_level"] == 0  # the reference batch alone
+    assert fixed["orchestrator"]["sampling"]["max_tokens"] == 32
     gpu = tomllib.loads(bench.config_text(bench_args(smoke=False), "continuous", tmp_path))
     assert gpu["inference"]["engine"] == "vllm" and "device" not in gpu.get("trainer", {})
     both = {"max_off_policy_steps": True, "weight_update": True}
