@@ -101,8 +101,9 @@ def segment_mean(
     seg, k = segments
     flat_seg, flat_mask = seg.reshape(-1), mask.reshape(-1)
     picked = torch.where(flat_mask, values.reshape(-1), values.new_zeros(()))
-    sums = values.new_zeros(k).index_add(0, flat_seg, picked)
-    counts = values.new_zeros(k).index_add(0, flat_seg, flat_mask.to(values.dtype))
+    # Tokens off the mask sit in segment 0, which exists even without a loss token (then dropped: K = 0).
+    sums = values.new_zeros(max(k, 1)).index_add(0, flat_seg, picked)[:k]
+    counts = values.new_zeros(max(k, 1)).index_add(0, flat_seg, flat_mask.to(values.dtype))[:k]
     return sums / counts.clamp(min=1), counts, seg
 
 
