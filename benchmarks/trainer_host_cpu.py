@@ -51,6 +51,9 @@ def components(model_dir: Path, rows_per_forward: int, args: argparse.Namespace)
             "--data.fake.batch-size", "8", "--data.fake.micro-batch-size", str(rows_per_forward),
             "--data.fake.variable-lengths", "true", "--output-dir", str(model_dir / "out")]  # fmt: skip
     if args.compile_layers:
+        from prime_models.parallel import compile as compile_module
+
+        compile_module.COMPILE_BACKEND = args.compile_backend
         argv += ["--parallel.compile-layers", "true"]
     c = common.setup(load_config(TrainerConfig, argv), "trainer")
     # The GPU run's path (a working copy over fp32 masters, its hooks and copies), in fp32 by default: CPU kernels in
@@ -116,6 +119,7 @@ def main() -> None:
     p.add_argument("--row-len", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the working copy's dtype")
     p.add_argument("--compile-layers", action="store_true", help="parallel.compile_layers (torch.compile per layer)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of --compile-layers")
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "trainer_host_cpu.json")
     args = p.parse_args()
@@ -129,7 +133,7 @@ def main() -> None:
     record = {"benchmark": "trainer_host_cpu", "commit": tree_commit(), "host": platform.node(),
               "python": sys.version.split()[0], "torch": torch.__version__, "label": args.label,
               "model": "Qwen3 shape, 28 layers, hidden 64, vocab 512 (random init)", "row_len": args.row_len, "dtype": args.dtype,
-              "compile_layers": args.compile_layers,
+              "compile_layers": args.compile_backend if args.compile_layers else False,
               "host_s_per_micro_batch": (one["step_s_median"] - eight["step_s_median"]) / 7,
               "sync_ops_per_micro_batch": per_micro_batch(one["sync_ops"], eight["sync_ops"]),
               "python_calls_per_micro_batch": sum(calls.values()), "top_python_calls_per_micro_batch": dict(list(calls.items())[:20]),

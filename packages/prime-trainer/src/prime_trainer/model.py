@@ -131,6 +131,7 @@ def _parallelize(
         mesh=layout.mesh,
         dispatcher=layout.ep_dispatcher,
         one_rank_fsdp=parallel.fsdp_one_rank,
+        compile_layers=parallel.compile_layers,
     )
 
 
