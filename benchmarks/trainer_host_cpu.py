@@ -81,12 +81,15 @@ def run_step(c, step: int, around=contextlib.nullcontext) -> float:
 
 def sync_ops(c) -> dict[str, int]:
     """Device read-backs in one step's forward/backward (torch.profiler counts; on CPU they cost nothing, on a GPU
-    each waits for the stream)."""
+    each waits for the stream), and all aten ops."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU])
     run_step(c, 100, lambda: prof)
-    return {e.key: e.count for e in prof.key_averages() if e.key in SYNC_OPS}
+    counts = {e.key: e.count for e in prof.key_averages() if e.key in SYNC_OPS}
+    # Every aten op the host dispatches (on a GPU about one kernel launch each), nested calls included.
+    counts["aten ops"] = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+    return counts
 
 
 def python_calls(c) -> dict[str, int]:

@@ -8,7 +8,9 @@ vLLM is extended through its seams, not forked:
 * the ``vllm.general_plugins`` entry point (`prime_inference.vllm_plugin.register`) runs in every vLLM process;
 * weight updates from a directory use vLLM's native layerwise reload (``collective_rpc("reload_weights",
   kwargs={"weights_path": dir})``); a streamed transport (the trainer's broadcast) runs its receiver inside every
-  worker (``collective_rpc("prime_receive_weights")``), which loads each bucket with ``model.load_weights``.
+  worker (``collective_rpc("prime_receive_weights")``), which loads each bucket with ``model.load_weights``; a
+  streamed LoRA adapter (CUDA IPC) is received by every worker (``prime_receive_adapter``) and then added with
+  vLLM's own ``add_lora`` (`prime_inference.vllm_lora`).
 
 Pause semantics match the torch engine: ``/pause`` is ``pause_generation(mode="keep", clear_cache=False)`` (running
 requests freeze with their KV cache, new ones queue); an update while not paused is bracketed by
@@ -327,6 +329,16 @@ class VllmEngine(Engine):
 
     async def load_adapter(self, name: str, path: str, step: int | None) -> None:
         """vLLM's LoRA manager loads the adapter; an existing name is reloaded in place (``load_inplace``)."""
+        await self._add_lora(name, path, step)
+
+    async def receive_adapter(self, name: str, manifest: Manifest, step: int | None) -> None:
+        """Every worker takes the adapter's tensors (``prime_receive_adapter``, kept in host memory for vLLM's loader,
+        `prime_inference.vllm_lora`), then vLLM adds it as from a directory, under a path naming the transfer."""
+        from prime_inference.vllm_lora import ipc_path
+
+        await self._add_lora(name, ipc_path(manifest), step, manifest)
+
+    async def _add_lora(self, name: str, path: str, step: int | None, manifest: Manifest | None = None) -> None:
         from vllm.lora.request import LoRARequest
 
         if not self.config.lora_enabled:
@@ -335,6 +347,9 @@ class VllmEngine(Engine):
         async with self._admin_lock:
             old = self._adapters.get(name)
             lora_id = old[0].lora_int_id if old is not None else self._next_lora_id
+            if manifest is not None:
+                rpc = {"manifest": manifest.model_dump(), "lora_int_id": lora_id}
+                await self.llm.collective_rpc("prime_receive_adapter", kwargs=rpc)
             request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=old is not None)
             if not await self.llm.add_lora(request):
                 raise RuntimeError(f"vLLM refused LoRA adapter {name!r} from {path}")
