@@ -102,3 +102,31 @@ def test_compiling_comes_before_checkpointing():
     apply_activation_checkpointing(other.model.layers, "full")
     with pytest.raises(ValueError, match="before activation checkpointing"):
         C.compile_layer(other.model.layers[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_inductor_compiled_layers_on_a_gpu_train_like_eager_ones(monkeypatch, ac):
+    """What `parallel.compile_layers` runs on a GPU: inductor's kernels, bf16 compute over fp32 masters."""
+    monkeypatch.setattr(C, "COMPILE_BACKEND", "inductor")
+    C._compiled_class.cache_clear()
+    results = []
+    for compiled in (False, True):
+        model = load_model(tiny_config("qwen3", num_hidden_layers=3), seed=0).cuda()
+        get_model_spec("qwen3").parallelize_fn(
+            model, ParallelDims(world_size=1), param_dtype=torch.bfloat16, compile_layers=compiled, ac=ac
+        )
+        losses = []
+        for i, packed in enumerate((False, True, False)):
+            ids, pos = (t.cuda() for t in _batch(i, packed))
+            logprobs, _ = model(ids[:, :-1], pos[:, :-1], targets=ids[:, 1:])
+            loss = -logprobs.mean()
+            loss.backward()
+            losses.append(loss.item())
+        results.append((losses, {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}))
+    (eager_losses, eager_grads), (losses, grads) = results
+    assert losses == pytest.approx(eager_losses, rel=2e-2)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    for k, v in eager_grads.items():
+        torch.testing.assert_close(grads[k], v, rtol=0.1, atol=2e-3, msg=k)
