@@ -8,6 +8,10 @@ work is seen here, and killed, so that the server is replaced the same way and t
   unanswered. A worker silent for ``probe_timeout_s`` is killed. verifiers' broker answers ``health`` itself, so the
   workers are probed directly on the ipc socket each one listens on (found through ``/proc``).
 
+- a sandbox pool in any process of the tree (``progress/sandbox_pool_<pid>.json``, ``prime_orchestrator.sandbox``)
+  that holds running executions and finished none for longer than one execution may take: the pool itself is stuck
+  (its own recovery replaces zygotes that die or hang), so the process holding it is killed.
+
 A coroutine that awaits forever is not a hang of the worker: its rollout ends at its ``rollout_timeout``.
 """
 
@@ -21,6 +25,8 @@ import signal
 import time
 from pathlib import Path
 from typing import Any
+
+from prime_core.progress import helper_file, read_progress
 
 logger = logging.getLogger("prime.orchestrator.env")
 
@@ -102,7 +108,7 @@ class HangWatch:
     async def run(self) -> None:
         try:
             while self.proc.is_alive():
-                if (reason := self.stopped() or await self.unanswered()) is not None:
+                if (reason := self.stopped() or self.stuck_pool() or await self.unanswered()) is not None:
                     logger.warning("env server %s: %s; replacing the server", self.name, reason)
                     if self.note is not None:
                         self.note(reason)
@@ -123,6 +129,22 @@ class HangWatch:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             return f"pid {pid} ({cmd}) was stopped by a signal and would never resume; killed it"
+        return None
+
+    def stuck_pool(self) -> str | None:
+        """Name a sandbox pool of the tree whose executions ran past their bound without one finishing."""
+        now = time.time()
+        for pid in process_tree(self.proc.pid):
+            path = helper_file("sandbox_pool", pid)
+            record = read_progress(path) if path is not None and path.exists() else None
+            if record is None or record.pid != pid or record.exiting:
+                continue
+            for a in record.activities:
+                if a.limit_s is not None and now - a.since > a.limit_s:
+                    return (
+                        f"the sandbox pool in pid {pid} ({command(pid)}) has been {a.what} for {now - a.since:.0f} s "
+                        f"without one finishing, past its bound of {a.limit_s:.0f} s"
+                    )
         return None
 
     async def unanswered(self) -> str | None:

@@ -50,9 +50,9 @@ class RolloutTracker:
         if not self.pending:
             self.pending[step] += 1
             progress.begin(self._describe(), lane=LANE, limit_s=self.limit_s)
-        else:
+        else:  # more work in flight is no progress: the lane's clock runs on until a rollout finishes
             self.pending[step] += 1
-            progress.touch(LANE, self._describe())
+            progress.describe(LANE, self._describe())
         try:
             result = await rollout
         finally:
