@@ -100,7 +100,6 @@ def test_inside_a_run_the_pool_reports_progress_and_a_stuck_pool_is_named(tmp_pa
     second. A pool whose loop stops while an execution runs (here: blocked on purpose, its bound cut to 1 s) is named
     by the orchestrator's env watch at the bound and by the launcher's watchdog ``slack_s`` later; closed, it leaves
     no file."""
-    import asyncio
 
     from prime_core.config.liveness import LivenessConfig
     from prime_core.progress import read_progress
@@ -117,7 +116,9 @@ def test_inside_a_run_the_pool_reports_progress_and_a_stuck_pool_is_named(tmp_pa
         idle = read_progress(path)
         assert idle.process == "sandbox_pool" and idle.pid == os.getpid() and idle.run_id == "run"
         assert idle.counters["executions_completed"] == 1 and idle.counters["zygotes"] == 1 and idle.activities == []
-        assert PoolProgress(client.pool.config, client.pool.health, 30).bound_s() == 2 * (5 + HANG_S + 10) + 10 + 30 + 10
+        assert (
+            PoolProgress(client.pool.config, client.pool.health, 30).bound_s() == 2 * (5 + HANG_S + 10) + 10 + 30 + 10
+        )
         monkeypatch.setattr(PoolProgress, "bound_s", lambda self: 1.0)
 
         async def block(seconds: float) -> None:
