@@ -153,3 +153,26 @@ def test_inside_a_run_the_pool_reports_progress_and_a_stuck_pool_is_named(tmp_pa
         time.sleep(1.5)
         assert read_progress(path).activities == []
     assert not path.exists()
+
+
+def test_code_that_stops_itself_does_not_get_its_env_server_replaced(sandbox):
+    """The env watch kills any process of an env server stopped by a signal, but not a sandbox's: an execution that
+    sends itself SIGSTOP ends at its wall limit, and its neighbours on the same worker never notice."""
+    from prime_orchestrator.env_watch import HangWatch
+    from prime_orchestrator.proc_tree import ZYGOTE_MARK, family, process_tree
+    from prime_orchestrator.sandbox.zygotes import _BOOT
+
+    assert ZYGOTE_MARK.decode() in _BOOT
+    # PID 1 of the execution's namespace ignores SIGSTOP from inside; a child it forks does not.
+    code = "import os, signal\nif os.fork() == 0:\n    os.kill(os.getpid(), signal.SIGSTOP)\nos.wait()\nprint('resumed')"
+    limits = SandboxLimits(wall_s=3, processes=4)
+    running = sandbox.call(sandbox.pool.execute(ExecRequest(code=code, limits=limits)))
+    deadline = time.monotonic() + 10
+    while "T" not in process_tree(os.getpid()).values():
+        assert time.monotonic() < deadline, "the execution never stopped itself"
+        time.sleep(0.05)
+    watch = HangWatch("code", type("Proc", (), {"pid": os.getpid()})(), None, 5.0, set)
+    states = {pid: state for pid, (_, state) in family(os.getpid(), without_sandboxes=True).items()}
+    assert "T" not in states.values() and watch.stopped(states) is None
+    result = running.result(timeout=30)
+    assert result.status == "timeout" and result.stdout == "", result
