@@ -36,8 +36,10 @@ def start_tool_server(tmp_path) -> tuple[subprocess.Popen, int]:
 
 
 async def _answers(port_file) -> bool:
-    return port_file.exists() and port_file.read_text().strip().isdigit() and await http_answers(
-        int(port_file.read_text()), 2.0
+    return (
+        port_file.exists()
+        and port_file.read_text().strip().isdigit()
+        and await http_answers(int(port_file.read_text()), 2.0)
     )
 
 

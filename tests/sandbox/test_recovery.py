@@ -164,7 +164,9 @@ def test_code_that_stops_itself_does_not_get_its_env_server_replaced(sandbox):
 
     assert ZYGOTE_MARK.decode() in _BOOT
     # PID 1 of the execution's namespace ignores SIGSTOP from inside; a child it forks does not.
-    code = "import os, signal\nif os.fork() == 0:\n    os.kill(os.getpid(), signal.SIGSTOP)\nos.wait()\nprint('resumed')"
+    code = (
+        "import os, signal\nif os.fork() == 0:\n    os.kill(os.getpid(), signal.SIGSTOP)\nos.wait()\nprint('resumed')"
+    )
     limits = SandboxLimits(wall_s=3, processes=4)
     running = sandbox.call(sandbox.pool.execute(ExecRequest(code=code, limits=limits)))
     deadline = time.monotonic() + 10
