@@ -165,6 +165,8 @@ class VllmEngine(Engine):
         self._next_lora_id = 1
         self._tap: TapFetcher | None = None
         self._in_flight = 0
+        self._steps = 0
+        self._swapping = False
 
     @property
     def info(self) -> EngineInfo:
@@ -175,12 +177,30 @@ class VllmEngine(Engine):
             vocab_size=self.vocab_size,
             weight_step=self.weight_step,
             weight_dir=self.weight_dir,
-            paused=self._paused,
+            # A weight swap pauses vLLM's scheduler (requests queue, no step runs); its own bound is the relay's.
+            paused=self._paused or self._swapping,
             extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None},
-            # vLLM delivers a non-streamed request once, at its end: no per-step count to watch (steps stays None).
             running=self._in_flight,
+            steps=self._steps,
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
+
+    def _count_engine_steps(self) -> None:
+        """Count the engine core's steps as their outputs arrive here. Every step that advanced a request sends one
+        batch (``EngineCoreOutputs``) to the output handler, which pulls it with ``engine_core.get_output_async()``
+        (looked up on each call), whatever the requests' output kind: a count that stops while requests are in flight
+        is an engine core that stopped (a hung worker, a collective that never returns) behind a front end that still
+        answers ``/health``."""
+        core = self.llm.engine_core
+        pull = core.get_output_async
+
+        async def counted() -> Any:
+            outputs = await pull()
+            if outputs.outputs:
+                self._steps += 1
+            return outputs
+
+        core.get_output_async = counted
 
     def lora_requests(self) -> dict[str, Any]:
         """Served adapters as vLLM ``LoRARequest``s, by name (what vLLM's OpenAI routes resolve ``model`` with)."""
@@ -188,6 +208,7 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         self._admin_lock = asyncio.Lock()
+        self._count_engine_steps()
         # vLLM swallows plugin failures, so check that the worker extension really answers on every worker.
         replies = await self.llm.collective_rpc("prime_plugin_status")
         self._plugin = {"workers": len(replies), "loaded": all(r.get("general_plugin") for r in replies)}
@@ -296,14 +317,18 @@ class VllmEngine(Engine):
         """Run a worker RPC that replaces the weights, between requests: unless paused, running requests finish on
         the old weights first."""
         was_paused = self._paused
-        if not was_paused:
-            await self.llm.pause_generation(mode="wait", clear_cache=False)
+        self._swapping = True
         try:
-            await self.llm.collective_rpc(method, kwargs=kwargs)
-            await self._forget_old_weights()
-        finally:
             if not was_paused:
-                await self.llm.resume_generation()
+                await self.llm.pause_generation(mode="wait", clear_cache=False)
+            try:
+                await self.llm.collective_rpc(method, kwargs=kwargs)
+                await self._forget_old_weights()
+            finally:
+                if not was_paused:
+                    await self.llm.resume_generation()
+        finally:
+            self._swapping = False
 
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
         assert self._admin_lock is not None
