@@ -26,6 +26,7 @@ from prime_core.config.orchestrator import DistillConfig, OrchestratorConfig, Te
 from prime_core.schemas.rollout import TrainedSequence
 
 from prime_orchestrator.client import headers, post_json, wait_healthy
+from prime_orchestrator.liveness import InflightLane
 
 logger = logging.getLogger("prime.orchestrator.distill")
 
@@ -140,6 +141,10 @@ class Teachers:
     def __init__(self, config: OrchestratorConfig):
         self.student_dir = config.model.name
         self.by_env = {e.resolved_name: Teacher(e.resolved_name, e.distill) for e in config.env if e.distill}
+        # One request may take its timeout on every attempt, with the back-off between (post_json).
+        teachers = [t.config.teacher for t in self.by_env.values()]
+        limit = max(((t.timeout + 5) * (t.max_retries + 1) for t in teachers), default=0.0)
+        self.lane = InflightLane("teachers", "scoring with the teachers", limit)
         self.seconds: dict[int, float] = {}
         """step -> wall time spent in teacher scoring (summed over concurrent requests)."""
 
@@ -156,7 +161,7 @@ class Teachers:
             return rollouts
         t0 = time.perf_counter()
         seqs = [q for r in rollouts for q in r.result.sequences]
-        scores = await asyncio.gather(*(teacher.logprobs(q.token_ids) for q in seqs))
+        scores = await asyncio.gather(*(self.lane.track(teacher.logprobs(q.token_ids)) for q in seqs))
         for q, lps in zip(seqs, scores, strict=True):
             q.teacher_logprobs = lps
         self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - t0
