@@ -60,6 +60,7 @@ def test_a_shared_tool_server_that_stops_answering_or_exits_is_named(tmp_path):
         while reason is None and time.monotonic() - start < 10:
             reason = asyncio.run(watch.silent())
         took = time.monotonic() - start
+        print(f"tool server stopped: named after {took:.1f} s at probe timeout 1.5 s: {reason}")
         assert reason is not None and 1.5 <= took < 5, (reason, took)
         assert reason.startswith(f"tool server pid {proc.pid} (") and "-m tool_use.calculator" in reason
         assert f"did not answer on port {port} for " in reason and "\n" not in reason

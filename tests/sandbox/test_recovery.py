@@ -146,6 +146,7 @@ def test_inside_a_run_the_pool_reports_progress_and_a_stuck_pool_is_named(tmp_pa
         assert named_at is not None and 0.5 < named_at < 4, (named_at, reason)
         assert stuck is not None, "the watchdog did not name the pool"
         error, took = stuck
+        print(f"pool loop blocked: env watch at {named_at:.1f} s (bound 1 s), watchdog at {took:.1f} s: {error.cause}")
         assert 2.5 < took < 6.5, took
         assert error.cause.startswith("sandbox pool is stuck: the sandbox pool (pid ")
         assert "has been running 1 sandbox execution(s) for" in error.cause and "+ 2 s slack" in error.cause

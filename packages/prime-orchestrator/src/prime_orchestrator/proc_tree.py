@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
 
 _LISTENING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix
@@ -53,6 +54,31 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot): with the pid, it names one process, whatever reuses the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2 :].split()[19])
+
+
+def snapshot(root: int) -> dict[int, int | None]:
+    """pid -> start time of ``root`` and every live descendant."""
+    return {pid: start_time(pid) for pid in process_tree(root)}
+
+
+def kill_left(processes: dict[int, int | None]) -> list[int]:
+    """SIGKILL each process of a ``snapshot`` that is still there (and still the same process); the pids killed."""
+    killed = []
+    for pid, started in processes.items():
+        if started is not None and start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
 
 
 def command(pid: int) -> str:
