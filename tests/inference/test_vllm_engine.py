@@ -267,3 +267,25 @@ def test_a_stopped_vllm_engine_core_is_named_by_the_stall_check(model_dir):
         os.kill(core, signal.SIGCONT)
         dog.close()
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
+def test_vllm_teacher_scores_prompts_and_stays_frozen(model_dir):
+    """A distillation teacher on vLLM (what rl starts from [teacher] on GPUs): prompt log-probs on the token-in route
+    (max_tokens 1, prompt_logprobs 0) close to the torch engine's on the same weights, and no weight change."""
+    ids = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    body = {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}}
+    scores = {}
+    for engine, extra in (("torch", {}), ("vllm", {"vllm": {"gpu_memory_utilization": 0.3, "enforce_eager": True}})):
+        server = start_server(model_dir, engine=engine, model={"name": str(model_dir), "dtype": "bfloat16"},
+                              server={"frozen": True}, startup_timeout=600, **extra)  # fmt: skip
+        try:
+            out = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=120).json()
+            entries = out["prompt_logprobs"]
+            assert len(entries) == len(ids) and entries[0] is None
+            scores[engine] = [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:], strict=True)]
+            assert httpx.post(f"{server.url}/reload_weights", timeout=60).status_code == 403
+        finally:
+            server.stop()
+    assert scores["vllm"] == pytest.approx(scores["torch"], abs=0.05)  # bf16 on both, different kernels

@@ -363,6 +363,8 @@ def progress_files(plan: ResolvedRun) -> dict[str, list[Path]]:
             ranks = cfg.num_trainer_ranks
         elif name == "inference":
             files[name] = [plan.run_dir.progress_file("inference")]
+        elif name == "teacher":  # an inference process in its own run subdirectory
+            files[name] = [RunDir(cfg.output_dir).progress_file("inference")]
     files["trainer"] = [plan.run_dir.progress_file("trainer", rank) for rank in range(ranks)]
     return files
 

@@ -140,8 +140,22 @@ def split_logprobs(token_ids: Any, entries: Any, k: int) -> tuple[list[float], l
     return lps, top
 
 
+def prompt_logprobs_of(entries: Any) -> list[dict[int, tuple[float, int]] | None]:
+    """vLLM's prompt log-probs as the engine interface holds them: per position None (the first) or {token id:
+    (log-prob, rank)}, from a list of ``{token id: Logprob}`` dicts or a `FlatLogprobs`."""
+    if isinstance(entries, list):
+        return [None if e is None else {t: (lp.logprob, lp.rank or 0) for t, lp in e.items()} for e in entries]
+    ids, values, ranks = entries.token_ids, entries.logprobs, entries.ranks
+    out: list[dict[int, tuple[float, int]] | None] = []
+    for s, e in zip(entries.start_indices, entries.end_indices, strict=True):
+        out.append({ids[i]: (values[i], ranks[i] or 0) for i in range(s, e)} or None)
+    return out
+
+
 class VllmEngine(Engine):
     name = "vllm"
+    # Text prompts on the base model: a distillation teacher's scores (max_tokens 1, prompt_logprobs 0).
+    supports_prompt_logprobs = True
 
     def __init__(self, config: InferenceConfig):
         from vllm.usage.usage_lib import UsageContext
@@ -253,6 +267,7 @@ class VllmEngine(Engine):
             max_tokens=p.max_tokens,
             min_tokens=p.min_tokens,
             logprobs=0 if tapped else p.logprobs,  # the tap needs no alternatives
+            prompt_logprobs=p.prompt_logprobs,
             # Log-probs as flat per-request lists, not a dict and a Logprob object per token and alternative.
             flat_logprobs=p.logprobs is not None,
             include_stop_str_in_output=p.include_stop_str_in_output,
@@ -290,7 +305,10 @@ class VllmEngine(Engine):
                 elif k is not None and out.logprobs is not None:
                     logprobs, top = split_logprobs(out.token_ids, out.logprobs, k)
                 finish = out.finish_reason if result.finished else None
-                yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
+                delta = EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
+                if request.params.prompt_logprobs is not None and result.prompt_logprobs is not None:
+                    delta.prompt_logprobs = prompt_logprobs_of(result.prompt_logprobs)
+                yield delta
         finally:
             self._in_flight -= 1
             if tapped and not taken:  # aborted: the worker forgets what it collected
