@@ -52,6 +52,8 @@ def summarize(metrics: Path, async_level: int = 0) -> dict:
         "trainer_tokens_per_s_mean": mean(trainer, "throughput/tokens_per_s"),
         "orchestrator_rollouts_mean_s": mean(orchestrator, "time/rollouts"),
         "orchestrator_wait_for_policy_mean_s": mean(orchestrator, "time/wait_for_policy"),
+        # on-policy distillation (rl_gpu_distill.toml): wall time the teacher scored, beside time/rollouts
+        "orchestrator_teacher_scoring_mean_s": mean(orchestrator, "time/teacher_scoring"),
         "rollout_tokens_per_s_mean": mean(orchestrator, "throughput/rollout_tokens_per_s"),
         # steps up to the async level start before any policy update: env-worker start-up and vLLM's first batches
         "steady_rollout_tokens_per_s_mean": mean(
@@ -118,7 +120,7 @@ def main() -> None:
         "extra": args.extra, "results": [],
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / "rl_gpu.json"
+    out = args.out / f"{Path(args.config).stem}.json"  # rl_gpu.json for the default config
     for level in args.async_levels:
         run = work / f"async{level}"
         cmd = [rl, "@", args.config, "--model.name", str(model_dir), "--async-level", str(level),
@@ -132,7 +134,7 @@ def main() -> None:
         for name in ("inference", "orchestrator", "trainer"):
             log = run / "logs" / f"{name}.log"
             if log.is_file():
-                (args.out / f"rl_gpu_async{level}_{name}.log").write_text(log.read_text()[-200_000:])
+                (args.out / f"{out.stem}_async{level}_{name}.log").write_text(log.read_text()[-200_000:])
     print(f"wrote {out}")
 
 

@@ -346,11 +346,22 @@ def _profile_summary(prof, wall: float, on_cuda: bool) -> tuple[dict, str]:
         "by_kind_s": dict(sorted(by_kind.items(), key=lambda x: -x[1])),
         "top_kernels": [{"name": e.key[:120], "calls": e.count, "s": round(self_s[e.key], 5)} for e in top],
     }
+    if on_cuda:  # where the host time between kernels goes: operators by self CPU time (launches, syncs, Python)
+        host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+        host = sorted(host, key=lambda e: -e.self_cpu_time_total)[:25]
+        summary["top_host_ops"] = [
+            {"name": e.key[:120], "calls": e.count, "self_cpu_s": round(e.self_cpu_time_total / 1e6, 5)} for e in host
+        ]
     what = "CUDA kernel time" if on_cuda else "CPU operator self time"
     lines = [f"step wall {wall:.3f}s, {what} {total:.3f}s (idle/launch gap {wall - total:.3f}s)"]
     lines += [f"{k:20s} {v:8.3f}s {100 * v / max(total, 1e-9):5.1f}%" for k, v in summary["by_kind_s"].items()]
     lines += ["", f"{'kernel':100s} {'calls':>6s} {'total ms':>10s}"]
     lines += [f"{e.key[:100]:100s} {e.count:6d} {self_s[e.key] * 1e3:10.1f}" for e in top]
+    if on_cuda:
+        lines += ["", f"{'host operator':100s} {'calls':>6s} {'self ms':>10s}"]
+        lines += [
+            f"{h['name'][:100]:100s} {h['calls']:6d} {h['self_cpu_s'] * 1e3:10.1f}" for h in summary["top_host_ops"]
+        ]
     return summary, "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/weight_update_gpu.py --shape 0.6b --out $OUT [--reps 5] [--modes filesystem,nccl]
     python benchmarks/weight_update_gpu.py --shape 0.6b --out $OUT --modes filesystem,cuda_ipc   # one shared GPU
+    (--vocab 151936 by default: Qwen3's vocabulary size, a padded byte-level tokenizer; --vocab 0: the tests' one)
 
 The trainer side is prime's own: `prime_trainer` builds the model (FSDP2-wrapped, bf16 compute, fp32 master
 weights) on GPU 0 and publishes through its weight transport (`prime_trainer.weights`: safetensors + STABLE, or
@@ -38,15 +39,19 @@ SHAPES = {
 }  # fmt: skip
 
 
-def save_model(path: Path, shape: str, tokenizer_dir: str | None = None) -> dict:
+def save_model(path: Path, shape: str, tokenizer_dir: str | None = None, vocab: int = 0) -> dict:
     """A random-init bf16 model of the shape (0.6B's config with overrides) and a local tokenizer (the tests' one,
-    or ``tokenizer_dir``'s), so no hub access is needed."""
+    or ``tokenizer_dir``'s, or a byte-level one padded to ``vocab`` tokens), so no hub access is needed."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from tests.inference.helpers import build_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else build_tokenizer()
+    if vocab:  # the real vocabulary: its embedding and head are a large share of what crosses over
+        from examples_gpu import full_vocab_tokenizer
+
+        tokenizer = full_vocab_tokenizer(vocab)
     cfg = json.loads((ROOT / "benchmarks/models/qwen3-0.6b/config.json").read_text())
     cfg.update(SHAPES[shape])
     cfg.update(
@@ -83,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--vocab", type=int, default=151936, help="tokenizer size (0: the tests' small tokenizer)")
     parser.add_argument("--modes", default="filesystem,nccl")
     parser.add_argument("--weights-root", default=None, help="where weights/step_N go (default: a temp dir)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -110,7 +116,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="prime-wu-", dir=args.weights_root))
     base = work / "base"
-    result["model"] = save_model(base, args.shape)
+    result["model"] = save_model(base, args.shape, vocab=args.vocab)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     same_gpu = gpus == 1 or "cuda_ipc" in args.modes

@@ -27,8 +27,9 @@ RL = Path(sys.executable).with_name("rl")
 CPU_EXAMPLES = sorted(p.parent.name for p in EXAMPLES.glob("*/rl.toml"))
 GPU_EXAMPLES = sorted(p.parent.name for p in EXAMPLES.glob("*/rl_gpu.toml"))
 # The README runs of tool_use, arithmetic and guess_number are slow tests below; reverse_text's rl.toml runs in full
-# in tests/e2e/test_reverse_text.py: its smoke run would repeat it in CI.
-SLOW_CPU_EXAMPLES = {"tool_use", "reverse_text"}
+# in tests/e2e/test_reverse_text.py: its smoke run would repeat it in CI; distill_reverse_text's 2 steps (four
+# processes) run with their own checks in tests/e2e/test_distill_example.py.
+SLOW_CPU_EXAMPLES = {"tool_use", "reverse_text", "distill_reverse_text"}
 
 
 def metrics(out: Path) -> dict[str, dict[int, dict]]:

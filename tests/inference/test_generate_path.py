@@ -13,7 +13,7 @@ import httpx
 import msgspec
 import pytest
 import torch
-from prime_inference.engines.vllm_engine import split_logprobs
+from prime_inference.engines.vllm_engine import prompt_logprobs_of, split_logprobs
 from prime_inference.generate_logprobs import generate_logprobs
 
 
@@ -170,3 +170,14 @@ def test_group_seeds_and_continuation_logprobs(server, model_dir):
         ref2 = model_logprobs(model, turn2, cont["token_ids"])
         worst = max(worst, float((torch.tensor(logprobs_of(cont), dtype=torch.float64) - ref2).abs().max()))
     assert worst < 1e-4 and math.isfinite(worst)
+
+
+def test_prompt_logprobs_read_from_both_vllm_layouts():
+    """A distillation teacher on vLLM: prompt log-probs come back per position as {token: (log-prob, rank)}, the
+    first position None, whether vLLM hands over dicts or flat arrays (an empty first position)."""
+    _, flat, dicts = sampler_output(5, 0, seed=3)
+    flat.start_indices.insert(0, 0)
+    flat.end_indices.insert(0, 0)
+    want = [None, *({t: (lp.logprob, lp.rank) for t, lp in d.items()} for d in dicts)]
+    assert prompt_logprobs_of([None, *dicts]) == want
+    assert prompt_logprobs_of(flat) == want

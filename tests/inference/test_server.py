@@ -8,6 +8,8 @@ import time
 import httpx
 import torch
 
+from tests.inference.helpers import start_server
+
 
 def generate(url: str, token_ids: list[int], **sampling) -> dict:
     r = httpx.post(f"{url}/v1/generate", json={"token_ids": token_ids, "sampling_params": sampling}, timeout=60)
@@ -185,3 +187,22 @@ def test_concurrent_requests_are_batched(server):
     concurrent = asyncio.run(run(True))
     print(f"{num} requests x 32 tokens: sequential {sequential:.2f}s, concurrent {concurrent:.2f}s")
     assert concurrent < sequential
+
+
+def test_frozen_server_refuses_every_weight_change(model_dir, other_weights_dir):
+    """A distillation teacher (``server.frozen``, set by rl for the teacher it starts) keeps its weights: updates,
+    reloads and adapters are refused with 403, and it still scores."""
+    s = start_server(model_dir, server={"frozen": True})
+    try:
+        for route, body in (
+            ("/update_weights", {"weight_dir": str(other_weights_dir)}),
+            ("/reload_weights", {}),
+            ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": str(other_weights_dir)}),
+        ):
+            r = httpx.post(f"{s.url}{route}", json=body, timeout=60)
+            assert r.status_code == 403 and "frozen" in r.json()["error"]["message"], route
+        assert httpx.get(f"{s.url}/health").json()["weight_step"] == 0
+        body = {"token_ids": [3, 4, 5], "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}}
+        assert len(httpx.post(f"{s.url}/inference/v1/generate", json=body, timeout=60).json()["prompt_logprobs"]) == 3
+    finally:
+        s.stop()

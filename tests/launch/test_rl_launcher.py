@@ -179,3 +179,35 @@ def test_launcher_killed_leaves_no_orphans(tmp_path, rl_env):
     everything = [p for group in pids.values() for p in group]
     wait_for(lambda: not any(alive(p) for p in everything), TEARDOWN_LIMIT_S, "every child and grandchild to die")
     print(f"orphans gone {time.monotonic() - start:.2f} s after kill -9 of the launcher")
+
+
+def teacher_args() -> list[str]:
+    env = '[{"id": "reverse-text", "distill": {}}]'
+    return ["--orchestrator.env", env, "--teacher.model.name", "tiny-model", "--teacher.port", str(free_port())]
+
+
+def test_teacher_starts_is_waited_for_and_stopped(tmp_path, rl_env):
+    """[teacher]: a fourth process (the inference entry point on the teacher's config, its own log and run
+    subdirectory), healthy before the trainer starts, and stopped with the rest."""
+    out = tmp_path / "run"
+    result = subprocess.run(rl_cmd(out, *teacher_args()), env=rl_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.index("rl: teacher is healthy") < result.stdout.index("rl: trainer finished")
+    log = (out / "logs" / "teacher.log").read_text()
+    assert f"inference started with @ {out / 'configs' / 'teacher.toml'}" in log
+    teacher_pids = [int(p) for p in (out / "teacher" / "pids" / "inference").read_text().split()]
+    for pid in teacher_pids + [p for pids in pids_of(out).values() for p in pids]:
+        wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
+
+
+def test_teacher_port_in_use_is_one_line(tmp_path, rl_env):
+    import socket
+
+    args = teacher_args()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", int(args[-1])))
+        busy.listen()
+        result = subprocess.run(rl_cmd(tmp_path / "run", *args), env=rl_env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "teacher.port" in result.stderr and "--teacher.port" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()

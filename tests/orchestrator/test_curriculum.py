@@ -177,3 +177,54 @@ def test_unbounded_taskset_is_a_one_line_error():
     cursors = {"easy": 2, "hard": 0}
     assert off.plan(0, ["easy", "hard", "easy"], cursors) == [("easy", 2), ("hard", 0), ("easy", 3)]
     assert cursors == {"easy": 4, "hard": 1} and off.metrics(0) == {}
+
+
+def duel(example: int, step: int, gi: int) -> list[Rollout]:
+    """A zero-sum two-seat game: the mean over seats is 0.5 in every episode. Even examples: the first player always
+    wins; odd ones: the winner alternates (each seat has signal)."""
+    seq = TrainedSequence(token_ids=[5, 6], loss_mask=[False, True], logprobs=[0.0, -1.0])
+    out = []
+    for j in range(G):
+        first = 1.0 if example % 2 == 0 else float(j % 2)
+        traces = [TraceResult(seat=s, reward=r, sequences=[seq]) for s, r in (("white", first), ("black", 1 - first))]
+        out.append(
+            Rollout("duel", example, gi, step, RolloutResult(env="duel", example=example, traces=traces, reward=0.5))
+        )
+    return out
+
+
+def test_multi_agent_difficulty_and_gate_are_per_seat():
+    c = OrchestratorConfig.model_validate(
+        {
+            "batch_size": 4 * G,
+            "rollouts_per_example": G,
+            "env": [{"id": "duel"}],
+            "async_level": 0,
+            "curriculum": {"sampler": "difficulty_pool", "dynamic_sampling": False},
+        }  # fmt: skip
+    )
+    cur = Curriculum(c, {"duel": 8})
+    # The averaged reward is 0.5 everywhere (no advantage); per seat, the odd examples' groups carry signal.
+    groups = [duel(example, 0, gi) for gi, example in enumerate(range(4))]
+    assert [cur.admits(g) for g in groups] == [False, True, False, True]
+    asyncio.run(cur.fill(0, groups, None))
+    assert sorted(cur.pending[0]["scores"])[:2] == [["duel", 0, "black", 0.0], ["duel", 0, "white", 1.0]]
+    m = cur.metrics(0)
+    # Each seat of examples 0 and 2 is solved or hopeless (weight 0.2); 1 and 3 are normal for both seats (weight 1).
+    assert cur._weights("duel", {}) == [0.2, 1.0, 0.2, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert m["curriculum/pool/easy"] == 2 and m["curriculum/pool/hard"] == 2 and m["curriculum/pool/normal"] == 4
+    assert m["curriculum/pool/unseen"] == 4 and m["curriculum/admitted"] == 2
+    state = json.loads(json.dumps(cur.state_dict(1)))
+    resumed = Curriculum(c, {"duel": 8})
+    resumed.load_state_dict(state)
+    assert resumed.difficulty == cur.difficulty
+
+
+def test_checkpoint_without_seats_loads_as_the_single_seat():
+    cur = Curriculum(config(sampler="difficulty_pool"), NUM_EXAMPLES)
+    old = {"folded_through": 0, "totals": {"draws": 1, "admitted": 1, "trained": 1},
+           "difficulty": [["easy", 3, 0.5, 1]], "pending": {"1": {"scores": [["hard", 2, 0.0]], "draws": 1,
+           "admitted": 0, "trained": 0, "rounds": 1}}}  # fmt: skip
+    cur.load_state_dict(old)
+    assert cur.difficulty == {("easy", 3, "agent"): (0.5, 1)}
+    assert cur.pending[1]["scores"] == [["hard", 2, "agent", 0.0]]

@@ -6,10 +6,11 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
-from prime_core.config.orchestrator import DistillConfig, OrchestratorConfig, TeacherConfig
+from prime_core.config.distill import DistillConfig, TeacherConfig
+from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.microbatch import read_microbatches
 from prime_core.schemas.rollout import TrainedSequence
-from prime_orchestrator.distill import Teacher, Teachers, TokenizerMismatch, check_tokenizer
+from prime_orchestrator.distill import Teacher, Teachers, TokenizerMismatch, _covered, check_tokenizer
 from prime_orchestrator.packing import Sample, fit_to_seq_len
 
 from tests.orchestrator.conftest import CORPUS, TorchServer, build_model
@@ -137,3 +138,50 @@ def test_teacher_server_tokenizer_is_checked(tmp_path, teacher_server):
     with pytest.raises(TokenizerMismatch, match="must share a tokenizer"):
         asyncio.run(check(other))
     assert CORPUS  # the student and teacher tokenizers are both trained on it
+
+
+@pytest.mark.integration
+def test_privileged_prompt_conditions_the_teacher_only(tmp_path, teacher_server):
+    """Self-distillation: the teacher scores the student's tokens after a privileged prompt the student never saw;
+    the log-probs returned are those of the student's tokens, read after the prompt."""
+    from tokenizers import Tokenizer
+
+    student = build_model(tmp_path / "student")
+    prompt = "<|im_start|>system\nthe quick brown fox<|im_end|>\n"
+    config = distill(*teacher_of(teacher_server), privileged_prompt=prompt)
+    teacher = Teacher("env", config)
+    tokenizer = Tokenizer.from_file(str(student / "tokenizer.json"))
+    ids = tokenizer.encode("<|im_start|>user\nhello there<|im_end|>\n", add_special_tokens=False).ids
+
+    async def score():
+        await teacher.start(str(student))
+        try:
+            return await teacher.logprobs(ids)
+        finally:
+            await teacher.client.aclose()
+
+    got = asyncio.run(score())
+    prefix = tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert teacher.prefix == prefix and len(prefix) > 3
+    full = teacher_logprobs(teacher_server.config.model.name, prefix + ids)
+    assert got == pytest.approx(full[len(prefix) :].tolist(), abs=2e-4)
+    assert got[0] != 0.0  # the first token is now predicted from the prompt
+
+
+def test_a_teacher_nobody_serves_is_named():
+    from prime_orchestrator.distill import TeacherError
+
+    # No base_url: rl fills it from [teacher]; an orchestrator started alone stops at start with one line.
+    teachers = Teachers(OrchestratorConfig(env=[{"id": "a"}, {"id": "b", "distill": {}}]))
+    with pytest.raises(TeacherError) as e:
+        asyncio.run(teachers.start())
+    assert str(e.value) == (
+        "env 'b': distill.teacher.base_url is unset (rl fills it from [teacher]; a standalone orchestrator needs the "
+        "teacher server's)"
+    )
+
+
+def test_teacher_scoring_time_is_the_wall_time_covered_by_concurrent_groups():
+    # Three groups scored concurrently over [0, 2] and [1, 3], then one alone over [5, 6]: 4 s of wall time, 5 s summed.
+    assert _covered([(1.0, 3.0), (0.0, 2.0), (5.0, 6.0), (1.5, 2.5)]) == pytest.approx(4.0)
+    assert _covered([]) == 0.0

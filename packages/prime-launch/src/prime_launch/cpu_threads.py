@@ -4,7 +4,7 @@ Every torch process sizes its intra-op pool to all cores by default, so an infer
 the same CPU each run one thread per core and their OpenMP workers spin against each other: on 2 cores a
 trainer step took 10-25x longer next to a busy server than alone. The launcher therefore splits the cores:
 the orchestrator (HTTP and packing, no heavy torch ops) gets 1 thread and does not count against the cores;
-the inference server and each trainer rank get an even share, at least 1. Trainer ranks get equal counts
+the inference server (and a distillation teacher's) and each trainer rank get an even share, at least 1. Trainer ranks get equal counts
 (collectives wait for the slowest rank), so a remainder goes to the inference server.
 """
 
@@ -26,11 +26,16 @@ def available_cores() -> int:
 
 
 def split_cpu_threads(
-    cores: int, *, inference: bool, trainer_ranks: int, explicit: Mapping[str, int] | None = None
+    cores: int,
+    *,
+    inference: bool,
+    trainer_ranks: int,
+    explicit: Mapping[str, int] | None = None,
+    teacher: bool = False,
 ) -> dict[str, int]:
     """Threads per process (``trainer``: per rank) for ``cores`` cores.
 
-    ``inference`` says whether an inference server runs on this CPU. ``explicit`` holds the user's counts by
+    ``inference`` (``teacher``) says whether the policy's (a distillation teacher's) server runs on this CPU. ``explicit`` holds the user's counts by
     role; those are kept and their cores (times the ranks, for the trainer) taken out before the rest is split.
     With fewer cores left than processes to share them, each gets 1 thread.
     """
@@ -39,6 +44,8 @@ def split_cpu_threads(
     sharing = {}
     if inference:
         sharing["inference"] = 1
+    if teacher:
+        sharing["teacher"] = 1
     sharing["trainer"] = trainer_ranks
     left = cores
     for role, procs in list(sharing.items()):

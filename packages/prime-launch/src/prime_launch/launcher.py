@@ -76,7 +76,7 @@ def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
         print(f"  note: {note}", file=out)
     if plan.resume_step is not None:
         print(f"  resuming from step {plan.resume_step}", file=out)
-    urls = ", ".join(plan.health_urls)
+    urls = ", ".join([*plan.health_urls, *filter(None, [plan.teacher_health_url])])
     print(f"commands (in start order; the trainer starts once {urls} answers):", file=out)
     for spec in plan.specs:
         print(f"  {command_line(spec)}", file=out)
@@ -169,8 +169,9 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
             console.error(f"{note}; {e.cause}" if note else e.cause)
             code = 1
         except StartupFailed as e:
-            if "inference" in manager.procs:
-                log = plan.run_dir.log_file("inference")
+            failed = "teacher" if plan.teacher_health_url and plan.teacher_health_url in str(e) else "inference"
+            if failed in manager.procs:
+                log = plan.run_dir.log_file(failed)
                 console.message("\n".join([f"---- last lines of {log} ----", *tail_lines(log, 30), "----"]))
             console.error(str(e))
             code = 1
@@ -193,7 +194,7 @@ def _prepare(rl: RLConfig) -> tuple[ResolvedRun, list[RunDir]]:
     the configs."""
     plan = resolve_here(rl)
     check_output_dirs(plan, rl)
-    check_port_free(plan.configs.get("inference"))
+    check_port_free(plan.configs.get("inference"), plan.configs.get("teacher"))
     resume = rl.resume or plan.resume_step is not None
     # What a start that failed before its first step left behind (configs, logs, step-0 rollouts) must not
     # block the directory, nor leak into this run.
@@ -246,6 +247,9 @@ def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _C
     specs = {spec.name: spec for spec in plan.specs}
     append = rl.resume or plan.resume_step is not None
     own = "inference" in specs
+    # The teacher loads while the rest starts (the orchestrators wait for it themselves too), unless it shares a GPU.
+    if "teacher" in specs and not (own and plan.teacher_after_inference):
+        manager.start(specs["teacher"], append_log=append)
     if own:
         for name in ("inference", *plan.orchestrators):
             manager.start(specs[name], append_log=append)
@@ -266,7 +270,22 @@ def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _C
         for name in plan.orchestrators:
             manager.start(specs[name], append_log=append)
     manager.liveness.probe(plan.health_urls, plan.api_key, server="inference" if own else None)
+    if plan.teacher_health_url is not None:
+        _start_teacher(plan, rl, manager, console, append)
     manager.start(specs["trainer"], append_log=append)
+
+
+def _start_teacher(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _Console, append: bool) -> None:
+    """Start the teacher unless it already loads (it waited for the policy's server to hold its share of a GPU), wait
+    for its /health with the same foreign-server check as the policy's, and probe it from then on."""
+    spec = next(spec for spec in plan.specs if spec.name == "teacher")
+    if spec.name not in manager.procs:
+        manager.start(spec, append_log=append)
+    assert plan.teacher_health_url is not None
+    run_id = spec.env["PRIME_RUN_ID"]
+    wait_healthy([plan.teacher_health_url], None, rl.health_timeout, manager.poll, run_id, console.message)
+    console.message("rl: teacher is healthy")
+    manager.liveness.probe([plan.teacher_health_url], None, server="teacher")
 
 
 def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Console) -> bool:

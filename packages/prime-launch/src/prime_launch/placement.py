@@ -33,6 +33,12 @@ class Placement:
     """Inference and trainer share GPUs: each one's memory fraction."""
     weights_transport: str | None = None
     """The trainer's ``weights.broadcast.type`` the placement needs (None keeps the config's)."""
+    teacher_engine: str | None = None
+    """The teacher server's engine as placed (None keeps ``teacher.engine``)."""
+    teacher_data_parallel: int | None = None
+    """vLLM's ``data_parallel_size`` over the teacher's GPUs (None keeps ``teacher.vllm``'s)."""
+    teacher_shares_gpu: bool = False
+    """The teacher shares a GPU with the others: it starts once the policy's server has reserved its memory."""
     env_of: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per role, the environment variables its devices and threads need."""
     devices: dict[str, str] = field(default_factory=dict)
@@ -87,8 +93,18 @@ def _place_on_gpus(rl: RLConfig, gpus: list[int], facts: HostFacts) -> Placement
     place.env_of["trainer"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, train_ids))
     place.trainer_device = "cuda" if rl.trainer.device == "auto" else None
     place.devices["trainer"] = f"GPU {','.join(map(str, train_ids))}"
-    if inference is None:
-        return place
+    if inference is not None:
+        _place_inference_on_gpus(rl, place, inf_ids, train_ids, shared, facts)
+    _place_teacher_on_gpus(rl, place, gpus, inf_ids, train_ids)
+    return place
+
+
+def _place_inference_on_gpus(
+    rl: RLConfig, place: Placement, inf_ids: list[int], train_ids: list[int], shared: bool, facts: HostFacts
+) -> None:
+    inference = rl.inference
+    assert inference is not None
+    num_inf = len(inf_ids)
     place.env_of["inference"]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, inf_ids))
     place.devices["inference"] = f"GPU {','.join(map(str, inf_ids))}"
     if shared:
@@ -99,7 +115,64 @@ def _place_on_gpus(rl: RLConfig, gpus: list[int], facts: HostFacts) -> Placement
     if inference.vllm.data_parallel_size == 1 and num_inf // tp > 1:
         place.inference_data_parallel = num_inf // tp
         place.notes.append(f"inference: data parallel size {num_inf // tp} (x tensor parallel {tp})")
-    return place
+
+
+def _place_teacher_on_gpus(
+    rl: RLConfig, place: Placement, gpus: list[int], inf_ids: list[int], train_ids: list[int]
+) -> None:
+    """The teacher's vLLM on ``teacher.gpu_ids``, else on the next ``teacher.num_gpus`` GPUs nobody else has."""
+    teacher = rl.teacher
+    if teacher is None:
+        return
+    taken = inf_ids + train_ids
+    if teacher.gpu_ids is not None:
+        ids = list(teacher.gpu_ids)
+        shared = sorted(set(ids) & set(taken))
+        if shared and not rl.user_set("teacher.vllm.gpu_memory_utilization"):
+            raise ValueError(
+                f"teacher.gpu_ids shares GPU {shared} with the other processes: set teacher.vllm.gpu_memory_utilization "
+                "to the share of its memory the teacher may take"
+            )
+        for gpu in shared:
+            _check_teacher_share(rl, place, gpu, gpu in inf_ids, gpu in train_ids)
+        place.teacher_shares_gpu = bool(shared)
+    else:
+        free = [g for g in gpus if g not in taken]
+        if len(free) < teacher.num_gpus:
+            raise ValueError(
+                f"teacher.num_gpus ({teacher.num_gpus}): only {len(free)} GPU(s) left after inference and trainer "
+                f"({gpus}); lower it, or share a GPU with teacher.gpu_ids and teacher.vllm.gpu_memory_utilization"
+            )
+        ids = free[: teacher.num_gpus]
+    tp = teacher.vllm.tensor_parallel_size
+    if len(ids) % tp:
+        raise ValueError(f"teacher: {len(ids)} GPU(s) is not a multiple of teacher.vllm.tensor_parallel_size ({tp})")
+    if teacher.vllm.data_parallel_size == 1 and len(ids) // tp > 1:
+        place.teacher_data_parallel = len(ids) // tp
+    place.env_of["teacher"] = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+    place.devices["teacher"] = f"GPU {','.join(map(str, ids))}"
+    if place.teacher_shares_gpu:
+        place.devices["teacher"] += f" shared, vLLM {teacher.vllm.gpu_memory_utilization:g} of its memory"
+
+
+def _check_teacher_share(rl: RLConfig, place: Placement, gpu: int, inference: bool, trainer: bool) -> None:
+    """A GPU the teacher's vLLM shares: the memory shares of everyone on it fit (the trainer's only when capped)."""
+    assert rl.teacher is not None
+    shares, util = place.shares, rl.teacher.vllm.gpu_memory_utilization
+    if trainer and shares is None:
+        raise ValueError(
+            f"teacher.gpu_ids: GPU {gpu} is the trainer's, which takes its memory uncapped unless inference and trainer "
+            "share GPUs (devices.colocate); give the teacher another GPU"
+        )
+    taken = {"teacher.vllm.gpu_memory_utilization": util}
+    if inference:
+        key = "devices.inference_memory_fraction" if shares else "inference.vllm.gpu_memory_utilization"
+        taken[key] = shares.inference_fraction if shares else rl.inference.vllm.gpu_memory_utilization
+    if trainer and shares is not None:
+        taken["devices.trainer_memory_fraction"] = shares.trainer_fraction
+    if sum(taken.values()) > 1.0 + 1e-9:
+        parts = " + ".join(f"{key} {value:g}" for key, value in taken.items())
+        raise ValueError(f"teacher.gpu_ids: GPU {gpu} is over-committed ({parts} > 1); lower them")
 
 
 def _share_gpus(rl: RLConfig, place: Placement, train_ids: list[int], facts: HostFacts) -> None:
@@ -144,6 +217,14 @@ def _place_on_cpu(rl: RLConfig) -> Placement:
             raise ValueError(f"inference.torch.device = {inference.torch.device} but no GPU is visible")
     else:
         place.env_of["inference"] = {}
+    if rl.teacher is not None:
+        if rl.teacher.engine == "vllm":
+            raise ValueError("teacher.engine = vllm needs a GPU; use engine = torch (or auto) on CPU")
+        if rl.teacher.torch.device not in ("auto", "cpu"):
+            raise ValueError(f"teacher.torch.device = {rl.teacher.torch.device} but no GPU is visible")
+        place.teacher_engine = "torch"
+        place.env_of["teacher"] = {"CUDA_VISIBLE_DEVICES": ""}
+        place.devices["teacher"] = "CPU (torch engine)"
     return place
 
 
@@ -152,16 +233,21 @@ def _assign_threads(rl: RLConfig, place: Placement, facts: HostFacts) -> None:
     role that devices.cpu_threads does not name."""
     inference = rl.inference
     use_gpu, num_trainer_ranks = place.use_gpu, place.num_trainer_ranks
-    on_cpu = ["orchestrator"] if use_gpu else ["orchestrator", "trainer", *(["inference"] if inference else [])]
+    teacher = rl.teacher is not None and not use_gpu
+    servers = [*(["inference"] if inference else []), *(["teacher"] if teacher else [])]
+    on_cpu = ["orchestrator"] if use_gpu else ["orchestrator", "trainer", *servers]
     explicit = dict(rl.devices.cpu_threads)
     if inference is not None and inference.torch.num_threads is not None:
         explicit.setdefault("inference", inference.torch.num_threads)
+    if teacher and rl.teacher.torch.num_threads is not None:
+        explicit.setdefault("teacher", rl.teacher.torch.num_threads)
     inherited = rl.env_vars.get("OMP_NUM_THREADS") or facts.environ.get("OMP_NUM_THREADS")
     threads = split_cpu_threads(
         facts.cores,
         inference=not use_gpu and inference is not None,
         trainer_ranks=0 if use_gpu else num_trainer_ranks,
         explicit=explicit,
+        teacher=teacher,
     )
     for name in on_cpu:
         if inherited and name not in explicit:
@@ -178,6 +264,11 @@ def place_on_cluster(rl: RLConfig, facts: ClusterFacts) -> Placement:
     under torchrun on the trainer nodes; the orchestrator beside trainer rank 0. The job script sets devices."""
     if rl.runs:
         raise ValueError("runs (multi-tenant LoRA) launch on one node: use the single-node-rl template")
+    if rl.teacher is not None:
+        raise ValueError(
+            "[teacher] starts on one node only: in a multi-node job serve the teacher separately (`inference`) and set "
+            "each distilling env's distill.teacher.base_url"
+        )
     use_gpu = facts.gpus_per_node > 0
     unit = "GPU" if use_gpu else "CPU rank"
     place = Placement(

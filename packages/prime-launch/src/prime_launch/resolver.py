@@ -26,6 +26,7 @@ from prime_launch.host import ClusterFacts, HostFacts
 from prime_launch.placement import Placement, place_on_cluster, place_on_host
 from prime_launch.plan import orchestrator_name, role
 from prime_launch.process import ProcessSpec
+from prime_launch.teacher import TEACHER, teacher_config, teacher_url, with_teacher
 
 
 @dataclass
@@ -46,6 +47,11 @@ class ResolvedRun:
     notes: list[str] = field(default_factory=list)
     runs: dict[str, RunDir] = field(default_factory=dict)
     """Multi-tenant LoRA: each run's directory, by run name (its orchestrator is ``orchestrator-<name>``)."""
+    teacher_health_url: str | None = None
+    """``/health`` of the distillation teacher rl starts (``[teacher]``), waited for before the trainer starts."""
+    teacher_after_inference: bool = False
+    """The teacher shares a GPU with the policy's server: it starts once that server is healthy (one vLLM at a time
+    sizes its memory)."""
 
     @property
     def orchestrators(self) -> list[str]:
@@ -66,10 +72,12 @@ def resolve(rl: RLConfig, facts: HostFacts | ClusterFacts) -> ResolvedRun:
     run_dir = RunDir(rl.run_dir if local else facts.output_dir)
     resume_step = _resume_step(rl, facts.checkpoint_steps, run_dir)
     inference = _inference_config(rl, place, run_dir)
+    teacher = teacher_config(rl, place, run_dir)
     trainer = _trainer_config(rl, place, inference, run_dir, resume_step)
     environ = facts.environ if local else {}
     orchestrator = _orchestrator_config(rl, place, trainer, inference, run_dir, resume_step, environ)
-    configs = _process_configs(rl, inference, orchestrator, trainer, place.devices)
+    orchestrator = orchestrator.derive(env=with_teacher(orchestrator.env, teacher, rl.health_timeout))
+    configs = _process_configs(rl, inference, teacher, orchestrator, trainer, place.devices)
     api_key = _api_key(orchestrator.client, inference, environ)
     return ResolvedRun(
         run_dir=run_dir,
@@ -81,6 +89,8 @@ def resolve(rl: RLConfig, facts: HostFacts | ClusterFacts) -> ResolvedRun:
         resume_step=resume_step,
         notes=place.notes,
         runs={name: RunDir(path) for name, path in rl.run_dirs().items()},
+        teacher_health_url=teacher_url(teacher) + "/health" if teacher is not None else None,
+        teacher_after_inference=place.teacher_shares_gpu,
     )
 
 
@@ -230,7 +240,9 @@ def _api_key(client: ClientConfig, inference: InferenceConfig | None, environ: M
     return (inference.server.api_key if inference is not None else None) or _user_key(client, environ)
 
 
-def _run_orchestrators(rl: RLConfig, orchestrator: OrchestratorConfig) -> dict[str, OrchestratorConfig]:
+def _run_orchestrators(
+    rl: RLConfig, orchestrator: OrchestratorConfig, teacher: InferenceConfig | None
+) -> dict[str, OrchestratorConfig]:
     """One orchestrator per run: the run's directory, adapter name and overrides on the resolved base config."""
     if not rl.runs:
         return {"orchestrator": orchestrator}
@@ -243,7 +255,7 @@ def _run_orchestrators(rl: RLConfig, orchestrator: OrchestratorConfig) -> dict[s
         if run.seed is not None:
             changes["seed"] = run.seed
         if run.env is not None:
-            changes["env"] = run.env
+            changes["env"] = with_teacher(run.env, teacher, rl.health_timeout)
         wandb = orchestrator.monitor.wandb
         if wandb.name:
             changes["monitor"] = orchestrator.monitor.derive(wandb=wandb.derive(name=f"{wandb.name}-{run.name}"))
@@ -254,6 +266,7 @@ def _run_orchestrators(rl: RLConfig, orchestrator: OrchestratorConfig) -> dict[s
 def _process_configs(
     rl: RLConfig,
     inference: InferenceConfig | None,
+    teacher: InferenceConfig | None,
     orchestrator: OrchestratorConfig,
     trainer: TrainerConfig,
     devices: dict[str, str],
@@ -262,7 +275,9 @@ def _process_configs(
     configs: dict[str, BaseModel] = {}
     if inference is not None:
         configs["inference"] = inference
-    configs.update(_run_orchestrators(rl, orchestrator))
+    if teacher is not None:
+        configs[TEACHER] = teacher
+    configs.update(_run_orchestrators(rl, orchestrator, teacher))
     configs["trainer"] = trainer
     for name in configs:
         devices.setdefault(name, devices[role(name)])
@@ -283,7 +298,7 @@ def _process_specs(
         if role(name) == "orchestrator" and "inference" in configs:
             # Started beside rl's own server: it sends nothing until /health carries this run's id.
             args += ["--client.server-run-id", facts.run_id]
-        cmd = [_executable(facts, role(name)), *args]
+        cmd = [_executable(facts, "inference" if name == TEACHER else role(name)), *args]
         if name == "trainer" and place.num_trainer_ranks > 1:
             ranks = str(place.num_trainer_ranks)
             cmd = [_executable(facts, "torchrun"), "--standalone", "--nproc-per-node", ranks, "--no-python", *cmd]

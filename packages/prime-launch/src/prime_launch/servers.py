@@ -20,16 +20,16 @@ class StartupFailed(Exception):
     """A process did not come up (e.g. inference never became healthy, or another server answered)."""
 
 
-def check_port_free(inference: InferenceConfig | None) -> None:
-    """Before anything starts: the port of the server rl would start is free. Raises ``ValueError`` (one line)."""
-    if inference is None:
-        return
-    reason = port_in_use(inference.server.host, inference.server.port)
-    if reason:
+def check_port_free(inference: InferenceConfig | None, teacher: InferenceConfig | None = None) -> None:
+    """Before anything starts: the ports of the servers rl would start (the policy's, a distillation teacher's) are
+    free. Raises ``ValueError`` (one line)."""
+    if inference is not None and (reason := port_in_use(inference.server.host, inference.server.port)):
         raise ValueError(
             f"inference.server.port: {reason}; stop that server, choose another --inference.server.port, or drop "
             "[inference] and point --orchestrator.client.base-urls at it"
         )
+    if teacher is not None and (reason := port_in_use(teacher.server.host, teacher.server.port)):
+        raise ValueError(f"teacher.port: {reason}; stop that server or choose another --teacher.port")
 
 
 def _request(url: str, api_key: str | None, body: dict[str, Any] | None = None, timeout: float = 2.0) -> Any:

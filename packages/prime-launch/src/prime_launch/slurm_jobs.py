@@ -84,7 +84,8 @@ def _write_rl_toml(rl: RLConfig, run_dir: RunDir) -> tuple[dict[str, Path], list
     rl_path = run_dir.root / "slurm" / "rl.toml"
     atomic_write_text(rl_path, tomli_w.dumps(_strip_none(data)))
     orchestrators = [orchestrator_name(run.name) for run in rl.runs] or ["orchestrator"]
-    processes = ["inference", *orchestrators, "trainer"] if rl.inference is not None else [*orchestrators, "trainer"]
+    servers = [*(["inference"] if rl.inference is not None else []), *(["teacher"] if rl.teacher is not None else [])]
+    processes = [*servers, *orchestrators, "trainer"]
     return {"rl": rl_path}, [run_dir.log_file(p) for p in processes]
 
 

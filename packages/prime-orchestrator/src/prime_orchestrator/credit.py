@@ -52,6 +52,15 @@ def _units(group: Sequence[Any]) -> list[Unit]:
     return units
 
 
+def seat_groups(group: Sequence[Any]) -> dict[str, list[Unit]]:
+    """The group's units by seat, in the order seats first appear: each seat's traces across the group's rollouts,
+    the set its advantages are taken over (and the curriculum scores)."""
+    by_seat: dict[str, list[Unit]] = defaultdict(list)
+    for unit in _units(group):
+        by_seat[unit.seat].append(unit)
+    return dict(by_seat)
+
+
 def group_samples(
     group: Sequence[Any], config: OrchestratorConfig, teachers: Any = None
 ) -> tuple[list[Sample], int, list[float]]:
@@ -59,9 +68,7 @@ def group_samples(
     advantages are all zero dropped when ``filters.zero_advantage_groups`` (unless its env distils: the teacher's
     per-token signal remains). ``teachers`` (``prime_orchestrator.distill.Teachers``) turns a sequence's advantage
     into its distillation advantages."""
-    by_seat: dict[str, list[Unit]] = defaultdict(list)
-    for unit in _units(group):
-        by_seat[unit.seat].append(unit)
+    by_seat = seat_groups(group)
     samples: list[Sample] = []
     filtered = 0
     advantages: list[float] = []

@@ -1,9 +1,11 @@
 """Difficulty curriculum and dynamic sampling: which examples a step draws, and which of its groups train.
 
-Every drawn group is scored into its example's running mean reward (an EMA of group mean rewards). A
-``difficulty_pool`` sampler draws examples with replacement, weighted by the pool that running mean falls in
-(unseen examples get ``unseen_weight``). An advantage-range gate rejects groups without signal; under dynamic
+Every drawn group is scored into its example's running mean reward (an EMA of group mean rewards), per seat: in a
+multi-agent episode each trainable seat has its own (``prime_orchestrator.credit``), since the mean over seats of a
+zero-sum game is the same in every episode. A ``difficulty_pool`` sampler draws examples with replacement, each
+weighted by the best pool any of its seats falls in (unseen examples get ``unseen_weight``). An advantage-range gate rejects groups without signal; under dynamic
 sampling (DAPO) the step then draws more groups until it holds the batch's number of admitted groups, or the cap.
+A group is admitted when any seat's advantages leave the gate's range, as credit trains each seat on its own.
 
 Determinism (a resumed run draws what an uninterrupted one would, whatever the timing): the draws of step n,
 round k come from an RNG seeded with (seed, n, k), and from the difficulty of exactly the steps <= n - 1 -
@@ -29,6 +31,7 @@ from prime_core.io import atomic_write_json
 from prime_core.run_dir import RunDir
 
 from prime_orchestrator.advantages import compute_advantages
+from prime_orchestrator.credit import seat_groups
 
 logger = logging.getLogger("prime.orchestrator.curriculum")
 
@@ -36,8 +39,7 @@ STATE_FILE = "curriculum.json"
 
 
 class _Result(Protocol):
-    reward: float
-    completion_len: int
+    traces: list
     failed: bool
 
 
@@ -69,12 +71,12 @@ class Curriculum:
         self.distilling = {e.resolved_name for e in config.env if e.distill is not None}
         # Pools by threshold; a mean above every threshold belongs to the last one.
         self.pools = sorted(self.c.pools.items(), key=lambda item: item[1].threshold)
-        self.difficulty: dict[tuple[str, int], tuple[float, int]] = {}
-        """(env, example) -> (running mean reward, groups scored), folded through step ``folded_through``."""
+        self.difficulty: dict[tuple[str, int, str], tuple[float, int]] = {}
+        """(env, example, seat) -> (running mean reward, groups scored), folded through step ``folded_through``."""
         self.folded_through = -1
         self.totals = {"draws": 0, "admitted": 0, "trained": 0}
         self.pending: dict[int, dict[str, Any]] = {}
-        """step -> {"scores": [[env, example, mean reward], ...], "draws"/"admitted"/"trained"/"rounds": int}."""
+        """step -> {"scores": [[env, example, seat, mean reward], ...], "draws"/"admitted"/"trained"/"rounds": int}."""
         if num_examples is not None:
             self.start(num_examples)
 
@@ -95,18 +97,24 @@ class Curriculum:
 
     def _fold(self, table: dict, through: int, start: int) -> None:
         for step in sorted(s for s in self.pending if start < s <= through):
-            for env, example, mean in self.pending[step]["scores"]:
-                key = (env, int(example))
+            for env, example, seat, mean in self.pending[step]["scores"]:
+                key = (env, int(example), seat)
                 table[key] = self._update(table.get(key, self.difficulty.get(key)), mean)
 
     def pool_of(self, mean: float) -> str:
         return next((name for name, p in self.pools if mean <= p.threshold), self.pools[-1][0])
 
     def _weights(self, env: str, view: dict) -> list[float]:
-        weights = []
-        for example in range(self.num_examples[env]):
-            known = view.get((env, example)) or self.difficulty.get((env, example))
-            weights.append(self.c.unseen_weight if known is None else self.c.pools[self.pool_of(known[0])].weight)
+        """Per example of ``env``: the weight of the best pool one of its seats is in (an example that any seat still
+        learns from is worth drawing), or ``unseen_weight``."""
+        seats: dict[int, dict[str, float]] = {}
+        for table in (self.difficulty, view):  # the view (scores folded since) wins
+            for (e, example, seat), (mean, _) in table.items():
+                if e == env:
+                    seats.setdefault(example, {})[seat] = mean
+        weights = [self.c.unseen_weight] * self.num_examples[env]
+        for example, means in seats.items():
+            weights[example] = max(self.c.pools[self.pool_of(mean)].weight for mean in means.values())
         return weights
 
     # ----- draws -----
@@ -130,22 +138,30 @@ class Curriculum:
         """(env, example) of each group of the step's first round; ``envs`` is the orchestrator's env mix."""
         return self._examples(step, 0, envs, cursors) if self.enabled else sequential_plan(envs, cursors)
 
-    def admits(self, group: Group) -> bool:
-        if self.c.reject_advantage is None or group[0].env in self.distilling:  # the teacher's signal, always
-            return True
+    def _seats(self, group: Group) -> dict[str, list]:
+        """The group's traces by seat, as credit trains them (failed rollouts dropped or scored 0)."""
         if self.config.failed_rollouts == "drop":
             group = [r for r in group if not r.result.failed]
-        if not group:
-            return False
-        rewards = [r.result.reward for r in group]
-        adv = compute_advantages(rewards, [r.result.completion_len for r in group], self.config.advantage)
-        low, high = self.c.reject_advantage
-        return not bool(np.all((adv >= low - 1e-9) & (adv <= high + 1e-9)))
+        return seat_groups(group) if group else {}
 
-    def _mean_reward(self, group: Group) -> float | None:
-        drop = self.config.failed_rollouts == "drop"
-        rewards = [r.result.reward for r in group if not (drop and r.result.failed)]
-        return float(np.mean(rewards)) if rewards else None
+    def admits(self, group: Group) -> bool:
+        """Whether some seat's advantages leave the ``reject_advantage`` range (always, for a distilling env)."""
+        if self.c.reject_advantage is None or group[0].env in self.distilling:  # the teacher's signal, always
+            return True
+        low, high = self.c.reject_advantage
+        for units in self._seats(group).values():
+            adv = compute_advantages([u.reward for u in units], [u.length for u in units], self.config.advantage)
+            if not np.all((adv >= low - 1e-9) & (adv <= high + 1e-9)):
+                return True
+        return False
+
+    def _scores(self, group: Group) -> list[list]:
+        """[env, example, seat, mean reward of the seat's traces] per seat of the group."""
+        env, example = group[0].env, group[0].example
+        return [
+            [env, example, seat, float(np.mean([u.reward for u in units]))]
+            for seat, units in self._seats(group).items()
+        ]
 
     async def fill(self, step: int, groups: list[Group], run_group: RunGroup) -> list[Group]:
         """Every group the step drew; those that do not train (rejected, or admitted beyond the batch's number of
@@ -172,7 +188,7 @@ class Curriculum:
             for r in g:
                 r.train = id(g) in chosen
         self.pending[step] = {
-            "scores": [[g[0].env, g[0].example, mean] for g in drawn if (mean := self._mean_reward(g)) is not None],
+            "scores": [score for g in drawn for score in self._scores(g)],
             "draws": len(drawn),
             "admitted": len(admitted),
             "trained": len(trained),
@@ -194,7 +210,7 @@ class Curriculum:
             "curriculum/admitted": record["admitted"],
             "curriculum/rejected": record["draws"] - record["admitted"],
             "curriculum/rounds": record["rounds"],
-            "curriculum/reward/mean": float(np.mean([s[2] for s in record["scores"]])) if record["scores"] else 0.0,
+            "curriculum/reward/mean": float(np.mean([s[3] for s in record["scores"]])) if record["scores"] else 0.0,
             "curriculum/draws_total": totals["draws"],
             "curriculum/rollouts_total": totals["draws"] * g,
             "curriculum/trained_total": totals["trained"],
@@ -205,7 +221,8 @@ class Curriculum:
             for mean, _ in self.difficulty.values():
                 counts[self.pool_of(mean)] += 1
             m.update({f"curriculum/pool/{name}": n for name, n in counts.items()})
-            m["curriculum/pool/unseen"] = sum(self.num_examples.values()) - len(self.difficulty)
+            seen = {(env, example) for env, example, _ in self.difficulty}
+            m["curriculum/pool/unseen"] = sum(self.num_examples.values()) - len(seen)
         return m
 
     def commit(self, through: int) -> None:
@@ -225,15 +242,21 @@ class Curriculum:
         return {
             "folded_through": self.folded_through,
             "totals": dict(self.totals),
-            "difficulty": [[env, ex, mean, n] for (env, ex), (mean, n) in sorted(self.difficulty.items())],
+            "difficulty": [[env, ex, seat, mean, n] for (env, ex, seat), (mean, n) in sorted(self.difficulty.items())],
             "pending": {str(s): p for s, p in sorted(self.pending.items()) if s < next_step},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.folded_through = int(state["folded_through"])
         self.totals = {k: int(state["totals"][k]) for k in self.totals}
-        self.difficulty = {(env, int(ex)): (float(mean), int(n)) for env, ex, mean, n in state["difficulty"]}
+        # Entries without a seat come from checkpoints written before scores were per seat: the single seat "agent".
+        self.difficulty = {
+            (entry[0], int(entry[1]), entry[2] if len(entry) == 5 else "agent"): (float(entry[-2]), int(entry[-1]))
+            for entry in state["difficulty"]
+        }
         self.pending = {int(s): p for s, p in state["pending"].items()}
+        for p in self.pending.values():
+            p["scores"] = [s if len(s) == 4 else [s[0], s[1], "agent", s[2]] for s in p["scores"]]
 
     def save(self, directory: Path, next_step: int) -> None:
         if self.enabled:

@@ -9,6 +9,10 @@ minimizes the reverse KL to the teacher, mixed with the task reward. It rides th
 array, so the trainer and its losses are unchanged.
 
 Teacher and student must share a tokenizer (the teacher scores the student's token ids); ``start`` checks it.
+
+Self-distillation (``opsd``): with a ``privileged_prompt`` the teacher scores ``prompt + the student's tokens`` and the
+log-probs of the student's tokens are read after the prompt, so the teacher (for instance the frozen initial policy
+that ``rl`` serves from ``[teacher]`` without a model) conditions on context the student never sees.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from typing import Any
 
 import httpx
 import numpy as np
-from prime_core.config.orchestrator import DistillConfig, OrchestratorConfig, TeacherConfig
+from prime_core.config.distill import DistillConfig, TeacherConfig
+from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import TrainedSequence
 
 from prime_orchestrator.client import headers, post_json, wait_healthy
+from prime_orchestrator.liveness import InflightLane
 
 logger = logging.getLogger("prime.orchestrator.distill")
 
@@ -39,8 +45,23 @@ PROBES = (
 )
 
 
-class TokenizerMismatch(ValueError):
+class TeacherError(RuntimeError):
+    """The teacher cannot serve this run (unreachable, failing, another tokenizer): one line naming it."""
+
+
+class TokenizerMismatch(TeacherError, ValueError):
     pass
+
+
+def unserved(env: str, teacher: TeacherConfig) -> str | None:
+    """Why an env's teacher cannot be asked (``rl`` fills both fields from ``[teacher]``), or None."""
+    for name, value in (("base_url", teacher.base_url), ("model", teacher.model)):
+        if value is None:
+            return (
+                f"env {env!r}: distill.teacher.{name} is unset (rl fills it from [teacher]; a standalone orchestrator "
+                "needs the teacher server's)"
+            )
+    return None
 
 
 def _load_tokenizer(name: str) -> Any:
@@ -97,18 +118,27 @@ class Teacher:
         self.key = key
         self.client = httpx.AsyncClient(headers=headers(key), timeout=t.timeout)
         self.semaphore = asyncio.Semaphore(t.max_concurrent)
+        self.prefix: list[int] = []
+        """The privileged prompt's token ids (self-distillation), before every scored sequence."""
 
     async def start(self, student_dir: str) -> None:
         t = self.config.teacher
+        if problem := unserved(self.env, t):
+            raise TeacherError(problem)
         await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
         await check_tokenizer(student_dir, t, self.client)
+        if self.config.privileged_prompt:
+            student = await asyncio.to_thread(_load_tokenizer, student_dir)
+            self.prefix = student.encode(self.config.privileged_prompt, add_special_tokens=False).ids
+            logger.info("env %s: the teacher reads a privileged prompt of %d tokens", self.env, len(self.prefix))
 
     async def logprobs(self, token_ids: list[int]) -> list[float]:
-        """The teacher's log-prob of every token given the ones before it; 0.0 at position 0."""
+        """The teacher's log-prob of every token given the ones before it (and the privileged prompt); 0.0 at
+        position 0 without one."""
         t = self.config.teacher
         body = {
             "model": t.model,
-            "token_ids": token_ids,
+            "token_ids": self.prefix + token_ids,
             "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
         }
         async with self.semaphore:
@@ -117,13 +147,14 @@ class Teacher:
                     self.client, t.base_url + SCORE_ROUTE, body, timeout=t.timeout, retries=t.max_retries
                 )
             except RuntimeError as e:
-                raise RuntimeError(f"teacher of env {self.env!r} at {t.base_url}: {str(e).splitlines()[0]}") from None
+                raise TeacherError(f"teacher of env {self.env!r} at {t.base_url}: {str(e).splitlines()[0]}") from None
         entries = out.get("prompt_logprobs") or []
-        if len(entries) != len(token_ids):
-            raise RuntimeError(
+        if len(entries) != len(self.prefix) + len(token_ids):
+            raise TeacherError(
                 f"teacher of env {self.env!r} at {t.base_url} returned {len(entries)} prompt log-probs for "
-                f"{len(token_ids)} tokens (does it serve prompt_logprobs on {SCORE_ROUTE}?)"
+                f"{len(self.prefix) + len(token_ids)} tokens (does it serve prompt_logprobs on {SCORE_ROUTE}?)"
             )
+        entries = entries[len(self.prefix) :]
         return [0.0 if not e else float(e[str(tid)]["logprob"]) for e, tid in zip(entries, token_ids, strict=True)]
 
     def advantages(self, seq: TrainedSequence, advantage: float) -> list[float]:
@@ -134,14 +165,28 @@ class Teacher:
         return np.where(mask, c.reward_weight * advantage + c.kl_weight * signal, 0.0).tolist()
 
 
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of the intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 class Teachers:
     """The teachers of a run's distilling environments; for the others every call is a no-op."""
 
     def __init__(self, config: OrchestratorConfig):
         self.student_dir = config.model.name
         self.by_env = {e.resolved_name: Teacher(e.resolved_name, e.distill) for e in config.env if e.distill}
-        self.seconds: dict[int, float] = {}
-        """step -> wall time spent in teacher scoring (summed over concurrent requests)."""
+        # One request may take its timeout on every attempt, with the back-off between (post_json).
+        teachers = [t.config.teacher for t in self.by_env.values()]
+        limit = max(((t.timeout + 5) * (t.max_retries + 1) for t in teachers), default=0.0)
+        self.lane = InflightLane("teachers", "scoring with the teachers", limit)
+        self.spans: dict[int, list[tuple[float, float]]] = {}
+        """step -> (start, end) of each group's teacher scoring; groups score concurrently, so these overlap."""
 
     async def start(self) -> None:
         await asyncio.gather(*(t.start(self.student_dir) for t in self.by_env.values()))
@@ -156,10 +201,10 @@ class Teachers:
             return rollouts
         t0 = time.perf_counter()
         seqs = [q for r in rollouts for q in r.result.sequences]
-        scores = await asyncio.gather(*(teacher.logprobs(q.token_ids) for q in seqs))
+        scores = await asyncio.gather(*(self.lane.track(teacher.logprobs(q.token_ids)) for q in seqs))
         for q, lps in zip(seqs, scores, strict=True):
             q.teacher_logprobs = lps
-        self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - t0
+        self.spans.setdefault(step, []).append((t0, time.perf_counter()))
         return rollouts
 
     def advantage(self, env: str, seq: TrainedSequence, advantage: float) -> float | list[float]:
@@ -170,7 +215,12 @@ class Teachers:
         """Per distilling env: the mean reverse KL per sampled token; the step's teacher scoring time."""
         if not self.by_env:
             return {}
-        m: dict[str, float] = {"time/teacher_scoring": self.seconds.pop(step, 0.0)}
+        spans = self.spans.pop(step, [])
+        m: dict[str, float] = {
+            # Wall time with a scoring request of the step in flight: what to hold against time/rollouts.
+            "time/teacher_scoring": _covered(spans),
+            "time/teacher_scoring_sum": sum(end - start for start, end in spans),
+        }
         for env in self.by_env:
             kl = [
                 lp - tlp

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from prime_core.config.base import BaseConfig
+from prime_core.config.distill import DistillConfig
 from prime_core.config.liveness import RecoveryConfig
 from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
 from prime_core.transport import RolloutTransportConfig
@@ -93,48 +94,6 @@ class JudgeEndpointConfig(BaseConfig):
         if self.enabled and self.base_url is not None and not self.model:
             raise ValueError("judge.model is required with judge.base_url (the model that endpoint serves)")
         return self
-
-
-class TeacherConfig(BaseConfig):
-    """A frozen teacher model behind an OpenAI-compatible server that serves the token-in route
-    ``/inference/v1/generate`` with ``prompt_logprobs`` (prime's ``inference`` with either engine, or vLLM with
-    prime's app)."""
-
-    base_url: str
-    """The server's base URL (with or without ``/v1``), e.g. ``http://127.0.0.1:8001``."""
-    model: str
-    """Model name the requests carry (the server's served model)."""
-    tokenizer: str | None = None
-    """A local directory (or ``tokenizer.json``) with the teacher's tokenizer, compared with the student's at start;
-    unset: the server's ``/tokenize`` is compared on probe texts."""
-    api_key_var: str | None = None
-    """Environment variable holding the server's API key (unset: no key)."""
-    timeout: float = Field(default=120.0, gt=0)
-    """Seconds one scoring request may take; after ``max_retries`` the run stops, naming the teacher."""
-    max_retries: int = Field(default=3, ge=0)
-    """Retries of a scoring request on connection errors and 5xx."""
-    max_concurrent: int = Field(default=32, ge=1)
-    """Scoring requests in flight to this teacher."""
-    health_timeout: float = Field(default=300.0, gt=0)
-    """Seconds to wait for the teacher's /health at start."""
-
-    @field_validator("base_url")
-    @classmethod
-    def _bare_url(cls, v: str) -> str:
-        return v.rstrip("/").removesuffix("/v1")
-
-
-class DistillConfig(BaseConfig):
-    """On-policy distillation of one environment (see docs/algorithms.md ## On-policy distillation): the teacher
-    scores the student's own sampled tokens; each token's advantage is ``reward_weight * A + kl_weight * (log
-    p_teacher - log p_student)``, the negative per-token reverse KL plus the task advantage."""
-
-    teacher: TeacherConfig
-    """The teacher model."""
-    kl_weight: float = Field(default=1.0, ge=0)
-    """Weight of the per-token distillation signal (the negative reverse KL on the sampled token)."""
-    reward_weight: float = Field(default=0.0, ge=0)
-    """Weight of the environment's group advantage (0: pure distillation; the reward is still logged)."""
 
 
 class EnvConfig(BaseConfig):

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, PositiveInt, PrivateAttr, model_validator
 
 from prime_core.config.base import BaseConfig
+from prime_core.config.distill import TeacherServerConfig
 from prime_core.config.inference import InferenceConfig
 from prime_core.config.liveness import LivenessConfig
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
@@ -50,10 +51,12 @@ class DevicesConfig(BaseConfig):
     """GPUs of the trainer; more than one runs it under ``torchrun --nproc-per-node``."""
     num_cpu_trainer_procs: int = Field(default=1, ge=1)
     """CPU only: trainer ranks (more than one runs ``torchrun`` over gloo)."""
-    cpu_threads: dict[Literal["inference", "trainer", "orchestrator"], PositiveInt] = Field(default_factory=dict)
+    cpu_threads: dict[Literal["inference", "trainer", "orchestrator", "teacher"], PositiveInt] = Field(
+        default_factory=dict
+    )
     """Torch threads (``OMP_NUM_THREADS``) of a process on CPU, by role (trainer: per rank), e.g.
-    ``{trainer = 1}``. Unset roles: the orchestrator gets 1, the inference server and the trainer ranks share
-    the cores evenly (or all inherit ``OMP_NUM_THREADS`` when it is set in ``env_vars`` or the environment)."""
+    ``{trainer = 1}``. Unset roles: the orchestrator gets 1, the inference servers (policy and teacher) and the
+    trainer ranks share the cores evenly (or all inherit ``OMP_NUM_THREADS`` when it is set in ``env_vars`` or the environment)."""
     colocate: bool | None = None
     """Run inference and the trainer on the same GPUs (inference on the first ``num_inference_gpus``, the trainer
     on the first ``num_trainer_gpus``), splitting each GPU's memory by ``inference_memory_fraction``; weights then go
@@ -207,6 +210,9 @@ class RLConfig(BaseConfig):
     inference: InferenceConfig | None = None
     """Inference server config. Unset: no server is started; the orchestrator uses the one at
     ``orchestrator.client.base_urls`` (started separately)."""
+    teacher: TeacherServerConfig | None = None
+    """A frozen teacher server for on-policy distillation, started beside the policy's: every env with ``distill`` and
+    no ``teacher.base_url`` scores with it. Unset: no teacher is started (a distilling env names its server)."""
 
     model: ModelConfig | None = None
     """Shared: model of all three processes."""
@@ -339,7 +345,34 @@ class RLConfig(BaseConfig):
             raise ValueError("trainer.runs is filled by rl, which starts one orchestrator per run: set runs instead")
         if self.runs:
             self._check_runs()
+        self._check_teacher()
         return self
+
+    def distilling_envs(self) -> list[tuple[str, EnvConfig]]:
+        """(dotted path, env) of every env (``[[runs]]`` ones too) that distils from the teacher ``rl`` starts."""
+        lists = {"orchestrator.env": self.orchestrator.env}
+        lists |= {f"runs.{i}.env": run.env for i, run in enumerate(self.runs) if run.env is not None}
+        return [
+            (f"{where}.{i}", env)
+            for where, envs in lists.items()
+            for i, env in enumerate(envs)
+            if env.distill is not None and env.distill.teacher.base_url is None
+        ]
+
+    def _check_teacher(self) -> None:
+        served = self.distilling_envs()
+        if served and self.teacher is None:
+            raise ValueError(
+                f"{served[0][0]}.distill.teacher.base_url is unset: add a [teacher] section for rl to serve the "
+                "teacher, or point base_url at a running one"
+            )
+        if self.teacher is not None and not served:
+            raise ValueError(
+                "[teacher] is set but no env distills from it: add [orchestrator.env.distill] to an env (and leave its "
+                "teacher.base_url unset)"
+            )
+        if self.teacher is not None and self.inference is not None and self.teacher.port == self.inference.server.port:
+            raise ValueError(f"teacher.port ({self.teacher.port}) is the inference server's port; choose another")
 
     def _check_runs(self) -> None:
         t = self.trainer

@@ -142,8 +142,22 @@ def split_logprobs(token_ids: Any, entries: Any, k: int) -> tuple[list[float], l
     return lps, top
 
 
+def prompt_logprobs_of(entries: Any) -> list[dict[int, tuple[float, int]] | None]:
+    """vLLM's prompt log-probs as the engine interface holds them: per position None (the first) or {token id:
+    (log-prob, rank)}, from a list of ``{token id: Logprob}`` dicts or a `FlatLogprobs`."""
+    if isinstance(entries, list):
+        return [None if e is None else {t: (lp.logprob, lp.rank or 0) for t, lp in e.items()} for e in entries]
+    ids, values, ranks = entries.token_ids, entries.logprobs, entries.ranks
+    out: list[dict[int, tuple[float, int]] | None] = []
+    for s, e in zip(entries.start_indices, entries.end_indices, strict=True):
+        out.append({ids[i]: (values[i], ranks[i] or 0) for i in range(s, e)} or None)
+    return out
+
+
 class VllmEngine(Engine):
     name = "vllm"
+    # Text prompts on the base model: a distillation teacher's scores (max_tokens 1, prompt_logprobs 0).
+    supports_prompt_logprobs = True
 
     def __init__(self, config: InferenceConfig):
         from vllm.usage.usage_lib import UsageContext
@@ -167,6 +181,8 @@ class VllmEngine(Engine):
         self._next_lora_id = 1
         self._tap: TapFetcher | None = None
         self._in_flight = 0
+        self._steps = 0
+        self._swapping = False
 
     @property
     def info(self) -> EngineInfo:
@@ -177,12 +193,30 @@ class VllmEngine(Engine):
             vocab_size=self.vocab_size,
             weight_step=self.weight_step,
             weight_dir=self.weight_dir,
-            paused=self._paused,
+            # A weight swap pauses vLLM's scheduler (requests queue, no step runs); its own bound is the relay's.
+            paused=self._paused or self._swapping,
             extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None},
-            # vLLM delivers a non-streamed request once, at its end: no per-step count to watch (steps stays None).
             running=self._in_flight,
+            steps=self._steps,
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
+
+    def _count_engine_steps(self) -> None:
+        """Count the engine core's steps as their outputs arrive here. Every step that advanced a request sends one
+        batch (``EngineCoreOutputs``) to the output handler, which pulls it with ``engine_core.get_output_async()``
+        (looked up on each call), whatever the requests' output kind: a count that stops while requests are in flight
+        is an engine core that stopped (a hung worker, a collective that never returns) behind a front end that still
+        answers ``/health``."""
+        core = self.llm.engine_core
+        pull = core.get_output_async
+
+        async def counted() -> Any:
+            outputs = await pull()
+            if outputs.outputs:
+                self._steps += 1
+            return outputs
+
+        core.get_output_async = counted
 
     def lora_requests(self) -> dict[str, Any]:
         """Served adapters as vLLM ``LoRARequest``s, by name (what vLLM's OpenAI routes resolve ``model`` with)."""
@@ -190,6 +224,7 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         self._admin_lock = asyncio.Lock()
+        self._count_engine_steps()
         # vLLM swallows plugin failures, so check that the worker extension really answers on every worker.
         replies = await self.llm.collective_rpc("prime_plugin_status")
         self._plugin = {"workers": len(replies), "loaded": all(r.get("general_plugin") for r in replies)}
@@ -234,6 +269,7 @@ class VllmEngine(Engine):
             max_tokens=p.max_tokens,
             min_tokens=p.min_tokens,
             logprobs=0 if tapped else p.logprobs,  # the tap needs no alternatives
+            prompt_logprobs=p.prompt_logprobs,
             # Log-probs as flat per-request lists, not a dict and a Logprob object per token and alternative.
             flat_logprobs=p.logprobs is not None,
             include_stop_str_in_output=p.include_stop_str_in_output,
@@ -271,7 +307,10 @@ class VllmEngine(Engine):
                 elif k is not None and out.logprobs is not None:
                     logprobs, top = split_logprobs(out.token_ids, out.logprobs, k)
                 finish = out.finish_reason if result.finished else None
-                yield EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
+                delta = EngineOutput(list(out.token_ids), logprobs, top, finish, out.stop_reason, self.weight_step)
+                if request.params.prompt_logprobs is not None and result.prompt_logprobs is not None:
+                    delta.prompt_logprobs = prompt_logprobs_of(result.prompt_logprobs)
+                yield delta
         finally:
             self._in_flight -= 1
             if tapped and not taken:  # aborted: the worker forgets what it collected
@@ -298,14 +337,18 @@ class VllmEngine(Engine):
         """Run a worker RPC that replaces the weights, between requests: unless paused, running requests finish on
         the old weights first."""
         was_paused = self._paused
-        if not was_paused:
-            await self.llm.pause_generation(mode="wait", clear_cache=False)
+        self._swapping = True
         try:
-            await self.llm.collective_rpc(method, kwargs=kwargs)
-            await self._forget_old_weights()
-        finally:
             if not was_paused:
-                await self.llm.resume_generation()
+                await self.llm.pause_generation(mode="wait", clear_cache=False)
+            try:
+                await self.llm.collective_rpc(method, kwargs=kwargs)
+                await self._forget_old_weights()
+            finally:
+                if not was_paused:
+                    await self.llm.resume_generation()
+        finally:
+            self._swapping = False
 
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
         assert self._admin_lock is not None

@@ -19,6 +19,12 @@ from prime_inference.routes.common import parse_body, state
 router = APIRouter()
 
 
+def _refuse_if_frozen(request: Request) -> None:
+    """A frozen server (a distillation teacher) keeps the weights it started with."""
+    if state(request).config.server.frozen:
+        raise RequestError("this server is frozen (server.frozen): its weights never change", status_code=403)
+
+
 @router.get("/health")
 async def health(request: Request) -> dict[str, Any]:
     s = state(request)
@@ -36,6 +42,7 @@ async def health(request: Request) -> dict[str, Any]:
 @router.post("/update_weights")
 async def update_weights(request: Request) -> dict[str, Any]:
     """Serve what a trainer-announced ``weight_dir`` holds, by the transport its manifest names."""
+    _refuse_if_frozen(request)
     s = state(request)
     req = await parse_body(request, WeightUpdateRequest)
     return await weights.update_weights(s.engine, req, s.config.server.weight_roots)
@@ -44,6 +51,7 @@ async def update_weights(request: Request) -> dict[str, Any]:
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: Request) -> dict[str, Any]:
     """vLLM's route; loading an existing name replaces that adapter."""
+    _refuse_if_frozen(request)
     s = state(request)
     req = await parse_body(request, LoadLoRAAdapterRequest)
     if req.lora_name in (s.model_name, s.config.model.name):
@@ -67,6 +75,7 @@ async def unload_lora_adapter(request: Request) -> dict[str, Any]:
 
 @router.post("/reload_weights")
 async def reload_weights(request: Request) -> dict[str, Any]:
+    _refuse_if_frozen(request)
     engine = state(request).engine
     await engine.reload_weights()
     return {"status": "ok", "weight_step": engine.info.weight_step}

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
+    from prime_orchestrator.distill import TeacherError
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.orchestrator import Orchestrator
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    except (RolloutsFailed, WeightUpdateError, TimeoutError) as e:
+    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError) as e:
         # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
         print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         sys.exit(1)
