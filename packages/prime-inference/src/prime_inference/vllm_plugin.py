@@ -80,6 +80,13 @@ class PrimeWorkerExtension:
             loaded += len(bucket)
         return loaded
 
+    def prime_receive_adapter(self, manifest: dict[str, Any], lora_int_id: int) -> int:
+        """Receive a LoRA adapter's tensors from a streamed transport into this worker's host memory, for vLLM's
+        loader to build as ``lora_int_id`` (`prime_inference.vllm_lora`). Returns the tensors received."""
+        from prime_inference import vllm_lora
+
+        return vllm_lora.receive(self, manifest, lora_int_id)
+
     def prime_weights_checksum(self) -> float:
         """Sum of every parameter in fp64 (tests use it to see that an update landed on every worker)."""
         import torch

@@ -38,6 +38,7 @@ from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args, serv
 from prime_orchestrator.evals import evaluate_envs
 from prime_orchestrator.judges import check_judges, judge_endpoint
 from prime_orchestrator.liveness import (
+    InflightLane,
     RolloutTracker,
     check_step,
     env_metrics,
@@ -84,6 +85,7 @@ class Orchestrator:
         self.start_step = 0
         self.policy = Policy(config, self.run_dir)
         self.tracker = RolloutTracker(config)
+        self.eval_lane = InflightLane("evals", "generating eval rollouts", self.tracker.limit_s)
         self.semaphore = ConcurrencyLimiter.from_config(config.client)  # rollouts in flight (concurrency.py)
         self.monitor = None
         self.sender = None
@@ -130,7 +132,8 @@ class Orchestrator:
         report_env_servers(self.pools)
         # Env servers start (seconds of imports per worker) while the inference server starts; rl launches the
         # orchestrator beside its own server for this.
-        progress.begin("starting env servers and waiting for inference /health", waits_for="inference")
+        teachers = " and the teachers'" if self.teachers.by_env else ""
+        progress.begin(f"starting env servers and waiting for inference's{teachers} /health", waits_for="inference")
         await asyncio.gather(
             inference.wait_healthy(
                 c.client.base_urls,
@@ -163,11 +166,12 @@ class Orchestrator:
         start step (a fresh adapter at step 0) and load it before the first rollout."""
         path = self.run_dir.weight_step(self.start_step)
         deadline = time.monotonic() + self.config.weights_timeout
-        while not is_stable(path):
-            if time.monotonic() > deadline:
-                timeout = self.config.weights_timeout
-                raise TimeoutError(f"waited {timeout:.0f}s for {path}/STABLE; is the trainer running?")
-            await asyncio.sleep(0.2)
+        with progress.activity(f"waiting for the trainer's adapter ({path})", lane="policy", waits_for="trainer"):
+            while not is_stable(path):
+                if time.monotonic() > deadline:
+                    timeout = self.config.weights_timeout
+                    raise TimeoutError(f"waited {timeout:.0f}s for {path}/STABLE; is the trainer running?")
+                await asyncio.sleep(0.2)
         await self.policy.load(self.start_step)
 
     # ----- checkpoints -----
@@ -383,6 +387,7 @@ class Orchestrator:
                 sampling=sampling,
                 seed=self.config.seed,
                 semaphore=self.semaphore,
+                track=self.eval_lane.track,
             )
             tag = "" if temperature is None else f"t{temperature:g}/"
             for env, summary in results.items():
@@ -457,7 +462,8 @@ class Orchestrator:
             return_exceptions=True,
         )
         await self.semaphore.aclose()
-        if self.sender is not None:
-            await asyncio.to_thread(self.sender.close)
+        if self.sender is not None:  # zmq: until the trainer has taken every step (bounded by its drain timeout)
+            with progress.activity("handing the last steps to the trainer", lane="ship", waits_for="trainer"):
+                await asyncio.to_thread(self.sender.close)
         if self.monitor is not None:
             self.monitor.close()
