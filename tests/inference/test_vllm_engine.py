@@ -181,6 +181,7 @@ def test_engine_steps_count_the_engine_cores_output_batches():
     engine.max_model_len, engine.vocab_size, engine.weight_step, engine.weight_dir = 64, 100, 0, None
     engine._paused, engine._swapping, engine._plugin, engine._tap, engine._adapters = False, False, {}, None, {}
     engine._in_flight, engine._steps = 2, 0
+    engine._load = SimpleNamespace(fields=lambda in_flight: {"running": in_flight})  # no load probe answered yet
     engine._count_engine_steps()
 
     async def main():
