@@ -146,7 +146,7 @@ def test_guess_number_readme_run_learns(tmp_path):
 @pytest.mark.parametrize("name", GPU_EXAMPLES)
 def test_gpu_example_resolves_under_dry_run(tmp_path, name, gpus):
     """The config validates and plans: vLLM on GPU 0 and the trainer on GPU 1 with NCCL weights, or both on GPU 0
-    (colocated, weights by files) when one GPU is visible."""
+    (colocated, weights through the GPU's memory) when one GPU is visible."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
     cmd = [str(RL), "@", str(EXAMPLES / name / "rl_gpu.toml"), "--dry-run", "--output-dir", str(tmp_path)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
@@ -155,7 +155,7 @@ def test_gpu_example_resolves_under_dry_run(tmp_path, name, gpus):
     assert configs["inference"]["engine"] == "vllm"
     assert configs["trainer"]["async_level"] == 1
     broadcast = configs["trainer"]["weights"]["broadcast"]["type"]
-    assert broadcast == ("nccl" if gpus == "0,1" else "filesystem"), broadcast
+    assert broadcast == ("nccl" if gpus == "0,1" else "cuda_ipc"), broadcast
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ")}
     if gpus == "0,1":
         assert "(GPU 0)" in lines["inference"] and "(GPU 1)" in lines["trainer"], result.stdout

@@ -70,21 +70,25 @@ def sample_errors(tmp_path) -> list[str]:
     return [r["completion"] for r in rows if r["failed"]]
 
 
-def test_rewards_that_raise_or_are_nan_fail_their_rollouts_and_the_run_goes_on(tmp_path, tiny_model, torch_server,
-                                                                                 monkeypatch):  # fmt: skip
+def test_rewards_that_raise_or_are_nan_or_an_episode_that_raises_fail_their_rollouts_and_the_run_goes_on(
+    tmp_path, tiny_model, torch_server, monkeypatch
+):
     use_vf_envs(monkeypatch)
-    config = fault_config(tmp_path, tiny_model, torch_server, "raise,nan", log_extras={"interval": 1, "num_samples": 8})
+    config = fault_config(tmp_path, tiny_model, torch_server, "raise,nan,crash", max_steps=3,
+                          log_extras={"interval": 1, "num_samples": 8})  # fmt: skip
     orch, took, error, left = run_orchestrator(config)
     assert error is None and left == []
     metrics = step_metrics(tmp_path)
-    assert sorted(metrics) == [0, 1]
-    # 4 groups of 2 rollouts a step: step 0 has tasks 0-3 (task 0 raises), step 1 tasks 4-7 (task 4 is NaN).
-    assert [metrics[s]["failed/vf-faults"] for s in (0, 1)] == [2, 2]
-    assert metrics[1]["failed/rollouts"] == 2 and metrics[1]["env_servers/vf-faults/restarts"] == 0
+    assert sorted(metrics) == [0, 1, 2]
+    # 4 groups of 2 rollouts a step: step 0 has tasks 0-3 (task 0's reward raises), step 1 tasks 4-7 (task 4's is
+    # NaN), step 2 tasks 8-11 (task 8's episode code raises).
+    assert [metrics[s]["failed/vf-faults"] for s in (0, 1, 2)] == [2, 2, 2]
+    assert metrics[2]["failed/rollouts"] == 2 and metrics[2]["env_servers/vf-faults/restarts"] == 0
     errors = sample_errors(tmp_path)
     assert any("the reward function exploded" in e for e in errors), errors
     assert any(e == "not finite: reward = nan, reward/reversed_words = nan" for e in errors), errors
-    print(f"raise + nan: 2 steps in {took:.0f} s")
+    assert any("the env's episode code crashed" in e for e in errors), errors
+    print(f"raise + nan + crash: 3 steps in {took:.0f} s")
 
 
 @pytest.mark.slow

@@ -231,3 +231,50 @@ def test_a_kill_between_checkpoints_resumes_with_the_same_rollouts_and_losses(tm
     print(f"losses straight {want}, resumed after a kill {got}")
     for step in (2, 3):
         assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), (want, got)
+
+
+def with_env_workers(tmp_path: Path, num_workers: int) -> Path:
+    config = without_evals(tmp_path)
+    text = config.read_text().replace('id = "reverse-text"\n', f'id = "reverse-text"\nnum_workers = {num_workers}\n', 1)
+    config.write_text(text)
+    return config
+
+
+def env_workers(tree: dict[int, list[str]]) -> list[int]:
+    """Workers of an env server's pool: spawned children of the broker, itself spawned by the orchestrator."""
+    spawned = {pid for pid, cmd in tree.items() if any("spawn_main" in c for c in cmd)}
+    parents = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in spawned}
+    return sorted(pid for pid in spawned if parents[pid] in spawned)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_an_env_worker_killed_or_stopped_is_replaced_and_the_run_finishes(tmp_path, request, sig):
+    """Two env workers; one is killed or stopped at a random point after the first checkpoint. The orchestrator names
+    it and replaces the env server within seconds, re-runs what it held, and rl finishes every step (exit 0)."""
+    rng = fault_rng(request)
+    out, config = tmp_path / "run", with_env_workers(tmp_path, 2)
+    proc = start_run(out, config)
+    try:
+        wait_for_path(proc, out / "checkpoints" / "step_1" / "STABLE")
+        time.sleep(rng.uniform(0, 3))
+        tree = _process_tree(proc.pid)
+        workers = env_workers(tree)
+        assert len(workers) == 2, tree
+        os.kill(workers[0], sig)
+        at, log, line = time.monotonic(), out / "logs" / "orchestrator.log", None
+        while line is None and time.monotonic() - at < 60:
+            found = [x for x in log.read_text().splitlines() if f"{workers[0]}" in x and "restarting the server" in x
+                     or f"pid {workers[0]} (" in x and "replacing the server" in x]  # fmt: skip
+            line = found[0] if found else None
+            time.sleep(0.2)
+        took = time.monotonic() - at
+        out_text, err, _ = finish(proc, at, 900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"{signal.Signals(sig).name} env worker: found after {took:.1f} s: {line}")
+    assert line is not None and took < 10, (took, line)
+    assert proc.returncode == 0, out_text[-2000:] + err[-2000:]
+    assert sorted(metrics(out, "trainer", "loss/mean")) == list(range(MAX_STEPS))
+    assert max(metrics(out, "orchestrator", "env_servers/reverse-text/restarts").values()) >= 1
+    assert_nothing_left(tree)

@@ -145,6 +145,131 @@ def test_vllm_fast_token_logprobs_equal_vllms_own(model_dir):
         server.stop()
 
 
+def test_engine_steps_count_the_engine_cores_output_batches():
+    """The stall check's step counter comes from vLLM's own engine loop: each ``EngineCoreOutputs`` batch the output
+    handler pulls (``engine_core.get_output_async``) is one engine step; a batch without request outputs (a utility
+    reply) is not. A weight swap reports the scheduler paused, so the watchdog expects no step then."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prime_inference.engines.vllm_engine import VllmEngine
+
+    batches = [SimpleNamespace(outputs=["r1", "r2"]), SimpleNamespace(outputs=[]), SimpleNamespace(outputs=["r1"])]
+
+    class Core:
+        async def get_output_async(self):
+            return batches.pop(0)
+
+    swaps = []
+
+    class LLM:
+        engine_core = Core()
+
+        async def pause_generation(self, mode, clear_cache):
+            swaps.append(engine.info.paused)
+
+        async def collective_rpc(self, method, kwargs=None):
+            swaps.append(engine.info.paused)
+
+        async def reset_prefix_cache(self):
+            pass
+
+        reset_encoder_cache = resume_generation = reset_prefix_cache
+
+    engine = VllmEngine.__new__(VllmEngine)  # no vLLM here: the engine's state around stand-ins
+    engine.llm, engine.config = LLM(), SimpleNamespace(served_model_name="m")
+    engine.max_model_len, engine.vocab_size, engine.weight_step, engine.weight_dir = 64, 100, 0, None
+    engine._paused, engine._swapping, engine._plugin, engine._tap, engine._adapters = False, False, {}, None, {}
+    engine._in_flight, engine._steps = 2, 0
+    engine._load = SimpleNamespace(fields=lambda in_flight: {"running": in_flight})  # no load probe answered yet
+    engine._count_engine_steps()
+
+    async def main():
+        for _ in range(3):
+            await engine.llm.engine_core.get_output_async()  # what vLLM's output handler calls, once per batch
+        await engine._swap_weights("prime_reload_weights", {"weights_path": "w"})
+
+    asyncio.run(main())
+    info = engine.info
+    assert info.steps == 2 and info.running == 2 and not info.paused
+    assert swaps == [True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
+def test_a_stopped_vllm_engine_core_is_named_by_the_stall_check(model_dir):
+    """/health's ``engine_steps`` advance while vLLM generates; with its engine core stopped (SIGSTOP) the front end
+    still answers /health, and the watchdog names the engine that holds running requests but makes no step."""
+    import os
+    import signal
+    import threading
+    from pathlib import Path
+
+    from prime_core.config.liveness import LivenessConfig
+    from prime_launch.watchdog import ProcessStuck, Watchdog
+
+    server = start_server(
+        model_dir,
+        engine="vllm",
+        model={"name": str(model_dir), "dtype": "bfloat16"},
+        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True},
+        startup_timeout=600,
+    )
+
+    def descendants(root: int) -> list[int]:
+        found, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                kids = [int(k) for k in (task / "children").read_text().split()] if (task / "children").exists() else []
+                found += kids
+                todo += kids
+        return found
+
+    def generate() -> None:
+        body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 100, "ignore_eos": True}}
+        with httpx.Client(timeout=600) as client:
+            for _ in range(200):
+                client.post(f"{server.url}/inference/v1/generate", json=body)
+
+    dog = Watchdog(LivenessConfig(slack_s=3, probe_timeout_s=2))
+    # vLLM names its engine core process (setproctitle); without that, it is the spawned child that is no tracker.
+    commands = {p: Path(f"/proc/{p}/cmdline").read_bytes() for p in descendants(os.getpid())}
+    core = next((p for p, c in commands.items() if b"EngineCore" in c), None) or next(
+        p for p, c in commands.items() if b"spawn_main" in c and b"resource_tracker" not in c
+    )
+    workers = [threading.Thread(target=generate, daemon=True) for _ in range(8)]
+    try:
+        before = httpx.get(f"{server.url}/health").json()["engine_steps"]
+        for w in workers:
+            w.start()
+        time.sleep(3)
+        during = httpx.get(f"{server.url}/health").json()
+        assert during["running"] > 0 and during["engine_steps"] > before, during
+        dog.probe([f"{server.url}/health"], None, "inference")
+        time.sleep(2)
+        dog._last_check = 0.0
+        dog.check()  # stepping
+        os.kill(core, signal.SIGSTOP)
+        start, stuck = time.monotonic(), None
+        while stuck is None and time.monotonic() - start < 30:
+            time.sleep(0.5)
+            dog._last_check = 0.0
+            try:
+                dog.check()
+            except ProcessStuck as e:
+                stuck = (e, time.monotonic() - start)
+        assert stuck is not None, "the stopped engine core was not named"
+        error, took = stuck
+        print(f"vLLM engine core stopped: named after {took:.1f} s: {error.cause}")
+        assert "inference is stuck: its engine made no step for" in error.cause and "requests running" in error.cause
+        assert took < 3 + 10
+    finally:
+        os.kill(core, signal.SIGCONT)
+        dog.close()
+        server.stop()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
 def test_vllm_teacher_scores_prompts_and_stays_frozen(model_dir):

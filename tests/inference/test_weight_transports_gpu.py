@@ -1,7 +1,8 @@
 """CUDA IPC on a real GPU (marker ``gpu``): the trainer (this process, cuda:0, the publisher `build_publisher` picks
 for ``weights.broadcast.type = "cuda_ipc"``) hands an inference server on the same GPU its tensors by IPC handles,
-relayed by the orchestrator's client; the server then samples exactly what the same weights give from files. The
-server runs in its own process (CUDA IPC opens handles of another process), both engines."""
+relayed by the orchestrator's client; the server then samples exactly what the same weights give from files; a LoRA
+run's adapter likewise. The server runs in its own process (CUDA IPC opens handles of another process), both
+engines."""
 
 from __future__ import annotations
 
@@ -38,11 +39,11 @@ ENGINES = [
 
 
 @contextlib.contextmanager
-def inference_server(model_dir, engine: str, tmp_path):
+def inference_server(model_dir, engine: str, tmp_path, *more: str):
     port = free_port()
     cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", engine, "--model.name",
            str(model_dir), "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(tmp_path / "inf"),
-           "--max-model-len", "128", "--vllm.gpu-memory-utilization", "0.3", "--vllm.enforce-eager"]  # fmt: skip
+           "--max-model-len", "128", "--vllm.gpu-memory-utilization", "0.3", "--vllm.enforce-eager", *more]  # fmt: skip
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
     server = subprocess.Popen(cmd, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -106,5 +107,65 @@ def test_cuda_ipc_serves_the_trainers_weights_on_its_gpu(engine, tmp_path, model
             r = httpx.post(f"{url}/update_weights", json={"weight_dir": str(other_weights_dir), "step": 3}, timeout=600)
             assert r.status_code == 200, r.text
             assert greedy(url) == via_ipc != before  # the same weights from files sample the same tokens
+    finally:
+        dist.destroy_process_group()
+
+
+def greedy_adapter(url: str, name: str) -> list[int]:
+    body = {"token_ids": [5, 6, 7, 8, 9], "model": name, "sampling_params": {"max_tokens": 12, "temperature": 0}}
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def lora_model(model_dir, name: str, seed: int, device: torch.device):
+    """The trainer's model of a LoRA run: adapter ``name`` with random (output-changing) A and B."""
+    from prime_models import lora as L
+
+    model = load_model(model_dir)
+    L.apply_lora(model, L.LoRASpec(rank=8, alpha=16.0), [name], seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in L.adapter_parameters(model, name):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model.to(device)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_cuda_ipc_serves_the_trainers_adapter_on_its_gpu(engine, tmp_path, model_dir):
+    """A LoRA run on a shared GPU: the adapter goes through GPU memory (no files) and samples exactly what the same
+    adapter loaded from files does, step after step under one name."""
+    from prime_models import lora as L
+
+    name = "policy"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+        config = TrainerConfig.model_validate({
+            "model": {"name": str(model_dir), "lora": {"rank": 8, "alpha": 16, "name": name}},
+            "output_dir": str(tmp_path / "run"),
+            "weights": {"broadcast": {"type": "cuda_ipc", "port": free_port(), "timeout_s": 120}},
+        })  # fmt: skip
+        run_dir = RunDir(config.output_dir)
+        publisher = build_publisher(config, "trainer", run_dir, world, tokenizer=str(model_dir))
+        assert isinstance(publisher, CudaIpcPublisher) and publisher.adapter == name
+        with inference_server(model_dir, engine, tmp_path, "--lora.enable", "true", "--lora.max-lora-rank", "8") as url:
+            for step in (1, 2):
+                model = lora_model(model_dir, name, step, world.device)
+                timings = {}
+                sender = threading.Thread(target=publish_into, args=(timings, publisher, step, model))
+                sender.start()
+                step_dir = wait_stable(run_dir.weight_step(step), timeout=120)
+                t0 = time.perf_counter()
+                asyncio.run(client.update_weights([url], str(step_dir), step, api_key=None, timeout=300, retries=0))
+                print(f"{engine} adapter step {step}: relayed in {time.perf_counter() - t0:.3f}s, trainer {timings}")
+                sender.join(timeout=120)
+                assert not sender.is_alive() and not any(step_dir.glob("*.safetensors"))
+                via_ipc = greedy_adapter(url, name)
+                files = tmp_path / f"adapter{step}"
+                L.save_adapter(model, name, files, dtype=torch.bfloat16)
+                body = {"lora_name": "from-files", "lora_path": str(files)}
+                assert httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=300).status_code == 200
+                assert via_ipc == greedy_adapter(url, "from-files") != greedy(url)
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""One-GPU runs: inference and trainer colocated on GPU 0, memory shares, the fit check, weights by files."""
+"""One-GPU runs: inference and trainer colocated on GPU 0, memory shares, the fit check, weights through the GPU's
+memory (CUDA IPC) on one GPU and by files over several."""
 
 import io
 import json
@@ -37,16 +38,17 @@ def model_dir(tmp_path: Path) -> Path:
     return path
 
 
-def rl_config(model_dir: Path, tmp_path: Path, *args: str, broadcast: str = "nccl") -> RLConfig:
+def rl_config(model_dir: Path, tmp_path: Path, *args: str, broadcast: str | None = "nccl") -> RLConfig:
     base = ["--model.name", str(model_dir), "--output-dir", str(tmp_path / "out"), "--inference.engine", "vllm"]
-    return load_config(RLConfig, [*base, "--trainer.weights.broadcast.type", broadcast, *args])
+    transport = ["--trainer.weights.broadcast.type", broadcast] if broadcast is not None else []
+    return load_config(RLConfig, [*base, *transport, *args])
 
 
 def envs(plan) -> dict[str, dict[str, str]]:
     return {spec.name: spec.env for spec in plan.specs}
 
 
-def test_one_visible_gpu_colocates_with_memory_shares_and_file_weights(model_dir, tmp_path):
+def test_one_visible_gpu_colocates_with_memory_shares_and_ipc_weights(model_dir, tmp_path):
     cfg = rl_config(model_dir, tmp_path, "--devices.gpu-memory-gib", "80")
     plan = resolve_here(cfg, ONE_GPU, cores=4)
     env = envs(plan)
@@ -54,12 +56,29 @@ def test_one_visible_gpu_colocates_with_memory_shares_and_file_weights(model_dir
     assert env["orchestrator"]["CUDA_VISIBLE_DEVICES"] == ""
     inference, trainer, orchestrator = (plan.configs[n] for n in ("inference", "trainer", "orchestrator"))
     assert inference.vllm.gpu_memory_utilization == 0.45 and trainer.gpu_memory_fraction == 0.55
-    assert trainer.weights.broadcast.type == "filesystem" and not orchestrator.weights_broadcast
+    # nccl cannot hold two ranks on one GPU: the weights go through its memory instead, every step relayed.
+    assert trainer.weights.broadcast.type == "cuda_ipc" and orchestrator.weights_broadcast
+    assert trainer.weights.broadcast.inference_workers == 1
     assert trainer.device == "cuda"
     assert plan.devices["inference"] == "GPU 0 shared, vLLM 0.45 of its memory (36.0 of 80.0 GiB)"
     assert plan.devices["trainer"] == "GPU 0 shared, 0.55 of its memory (44.0 of 80.0 GiB; needs ~12.2 GiB)"
-    assert any("weights: by files" in note for note in plan.notes)
+    assert "weights: through the GPU's memory (CUDA IPC handles, no files), as an NCCL broadcast cannot hold " in (
+        "\n".join(plan.notes)
+    )
     assert not any("gpu_memory_utilization" in note for note in plan.notes)  # the default was not the user's
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_cuda_ipc_is_the_default_on_one_gpu_and_a_users_files_stay(model_dir, tmp_path, lora):
+    more = ["--devices.gpu-memory-gib", "80", *(["--model.lora.rank", "8"] if lora else [])]
+    plan = resolve_here(rl_config(model_dir, tmp_path, *more, broadcast=None), ONE_GPU, cores=4)
+    assert (
+        plan.configs["trainer"].weights.broadcast.type == "cuda_ipc" and plan.configs["orchestrator"].weights_broadcast
+    )
+    assert any(note.endswith("(CUDA IPC handles, no files), as they share it") for note in plan.notes)
+    plan = resolve_here(rl_config(model_dir, tmp_path, *more, broadcast="filesystem"), ONE_GPU, cores=4)
+    assert plan.configs["trainer"].weights.broadcast.type == "filesystem"
+    assert not plan.configs["orchestrator"].weights_broadcast and not any("weights:" in n for n in plan.notes)
 
 
 def test_cuda_ipc_keeps_weights_on_the_shared_gpu(model_dir, tmp_path):
@@ -184,6 +203,9 @@ def test_colocate_on_request_shares_every_gpu(model_dir, tmp_path):
     env = envs(plan)
     assert env["inference"]["CUDA_VISIBLE_DEVICES"] == env["trainer"]["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert plan.configs["inference"].vllm.data_parallel_size == 2
+    # Several shared GPUs: CUDA IPC would reach only GPU 0's worker, NCCL none: weights by files.
+    assert plan.configs["trainer"].weights.broadcast.type == "filesystem"
+    assert any(note.startswith("weights: by files") for note in plan.notes)
     assert "needs ~7.2 GiB" in plan.devices["trainer"]  # states sharded over the 2 ranks
     trainer_cmd = next(spec.cmd for spec in plan.specs if spec.name == "trainer")
     assert trainer_cmd[trainer_cmd.index("--nproc-per-node") + 1] == "2"
@@ -220,7 +242,7 @@ def test_dry_run_shows_both_roles_on_gpu_0(model_dir, tmp_path, monkeypatch):
     text = out.getvalue()
     assert "(GPU 0 shared, vLLM 0.45 of its memory (36.0 of 80.0 GiB))" in text
     assert "(GPU 0 shared, 0.55 of its memory (44.0 of 80.0 GiB; needs ~12.2 GiB))" in text
-    assert "note: weights: by files" in text
+    assert "note: weights: through the GPU's memory" in text
 
 
 def test_parameter_counts(tmp_path, model_dir):

@@ -74,12 +74,16 @@ def test_broadcast_workers_follow_the_data_parallel_size_the_placement_chose():
 
 
 def test_weight_relay_follows_the_trainers_final_transport():
-    # Colocated, the trainer's NCCL broadcast becomes files; the orchestrator relays no broadcast (derived once from
-    # the trainer's final transport, where a validator used to set it and the plan to undo it).
+    # Colocated on one GPU, the trainer's NCCL broadcast becomes CUDA IPC, a one-time transfer the orchestrator relays
+    # every step; a user's files stay files, which it does not (derived once from the trainer's final transport,
+    # where a validator used to set it and the plan to undo it).
     cfg = rl("--trainer.weights.broadcast.type", "nccl", engine="vllm")
     one_gpu = resolve(cfg, facts(0))
-    assert one_gpu.configs["trainer"].weights.broadcast.type == "filesystem"
-    assert not one_gpu.configs["orchestrator"].weights_broadcast
+    assert one_gpu.configs["trainer"].weights.broadcast.type == "cuda_ipc"
+    assert one_gpu.configs["orchestrator"].weights_broadcast
+    files = resolve(rl("--trainer.weights.broadcast.type", "filesystem", engine="vllm"), facts(0))
+    assert files.configs["trainer"].weights.broadcast.type == "filesystem"
+    assert not files.configs["orchestrator"].weights_broadcast
     assert resolve(cfg, facts(0, 1)).configs["orchestrator"].weights_broadcast
     stale = rl("--orchestrator.weights-broadcast", "true")  # e.g. a resolved orchestrator.toml fed back
     assert not resolve(stale, facts()).configs["orchestrator"].weights_broadcast

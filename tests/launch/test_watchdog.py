@@ -114,6 +114,28 @@ def test_exiting_processes_must_go_and_finished_ones_are_left_alone(tmp_path):
         check(dog, clock, 1011.0)
 
 
+def test_a_live_sandbox_pool_past_its_bound_is_named_and_gone_ones_are_not(tmp_path):
+    clock = Clock()
+    dog = watchdog(tmp_path, clock)
+    dog.watch_helpers(tmp_path / "progress")
+    write(tmp_path / "t.json", time=1040.0)
+    write(tmp_path / "o.json", process="orchestrator", time=1040.0)
+    running = Activity(lane="executions", what="running 2 sandbox execution(s)", since=1000.0, limit_s=20).model_dump()
+    pool = {"process": "sandbox_pool", "pid": 7, "host": "node-2", "activities": [running],
+            "counters": {"executions_completed": 40, "zygotes_replaced": 1}}  # fmt: skip
+    write(tmp_path / "progress" / "sandbox_pool_7.json", **pool, time=1040.0)
+    write(tmp_path / "progress" / "sandbox_pool_8.json", **{**pool, "pid": 8}, time=1020.0)  # gone (replaced)
+    write(tmp_path / "progress" / "sandbox_pool_9.json", **{**pool, "pid": 9}, time=1040.0, run_id="another")
+    check(dog, clock, 1030.0)  # within its bound and the slack
+    with pytest.raises(ProcessStuck) as stuck:
+        check(dog, clock, 1040.0)
+    assert stuck.value.cause == (
+        "sandbox pool is stuck: the sandbox pool (pid 7 on node-2) has been running 2 sandbox execution(s) for 40 s without one "
+        "finishing, past its bound of 20 s + 10 s slack (40 executions completed, 1 zygotes replaced) "
+        f"(log: {tmp_path / 'orchestrator.log'})"
+    )
+
+
 class _Server:
     """A /health that answers with ``state`` until ``hang`` is set, then never answers."""
 

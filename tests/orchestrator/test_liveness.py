@@ -76,6 +76,33 @@ def test_tracker_shows_rollouts_in_flight_and_counts_failures(tmp_path, monkeypa
     assert snapshot.activities == [] and snapshot.counters == {"rollouts/a/done": 3, "rollouts/a/failed": 1}
 
 
+def test_a_lane_keeps_its_clock_while_work_joins_and_restarts_it_when_work_ends(tmp_path, monkeypatch):
+    """More in flight is no progress: only a finished request restarts the lane's clock (eval rollouts, teachers)."""
+    reporter = ProgressReporter(tmp_path / "o.json", "orchestrator")
+    monkeypatch.setattr(liveness.progress, "_current", reporter)
+    lane = liveness.InflightLane("evals", "generating eval rollouts", 70.0)
+    first, second = asyncio.Event(), asyncio.Event()
+
+    async def main():
+        a = asyncio.create_task(lane.track(first.wait()))
+        await asyncio.sleep(0.01)
+        (begun,) = reporter.snapshot().activities
+        b = asyncio.create_task(lane.track(second.wait()))
+        await asyncio.sleep(0.01)
+        (joined,) = reporter.snapshot().activities
+        assert joined.since == begun.since and joined.limit_s == 70.0 and joined.lane == "evals"
+        assert joined.what == "generating eval rollouts (0 of 2 done)"
+        first.set()
+        await a
+        (touched,) = reporter.snapshot().activities
+        assert touched.since > begun.since and touched.what == "generating eval rollouts (1 of 2 done)"
+        second.set()
+        await b
+
+    asyncio.run(main())
+    assert reporter.snapshot().activities == []
+
+
 class _Proc:
     def __init__(self, popen):
         self.popen = popen

@@ -71,18 +71,24 @@ class CodeTask(vf.Task[CodeData]):
                 self._runs.popitem(last=False)
         return self._runs[key]
 
+    async def _result(self, trace: vf.Trace) -> ExecResult:
+        result = await self._run(trace)
+        if result.status == "sandbox_error":  # the sandbox failed, not the code: the rollout fails (and is counted)
+            raise RuntimeError(f"sandbox error: {result.reason}")
+        return result
+
     @vf.reward(weight=1.0)
     async def tests_passed(self, trace: vf.Trace) -> float:
         if not extract_code(trace.last_reply or ""):
             return 0.0
-        return (await self._run(trace)).pass_fraction
+        return (await self._result(trace)).pass_fraction
 
     @vf.metric
     async def runs_clean(self, trace: vf.Trace) -> float:
         """1.0 when the solution ran to the end without an exception or a breached limit."""
         if not extract_code(trace.last_reply or ""):
             return 0.0
-        return float((await self._run(trace)).status == "ok")
+        return float((await self._result(trace)).status == "ok")
 
 
 class CodeTaskset(vf.Taskset[CodeTask, CodeConfig]):

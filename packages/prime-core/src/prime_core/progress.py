@@ -12,6 +12,10 @@ A background thread rewrites ``progress/<name>.json`` every ``HEARTBEAT_INTERVAL
 the whole process stops (SIGSTOP, a frozen host), and logs a line for every activity that lasts longer than
 ``NOTICE_EVERY_S`` (what the process is waiting for, and for how long). Reporting never raises: a full disk must not
 kill a process through its heartbeat. Without ``start_reporting`` (tests, library use) every call is a no-op.
+
+``start_reporting`` also exports ``PRIME_PROGRESS_DIR``, so helpers that a process of the run starts (an env server's
+workers and the sandbox pool each one may hold) report beside it: ``helper_reporter("sandbox_pool")`` writes
+``progress/sandbox_pool_<pid>.json``, which the launcher's watchdog and the orchestrator's env watch read.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ logger = logging.getLogger("prime.progress")
 
 NOTICE_EVERY_S = 60.0
 """An activity running longer than this gets a log line saying what the process waits for, and again as often."""
+PROGRESS_DIR_VAR = "PRIME_PROGRESS_DIR"
+"""The run's ``progress/`` directory, exported by ``start_reporting`` to every process the reporting one starts."""
 
 CounterSource = Callable[[], dict[str, float]]
 
@@ -80,14 +86,24 @@ class ProgressReporter:
             self._activities[lane] = activity
             self._noticed.pop(lane, None)
 
-    def touch(self, lane: str = "main", what: str | None = None) -> None:
+    def touch(self, lane: str = "main", what: str | None = None, limit_s: float | None = None) -> None:
         """The activity of ``lane`` made progress (a rollout finished): its clock restarts."""
         with self._lock:
             current = self._activities.get(lane)
             if current is not None:
                 update = {"since": time.time(), **({"what": what} if what is not None else {})}
+                update |= {"limit_s": limit_s} if limit_s is not None else {}
                 self._activities[lane] = current.model_copy(update=update)
                 self._noticed.pop(lane, None)
+
+    def describe(self, lane: str, what: str, limit_s: float | None = None) -> None:
+        """New words (and bound) for the activity of ``lane`` without restarting its clock (more work joined it: no
+        progress)."""
+        with self._lock:
+            current = self._activities.get(lane)
+            if current is not None:
+                update = {"what": what, **({"limit_s": limit_s} if limit_s is not None else {})}
+                self._activities[lane] = current.model_copy(update=update)
 
     def end(self, lane: str = "main") -> None:
         """``lane`` is idle; a kind's duration is remembered for the watchdog's learned bound."""
@@ -148,8 +164,9 @@ class ProgressReporter:
                 logger.warning("cannot write the progress file %s: %s", self.path, e)
             self._write_failed = True
 
-    def close(self) -> None:
-        """The process finished: say so (a process that then fails to exit is found), stop the heartbeat."""
+    def close(self, remove: bool = False) -> None:
+        """The process finished: say so (a process that then fails to exit is found), stop the heartbeat. A helper
+        that ends before its process (a closed sandbox pool) removes its file instead."""
         with self._lock:
             self._progress.exiting = True
             self._activities.clear()
@@ -157,7 +174,10 @@ class ProgressReporter:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        self.write()
+        if remove and self.path is not None:
+            self.path.unlink(missing_ok=True)
+        else:
+            self.write()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
@@ -188,7 +208,20 @@ def start_reporting(output_dir: str | os.PathLike, process: str, *, rank: int | 
     if not _current.enabled:
         path = RunDir(output_dir).progress_file(process, rank)
         _current = ProgressReporter(path, process, rank=rank, run_id=os.environ.get("PRIME_RUN_ID")).start()
+        os.environ[PROGRESS_DIR_VAR] = str(path.parent.absolute())
     return _current
+
+
+def helper_file(kind: str, pid: int, directory: str | os.PathLike | None = None) -> Path | None:
+    """``<progress dir>/<kind>_<pid>.json`` of a helper (None outside a run: no ``PRIME_PROGRESS_DIR``)."""
+    directory = directory or os.environ.get(PROGRESS_DIR_VAR)
+    return Path(directory) / f"{kind}_{pid}.json" if directory else None
+
+
+def helper_reporter(kind: str) -> ProgressReporter:
+    """A reporter (not started) for a helper of this process, ``kind`` (``sandbox_pool``), writing
+    ``progress/<kind>_<pid>.json`` in a run; disabled (every call a no-op) outside one."""
+    return ProgressReporter(helper_file(kind, os.getpid()), kind, run_id=os.environ.get("PRIME_RUN_ID"))
 
 
 def current() -> ProgressReporter:
@@ -201,6 +234,10 @@ def begin(what: str, **kwargs) -> None:
 
 def touch(lane: str = "main", what: str | None = None) -> None:
     _current.touch(lane, what)
+
+
+def describe(lane: str, what: str) -> None:
+    _current.describe(lane, what)
 
 
 def end(lane: str = "main") -> None:

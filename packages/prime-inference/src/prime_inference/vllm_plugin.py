@@ -23,6 +23,10 @@ def register() -> None:
     _REGISTERED = True
     # The engine core must run in spawned processes (CUDA cannot be re-initialized in a fork).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from prime_inference.engines.vllm_load import install_probe_if_engine_core
+
+    # The engine core answers /health's load questions (KV-cache usage, queue, preemptions) with vLLM's stats off.
+    install_probe_if_engine_core()
 
 
 def plugin_registered() -> bool:
@@ -84,6 +88,13 @@ class PrimeWorkerExtension:
             loaded += len(bucket)
         self._prime_serve_version(version)
         return loaded
+
+    def prime_receive_adapter(self, manifest: dict[str, Any], lora_int_id: int) -> int:
+        """Receive a LoRA adapter's tensors from a streamed transport into this worker's host memory, for vLLM's
+        loader to build as ``lora_int_id`` (`prime_inference.vllm_lora`). Returns the tensors received."""
+        from prime_inference import vllm_lora
+
+        return vllm_lora.receive(self, manifest, lora_int_id)
 
     def prime_weights_checksum(self) -> float:
         """Sum of every parameter in fp64 (tests use it to see that an update landed on every worker)."""

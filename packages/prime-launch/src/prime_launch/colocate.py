@@ -1,5 +1,6 @@
 """Inference and trainer on the same GPUs: vLLM's share of the memory, the check that the trainer fits in the rest,
-and weights by files (an NCCL group cannot hold two ranks on one GPU, so the trainer cannot broadcast to vLLM).
+and how weights travel (through GPU memory on one GPU, by files over several: an NCCL group cannot hold two ranks on
+one GPU, so the trainer cannot broadcast to vLLM).
 
 Pure arithmetic on the facts ``prime_launch.host`` gathered (the GPU's memory, the model's size and config).
 """
@@ -182,10 +183,27 @@ def sharing_notes(
         notes.append(
             "inference: the torch engine takes no memory fraction (its KV cache holds max_batch_size x max_model_len tokens)"
         )
-    if trainer.weights.broadcast.type == "nccl":
-        notes.append("weights: by files (weights/step_N), as an NCCL broadcast cannot hold trainer and vLLM on one GPU")
     if shares.total is None:
         notes.append("trainer memory not checked: nvidia-smi cannot tell the GPU's memory (set devices.gpu_memory_gib)")
     elif shares.num_params is None:
         notes.append(f"trainer memory not checked: no weights or config.json of {trainer.model.name!r} here to size it")
     return notes
+
+
+def shared_gpu_transport(configured: str, user_set: bool, one_gpu: bool, multi_run: bool) -> tuple[str, str | None]:
+    """The weight transport of a colocated run (``trainer.weights.broadcast.type``) and a note saying why, when it is
+    not the configured one. ``one_gpu``: the trainer's only rank and the server's only worker share one GPU;
+    ``multi_run``: several LoRA runs (``runs``) publish adapters side by side, which a one-time transport does not serve.
+
+    On one GPU the weights go through its memory (``cuda_ipc``): the default there, and what an ``nccl`` setting
+    becomes; a user's ``filesystem`` or ``cuda_ipc`` stays. Elsewhere ``nccl`` becomes files. (An NCCL group cannot
+    hold two ranks on one GPU.)"""
+    if one_gpu and not multi_run and (configured == "nccl" or not user_set):
+        why = "an NCCL broadcast cannot hold trainer and vLLM on one GPU" if configured == "nccl" else "they share it"
+        return "cuda_ipc", f"weights: through the GPU's memory (CUDA IPC handles, no files), as {why}"
+    if configured == "nccl":
+        return (
+            "filesystem",
+            "weights: by files (weights/step_N), as an NCCL broadcast cannot hold trainer and vLLM on one GPU",
+        )
+    return configured, None

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from prime_core.config.rl import RLConfig
 
-from prime_launch.colocate import Shares, check_fit, sharing_notes
+from prime_launch.colocate import Shares, check_fit, shared_gpu_transport, sharing_notes
 from prime_launch.cpu_threads import THREAD_ENV_VARS, split_cpu_threads
 from prime_launch.host import ClusterFacts, HostFacts, wants_gpus
 
@@ -31,6 +31,8 @@ class Placement:
     """Where each server binds when other nodes reach it (multi-node); None keeps the config's."""
     shares: Shares | None = None
     """Inference and trainer share GPUs: each one's memory fraction."""
+    weights_transport: str | None = None
+    """The trainer's ``weights.broadcast.type`` the placement needs (None keeps the config's)."""
     teacher_engine: str | None = None
     """The teacher server's engine as placed (None keeps ``teacher.engine``)."""
     teacher_data_parallel: int | None = None
@@ -174,7 +176,7 @@ def _check_teacher_share(rl: RLConfig, place: Placement, gpu: int, inference: bo
 
 
 def _share_gpus(rl: RLConfig, place: Placement, train_ids: list[int], facts: HostFacts) -> None:
-    """Colocated: vLLM's memory share and weights by files, once the trainer is known to fit beside vLLM."""
+    """Colocated: vLLM's memory share and how weights travel, once the trainer is known to fit beside vLLM."""
     assert rl.inference is not None
     micro_batch_tokens = rl.orchestrator.micro_batch_rows * rl.orchestrator.seq_len
     model = facts.model
@@ -185,6 +187,14 @@ def _share_gpus(rl: RLConfig, place: Placement, train_ids: list[int], facts: Hos
     utilization_given = rl.user_set("inference.vllm.gpu_memory_utilization")
     place.notes += sharing_notes(shares, rl.trainer, rl.inference, utilization_given)
     place.shares = shares
+    one_gpu = len(train_ids) == 1 and rl.devices.num_inference_gpus == 1
+    configured = rl.trainer.weights.broadcast.type
+    transport, note = shared_gpu_transport(
+        configured, rl.user_set("trainer.weights.broadcast.type"), one_gpu, bool(rl.runs)
+    )
+    if transport != configured:
+        place.weights_transport = transport
+        place.notes.append(note)
     for role_name in ("inference", "trainer"):
         place.devices[role_name] += f" {shares.describe(role_name)}"
 

@@ -144,8 +144,8 @@ def _trainer_config(
     """The trainer's device and memory share as placed, how its weights reach the servers, resume step, runs."""
     trainer = rl.trainer
     broadcast = trainer.weights.broadcast
-    if place.shares is not None and broadcast.type == "nccl":
-        broadcast = broadcast.derive(type="filesystem")  # an NCCL group cannot hold two ranks on one GPU
+    if place.weights_transport is not None:  # a shared GPU (prime_launch.colocate.shared_gpu_transport)
+        broadcast = broadcast.derive(type=place.weights_transport)
     if broadcast.one_time and inference is not None:
         workers = _broadcast_workers(inference, place.num_inference_servers)
         if not rl.user_set("trainer.weights.broadcast.inference_workers"):

@@ -11,7 +11,10 @@ each activity with its bound. The inference servers are probed at ``/health`` on
 - an activity runs ``slack_s`` past its bound: the limit the process took from its config (a rollout timeout, a weight
   update timeout; an activity waiting on another process blames that one), else for steps, weight publishes and
   checkpoints a bound learned from the slowest one so far (``LivenessConfig``). A wait on another process without a
-  limit is not a fault by itself: the process waited for is watched.
+  limit is not a fault by itself: the process waited for is watched;
+- a sandbox pool (``progress/sandbox_pool_<pid>.json``, written by a pool inside a process of the run) holds running
+  executions and finished none for ``slack_s`` past the bound of one execution. The orchestrator replaces the env
+  server holding such a pool at the bound itself; this catches a pool nobody replaced.
 
 ``rl`` runs it in its loop; ``prime-launch watch`` runs it beside a SLURM job's processes.
 """
@@ -181,6 +184,12 @@ class Watchdog:
         self.probes: dict[str, HealthProbe] = {}
         self._server_of: dict[str, str | None] = {}
         self._last_check = 0.0
+        self.helpers_dir: Path | None = None
+        self._helpers_since = 0.0
+
+    def watch_helpers(self, progress_dir: Path) -> None:
+        """Read the progress files of helpers (sandbox pools) that processes of the run start under ``progress_dir``."""
+        self.helpers_dir, self._helpers_since = progress_dir, self.clock()
 
     def watch(self, name: str, files: Iterable[Path], log_file: Path | None = None) -> None:
         """``name`` was just started; it writes ``files`` (a trainer: one per rank)."""
@@ -215,6 +224,7 @@ class Watchdog:
             if watched.name not in done:
                 for path in watched.files:
                     self._check_file(watched, path, now)
+        self._check_helpers(now)
 
     # ----- servers -----
     def _check_probe(self, url: str, probe: HealthProbe, server: str | None) -> None:
@@ -290,6 +300,30 @@ class Watchdog:
         log = self.processes[blamed].log_file if blamed in self.processes else watched.log_file
         raise ProcessStuck(blamed, line, log)
 
+    def _check_helpers(self, now: float) -> None:
+        if self.helpers_dir is None:
+            return
+        slack = self.config.slack_s
+        for path in sorted(self.helpers_dir.glob("sandbox_pool_*.json")):
+            record = read_progress(path)
+            # Another launch's, or a process that is gone (a replaced env server) or frozen (the orchestrator's env
+            # watch kills that one): only a live pool's overdue work is a fault here.
+            if record is None or record.exiting or now - record.time > slack or record.time < self._helpers_since - 2:
+                continue
+            if self.run_id is not None and record.run_id is not None and record.run_id != self.run_id:
+                continue
+            for a in record.activities:
+                if a.limit_s is not None and now - a.since > a.limit_s + slack:
+                    c = record.counters
+                    line = (
+                        f"the sandbox pool ({_pid_note(record.pid, record.host)}) has been {a.what} for "
+                        f"{now - a.since:.0f} s without one finishing, past its bound of {a.limit_s:.0f} s + {slack:.0f} s "
+                        f"slack ({c.get('executions_completed', 0):.0f} executions completed, "
+                        f"{c.get('zygotes_replaced', 0):.0f} zygotes replaced)"
+                    )
+                    owner = self.processes.get("orchestrator")
+                    raise ProcessStuck("sandbox pool", line, owner.log_file if owner else None)
+
     def bound(self, record: Progress, a: Activity) -> float | None:
         """Longest ``a`` may take before the slack: its own limit; a learned one for its kind; None for an unlimited
         wait on another process (watched itself)."""
@@ -343,6 +377,7 @@ class RunWatchdog(Watchdog):
         super().__init__(config, run_id)
         self.files = progress_files(plan)
         self.logs = {spec.name: spec.log_file for spec in plan.specs}
+        self.watch_helpers(plan.run_dir.progress)
 
     def started(self, name: str) -> None:
         self.watch(name, self.files.get(name, []), self.logs.get(name))
@@ -364,6 +399,7 @@ def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
         dog.watch("trainer", ranks, run_dir.log_file("trainer"))
     api_key = os.environ.get(config.api_key_var) if config.api_key_var else None
     dog.probe(config.health_urls, api_key)
+    dog.watch_helpers(run_dir.progress)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

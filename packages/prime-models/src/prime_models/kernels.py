@@ -58,7 +58,8 @@ def cuda_compiled(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled
-        if COMPILE_ON_CUDA and args[0].is_cuda:
+        # Inside a compiled layer (`prime_models.parallel.compile`) the eager function is traced into its graph.
+        if COMPILE_ON_CUDA and args[0].is_cuda and not torch.compiler.is_compiling():
             if compiled is None:
                 compiled = torch.compile(fn, dynamic=False)
             return compiled(*args, **kwargs)

@@ -1,5 +1,5 @@
 """``orchestrator --bench``: inference throughput in isolation (no trainer, no weights): one-turn rollouts of the
-first environment, ``bench_config.num_requests`` of them, ``client.max_concurrent`` at a time."""
+first environment, ``bench_config.num_requests`` of them, as many at a time as the client's concurrency allows."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ async def run_bench(orch: Orchestrator) -> dict[str, Any]:
         wall = time.perf_counter() - t0
     finally:
         await runner.close()
+        await orch.semaphore.aclose()
     tokens = sum(r.completion_len for r in results)
     report = {
         "num_requests": len(results),

@@ -31,6 +31,7 @@ from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import TrainedSequence
 
 from prime_orchestrator.client import headers, post_json, wait_healthy
+from prime_orchestrator.liveness import InflightLane
 
 logger = logging.getLogger("prime.orchestrator.distill")
 
@@ -180,6 +181,10 @@ class Teachers:
     def __init__(self, config: OrchestratorConfig):
         self.student_dir = config.model.name
         self.by_env = {e.resolved_name: Teacher(e.resolved_name, e.distill) for e in config.env if e.distill}
+        # One request may take its timeout on every attempt, with the back-off between (post_json).
+        teachers = [t.config.teacher for t in self.by_env.values()]
+        limit = max(((t.timeout + 5) * (t.max_retries + 1) for t in teachers), default=0.0)
+        self.lane = InflightLane("teachers", "scoring with the teachers", limit)
         self.spans: dict[int, list[tuple[float, float]]] = {}
         """step -> (start, end) of each group's teacher scoring; groups score concurrently, so these overlap."""
 
@@ -196,7 +201,7 @@ class Teachers:
             return rollouts
         t0 = time.perf_counter()
         seqs = [q for r in rollouts for q in r.result.sequences]
-        scores = await asyncio.gather(*(teacher.logprobs(q.token_ids) for q in seqs))
+        scores = await asyncio.gather(*(self.lane.track(teacher.logprobs(q.token_ids)) for q in seqs))
         for q, lps in zip(seqs, scores, strict=True):
             q.teacher_logprobs = lps
         self.spans.setdefault(step, []).append((t0, time.perf_counter()))

@@ -24,6 +24,7 @@ from typing import Any
 from prime_core.schemas.rollout import EnvServerSpec
 
 from prime_orchestrator.env_watch import HangWatch
+from prime_orchestrator.proc_tree import kill_left, snapshot
 
 logger = logging.getLogger("prime.orchestrator.env")
 
@@ -224,15 +225,19 @@ class EnvServer:
                 await self._client.close()
             except Exception:  # a client of a dead server may fail to close; nothing is left to release
                 logger.debug("closing the env client of %s failed", self.name, exc_info=True)
+        proc = self._proc
+        # A broker killed before its workers leaves them (and their tool servers) behind: end whatever was there.
+        processes = snapshot(proc.pid) if proc is not None else {}
         if self._pipe is not None:
             self._pipe.close()
-        proc = self._proc
         if proc is not None and proc.is_alive():
             proc.terminate()
             await asyncio.to_thread(proc.join, 10)
             if proc.is_alive():
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)
+        if left := kill_left(processes):
+            logger.warning("env server %s left processes %s behind; killed them", self.name, left)
         self._client = self._pipe = None
 
     async def close(self) -> None:

@@ -15,6 +15,7 @@ from prime_core.config.orchestrator import EvalConfig
 from prime_core.io import atomic_write_json, atomic_write_text
 
 from prime_orchestrator import client as inference
+from prime_orchestrator.concurrency import ConcurrencyLimiter
 from prime_orchestrator.envs import EnvRunner, server_spec, train_client
 from prime_orchestrator.evals import evaluate_env, format_table
 from prime_orchestrator.judges import check_judges, judge_endpoint
@@ -63,7 +64,7 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     labels += [(f"step_{s}", s) for s in c.steps]
     results: dict[str, dict[str, dict[str, Any]]] = {}
     out_dir = Path(c.output_dir) / "eval"
-    semaphore = asyncio.Semaphore(c.client.max_concurrent)
+    semaphore = ConcurrencyLimiter.from_config(c.client)
     client_for = client_factory(c)
     try:
         await asyncio.gather(*(r.start() for r in runners.values()))
@@ -87,7 +88,7 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
                 atomic_write_json(out_dir / label / f"{name}.json", {"summary": summary, "rollouts": rows})
                 logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
     finally:
-        await asyncio.gather(*(r.close() for r in runners.values()), return_exceptions=True)
+        await asyncio.gather(*(r.close() for r in runners.values()), semaphore.aclose(), return_exceptions=True)
     atomic_write_json(out_dir / "results.json", results)
     table = format_table(results)
     atomic_write_text(out_dir / "results.txt", table + "\n")

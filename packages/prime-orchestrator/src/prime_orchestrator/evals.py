@@ -53,19 +53,22 @@ async def evaluate_env(
     sampling: Any,
     seed: int,
     semaphore: asyncio.Semaphore | None = None,
+    track: Any = None,
 ) -> tuple[dict[str, Any], list[dict]]:
-    """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0."""
+    """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0.
+    ``track(rollout)`` awaits each one (the orchestrator's ``evals`` lane of its progress file)."""
     semaphore = semaphore or asyncio.Semaphore(64)
 
     async def one(example: int, j: int) -> Any:
         index = example * rollouts_per_example + j
         async with semaphore:
-            return await runner.rollout(
+            rollout = runner.rollout(
                 example,
                 client=client_for(index),
                 model=model,
                 sampling=sampling_args(sampling, seed=request_seed(seed, -2, index)),
             )
+            return await (track(rollout) if track is not None else rollout)
 
     count = min(num_examples, runner.num_examples) if runner.num_examples else num_examples
     examples = list(range(count))

@@ -50,9 +50,9 @@ class RolloutTracker:
         if not self.pending:
             self.pending[step] += 1
             progress.begin(self._describe(), lane=LANE, limit_s=self.limit_s)
-        else:
+        else:  # more work in flight is no progress: the lane's clock runs on until a rollout finishes
             self.pending[step] += 1
-            progress.touch(LANE, self._describe())
+            progress.describe(LANE, self._describe())
         try:
             result = await rollout
         finally:
@@ -72,6 +72,36 @@ class RolloutTracker:
         if result.failed:
             progress.count(f"rollouts/{result.env}/failed")
         return result
+
+
+class InflightLane:
+    """Requests in flight as one lane of the progress file (eval rollouts, teacher scoring): it begins with the first,
+    its clock restarts when one finishes (never when one starts), and it ends with the last. ``limit_s`` is the longest
+    one request may take, so a lane past it is a process that stopped making progress."""
+
+    def __init__(self, lane: str, what: str, limit_s: float):
+        self.lane, self.what, self.limit_s = lane, what, limit_s
+        self.pending = self.done = 0
+
+    def _describe(self) -> str:
+        return f"{self.what} ({self.done} of {self.done + self.pending} done)"
+
+    async def track(self, request: Awaitable[T]) -> T:
+        self.pending += 1
+        if self.pending == 1:
+            progress.begin(self._describe(), lane=self.lane, limit_s=self.limit_s)
+        else:
+            progress.describe(self.lane, self._describe())
+        try:
+            return await request
+        finally:
+            self.pending -= 1
+            self.done += 1
+            if self.pending:
+                progress.touch(self.lane, self._describe())
+            else:
+                progress.end(self.lane)
+                self.done = 0
 
 
 def ship_activity(config: OrchestratorConfig, step: int) -> contextlib.AbstractContextManager[None]:

@@ -33,6 +33,7 @@ from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.batch import Rollout, StepBatch
+from prime_orchestrator.concurrency import ConcurrencyLimiter
 from prime_orchestrator.continuous import Continuous
 from prime_orchestrator.credit import seat_step_metrics, step_samples
 from prime_orchestrator.curriculum import Curriculum
@@ -41,6 +42,7 @@ from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args, serv
 from prime_orchestrator.evals import evaluate_envs
 from prime_orchestrator.judges import check_judges, judge_endpoint
 from prime_orchestrator.liveness import (
+    InflightLane,
     RolloutTracker,
     check_step,
     env_metrics,
@@ -68,7 +70,8 @@ class Orchestrator:
         self.start_step = 0
         self.policy = Policy(config, self.run_dir)
         self.tracker = RolloutTracker(config)
-        self.semaphore = asyncio.Semaphore(config.client.max_concurrent)
+        self.eval_lane = InflightLane("evals", "generating eval rollouts", self.tracker.limit_s)
+        self.semaphore = ConcurrencyLimiter.from_config(config.client)  # rollouts in flight (concurrency.py)
         self.versions = VersionRecords(config.client)
         self.monitor = None
         self.sender = None
@@ -119,7 +122,8 @@ class Orchestrator:
         report_env_servers(self.pools)
         # Env servers start (seconds of imports per worker) while the inference server starts; rl launches the
         # orchestrator beside its own server for this.
-        progress.begin("starting env servers and waiting for inference /health", waits_for="inference")
+        teachers = " and the teachers'" if self.teachers.by_env else ""
+        progress.begin(f"starting env servers and waiting for inference's{teachers} /health", waits_for="inference")
         await asyncio.gather(
             inference.wait_healthy(
                 c.client.base_urls,
@@ -152,11 +156,12 @@ class Orchestrator:
         start step (a fresh adapter at step 0) and load it before the first rollout."""
         path = self.run_dir.weight_step(self.start_step)
         deadline = time.monotonic() + self.config.weights_timeout
-        while not is_stable(path):
-            if time.monotonic() > deadline:
-                timeout = self.config.weights_timeout
-                raise TimeoutError(f"waited {timeout:.0f}s for {path}/STABLE; is the trainer running?")
-            await asyncio.sleep(0.2)
+        with progress.activity(f"waiting for the trainer's adapter ({path})", lane="policy", waits_for="trainer"):
+            while not is_stable(path):
+                if time.monotonic() > deadline:
+                    timeout = self.config.weights_timeout
+                    raise TimeoutError(f"waited {timeout:.0f}s for {path}/STABLE; is the trainer running?")
+                await asyncio.sleep(0.2)
         await self.policy.load(self.start_step)
 
     # ----- checkpoints -----
@@ -270,6 +275,7 @@ class Orchestrator:
             "env_servers/retries": sum(p.num_retries for p in self.pools.values()),
             **env_metrics([r.result for r in rollouts], self.pools),
             **version_metrics(batch.step, [r.result for r in rollouts]),
+            **self.semaphore.metrics(),
             **extra,
         }
         for env in self.envs:
@@ -381,6 +387,7 @@ class Orchestrator:
                 sampling=sampling,
                 seed=self.config.seed,
                 semaphore=self.semaphore,
+                track=self.eval_lane.track,
             )
             tag = "" if temperature is None else f"t{temperature:g}/"
             for env, summary in results.items():
@@ -455,8 +462,10 @@ class Orchestrator:
             self.teachers.close(),
             return_exceptions=True,
         )
+        await self.semaphore.aclose()
         await self.versions.close()
-        if self.sender is not None:
-            await asyncio.to_thread(self.sender.close)
+        if self.sender is not None:  # zmq: until the trainer has taken every step (bounded by its drain timeout)
+            with progress.activity("handing the last steps to the trainer", lane="ship", waits_for="trainer"):
+                await asyncio.to_thread(self.sender.close)
         if self.monitor is not None:
             self.monitor.close()

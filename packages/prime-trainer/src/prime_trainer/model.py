@@ -15,6 +15,7 @@ import torch
 from prime_core.config.shared import Fp8Config, LoRAConfig, ModelConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
 from prime_models import get_model_spec, load_model
+from prime_models.layers.attention import RowPacking, use_row_packing
 from prime_models.parallel.context_parallel import ContextParallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -130,6 +131,7 @@ def _parallelize(
         mesh=layout.mesh,
         dispatcher=layout.ep_dispatcher,
         one_rank_fsdp=parallel.fsdp_one_rank,
+        compile_layers=parallel.compile_layers,
     )
 
 
@@ -154,6 +156,7 @@ def token_logprobs(
     return_entropy: bool = True,
     multimodal: dict[str, torch.Tensor] | None = None,
     context_parallel: ContextParallel | None = None,
+    packing: RowPacking | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, and the entropy of the distribution that predicted it.
 
@@ -161,11 +164,14 @@ def token_logprobs(
     ``multimodal`` holds a vision-language model's image inputs (``pixel_values``, ``image_grid_thw``,
     ``mrope_position_ids``), passed through to its forward. With ``context_parallel`` every rank of the CP group passes
     the same full rows, runs the model on its share of each row and gets the full rows' values back (differentiable).
+    ``packing``: where the rows' samples start, computed on the host (`TensorMicroBatch.packing`), so that attention
+    reads nothing back from the device.
     """
     targets_RS = torch.roll(input_ids_RS, shifts=-1, dims=1)
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
     if context_parallel is None:
-        lp_RS, ent_RS = model(input_ids_RS, position_ids_RS, targets=targets_RS, **kwargs, **(multimodal or {}))
+        with use_row_packing(packing):
+            lp_RS, ent_RS = model(input_ids_RS, position_ids_RS, targets=targets_RS, **kwargs, **(multimodal or {}))
     else:
         if multimodal:
             raise ValueError("model.cp > 1 does not support image inputs (vision-language rows)")

@@ -34,10 +34,18 @@ class ClientConfig(BaseConfig):
     for the tokenizer's own chat template, ...); ``auto`` detects it from the model's config and tokenizer."""
     renderer_args: dict[str, Any] = Field(default_factory=dict)
     """Renderer config fields (e.g. ``tool_parser = "qwen3"`` for ``default``, ``enable_thinking`` for qwen3)."""
-    max_concurrent: int = Field(default=64, ge=1)
-    """Cap on concurrent rollouts in flight (each holds at most one inference request at a time). With vLLM, set it to
-    the batch size so the engine schedules the whole step; keep it lower where each rollout holds a scarce resource
-    (a sandbox, a tool server)."""
+    max_concurrent: int | None = Field(default=None, ge=1)
+    """Rollouts in flight at most (the ``adaptive`` ceiling; the ``fixed`` count). Unset: 1024 adaptive, 64 fixed. Keep
+    it low where each rollout holds a scarce resource (a sandbox, a tool server)."""
+    concurrency: Literal["adaptive", "fixed"] = "adaptive"
+    """``adaptive``: rollouts in flight follow the servers' /health load (KV-cache usage, queue, preemptions;
+    docs/orchestrator.md); ``fixed``: ``max_concurrent``."""
+    initial_concurrent: int = Field(default=64, ge=1)
+    """Adaptive: the limit at start; it stays there while a server reports no KV-cache usage."""
+    target_kv_usage: float = Field(default=0.9, gt=0, le=1)
+    """Adaptive: the fullest server's KV-cache usage up to which the limit grows."""
+    load_poll_interval: float = Field(default=1.0, gt=0)
+    """Seconds between polls of every /health for its load (each bounded by as much, at least 0.5 s)."""
     health_timeout: float = Field(default=300.0, gt=0)
     """Seconds to wait for every server's /health at start-up."""
     server_run_id: str | None = None
@@ -55,6 +63,8 @@ class ClientConfig(BaseConfig):
             raise ValueError("client.base_urls is empty")
         # The OpenAI-style ".../v1" spelling names the same server: routes are joined to the bare base URL.
         self.base_urls = [u.rstrip("/").removesuffix("/v1") for u in self.base_urls]
+        if self.max_concurrent is None:
+            self.max_concurrent = 1024 if self.concurrency == "adaptive" else 64
         return self
 
     def resolved_api_key(self) -> str | None:

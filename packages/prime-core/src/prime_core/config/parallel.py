@@ -43,6 +43,11 @@ class ParallelConfig(BaseConfig):
     fsdp_one_rank: bool = False
     """On one rank, wrap the model in FSDP2 as on several (casts and hooks every forward) instead of computing in
     bf16 on a working copy of the fp32 master weights refreshed once per optimizer step (the default, faster)."""
+    compile_layers: bool = False
+    """``torch.compile`` each decoder layer's forward (one graph shared by the layers; hooks, FSDP2 and activation
+    checkpointing stay outside it). Cuts the host's work per forward/backward, which bounds short rows (the RL loop's
+    one 2048-token row a forward); costs a compile at the first step and at each new micro-batch shape. Numerics may
+    differ from eager in rounding (fused kernels). Off by default."""
     timeout_s: int = Field(default=3600, ge=1)
     """Timeout of collective operations, in seconds."""
 

@@ -61,7 +61,8 @@ class DevicesConfig(BaseConfig):
     colocate: bool | None = None
     """Run inference and the trainer on the same GPUs (inference on the first ``num_inference_gpus``, the trainer
     on the first ``num_trainer_gpus``), splitting each GPU's memory by ``inference_memory_fraction``; weights then go
-    by files. Unset: colocate when exactly one GPU is available and rl starts the inference server."""
+    through the GPU's memory on one GPU (``cuda_ipc``), by files over several. Unset: colocate when exactly one GPU is
+    available and rl starts the inference server."""
     inference_memory_fraction: float = Field(default=0.45, gt=0.0, lt=1.0)
     """Colocated: the share of each GPU's memory vLLM takes (weights, activations, CUDA graphs, KV cache); it
     replaces ``inference.vllm.gpu_memory_utilization``, which is meant for a GPU of its own. The default leaves the

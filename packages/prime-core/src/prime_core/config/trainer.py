@@ -229,8 +229,9 @@ class WeightBroadcastConfig(BaseConfig):
     type: Literal["filesystem", "nccl", "cuda_ipc"] = "filesystem"
     """filesystem: write safetensors to ``weights/step_N`` every step; nccl: rank 0 broadcasts the tensors to every
     inference worker (gloo when the trainer runs on CPU); cuda_ipc: rank 0 hands inference workers on its own GPU
-    its tensors by CUDA IPC handles, no copy through the host or disk. With nccl and cuda_ipc, files are written only
-    for checkpoint steps, the final step and the initial weights."""
+    its tensors by CUDA IPC handles, no copy through the host or disk (a LoRA run's adapter too). With nccl and
+    cuda_ipc, files are written only for checkpoint steps, the final step and the initial weights. ``rl`` picks
+    cuda_ipc when trainer and inference share one GPU, unless this is set to filesystem."""
     host: str = "127.0.0.1"
     """Address of the rendezvous store on the trainer's rank-0 host, reachable from every inference worker."""
     port: int = Field(default=29501, ge=1, le=65535)
@@ -371,11 +372,11 @@ class _TrainerBase(BaseConfig):
         return self
 
     @model_validator(mode="after")
-    def _lora_publishes_files(self) -> _TrainerBase:
-        if self.model.lora is not None and self.weights.broadcast.type != "filesystem":
+    def _lora_publishes_files_or_through_gpu_memory(self) -> _TrainerBase:
+        if self.model.lora is not None and self.weights.broadcast.type == "nccl":
             raise ValueError(
-                "model.lora publishes adapters as files that inference loads by name: "
-                f"set weights.broadcast.type = 'filesystem' (got {self.weights.broadcast.type!r})"
+                "model.lora publishes adapters as files or, on a GPU shared with inference, through its memory: "
+                "set weights.broadcast.type = 'filesystem' or 'cuda_ipc' (got 'nccl')"
             )
         return self
 
@@ -423,6 +424,9 @@ class TrainerConfig(_TrainerBase):
         if self.transport.type != "filesystem":
             raise ValueError("runs (multi-tenant training) reads each run's rollouts from its directory: "
                              "use transport.type = 'filesystem'")  # fmt: skip
+        if self.weights.broadcast.type != "filesystem":
+            raise ValueError("runs (multi-tenant training) publish each run's adapter into its directory: "
+                             f"use weights.broadcast.type = 'filesystem' (got {self.weights.broadcast.type!r})")  # fmt: skip
         return self
 
 

@@ -41,6 +41,13 @@ class HealthResponse(BaseModel):
     """Requests the engine is generating for."""
     waiting: int = 0
     """Requests queued for a free slot."""
+    kv_cache_usage: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fraction of the engine's KV cache that requests hold, 0..1 (vLLM: KV blocks in use; torch: cached tokens over
+    ``max_batch_size`` x ``max_model_len``). None: the engine does not say. The orchestrator's adaptive concurrency
+    (``client.concurrency``) grows the rollouts in flight while it stays below its target."""
+    preemptions: int | None = Field(default=None, ge=0)
+    """Requests the engine evicted from its KV cache for lack of room since it started (they re-run their prefill
+    later), cumulative. None: the engine does not say. The torch engine never preempts: 0."""
     engine_steps: int | None = None
     """Steps the engine made so far (None: it does not count them): a watchdog sees an engine that holds running
     requests but no longer advances."""

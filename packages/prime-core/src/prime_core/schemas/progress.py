@@ -43,7 +43,8 @@ class Progress(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     process: str
-    """``inference``, ``orchestrator``, ``trainer``."""
+    """``inference``, ``orchestrator``, ``trainer``; or a helper a process of the run started (``sandbox_pool``: the
+    sandbox pool of an env-server worker, ``progress/sandbox_pool_<pid>.json``)."""
     rank: int | None = None
     """Trainer rank (torchrun's ``RANK``); None for the other processes."""
     pid: int

@@ -11,7 +11,9 @@ announces is one typed manifest (`WeightManifest`, discriminated on ``type``), r
   LoRA adapter and names the served adapter it replaces.
 * ``cuda_ipc`` (`CudaIpcManifest`, ``cuda_ipc.json``): trainer and inference share a GPU; the trainer's rank 0 hands
   each bucket of tensors over as a CUDA IPC handle (`CudaIpcBucket`, through the rendezvous store the manifest
-  names), inference copies it into its model and acknowledges, and only then is the buffer reused or freed.
+  names), inference copies it into its model and acknowledges, and only then is the buffer reused or freed. With
+  ``adapter`` set (`CudaIpcAdapter`) the tensors are a LoRA adapter's, PEFT-keyed, which inference serves under
+  its name instead of loading them into the base model.
 
 Each manifest class declares ``file`` (the file announcing it; None for plain HF files) and ``repeatable``: whether
 the directory itself holds the weights, so that loading it can be repeated (a retried request after a failure or a
@@ -37,7 +39,7 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from prime_core.io import atomic_write_text
-from prime_core.schemas.adapters import ADAPTER_INFO, AdapterInfo, is_adapter_dir
+from prime_core.schemas.adapters import ADAPTER_INFO, ADAPTER_NAME_PATTERN, AdapterInfo, is_adapter_dir
 
 BROADCAST_FILE = "broadcast.json"
 MAX_MANIFEST_BYTES = 16 * 2**20
@@ -102,6 +104,19 @@ class BucketHeader(BaseModel):
     tensors: list[tuple[str, list[int], int]]
 
 
+class CudaIpcAdapter(BaseModel):
+    """The LoRA adapter a ``cuda_ipc`` step hands over instead of full weights."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(pattern=f"^{ADAPTER_NAME_PATTERN}$")
+    """The served adapter the tensors replace (requests name it as their ``model``)."""
+    base_model: str | None = None
+    """The base model it was trained on (``model.name``)."""
+    peft_config: dict[str, Any]
+    """Its ``adapter_config.json`` (PEFT's LoRA settings: rank, alpha, target modules)."""
+
+
 class CudaIpcManifest(BaseModel):
     """``weights/step_N/cuda_ipc.json``: where the trainer hands over step N's weights by CUDA IPC handles."""
 
@@ -125,6 +140,8 @@ class CudaIpcManifest(BaseModel):
     refuses the transfer."""
     timeout_s: float = Field(gt=0)
     """Seconds either side waits for the other (a bucket, an acknowledgement) before failing."""
+    adapter: CudaIpcAdapter | None = None
+    """Set when the tensors are this LoRA adapter's (PEFT keys, ``base_model.model.<module>.lora_A/B.weight``)."""
 
 
 class CudaIpcHandle(BaseModel):
@@ -177,7 +194,8 @@ class WeightUpdateRequest(BaseModel):
     """Weight step of that directory, echoed in the response and in the served model's metadata."""
     source: str = "auto"
     """auto: the transport the directory announces; filesystem: only what the directory itself holds (a one-time
-    transfer's manifest is ignored and its HF files are loaded, e.g. a checkpoint step re-served on resume); another
+    transfer's manifest is ignored and its HF files, or a LoRA adapter's PEFT files, are loaded, e.g. a checkpoint
+    step re-served on resume); another
     transport's name (``broadcast``, ``adapter``): refuse a directory that announces something else."""
 
     @field_validator("source")
@@ -209,10 +227,19 @@ def read_manifest(weight_dir: str | os.PathLike, source: str = "auto") -> Manife
     else:
         manifest = FilesystemManifest()
     if source == "filesystem" and not manifest.repeatable:
-        return FilesystemManifest()
+        return held_files(manifest)
     if source not in ("auto", "filesystem", manifest.type):
         raise ValueError(f"{directory} announces {manifest.type} weights, not {source}")
     return manifest
+
+
+def held_files(manifest: Manifest) -> Manifest:
+    """What the directory of a one-time transfer holds itself, when it holds anything (checkpoint steps, the final
+    step): a LoRA adapter step's PEFT files (`AdapterInfo`), else HF files."""
+    adapter = getattr(manifest, "adapter", None)
+    if isinstance(adapter, CudaIpcAdapter):
+        return AdapterInfo(name=adapter.name, step=getattr(manifest, "step", None), base_model=adapter.base_model)
+    return FilesystemManifest()
 
 
 def _read(path: Path, cls: type[BaseModel]) -> Manifest:

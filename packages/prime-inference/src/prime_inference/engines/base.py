@@ -75,6 +75,10 @@ class EngineInfo:
     """Requests queued for a free slot."""
     steps: int | None = None
     """Engine steps so far (None: the engine does not count them); a watchdog sees an engine that stopped advancing."""
+    kv_cache_usage: float | None = None
+    """Fraction of the KV cache held by requests, 0..1 (None: unknown); ``/health`` reports it."""
+    preemptions: int | None = None
+    """Requests evicted from the KV cache for lack of room since start, cumulative (None: unknown)."""
 
 
 class Engine(abc.ABC):
@@ -101,7 +105,7 @@ class Engine(abc.ABC):
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Stream deltas until one carries a finish reason. Closing the iterator early aborts the request."""
 
-    # Weight transports (`prime_inference.weights`) drive the engine through these three primitives.
+    # Weight transports (`prime_inference.weights`) drive the engine through these four primitives.
 
     @abc.abstractmethod
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
@@ -115,6 +119,11 @@ class Engine(abc.ABC):
     async def load_adapter(self, name: str, path: str, step: int | None) -> None:
         """Serve the PEFT LoRA adapter in ``path`` under ``name``, replacing an adapter of that name."""
         raise RequestError(f"the {self.name} engine does not serve LoRA adapters", status_code=404)
+
+    async def receive_adapter(self, name: str, manifest: Manifest, step: int | None) -> None:
+        """Where the model lives, run ``StreamReceiver.tensors`` of the manifest's transport (a LoRA adapter's
+        PEFT-keyed tensors) and serve them under ``name``, replacing an adapter of that name."""
+        raise RequestError(f"the {self.name} engine cannot receive {manifest.type} adapters", param="weight_dir")
 
     @abc.abstractmethod
     async def reload_weights(self) -> None:

@@ -34,8 +34,32 @@ class AdapterOp:
 
     name: str
     path: str | None
+    """The PEFT directory to load (or, with ``received``, what the tensors came from); None unloads."""
     step: int | None = None
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    received: tuple[Any, dict[str, Any]] | None = None
+    """(`prime_models.lora.LoRASpec`, PEFT-keyed tensors) received from a streamed transport, loaded instead of a
+    directory."""
+
+    def load_into(self, model: nn.Module) -> None:
+        from prime_models import lora
+
+        if self.received is not None:
+            lora.install_adapter(model, self.name, *self.received, source=str(self.path))
+        else:
+            lora.load_adapter(model, self.name, self.path)
+
+
+def received_adapter(manifest: Any, device: Any) -> tuple[Any, dict[str, Any]]:
+    """The LoRA adapter a streamed manifest (`prime_core.schemas.weights.CudaIpcManifest` with ``adapter``) hands
+    over: its spec, from the PEFT config, and copies of its tensors (the transport reuses its buffers)."""
+    from prime_models.lora import LoRASpec
+
+    from prime_inference.weights import stream_receiver
+
+    spec = LoRASpec.from_peft_config(manifest.adapter.peft_config)
+    buckets = stream_receiver(manifest).tensors(manifest, device)
+    return spec, {name: t.clone() for bucket in buckets for name, t in bucket}
 
 
 class AdapterRouter:

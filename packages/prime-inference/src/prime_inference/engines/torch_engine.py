@@ -40,9 +40,10 @@ from prime_core.config.inference import InferenceConfig
 from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
-from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter
+from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter, received_adapter
 from prime_inference.engines.model_runner import build_decoder, resolve_dtype
 from prime_inference.engines.sampling import prompt_logprobs, sample
+from prime_inference.engines.torch_load import load_fields
 from prime_inference.engines.torch_loading import check_compatible, load_model, receive_model, text_config
 
 logger = logging.getLogger(__name__)
@@ -160,9 +161,9 @@ class TorchEngine(Engine):
             paused=self._paused,
             adapters={name: a.card() for name, a in self._adapters.items()},
             extra={"implementation": self.source, "decoder": self.decoder.name, "device": str(self.device)},
-            running=len(self._running),
             waiting=len(self._waiting),
             steps=self.num_steps,
+            **load_fields(list(self._running), self.config.max_batch_size, self.max_model_len),
         )
 
     async def start(self) -> None:
@@ -229,6 +230,10 @@ class TorchEngine(Engine):
     async def load_adapter(self, name: str, path: str, step: int | None) -> None:
         """Serve the PEFT adapter at ``path`` as ``name`` (replacing one of that name once its sequences finish)."""
         await self._adapter_op(AdapterOp(name, path, step))
+
+    async def receive_adapter(self, name: str, manifest: Manifest, step: int | None) -> None:
+        received = await asyncio.to_thread(received_adapter, manifest, self.device)
+        await self._adapter_op(AdapterOp(name, f"{manifest.type} step {manifest.step}", step, received=received))
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
@@ -352,7 +357,7 @@ class TorchEngine(Engine):
                 del self._adapters[op.name]
                 logger.info("unloaded LoRA adapter %s", op.name)
             else:
-                lora.load_adapter(self.model, op.name, op.path)
+                op.load_into(self.model)
                 # Loading may wrap linear layers in LoRA layers: the decoder must call the new modules.
                 self.decoder.set_model(self.model, self.hf_config)
                 self._adapters[op.name] = ServedAdapter(op.name, op.path, op.step)

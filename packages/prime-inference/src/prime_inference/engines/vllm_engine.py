@@ -8,7 +8,9 @@ vLLM is extended through its seams, not forked:
 * the ``vllm.general_plugins`` entry point (`prime_inference.vllm_plugin.register`) runs in every vLLM process;
 * weight updates from a directory use vLLM's native layerwise reload (``collective_rpc("reload_weights",
   kwargs={"weights_path": dir})``); a streamed transport (the trainer's broadcast) runs its receiver inside every
-  worker (``collective_rpc("prime_receive_weights")``), which loads each bucket with ``model.load_weights``.
+  worker (``collective_rpc("prime_receive_weights")``), which loads each bucket with ``model.load_weights``; a
+  streamed LoRA adapter (CUDA IPC) is received by every worker (``prime_receive_adapter``) and then added with
+  vLLM's own ``add_lora`` (`prime_inference.vllm_lora`).
 
 Pause and update semantics match the torch engine: ``/pause`` is ``pause_generation(mode="keep", clear_cache=False)``
 (running requests freeze with their KV cache, new ones queue). An update while not paused is bracketed by
@@ -32,6 +34,7 @@ from prime_core.config.inference import InferenceConfig
 from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
+from prime_inference.engines.vllm_load import LoadPoller
 from prime_inference.protocol import RequestError
 from prime_inference.token_logprobs import TAP_FLAG, TapFetcher, align
 
@@ -168,6 +171,7 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.config = config
+        self._load = LoadPoller()  # KV-cache usage, queue and preemptions for /health (engines/vllm_load.py)
         # `vllm serve`'s context, hence its batch defaults (on an H100: 1024 sequences and 8192 tokens per step);
         # vLLM's default engine context gives 128 and 2048: a server without vllm.max_num_seqs decoded only 128
         # rollouts at a time.
@@ -186,6 +190,8 @@ class VllmEngine(Engine):
         self._tap: TapFetcher | None = None
         self._in_flight = 0
         self.in_flight_updates = config.weight_update == "in_flight"
+        self._steps = 0
+        self._swapping = False
 
     @property
     def info(self) -> EngineInfo:
@@ -196,12 +202,30 @@ class VllmEngine(Engine):
             vocab_size=self.vocab_size,
             weight_step=self.weight_step,
             weight_dir=self.weight_dir,
-            paused=self._paused,
+            # A weight swap pauses vLLM's scheduler (requests queue, no step runs); its own bound is the relay's.
+            paused=self._paused or self._swapping,
             extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None},
-            # vLLM delivers a non-streamed request once, at its end: no per-step count to watch (steps stays None).
-            running=self._in_flight,
+            **self._load.fields(self._in_flight),  # running, waiting, KV-cache usage, preemptions (vllm_load.py)
+            steps=self._steps,
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
+
+    def _count_engine_steps(self) -> None:
+        """Count the engine core's steps as their outputs arrive here. Every step that advanced a request sends one
+        batch (``EngineCoreOutputs``) to the output handler, which pulls it with ``engine_core.get_output_async()``
+        (looked up on each call), whatever the requests' output kind: a count that stops while requests are in flight
+        is an engine core that stopped (a hung worker, a collective that never returns) behind a front end that still
+        answers ``/health``."""
+        core = self.llm.engine_core
+        pull = core.get_output_async
+
+        async def counted() -> Any:
+            outputs = await pull()
+            if outputs.outputs:
+                self._steps += 1
+            return outputs
+
+        core.get_output_async = counted
 
     def lora_requests(self) -> dict[str, Any]:
         """Served adapters as vLLM ``LoRARequest``s, by name (what vLLM's OpenAI routes resolve ``model`` with)."""
@@ -209,6 +233,8 @@ class VllmEngine(Engine):
 
     async def start(self) -> None:
         self._admin_lock = asyncio.Lock()
+        self._count_engine_steps()
+        self._load.start(self.llm.engine_core)
         # vLLM swallows plugin failures, so check that the worker extension really answers on every worker.
         replies = await self.llm.collective_rpc("prime_plugin_status")
         self._plugin = {"workers": len(replies), "loaded": all(r.get("general_plugin") for r in replies)}
@@ -235,6 +261,7 @@ class VllmEngine(Engine):
         self._tap = TapFetcher(take)
 
     async def shutdown(self) -> None:
+        await self._load.stop()
         self.llm.shutdown()
 
     def _sampling_params(self, request: EngineRequest, tapped: bool) -> Any:
@@ -329,20 +356,24 @@ class VllmEngine(Engine):
         """Run a worker RPC that replaces the weights with those of ``step``, between engine steps: unless paused,
         running requests freeze (in flight) or finish on the old weights first (drain)."""
         was_paused = self._paused
-        if not was_paused:
-            mode = "keep" if self.in_flight_updates else "wait"
-            await self.llm.pause_generation(mode=mode, clear_cache=False)
+        self._swapping = True
         try:
-            await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
-            if self.in_flight_updates:
-                await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
-            else:
-                await self._forget_old_weights()
-            # Before resuming: a request that starts from here on samples with these weights only.
-            self.weight_step, self.weight_dir = step, weight_dir
-        finally:
             if not was_paused:
-                await self.llm.resume_generation()
+                mode = "keep" if self.in_flight_updates else "wait"
+                await self.llm.pause_generation(mode=mode, clear_cache=False)
+            try:
+                await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
+                if self.in_flight_updates:
+                    await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
+                else:
+                    await self._forget_old_weights()
+                # Before resuming: a request that starts from here on samples with these weights only.
+                self.weight_step, self.weight_dir = step, weight_dir
+            finally:
+                if not was_paused:
+                    await self.llm.resume_generation()
+        finally:
+            self._swapping = False
 
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
         assert self._admin_lock is not None
@@ -363,6 +394,16 @@ class VllmEngine(Engine):
 
     async def load_adapter(self, name: str, path: str, step: int | None) -> None:
         """vLLM's LoRA manager loads the adapter; an existing name is reloaded in place (``load_inplace``)."""
+        await self._add_lora(name, path, step)
+
+    async def receive_adapter(self, name: str, manifest: Manifest, step: int | None) -> None:
+        """Every worker takes the adapter's tensors (``prime_receive_adapter``, kept in host memory for vLLM's loader,
+        `prime_inference.vllm_lora`), then vLLM adds it as from a directory, under a path naming the transfer."""
+        from prime_inference.vllm_lora import ipc_path
+
+        await self._add_lora(name, ipc_path(manifest), step, manifest)
+
+    async def _add_lora(self, name: str, path: str, step: int | None, manifest: Manifest | None = None) -> None:
         from vllm.lora.request import LoRARequest
 
         if not self.config.lora_enabled:
@@ -371,6 +412,9 @@ class VllmEngine(Engine):
         async with self._admin_lock:
             old = self._adapters.get(name)
             lora_id = old[0].lora_int_id if old is not None else self._next_lora_id
+            if manifest is not None:
+                rpc = {"manifest": manifest.model_dump(), "lora_int_id": lora_id}
+                await self.llm.collective_rpc("prime_receive_adapter", kwargs=rpc)
             request = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path, load_inplace=old is not None)
             if not await self.llm.add_lora(request):
                 raise RuntimeError(f"vLLM refused LoRA adapter {name!r} from {path}")

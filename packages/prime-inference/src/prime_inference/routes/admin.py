@@ -35,6 +35,7 @@ async def health(request: Request) -> dict[str, Any]:
         engine=info.engine, model=info.model, model_name=s.config.model.name, weight_step=info.weight_step,
         weight_dir=info.weight_dir, paused=info.paused, max_model_len=info.max_model_len, adapters=info.adapters,
         run_id=os.environ.get("PRIME_RUN_ID"), running=info.running, waiting=info.waiting, engine_steps=info.steps,
+        kv_cache_usage=info.kv_cache_usage, preemptions=info.preemptions,
         **info.extra,
     )  # fmt: skip
     return answer.model_dump(mode="json")

@@ -1,12 +1,13 @@
 """The inference side of a weight transport: `WeightReceiver`, and the checks every announced directory passes.
 
 A receiver makes the engine serve what a ``weights/step_N`` directory announces (`prime_core.schemas.weights`). It
-drives the engine through three primitives, so that a transport needs no engine code of its own:
+drives the engine through four primitives, so that a transport needs no engine code of its own:
 
 * ``Engine.update_weights(dir)``: the engine loads HF safetensors from a directory;
 * ``Engine.receive_weights(manifest)``: where the model lives (every vLLM worker, the torch engine's process) the
   engine iterates `StreamReceiver.tensors` of the manifest's transport and loads each bucket of (HF name, tensor);
-* ``Engine.load_adapter(name, dir)``: the engine serves a PEFT LoRA adapter under a name.
+* ``Engine.load_adapter(name, dir)``: the engine serves a PEFT LoRA adapter under a name;
+* ``Engine.receive_adapter(name, manifest)``: the same from a streamed transport's tensors (an adapter over CUDA IPC).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ process. Per bucket it reads the `CudaIpcBucket` from the trainer's store, opens
 ``rebuild_cuda_tensor`` (no pickle: the handle is plain data), yields views into it, and acknowledges once the
 engine asks for the next bucket (so the engine must have copied what it keeps). Everything from the store is
 checked against the buffer before a view is made. torch is imported lazily so the server imports without it.
+
+A manifest with an ``adapter`` hands over a LoRA adapter's PEFT-keyed tensors: the engine serves them under the
+adapter's name (`Engine.receive_adapter`) instead of loading them into its base model.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prime_core.schemas.weights import CudaIpcBucket, CudaIpcHandle, CudaIpcManifest
@@ -23,6 +27,8 @@ from prime_inference.weights.base import Bucket, StreamReceiver, TransferError
 
 if TYPE_CHECKING:
     import torch
+
+    from prime_inference.engines.base import Engine
 
 
 class CudaIpcError(TransferError):
@@ -118,6 +124,13 @@ def _client(manifest: CudaIpcManifest) -> _Client:
 
 
 class CudaIpcReceiver(StreamReceiver):
+    async def apply(self, engine: Engine, path: Path, manifest: CudaIpcManifest, step: int | None) -> dict[str, Any]:
+        if manifest.adapter is None:
+            return await super().apply(engine, path, manifest, step)
+        step = manifest.step if step is None else step
+        await engine.receive_adapter(manifest.adapter.name, manifest, step)
+        return {"lora_name": manifest.adapter.name, "weight_step": step, "weight_dir": str(path)}
+
     def tensors(self, manifest: CudaIpcManifest, device: torch.device) -> Iterator[Bucket]:
         if (here := gpu_uuid(device)) != manifest.gpu_uuid:
             raise CudaIpcError(f"cuda_ipc hands over GPU memory of {manifest.gpu_uuid}; this worker runs on {here}: "

@@ -14,11 +14,18 @@ attends over it (the torch inference engine serves with this same forward).
 Context parallelism hooks in through `CONTEXT_PARALLEL`: while a `prime_models.parallel.context_parallel.CPShard` is
 active, `build_attention_metadata` hands it to every layer and attention runs as a ring over the CP group.
 
+Where the samples start is a fact of the rows, computed from `position_ids`; on a GPU that costs a read-back (a sync
+of the stream) in every forward. A caller holding the rows in host memory (the trainer) computes it there once
+(`row_packing`) and sets it around the forward with `use_row_packing`; `build_attention_metadata` then reads nothing
+back.
+
 Shape legend: B batch, S sequence, T = B*S tokens, H hidden, N query heads, K kv heads, D head dim.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +73,42 @@ def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> tuple[torch.T
     return cu, max_seqlen
 
 
+@dataclass(frozen=True)
+class RowPacking:
+    """Where the samples of a forward's rows start, computed in host memory (`row_packing`)."""
+
+    shape: tuple[int, int]
+    """[B, S] of the rows it describes; a forward over other rows ignores it."""
+    packed: bool
+    """Some row holds several samples (SDPA then attends through a block-diagonal mask)."""
+    cu_seqlens: torch.Tensor
+    """flash_attn's cumulative sample lengths over the flattened rows (int32, on the forward's device)."""
+    max_seqlen: int
+
+
+ROW_PACKING: ContextVar[RowPacking | None] = ContextVar("prime_row_packing", default=None)
+
+
+def row_packing(position_ids_BS: torch.Tensor, device: torch.device | None = None) -> RowPacking:
+    """The packing of rows whose ``position_ids`` are in host memory; ``cu_seqlens`` is copied to ``device``."""
+    assert position_ids_BS.device.type == "cpu", "row_packing reads position_ids on the host"
+    starts = sample_starts(position_ids_BS)
+    cu, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
+    packed = bool((starts.sum(-1) > 1).any())
+    cu = cu.to(device, non_blocking=True) if device is not None else cu
+    return RowPacking(tuple(position_ids_BS.shape), packed, cu, max_seqlen)
+
+
+@contextmanager
+def use_row_packing(packing: RowPacking | None) -> Iterator[None]:
+    """Forwards in this context take the rows' packing from ``packing`` instead of reading position_ids back."""
+    token = ROW_PACKING.set(packing)
+    try:
+        yield
+    finally:
+        ROW_PACKING.reset(token)
+
+
 def build_attention_metadata(
     position_ids_BS: torch.Tensor, backend: str, kv_cache: KVCacheStep | None = None
 ) -> AttentionMetadata:
@@ -75,13 +118,20 @@ def build_attention_metadata(
     if shard is not None:
         # The shard built its masks from the full rows; the local position_ids only drive RoPE.
         return AttentionMetadata(backend, context_parallel=shard)
+    known = ROW_PACKING.get()
+    if known is not None and known.shape != tuple(position_ids_BS.shape):
+        known = None
     if backend == "flash_attn":
+        if known is not None:
+            return AttentionMetadata(backend, cu_seqlens=known.cu_seqlens, max_seqlen=known.max_seqlen)
         cu, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
         return AttentionMetadata(backend, cu_seqlens=cu, max_seqlen=max_seqlen)
     if backend != "sdpa":
         raise ValueError(f"unknown attention backend {backend!r}; known: {ATTN_BACKENDS}")
+    if known is not None and not known.packed:
+        return AttentionMetadata(backend)
     starts = sample_starts(position_ids_BS)
-    if bool((starts.sum(-1) == 1).all()):
+    if known is None and not bool((starts.sum(-1) > 1).any()):  # a read-back: on a GPU, a sync
         return AttentionMetadata(backend)
     seq = position_ids_BS.shape[1]
     doc_BS = starts.cumsum(-1)

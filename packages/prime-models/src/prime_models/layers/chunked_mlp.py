@@ -136,6 +136,9 @@ class _ChunkedMLP(torch.autograd.Function):
         return grad_x, None, None, None, *grad_params
 
 
+# A compiled layer (`prime_models.parallel.compile`) runs this node eagerly between its graphs: its forward reads a
+# context variable and the RNG state, which dynamo does not trace.
+@torch.compiler.disable
 def chunked_mlp(mlp: nn.Module, x_BSH: torch.Tensor, num_chunks: int, forward: Callable | None = None) -> torch.Tensor:
     """`mlp(x_BSH)`, keeping only `x_BSH` for backward and recomputing it there in `num_chunks` sequence chunks.
 

@@ -29,9 +29,10 @@ _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.
 
 
 def adapter_state_dict(
-    model: nn.Module, name: str, *, dtype: torch.dtype | None = None
+    model: nn.Module, name: str, *, dtype: torch.dtype | None = None, device: torch.device | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (PEFT key, CPU tensor) for adapter ``name``. Collective under FSDP: every rank must consume it."""
+    """Yield (PEFT key, tensor on ``device``, default the CPU) for adapter ``name``. Collective under FSDP: every rank
+    must consume it."""
     if name not in selection(model).specs:
         raise KeyError(f"no adapter {name!r}")
     for module_name, layer in lora_layers(model).items():
@@ -41,7 +42,7 @@ def adapter_state_dict(
             t = _full(linear.weight).detach()
             if dtype is not None:
                 t = t.to(dtype)
-            yield f"{PEFT_PREFIX}{module_name}.lora_{ab}.weight", t.cpu().contiguous()
+            yield f"{PEFT_PREFIX}{module_name}.lora_{ab}.weight", t.to(device or "cpu").contiguous()
 
 
 def save_adapter(

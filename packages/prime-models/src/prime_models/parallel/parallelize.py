@@ -12,6 +12,7 @@ from prime_core.config.shared import Fp8Config
 from torch import nn
 
 from prime_models.parallel.activation_checkpoint import apply_activation_checkpointing
+from prime_models.parallel.compile import compile_layers as compile_all
 from prime_models.parallel.dims import ParallelDims, ParallelMesh
 from prime_models.parallel.expert_parallel import apply_expert_parallel
 from prime_models.parallel.fsdp import apply_fsdp, default_mp_policy
@@ -24,6 +25,13 @@ def _one_rank(model: nn.Module, param_dtype: torch.dtype) -> nn.Module:
     if param_dtype != next(model.parameters()).dtype:
         apply_mixed_precision(model, param_dtype)
     return model
+
+
+def _swap_inside_layers(model: nn.Module, fp8: Fp8Config | None, compile_layers: bool) -> None:
+    """What changes the layers' own classes, before anything wraps them: FP8 linears, compiled layer forwards."""
+    apply_fp8(model, fp8)
+    if compile_layers:
+        compile_all(model.model.layers)
 
 
 def parallelize_transformer(
@@ -43,6 +51,7 @@ def parallelize_transformer(
     dispatcher: str = "torch",
     fp8: Fp8Config | None = None,
     one_rank_fsdp: bool = False,
+    compile_layers: bool = False,
 ) -> nn.Module:
     """Apply expert parallelism, activation checkpointing and, when dp * cp > 1, FSDP2 to a `CausalLM` in place. One
     rank computes in `param_dtype` over its parameters as masters (`apply_mixed_precision`) instead of under FSDP2.
@@ -62,9 +71,10 @@ def parallelize_transformer(
         fp8: `model.fp8` section: swap the decoder's linears (and MoE experts) for FP8 ones first
             (`prime_models.quantization.float8`); later steps shard the same parameters.
         one_rank_fsdp: wrap a one-rank model in FSDP2 as on several ranks (casts and hooks every forward).
+        compile_layers: compile each decoder layer's forward (`prime_models.parallel.compile`), inside its checkpoint.
     """
     layers = model.model.layers
-    apply_fp8(model, fp8)
+    _swap_inside_layers(model, fp8, compile_layers)
     device_type = next(model.parameters()).device.type
     if cpu_offload and device_type == "cpu":
         device_type = "cuda" if torch.cuda.is_available() else "cpu"

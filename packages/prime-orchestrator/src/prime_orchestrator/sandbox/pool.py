@@ -5,7 +5,8 @@ back; no interpreter starts. Each running execution holds a slot, a host uid and
 (:mod:`leases`). Requests over the pool's size limits end as ``error`` before anything is sent. A zygote that dies,
 or that forks nothing for ``hang_timeout_s`` while requests wait, is killed and replaced: requests it never forked
 are retried once on its replacement, and the executions it was running end as ``sandbox_error`` saying so.
-:meth:`SandboxPool.health` gives the counters a launcher watches for progress.
+:meth:`SandboxPool.health` gives the counters a launcher watches for progress; inside a run the pool also writes them to
+its progress file (:mod:`.liveness`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 
 from prime_orchestrator.sandbox.cgroups import Cgroups
 from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
+from prime_orchestrator.sandbox.liveness import REAP_WAIT_S, PoolProgress
 from prime_orchestrator.sandbox.schemas import ExecRequest, ExecResult, SandboxHealth, judge, parse_test_lines
 from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Zygote
 
@@ -106,6 +108,7 @@ class SandboxPool:
             ("zygotes_started", "zygotes_replaced", "executions_started", "executions_completed", "sandbox_errors"), 0
         )
         self.closed = False
+        self._progress = PoolProgress(c, self.health, RESULT_SLACK_S)
         if self.unenforced:
             logger.warning("sandbox pool: not enforced on this host: %s", "; ".join(self.unenforced))
 
@@ -145,6 +148,7 @@ class SandboxPool:
         """Start every zygote (a cold start: interpreter, namespaces, root filesystem, pre-imports), side by side:
         a host with many cores runs several, and starting them in turn multiplied the cold start."""
         await asyncio.gather(*(self._zygote(i) for i in range(self._num_zygotes)))
+        self._progress.start()
 
     def health(self) -> SandboxHealth:
         """Counters a launcher can poll: executions completing while some run is progress."""
@@ -231,11 +235,14 @@ class SandboxPool:
 
     async def _run(self, job: _Job) -> None:
         self._counts["executions_started"] += 1
+        self._progress.started(id(job), job.limits.wall_s)
         try:
             raw, clean = await self._roundtrip(job)
         except Exception as e:  # a bug of the pool's own: the execution ends as a sandbox error, the pool goes on
             logger.exception("sandbox execution failed")
             raw, clean = {"status": "sandbox_error", "reason": f"sandbox pool: {type(e).__name__}: {e}"}, False
+        finally:
+            self._progress.finished(id(job))
         if clean and self._cgroups is not None:
             self._memory_verdict(raw, job)
         self._counts["sandbox_errors" if raw["status"] == "sandbox_error" else "executions_completed"] += 1
@@ -296,7 +303,7 @@ class SandboxPool:
                 return {"status": "sandbox_error", "reason": "the sandbox worker died before running it"}, True
         if outcome == "late":
             job.kill_supervisor()
-            await job.pipe.wait_eof(10.0)
+            await job.pipe.wait_eof(REAP_WAIT_S)
             limit = job.limits.wall_s + RESULT_SLACK_S
             return {"status": "sandbox_error", "reason": f"no verdict within {limit:.0f} s; execution killed"}, False
         if not job.pipe.data:
@@ -347,7 +354,7 @@ class SandboxPool:
                 return "done" if await pipe.wait_eof(max(0.0, remaining)) else "late"
             if time.monotonic() - zygote.last_progress > hang:
                 await self._retire(i, zygote, f"forked nothing for {hang} s with requests waiting (hung)")
-                await pipe.wait_eof(10.0)  # its queue and its unforked descriptors go with it
+                await pipe.wait_eof(REAP_WAIT_S)  # its queue and its unforked descriptors go with it
                 break
         return "dropped" if pipe.supervisor is None else "done"
 
@@ -411,6 +418,7 @@ class SandboxPool:
 
     async def close(self) -> None:
         self.closed = True
+        self._progress.close()
         for z in self._zygotes:
             if z is not None:
                 await asyncio.to_thread(z.kill)

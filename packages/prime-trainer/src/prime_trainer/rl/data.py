@@ -13,6 +13,7 @@ from prime_core.config.trainer import FakeDataConfig, TrainerConfig
 from prime_core.run_dir import RunDir
 from prime_core.schemas.microbatch import MULTIMODAL_FIELDS, MicroBatch, RolloutBatchMeta
 from prime_core.transport import make_receiver
+from prime_models.layers.attention import RowPacking, row_packing
 
 from prime_trainer.world import World
 
@@ -21,7 +22,11 @@ logger = logging.getLogger("prime.trainer")
 
 @dataclass
 class TensorMicroBatch:
-    """A micro-batch on the training device; every field [R, S]."""
+    """A micro-batch on the training device; every tensor [R, S].
+
+    Everything the step needs to know about it on the host (its counts, where its samples start, each loss token's
+    sample) is computed from the host arrays when it is made: reading it back from the device inside the step would
+    make the host wait for the GPU once per micro-batch."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -34,37 +39,39 @@ class TensorMicroBatch:
     keyword arguments of the model's forward; empty for text."""
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     """The micro-batch's further per-token arrays [R, S], for the loss (``LossInputs.extra``)."""
+    num_tokens: int = 0
+    """Real (non-padding) tokens."""
+    num_loss_tokens: int = 0
+    num_loss_samples: int = 0
+    """Samples with a loss token."""
+    segments: torch.Tensor | None = None
+    """[R, S] dense index (0 .. num_loss_samples - 1) of each loss token's sample, 0 elsewhere (`LossInputs.segments`)."""
+    packing: RowPacking | None = None
+    """Where the rows' samples start (`prime_models.layers.attention.row_packing`)."""
 
     @classmethod
     def from_numpy(cls, mb: MicroBatch, device: torch.device) -> TensorMicroBatch:
-        multimodal = {
-            name: torch.from_numpy(getattr(mb, name)).to(device)
-            for name in MULTIMODAL_FIELDS
-            if getattr(mb, name) is not None
-        }
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        loss_samples, inverse = np.unique(mb.sample_ids[mb.loss_mask], return_inverse=True)
+        segments = np.zeros(mb.sample_ids.shape, dtype=np.int64)
+        segments[mb.loss_mask] = inverse.reshape(-1)
         return cls(
-            input_ids=torch.from_numpy(mb.input_ids).to(device),
-            position_ids=torch.from_numpy(mb.position_ids).to(device),
-            loss_mask=torch.from_numpy(mb.loss_mask).to(device),
-            advantages=torch.from_numpy(mb.advantages).to(device),
-            inference_logprobs=torch.from_numpy(mb.inference_logprobs).to(device),
-            sample_ids=torch.from_numpy(mb.sample_ids).to(device),
-            multimodal=multimodal,
-            extra={name: torch.from_numpy(arr).to(device) for name, arr in mb.extra.items()},
+            input_ids=put(mb.input_ids),
+            position_ids=put(mb.position_ids),
+            loss_mask=put(mb.loss_mask),
+            advantages=put(mb.advantages),
+            inference_logprobs=put(mb.inference_logprobs),
+            sample_ids=put(mb.sample_ids),
+            multimodal={name: put(getattr(mb, name)) for name in MULTIMODAL_FIELDS if getattr(mb, name) is not None},
+            extra={name: put(arr) for name, arr in mb.extra.items()},
+            num_tokens=int((mb.sample_ids >= 0).sum()),
+            num_loss_tokens=int(mb.loss_mask.sum()),
+            num_loss_samples=len(loss_samples),
+            segments=put(segments),
+            packing=row_packing(torch.from_numpy(mb.position_ids), device),
         )
-
-    @property
-    def num_tokens(self) -> int:
-        """Real (non-padding) tokens."""
-        return int((self.sample_ids >= 0).sum())
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-    @property
-    def num_loss_samples(self) -> int:
-        return int(torch.unique(self.sample_ids[self.loss_mask]).numel())
 
 
 class RolloutSource:

@@ -46,6 +46,9 @@ class LossInputs:
     extra: dict[str, Tensor] = field(default_factory=dict)
     """The micro-batch file's further per-token arrays by name (``MicroBatch.extra``, filled by whoever packed it,
     e.g. from the orchestrator's ``Sample.extra``): a loss needing a new per-token input reads it here."""
+    segments: tuple[Tensor, int] | None = None
+    """(dense index of each loss token's sample [R, S], number of samples K), computed on the host by the trainer, for
+    `segment_mean`; None: computed from ``sample_ids`` (which reads the device back: a sync on a GPU)."""
 
 
 @dataclass
@@ -82,12 +85,25 @@ def _segments(sample_ids: Tensor, mask: Tensor) -> tuple[Tensor, int]:
     return inverse, uniq.numel() - int(has_pad)
 
 
-def segment_mean(values: Tensor, sample_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample mean of ``values`` over loss tokens. Returns (mean per segment [K], count [K], token seg [R, S])."""
-    seg, k = _segments(sample_ids, mask)
+def segment_mean(
+    values: Tensor, sample_ids: Tensor, mask: Tensor, segments: tuple[Tensor, int] | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample mean of ``values`` over loss tokens. Returns (mean per segment [K], count [K], token seg [R, S]).
+
+    ``segments``: the dense index and count `_segments` would compute (`LossInputs.segments`); with them nothing is
+    read back from the device, and tokens off the mask add zeros (the sums are the same)."""
+    if segments is None:
+        seg, k = _segments(sample_ids, mask)
+        flat_seg, flat_mask = seg.reshape(-1), mask.reshape(-1)
+        sums = values.new_zeros(k).index_add(0, flat_seg[flat_mask], values.reshape(-1)[flat_mask])
+        counts = values.new_zeros(k).index_add(0, flat_seg[flat_mask], torch.ones_like(values.reshape(-1)[flat_mask]))
+        return sums / counts.clamp(min=1), counts, seg
+    seg, k = segments
     flat_seg, flat_mask = seg.reshape(-1), mask.reshape(-1)
-    sums = values.new_zeros(k).index_add(0, flat_seg[flat_mask], values.reshape(-1)[flat_mask])
-    counts = values.new_zeros(k).index_add(0, flat_seg[flat_mask], torch.ones_like(values.reshape(-1)[flat_mask]))
+    picked = torch.where(flat_mask, values.reshape(-1), values.new_zeros(()))
+    # Tokens off the mask sit in segment 0, which exists even without a loss token (then dropped: K = 0).
+    sums = values.new_zeros(max(k, 1)).index_add(0, flat_seg, picked)[:k]
+    counts = values.new_zeros(max(k, 1)).index_add(0, flat_seg, flat_mask.to(values.dtype))[:k]
     return sums / counts.clamp(min=1), counts, seg
 
 
@@ -121,7 +137,7 @@ class GSPOLoss:
 
     def __call__(self, b: LossInputs) -> PolicyTerm:
         log_ratio = (b.logprobs - b.inference_logprobs) * b.loss_mask
-        seq_log_ratio, _, seg = segment_mean(log_ratio, b.sample_ids, b.loss_mask)
+        seq_log_ratio, _, seg = segment_mean(log_ratio, b.sample_ids, b.loss_mask, b.segments)
         # A micro-batch without loss tokens (a padding rank, a step whose groups were all filtered) has no segment,
         # yet every token's index is 0: one spare ratio keeps the gather in range; the mask zeroes its loss.
         seq_ratio = torch.cat([torch.exp(seq_log_ratio), seq_log_ratio.new_ones(1)])[seg]  # [R, S]
@@ -249,7 +265,7 @@ def compute_loss(
     if config.normalization == "token":
         loss = per_token.sum() / max(num_tokens, 1)
     else:
-        seq_mean, _, _ = segment_mean(per_token, b.sample_ids, mask)
+        seq_mean, _, _ = segment_mean(per_token, b.sample_ids, mask, b.segments)
         loss = seq_mean.sum() / max(num_samples, 1)
 
     with torch.no_grad():

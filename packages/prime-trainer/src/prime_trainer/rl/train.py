@@ -51,8 +51,9 @@ def forward_backward(
     # loss on full rows: world-wide sums count everything cp times, and the replicated losses' gradients add up cp times.
     cp = c.cp_size
     num_loss_tokens, num_samples, num_tokens = (int(x) // cp for x in all_reduce_sum(local, c.world.device))
-    # Statistics stay on the device until the step ends: reading one per micro-batch would wait for its backward and
-    # leave the GPU idle while the next forward is launched.
+    # Nothing is read back from the device until the step ends (statistics stay there; counts and packing come from
+    # the host arrays): a read per micro-batch would wait for its backward and leave the GPU idle while the next
+    # forward is launched.
     sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=c.world.device)
     for i, mb in enumerate(micro_batches):
         common.set_grad_sync(c.model, i, len(micro_batches))
@@ -65,15 +66,24 @@ def forward_backward(
             entropy_grad=cfg.loss.entropy_coef > 0,
             multimodal=mb.multimodal,
             context_parallel=c.context_parallel,
+            packing=mb.packing,
         )
-        inputs = LossInputs(
-            logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy, extra=mb.extra
-        )
+        segments = (mb.segments, mb.num_loss_samples) if mb.segments is not None else None
+        inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy,
+                            extra=mb.extra, segments=segments)  # fmt: skip
         loss, stats = compute_loss(objective, cfg.loss, inputs, num_tokens=num_loss_tokens, num_samples=num_samples)
         (loss * (c.loss_scale / cp)).backward()
-        sums += torch.stack([stats[k].to(torch.float64) for k in STAT_KEYS])
+        sums += stacked(stats)
     totals = dict(zip(STAT_KEYS, all_reduce_sum((sums / cp).tolist(), c.world.device), strict=True))
     return totals, (num_loss_tokens, num_samples, num_tokens)
+
+
+def stacked(stats: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The statistics of `STAT_KEYS` as one float64 vector (one cast when they share a dtype, as the built-in ones do)."""
+    values = [stats[k] for k in STAT_KEYS]
+    if all(v.dtype == values[0].dtype for v in values):
+        return torch.stack(values).to(torch.float64)
+    return torch.stack([v.to(torch.float64) for v in values])
 
 
 def step_metrics(totals: dict[str, float], counts: tuple[int, int, int], grad_norm: float, lr: float) -> dict[str, Any]:

@@ -36,6 +36,7 @@ def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
         return_entropy=False,
         multimodal=mb.multimodal,
         context_parallel=c.context_parallel,
+        packing=mb.packing,
     )
     return -(logprobs * mb.loss_mask).sum()
 
@@ -47,14 +48,15 @@ def sft_step(c: common.Components, step: int, micro_batches: list[TensorMicroBat
     # over the world count them cp times, and the replicated losses' gradients add up cp times.
     cp = c.cp_size
     num_loss_tokens, num_tokens = (int(x) // cp for x in all_reduce_sum(local, c.world.device))
-    total = 0.0
+    # The loss stays on the device until the step ends: reading it per micro-batch would wait for each backward.
+    total = torch.zeros((), dtype=torch.float64, device=c.world.device)
     for i, mb in enumerate(micro_batches):
         common.set_grad_sync(c.model, i, len(micro_batches))
         loss = nll_sum(c, mb) / max(num_loss_tokens, 1)
         (loss * (c.loss_scale / cp)).backward()
-        total += float(loss.detach())
+        total += loss.detach()
     grad_norm, lr = common.optimizer_step(c, step)
-    (loss_mean,) = all_reduce_sum([total / cp], c.world.device)
+    (loss_mean,) = all_reduce_sum([float(total) / cp], c.world.device)
     return {
         "loss/mean": loss_mean,
         "grad_norm": grad_norm,

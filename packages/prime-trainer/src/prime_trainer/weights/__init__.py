@@ -26,11 +26,12 @@ PUBLISHERS: dict[str, type[WeightPublisher]] = {
 
 
 def transport_name(config: TrainerConfig | SFTConfig, process: str, adapter: str | None) -> str:
-    """The transport that publishes: a LoRA run's adapter, the RL trainer's ``weights.broadcast.type``, else files."""
-    if adapter is not None:
-        return "adapter"
+    """The transport that publishes: the RL trainer's ``weights.broadcast.type``, else files; a LoRA run's adapter
+    goes as files (``adapter``) unless through GPU memory (``cuda_ipc``)."""
     if process != "trainer":
-        return "filesystem"
+        return "adapter" if adapter is not None else "filesystem"
+    if adapter is not None:
+        return "cuda_ipc" if config.weights.broadcast.type == "cuda_ipc" else "adapter"
     return {"filesystem": "filesystem", "nccl": "broadcast", "cuda_ipc": "cuda_ipc"}[config.weights.broadcast.type]
 
 

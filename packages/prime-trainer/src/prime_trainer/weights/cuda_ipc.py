@@ -2,7 +2,8 @@
 CUDA IPC handles (torch's own sharing, ``torch.multiprocessing.reductions``), with no copy through the host or disk.
 
 ``weights/step_N`` holds ``cuda_ipc.json`` (`prime_core.schemas.weights.CudaIpcManifest`: the rendezvous store and
-the GPU). Once STABLE is written, rank 0 packs the HF tensors into flat buckets of ``weights.broadcast.bucket_mb``,
+the GPU; in a LoRA run also the adapter's name and PEFT config, and the tensors handed over are the adapter's, which
+inference serves under that name). Once STABLE is written, rank 0 packs the HF tensors into flat buckets of ``weights.broadcast.bucket_mb``,
 publishes each bucket's handle in the store (`CudaIpcBucket`) and waits until every inference worker has copied it
 into its model and acknowledged; at most two buckets live on the GPU at a time. All ranks call `CudaIpcSender.send`
 (gathering FSDP shards is collective); only rank 0 shares.
@@ -30,8 +31,10 @@ import torch.distributed as dist
 from prime_core.config import ConfigError
 from prime_core.config.trainer import WeightBroadcastConfig
 from prime_core.run_dir import RunDir
-from prime_core.schemas.weights import CudaIpcBucket, CudaIpcHandle, CudaIpcManifest
+from prime_core.schemas.adapters import AdapterInfo
+from prime_core.schemas.weights import CudaIpcAdapter, CudaIpcBucket, CudaIpcHandle, CudaIpcManifest
 from prime_models.checkpoint import hf_state_dict
+from prime_models.lora import adapter_state_dict, save_adapter, selection
 from torch import nn
 
 from prime_trainer.weights.base import buckets, pack
@@ -114,11 +117,11 @@ class CudaIpcSender:
             self.store = dist.PrefixStore("prime-ipc", master)
         return self.store
 
-    def manifest(self, step: int) -> CudaIpcManifest:
+    def manifest(self, step: int, adapter: CudaIpcAdapter | None = None) -> CudaIpcManifest:
         self._open_store()
         c = self.config
         return CudaIpcManifest(step=step, host=c.host, port=c.port, num_workers=c.inference_workers,
-                               gpu_uuid=gpu_uuid(self.device), timeout_s=c.timeout_s)  # fmt: skip
+                               gpu_uuid=gpu_uuid(self.device), timeout_s=c.timeout_s, adapter=adapter)  # fmt: skip
 
     def _wait_taken(self, step: int, index: int) -> None:
         """Until every worker acknowledged bucket ``index`` (or one reported a failure, or the time is up)."""
@@ -142,13 +145,18 @@ class CudaIpcSender:
     def _offer(self, step: int, bucket: CudaIpcBucket) -> None:
         self.store.set(key(step, "bucket", bucket.index), bucket.model_dump_json())
 
-    def send(self, model: nn.Module, dtype: torch.dtype | None, step: int) -> dict[str, float]:
-        """Hand over every HF tensor of ``model``; collective over the trainer's ranks. Returns timings (rank 0)."""
+    def send(
+        self, model: nn.Module, dtype: torch.dtype | None, step: int, tensors: Iterator | None = None
+    ) -> dict[str, float]:
+        """Hand over every HF tensor of ``model`` (or the (name, tensor) pairs of ``tensors``, e.g. an adapter's);
+        collective over the trainer's ranks. Returns timings (rank 0)."""
         t0 = time.perf_counter()
         shared: collections.deque[tuple[int, torch.Tensor]] = collections.deque()
         index = sent = 0
+        if tensors is None:
+            tensors = hf_state_dict(model, dtype=dtype, device=self.device)
         try:
-            for bucket in buckets(hf_state_dict(model, dtype=dtype, device=self.device), self._bucket_bytes()):
+            for bucket in buckets(tensors, self._bucket_bytes()):
                 if not self.world.is_master:
                     continue  # the iterator still has to run: gathering FSDP shards is collective
                 if len(shared) >= IN_FLIGHT:
@@ -193,7 +201,8 @@ class CudaIpcSender:
 
 
 class CudaIpcPublisher(FilesystemPublisher):
-    """``cuda_ipc.json`` announces each served step; the handles follow through the store once STABLE is written."""
+    """``cuda_ipc.json`` announces each served step; the handles follow through the store once STABLE is written.
+    With ``adapter`` (a LoRA run) the adapter's tensors are handed over, and its PEFT files written where files are."""
 
     def __init__(
         self,
@@ -204,9 +213,14 @@ class CudaIpcPublisher(FilesystemPublisher):
         *,
         tokenizer: str,
         config: WeightBroadcastConfig,
+        adapter: str | None = None,
+        base_model: str | None = None,
     ):
         super().__init__(run_dir, world, async_level, keep_all, tokenizer=tokenizer)
         self.sender = CudaIpcSender(config, world)
+        self.adapter = adapter
+        self.base_model = base_model
+        self.peft_config: dict | None = None
 
     @classmethod
     def build(cls, run_dir: RunDir, world: World, config: Any, *, keep_all: bool, tokenizer: str, adapter: str | None):
@@ -215,14 +229,30 @@ class CudaIpcPublisher(FilesystemPublisher):
                 f"weights.broadcast.type = 'cuda_ipc' shares GPU memory; the trainer runs on {world.device.type}: "
                 "use 'nccl' (gloo on CPU) or 'filesystem'"
             )
-        return cls(run_dir, world, config.async_level, keep_all, tokenizer=tokenizer, config=config.weights.broadcast)
+        return cls(run_dir, world, config.async_level, keep_all, tokenizer=tokenizer, config=config.weights.broadcast,
+                   adapter=adapter, base_model=config.model.name)  # fmt: skip
 
     def write(self, directory: Path, step: int, model: nn.Module, *, durable: bool, serve: bool) -> None:
-        if durable or not serve:
+        if self.adapter is not None:
+            self.peft_config = selection(model).specs[self.adapter].peft_config(self.base_model)
+        if not (durable or not serve):
+            return
+        if self.adapter is not None:
+            save_adapter(model, self.adapter, directory, base_model=self.base_model, dtype=self.dtype)
+        else:
             self.write_hf(directory, model)
 
-    def manifest(self, step: int, *, serve: bool) -> CudaIpcManifest | None:
-        return self.sender.manifest(step) if serve else None
+    def manifest(self, step: int, *, serve: bool) -> CudaIpcManifest | AdapterInfo | None:
+        if self.adapter is None:
+            return self.sender.manifest(step) if serve else None
+        if not serve:  # only the files: the adapter transport's own announcement
+            return AdapterInfo(name=self.adapter, step=step, base_model=self.base_model)
+        assert self.peft_config is not None, "write() runs before manifest()"
+        adapter = CudaIpcAdapter(name=self.adapter, base_model=self.base_model, peft_config=self.peft_config)
+        return self.sender.manifest(step, adapter)
 
     def deliver(self, step: int, model: nn.Module) -> dict[str, float]:
-        return self.sender.send(model, self.dtype, step)
+        tensors = None
+        if self.adapter is not None:
+            tensors = adapter_state_dict(model, self.adapter, dtype=self.dtype, device=self.world.device)
+        return self.sender.send(model, self.dtype, step, tensors)

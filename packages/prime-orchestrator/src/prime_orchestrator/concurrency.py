@@ -1,0 +1,239 @@
+"""How many rollouts are in flight: ``async with limiter:`` around each one, like an ``asyncio.Semaphore`` whose size
+follows the inference engines' own load (``client.concurrency = "adaptive"``) or stays ``client.max_concurrent``.
+
+The limiter polls every server's ``/health`` (`prime_core.schemas.health`: KV-cache usage, requests waiting,
+cumulative preemptions) every ``client.load_poll_interval`` seconds, each request bounded by the same interval, and
+`AdaptiveController` moves the limit:
+
+- **back off** when a server preempted a request since the last poll (its cache overflowed: the evicted request
+  re-runs its prefill later), halving the limit; or, more gently, when a cache is full (usage at or above the target)
+  while requests wait for room in it. Once cut, the limit is not cut again before the rollouts in flight have come
+  down to it: the preemptions until then are the old limit's.
+- **grow** (by half, at most to what the usage projects to the target) while every cache is below
+  ``client.target_kv_usage``, no request waits at any server, and rollouts wait at the limiter for a slot (the limit
+  is what holds them back).
+- otherwise, and whenever a server did not answer or reports no KV-cache usage, hold.
+
+``max_concurrent`` is the ceiling. A rollout already in flight is never interrupted: a lower limit only holds new
+ones back. With ``fixed`` the limit stays ``max_concurrent``; the polls still run, for the ``engine/*`` metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prime_core.config.orchestrator import ClientConfig
+from prime_core.schemas.health import HealthResponse, parse_health
+
+logger = logging.getLogger("prime.orchestrator.concurrency")
+
+LoadSource = Callable[[], Awaitable[list[HealthResponse | None]]]
+"""One poll: every server's /health, in ``base_urls`` order; None for a server that did not answer in time."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The servers' load at one poll, summed (usage: the fullest cache, the one that overflows first)."""
+
+    kv_cache_usage: float
+    waiting: int
+    preemptions: int
+    """Cumulative over the servers."""
+    new_preemptions: int
+    """Since the previous poll."""
+
+
+class AdaptiveController:
+    """The limit's next value from the engines' load (rules in the module docstring)."""
+
+    def __init__(self, *, ceiling: int, target_kv_usage: float, growth: float = 1.5, backoff: float = 0.5,
+                 trim: float = 0.9, floor: int = 1):  # fmt: skip
+        self.ceiling, self.target, self.floor = ceiling, target_kv_usage, min(floor, ceiling)
+        self.growth, self.backoff, self.trim = growth, backoff, trim
+
+    def update(self, limit: int, load: EngineLoad, *, in_flight: int, queued: int) -> int:
+        full = load.kv_cache_usage >= self.target and load.waiting > 0
+        if load.new_preemptions > 0 or full:
+            if in_flight > limit:  # the last cut has not taken effect yet
+                return limit
+            return max(self.floor, math.floor(limit * (self.backoff if load.new_preemptions > 0 else self.trim)))
+        if load.kv_cache_usage < self.target and load.waiting == 0 and queued > 0 and in_flight >= limit:
+            grown = limit * self.growth
+            if load.kv_cache_usage > 0:
+                # Usage grows about linearly with the requests in flight: stop near the target.
+                grown = min(grown, limit * self.target / load.kv_cache_usage)
+            return min(self.ceiling, max(limit + 1, math.floor(grown)))
+        return limit
+
+
+class HealthPoller:
+    """A `LoadSource` over HTTP: every server's /health at once, each request bounded by the poll interval."""
+
+    def __init__(self, client: ClientConfig):
+        self.urls = [u.rstrip("/") + "/health" for u in client.base_urls]
+        self.timeout = max(client.load_poll_interval, 0.5)
+        key = client.resolved_api_key()
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._http: httpx.AsyncClient | None = None  # made in the running loop, at the first poll
+
+    async def __call__(self) -> list[HealthResponse | None]:
+        if self._http is None:
+            self._http = httpx.AsyncClient(headers=self.headers)
+        return list(await asyncio.gather(*(self._one(self._http, u) for u in self.urls)))
+
+    async def _one(self, http: httpx.AsyncClient, url: str) -> HealthResponse | None:
+        try:
+            response = await http.get(url, timeout=self.timeout)
+            return parse_health(response.json()) if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+class ConcurrencyLimiter:
+    """``async with limiter:`` admits a rollout while fewer than ``limit`` are in flight, first come first served."""
+
+    def __init__(self, limit: int, *, load: LoadSource | None = None, controller: AdaptiveController | None = None,
+                 interval_s: float = 1.0, close_load: Callable[[], Awaitable[None]] | None = None):  # fmt: skip
+        self.limit = limit
+        self.in_flight = 0
+        self.load, self.controller, self.interval_s, self._close_load = load, controller, interval_s, close_load
+        self.last: EngineLoad | None = None
+        self._preemptions: list[int | None] = []
+        self._new_preemptions = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, client: ClientConfig) -> ConcurrencyLimiter:
+        assert client.max_concurrent is not None  # ClientConfig fills it in
+        poll = HealthPoller(client)
+        controller = None
+        if client.concurrency == "adaptive":
+            controller = AdaptiveController(ceiling=client.max_concurrent, target_kv_usage=client.target_kv_usage)
+        start = min(client.initial_concurrent, client.max_concurrent) if controller else client.max_concurrent
+        return cls(
+            start, load=poll, controller=controller, interval_s=client.load_poll_interval, close_load=poll.aclose
+        )
+
+    # ----- the semaphore -----
+    async def __aenter__(self) -> ConcurrencyLimiter:
+        self._start_polling()
+        if self.in_flight < self.limit and not self._waiters:
+            self.in_flight += 1
+            return self
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release()  # admitted, then cancelled before it ran: hand the slot on
+            else:
+                self._waiters.remove(waiter)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._waiters and self.in_flight < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+
+    @property
+    def queued(self) -> int:
+        """Rollouts waiting for a slot."""
+        return sum(not w.done() for w in self._waiters)
+
+    def set_limit(self, limit: int) -> None:
+        if limit != self.limit:
+            logger.debug("concurrency limit %d -> %d (%d in flight, %d queued)", self.limit, limit, self.in_flight,
+                         self.queued)  # fmt: skip
+        self.limit = limit
+        self._admit()
+
+    # ----- the engines' load -----
+    def _start_polling(self) -> None:
+        if self._task is None and self.load is not None:
+            self._task = asyncio.create_task(self._poll_loop(), name="concurrency-limiter")
+
+    async def _poll_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.poll_once()
+            except Exception:  # the limit must never take the run down: it holds instead
+                logger.exception("reading the inference servers' load failed; the concurrency limit holds")
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+
+    async def poll_once(self) -> EngineLoad | None:
+        """Poll every server once and move the limit; None (limit unchanged) unless every server reported its load."""
+        assert self.load is not None
+        answers = await self.load()
+        self._count_preemptions(answers)
+        if any(a is None or a.kv_cache_usage is None for a in answers):
+            return None
+        load = EngineLoad(
+            kv_cache_usage=max(a.kv_cache_usage for a in answers),  # type: ignore[union-attr, type-var]
+            waiting=sum(a.waiting for a in answers),  # type: ignore[union-attr]
+            preemptions=sum(a.preemptions or 0 for a in answers),  # type: ignore[union-attr]
+            new_preemptions=self._new_preemptions,
+        )
+        self.last, self._new_preemptions = load, 0
+        if self.controller is not None:
+            limit = self.controller.update(self.limit, load, in_flight=self.in_flight, queued=self.queued)
+            if limit < self.limit:
+                why = f"{load.new_preemptions} preemption(s)" if load.new_preemptions else (
+                    f"KV cache {load.kv_cache_usage:.0%} full, {load.waiting} request(s) waiting")  # fmt: skip
+                logger.info("concurrency limit %d -> %d: %s", self.limit, limit, why)
+            self.set_limit(limit)
+        return load
+
+    def _count_preemptions(self, answers: list[HealthResponse | None]) -> None:
+        """Add each server's new preemptions to those not yet acted on (a poll where some server is silent acts on
+        nothing, and the next complete one sees them)."""
+        if len(self._preemptions) != len(answers):
+            self._preemptions = [None] * len(answers)
+        for i, answer in enumerate(answers):
+            count, before = (answer.preemptions if answer is not None else None), self._preemptions[i]
+            if count is None:
+                continue
+            # A restarted server counts from 0 again: a new baseline, nothing new.
+            if before is not None and count > before:
+                self._new_preemptions += count - before
+            self._preemptions[i] = count
+
+    def metrics(self) -> dict[str, Any]:
+        m: dict[str, Any] = {"concurrency/limit": self.limit, "concurrency/in_flight": self.in_flight}
+        if self.last is not None:
+            m.update({"engine/kv_cache_usage": self.last.kv_cache_usage, "engine/waiting": self.last.waiting,
+                      "engine/preemptions": self.last.preemptions})  # fmt: skip
+        return m
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._close_load is not None:
+            await self._close_load()

@@ -1,0 +1,121 @@
+"""benchmarks/rl_longtail_gpu.py: its arms' configs, the numbers it reads from a run, its verdict, the synthetic
+long-tail environment's lengths, and (slow) the whole benchmark in its CPU smoke mode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.test_benchmark_records import load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_args(**overrides) -> argparse.Namespace:
+    base = dict(smoke=True, max_steps=4, seq_len=256, batch_size=16, group=4, workers=1, median_tokens=4,
+                tail_fraction=0.1, tail_factor=8)  # fmt: skip
+    return argparse.Namespace(**{**base, **overrides})
+
+
+def test_arm_configs_differ_only_in_the_loop_settings(tmp_path):
+    bench = load("rl_longtail_gpu")
+    args = bench_args()
+    fixed = tomllib.loads(bench.config_text(args, "fixed_8", tmp_path))
+    mean = tomllib.loads(bench.config_text(args, "mean_length", tmp_path))
+    new = tomllib.loads(bench.config_text(args, "continuous", tmp_path))
+    assert fixed["orchestrator"]["client"] == {"concurrency": "fixed", "max_concurrent": 8}
+    assert mean["orchestrator"]["client"] == {"concurrency": "fixed", "max_concurrent": 16}
+    assert new["orchestrator"]["client"] == {"concurrency": "adaptive"}  # no max_concurrent to tune
+    assert [c["orchestrator"]["env"][0]["args"]["mean_only"] for c in (fixed, mean, new)] == [False, True, False]
+    assert fixed["async_level"] == new["async_level"] == 1 and mean["async_level"] == 0  # the reference batch alone
+    assert fixed["orchestrator"]["sampling"]["max_tokens"] == 32
+    gpu = tomllib.loads(bench.config_text(bench_args(smoke=False), "continuous", tmp_path))
+    assert gpu["inference"]["engine"] == "vllm" and "device" not in gpu.get("trainer", {})
+    both = {"max_off_policy_steps": True, "weight_update": True}
+    assert bench.arm_flags("continuous", both) == ["--orchestrator.max-off-policy-steps", "1",
+                                                   "--inference.weight-update", "in_flight"]  # fmt: skip
+    assert bench.arm_flags("fixed_8", both) == ["--inference.weight-update", "drain"]
+    assert bench.arm_flags("fixed_8", {"max_off_policy_steps": False, "weight_update": False}) == []
+
+
+def test_smoke_skips_the_continuous_arm_without_the_loop_fields(tmp_path, capsys):
+    bench = load("rl_longtail_gpu")
+    missing = {"max_off_policy_steps": False, "weight_update": True}
+    entry = bench.run_arm(bench_args(), "continuous", tmp_path, tmp_path, missing)
+    assert entry == {"arm": "continuous", "skipped": entry["skipped"]} and "max_off_policy_steps" in entry["skipped"]
+    assert "continuous arm skipped" in capsys.readouterr().out
+
+
+def write_run(path: Path, step_s: float, tokens: float, rollouts_s: float) -> Path:
+    lines = []
+    for s in range(6):
+        lines.append({"process": "trainer", "step": s, "time": 100 + s * step_s,
+                      "values": {"time/step": 0.5 * step_s, "mismatch_kl/mean": 1e-5 * (s + 1)}})  # fmt: skip
+        lines.append({"process": "orchestrator", "step": s, "time": 99 + s * step_s,
+                      "values": {"completion_len/mean": tokens, "time/rollouts": rollouts_s, "concurrency/limit": 64 + s,
+                                 "engine/preemptions": s, "engine/kv_cache_usage": 0.5}})  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_summary_and_verdict_compute_the_issue_targets(tmp_path):
+    bench = load("rl_longtail_gpu")
+    fixed = bench.longtail_summary(write_run(tmp_path / "a.jsonl", step_s=4.0, tokens=100, rollouts_s=3.0), 16)
+    # Steady steps 2..5: three intervals of 4 s, each consuming 16 x 100 tokens.
+    assert fixed["rollout_tokens_per_s"] == pytest.approx(3 * 1600 / 12)
+    assert fixed["step_time_median_s"] == 4.0 and fixed["trainer_step_median_s"] == 2.0
+    assert fixed["rollout_time_median_s"] == 3.0 and fixed["mismatch_kl_max"] == pytest.approx(6e-5)
+    assert fixed["concurrency_limit_max"] == 69 and fixed["engine_preemptions"] == 5
+    new = bench.longtail_summary(write_run(tmp_path / "b.jsonl", step_s=3.0, tokens=100, rollouts_s=2.0), 16)
+    results = {
+        "fixed_8": {"arm": "fixed_8", **fixed},
+        "fixed_16": {"arm": "fixed_16", "rollout_tokens_per_s": 10.0},
+        "mean_length": {"arm": "mean_length", "rollout_time_median_s": 2.9},
+        "continuous": {"arm": "continuous", **new},
+    }
+    v = bench.verdict(results)
+    assert v["best_fixed_arm"] == "fixed_8"
+    assert v["rollout_tokens_per_s_ratio"] == pytest.approx(4 / 3) and v["rollout_tokens_per_s_target_met"]
+    assert v["step_time_over_bound"] == pytest.approx(3.0 / 2.9) and v["step_time_target_met"]
+
+
+def test_longtail_lengths_have_the_asked_tail():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "envs"))
+    try:
+        from longtail_text import LongtailData, response_tokens
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks" / "envs"))
+    data = LongtailData(prompt="p", median_tokens=100, tail_fraction=0.1, tail_factor=8, mean_only=False)
+    lengths = [response_tokens(data, seed) for seed in range(4000)]
+    assert lengths == [response_tokens(data, seed) for seed in range(4000)]  # the request's seed decides
+    assert 0.08 < lengths.count(800) / len(lengths) < 0.12
+    assert all(50 <= n <= 150 for n in lengths if n != 800)
+    assert response_tokens(data.model_copy(update={"mean_only": True}), 7) == 170  # 0.9 x 100 + 0.1 x 800
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_smoke_runs_the_benchmark_on_cpu(tmp_path):
+    """The benchmark end to end in its smoke mode (about 3 minutes: one `rl` run per arm, tiny model on CPU)."""
+    out = tmp_path / "out"
+    env_dir = tmp_path / "work"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "rl_longtail_gpu.py"), "--smoke", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1700,
+                            env={**os.environ, "PRIME_RL_GPU_DIR": str(env_dir)})  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "rl_longtail_smoke.json").read_text())
+    fixed = report["results"]["fixed_8"]
+    assert fixed["returncode"] == 0 and fixed["rollout_tokens_per_s"] > 0 and fixed["concurrency_limit_max"] == 8
+    assert (
+        report["results"]["mean_length"]["completion_tokens_per_step_mean"] == 16 * report["lengths"]["mean_length_arm"]
+    )
+    new = report["results"]["continuous"]
+    assert "skipped" in new or (new["returncode"] == 0 and new["rollout_tokens_per_s"] > 0)
+    assert report["verdict"]["best_fixed_arm"] == "fixed_8" and report["device"].startswith("cpu")
