@@ -180,14 +180,14 @@ def test_engine_steps_count_the_engine_cores_output_batches():
     engine.llm, engine.config = LLM(), SimpleNamespace(served_model_name="m")
     engine.max_model_len, engine.vocab_size, engine.weight_step, engine.weight_dir = 64, 100, 0, None
     engine._paused, engine._swapping, engine._plugin, engine._tap, engine._adapters = False, False, {}, None, {}
-    engine._in_flight, engine._steps = 2, 0
+    engine._in_flight, engine._steps, engine.in_flight_updates = 2, 0, False
     engine._load = SimpleNamespace(fields=lambda in_flight: {"running": in_flight})  # no load probe answered yet
     engine._count_engine_steps()
 
     async def main():
         for _ in range(3):
             await engine.llm.engine_core.get_output_async()  # what vLLM's output handler calls, once per batch
-        await engine._swap_weights("prime_reload_weights", {"weights_path": "w"})
+        await engine._swap_weights("prime_reload_weights", {"weights_path": "w"}, 1, "w")
 
     asyncio.run(main())
     info = engine.info
