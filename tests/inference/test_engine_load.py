@@ -124,6 +124,7 @@ def test_vllm_health_reports_kv_usage_and_counts_preemptions(model_dir):
         engine="vllm",
         model={"name": str(model_dir), "dtype": "bfloat16"},
         vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True, "extra_args": ["--num-gpu-blocks-override", "64"]},
+        max_model_len=256,  # 20 prompt + 160 sampled tokens (the helper's 128 answers these requests with a 400)
         startup_timeout=600,
     )
     body = {"token_ids": list(range(5, 25)), "sampling_params": {"max_tokens": 160, "temperature": 1.0,

@@ -131,7 +131,12 @@ def lora_model(model_dir, name: str, seed: int, device: torch.device):
     return model.to(device)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+VLLM_ADAPTER_XFAIL = pytest.mark.xfail(
+    strict=True, reason="vLLM 0.26 rejects the adapter built from IPC tensors (IndexError in set_lora, H100 2026-11-26)"
+)
+
+
+@pytest.mark.parametrize("engine", [pytest.param(e, marks=VLLM_ADAPTER_XFAIL) if e == "vllm" else e for e in ENGINES])
 def test_cuda_ipc_serves_the_trainers_adapter_on_its_gpu(engine, tmp_path, model_dir):
     """A LoRA run on a shared GPU: the adapter goes through GPU memory (no files) and samples exactly what the same
     adapter loaded from files does, step after step under one name."""

@@ -68,9 +68,8 @@ def test_one_visible_gpu_colocates_with_memory_shares_and_ipc_weights(model_dir,
     assert not any("gpu_memory_utilization" in note for note in plan.notes)  # the default was not the user's
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_cuda_ipc_is_the_default_on_one_gpu_and_a_users_files_stay(model_dir, tmp_path, lora):
-    more = ["--devices.gpu-memory-gib", "80", *(["--model.lora.rank", "8"] if lora else [])]
+def test_cuda_ipc_is_the_default_on_one_gpu_and_a_users_files_stay(model_dir, tmp_path):
+    more = ["--devices.gpu-memory-gib", "80"]
     plan = resolve_here(rl_config(model_dir, tmp_path, *more, broadcast=None), ONE_GPU, cores=4)
     assert (
         plan.configs["trainer"].weights.broadcast.type == "cuda_ipc" and plan.configs["orchestrator"].weights_broadcast
@@ -79,6 +78,15 @@ def test_cuda_ipc_is_the_default_on_one_gpu_and_a_users_files_stay(model_dir, tm
     plan = resolve_here(rl_config(model_dir, tmp_path, *more, broadcast="filesystem"), ONE_GPU, cores=4)
     assert plan.configs["trainer"].weights.broadcast.type == "filesystem"
     assert not plan.configs["orchestrator"].weights_broadcast and not any("weights:" in n for n in plan.notes)
+
+
+def test_a_lora_run_on_vllm_keeps_adapters_on_files_and_refuses_cuda_ipc(model_dir, tmp_path):
+    """vLLM does not take adapters over CUDA IPC yet (tests/inference/test_weight_transports_gpu.py)."""
+    more = ["--devices.gpu-memory-gib", "80", "--model.lora.rank", "8"]
+    plan = resolve_here(rl_config(model_dir, tmp_path, *more, broadcast=None), ONE_GPU, cores=4)
+    assert plan.configs["trainer"].weights.broadcast.type == "filesystem"
+    with pytest.raises(ValueError, match="adapters over CUDA IPC are not supported by vLLM"):
+        resolve_here(rl_config(model_dir, tmp_path, *more, broadcast="cuda_ipc"), ONE_GPU, cores=4)
 
 
 def test_cuda_ipc_keeps_weights_on_the_shared_gpu(model_dir, tmp_path):

@@ -193,7 +193,8 @@ def sharing_notes(
 def shared_gpu_transport(configured: str, user_set: bool, one_gpu: bool, multi_run: bool) -> tuple[str, str | None]:
     """The weight transport of a colocated run (``trainer.weights.broadcast.type``) and a note saying why, when it is
     not the configured one. ``one_gpu``: the trainer's only rank and the server's only worker share one GPU;
-    ``multi_run``: several LoRA runs (``runs``) publish adapters side by side, which a one-time transport does not serve.
+    ``multi_run``: several LoRA runs (``runs``) publish adapters side by side, which a one-time transport does not serve
+    (also set for a LoRA run on vLLM, which does not take adapters over CUDA IPC yet).
 
     On one GPU the weights go through its memory (``cuda_ipc``): the default there, and what an ``nccl`` setting
     becomes; a user's ``filesystem`` or ``cuda_ipc`` stays. Elsewhere ``nccl`` becomes files. (An NCCL group cannot

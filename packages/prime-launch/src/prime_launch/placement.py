@@ -189,8 +189,16 @@ def _share_gpus(rl: RLConfig, place: Placement, train_ids: list[int], facts: Hos
     place.shares = shares
     one_gpu = len(train_ids) == 1 and rl.devices.num_inference_gpus == 1
     configured = rl.trainer.weights.broadcast.type
+    # vLLM 0.26 rejects an adapter built from IPC tensors (IndexError in set_lora of the merged projections, one H100,
+    # 2026-11-26): a LoRA run on vLLM keeps sending adapters by files until that path is fixed.
+    adapters_on_vllm = rl.trainer.model.lora is not None and rl.inference.engine == "vllm"
+    if adapters_on_vllm and configured == "cuda_ipc":
+        raise ValueError(
+            "trainer.weights.broadcast.type = cuda_ipc with model.lora on vLLM: adapters over CUDA IPC are not "
+            "supported by vLLM yet; use filesystem"
+        )
     transport, note = shared_gpu_transport(
-        configured, rl.user_set("trainer.weights.broadcast.type"), one_gpu, bool(rl.runs)
+        configured, rl.user_set("trainer.weights.broadcast.type"), one_gpu, bool(rl.runs) or adapters_on_vllm
     )
     if transport != configured:
         place.weights_transport = transport
