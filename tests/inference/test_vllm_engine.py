@@ -300,12 +300,14 @@ def test_vllm_in_flight_update_keeps_running_requests_and_records_exact_versions
     record of a tagged rollout spans both versions exactly."""
     import asyncio
 
+    TOKENS = 250  # as long as the tiny model allows (256 positions): the update lands while they decode
     server = start_server(
         model_dir,
         engine="vllm",
         weight_update="in_flight",
         model={"name": str(model_dir), "dtype": "bfloat16"},
         vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True, "fast_token_logprobs": True},
+        max_model_len=256,  # the helper's 128 answers these requests with a 400 at once
         startup_timeout=600,
     )
 
@@ -313,11 +315,12 @@ def test_vllm_in_flight_update_keeps_running_requests_and_records_exact_versions
         async with httpx.AsyncClient(timeout=300) as client:
 
             async def one(i: int) -> dict:
-                sp = {"max_tokens": 200, "temperature": 1.0, "seed": i, "logprobs": 1, "ignore_eos": True,
+                sp = {"max_tokens": TOKENS, "temperature": 1.0, "seed": i, "logprobs": 1, "ignore_eos": True,
                       "extra_args": {"prime_rollout": f"r{i}"}}  # fmt: skip
                 r = await client.post(
                     f"{server.url}/inference/v1/generate", json={"token_ids": [5, 6, 7], "sampling_params": sp}
                 )
+                assert r.status_code == 200, r.text
                 return r.json()["choices"][0]
 
             requests = [asyncio.create_task(one(i)) for i in range(16)]
@@ -335,10 +338,10 @@ def test_vllm_in_flight_update_keeps_running_requests_and_records_exact_versions
 
     try:
         choices = asyncio.run(main())
-        assert all(len(c["token_ids"]) == 200 for c in choices)
+        assert all(len(c["token_ids"]) == TOKENS for c in choices)
         got = httpx.post(f"{server.url}/rollout_versions", json={"tags": [f"r{i}" for i in range(16)]}).json()
         records = got["versions"]
-        assert len(records) == 16 and all(v["exact"] and v["num_tokens"] == 200 for v in records.values())
+        assert len(records) == 16 and all(v["exact"] and v["num_tokens"] == TOKENS for v in records.values())
         assert any((v["first"], v["last"]) == (0, 1) for v in records.values())  # spans the update
     finally:
         server.stop()
