@@ -1,7 +1,23 @@
 import os
 
+import pytest
+
 # Tests must never reach a hub; everything is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-process gloo group for the module's tests (FSDP2 and the steps' all-reduces need one); a group another
+    test already made is left alone."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if owned:
+        dist.destroy_process_group()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from prime_core.config.shared import Fp8Config
 from prime_models import ParallelDims, get_model_spec, hf_state_dict, load_model
 from prime_models import lora as L
@@ -19,15 +18,7 @@ from tests.models.conftest import VOCAB, tiny_config
 STEPS, MICRO_BATCHES, ROWS, SEQ = 2, 2, 2, 17
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    """FSDP2 needs a process group: one process, gloo (left alone when another test already made one)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,6 @@ import collections
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from prime_core.config import load_config
 from prime_core.config.trainer import SFTConfig, TrainerConfig
 from prime_models.layers.attention import (
@@ -35,15 +34,7 @@ READS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::
 SEQ, VOCAB = 32, 96
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    """The steps all-reduce their counts: one process, gloo (left alone when another test already made one)."""
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if owned:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 def reads(fn) -> collections.Counter:
