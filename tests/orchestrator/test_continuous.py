@@ -15,6 +15,7 @@ from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.monitor import read_metrics
 from prime_core.schemas.rollout import PolicyVersions, RolloutResult
 from prime_orchestrator.batch import Rollout
+from prime_orchestrator.concurrency import AdaptiveController, ConcurrencyLimiter
 from prime_orchestrator.continuous import Continuous
 
 from tests.orchestrator.conftest import TorchServer, publish_weights
@@ -72,6 +73,7 @@ class ScriptedOrchestrator:
         self.cursors = dict.fromkeys(self.envs, 0)
         self.cursor_history: dict[int, dict[str, int]] = {}
         self.policy, self.versions, self.tracker = Policy(), Ledger(), Passthrough()
+        self.semaphore = ConcurrencyLimiter(1024)  # fixed: no staleness cap (tests/orchestrator/test_staleness_cap.py)
         self.teachers = self.tracker
         self.done: dict[int, asyncio.Event] = {}
         self.firsts: dict[int, int] = {}
@@ -79,9 +81,10 @@ class ScriptedOrchestrator:
 
     async def _rollout(self, step, env, example, group, index, flight) -> Rollout:
         draw = next(r.draw for r in self.cont.running.values() if any(f is flight for f in r.flights))
-        flight.started, flight.tag, flight.url = self.policy.version, f"d{draw}-{index}", "server"
-        self.versions.first[flight.tag] = self.policy.version
-        await self.done.setdefault(draw, asyncio.Event()).wait()
+        async with self.semaphore:
+            flight.started, flight.tag, flight.url = self.policy.version, f"d{draw}-{index}", "server"
+            self.versions.first[flight.tag] = self.policy.version
+            await self.done.setdefault(draw, asyncio.Event()).wait()
         result = RolloutResult(env=env, example=example, reward=1.0 * index, completion_len=3)
         result.versions = flight.versions = PolicyVersions(first=self.firsts[draw], last=self.policy.version)
         return Rollout(env, example, group, flight.started, result)
@@ -98,7 +101,7 @@ async def settle() -> None:
         await asyncio.sleep(0.01)
 
 
-def test_the_bound_cancels_running_and_drops_queued_groups_exactly():
+def test_batches_take_the_oldest_groups_and_wait_for_last_chance_ones():
     async def main():
         orch = ScriptedOrchestrator()
         cont = orch.cont = Continuous(orch)
@@ -114,30 +117,60 @@ def test_the_bound_cancels_running_and_drops_queued_groups_exactly():
         orch.finish(2, 3, first=0)  # out of order: 2 and 3 finish first and form batch 0
         b0 = await batch()
         assert [g[0].example for g in b0.groups] == [2, 3] and b0.metrics["off_policy/dropped"] == 0
+        orch.finish(0, first=0)
+        await settle()
         orch.policy.serve(1)  # the trainer published weights 1: groups for batch 2 may start
         await settle()
-        assert sorted(cont.running) == [0, 1, 4, 5]
-        # 4 and 5 (first token on weights 1) and the early group 0 (weights 0) end in one turn: batch 1 takes 4 and 5
-        # (completion order); group 0, queued, would train at step 2 with staleness 2 > 1: dropped from the queue.
-        # Group 1 still runs on weights 0: no batch from step 2 on may take it, so it is cancelled and aborted.
+        assert sorted(cont.running) == [1, 4, 5]
+        # 4 and 5 (first token on weights 1) finish before group 1 (weights 0). Batch 1 still waits for group 1: at
+        # step 2 its staleness would be 2 > 1, while 4 and 5 may train at step 2.
         orch.finish(4, 5, first=1)
-        orch.finish(0, first=0)
-        b1 = await batch()
-        assert [g[0].example for g in b1.groups] == [4, 5]
         await settle()
-        assert orch.versions.aborted == ["d1-0", "d1-1"] and 1 not in cont.running
-        assert cont.counts == {"in_flight": 2, "in_queue": 2, "dropped": 2}
-        # Their examples are drawn again, on weights 1, and train in batch 2.
-        assert sorted((r.example, r.redraws) for r in cont.running.values()) == [(0, 1), (1, 1)]
-        orch.finish(*cont.running, first=1)
+        assert buffer.empty() and [r.draw for r in cont.ready] == [4, 5]
+        orch.finish(1, first=0)
+        b1 = await batch()
+        assert [g[0].example for g in b1.groups] == [0, 1]
         b2 = await batch()
-        assert sorted(g[0].example for g in b2.groups) == [0, 1]
-        assert b2.metrics["off_policy/in_flight"] == 2 and b2.metrics["off_policy/in_queue"] == 2
+        assert [g[0].example for g in b2.groups] == [4, 5]
         assert await asyncio.wait_for(buffer.get(), 10) is None
         for b in (b0, b1, b2):  # staleness = trainer step - version of the first token, never above the bound
             assert all(b.step - r.result.versions.first <= 1 for g in b.groups for r in g)
-        assert orch.cursor_history[3] == {"reverse-text": 6}  # every example drawn by then, for the checkpoint
+            assert b.metrics["off_policy/dropped"] == 0
+        assert orch.versions.aborted == [] and orch.cursor_history[3] == {"reverse-text": 6}
         await loop
+
+    asyncio.run(main())
+
+
+def test_the_bound_cancels_running_and_drops_queued_groups_exactly():
+    """What the formation never lets happen when versions are consistent (the dispatch budget leaves room for every
+    group in a batch within the bound), the sweep still enforces: here the test says that the groups went out on
+    weights older than those served."""
+
+    async def main():
+        orch = ScriptedOrchestrator(max_steps=4)
+        orch.semaphore = ConcurrencyLimiter(64, controller=AdaptiveController(ceiling=64, target_kv_usage=0.9))
+        cont = orch.cont = Continuous(orch)
+        orch.policy.version, cont.fill_step = 2, 3
+        queued, running, fresh = (cont.start_group() for _ in range(3))
+        await settle()
+        orch.finish(queued.draw, first=1)
+        await settle()
+        assert list(cont.ready) == [queued]
+        for f in running.flights:  # went out on weights 1, and the record says the first tokens came from them
+            f.started = orch.versions.first[f.tag] = 1
+        await cont.sweep()
+        assert orch.versions.aborted == [f.tag for f in running.flights]
+        assert cont.counts == {"in_flight": 2, "in_queue": 2, "dropped": 2}
+        assert list(cont.ready) == [] and list(cont.running) == [fresh.draw]
+        # Their examples are drawn again (once), on the weights served then.
+        assert list(cont.redraw) == [("reverse-text", queued.example, 1), ("reverse-text", running.example, 1)]
+        # The next batch's formation moves the staleness cap: drops since the previous batch cut it.
+        metrics = cont.steer_concurrency([])
+        assert metrics["concurrency/peak_in_flight"] == 6 and cont.cap.value == 4  # 0.75 x the 6 in flight
+        await settle()
+        assert orch.semaphore.limit == 4 and orch.semaphore.in_flight == 2  # the fresh group's (the rest cancelled)
+        fresh.task.cancel()
 
     asyncio.run(main())
 
@@ -153,9 +186,9 @@ def test_a_group_whose_first_token_is_recent_enough_is_kept():
         run = cont.start_group()
         await settle()
         orch.versions.first.update({f.tag: 2 for f in run.flights})  # the record: first tokens on weights 2
-        assert not await cont.running_stale(run, 4)
+        assert await cont.stale_running(4) == []
         orch.versions.first.update({run.flights[0].tag: 1})
-        assert await cont.running_stale(run, 4)
+        assert await cont.stale_running(4) == [run]
         run.task.cancel()
 
     asyncio.run(main())

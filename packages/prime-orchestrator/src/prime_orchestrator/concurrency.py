@@ -16,6 +16,12 @@ cumulative preemptions) every ``client.load_poll_interval`` seconds, each reques
 
 ``max_concurrent`` is the ceiling. A rollout already in flight is never interrupted: a lower limit only holds new
 ones back. With ``fixed`` the limit stays ``max_concurrent``; the polls still run, for the ``engine/*`` metrics.
+
+With continuous rollouts (``max_off_policy_steps``) the KV cache is not the only thing that makes more rollouts in
+flight useless: each rollout in flight shares the engine's decode steps, so the more there are, the more batches the
+trainer consumes while a long one decodes, and past some count the longest rollouts outlive the staleness bound and are
+thrown away. `StalenessCap` is a second ceiling for that, moved once per formed batch by the scheduler: it backs off
+when the batch dropped stale rollouts and grows back after batches that dropped none (see its docstring).
 """
 
 from __future__ import annotations
@@ -58,7 +64,11 @@ class AdaptiveController:
         self.ceiling, self.target, self.floor = ceiling, target_kv_usage, min(floor, ceiling)
         self.growth, self.backoff, self.trim = growth, backoff, trim
 
-    def update(self, limit: int, load: EngineLoad, *, in_flight: int, queued: int) -> int:
+    def update(self, limit: int, load: EngineLoad, *, in_flight: int, queued: int, cap: int | None = None) -> int:
+        """``cap``: a lower ceiling for now (`StalenessCap`); a limit above it comes down to it at once."""
+        ceiling = self.ceiling if cap is None else max(self.floor, min(self.ceiling, cap))
+        if limit > ceiling:
+            return ceiling
         full = load.kv_cache_usage >= self.target and load.waiting > 0
         if load.new_preemptions > 0 or full:
             if in_flight > limit:  # the last cut has not taken effect yet
@@ -69,8 +79,47 @@ class AdaptiveController:
             if load.kv_cache_usage > 0:
                 # Usage grows about linearly with the requests in flight: stop near the target.
                 grown = min(grown, limit * self.target / load.kv_cache_usage)
-            return min(self.ceiling, max(limit + 1, math.floor(grown)))
+            return min(ceiling, max(limit + 1, math.floor(grown)))
         return limit
+
+
+class StalenessCap:
+    """Continuous mode's ceiling on rollouts in flight, so that they finish within ``max_off_policy_steps`` = K.
+
+    While a rollout of L tokens decodes, about ``in_flight`` x L tokens are sampled; the trainer consumes a batch per
+    ``batch_tokens`` of them, so the rollout trains within K steps of its first token only if
+    ``in_flight <= K x batch_tokens / L``: ``safe`` for the longest rollout of the last few batches. Above it the
+    longest rollouts may or may not make it (the count in flight falls as a step's rollouts finish), so the cap is
+    found by the outcome, additive-increase / multiplicative-decrease on the stale drops of each formed batch:
+
+    - a batch whose formation dropped or cancelled stale rollouts cuts the cap to ``backoff`` x the most rollouts
+      that were in flight since the previous batch (what caused the drops), never below ``safe``;
+    - a batch without drops lets the cap grow by ``growth`` of a batch's rollouts, up to the limiter's ceiling.
+    """
+
+    def __init__(self, *, ceiling: int, bound: int, batch_size: int, group_size: int, backoff: float = 0.75,
+                 growth: float = 0.125, window: int = 4):  # fmt: skip
+        self.ceiling, self.bound, self.batch_size = ceiling, max(bound, 1), batch_size
+        self.floor = min(group_size, ceiling)
+        self.backoff, self.step = backoff, max(group_size, math.ceil(growth * batch_size))
+        self.value = ceiling
+        self.safe = self.floor
+        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=window)
+
+    def update(self, *, dropped: int, peak_in_flight: int, batch_tokens: int, longest: int) -> int:
+        """The cap after a batch was formed: ``dropped`` stale rollouts since the previous one, at most
+        ``peak_in_flight`` in flight meanwhile; the batch held ``batch_tokens`` completion tokens; ``longest`` is the
+        longest completion that finished meanwhile."""
+        self._recent.append((batch_tokens, longest))
+        tokens = sum(t for t, _ in self._recent) / len(self._recent)
+        longest_recent = max(n for _, n in self._recent)
+        if longest_recent > 0:
+            self.safe = min(self.ceiling, max(self.floor, math.floor(self.bound * tokens / longest_recent)))
+        if dropped > 0:
+            self.value = max(self.safe, math.floor(min(self.value, max(peak_in_flight, 1)) * self.backoff))
+        else:
+            self.value = min(self.ceiling, self.value + self.step)
+        return self.value
 
 
 class HealthPoller:
@@ -110,6 +159,10 @@ class ConcurrencyLimiter:
         self.in_flight = 0
         self.load, self.controller, self.interval_s, self._close_load = load, controller, interval_s, close_load
         self.last: EngineLoad | None = None
+        self.cap: int | None = None
+        """A lower ceiling that the continuous scheduler sets (`StalenessCap`); adaptive concurrency only."""
+        self.peak_in_flight = 0
+        """The most rollouts in flight since `take_peak` last read it."""
         self._preemptions: list[int | None] = []
         self._new_preemptions = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
@@ -131,7 +184,7 @@ class ConcurrencyLimiter:
     async def __aenter__(self) -> ConcurrencyLimiter:
         self._start_polling()
         if self.in_flight < self.limit and not self._waiters:
-            self.in_flight += 1
+            self._occupy()
             return self
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -156,13 +209,32 @@ class ConcurrencyLimiter:
         while self._waiters and self.in_flight < self.limit:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                self.in_flight += 1
+                self._occupy()
                 waiter.set_result(None)
+
+    def _occupy(self) -> None:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def take_peak(self) -> int:
+        """The most rollouts in flight since the previous call (the count now starts the next period)."""
+        peak, self.peak_in_flight = self.peak_in_flight, self.in_flight
+        return peak
 
     @property
     def queued(self) -> int:
         """Rollouts waiting for a slot."""
         return sum(not w.done() for w in self._waiters)
+
+    def set_cap(self, cap: int) -> None:
+        """Continuous mode's staleness ceiling (`StalenessCap`): applies to adaptive concurrency only (a ``fixed``
+        count is the user's), at once when the limit is above it, else at the next poll's growth."""
+        if self.controller is None:
+            return
+        self.cap = cap
+        if self.limit > cap:
+            logger.info("concurrency limit %d -> %d: rollouts dropped as stale", self.limit, max(cap, 1))
+            self.set_limit(max(cap, 1))
 
     def set_limit(self, limit: int) -> None:
         if limit != self.limit:
@@ -201,7 +273,7 @@ class ConcurrencyLimiter:
         )
         self.last, self._new_preemptions = load, 0
         if self.controller is not None:
-            limit = self.controller.update(self.limit, load, in_flight=self.in_flight, queued=self.queued)
+            limit = self.controller.update(self.limit, load, in_flight=self.in_flight, queued=self.queued, cap=self.cap)
             if limit < self.limit:
                 why = f"{load.new_preemptions} preemption(s)" if load.new_preemptions else (
                     f"KV cache {load.kv_cache_usage:.0%} full, {load.waiting} request(s) waiting")  # fmt: skip
@@ -225,6 +297,8 @@ class ConcurrencyLimiter:
 
     def metrics(self) -> dict[str, Any]:
         m: dict[str, Any] = {"concurrency/limit": self.limit, "concurrency/in_flight": self.in_flight}
+        if self.cap is not None:
+            m["concurrency/staleness_cap"] = self.cap
         if self.last is not None:
             m.update({"engine/kv_cache_usage": self.last.kv_cache_usage, "engine/waiting": self.last.waiting,
                       "engine/preemptions": self.last.preemptions})  # fmt: skip

@@ -8,15 +8,21 @@ Three parts, beside the orchestrator's ship loop (which takes the batches unchan
   ``policy.version + async_level``; each rollout still waits for a slot of the orchestrator's concurrency limit
   (``semaphore``). Each group is a draw: its environment by ratio (an RNG seeded with the seed and the draw index),
   its example by the environment's cursor, its sampling seeds by the draw index.
-* **Formation.** Batch n takes finished groups in the order they finished. A group is *stale* for step n when
-  n minus the version of its oldest first token (``RolloutResult.versions``, exact from the server's version
-  ledger) exceeds ``max_off_policy_steps``: staleness counts from the first token to the trainer step that consumes
-  it, queue time included. A stale group is dropped whole (advantages are per group) and redrawn: its example once
-  more, then a fresh draw.
-* **Sweep.** Once batch n is formed, no later batch can take a group stale for step n + 1: queued ones are dropped
-  (``off_policy/in_queue``), running ones cancelled (``off_policy/in_flight``; their requests are aborted at the
-  server), each counted as a dropped group (``off_policy/dropped``). A running rollout's first version comes from
-  the server's record while it runs (a rollout that sampled nothing yet cannot be stale).
+* **Formation.** Batch n takes finished groups oldest first: the oldest first token (``RolloutResult.versions``,
+  exact from the server's version ledger) first, since it has the fewest batches left to train in, completion order
+  among equals. A group is *stale* for step n when n minus the version of its oldest first token exceeds
+  ``max_off_policy_steps``: staleness counts from the first token to the trainer step that consumes it, queue time
+  included. A stale group is dropped whole (advantages are per group) and redrawn: its example once more, then a
+  fresh draw. Until the trainer needs batch n (weights n not served yet), a group that could still train in batch
+  n + 1 does not take a slot that a running *last-chance* group (one that started on weights too old for n + 1) may
+  still fill: waiting costs the trainer nothing, cancelling the group would throw its work away.
+* **Sweep.** Once batch n is handed to the ship loop, no later batch can take a group stale for step n + 1: queued
+  ones are dropped (``off_policy/in_queue``), running ones cancelled (``off_policy/in_flight``; their requests are
+  aborted at the server), each counted as a dropped group (``off_policy/dropped``). A running rollout's first
+  version comes from the server's record while it runs (a rollout that sampled nothing yet cannot be stale).
+* **Concurrency.** With adaptive concurrency each formed batch moves a staleness ceiling on the rollouts in flight
+  (`prime_orchestrator.concurrency.StalenessCap`): down when rollouts were dropped as stale since the previous
+  batch, back up after batches that dropped none.
 
 Resume: the checkpoint of step n holds the cursors as batch n - 1 was formed, past every example drawn by then, so
 a resumed run trains no example twice; the groups that were running or queued then are skipped, not replayed, and
@@ -36,6 +42,7 @@ from typing import Any
 from prime_core import progress
 
 from prime_orchestrator.batch import Rollout, StepBatch
+from prime_orchestrator.concurrency import StalenessCap
 from prime_orchestrator.envs import request_seed
 from prime_orchestrator.versions import Flight
 
@@ -59,6 +66,12 @@ class GroupRun:
         firsts = [r.result.versions.first for r in self.rollouts if r.result.versions is not None]
         return min(firsts) if firsts else None
 
+    def earliest_start(self) -> int | None:
+        """While it runs: a lower bound of its oldest first token (a finished rollout's own, else the version its
+        request went out on); None while none of its rollouts has a slot (nothing sampled)."""
+        starts = [f.versions.first if f.versions is not None else f.started for f in self.flights]
+        return min((v for v in starts if v is not None), default=None)
+
 
 class Continuous:
     def __init__(self, orch: Any):
@@ -78,6 +91,12 @@ class Continuous:
         self.changed = asyncio.Event()
         self.error: BaseException | None = None
         self.last_formed = time.perf_counter()
+        self.longest = 0  # the longest completion finished since the previous batch (the staleness cap's input)
+        self.cap: StalenessCap | None = None
+        limiter = orch.semaphore
+        if limiter.controller is not None:  # adaptive concurrency: a fixed count is the user's
+            self.cap = StalenessCap(ceiling=c.client.max_concurrent, bound=self.bound, batch_size=c.batch_size,
+                                    group_size=self.group_size)  # fmt: skip
         orch.policy.listeners.append(self.changed.set)
 
     # ----- the loop -----
@@ -91,7 +110,9 @@ class Continuous:
                 waited = await self.o.policy.wait_for(step - c.async_level, c.weights_timeout)
                 formed = asyncio.get_running_loop().create_future()
                 formed.set_result(await self.form(step, waited))
-                await buffer.put(formed)
+                await buffer.put(formed)  # before the sweep: its lookups are no reason to keep the trainer waiting
+                await self.sweep()
+                self.changed.set()
             await buffer.put(None)
             await self.o.versions.abort([f for r in self.running.values() for f in r.flights if f.tag])
         finally:
@@ -164,6 +185,7 @@ class Continuous:
         for r in rollouts:  # counted at the version of its first token
             if r.result.versions is not None:
                 r.weight_step = r.result.versions.first
+            self.longest = max(self.longest, r.result.completion_len)
         run.rollouts = rollouts
         if self.running.pop(run.draw, None) is not None:
             self.ready.append(run)
@@ -189,50 +211,91 @@ class Continuous:
         for run in [r for r in self.ready if self.stale(r.first_version(), step)]:
             self.ready.remove(run)
             self.drop(run, "in_queue")
-        for run in list(self.running.values()):
-            if not await self.running_stale(run, step) or self.running.pop(run.draw, None) is None:
-                continue  # fresh, or it finished meanwhile: the next formation judges it
+        cancelled = []
+        for run in await self.stale_running(step):
+            if self.running.pop(run.draw, None) is None:
+                continue  # it finished meanwhile: the next formation judges it
             run.task.cancel()
-            await self.o.versions.abort([f for f in run.flights if f.tag])
+            cancelled.append(run)
+        await self.o.versions.abort([f for run in cancelled for f in run.flights if f.tag])
+        for run in cancelled:
             self.drop(run, "in_flight")
 
-    async def running_stale(self, run: GroupRun, step: int) -> bool:
-        """Whether a running group already has a rollout whose first token is too old for ``step``. The version a
-        rollout started on bounds its first token's from below; only those that might be stale are looked up."""
-        done = [f.versions.first for f in run.flights if f.versions is not None]
-        if self.stale(min(done, default=None), step):
-            return True
-        maybe = [f for f in run.flights if f.versions is None and f.started is not None and self.stale(f.started, step)]
+    async def stale_running(self, step: int) -> list[GroupRun]:
+        """The running groups that already have a rollout whose first token is too old for ``step``. The version a
+        rollout started on bounds its first token's from below; only those that might be stale are looked up, all in
+        one call per server."""
+        stale, maybe = [], []
+        for run in self.running.values():
+            done = [f.versions.first for f in run.flights if f.versions is not None]
+            if self.stale(min(done, default=None), step):
+                stale.append(run)
+                continue
+            flights = [f for f in run.flights if f.versions is None and f.started is not None
+                       and self.stale(f.started, step)]  # fmt: skip
+            if flights:
+                maybe.append((run, flights))
         if not maybe:
-            return False
-        records = await self.o.versions.peek(maybe)
-        if records is None:  # no record on that server: the bound decides
-            return True
-        return self.stale(min((records[f.tag].first for f in maybe if f.tag in records), default=None), step)
+            return stale
+        records = await self.o.versions.peek([f for _, flights in maybe for f in flights])
+        for run, flights in maybe:
+            # No record on that server: the bound decides. A rollout without a record has sampled nothing yet.
+            firsts = [records[f.tag].first for f in flights if f.tag in records] if records is not None else [-1]
+            if self.stale(min(firsts, default=None), step):
+                stale.append(run)
+        return stale
 
     # ----- formation -----
     async def form(self, step: int, waited: float) -> StepBatch:
         groups: list[list[Rollout]] = []
         while len(groups) < self.groups_per_step:
-            while not self.ready:
+            run = self.next_ready(step, len(groups))
+            if run is None:
                 await self._wait(f"a finished group for step {step}")
-            run = self.ready.popleft()
+                continue
             if self.stale(run.first_version(), step):
                 self.drop(run, "in_queue")
                 continue
             groups.append(run.rollouts)
             self.taken += 1
         now = time.perf_counter()
-        batch = StepBatch(step, groups, self.last_formed, waited, finished=now, metrics=self.step_metrics())
+        metrics = {**self.steer_concurrency(groups), **self.step_metrics()}
+        batch = StepBatch(step, groups, self.last_formed, waited, finished=now, metrics=metrics)
         self.last_formed, self.taken, self.fill_step = now, 0, step + 1
         # What an uninterrupted run has drawn when it forms the next batch (the checkpoint of step + 1 holds it).
         self.o.cursor_history[step + 1] = dict(self.o.cursors)
-        await self.sweep()
-        self.changed.set()
         return batch
 
+    def next_ready(self, step: int, taken: int) -> GroupRun | None:
+        """The finished group that batch ``step`` takes next: the oldest first token first, completion order among
+        equals. None to wait: nothing is ready, or the oldest ready group could still train in the next batch while
+        the slots left are held for running last-chance groups (too old for ``step + 1``)."""
+        if not self.ready:
+            return None
+        order = [(v if (v := r.first_version()) is not None else step, i) for i, r in enumerate(self.ready)]
+        version, i = min(order)
+        if not self.stale(version, step + 1):
+            last_chance = sum(self.stale(r.earliest_start(), step + 1) for r in self.running.values())
+            if taken + last_chance >= self.groups_per_step:
+                return None
+        run = self.ready[i]
+        del self.ready[i]
+        return run
+
+    def steer_concurrency(self, groups: list[list[Rollout]]) -> dict[str, Any]:
+        """Move the staleness cap on the rollouts in flight by what this batch's formation dropped."""
+        if self.cap is None:
+            return {}
+        peak = self.o.semaphore.take_peak()
+        dropped = self.counts["in_flight"] + self.counts["in_queue"]
+        tokens = sum(r.result.completion_len for g in groups for r in g)
+        cap = self.cap.update(dropped=dropped, peak_in_flight=peak, batch_tokens=tokens, longest=self.longest)
+        self.longest = 0
+        self.o.semaphore.set_cap(cap)
+        return {"concurrency/peak_in_flight": peak, "concurrency/staleness_safe": self.cap.safe}
+
     def step_metrics(self) -> dict[str, Any]:
-        m = {f"off_policy/{k}": v for k, v in self.counts.items()}
+        m: dict[str, Any] = {f"off_policy/{k}": v for k, v in self.counts.items()}
         m.update({"groups/running": len(self.running), "groups/queued": len(self.ready)})
         self.counts = dict.fromkeys(self.counts, 0)
         return m
