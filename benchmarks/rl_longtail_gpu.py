@@ -1,26 +1,30 @@
 """The RL loop with heavy-tailed response lengths (issue 42, item 4): today's loop at its best hand-tuned concurrency
 against continuous rollouts (in-flight weight updates, a staleness bound, adaptive concurrency), in one call.
 
-    CUDA_VISIBLE_DEVICES=0 python benchmarks/rl_longtail_gpu.py --out $OUT [--sweep 256 512] [--max-steps 6]
-    uv run python benchmarks/rl_longtail_gpu.py --smoke     # CPU: tiny model, torch engine, 4 steps per arm
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/rl_longtail_gpu.py --out $OUT [--sweep 256 512] [--max-steps 10]
+        [--arms fixed_512 continuous_k2]   # a subset; arms of earlier calls with the same settings are kept
+    uv run python benchmarks/rl_longtail_gpu.py --smoke     # CPU: tiny model, torch engine, 5 steps per arm
 
 Model and tokenizer as benchmarks/rl_gpu.py makes them: a random-init Qwen3-0.6B shape with a locally built tokenizer
 of Qwen3's 151,936 tokens (``--vocab``). The environment is synthetic (benchmarks/envs/longtail_text): each rollout
 asks for an exact length (``max_tokens`` with ``ignore_eos``), with probability ``--tail-fraction`` ``--tail-factor``
 times ``--median-tokens``, otherwise uniform around the median. Each arm is one `rl` run (fresh output directory):
 
-- ``fixed_<N>`` for N in ``--sweep``: today's loop: async_level 1, weight updates that drain running requests
-  (``inference.weight_update = "drain"``), ``client.concurrency = "fixed"``, ``max_concurrent`` N. The best of them by
-  rollout tok/s is "today's best";
+- ``fixed_<N>`` and ``fixed_<N>_async2`` for N in ``--sweep``: today's loop at async_level 1 and 2, weight updates
+  that drain running requests (``inference.weight_update = "drain"``), ``client.concurrency = "fixed"``,
+  ``max_concurrent`` N. The best of them by rollout tok/s is "today's best";
 - ``mean_length``: every response at the distribution's mean length, N = batch size, async_level 0 (each step's batch
   generated alone); its rollout time per step is the reference "rollout time of the mean-length batch";
-- ``continuous``: ``orchestrator.max_off_policy_steps = 1``, ``inference.weight_update = "in_flight"``, adaptive
-  concurrency (no ``max_concurrent`` in the config).
+- ``continuous_k<K>`` for K in 1, 2: ``orchestrator.max_off_policy_steps = K`` at async_level 1 (groups are dispatched
+  at most one batch ahead, so with K = 2 every group has a step of slack before the bound cuts it),
+  ``inference.weight_update = "in_flight"``, adaptive concurrency (no ``max_concurrent`` in the config).
 
-Per arm: rollout tok/s (completion tokens the trainer consumed over the wall time of the steady steps), step time
-median (wall time between trainer steps), trainer step time, rollout time per step, mismatch KL, concurrency metrics.
-Writes ``<out>/rl_longtail_gpu.json`` (``rl_longtail_smoke.json`` with --smoke), keeping arms of earlier calls that this
-call did not run (``--arms`` splits a sweep over calls), and each run's logs beside it.
+Per arm, over the steady steps (from ``--warmup``, 2, on): rollout tok/s (completion tokens the trainer consumed over
+the wall time of the steady steps), step time median (wall time between trainer steps), trainer step time, rollout
+time per step, mismatch KL, stale drops, the concurrency limit; and one row per step (``steps_table``). The verdict
+compares each continuous arm with the best fixed arm and says whether that one ran in the same call. Writes
+``<out>/rl_longtail_gpu.json`` (``rl_longtail_smoke.json`` with --smoke), keeping arms of earlier calls with the same
+settings that this call did not run (``--arms`` splits the arms over calls), and each run's logs beside it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +46,18 @@ from prime_core.monitor import read_metrics  # noqa: E402
 from provenance import tree_commit  # noqa: E402
 from rl_gpu import run_level  # noqa: E402
 
-GPU = {"steps": 6, "batch": 512, "group": 8, "median": 128, "seq_len": 2048, "workers": 8, "sweep": [256, 512]}
-SMOKE = {"steps": 4, "batch": 16, "group": 4, "median": 4, "seq_len": 256, "workers": 1, "sweep": [8]}
+GPU = {"steps": 10, "batch": 512, "group": 8, "median": 128, "seq_len": 2048, "workers": 8, "sweep": [512]}
+SMOKE = {"steps": 5, "batch": 16, "group": 4, "median": 4, "seq_len": 256, "workers": 1, "sweep": [8]}
+CONTINUOUS = (1, 2)
+"""max_off_policy_steps of the continuous arms."""
+STEP_KEYS = {
+    "trainer": ("time/step", "mismatch_kl/mean"),
+    "orchestrator": ("completion_len/mean", "time/rollouts", "concurrency/limit", "concurrency/staleness_cap",
+                     "concurrency/peak_in_flight", "concurrency/staleness_safe", "off_policy/dropped",
+                     "off_policy/in_flight", "off_policy/in_queue", "off_policy/max", "engine/kv_cache_usage",
+                     "groups/running", "groups/queued"),
+}  # fmt: skip
+"""What each row of ``steps_table`` holds, by process (absent where the run did not log it)."""
 
 
 def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
@@ -51,8 +66,8 @@ def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
     env_args = (f"{{ median_tokens = {args.median_tokens}, tail_fraction = {args.tail_fraction}, tail_factor = "
                 f"{args.tail_factor}, mean_only = {str(arm == 'mean_length').lower()} }}")  # fmt: skip
     client = 'concurrency = "adaptive"'
-    if arm != "continuous":
-        n = args.batch_size if arm == "mean_length" else int(arm.removeprefix("fixed_"))
+    if not arm.startswith("continuous"):
+        n = args.batch_size if arm == "mean_length" else fixed_concurrency(arm)
         client = f'concurrency = "fixed"\nmax_concurrent = {n}'
     lines = [
         f"max_steps = {args.max_steps}", f"seq_len = {args.seq_len}", f"async_level = {async_level(arm)}", "seed = 0",
@@ -72,15 +87,22 @@ def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
 def async_level(arm: str) -> int:
     """The reference batch is generated alone (async 0): its step's rollouts neither queue behind the previous step's
     nor overlap a weight update, so ``time/rollouts`` is the batch's own generation time."""
-    return 0 if arm == "mean_length" else 1
+    if arm == "mean_length":
+        return 0
+    return 2 if arm.endswith("_async2") else 1
 
 
 def arm_flags(arm: str, fields: dict[str, bool]) -> list[str]:
     """CLI flags of issue 42's loop settings: continuous mode always passes them (a config without them fails the
     arm, which says so); today's loop names drain only where the field exists (drain is all there was before)."""
-    if arm == "continuous":
-        return ["--orchestrator.max-off-policy-steps", "1", "--inference.weight-update", "in_flight"]
+    if arm.startswith("continuous_k"):
+        k = arm.removeprefix("continuous_k")
+        return ["--orchestrator.max-off-policy-steps", k, "--inference.weight-update", "in_flight"]
     return ["--inference.weight-update", "drain"] if fields["weight_update"] else []
+
+
+def fixed_concurrency(arm: str) -> int:
+    return int(arm.removeprefix("fixed_").removesuffix("_async2"))
 
 
 def loop_fields() -> dict[str, bool]:
@@ -93,19 +115,32 @@ def loop_fields() -> dict[str, bool]:
     }
 
 
-def steady(records: dict[int, dict], skip: int) -> list[int]:
-    """Steps after the warm-up (the first ``skip`` + 1: start-up, the first policy update)."""
-    return [s for s in sorted(records) if s > skip]
+def steady(records: dict[int, dict], warmup: int) -> list[int]:
+    """Steps after the warm-up (the first ``warmup``: start-up, the first policy updates, the limit's first moves)."""
+    return [s for s in sorted(records) if s >= warmup]
 
 
-def longtail_summary(metrics: Path, batch_size: int) -> dict:
+def steps_table(trainer: dict[int, dict], orchestrator: dict[int, dict]) -> list[dict]:
+    """One row per step: the trainer's time since its previous step and ``STEP_KEYS`` of both processes."""
+    rows = []
+    for s in sorted(set(trainer) | set(orchestrator)):
+        row: dict = {"step": s}
+        if s in trainer and s - 1 in trainer:
+            row["step_wall_s"] = trainer[s]["time"] - trainer[s - 1]["time"]
+        for process, rows_of in (("trainer", trainer), ("orchestrator", orchestrator)):
+            row.update({k: rows_of[s][k] for k in STEP_KEYS[process] if k in rows_of.get(s, {})})
+        rows.append(row)
+    return rows
+
+
+def longtail_summary(metrics: Path, batch_size: int, warmup: int = 2) -> dict:
     """What the issue's targets need, from one run's metrics.jsonl."""
     trainer: dict[int, dict] = {}
     orchestrator: dict[int, dict] = {}
     for record in read_metrics(metrics):
         target = trainer if record.process == "trainer" else orchestrator
         target[record.step] = {"time": record.time, **record.values}
-    steps = steady(trainer, 1)
+    steps = steady(trainer, warmup)
 
     def values(rows: dict[int, dict], key: str, at: list[int] | None = None) -> list[float]:
         return [rows[s][key] for s in (at if at is not None else sorted(rows)) if rows.get(s, {}).get(key) is not None]
@@ -119,14 +154,16 @@ def longtail_summary(metrics: Path, batch_size: int) -> dict:
         span = trainer[steps[-1]]["time"] - trainer[steps[0]]["time"]
         wall_tps = sum(tokens[s] for s in steps[1:]) / span if span > 0 else None
     kls = values(trainer, "mismatch_kl/mean")
-    limits = values(orchestrator, "concurrency/limit")
+    limits = values(orchestrator, "concurrency/limit", steady(orchestrator, warmup))
+    dropped = values(orchestrator, "off_policy/dropped")
     return {
+        "warmup_steps": warmup,
         "rollout_tokens_per_s": wall_tps,
         "step_time_median_s": med(
             [trainer[b]["time"] - trainer[a]["time"] for a, b in zip(steps, steps[1:], strict=False)]
         ),
         "trainer_step_median_s": med(values(trainer, "time/step", steps)),
-        "rollout_time_median_s": med(values(orchestrator, "time/rollouts", steady(orchestrator, 1))),
+        "rollout_time_median_s": med(values(orchestrator, "time/rollouts", steady(orchestrator, warmup))),
         "completion_tokens_per_step_mean": statistics.mean(tokens.values()) if tokens else None,
         "mismatch_kl_max": max(kls, default=None),
         "mismatch_kl_mean": statistics.mean(kls) if kls else None,
@@ -134,7 +171,13 @@ def longtail_summary(metrics: Path, batch_size: int) -> dict:
         "concurrency_limit_max": max(limits, default=None),
         "engine_preemptions": (values(orchestrator, "engine/preemptions") or [None])[-1],
         "engine_kv_cache_usage_mean": med(values(orchestrator, "engine/kv_cache_usage")),
-        "off_policy_dropped": sum(values(orchestrator, "off_policy/dropped")) if orchestrator else None,
+        "off_policy_dropped": sum(dropped) if dropped else (0 if orchestrator else None),
+        "off_policy_dropped_steady": sum(values(orchestrator, "off_policy/dropped", steady(orchestrator, warmup))),
+        "off_policy_dropped_rollouts": sum(values(orchestrator, "off_policy/in_flight"))
+        + sum(values(orchestrator, "off_policy/in_queue")),
+        "concurrency_limit_trace": values(orchestrator, "concurrency/limit"),
+        "staleness_cap_trace": values(orchestrator, "concurrency/staleness_cap"),
+        "steps_table": steps_table(trainer, orchestrator),
     }
 
 
@@ -155,7 +198,7 @@ def length_stats(args: argparse.Namespace) -> dict:
 
 
 def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, work: Path, fields: dict[str, bool]) -> dict:
-    if arm == "continuous" and not all(fields.values()):
+    if arm.startswith("continuous") and not all(fields.values()):
         missing = [name for name, ok in fields.items() if not ok]
         message = f"skipped: this tree's config has no {' / '.join(missing)} (issue 42 items 1-2 are not merged)"
         if args.smoke:
@@ -168,9 +211,9 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, work: Path, fie
     cmd = [rl, "@", str(config), "--output-dir", str(run), "--overwrite", "--console", "logs",
            *arm_flags(arm, fields), *args.extra]  # fmt: skip
     print("$", " ".join(cmd), flush=True)
-    entry = {"arm": arm, **run_level(cmd, run, async_level(arm)), "commit": tree_commit(args.commit)}
+    entry = {"arm": arm, "call": args.call, **run_level(cmd, run, async_level(arm)), "commit": tree_commit(args.commit)}
     if (run / "metrics.jsonl").is_file() and entry["returncode"] == 0:
-        entry.update(longtail_summary(run / "metrics.jsonl", args.batch_size))
+        entry.update(longtail_summary(run / "metrics.jsonl", args.batch_size, args.warmup))
     for name in ("inference", "orchestrator", "trainer"):
         log = run / "logs" / f"{name}.log"
         if log.is_file():
@@ -179,18 +222,25 @@ def run_arm(args: argparse.Namespace, arm: str, model_dir: Path, work: Path, fie
 
 
 def verdict(results: dict[str, dict]) -> dict:
-    """The issue's targets from the arms at hand."""
+    """The issue's targets from the arms at hand, for each continuous arm against the best fixed arm."""
     fixed = [r for a, r in results.items() if a.startswith("fixed_") and r.get("rollout_tokens_per_s")]
     best = max(fixed, key=lambda r: r["rollout_tokens_per_s"], default=None)
-    new, mean = results.get("continuous", {}), results.get("mean_length", {})
+    mean = results.get("mean_length", {})
     out: dict = {"best_fixed_arm": best["arm"] if best else None}
-    if best and new.get("rollout_tokens_per_s"):
-        out["rollout_tokens_per_s_ratio"] = new["rollout_tokens_per_s"] / best["rollout_tokens_per_s"]
-        out["rollout_tokens_per_s_target_met"] = out["rollout_tokens_per_s_ratio"] >= 1.15
-    bound = [x for x in (new.get("trainer_step_median_s"), mean.get("rollout_time_median_s")) if x]
-    if new.get("step_time_median_s") and len(bound) == 2:
-        out["step_time_over_bound"] = new["step_time_median_s"] / max(bound)
-        out["step_time_target_met"] = out["step_time_over_bound"] <= 1.05
+    for arm, new in sorted(results.items()):
+        if not arm.startswith("continuous") or new.get("returncode") != 0:
+            continue
+        v: dict = {"off_policy_dropped": new.get("off_policy_dropped"), "mismatch_kl_max": new.get("mismatch_kl_max")}
+        if best and new.get("rollout_tokens_per_s"):
+            v["best_fixed_in_same_call"] = best.get("call") == new.get("call")
+            v["rollout_tokens_per_s_ratio"] = new["rollout_tokens_per_s"] / best["rollout_tokens_per_s"]
+            v["rollout_tokens_per_s_target_met"] = v["rollout_tokens_per_s_ratio"] >= 1.15
+        bound = [x for x in (new.get("trainer_step_median_s"), mean.get("rollout_time_median_s")) if x]
+        if new.get("step_time_median_s") and len(bound) == 2:
+            v["step_time_bound_s"] = max(bound)
+            v["step_time_over_bound"] = new["step_time_median_s"] / max(bound)
+            v["step_time_target_met"] = v["step_time_over_bound"] <= 1.05
+        out[arm] = v
     return out
 
 
@@ -218,10 +268,16 @@ def device() -> tuple[str, int]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, torch engine, 4 steps per arm")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, torch engine, 5 steps per arm")
     parser.add_argument("--sweep", type=int, nargs="+", default=None, help="max_concurrent of today's loop")
-    parser.add_argument("--arms", nargs="+", default=None, help="run only these (fixed_N, mean_length, continuous)")
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        default=None,
+        help="run only these (fixed_N, fixed_N_async2, mean_length, continuous_k1, continuous_k2)",
+    )
     parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state numbers")
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--median-tokens", type=int, default=None)
     parser.add_argument("--tail-fraction", type=float, default=0.1)
@@ -239,6 +295,7 @@ def parse_args() -> argparse.Namespace:
     args.group, args.seq_len, args.workers = preset["group"], preset["seq_len"], preset["workers"]
     args.seq_len = max(args.seq_len, 2 * args.median_tokens * args.tail_factor)
     args.name = "rl_longtail_smoke" if args.smoke else "rl_longtail_gpu"
+    args.call = time.strftime("%Y%m%dT%H%M%S")
     return args
 
 
@@ -250,7 +307,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     # The synthetic environment is importable by its id in every process `rl` starts (env servers included).
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENVS), os.environ.get("PYTHONPATH")) if p)
-    arms = args.arms or [*(f"fixed_{n}" for n in args.sweep), "mean_length", "continuous"]
+    arms = args.arms or [*(f"fixed_{n}{a}" for n in args.sweep for a in ("", "_async2")), "mean_length",
+                         *(f"continuous_k{k}" for k in CONTINUOUS)]  # fmt: skip
     out = args.out / f"{args.name}.json"
     previous = json.loads(out.read_text()) if out.is_file() else {}
     model_dir, model = setup(args, work)
@@ -260,7 +318,7 @@ def main() -> None:
         "benchmark": args.name, "device": name, "gpus": gpus, "commit": tree_commit(args.commit),
         "vocab_size": args.vocab if not args.smoke else None, "model": model, "loop_fields": fields,
         "settings": {k: getattr(args, k) for k in ("max_steps", "batch_size", "group", "median_tokens", "tail_fraction",
-                                                   "tail_factor", "seq_len", "workers", "sweep", "extra")},
+                                                   "tail_factor", "seq_len", "workers", "warmup", "extra")},
         "lengths": length_stats(args), "results": {},
     }  # fmt: skip
     if previous.get("settings") == report["settings"] and previous.get("device") == name:

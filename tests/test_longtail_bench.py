@@ -29,18 +29,23 @@ def test_arm_configs_differ_only_in_the_loop_settings(tmp_path):
     args = bench_args()
     fixed = tomllib.loads(bench.config_text(args, "fixed_8", tmp_path))
     mean = tomllib.loads(bench.config_text(args, "mean_length", tmp_path))
-    new = tomllib.loads(bench.config_text(args, "continuous", tmp_path))
+    new = tomllib.loads(bench.config_text(args, "continuous_k2", tmp_path))
+    fixed2 = tomllib.loads(bench.config_text(args, "fixed_8_async2", tmp_path))
+    assert fixed2["orchestrator"]["client"] == {"concurrency": "fixed", "max_concurrent": 8}
+    assert fixed2["async_level"] == 2
     assert fixed["orchestrator"]["client"] == {"concurrency": "fixed", "max_concurrent": 8}
     assert mean["orchestrator"]["client"] == {"concurrency": "fixed", "max_concurrent": 16}
     assert new["orchestrator"]["client"] == {"concurrency": "adaptive"}  # no max_concurrent to tune
     assert [c["orchestrator"]["env"][0]["args"]["mean_only"] for c in (fixed, mean, new)] == [False, True, False]
     assert fixed["async_level"] == new["async_level"] == 1 and mean["async_level"] == 0  # the reference batch alone
     assert fixed["orchestrator"]["sampling"]["max_tokens"] == 32
-    gpu = tomllib.loads(bench.config_text(bench_args(smoke=False), "continuous", tmp_path))
+    gpu = tomllib.loads(bench.config_text(bench_args(smoke=False), "continuous_k1", tmp_path))
     assert gpu["inference"]["engine"] == "vllm" and "device" not in gpu.get("trainer", {})
     both = {"max_off_policy_steps": True, "weight_update": True}
-    assert bench.arm_flags("continuous", both) == ["--orchestrator.max-off-policy-steps", "1",
-                                                   "--inference.weight-update", "in_flight"]  # fmt: skip
+    assert bench.arm_flags("continuous_k1", both) == ["--orchestrator.max-off-policy-steps", "1",
+                                                      "--inference.weight-update", "in_flight"]  # fmt: skip
+    assert bench.arm_flags("continuous_k2", both)[:2] == ["--orchestrator.max-off-policy-steps", "2"]
+    assert bench.async_level("continuous_k2") == 1  # dispatched one batch ahead: K = 2 leaves a step of slack
     assert bench.arm_flags("fixed_8", both) == ["--inference.weight-update", "drain"]
     assert bench.arm_flags("fixed_8", {"max_off_policy_steps": False, "weight_update": False}) == []
 
@@ -48,19 +53,20 @@ def test_arm_configs_differ_only_in_the_loop_settings(tmp_path):
 def test_smoke_skips_the_continuous_arm_without_the_loop_fields(tmp_path, capsys):
     bench = load("rl_longtail_gpu")
     missing = {"max_off_policy_steps": False, "weight_update": True}
-    entry = bench.run_arm(bench_args(), "continuous", tmp_path, tmp_path, missing)
-    assert entry == {"arm": "continuous", "skipped": entry["skipped"]} and "max_off_policy_steps" in entry["skipped"]
+    entry = bench.run_arm(bench_args(), "continuous_k1", tmp_path, tmp_path, missing)
+    assert entry == {"arm": "continuous_k1", "skipped": entry["skipped"]} and "max_off_policy_steps" in entry["skipped"]
     assert "continuous arm skipped" in capsys.readouterr().out
 
 
 def write_run(path: Path, step_s: float, tokens: float, rollouts_s: float) -> Path:
     lines = []
-    for s in range(6):
+    for s in range(7):
         lines.append({"process": "trainer", "step": s, "time": 100 + s * step_s,
                       "values": {"time/step": 0.5 * step_s, "mismatch_kl/mean": 1e-5 * (s + 1)}})  # fmt: skip
         lines.append({"process": "orchestrator", "step": s, "time": 99 + s * step_s,
                       "values": {"completion_len/mean": tokens, "time/rollouts": rollouts_s, "concurrency/limit": 64 + s,
-                                 "engine/preemptions": s, "engine/kv_cache_usage": 0.5}})  # fmt: skip
+                                 "engine/preemptions": s, "engine/kv_cache_usage": 0.5,
+                                 "off_policy/dropped": int(s < 2), "off_policy/in_flight": 4 * int(s < 2)}})  # fmt: skip
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -68,22 +74,32 @@ def write_run(path: Path, step_s: float, tokens: float, rollouts_s: float) -> Pa
 def test_summary_and_verdict_compute_the_issue_targets(tmp_path):
     bench = load("rl_longtail_gpu")
     fixed = bench.longtail_summary(write_run(tmp_path / "a.jsonl", step_s=4.0, tokens=100, rollouts_s=3.0), 16)
-    # Steady steps 2..5: three intervals of 4 s, each consuming 16 x 100 tokens.
-    assert fixed["rollout_tokens_per_s"] == pytest.approx(3 * 1600 / 12)
+    # Steady steps 2..6 (the first two are the warm-up): four intervals of 4 s, each consuming 16 x 100 tokens.
+    assert fixed["rollout_tokens_per_s"] == pytest.approx(4 * 1600 / 16)
     assert fixed["step_time_median_s"] == 4.0 and fixed["trainer_step_median_s"] == 2.0
-    assert fixed["rollout_time_median_s"] == 3.0 and fixed["mismatch_kl_max"] == pytest.approx(6e-5)
-    assert fixed["concurrency_limit_max"] == 69 and fixed["engine_preemptions"] == 5
+    assert fixed["rollout_time_median_s"] == 3.0 and fixed["mismatch_kl_max"] == pytest.approx(7e-5)
+    assert fixed["concurrency_limit_max"] == 70 and fixed["engine_preemptions"] == 6
+    assert fixed["concurrency_limit_trace"] == [64, 65, 66, 67, 68, 69, 70]
+    assert fixed["off_policy_dropped"] == 2 and fixed["off_policy_dropped_steady"] == 0
+    assert fixed["off_policy_dropped_rollouts"] == 8
+    rows = fixed["steps_table"]
+    assert [r["step"] for r in rows] == list(range(7)) and "step_wall_s" not in rows[0]
+    assert rows[3]["step_wall_s"] == 4.0 and rows[3]["concurrency/limit"] == 67 and rows[3]["time/step"] == 2.0
     new = bench.longtail_summary(write_run(tmp_path / "b.jsonl", step_s=3.0, tokens=100, rollouts_s=2.0), 16)
     results = {
-        "fixed_8": {"arm": "fixed_8", **fixed},
-        "fixed_16": {"arm": "fixed_16", "rollout_tokens_per_s": 10.0},
+        "fixed_8": {"arm": "fixed_8", "call": "a", **fixed},
+        "fixed_8_async2": {"arm": "fixed_8_async2", "call": "a", "rollout_tokens_per_s": 10.0},
         "mean_length": {"arm": "mean_length", "rollout_time_median_s": 2.9},
-        "continuous": {"arm": "continuous", **new},
+        "continuous_k1": {"arm": "continuous_k1", "call": "a", "returncode": 0, **new},
+        "continuous_k2": {"arm": "continuous_k2", "call": "b", "returncode": 0, **new, "rollout_tokens_per_s": 200.0},
     }
     v = bench.verdict(results)
     assert v["best_fixed_arm"] == "fixed_8"
-    assert v["rollout_tokens_per_s_ratio"] == pytest.approx(4 / 3) and v["rollout_tokens_per_s_target_met"]
-    assert v["step_time_over_bound"] == pytest.approx(3.0 / 2.9) and v["step_time_target_met"]
+    k1, k2 = v["continuous_k1"], v["continuous_k2"]
+    assert k1["rollout_tokens_per_s_ratio"] == pytest.approx(4 / 3) and k1["rollout_tokens_per_s_target_met"]
+    assert k1["step_time_over_bound"] == pytest.approx(3.0 / 2.9) and k1["step_time_target_met"]
+    assert k1["best_fixed_in_same_call"] and not k2["best_fixed_in_same_call"]
+    assert k2["rollout_tokens_per_s_ratio"] == pytest.approx(0.5) and not k2["rollout_tokens_per_s_target_met"]
 
 
 def test_longtail_lengths_have_the_asked_tail():
@@ -116,6 +132,8 @@ def test_smoke_runs_the_benchmark_on_cpu(tmp_path):
     assert (
         report["results"]["mean_length"]["completion_tokens_per_step_mean"] == 16 * report["lengths"]["mean_length_arm"]
     )
-    new = report["results"]["continuous"]
-    assert "skipped" in new or (new["returncode"] == 0 and new["rollout_tokens_per_s"] > 0)
+    for k in (1, 2):
+        new = report["results"][f"continuous_k{k}"]
+        assert "skipped" in new or (new["returncode"] == 0 and new["rollout_tokens_per_s"] > 0)
+        assert "skipped" in new or len(new["steps_table"]) == 5
     assert report["verdict"]["best_fixed_arm"] == "fixed_8" and report["device"].startswith("cpu")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from prime_core.schemas.health import HealthResponse
 from prime_core.schemas.rollout import PolicyVersions, RolloutResult
 from prime_orchestrator.batch import Rollout
 from prime_orchestrator.concurrency import AdaptiveController, ConcurrencyLimiter, EngineLoad, StalenessCap
