@@ -13,6 +13,7 @@ from torch import nn
 
 from prime_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from prime_models.parallel.compile import compile_layers as compile_all
+from prime_models.parallel.cuda_graphs import apply_cuda_graphs
 from prime_models.parallel.dims import ParallelDims, ParallelMesh
 from prime_models.parallel.expert_parallel import apply_expert_parallel
 from prime_models.parallel.fsdp import apply_fsdp, default_mp_policy
@@ -52,6 +53,7 @@ def parallelize_transformer(
     fp8: Fp8Config | None = None,
     one_rank_fsdp: bool = False,
     compile_layers: bool = False,
+    cuda_graphs: bool = False,
 ) -> nn.Module:
     """Apply expert parallelism, activation checkpointing and, when dp * cp > 1, FSDP2 to a `CausalLM` in place. One
     rank computes in `param_dtype` over its parameters as masters (`apply_mixed_precision`) instead of under FSDP2.
@@ -72,6 +74,8 @@ def parallelize_transformer(
             (`prime_models.quantization.float8`); later steps shard the same parameters.
         one_rank_fsdp: wrap a one-rank model in FSDP2 as on several ranks (casts and hooks every forward).
         compile_layers: compile each decoder layer's forward (`prime_models.parallel.compile`), inside its checkpoint.
+        cuda_graphs: on the one-rank mixed-precision path, replay the decoder stack of training forwards from CUDA
+            graphs (`prime_models.parallel.cuda_graphs`); an error on any other path.
     """
     layers = model.model.layers
     _swap_inside_layers(model, fp8, compile_layers)
@@ -88,7 +92,12 @@ def parallelize_transformer(
     if param_dtype is not None or reduce_dtype is not None:
         mp = type(mp)(param_dtype=param_dtype or mp.param_dtype, reduce_dtype=reduce_dtype or mp.reduce_dtype)
     if not parallel_dims.fsdp_enabled and not (one_rank_fsdp or (cpu_offload and device_type == "cuda")):
-        return _one_rank(model, mp.param_dtype)
+        model = _one_rank(model, mp.param_dtype)
+        if cuda_graphs:
+            apply_cuda_graphs(model)
+        return model
+    if cuda_graphs:
+        raise ValueError("cuda graphs serve one rank without FSDP2 (no fsdp_one_rank, cpu_offload or dp > 1)")
     mesh = mesh or parallel_dims.build_mesh(device_type)
     divide = float(parallel_dims.dp_replicate * parallel_dims.fsdp_size)
     return apply_fsdp(model, layers, mesh.fsdp, mp_policy=mp, cpu_offload=cpu_offload,
