@@ -413,7 +413,8 @@ def profile(out: Path, argv: list[str], warmup: int = 1, measured: int = 3) -> N
         "tokens_per_s": tokens / step_s, "step_time_s": step_s, "peak_memory_gib": max(peaks[warmup:]),
         "mfu": common.perf.mfu(c.flops_per_token(cfg.seq_len), tokens / step_s, c.peak_flops, c.world.world_size),
         "memory_plan": c.memory_plan.describe() if c.memory_plan is not None else None,
-        "one_rank_path": common.one_rank_path(c), "profile": summary,
+        "one_rank_path": common.one_rank_path(c), "cuda_graphs": common.cuda_graphs_summary(c.model),
+        "profile": summary,
     }  # fmt: skip
     out.write_text(json.dumps(result, indent=2))
 

@@ -40,8 +40,10 @@ ONEGPU = [
     ("rl2k_auto_b64_m1_var_s3_compilelayers", "the loop's step, 1 row a forward, each decoder layer compiled"),
     ("rl2k_auto_b64_m8_var_s3_compilelayers", "the loop's step, 8 rows a forward, each decoder layer compiled"),
     ("rl2k_auto_b64_m1_var_s3_cudagraphs", "the loop's step, 1 row a forward, the decoder stack from CUDA graphs"),
-    ("rl2k_auto_b64_m1_var_s3_cudagraphs_compilelayers", "the loop's step, 1 row a forward, CUDA graphs of the "
-     "compiled decoder layers"),
+    (
+        "rl2k_auto_b64_m1_var_s3_cudagraphs_compilelayers",
+        "the loop's step, 1 row a forward, CUDA graphs of the compiled decoder layers",
+    ),
     ("rl16k_s4_fsdp", "one 16k row, full AC, under FSDP2 on one rank (the default before #43)"),
     ("rl16k_s4", "one 16k row, full AC, on the one-rank path"),
 ]
@@ -129,7 +131,7 @@ def _baseline(results: dict, job: str, res: dict) -> dict:
 def record(job: str, what: str, res: dict, results: dict, meta: dict) -> dict:
     rec = {"benchmark": "trainer_onegpu", "job": job, "what": what, **meta, "rc": res.get("rc")}
     for key in ("device_name", "device", "seq_len", "batch_size", "micro_batch_size", "tokens_per_s", "mfu",
-                "step_time_s", "peak_memory_gib", "memory_plan", "one_rank_path", "steps_measured", "wall_s", "env",
+                "step_time_s", "peak_memory_gib", "memory_plan", "one_rank_path", "cuda_graphs", "steps_measured", "wall_s", "env",
                 "status", "profile", "log_tail"):  # fmt: skip
         if res.get(key) is not None:
             rec[key] = res[key]

@@ -184,11 +184,15 @@ def test_forwards_off_cuda_run_eagerly():
 
 # --- GPU: torch's make_graphed_callables ----------------------------------------------------------------------------
 
+
 def _diagnostics(eager: dict, graphed: dict) -> str:
-    worst = max(
-        ((k, (g[k] - v).abs().max().item()) for e, g in zip(eager["grads"], graphed["grads"]) for k, v in e.items()),
-        key=lambda kv: kv[1],
-    )
+    diffs = [
+        (k, (g[k] - v).abs().max().item())
+        for e, g in zip(eager["grads"], graphed["grads"], strict=True)
+        for k, v in e.items()
+        if k in g
+    ]
+    worst = max(diffs, key=lambda kv: kv[1], default=None)
     graphs = cuda_graphs_of(graphed["model"])
     return (f"losses eager {eager['losses']} graphed {graphed['losses']}; largest gradient difference {worst}; "
             f"captures {graphs.captures} replays {graphs.replays} last eager reason {graphs.last_eager_reason}")  # fmt: skip
