@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch._dynamo
 from prime_models import ParallelDims, get_model_spec, load_model
-from prime_models.parallel import compile as C
 from prime_models.models.transformer import DecoderLayer
+from prime_models.parallel import compile as C
 from prime_models.parallel.activation_checkpoint import apply_activation_checkpointing, layer_checkpoint
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters, guard_failures
