@@ -41,9 +41,16 @@ def summarize(metrics: Path, async_level: int = 0) -> dict:
         values = [r[key] for r in rows.values() if r.get(key) is not None]
         return statistics.mean(values) if values else None
 
+    def steady_median(rows: dict[int, dict], key: str) -> float | None:
+        values = [r[key] for s, r in rows.items() if s > async_level and r.get(key) is not None]
+        return statistics.median(values) if values else None
+
     return {
         "steps": len(steps),
         "step_wall_s": walls,
+        # issue 43's bound: a step should cost no more than the longer of its two halves, measured in the same run
+        "trainer_compute_median_s": steady_median(trainer, "time/step"),
+        "rollout_time_median_s": steady_median(orchestrator, "time/rollouts"),
         "step_wall_median_s": statistics.median(steady) if steady else None,
         "trainer_compute_mean_s": mean(trainer, "time/step"),
         "trainer_wait_mean_s": mean(trainer, "time/wait"),
@@ -64,6 +71,22 @@ def summarize(metrics: Path, async_level: int = 0) -> dict:
         ),
         "off_policy_lag_max": max((r.get("off_policy_lag/max", 0) for r in orchestrator.values()), default=None),
         "reward": [orchestrator[s].get("reward/mean") for s in sorted(orchestrator)],
+    }
+
+
+def verdict(entry: dict, reference_step_s: float = 4.5) -> dict:
+    """Issue 43's loop targets: step <= 1.05x max(trainer compute, rollout time) and >= 1.3x faster than the 4.5 s
+    one-GPU step measured before weights went through GPU memory (main 588197a, same config)."""
+    step = entry.get("step_wall_median_s")
+    halves = [entry.get("trainer_compute_median_s"), entry.get("rollout_time_median_s")]
+    if not step or not all(halves):
+        return {}
+    over = step / max(halves)
+    return {
+        "step_over_bound": over,
+        "step_over_bound_target_met": over <= 1.05,
+        "speedup_over_reference": reference_step_s / step,
+        "speedup_target_met": reference_step_s / step >= 1.3,
     }
 
 
@@ -129,6 +152,7 @@ def main() -> None:
         print("$", " ".join(cmd), flush=True)
         entry = run_level(cmd, run, level)
         report["results"].append(entry)
+        entry.update(verdict(entry))
         print(json.dumps(entry), flush=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
         for name in ("inference", "orchestrator", "trainer"):
