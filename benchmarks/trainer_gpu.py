@@ -93,6 +93,8 @@ def _trainer_flags(flags: set[str], host: Host) -> list[str]:
             extra += ["--parallel.fsdp-one-rank"]
         elif f == "compilelayers":
             extra += ["--parallel.compile-layers", "true"]
+        elif f == "cudagraphs":
+            extra += ["--parallel.cuda-graphs", "true"]
         elif f.startswith("cap") and host.gpu_total_gib:
             extra += ["--gpu-memory-fraction", f"{float(f[3:]) / host.gpu_total_gib:.6f}"]
     return extra
@@ -104,9 +106,8 @@ def _flag_int(flags: set[str], letter: str, default: int) -> int:
 
 def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str], dict[str, str]]:
     """Command and extra env of a named job. Names: rl<K>k[_noac|_sel|_auto][_cudnn|_flash][_c<chunk>][_keepattn[N]]
-    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile][_compilelayers][_fsdp][_cap<GiB>][_b<rows>][_m<rows>]
-    [_s<steps>][_var],
-    sft<K>k..., base<K>k[_liger][_ac], profile<K>k[...], micro.
+    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile][_compilelayers][_cudagraphs][_fsdp][_cap<GiB>][_b<rows>]
+    [_m<rows>][_s<steps>][_var], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[...], micro.
     `_b<N>` trains N rows of <K>k tokens per step in micro-batches of `_m<M>` rows (default one row of each), and `_var`
     packs random-length samples into each row: `rl2k_noac_b64_m1_var` is the one-GPU RL loop's step (512 rollouts
     packed into 2048-token rows, one row per forward).
@@ -114,8 +115,9 @@ def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str],
     `_noac` / `_sel`. `_mlpchunk<N>` runs each dense MLP in N sequence chunks under full AC (`--parallel.ac-mlp-chunks
     N`); `_offloadattn` (with `_keepattn`) holds the kept attention outputs in pinned host memory between forward and
     backward (`--parallel.ac-offload-attention`). `_fsdp` wraps one rank in FSDP2 (`--parallel.fsdp-one-rank`, the path
-    before issue 43); `_compilelayers` compiles each decoder layer (`--parallel.compile-layers`); `_cap<G>` gives the trainer G GiB of the GPU (`--gpu-memory-fraction`); `_s<N>` runs N steps (the
-    first is warmup)."""
+    before issue 43); `_compilelayers` compiles each decoder layer (`--parallel.compile-layers`); `_cudagraphs` replays
+    the decoder stack from CUDA graphs (`--parallel.cuda-graphs`); `_cap<G>` gives the trainer G GiB of the GPU
+    (`--gpu-memory-fraction`); `_s<N>` runs N steps (the first is warmup)."""
     host = host or Host()
     out = tmp / f"{name}.json"
     env: dict[str, str] = {}
@@ -411,7 +413,8 @@ def profile(out: Path, argv: list[str], warmup: int = 1, measured: int = 3) -> N
         "tokens_per_s": tokens / step_s, "step_time_s": step_s, "peak_memory_gib": max(peaks[warmup:]),
         "mfu": common.perf.mfu(c.flops_per_token(cfg.seq_len), tokens / step_s, c.peak_flops, c.world.world_size),
         "memory_plan": c.memory_plan.describe() if c.memory_plan is not None else None,
-        "one_rank_path": common.one_rank_path(c), "profile": summary,
+        "one_rank_path": common.one_rank_path(c), "cuda_graphs": common.cuda_graphs_summary(c.model),
+        "profile": summary,
     }  # fmt: skip
     out.write_text(json.dumps(result, indent=2))
 

@@ -10,7 +10,8 @@ against transformers + liger-kernel + activation checkpointing in the same call:
 * the one-GPU loop's step, 64 packed 2048-token rows, one row per forward against eight (target >= 90%), the same
   rows under FSDP2 on one rank (the path before: its fixed cost per forward), without the torch.compile'd
   elementwise kernels (whether compiling pays at short rows, where their guards and wrappers cost host time), and
-  with each decoder layer compiled (`parallel.compile_layers`, one row and eight a forward);
+  with each decoder layer compiled (`parallel.compile_layers`, one row and eight a forward), and one row a forward
+  with the decoder stack replayed from CUDA graphs (`parallel.cuda_graphs`, eager and compiled layers);
 * if time is left, one 16k row with full checkpointing under FSDP2 and on the one-rank path.
 
 Records land in `$OUT/records/trainer_gpu_onegpu_<job>.json` plus `trainer_gpu_onegpu.json` (every target, met or
@@ -38,6 +39,11 @@ ONEGPU = [
     ("rl2k_auto_b64_m1_var_s3_nocompile", "the loop's step, 1 row a forward, without torch.compile'd elementwise ops"),
     ("rl2k_auto_b64_m1_var_s3_compilelayers", "the loop's step, 1 row a forward, each decoder layer compiled"),
     ("rl2k_auto_b64_m8_var_s3_compilelayers", "the loop's step, 8 rows a forward, each decoder layer compiled"),
+    ("rl2k_auto_b64_m1_var_s3_cudagraphs", "the loop's step, 1 row a forward, the decoder stack from CUDA graphs"),
+    (
+        "rl2k_auto_b64_m1_var_s3_cudagraphs_compilelayers",
+        "the loop's step, 1 row a forward, CUDA graphs of the compiled decoder layers",
+    ),
     ("rl16k_s4_fsdp", "one 16k row, full AC, under FSDP2 on one rank (the default before #43)"),
     ("rl16k_s4", "one 16k row, full AC, on the one-rank path"),
 ]
@@ -125,7 +131,7 @@ def _baseline(results: dict, job: str, res: dict) -> dict:
 def record(job: str, what: str, res: dict, results: dict, meta: dict) -> dict:
     rec = {"benchmark": "trainer_onegpu", "job": job, "what": what, **meta, "rc": res.get("rc")}
     for key in ("device_name", "device", "seq_len", "batch_size", "micro_batch_size", "tokens_per_s", "mfu",
-                "step_time_s", "peak_memory_gib", "memory_plan", "one_rank_path", "steps_measured", "wall_s", "env",
+                "step_time_s", "peak_memory_gib", "memory_plan", "one_rank_path", "cuda_graphs", "steps_measured", "wall_s", "env",
                 "status", "profile", "log_tail"):  # fmt: skip
         if res.get(key) is not None:
             rec[key] = res[key]

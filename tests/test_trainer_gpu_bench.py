@@ -69,6 +69,9 @@ def test_every_suite_job_parses_and_asks_for_what_its_name_says(bench, suite, tm
     assert bench.job_spec("rl2k_auto_b64_m1_var_s3_nocompile", tmp_path, host)[1] == {"PRIME_COMPILE_ELEMENTWISE": "0"}
     assert not one.parallel.fsdp_one_rank and not one.parallel.compile_layers
     assert configs["rl2k_auto_b64_m1_var_s3_compilelayers"].parallel.compile_layers
+    assert not one.parallel.cuda_graphs and configs["rl2k_auto_b64_m1_var_s3_cudagraphs"].parallel.cuda_graphs
+    both = configs["rl2k_auto_b64_m1_var_s3_cudagraphs_compilelayers"].parallel
+    assert both.cuda_graphs and both.compile_layers
     assert configs["rl16k_s4"].parallel.ac == "full" and configs["rl16k_s4"].max_steps == 4
     # The CPU smoke: tiny rows, baselines without liger-kernel.
     tiny = bench.Host(model=suite.tiny_model(tmp_path), device="cpu", tokens_per_k=4)

@@ -68,6 +68,14 @@ def cuda_compiled(fn):
     return wrapper
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s CUDA stream is recording a CUDA graph (`prime_models.parallel.cuda_graphs`); False off CUDA.
+
+    Code that stashes the CUDA RNG state (activation checkpointing, chunked MLPs) skips it then: reading the
+    generator's seed is illegal during a capture."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def flash_attn_varlen_func():
     """Return flash-attn's varlen kernel, importing it only when the flash path is actually used."""
     if not HAS_FLASH_ATTN:

@@ -241,6 +241,17 @@ def one_rank_path(c: Components) -> str | None:
     return "mixed_precision" if mixed_precision_of(c.model) is not None else "plain"
 
 
+def cuda_graphs_summary(model: nn.Module) -> dict[str, Any] | None:
+    """Captures and replays of ``parallel.cuda_graphs`` (None without it): a capture per micro-batch shape and
+    packing, a replay per training forward."""
+    from prime_models.parallel.cuda_graphs import cuda_graphs_of
+
+    graphs = cuda_graphs_of(model)
+    if graphs is None:
+        return None
+    return {"captures": graphs.captures, "replays": graphs.replays, "last_eager_reason": graphs.last_eager_reason}
+
+
 def write_bench(c: Components) -> dict[str, Any]:
     """Summarize the bench steps (the first is warmup and skipped when there are more) as JSON."""
     steps = c.step_times[1:] if len(c.step_times) > 1 else c.step_times
@@ -266,6 +277,7 @@ def write_bench(c: Components) -> dict[str, Any]:
         "peak_memory_gib": max((s["peak_memory_gib"] for s in steps), default=None),
         "memory_plan": c.memory_plan.describe() if c.memory_plan is not None else None,
         "one_rank_path": one_rank_path(c),
+        "cuda_graphs": cuda_graphs_summary(c.model),
     }
     path = Path(c.config.bench_file or c.run_dir.root / "bench" / f"{c.process}.json")
     atomic_write_json(path, result)

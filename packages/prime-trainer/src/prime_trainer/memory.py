@@ -326,6 +326,8 @@ def plan_memory(c, micro_batches: list) -> MemoryPlan:
         plan, source = MemoryPlan(), "parallel.ac = auto, on CPU"
     else:
         budget, host = _budgets(c)
+        if parallel.cuda_graphs:
+            host = 0  # no attention offload: its side-stream copies to host memory are not captured
         shape = ModelShape.from_args(c.model.args)
         packed = getattr(c.model, "attn_backend", "sdpa") == "sdpa" and any(_packed(mb) for mb in micro_batches)
         chunk = c.config.init.logprob_chunk_size

@@ -20,7 +20,7 @@ from prime_models.parallel.context_parallel import ContextParallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from prime_trainer.parallel import TrainerLayout, parallel_dims, validate_model
+from prime_trainer.parallel import TrainerLayout, parallel_dims, validate_cuda_graphs, validate_model
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")
@@ -91,10 +91,13 @@ def build_model(
         layout = TrainerLayout(parallel_dims(world, parallel, ModelConfig(name=name)), None)
     dims = layout.dims
     validate_model(dims, source.hf_config, seq_len)
+    validate_cuda_graphs(parallel, world, source.hf_config)
     torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"model.dtype={dtype!r} is not supported for training (use auto, float32 or bfloat16)")
-    model = load_model(target, dtype=torch_dtype, device=world.device, attn=init.attn, seed=seed)
+    # CUDA graphs need SDPA (flash-attn's cu_seqlens vary per micro-batch): "auto" picks it for them.
+    attn = "sdpa" if parallel.cuda_graphs and init.attn == "auto" else init.attn
+    model = load_model(target, dtype=torch_dtype, device=world.device, attn=attn, seed=seed)
     if lora is not None:
         from prime_models.lora import LoRASpec, apply_lora
 
@@ -114,7 +117,8 @@ def _parallelize(
     fp8: Fp8Config | None,
 ) -> nn.Module:
     """The family's parallelize function: FP8, EP, CP, AC, then FSDP2 over several ranks or, on one GPU, bf16 compute
-    on a working copy of the fp32 masters (`prime_models.parallel.mixed_precision`). ``parallel.ac = "auto"`` leaves
+    on a working copy of the fp32 masters (`prime_models.parallel.mixed_precision`), optionally replayed from CUDA
+    graphs (``parallel.cuda_graphs``). ``parallel.ac = "auto"`` leaves
     checkpointing to the first step (`prime_trainer.memory`), when a micro-batch's size is known."""
     spec = get_model_spec(source.hf_config["model_type"])
     return spec.parallelize_fn(
@@ -132,6 +136,7 @@ def _parallelize(
         dispatcher=layout.ep_dispatcher,
         one_rank_fsdp=parallel.fsdp_one_rank,
         compile_layers=parallel.compile_layers,
+        cuda_graphs=parallel.cuda_graphs,
     )
 
 

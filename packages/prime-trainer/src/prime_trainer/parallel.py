@@ -68,6 +68,23 @@ def validate_model(dims: ParallelDims, hf_config: dict, seq_len: int | None) -> 
         raise ConfigError(f"model.cp={dims.cp}: seq_len={seq_len} must be divisible by 2 * cp = {2 * dims.cp}")
 
 
+def validate_cuda_graphs(parallel: ParallelConfig, world: World, hf_config: dict) -> None:
+    """What ``parallel.cuda_graphs`` cannot serve and only the world or the model's config tells (the rest is checked
+    when the config is loaded)."""
+    if not parallel.cuda_graphs:
+        return
+    num_experts = int(hf_config.get("num_experts") or hf_config.get("n_routed_experts") or 0)
+    clash = (
+        f"{world.world_size} ranks (one rank only)" if world.world_size > 1
+        else f"device {world.device.type} (CUDA only)" if world.device.type != "cuda"
+        else "MoE models" if num_experts
+        else "vision-language models" if "vision_config" in hf_config
+        else None
+    )  # fmt: skip
+    if clash is not None:
+        raise ConfigError(f"parallel.cuda_graphs does not serve {clash}: unset it")
+
+
 def build_layout(world: World, parallel: ParallelConfig, model: ModelConfig) -> TrainerLayout:
     """Validated axis sizes plus, when anything is parallel, the device meshes (a collective: every rank calls it)."""
     dims = parallel_dims(world, parallel, model)

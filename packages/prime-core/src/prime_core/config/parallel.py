@@ -48,8 +48,25 @@ class ParallelConfig(BaseConfig):
     checkpointing stay outside it). Cuts the host's work per forward/backward, which bounds short rows (the RL loop's
     one 2048-token row a forward); costs a compile at the first step and at each new micro-batch shape. Numerics may
     differ from eager in rounding (fused kernels). Off by default."""
+    cuda_graphs: bool = False
+    """Replay the decoder stack (embeddings, layers, final norm) from CUDA graphs in training forwards, one forward and
+    one backward graph per micro-batch shape and packing (`prime_models.parallel.cuda_graphs`); the LM head and the
+    loss stay eager. Pays where the host bounds the step: short rows, one or few a forward (the RL loop's 2048-token
+    rows), on one GPU; costs a capture (three warmup forward/backwards) at the first micro-batch of each shape, and
+    the graphs keep the decoder's activations reserved between steps. Same kernels, same numerics. Serves one CUDA
+    rank on the bf16-over-fp32-masters path with SDPA attention: not with FSDP2 (several ranks, ``fsdp_one_rank``,
+    ``cpu_offload``), context or expert parallelism, LoRA, FP8, MoE or vision-language models, flash-attn, bf16
+    master weights or ``ac_offload_attention``. Off by default."""
     timeout_s: int = Field(default=3600, ge=1)
     """Timeout of collective operations, in seconds."""
+
+    @model_validator(mode="after")
+    def _cuda_graphs_on_the_one_rank_path(self) -> ParallelConfig:
+        if self.cuda_graphs:
+            clash = [f for f in ("fsdp_one_rank", "cpu_offload", "ac_offload_attention") if getattr(self, f)]
+            if clash:
+                raise ValueError(f"cuda_graphs serves the one-rank path without FSDP2 or host copies: unset {clash[0]}")
+        return self
 
     @model_validator(mode="after")
     def _every_needs_selective_ac(self) -> ParallelConfig:

@@ -372,6 +372,24 @@ class _TrainerBase(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _cuda_graphs_serve_what_they_capture(self) -> _TrainerBase:
+        if not self.parallel.cuda_graphs:
+            return self
+        m = self.model
+        clash = next((what for bad, what in (
+            (self.device == "cpu", "device = 'cpu' (they need CUDA)"),
+            (m.cp > 1, "model.cp > 1"),
+            (m.ep > 1, "model.ep > 1"),
+            (m.lora is not None, "model.lora (adapter selection is host logic a graph would freeze)"),
+            (m.fp8.recipe != "none", "model.fp8"),
+            (m.dtype in ("bfloat16", "float16"), f"model.dtype = {m.dtype!r} (they need fp32 masters: auto or float32)"),
+            (self.init.attn == "flash_attn", "init.attn = 'flash_attn' (its cu_seqlens vary per micro-batch; use sdpa)"),
+        ) if bad), None)  # fmt: skip
+        if clash is not None:
+            raise ValueError(f"parallel.cuda_graphs does not serve {clash}")
+        return self
+
+    @model_validator(mode="after")
     def _lora_publishes_files_or_through_gpu_memory(self) -> _TrainerBase:
         if self.model.lora is not None and self.weights.broadcast.type == "nccl":
             raise ValueError(

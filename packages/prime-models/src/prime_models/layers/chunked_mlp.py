@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from prime_models import kernels
+
 _SKIP_FORWARD = contextvars.ContextVar("prime_models_skip_chunked_mlp_forward", default=False)
 
 
@@ -70,7 +72,8 @@ class _ForwardState:
     def __init__(self, x: torch.Tensor):
         self.device_type = x.device.type
         self.cpu_rng = torch.get_rng_state()
-        self.devices, self.device_rng = get_device_states(x)
+        # Under a CUDA graph capture the device's RNG state cannot be read (nor is LoRA dropout graphed).
+        self.devices, self.device_rng = ([], []) if kernels.capturing(x) else get_device_states(x)
         self.autocast = torch.is_autocast_enabled(self.device_type)
         self.autocast_dtype = torch.get_autocast_dtype(self.device_type)
 

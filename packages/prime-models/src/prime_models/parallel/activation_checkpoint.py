@@ -38,6 +38,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from prime_models import kernels
 from prime_models.layers.chunked_mlp import chunk_mlp, skip_chunked_mlp_in_recompute
 from prime_models.layers.moe import MoE
 from prime_models.parallel.attention_offload import AttentionOffload
@@ -100,7 +101,11 @@ class _Checkpointed:
         if not torch.is_grad_enabled():
             return super().forward(*args, **kwargs)
         context_fn = _APPLIED[self].context_fn
-        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        # Decoder layers draw random numbers only in LoRA dropout, which CUDA graphs do not serve: under a capture
+        # the RNG state is not stashed (reading it there is illegal).
+        preserve = not (args and isinstance(args[0], torch.Tensor) and kernels.capturing(args[0]))
+        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=context_fn,
+                          preserve_rng_state=preserve, **kwargs)  # fmt: skip
 
 
 @functools.cache

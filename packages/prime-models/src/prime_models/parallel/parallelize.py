@@ -13,6 +13,7 @@ from torch import nn
 
 from prime_models.parallel.activation_checkpoint import apply_activation_checkpointing
 from prime_models.parallel.compile import compile_layers as compile_all
+from prime_models.parallel.cuda_graphs import apply_cuda_graphs
 from prime_models.parallel.dims import ParallelDims, ParallelMesh
 from prime_models.parallel.expert_parallel import apply_expert_parallel
 from prime_models.parallel.fsdp import apply_fsdp, default_mp_policy
@@ -20,10 +21,13 @@ from prime_models.parallel.mixed_precision import apply_mixed_precision
 from prime_models.quantization.float8 import apply_fp8
 
 
-def _one_rank(model: nn.Module, param_dtype: torch.dtype) -> nn.Module:
-    """Nothing to shard: compute in `param_dtype` on a working copy when the parameters have another dtype."""
+def _one_rank(model: nn.Module, param_dtype: torch.dtype, cuda_graphs: bool) -> nn.Module:
+    """Nothing to shard: compute in `param_dtype` on a working copy when the parameters have another dtype, replayed
+    from CUDA graphs with ``cuda_graphs``."""
     if param_dtype != next(model.parameters()).dtype:
         apply_mixed_precision(model, param_dtype)
+    if cuda_graphs:
+        apply_cuda_graphs(model)
     return model
 
 
@@ -32,6 +36,22 @@ def _swap_inside_layers(model: nn.Module, fp8: Fp8Config | None, compile_layers:
     apply_fp8(model, fp8)
     if compile_layers:
         compile_all(model.model.layers)
+
+
+def _device_type(model: nn.Module, cpu_offload: bool) -> str:
+    """Where the model computes: its parameters' device, or CUDA when they are offloaded to the host."""
+    device_type = next(model.parameters()).device.type
+    if cpu_offload and device_type == "cpu":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return device_type
+
+
+def _mp_policy(device_type: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
+    """The device's default mixed precision with the caller's overrides."""
+    mp = default_mp_policy(device_type)
+    if param_dtype is not None or reduce_dtype is not None:
+        mp = type(mp)(param_dtype=param_dtype or mp.param_dtype, reduce_dtype=reduce_dtype or mp.reduce_dtype)
+    return mp
 
 
 def parallelize_transformer(
@@ -52,6 +72,7 @@ def parallelize_transformer(
     fp8: Fp8Config | None = None,
     one_rank_fsdp: bool = False,
     compile_layers: bool = False,
+    cuda_graphs: bool = False,
 ) -> nn.Module:
     """Apply expert parallelism, activation checkpointing and, when dp * cp > 1, FSDP2 to a `CausalLM` in place. One
     rank computes in `param_dtype` over its parameters as masters (`apply_mixed_precision`) instead of under FSDP2.
@@ -72,23 +93,22 @@ def parallelize_transformer(
             (`prime_models.quantization.float8`); later steps shard the same parameters.
         one_rank_fsdp: wrap a one-rank model in FSDP2 as on several ranks (casts and hooks every forward).
         compile_layers: compile each decoder layer's forward (`prime_models.parallel.compile`), inside its checkpoint.
+        cuda_graphs: one rank only: replay the decoder stack from CUDA graphs (`prime_models.parallel.cuda_graphs`).
     """
     layers = model.model.layers
     _swap_inside_layers(model, fp8, compile_layers)
-    device_type = next(model.parameters()).device.type
-    if cpu_offload and device_type == "cpu":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = _device_type(model, cpu_offload)
     if mesh is None and (parallel_dims.fsdp_enabled or parallel_dims.ep_enabled):
         mesh = parallel_dims.build_mesh(device_type)
     if parallel_dims.ep_enabled:
         parallel_dims.validate_experts(getattr(model.args, "num_experts", 0))
         apply_expert_parallel(model, mesh.ep, dispatcher)
     apply_activation_checkpointing(layers, ac, ac_every, ac_keep_attention, ac_mlp_chunks, ac_offload_attention)
-    mp = default_mp_policy(device_type)
-    if param_dtype is not None or reduce_dtype is not None:
-        mp = type(mp)(param_dtype=param_dtype or mp.param_dtype, reduce_dtype=reduce_dtype or mp.reduce_dtype)
+    mp = _mp_policy(device_type, param_dtype, reduce_dtype)
     if not parallel_dims.fsdp_enabled and not (one_rank_fsdp or (cpu_offload and device_type == "cuda")):
-        return _one_rank(model, mp.param_dtype)
+        return _one_rank(model, mp.param_dtype, cuda_graphs)
+    if cuda_graphs:
+        raise ValueError("cuda graphs serve one rank without FSDP2 (no fsdp_one_rank, cpu_offload or dp > 1)")
     mesh = mesh or parallel_dims.build_mesh(device_type)
     divide = float(parallel_dims.dp_replicate * parallel_dims.fsdp_size)
     return apply_fsdp(model, layers, mesh.fsdp, mp_policy=mp, cpu_offload=cpu_offload,

@@ -1,0 +1,240 @@
+"""CUDA graphs of the decoder stack on one GPU (``parallel.cuda_graphs``), applied from outside the model files.
+
+With short rows (the RL loop's one 2048-token row a forward) the host bounds a forward/backward: Python dispatch,
+autograd and ~600 kernel launches a micro-batch take 60-170 ms on an H100 against ~30 ms of GPU work (issue 43). A
+CUDA graph replays the recorded kernels of the whole decoder stack at once, forward and backward.
+
+What is graphed: a `CausalLM`'s `forward_hidden` (embeddings, rotary table, attention mask, decoder layers, final
+norm), through torch's `make_graphed_callables`: a forward and a backward graph inside one autograd node, per key.
+The LM head, the chunked log-probs and the loss stay eager (few ops; they read the graph's output).
+
+* Key: the rows' shape and whether some row is packed. Packed rows attend through a block-diagonal mask that the
+  graph builds on the device from position_ids (a graph input), so every packing of one shape replays one graph;
+  unpacked rows keep the mask-free causal kernel. The trainer's micro-batches are [rows, seq_len]: a run captures
+  at most two graphs.
+* Capture is lazy, at the first forward of a key (warmup forward/backwards on a side stream whose gradients go
+  through `torch.autograd.grad`, so nothing accumulates into ``.grad``), inside the model's forward once the one-rank
+  mixed precision (`prime_models.parallel.mixed_precision`) swapped its working copy in: the graphs read the working
+  tensors, which the refresh after an optimizer step overwrites in place, so their addresses never move. Applying
+  mixed precision again makes a new working copy; the graphs are then captured anew.
+* Gradients: the backward graph writes the parameters' gradients into static buffers, which AccumulateGrad may keep
+  as the working tensors' ``.grad`` without a copy. The mixed-precision hooks move them into the masters' gradients
+  and set ``.grad = None`` within the backward that made them, before the next replay overwrites the buffers
+  (checked before every replay). Without mixed precision (bf16 masters) the next backward would overwrite an
+  accumulated gradient, so `apply_cuda_graphs` requires it.
+* Eager fallback, forward by forward: without autograd (inference log-probs, evaluation), in eval mode, under
+  autocast, off CUDA, with a KV cache or extra inputs, under context parallelism, with another attention backend
+  than SDPA (flash-attn's cu_seqlens vary per micro-batch), when the working copy is not swapped in, or while an
+  earlier graphed forward still awaits its backward (a graph's activations are its static memory: one forward, then
+  its backward, as the trainer runs them).
+
+Activation checkpointing and compiled layers run inside the capture (their recompute inside the backward graph);
+checkpointing does not stash the CUDA RNG state while capturing (`prime_models.kernels.capturing`). Its attention
+offload (side-stream copies to pinned host memory) is not supported. Memory: the graphs' pool, shared by the keys,
+keeps the decoder's activations reserved between steps. Numerics: the eager forward's kernels, replayed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from prime_models.layers.attention import CONTEXT_PARALLEL, ROW_PACKING, RowPacking, sample_starts, use_row_packing
+from prime_models.models.transformer import CausalLM
+from prime_models.parallel.mixed_precision import MixedPrecision, mixed_precision_of
+
+logger = logging.getLogger("prime.models")
+
+DEVICE_TYPE: str = "cuda"
+"""Device type whose forwards are graphed; CPU tests set ``cpu`` together with a stand-in for `make_graphed`."""
+NUM_WARMUP_ITERS: int = 3
+"""Eager forward/backwards before a capture (lazy initialization, cuDNN plans and compiles stay out of the graph)."""
+_NO_CU_SEQLENS = torch.empty(0, dtype=torch.int32)
+
+GraphKey = tuple[tuple[int, ...], bool]
+"""(rows' shape, some row packed)."""
+
+
+def make_graphed(module: nn.Module, sample_args: tuple[torch.Tensor, ...], pool: Any) -> nn.Module:
+    """torch's `make_graphed_callables` for one module; tests replace it to run the dispatch on a CPU."""
+    return torch.cuda.make_graphed_callables(
+        module, sample_args, num_warmup_iters=NUM_WARMUP_ITERS, allow_unused_input=True, pool=pool
+    )
+
+
+class _Stack(nn.Module):
+    """One key's decoder stack as a module for `make_graphed_callables`: its parameters are the backbone's at capture
+    (the working copy), its forward the model's eager `forward_hidden` on the key's attention path. Not part of the
+    model's module tree (state dicts and optimizers never see it)."""
+
+    def __init__(self, model: CausalLM, packed: bool):
+        super().__init__()
+        self.backbone = model.model
+        self.model_ref = weakref.ref(model)
+        self.packed = packed
+
+    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+        model = self.model_ref()
+        # The key's packing, not the first micro-batch's: SDPA reads only the flag (the mask comes from position_ids).
+        packing = RowPacking(tuple(input_ids_BS.shape), self.packed, _NO_CU_SEQLENS, 0)
+        with use_row_packing(packing):
+            return super(_CudaGraphed, model).forward_hidden(input_ids_BS, position_ids_BS)
+
+
+class CudaGraphs:
+    """The captured graphs of one model and their counters; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[GraphKey, Callable[..., torch.Tensor]] = {}
+        self.mixed_precision: MixedPrecision | None = None
+        """The working copy the graphs read."""
+        self.pool: Any = None
+        self.captures = 0
+        self.replays = 0
+        self.last_eager_reason: str | None = None
+        """Why the last forward that did not replay ran eagerly (diagnostics)."""
+        self._awaiting: weakref.ref | None = None
+        self._warned_awaiting = False
+
+    def eager_reason(self, model: CausalLM, input_ids_BS: torch.Tensor) -> str | None:
+        """Why this forward runs eagerly, or None when a graph serves it."""
+        device = input_ids_BS.device.type
+        mp = mixed_precision_of(model)
+        reason = (
+            "no autograd" if not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+            else "eval mode" if not model.training
+            else f"rows on {device}" if device != DEVICE_TYPE
+            else "autocast" if torch.is_autocast_enabled(device)
+            else f"attention backend {model.attn_backend}" if model.attn_backend != "sdpa"
+            else "context parallelism" if CONTEXT_PARALLEL.get() is not None
+            else "no working copy in the modules" if mp is None or not mp.computing
+            else "an earlier graphed forward awaits its backward" if self._awaiting_backward()
+            else None
+        )  # fmt: skip
+        if reason is not None:
+            self.last_eager_reason = reason
+        return reason
+
+    def _awaiting_backward(self) -> bool:
+        node = self._awaiting() if self._awaiting is not None else None
+        if node is not None and not self._warned_awaiting:
+            logger.warning("cuda graphs: a forward ran before the backward of the previous one; running it eagerly")
+            self._warned_awaiting = True
+        return node is not None
+
+    def run(self, model: CausalLM, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None) -> torch.Tensor:
+        mp = mixed_precision_of(model)
+        if mp is not self.mixed_precision:
+            if self.graphs:
+                logger.info("cuda graphs: a new working copy of the parameters; capturing again")
+            self.graphs.clear()
+            self.mixed_precision, self.pool = mp, None
+        if position_ids_BS is None:
+            position_ids_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
+        key = (tuple(input_ids_BS.shape), _packed(position_ids_BS))
+        _check_gradients_handed_over(mp)
+        graphed = self.graphs.get(key)
+        if graphed is None:
+            graphed = self._capture(model, key, input_ids_BS, position_ids_BS)
+        hidden = graphed(input_ids_BS, position_ids_BS)
+        self.replays += 1
+        if hidden.grad_fn is not None:
+            self._awaiting = weakref.ref(hidden.grad_fn)
+            hidden.register_hook(self._backward_reached)
+        return hidden
+
+    def _backward_reached(self, grad: torch.Tensor) -> None:
+        self._awaiting = None
+
+    def _capture(self, model: CausalLM, key: GraphKey, input_ids_BS, position_ids_BS) -> Callable[..., torch.Tensor]:
+        if self.pool is None and DEVICE_TYPE == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
+        # Clones: the graph's static inputs, overwritten by every replay (never the caller's tensors).
+        sample = tuple(t.clone(memory_format=torch.contiguous_format) for t in (input_ids_BS, position_ids_BS))
+        start = time.perf_counter()
+        graphed = make_graphed(_Stack(model, key[1]), sample, self.pool)
+        self.graphs[key] = graphed
+        self.captures += 1
+        logger.info("cuda graphs: captured the decoder stack for rows %s (%s) in %.1f s", "x".join(map(str, key[0])),
+                    "packed" if key[1] else "unpacked", time.perf_counter() - start)  # fmt: skip
+        return graphed
+
+
+def _packed(position_ids_BS: torch.Tensor) -> bool:
+    known = ROW_PACKING.get()
+    if known is not None and known.shape == tuple(position_ids_BS.shape):
+        return known.packed
+    return bool((sample_starts(position_ids_BS).sum(-1) > 1).any())  # a read-back, as the eager forward's
+
+
+def _check_gradients_handed_over(mp: MixedPrecision) -> None:
+    # A working tensor's .grad may be the backward graph's static buffer, which the replay is about to overwrite.
+    if any(w.grad is not None for w in mp.working):
+        raise RuntimeError(
+            "cuda graphs: a working parameter still holds a gradient at a graphed forward; the mixed-precision hooks "
+            "must hand every gradient to the masters in the backward that made it"
+        )
+
+
+class _CudaGraphed:
+    """Mixed into a `CausalLM`'s class by `apply_cuda_graphs`: `forward_hidden` replays a graph where one serves."""
+
+    def forward_hidden(
+        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, *, kv_cache=None, **inputs
+    ) -> torch.Tensor:
+        graphs = _APPLIED.get(self)
+        if graphs is None or kv_cache is not None or inputs or graphs.eager_reason(self, input_ids_BS) is not None:
+            return super().forward_hidden(input_ids_BS, position_ids_BS, kv_cache=kv_cache, **inputs)
+        return graphs.run(self, input_ids_BS, position_ids_BS)
+
+
+@functools.cache
+def _graphed_class(cls: type) -> type:
+    return type(f"CudaGraphed{cls.__name__}", (_CudaGraphed, cls), {})
+
+
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, CudaGraphs] = weakref.WeakKeyDictionary()
+
+
+def cuda_graphs_of(model: nn.Module) -> CudaGraphs | None:
+    """The model's `CudaGraphs`, or None when `apply_cuda_graphs` was not applied to it."""
+    return _APPLIED.get(model)
+
+
+def _unsupported(model: nn.Module) -> str | None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from prime_models.lora.adapters import LoRALinear
+
+    if not isinstance(model, CausalLM):
+        return f"{type(model).__name__} is not a decoder CausalLM"
+    if isinstance(model, FSDPModule):
+        return "FSDP2 (one rank without FSDP only)"
+    if type(model).forward_hidden not in (CausalLM.forward_hidden, _CudaGraphed.forward_hidden):
+        return f"{type(model).__name__} has its own forward_hidden (vision-language inputs)"
+    if getattr(model.args, "num_experts", 0):
+        return "MoE layers (their routing reads token counts back to the host)"
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        return "LoRA adapters (their selection is host logic a graph would freeze)"
+    if mixed_precision_of(model) is None:
+        return "parameters without the one-rank mixed precision (fp32 masters under a bf16 working copy)"
+    return None
+
+
+def apply_cuda_graphs(model: nn.Module) -> CudaGraphs:
+    """Replay ``model``'s decoder stack from CUDA graphs in its training forwards (see the module docstring), in place:
+    the model's class becomes ``CudaGraphed<Class>`` (names, parameters and the module tree stay). Apply it after
+    `apply_mixed_precision`; idempotent."""
+    reason = _unsupported(model)
+    if reason is not None:
+        raise ValueError(f"cuda graphs do not serve {reason}")
+    if not isinstance(model, _CudaGraphed):
+        model.__class__ = _graphed_class(type(model))
+    return _APPLIED.setdefault(model, CudaGraphs())
