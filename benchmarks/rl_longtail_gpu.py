@@ -15,8 +15,10 @@ times ``--median-tokens``, otherwise uniform around the median. Each arm is one 
   ``max_concurrent`` N. The best of them by rollout tok/s is "today's best";
 - ``mean_length``: every response at the distribution's mean length, N = batch size, async_level 0 (each step's batch
   generated alone); its rollout time per step is the reference "rollout time of the mean-length batch";
-- ``continuous_k<K>`` for K in 1, 2: ``orchestrator.max_off_policy_steps = K`` at async_level 1 (groups are dispatched
-  at most one batch ahead, so with K = 2 every group has a step of slack before the bound cuts it),
+- ``continuous_k<K>[_async2]`` for K in 1, 2: ``orchestrator.max_off_policy_steps = K`` at async_level 1 (groups are
+  dispatched at most one batch ahead, so with K = 2 every group has a step of slack before the bound cuts it), or at
+  async_level 2 with the suffix (``continuous_k2_async2``: up to three batches of groups in flight, larger decode
+  batches; its fair peer is ``fixed_<N>_async2``),
   ``inference.weight_update = "in_flight"``, adaptive concurrency (no ``max_concurrent`` in the config).
 
 Per arm, over the steady steps (from ``--warmup``, 2, on): rollout tok/s (completion tokens the trainer consumed over
@@ -96,7 +98,7 @@ def arm_flags(arm: str, fields: dict[str, bool]) -> list[str]:
     """CLI flags of issue 42's loop settings: continuous mode always passes them (a config without them fails the
     arm, which says so); today's loop names drain only where the field exists (drain is all there was before)."""
     if arm.startswith("continuous_k"):
-        k = arm.removeprefix("continuous_k")
+        k = arm.removeprefix("continuous_k").removesuffix("_async2")
         return ["--orchestrator.max-off-policy-steps", k, "--inference.weight-update", "in_flight"]
     return ["--inference.weight-update", "drain"] if fields["weight_update"] else []
 
@@ -162,6 +164,11 @@ def longtail_summary(metrics: Path, batch_size: int, warmup: int = 2) -> dict:
         "step_time_median_s": med(
             [trainer[b]["time"] - trainer[a]["time"] for a, b in zip(steps, steps[1:], strict=False)]
         ),
+        # wall time per step over the steady span: a loop whose steps alternate short and long (batches that wait
+        # on their last long rollouts every other step) has a median that flatters it; the verdict uses this
+        "step_time_mean_s": (trainer[steps[-1]]["time"] - trainer[steps[0]]["time"]) / (len(steps) - 1)
+        if len(steps) >= 2
+        else None,
         "trainer_step_median_s": med(values(trainer, "time/step", steps)),
         "rollout_time_median_s": med(values(orchestrator, "time/rollouts", steady(orchestrator, warmup))),
         "completion_tokens_per_step_mean": statistics.mean(tokens.values()) if tokens else None,
@@ -236,9 +243,10 @@ def verdict(results: dict[str, dict]) -> dict:
             v["rollout_tokens_per_s_ratio"] = new["rollout_tokens_per_s"] / best["rollout_tokens_per_s"]
             v["rollout_tokens_per_s_target_met"] = v["rollout_tokens_per_s_ratio"] >= 1.15
         bound = [x for x in (new.get("trainer_step_median_s"), mean.get("rollout_time_median_s")) if x]
-        if new.get("step_time_median_s") and len(bound) == 2:
+        step = new.get("step_time_mean_s") or new.get("step_time_median_s")
+        if step and len(bound) == 2:
             v["step_time_bound_s"] = max(bound)
-            v["step_time_over_bound"] = new["step_time_median_s"] / max(bound)
+            v["step_time_over_bound"] = step / max(bound)
             v["step_time_target_met"] = v["step_time_over_bound"] <= 1.05
         out[arm] = v
     return out
@@ -274,7 +282,7 @@ def parse_args() -> argparse.Namespace:
         "--arms",
         nargs="+",
         default=None,
-        help="run only these (fixed_N, fixed_N_async2, mean_length, continuous_k1, continuous_k2)",
+        help="run only these (fixed_N, fixed_N_async2, mean_length, continuous_k1, continuous_k2, continuous_k2_async2)",
     )
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state numbers")

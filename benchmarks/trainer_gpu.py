@@ -545,7 +545,15 @@ def main() -> None:
     elif args.suite:
         run_suite(args)
     else:
-        run_jobs([j for j in args.jobs.split(",") if j], args.out, args.budget_s)
+        jobs = [j for j in args.jobs.split(",") if j]
+        host = None
+        if args.wheels and any(j.startswith("base") for j in jobs):  # the baselines' liger-kernel, as the suite does
+            import trainer_gpu_suite as suite
+
+            pythonpath, liger = suite.liger_path(args.wheels, Path("/tmp/prime_bench"))
+            print(f"liger-kernel: {liger}", flush=True)
+            host = Host(pythonpath=pythonpath)
+        run_jobs(jobs, args.out, args.budget_s, host)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ class CudaGraphs:
                 logger.info("cuda graphs: a new working copy of the parameters; capturing again")
             self.graphs.clear()
             self.mixed_precision, self.pool = mp, None
+            mp.accumulate_at_end = True
         if position_ids_BS is None:
             position_ids_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
         key = (tuple(input_ids_BS.shape), _packed(position_ids_BS))
