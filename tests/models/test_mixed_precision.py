@@ -155,3 +155,33 @@ def test_parallelize_picks_the_one_rank_path():
     bf16 = load_model(tiny_config("qwen3"), seed=0, dtype=torch.bfloat16)
     spec.parallelize_fn(bf16, ParallelDims(world_size=1), param_dtype=torch.bfloat16)
     assert mixed_precision_of(bf16) is None  # bf16 masters compute as they are
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_working_copy_follows_every_optimizer_step_even_a_fused_one(fused):
+    """Fused AdamW (the trainer's optimizer on CUDA) updates its parameters without moving their version counters:
+    the working copy must still be refreshed after each step, or every forward computes with the first weights while
+    the masters (what inference is sent) move on."""
+    from prime_core.config.trainer import AdamWConfig
+    from prime_trainer.optim import build_optimizer
+
+    model = load_model(tiny_config("qwen3"), seed=0)
+    mp = apply_mixed_precision(model, torch.bfloat16)
+    if fused:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        mp.watch(optimizer)
+    else:
+        optimizer = build_optimizer(model, AdamWConfig(lr=1e-2))  # watches the model's working copy itself
+    ids = _batches(0)[0]
+    for _ in range(2):
+        versions = [m._version for m in mp.masters]
+        logprobs, _ = model(ids[:, :-1], targets=ids[:, 1:])
+        (-logprobs.mean()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if fused:  # what made this a bug: nothing but the optimizer's hook says the masters moved
+            assert [m._version for m in mp.masters] == versions
+        model(ids[:, :-1], targets=ids[:, 1:])[0].sum().backward()  # a forward refreshes the copy; drop its grads
+        model.zero_grad(set_to_none=True)
+        for working, master in zip(mp.working, mp.masters, strict=True):
+            torch.testing.assert_close(working.detach(), master.detach().to(torch.bfloat16), rtol=0, atol=0)

@@ -6,6 +6,7 @@ import math
 
 import torch
 from prime_core.config.trainer import AdamWConfig, CosineSchedulerConfig, SchedulerConfig
+from prime_models.parallel.mixed_precision import mixed_precision_of
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -23,7 +24,13 @@ def build_optimizer(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimi
     # On CUDA the fused kernel does the whole update in one pass per tensor group: faster than foreach and without
     # its parameter-sized temporaries (which set the step's peak memory). CPU keeps the default implementation.
     on_cuda = bool(decay or no_decay) and (decay + no_decay)[0].device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=True if on_cuda else None)
+    optimizer = torch.optim.AdamW(
+        groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=True if on_cuda else None
+    )
+    mixed_precision = mixed_precision_of(model)
+    if mixed_precision is not None:  # its working copy must follow every step (the fused kernel hides them)
+        mixed_precision.watch(optimizer)
+    return optimizer
 
 
 def lr_at(step: int, lr: float, scheduler: SchedulerConfig, max_steps: int) -> float:

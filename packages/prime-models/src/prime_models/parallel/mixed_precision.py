@@ -6,7 +6,10 @@ cost ~0.2 s of host time per forward/backward on an H100 whatever the row length
 its fp32 master parameters (what the optimizer steps, DCP checkpoints and HF exports see, under their usual names)
 and a working copy in the compute dtype, refreshed only when a master changed (once per optimizer step):
 
-* the root's forward pre-hook refreshes the working copy when a master's version counter moved (one fused copy),
+* the root's forward pre-hook refreshes the working copy when a master changed (one fused copy): after a step of an
+  optimizer `watch` was given (fused AdamW updates its parameters without moving their version counters, so those
+  alone would leave the working copy at the first step's weights), after a state dict was loaded, or when a master's
+  version counter moved (an in-place edit anywhere else),
   then points every module at its working tensor (``module._parameters[name]``; the module tree, names and hooks
   stay as they are, so activation checkpointing recomputes with the same tensors);
 * backward leaves gradients on the working tensors in the compute dtype. From the second micro-batch of a step on
@@ -64,6 +67,8 @@ class MixedPrecision:
         self.working = [s.working for s in unique]
         self.master_of = {id(s.working): s.master for s in unique}
         self.versions = [m._version for m in self.masters]
+        self.stale = False
+        """The masters changed in a way their version counters do not show (`watch`, a loaded state dict)."""
         self.computing = False
         self.callback_queued = False
         self.accumulate_at_end = False
@@ -98,12 +103,19 @@ class MixedPrecision:
             return x.to(self.param_dtype)
         return x
 
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refresh the working copy at the first forward after every step of ``optimizer`` (see the module docstring)."""
+        self.handles.append(optimizer.register_step_post_hook(lambda *_: self.mark_stale()))
+
+    def mark_stale(self) -> None:
+        self.stale = True
+
     @torch.no_grad()
     def _refresh_if_stale(self) -> None:
         versions = [m._version for m in self.masters]
-        if versions != self.versions:
+        if self.stale or versions != self.versions:
             torch._foreach_copy_(self.working, [m.detach() for m in self.masters])
-            self.versions = versions
+            self.versions, self.stale = versions, False
 
     # --- backward -----------------------------------------------------------------------------------------------
 
@@ -172,7 +184,7 @@ def apply_mixed_precision(model: nn.Module, param_dtype: torch.dtype = torch.bfl
         # Whatever reads or loads the model's state sees (and fills) the masters, even after a forward whose
         # backward never ran.
         model.register_state_dict_pre_hook(lambda *_: mp.use_masters()),
-        model.register_load_state_dict_pre_hook(lambda *_: mp.use_masters()),
+        model.register_load_state_dict_pre_hook(lambda *_: (mp.use_masters(), mp.mark_stale())),
     ]
     _APPLIED[model] = (mp, handles)
     return mp
