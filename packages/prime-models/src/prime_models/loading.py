@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch.overrides import TorchFunctionMode
 
 from prime_models import kernels
 from prime_models.models.common_converting import EMBED, LM_HEAD
@@ -19,6 +20,28 @@ logger = logging.getLogger(__name__)
 
 ATTN_CHOICES = ("sdpa", "flash_attn", "auto")
 INDEX_FILE = "model.safetensors.index.json"
+
+
+_INITIALIZERS = frozenset(
+    getattr(torch.nn.init, name)
+    for name in (
+        "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+        "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+    )
+    if hasattr(torch.nn.init, name)
+)  # fmt: skip
+
+
+class _SkipInitializers(TorchFunctionMode):
+    """Skips `torch.nn.init` initializers while a model is built on the meta device, where they compute nothing. The
+    random ones (`normal_`) run a Python meta kernel whose first call imports dynamo and sympy: seconds of start-up in
+    every trainer and inference process. The weights are loaded or initialized after `to_empty`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITIALIZERS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 def resolve_attn(attn: str, device: torch.device) -> str:
@@ -99,7 +122,7 @@ def load_model(
     dtype = dtype or torch.float32
     backend = resolve_attn(attn, device) if device.type != "meta" else ("sdpa" if attn == "auto" else attn)
 
-    with torch.device("meta"):
+    with torch.device("meta"), _SkipInitializers():
         model = spec.model_cls.from_config(hf_config, attn=backend)
     model.to(dtype=dtype)
     if device.type == "meta":

@@ -139,9 +139,6 @@ class _ChunkedMLP(torch.autograd.Function):
         return grad_x, None, None, None, *grad_params
 
 
-# A compiled layer (`prime_models.parallel.compile`) runs this node eagerly between its graphs: its forward reads a
-# context variable and the RNG state, which dynamo does not trace.
-@torch.compiler.disable
 def chunked_mlp(mlp: nn.Module, x_BSH: torch.Tensor, num_chunks: int, forward: Callable | None = None) -> torch.Tensor:
     """`mlp(x_BSH)`, keeping only `x_BSH` for backward and recomputing it there in `num_chunks` sequence chunks.
 
@@ -151,6 +148,20 @@ def chunked_mlp(mlp: nn.Module, x_BSH: torch.Tensor, num_chunks: int, forward: C
     """
     params = [p for p in mlp.parameters() if p.requires_grad]
     return _ChunkedMLP.apply(x_BSH, mlp, forward or mlp, num_chunks, *params)
+
+
+def exclude_from_compile() -> None:
+    """Make compiled layers (`prime_models.parallel.compile`) run `chunked_mlp` eagerly between their graphs: its
+    forward reads a context variable and the RNG state, which dynamo does not trace. Called before a layer is
+    compiled rather than at import, because `torch.compiler.disable` imports dynamo (and sympy): seconds of start-up
+    in every process that only imports the model code. Idempotent."""
+    global chunked_mlp, _excluded
+    if not _excluded:
+        chunked_mlp = torch.compiler.disable(chunked_mlp)
+        _excluded = True
+
+
+_excluded = False
 
 
 class _ChunkedForward:

@@ -52,7 +52,10 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     if rope_type == "default":
-        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        # Computed on the CPU, then moved to the default device: a meta `arange` (a model built on the meta device)
+        # runs a Python kernel whose first call imports dynamo and sympy, seconds of every process's start-up.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim
+        return (1.0 / (theta**exponents)).to(torch.get_default_device()), 1.0
     if rope_type in _DYNAMIC_ROPE:
         raise ValueError(f"rope_type {rope_type!r} rescales with sequence length and is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prime_models.layers.chunked_mlp import exclude_from_compile
 from prime_models.parallel.activation_checkpoint import layer_checkpoint
 
 COMPILE_BACKEND: str = "inductor"
@@ -44,6 +45,7 @@ class _CompiledLayer:
 @functools.cache
 def _compiled_class(cls: type) -> type:
     # One compiled function per layer class, so every layer of a model runs (and guards) the same graph.
+    exclude_from_compile()
     compiled = torch.compile(cls.forward, backend=COMPILE_BACKEND)
     return type(f"Compiled{cls.__name__}", (_CompiledLayer, cls), {"_compiled_forward": staticmethod(compiled)})
 
