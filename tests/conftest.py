@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+from tests.scheduling import compile_workspace_sources, start_rank
+
 # Tests must never reach a hub; everything is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,3 +23,12 @@ def one_rank_group():
     yield
     if owned:
         dist.destroy_process_group()
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # once, in the controller (or the only process with -n 0)
+        compile_workspace_sources()
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=start_rank)

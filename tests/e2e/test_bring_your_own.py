@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RL = Path(sys.executable).with_name("rl")
 MODEL = ROOT / "examples" / "bring_your_own" / "model"
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess"), pytest.mark.timeout(900)]
+# `rl` runs: not in the `multiprocess` xdist group (see tests/e2e/test_reverse_text.py).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
 def rl_config(tmp_path: Path, env: str, *, model: Path = MODEL, server: str | None = None) -> Path:

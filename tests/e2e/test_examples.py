@@ -53,8 +53,7 @@ def test_every_example_has_a_readme_a_cpu_and_a_gpu_config():
         )
 
 
-@pytest.mark.integration
-@pytest.mark.xdist_group("multiprocess")
+@pytest.mark.integration  # `rl` runs: not in the `multiprocess` xdist group (see tests/e2e/test_reverse_text.py)
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CPU_EXAMPLES else n for n in CPU_EXAMPLES]
 )

@@ -12,7 +12,8 @@ from safetensors.numpy import load_file
 
 from tests.e2e.test_reverse_text import ROOT, rl_cmd, without_evals
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
+# `rl` runs: not in the `multiprocess` xdist group (see tests/e2e/test_reverse_text.py).
+pytestmark = pytest.mark.integration
 
 RUNS = [{"name": "run-a"}, {"name": "run-b", "lr": 5e-4, "seed": 7}]
 

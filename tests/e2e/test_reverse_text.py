@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "reverse_text" / "rl.toml"
 RL = Path(sys.executable).with_name("rl")
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
+# Not in the `multiprocess` xdist group: an `rl` run's processes take one thread each (the launcher splits the cores)
+# and hold no collectives between trainer ranks, so two runs on the two workers share the cores without the gloo
+# slowdown that group avoids; tests/scheduling.py starts the README run first.
+pytestmark = pytest.mark.integration
 
 
 def rl_cmd(out: Path, *extra: str, config: Path = EXAMPLE) -> list[str]:
