@@ -545,14 +545,16 @@ def main() -> None:
     elif args.suite:
         run_suite(args)
     else:
-        jobs = [j for j in args.jobs.split(",") if j]
-        host = None
-        if args.wheels and any(j.startswith("base") for j in jobs):  # the baselines' liger-kernel, as the suite does
-            import trainer_gpu_suite as suite
+        import trainer_gpu_suite as suite
 
+        jobs = [j for j in args.jobs.split(",") if j]
+        pythonpath = ""
+        if args.wheels and any(j.startswith("base") for j in jobs):  # the baselines' liger-kernel, as the suite does
             pythonpath, liger = suite.liger_path(args.wheels, Path("/tmp/prime_bench"))
             print(f"liger-kernel: {liger}", flush=True)
-            host = Host(pythonpath=pythonpath)
+        # `_cap<G>` jobs need the GPU's size, as in a suite.
+        gpu_gib = None if args.device == "cpu" else suite.gpu_total_gib()
+        host = Host(device=args.device, gpu_total_gib=gpu_gib, pythonpath=pythonpath)
         run_jobs(jobs, args.out, args.budget_s, host)
 
 

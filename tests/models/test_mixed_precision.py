@@ -10,6 +10,7 @@ from prime_models import ParallelDims, get_model_spec, hf_state_dict, load_model
 from prime_models import lora as L
 from prime_models.parallel.mixed_precision import apply_mixed_precision, mixed_precision_of
 from prime_trainer.optim import clip_grad_norm
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -161,17 +162,10 @@ def test_parallelize_picks_the_one_rank_path():
 def test_the_working_copy_follows_every_optimizer_step_even_a_fused_one(fused):
     """Fused AdamW (the trainer's optimizer on CUDA) updates its parameters without moving their version counters:
     the working copy must still be refreshed after each step, or every forward computes with the first weights while
-    the masters (what inference is sent) move on."""
-    from prime_core.config.trainer import AdamWConfig
-    from prime_trainer.optim import build_optimizer
-
+    the masters (what inference is sent) move on. The optimizer here is built by the caller, not by prime."""
     model = load_model(tiny_config("qwen3"), seed=0)
     mp = apply_mixed_precision(model, torch.bfloat16)
-    if fused:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        mp.watch(optimizer)
-    else:
-        optimizer = build_optimizer(model, AdamWConfig(lr=1e-2))  # watches the model's working copy itself
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True if fused else None)
     ids = _batches(0)[0]
     for _ in range(2):
         versions = [m._version for m in mp.masters]
@@ -179,9 +173,24 @@ def test_the_working_copy_follows_every_optimizer_step_even_a_fused_one(fused):
         (-logprobs.mean()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if fused:  # what made this a bug: nothing but the optimizer's hook says the masters moved
+        if fused:  # what made this a bug: nothing but the optimizer's step says the masters moved
             assert [m._version for m in mp.masters] == versions
         model(ids[:, :-1], targets=ids[:, 1:])[0].sum().backward()  # a forward refreshes the copy; drop its grads
         model.zero_grad(set_to_none=True)
         for working, master in zip(mp.working, mp.masters, strict=True):
             torch.testing.assert_close(working.detach(), master.detach().to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_only_steps_of_an_optimizer_holding_a_master_mark_the_copy_stale():
+    model = load_model(tiny_config("qwen3"), seed=0)
+    mp = apply_mixed_precision(model, torch.bfloat16)
+    other = nn.Linear(4, 4)
+    other(torch.randn(2, 4)).sum().backward()
+    torch.optim.SGD(other.parameters(), lr=0.1).step()
+    assert not mp.stale
+    torch.optim.SGD(list(model.parameters())[-1:], lr=0.1).step()
+    assert mp.stale
+    mp.remove()  # unregisters the process-wide hook with the others
+    mp.stale = False
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert not mp.stale

@@ -6,7 +6,6 @@ import math
 
 import torch
 from prime_core.config.trainer import AdamWConfig, CosineSchedulerConfig, SchedulerConfig
-from prime_models.parallel.mixed_precision import mixed_precision_of
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -27,9 +26,6 @@ def build_optimizer(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimi
     optimizer = torch.optim.AdamW(
         groups, lr=config.lr, betas=config.betas, eps=config.eps, fused=True if on_cuda else None
     )
-    mixed_precision = mixed_precision_of(model)
-    if mixed_precision is not None:  # its working copy must follow every step (the fused kernel hides them)
-        mixed_precision.watch(optimizer)
     return optimizer
 
 

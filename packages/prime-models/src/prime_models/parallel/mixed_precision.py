@@ -6,10 +6,11 @@ cost ~0.2 s of host time per forward/backward on an H100 whatever the row length
 its fp32 master parameters (what the optimizer steps, DCP checkpoints and HF exports see, under their usual names)
 and a working copy in the compute dtype, refreshed only when a master changed (once per optimizer step):
 
-* the root's forward pre-hook refreshes the working copy when a master changed (one fused copy): after a step of an
-  optimizer `watch` was given (fused AdamW updates its parameters without moving their version counters, so those
-  alone would leave the working copy at the first step's weights), after a state dict was loaded, or when a master's
-  version counter moved (an in-place edit anywhere else),
+* the root's forward pre-hook refreshes the working copy when a master changed (one fused copy): after a step of any
+  `torch.optim.Optimizer` that holds one of the masters (a process-wide step hook: fused AdamW updates its parameters
+  without moving their version counters, so those alone would leave the working copy at the first step's weights,
+  whoever built the optimizer), after a state dict was loaded, or when a master's version counter moved (an in-place
+  edit anywhere else),
   then points every module at its working tensor (``module._parameters[name]``; the module tree, names and hooks
   stay as they are, so activation checkpointing recomputes with the same tensors);
 * backward leaves gradients on the working tensors in the compute dtype. From the second micro-batch of a step on
@@ -26,11 +27,13 @@ fp32 as fp32(g1) + g2 + ... (tests/models/test_mixed_precision.py). Parameters a
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_map
 
 
@@ -67,8 +70,9 @@ class MixedPrecision:
         self.working = [s.working for s in unique]
         self.master_of = {id(s.working): s.master for s in unique}
         self.versions = [m._version for m in self.masters]
+        self.master_ids = frozenset(id(m) for m in self.masters)
         self.stale = False
-        """The masters changed in a way their version counters do not show (`watch`, a loaded state dict)."""
+        """The masters changed in a way their version counters do not show (an optimizer step, a loaded state dict)."""
         self.computing = False
         self.callback_queued = False
         self.accumulate_at_end = False
@@ -76,6 +80,7 @@ class MixedPrecision:
         it arrives. Set by `prime_models.parallel.cuda_graphs`: a graphed backward produces every gradient at once, so
         adding early frees nothing, and ~300 separate adds a micro-batch are host time the short rows cannot hide."""
         self.handles = [w.register_post_accumulate_grad_hook(self._accumulate) for w in self.working if w.requires_grad]
+        self.handles.append(register_optimizer_step_post_hook(_stale_after_steps_of(weakref.ref(self))))
 
     @property
     def num_bytes(self) -> int:
@@ -103,9 +108,9 @@ class MixedPrecision:
             return x.to(self.param_dtype)
         return x
 
-    def watch(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refresh the working copy at the first forward after every step of ``optimizer`` (see the module docstring)."""
-        self.handles.append(optimizer.register_step_post_hook(lambda *_: self.mark_stale()))
+    def steps_masters(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` holds one of this model's masters."""
+        return any(id(p) in self.master_ids for group in optimizer.param_groups for p in group["params"])
 
     def mark_stale(self) -> None:
         self.stale = True
@@ -157,6 +162,17 @@ class MixedPrecision:
         self.use_masters()
         for h in self.handles:
             h.remove()
+
+
+def _stale_after_steps_of(mp_ref: weakref.ref[MixedPrecision]) -> Callable[..., None]:
+    # Process-wide rather than per optimizer, so an optimizer the caller built (a fused one included) is followed too;
+    # a weak reference, so the hook keeps no model alive (`remove` unregisters it).
+    def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        mp = mp_ref()
+        if mp is not None and not mp.stale and mp.steps_masters(optimizer):
+            mp.mark_stale()
+
+    return after_step
 
 
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, tuple[MixedPrecision, list]] = weakref.WeakKeyDictionary()
