@@ -14,6 +14,7 @@ from prime_models import ParallelDims, get_model_spec, load_model
 from prime_models import lora as L
 from prime_models.layers.attention import row_packing, use_row_packing
 from prime_models.parallel import compile as C
+from prime_models.parallel import cuda_graphs as G
 from prime_models.parallel.cuda_graphs import apply_cuda_graphs, cuda_graphs_of
 from prime_models.parallel.mixed_precision import apply_mixed_precision, mixed_precision_of
 
@@ -153,6 +154,36 @@ def test_a_forward_before_the_previous_backward_runs_eagerly():
         torch.testing.assert_close(grads[k], v, msg=k)
     _forward_backward(model, 4, 0, "cpu")  # the backward ran: graphs serve again
     assert graphs.replays == 2
+
+
+@pytest.mark.usefixtures("graphs_on_cpu")
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_failed_capture_is_tried_again_then_its_rows_run_eagerly(failures, monkeypatch):
+    """What an H100 once did to the compiled-layers test: cuBLAS failed inside a backward capture. One failure costs a
+    second capture; two make the key's rows run eagerly, and the run trains as it would without graphs."""
+    from tests.models.cuda_graph_standin import make_graphed_on_cpu
+
+    attempts = []
+
+    def flaky(module, sample_args, pool):
+        attempts.append(len(attempts))
+        if len(attempts) <= failures:
+            raise torch.AcceleratorError("CUDA error: operation failed due to a previous error during capture")
+        return make_graphed_on_cpu(module, sample_args, pool)
+
+    monkeypatch.setattr(G, "make_graphed", flaky)
+    graphed = _train("cpu", True)
+    graphs = cuda_graphs_of(graphed["model"])
+    if failures == 1:
+        assert (len(attempts), graphs.captures, graphs.failed) == (3, 2, {})  # two keys, one captured twice
+    else:
+        assert (len(attempts), graphs.captures, len(graphs.graphs)) == (3, 1, 1)  # the first key gave up
+        error = "CUDA error: operation failed due to a previous error during capture"
+        ((_, packed),) = graphs.failed
+        assert list(graphs.failed.values()) == [error]
+        _forward_backward(graphed["model"], 8, 3 if packed else 0, "cpu")  # its rows again: eager, no new attempt
+        assert (len(attempts), graphs.last_eager_reason) == (3, f"capture failed: {error}")
+    _assert_trains_alike(_train("cpu", False), graphed, loss_rel=1e-6, rtol=1e-5, atol=1e-7)
 
 
 def test_cuda_graphs_serve_only_the_one_rank_mixed_precision_path():

@@ -26,7 +26,8 @@ The LM head, the chunked log-probs and the loss stay eager (few ops; they read t
   autocast, off CUDA, with a KV cache or extra inputs, under context parallelism, with another attention backend
   than SDPA (flash-attn's cu_seqlens vary per micro-batch), when the working copy is not swapped in, or while an
   earlier graphed forward still awaits its backward (a graph's activations are its static memory: one forward, then
-  its backward, as the trainer runs them).
+  its backward, as the trainer runs them). A key whose capture fails is captured once more (a fresh pool, after a
+  synchronize), then runs eagerly for the rest of the run with a warning: a failed capture costs speed, not the run.
 
 Activation checkpointing and compiled layers run inside the capture (their recompute inside the backward graph);
 checkpointing does not stash the CUDA RNG state while capturing (`prime_models.kernels.capturing`). Its attention
@@ -37,6 +38,7 @@ keeps the decoder's activations reserved between steps. Numerics: the eager forw
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 import weakref
@@ -56,6 +58,11 @@ DEVICE_TYPE: str = "cuda"
 """Device type whose forwards are graphed; CPU tests set ``cpu`` together with a stand-in for `make_graphed`."""
 NUM_WARMUP_ITERS: int = 3
 """Eager forward/backwards before a capture (lazy initialization, cuDNN plans and compiles stay out of the graph)."""
+CAPTURE_ATTEMPTS: int = 2
+"""Captures of one key before its rows run eagerly for the rest of the run. A capture can fail for a reason outside
+this process's control (on an H100 about one capture in a few dozen of the compiled-layers GPU test failed with
+cuBLAS's EXECUTION_FAILED inside the backward capture, and the next attempt succeeded); a training run should not
+die of it."""
 _NO_CU_SEQLENS = torch.empty(0, dtype=torch.int32)
 
 GraphKey = tuple[tuple[int, ...], bool]
@@ -100,6 +107,8 @@ class CudaGraphs:
         self.replays = 0
         self.last_eager_reason: str | None = None
         """Why the last forward that did not replay ran eagerly (diagnostics)."""
+        self.failed: dict[GraphKey, str] = {}
+        """Keys whose every capture attempt failed, and the last error: their rows run eagerly."""
         self._awaiting: weakref.ref | None = None
         self._warned_awaiting = False
 
@@ -129,7 +138,11 @@ class CudaGraphs:
             self._warned_awaiting = True
         return node is not None
 
-    def run(self, model: CausalLM, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None) -> torch.Tensor:
+    def run(
+        self, model: CausalLM, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The decoder stack's output replayed from the key's graph (captured at its first forward), or None when the
+        key's captures failed (the caller runs it eagerly)."""
         mp = mixed_precision_of(model)
         if mp is not self.mixed_precision:
             if self.graphs:
@@ -142,8 +155,11 @@ class CudaGraphs:
         key = (tuple(input_ids_BS.shape), _packed(position_ids_BS))
         _check_gradients_handed_over(mp)
         graphed = self.graphs.get(key)
-        if graphed is None:
+        if graphed is None and key not in self.failed:
             graphed = self._capture(model, key, input_ids_BS, position_ids_BS)
+        if graphed is None:
+            self.last_eager_reason = f"capture failed: {self.failed[key]}"
+            return None
         hidden = graphed(input_ids_BS, position_ids_BS)
         self.replays += 1
         if hidden.grad_fn is not None:
@@ -154,18 +170,46 @@ class CudaGraphs:
     def _backward_reached(self, grad: torch.Tensor) -> None:
         self._awaiting = None
 
-    def _capture(self, model: CausalLM, key: GraphKey, input_ids_BS, position_ids_BS) -> Callable[..., torch.Tensor]:
-        if self.pool is None and DEVICE_TYPE == "cuda":
-            self.pool = torch.cuda.graph_pool_handle()
-        # Clones: the graph's static inputs, overwritten by every replay (never the caller's tensors).
-        sample = tuple(t.clone(memory_format=torch.contiguous_format) for t in (input_ids_BS, position_ids_BS))
-        start = time.perf_counter()
-        graphed = make_graphed(_Stack(model, key[1]), sample, self.pool)
-        self.graphs[key] = graphed
-        self.captures += 1
-        logger.info("cuda graphs: captured the decoder stack for rows %s (%s) in %.1f s", "x".join(map(str, key[0])),
-                    "packed" if key[1] else "unpacked", time.perf_counter() - start)  # fmt: skip
-        return graphed
+    def _capture(self, model: CausalLM, key: GraphKey, input_ids_BS, position_ids_BS) -> Callable | None:
+        rows = f"{'x'.join(map(str, key[0]))} ({'packed' if key[1] else 'unpacked'})"
+        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            if self.pool is None and DEVICE_TYPE == "cuda":
+                self.pool = torch.cuda.graph_pool_handle()
+            # Clones: the graph's static inputs, overwritten by every replay (never the caller's tensors).
+            sample = tuple(t.clone(memory_format=torch.contiguous_format) for t in (input_ids_BS, position_ids_BS))
+            start = time.perf_counter()
+            try:
+                graphed = _make_graphed_keeping_the_stream(_Stack(model, key[1]), sample, self.pool)
+            except RuntimeError as e:  # torch.AcceleratorError is one
+                self.failed[key] = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                logger.warning("cuda graphs: capturing rows %s failed (attempt %d of %d): %s", rows, attempt,
+                               CAPTURE_ATTEMPTS, self.failed[key])  # fmt: skip
+                self.pool = None  # what the failed capture left in its pool stays out of the next capture
+                _settle()
+                continue
+            self.failed.pop(key, None)
+            self.graphs[key] = graphed
+            self.captures += 1
+            logger.info(
+                "cuda graphs: captured the decoder stack for rows %s in %.1f s", rows, time.perf_counter() - start
+            )
+            return graphed
+        logger.warning("cuda graphs: rows %s run eagerly for the rest of the run", rows)
+        return None
+
+
+def _make_graphed_keeping_the_stream(module: nn.Module, sample_args: tuple[torch.Tensor, ...], pool: Any) -> nn.Module:
+    if DEVICE_TYPE != "cuda":
+        return make_graphed(module, sample_args, pool)
+    # A capture that fails in its end leaves torch's capture stream current; leaving this context restores ours.
+    with torch.cuda.stream(torch.cuda.current_stream()):
+        return make_graphed(module, sample_args, pool)
+
+
+def _settle() -> None:
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.synchronize()
+    gc.collect()
 
 
 def _packed(position_ids_BS: torch.Tensor) -> bool:
@@ -191,9 +235,11 @@ class _CudaGraphed:
         self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor | None = None, *, kv_cache=None, **inputs
     ) -> torch.Tensor:
         graphs = _APPLIED.get(self)
-        if graphs is None or kv_cache is not None or inputs or graphs.eager_reason(self, input_ids_BS) is not None:
-            return super().forward_hidden(input_ids_BS, position_ids_BS, kv_cache=kv_cache, **inputs)
-        return graphs.run(self, input_ids_BS, position_ids_BS)
+        if graphs is not None and kv_cache is None and not inputs and graphs.eager_reason(self, input_ids_BS) is None:
+            hidden = graphs.run(self, input_ids_BS, position_ids_BS)
+            if hidden is not None:
+                return hidden
+        return super().forward_hidden(input_ids_BS, position_ids_BS, kv_cache=kv_cache, **inputs)
 
 
 @functools.cache
