@@ -151,17 +151,17 @@ def chunked_mlp(mlp: nn.Module, x_BSH: torch.Tensor, num_chunks: int, forward: C
 
 
 def exclude_from_compile() -> None:
-    """Make compiled layers (`prime_models.parallel.compile`) run `chunked_mlp` eagerly between their graphs: its
+    """Make compiled layers (`prime_models.parallel.compile`) run the chunked MLPs eagerly between their graphs: its
     forward reads a context variable and the RNG state, which dynamo does not trace. Called before a layer is
     compiled rather than at import, because `torch.compiler.disable` imports dynamo (and sympy): seconds of start-up
-    in every process that only imports the model code. Idempotent."""
-    global chunked_mlp, _excluded
-    if not _excluded:
-        chunked_mlp = torch.compiler.disable(chunked_mlp)
-        _excluded = True
+    in every process that only imports the model code. Idempotent; `chunked_mlp` itself stays the plain function."""
+    global _chunked_mlp_in_layers
+    if _chunked_mlp_in_layers is chunked_mlp:
+        _chunked_mlp_in_layers = torch.compiler.disable(chunked_mlp)
 
 
-_excluded = False
+_chunked_mlp_in_layers: Callable[..., torch.Tensor] = chunked_mlp
+"""What a chunked MLP's forward calls: `chunked_mlp`, hidden from dynamo once `exclude_from_compile` ran."""
 
 
 class _ChunkedForward:
@@ -171,7 +171,7 @@ class _ChunkedForward:
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            return chunked_mlp(self, x_BSH, self.mlp_chunks, forward=super().forward)
+            return _chunked_mlp_in_layers(self, x_BSH, self.mlp_chunks, forward=super().forward)
         return super().forward(x_BSH)
 
 

@@ -59,10 +59,9 @@ DEVICE_TYPE: str = "cuda"
 NUM_WARMUP_ITERS: int = 3
 """Eager forward/backwards before a capture (lazy initialization, cuDNN plans and compiles stay out of the graph)."""
 CAPTURE_ATTEMPTS: int = 2
-"""Captures of one key before its rows run eagerly for the rest of the run. A capture can fail for a reason outside
-this process's control (on an H100 about one capture in a few dozen of the compiled-layers GPU test failed with
-cuBLAS's EXECUTION_FAILED inside the backward capture, and the next attempt succeeded); a training run should not
-die of it."""
+"""Captures of one key before its rows run eagerly for the rest of the run. On an H100, 2 of 6 runs of the GPU test
+(each the first pytest run on a fresh machine) failed a capture with cuBLAS's EXECUTION_FAILED inside the backward
+of compiled layers, cause not found; another attempt is cheap, and a training run should not die of it."""
 _NO_CU_SEQLENS = torch.empty(0, dtype=torch.int32)
 
 GraphKey = tuple[tuple[int, ...], bool]
@@ -181,7 +180,8 @@ class CudaGraphs:
             try:
                 graphed = _make_graphed_keeping_the_stream(_Stack(model, key[1]), sample, self.pool)
             except RuntimeError as e:  # torch.AcceleratorError is one
-                self.failed[key] = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+                message = str(e).strip()
+                self.failed[key] = message.splitlines()[0][:300] if message else type(e).__name__
                 logger.warning("cuda graphs: capturing rows %s failed (attempt %d of %d): %s", rows, attempt,
                                CAPTURE_ATTEMPTS, self.failed[key])  # fmt: skip
                 self.pool = None  # what the failed capture left in its pool stays out of the next capture
