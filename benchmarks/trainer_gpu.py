@@ -106,8 +106,8 @@ def _flag_int(flags: set[str], letter: str, default: int) -> int:
 
 def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str], dict[str, str]]:
     """Command and extra env of a named job. Names: rl<K>k[_noac|_sel|_auto][_cudnn|_flash][_c<chunk>][_keepattn[N]]
-    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile][_compilelayers][_cudagraphs][_fsdp][_cap<GiB>][_b<rows>]
-    [_m<rows>][_s<steps>][_var], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[...], micro.
+    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile][_nomaingrad][_compilelayers][_cudagraphs][_fsdp][_cap<GiB>]
+    [_b<rows>][_m<rows>][_s<steps>][_var], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[...], micro.
     `_b<N>` trains N rows of <K>k tokens per step in micro-batches of `_m<M>` rows (default one row of each), and `_var`
     packs random-length samples into each row: `rl2k_noac_b64_m1_var` is the one-GPU RL loop's step (512 rollouts
     packed into 2048-token rows, one row per forward).
@@ -117,7 +117,8 @@ def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str],
     backward (`--parallel.ac-offload-attention`). `_fsdp` wraps one rank in FSDP2 (`--parallel.fsdp-one-rank`, the path
     before issue 43); `_compilelayers` compiles each decoder layer (`--parallel.compile-layers`); `_cudagraphs` replays
     the decoder stack from CUDA graphs (`--parallel.cuda-graphs`); `_cap<G>` gives the trainer G GiB of the GPU
-    (`--gpu-memory-fraction`); `_s<N>` runs N steps (the first is warmup)."""
+    (`--gpu-memory-fraction`); `_nomaingrad` keeps weight gradients in bf16 until the hooks add them to the fp32 ones
+    (`PRIME_MAIN_GRAD=0`, the path before fp32 sums inside the matmuls); `_s<N>` runs N steps (the first is warmup)."""
     host = host or Host()
     out = tmp / f"{name}.json"
     env: dict[str, str] = {}
@@ -138,6 +139,8 @@ def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str],
         env["PRIME_SDPA_GQA"] = "0"
     if "nocompile" in flags:
         env["PRIME_COMPILE_ELEMENTWISE"] = "0"
+    if "nomaingrad" in flags:
+        env["PRIME_MAIN_GRAD"] = "0"
     if kind == "base":
         if host.pythonpath:
             env["PYTHONPATH"] = host.pythonpath
@@ -272,6 +275,7 @@ def micro(out: Path) -> None:
     w = (torch.randn(vocab, hidden, device=dev) * 0.02).to(torch.bfloat16).requires_grad_()
     # GPU check of the compiled head against its eager path (same bf16 inputs): relative error of each output.
     import prime_models.fused_head as fh
+    from prime_models import kernels
 
     h = torch.randn(4096, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, vocab, (4096,), device=dev)
@@ -288,7 +292,7 @@ def micro(out: Path) -> None:
         k: float((a - b).norm() / b.norm())
         for k, a, b in zip(("lp", "ent", "grad_h", "grad_w"), outs[1], outs[0], strict=True)
     }
-    print("head check", res["head_check_rel_err"], "addmm fp32:", fh._ADDMM_FP32_OUT, flush=True)
+    print("head check", res["head_check_rel_err"], "addmm fp32:", kernels.ADDMM_FP32_OUT, flush=True)
     w.grad = None
     for seq in (16384, 65536):
         for chunk in (1024, 2048, 4096):

@@ -1,9 +1,9 @@
 """A CPU stand-in for `torch.cuda.make_graphed_callables` that keeps its contract where it matters to the dispatch in
-`prime_models.parallel.cuda_graphs`: static input tensors copied into at every call, one static output and one
-static gradient buffer per parameter reused by every call (so a gradient left on a parameter after its backward is
-overwritten by the next one, as a replay would), gradients of the parameters captured at "capture" time returned
-from one autograd node, and no ``.grad`` written while "capturing". The forward re-runs the module's Python on the
-static inputs (with the captured parameters), so numerics equal eager ones."""
+`prime_models.parallel.cuda_graphs`: eager warmups on the real parameters first, static input tensors copied into at
+every call, one static output and one static gradient buffer per parameter reused by every call (so a gradient left
+on a parameter after its backward is overwritten by the next one, as a replay would), gradients of the parameters
+captured at "capture" time returned from one autograd node, and no ``.grad`` written while "capturing". The forward
+re-runs the module's Python on the static inputs (with the captured parameters), so numerics equal eager ones."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ def make_graphed_on_cpu(module: nn.Module, sample_args: tuple[torch.Tensor, ...]
     named = dict(module.named_parameters())
     names, params = list(named), tuple(named.values())
     grads_before = [p.grad for p in params]
+    # torch's warmups: eager forward/backwards on the real parameters, gradients through `autograd.grad`.
+    for _ in range(G.NUM_WARMUP_ITERS):
+        out = module(*sample_args)
+        torch.autograd.grad(out, [p for p in params if p.requires_grad], torch.ones_like(out), allow_unused=True)
     num_user = len(sample_args)
     static: dict[str, Any] = {"out": None, "grads": [None] * len(params)}
 
@@ -31,6 +35,9 @@ def make_graphed_on_cpu(module: nn.Module, sample_args: tuple[torch.Tensor, ...]
                 s.copy_(x)
             with torch.enable_grad():
                 leaves = [p.detach().requires_grad_(p.requires_grad) for p in inputs[num_user:]]
+                for leaf, p in zip(leaves, params, strict=True):
+                    if hasattr(p, "main_grad"):  # a captured graph sums into the same fp32 gradients
+                        leaf.main_grad = p.main_grad
                 out = torch.func.functional_call(module, dict(zip(names, leaves, strict=True)), sample_args)
             ctx.out, ctx.leaves = out, leaves
             if static["out"] is None:

@@ -20,6 +20,8 @@ import logging
 
 import torch
 
+from prime_models import kernels
+
 logger = logging.getLogger("prime.models")
 
 COMPILE_ON_CUDA: bool = True
@@ -50,22 +52,6 @@ def _chunk_grad(z_lo, lse, targets, g_lp, g_ent, temperature: float) -> torch.Te
     if temperature != 1.0:
         grad = grad / temperature
     return grad.to(z_lo.dtype)
-
-
-_ADDMM_FP32_OUT: bool = True
-
-
-def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """`acc += a @ b` for fp32 `acc` and low-precision `a`, `b`: one cuBLAS call accumulating in place where this
-    torch has `addmm(..., out_dtype=float32)` (CUDA), else a product then an fp32 add (two `[V, H]` temporaries)."""
-    global _ADDMM_FP32_OUT
-    if _ADDMM_FP32_OUT and a.dtype != torch.float32:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except (RuntimeError, NotImplementedError, TypeError):
-            _ADDMM_FP32_OUT = False
-    acc += (a @ b).float()
 
 
 def _use_compiled(t: torch.Tensor) -> bool:
@@ -121,6 +107,9 @@ class _FusedLogprobs(torch.autograd.Function):
                 entropy[s:e] = lse - p.mul_(z).sum(-1)
         ctx.save_for_backward(hidden_NH, weight_VH, targets_N, lse_N)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        # The one-rank mixed precision's fp32 gradient of the weight's master (`prime_models.parallel.main_grad`):
+        # the weight gradient is summed into it chunk by chunk and autograd gets none.
+        ctx.main_grad = getattr(weight_VH, "main_grad", None)
         if entropy is None:
             return logprobs
         return logprobs, entropy
@@ -132,7 +121,10 @@ class _FusedLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        into_main = need_w and ctx.main_grad is not None
+        grad_w = (
+            None if not need_w else ctx.main_grad if into_main else weight.new_zeros(weight.shape, dtype=torch.float32)
+        )
         compiled = _use_compiled(hidden)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
@@ -145,7 +137,7 @@ class _FusedLogprobs(torch.autograd.Function):
                 if need_h:
                     grad_h[s:e] = grad_z @ weight
                 if need_w:
-                    _accumulate_fp32(grad_w, grad_z.T, hidden[s:e])
+                    kernels.accumulate_matmul(grad_w, grad_z.T, hidden[s:e])
                 continue
             z = _chunk_logits(hidden[s:e], weight, temperature)
             p = (z - lse_N[s:e, None]).exp_()
@@ -166,8 +158,9 @@ class _FusedLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[s:e] = grad_z @ weight
             if need_w:
-                grad_w += (grad_z.T @ hidden[s:e]).float()
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
+                kernels.accumulate_matmul(grad_w, grad_z.T, hidden[s:e])
+        grad_weight = grad_w.to(weight.dtype) if need_w and not into_main else None
+        return grad_h, grad_weight, None, None, None, None
 
 
 def fused_logprobs(

@@ -68,6 +68,25 @@ def cuda_compiled(fn):
     return wrapper
 
 
+ADDMM_FP32_OUT: bool = True
+"""Whether this torch's CUDA ``addmm`` takes ``out_dtype=float32`` for low-precision inputs (turned off at the first
+failure)."""
+
+
+def accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for an fp32 ``acc`` and low-precision ``a``, ``b``, summed in fp32 without rounding the product
+    to the inputs' dtype: on CUDA one cuBLAS call accumulating in place (``addmm(..., out_dtype=float32)``), no
+    temporary; elsewhere the product of the inputs cast to fp32 (the same numbers, two temporaries)."""
+    global ADDMM_FP32_OUT
+    if a.dtype != torch.float32 and a.is_cuda and ADDMM_FP32_OUT:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, NotImplementedError, TypeError):
+            ADDMM_FP32_OUT = False
+    acc.addmm_(a.float(), b.float())
+
+
 def capturing(x: torch.Tensor) -> bool:
     """Whether ``x``'s CUDA stream is recording a CUDA graph (`prime_models.parallel.cuda_graphs`); False off CUDA.
 

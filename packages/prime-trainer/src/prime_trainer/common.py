@@ -231,14 +231,18 @@ def finish(c: Components) -> None:
 
 
 def one_rank_path(c: Components) -> str | None:
-    """How a one-rank model computes: ``mixed_precision`` (bf16 working copy), ``fsdp`` or ``plain``; None on more."""
+    """How a one-rank model computes: ``mixed_precision`` (bf16 working copy; ``mixed_precision+main_grad`` when
+    weight gradients are summed in fp32 inside their matmuls), ``fsdp`` or ``plain``; None on more ranks."""
     from prime_models.parallel.mixed_precision import mixed_precision_of
 
     if c.world.world_size > 1:
         return None
     if isinstance(c.model, FSDPModule):
         return "fsdp"
-    return "mixed_precision" if mixed_precision_of(c.model) is not None else "plain"
+    mp = mixed_precision_of(c.model)
+    if mp is None:
+        return "plain"
+    return "mixed_precision+main_grad" if mp.main_grad_of else "mixed_precision"
 
 
 def cuda_graphs_summary(model: nn.Module) -> dict[str, Any] | None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from prime_models.parallel import apply_activation_checkpointing
+from prime_models.parallel import apply_activation_checkpointing, main_grad
 from prime_models.parallel.mixed_precision import mixed_precision_of
 from torch import nn
 
@@ -279,7 +279,9 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainable)
     master = trainable[0].element_size() if trainable else 4
     mp = mixed_precision_of(model)
-    grad = mp.param_dtype.itemsize if mp is not None else master
+    # Under the one-rank mixed precision the gradients alive at the backward's peak are bf16 ones, unless fp32 ones
+    # are held throughout (`MixedPrecision.accumulate_in_matmuls`), which are allocated already.
+    grad = master if mp is None else 0 if mp.main_grad_of else mp.param_dtype.itemsize
     state = training_state_bytes(numel, master, bool(optimizer.state), grad)
     if isinstance(model, FSDPModule):
         layers = model.model.layers
@@ -307,6 +309,12 @@ def _packed(mb) -> bool:
     return bool(((mb.position_ids[:, 1:] == 0).sum(-1) > 0).any())
 
 
+def _packed_rows(c, micro_batches: list, rows: int) -> int:
+    """Rows of a micro-batch that need attention masks: all of them when some row is packed and attention is SDPA."""
+    sdpa = getattr(c.model, "attn_backend", "sdpa") == "sdpa"
+    return rows if sdpa and any(_packed(mb) for mb in micro_batches) else 0
+
+
 def plan_memory(c, micro_batches: list) -> MemoryPlan:
     """Before the first forward (``c``: `prime_trainer.common.Components`): choose the plan when ``parallel.ac`` is
     ``auto``, apply it and log it in one line; later calls return it. Every rank takes the same plan (the smallest
@@ -329,14 +337,33 @@ def plan_memory(c, micro_batches: list) -> MemoryPlan:
         if parallel.cuda_graphs:
             host = 0  # no attention offload: its side-stream copies to host memory are not captured
         shape = ModelShape.from_args(c.model.args)
-        packed = getattr(c.model, "attn_backend", "sdpa") == "sdpa" and any(_packed(mb) for mb in micro_batches)
         chunk = c.config.init.logprob_chunk_size
-        plan = choose_plan(shape, tokens, row_len, budget, host, chunk, packed_rows=rows if packed else 0)
+        plan = choose_plan(shape, tokens, row_len, budget, host, chunk, _packed_rows(c, micro_batches, rows))
         source = "parallel.ac = auto"
         if plan.ac != "none":
             apply_activation_checkpointing(
                 c.model.model.layers, plan.ac, 0, plan.keep_attention, plan.mlp_chunks, plan.offload_attention
             )
-    c.logger.info("memory: %s for %d tokens a micro-batch (%s)", plan.describe(), tokens, source)
+    note = _sum_gradients_in_matmuls_if_they_fit(c, plan, tokens, row_len, micro_batches)
+    c.logger.info("memory: %s for %d tokens a micro-batch (%s)%s", plan.describe(), tokens, source, note)
     c.memory_plan = plan
     return plan
+
+
+def _sum_gradients_in_matmuls_if_they_fit(c, plan: MemoryPlan, tokens: int, row_len: int, micro_batches: list) -> str:
+    """On one GPU under the one-rank mixed precision, sum weight gradients in fp32 inside their matmuls
+    (`prime_models.parallel.main_grad`: no bf16 gradient, no separate add per micro-batch) when the plan's activations
+    still fit beside fp32 gradients held through the whole forward and backward; the log line's note says which."""
+    mp = mixed_precision_of(c.model)
+    if mp is None or c.world.device.type != "cuda" or mp.param_dtype.itemsize >= 4 or not main_grad.ALLOWED:
+        return ""
+    budget, _ = _budgets(c)
+    trainable = sum(p.numel() for p in c.model.parameters() if p.requires_grad)
+    extra = (4 - mp.param_dtype.itemsize) * trainable
+    shape = ModelShape.from_args(c.model.args)
+    packed_rows = _packed_rows(c, micro_batches, tokens // row_len)
+    chunk = c.config.init.logprob_chunk_size
+    if not _with_estimate(plan, shape, tokens, budget - extra, chunk, packed_rows, row_len).fits:
+        return "; weight gradients summed after each backward (fp32 ones held throughout would not fit)"
+    mp.accumulate_in_matmuls()
+    return "; weight gradients summed in fp32 inside their matmuls"

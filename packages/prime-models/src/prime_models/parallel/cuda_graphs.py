@@ -50,6 +50,7 @@ from torch import nn
 
 from prime_models.layers.attention import CONTEXT_PARALLEL, ROW_PACKING, RowPacking, sample_starts, use_row_packing
 from prime_models.models.transformer import CausalLM
+from prime_models.parallel.main_grad import discarding_outside_capture
 from prime_models.parallel.mixed_precision import MixedPrecision, mixed_precision_of
 
 logger = logging.getLogger("prime.models")
@@ -199,11 +200,13 @@ class CudaGraphs:
 
 
 def _make_graphed_keeping_the_stream(module: nn.Module, sample_args: tuple[torch.Tensor, ...], pool: Any) -> nn.Module:
-    if DEVICE_TYPE != "cuda":
-        return make_graphed(module, sample_args, pool)
-    # A capture that fails in its end leaves torch's capture stream current; leaving this context restores ours.
-    with torch.cuda.stream(torch.cuda.current_stream()):
-        return make_graphed(module, sample_args, pool)
+    # The warmup backwards' weight gradients would reach the masters' fp32 gradients (`parallel.main_grad`).
+    with discarding_outside_capture():
+        if DEVICE_TYPE != "cuda":
+            return make_graphed(module, sample_args, pool)
+        # A capture that fails in its end leaves torch's capture stream current; leaving this context restores ours.
+        with torch.cuda.stream(torch.cuda.current_stream()):
+            return make_graphed(module, sample_args, pool)
 
 
 def _settle() -> None:

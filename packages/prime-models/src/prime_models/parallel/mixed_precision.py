@@ -79,6 +79,9 @@ class MixedPrecision:
         """Hand gradients to the masters in one fused add when the backward ends instead of one add per gradient as
         it arrives. Set by `prime_models.parallel.cuda_graphs`: a graphed backward produces every gradient at once, so
         adding early frees nothing, and ~300 separate adds a micro-batch are host time the short rows cannot hide."""
+        self.main_grad_of: dict[int, torch.Tensor] = {}
+        """Master id -> its persistent fp32 gradient, once `accumulate_in_matmuls` ran (empty before)."""
+        self.fused_linears: list[nn.Module] = []
         self.handles = [w.register_post_accumulate_grad_hook(self._accumulate) for w in self.working if w.requires_grad]
         self.handles.append(register_optimizer_step_post_hook(_stale_after_steps_of(weakref.ref(self))))
 
@@ -89,9 +92,30 @@ class MixedPrecision:
 
     # --- forward ------------------------------------------------------------------------------------------------
 
+    def accumulate_in_matmuls(self) -> None:
+        """Sum weight gradients into persistent fp32 buffers inside their matmuls from now on
+        (`prime_models.parallel.main_grad`): faster with many micro-batches a step, but the fp32 gradients of the
+        whole model stay allocated through every forward and backward. Before the first forward (CUDA graphs capture
+        the buffers' addresses); idempotent."""
+        from prime_models.parallel.main_grad import fuse_linears
+
+        if self.main_grad_of:
+            return
+        model = self.model_ref()
+        for working, master in zip(self.working, self.masters, strict=True):
+            if working.requires_grad:
+                main_grad = torch.zeros_like(master, dtype=torch.float32)
+                if master.grad is not None:
+                    main_grad.copy_(master.grad)
+                    master.grad = main_grad
+                self.main_grad_of[id(master)] = working.main_grad = main_grad
+        self.fused_linears = fuse_linears(model) if model is not None else []
+
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.computing:
             self._refresh_if_stale()
+            if self.main_grad_of:
+                self._start_main_grads()
             for s in self.slots:
                 s.module._parameters[s.name] = s.working
             self.computing = True
@@ -102,6 +126,29 @@ class MixedPrecision:
         # until the backward ends (activation checkpointing re-runs the layers' forwards inside it).
         if not torch.is_grad_enabled():
             self.use_masters()
+        elif self.main_grad_of:
+            # Gradients summed inside matmuls fire no parameter hook: the backward's start queues its end.
+            tree_map(self._queue_end_at_backward, output)
+
+    def _queue_end_at_backward(self, x: Any) -> None:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda grad: self._queue_end_of_backward())
+
+    @torch.no_grad()
+    def _start_main_grads(self) -> None:
+        # A master without a gradient (after zero_grad) starts a new sum; one given another tensor continues from it.
+        to_zero = []
+        for master in self.masters:
+            main_grad = self.main_grad_of.get(id(master))
+            if main_grad is None or master.grad is main_grad:
+                continue
+            if master.grad is None:
+                to_zero.append(main_grad)
+            else:
+                main_grad.copy_(master.grad)
+                master.grad = main_grad
+        if to_zero:
+            torch._foreach_zero_(to_zero)
 
     def _cast_input(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
@@ -124,21 +171,29 @@ class MixedPrecision:
 
     # --- backward -----------------------------------------------------------------------------------------------
 
-    def _accumulate(self, working: nn.Parameter) -> None:
+    def _queue_end_of_backward(self) -> None:
         if not self.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self.callback_queued = True
-        if self.accumulate_at_end:
+
+    def _accumulate(self, working: nn.Parameter) -> None:
+        self._queue_end_of_backward()
+        # A gradient summed inside its matmul (`accumulate_in_matmuls`) reaches AccumulateGrad as None.
+        if self.accumulate_at_end or working.grad is None:
             return
         master = self.master_of[id(working)]
-        if master.grad is not None:
-            master.grad.add_(working.grad)
+        into = self.main_grad_of.get(id(master), master.grad)
+        if into is not None:
+            into.add_(working.grad)
             working.grad = None
 
     def _end_backward(self) -> None:
         self.callback_queued = False
         into, added = [], []
         for working, master in zip(self.working, self.masters, strict=True):
+            main_grad = self.main_grad_of.get(id(master))
+            if main_grad is not None and master.grad is not main_grad:
+                master.grad = main_grad
             if working.grad is None:
                 continue
             if master.grad is None:
@@ -159,9 +214,14 @@ class MixedPrecision:
             self.computing = False
 
     def remove(self) -> None:
+        from prime_models.parallel.main_grad import unfuse_linears
+
         self.use_masters()
         for h in self.handles:
             h.remove()
+        unfuse_linears(self.fused_linears)
+        for working in self.working:
+            working.__dict__.pop("main_grad", None)
 
 
 def _stale_after_steps_of(mp_ref: weakref.ref[MixedPrecision]) -> Callable[..., None]:
