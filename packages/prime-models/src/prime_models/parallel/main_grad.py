@@ -14,10 +14,12 @@ of the bf16 products: no rounding of each micro-batch's gradient to bf16 (FSDP2 
 
 What takes part: every ``nn.Linear`` (the exact class: FP8 and LoRA linears keep their own backward) whose working
 weight carries a ``main_grad`` attribute (`MixedPrecision.accumulate_in_matmuls` sets it on every trainable working
-tensor), and the fused log-prob head (`prime_models.fused_head`), which reads the same attribute. A master's
-``main_grad`` is persistent (CUDA graphs replay into its address), zeroed when a forward starts while the master
-has no gradient (after ``zero_grad``), and becomes the master's ``.grad`` when a backward ends. Other parameters
-(norms, embeddings) keep the hook path and are added into the same buffer.
+tensor), the fused log-prob head (`prime_models.fused_head`), which reads the same attribute, and every plain
+``nn.Embedding``, whose backward adds only the looked-up rows into ``main_grad`` (the dense backward writes a
+``[vocab, hidden]`` bf16 gradient that the hook then adds whole: 155M values a micro-batch at Qwen3's vocabulary). A
+master's ``main_grad`` is persistent (CUDA graphs replay into its address), zeroed when a forward starts while the
+master has no gradient (after ``zero_grad``), and becomes the master's ``.grad`` when a backward ends. Other
+parameters (norms, biases) keep the hook path and are added into the same buffer.
 
 CUDA graphs (`prime_models.parallel.cuda_graphs`) run warmup forward/backwards before a capture; their gradients
 must not reach the masters. Inside `discarding_outside_capture` the accumulation runs only while a graph records.
@@ -54,33 +56,44 @@ def discarding_outside_capture() -> Iterator[None]:
         _discarding -= 1
 
 
-def _accumulate(main_grad: torch.Tensor, grad_out_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
-    if _discarding and not kernels.capturing(main_grad):
-        return
-    kernels.accumulate_matmul(main_grad, grad_out_NO.T, x_NI)
-
-
-def _register_accumulate_op() -> None:
-    # A custom op that mutates `main_grad`, opaque to dynamo: a compiled layer's backward calls `_accumulate` at run
-    # time (the flag above is read then). Registered by `fuse_linears`, not at import (torch.library's start-up cost).
+def _register_accumulate_ops() -> None:
+    # Custom ops that mutate `main_grad`, opaque to dynamo: a compiled layer's backward calls them at run time (the
+    # flag above is read then). Registered by `fuse_modules`, not at import (torch.library's start-up cost).
     if not hasattr(torch.ops.prime_models, "accumulate_weight_grad_"):
-        torch.library.custom_op("prime_models::accumulate_weight_grad_", _accumulate_into, mutates_args=("main_grad",))
+        torch.library.custom_op(
+            "prime_models::accumulate_weight_grad_", _accumulate_matmul, mutates_args=("main_grad",)
+        )
+    if not hasattr(torch.ops.prime_models, "accumulate_embedding_grad_"):
+        torch.library.custom_op(
+            "prime_models::accumulate_embedding_grad_", _accumulate_rows, mutates_args=("main_grad",)
+        )
 
 
-def _accumulate_into(main_grad: torch.Tensor, grad_out_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
-    _accumulate(main_grad, grad_out_NO, x_NI)
+def _accumulate_matmul(main_grad: torch.Tensor, grad_out_NO: torch.Tensor, x_NI: torch.Tensor) -> None:
+    if not _discarding or kernels.capturing(main_grad):
+        kernels.accumulate_matmul(main_grad, grad_out_NO.T, x_NI)
+
+
+def _accumulate_rows(main_grad: torch.Tensor, ids_N: torch.Tensor, grad_NH: torch.Tensor) -> None:
+    # Only the looked-up rows, where the dense embedding backward writes and adds the whole [vocab, hidden] table;
+    # index_put_'s accumulation sorts the ids on CUDA, so repeated tokens sum in a fixed order (deterministic).
+    if not _discarding or kernels.capturing(main_grad):
+        main_grad.index_put_((ids_N,), grad_NH.float(), accumulate=True)
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, main_grad: torch.Tensor):
-        ctx.save_for_backward(x, weight, main_grad)
-        ctx.has_bias = bias is not None
+        # Not saved for backward: other backwards (a tied weight's) add into it first, which a saved tensor's version
+        # check would reject.
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad, ctx.has_bias = main_grad, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, weight, main_grad = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
+        main_grad = ctx.main_grad
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         grad_out_NO = grad_out.reshape(-1, grad_out.shape[-1])
         torch.ops.prime_models.accumulate_weight_grad_(main_grad, grad_out_NO, x.reshape(-1, x.shape[-1]))
@@ -88,28 +101,68 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         return grad_x, None, grad_bias, None
 
 
+class _EmbeddingIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, main_grad: torch.Tensor):
+        ctx.save_for_backward(ids)
+        ctx.main_grad = main_grad
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        main_grad = ctx.main_grad
+        grad_NH = grad_out.reshape(-1, grad_out.shape[-1])
+        torch.ops.prime_models.accumulate_embedding_grad_(main_grad, ids.reshape(-1), grad_NH)
+        return None, None, None
+
+
+def _main_grad_of(module: nn.Module) -> torch.Tensor | None:
+    main_grad = getattr(module.weight, "main_grad", None)
+    if main_grad is None or not torch.is_grad_enabled() or not module.weight.requires_grad:
+        return None
+    return main_grad
+
+
 class _MainGradLinear(nn.Linear):
-    """An ``nn.Linear`` whose class `fuse_linears` swapped: while its weight carries a ``main_grad`` (the working copy
+    """An ``nn.Linear`` whose class `fuse_modules` swapped: while its weight carries a ``main_grad`` (the working copy
     inside a forward), the weight gradient goes there; otherwise it is a plain linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        main_grad = getattr(self.weight, "main_grad", None)
-        if main_grad is None or not torch.is_grad_enabled() or not self.weight.requires_grad:
+        main_grad = _main_grad_of(self)
+        if main_grad is None:
             return F.linear(x, self.weight, self.bias)
         return _LinearIntoMainGrad.apply(x, self.weight, self.bias, main_grad)
 
 
-def fuse_linears(model: nn.Module) -> list[nn.Module]:
-    """Swap the class of every plain ``nn.Linear`` in ``model`` (in place; names, parameters and hooks stay) and
-    return them, for `unfuse_linears`."""
-    _register_accumulate_op()
-    swapped = [m for m in model.modules() if type(m) is nn.Linear]
-    for m in swapped:
-        m.__class__ = _MainGradLinear
+class _MainGradEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` (no padding row, norm limit or sparse gradient) whose class `fuse_modules` swapped: the
+    looked-up rows' gradients go into the weight's ``main_grad`` when it has one."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        main_grad = _main_grad_of(self)
+        if main_grad is None:
+            return super().forward(ids)
+        return _EmbeddingIntoMainGrad.apply(ids, self.weight, main_grad)
+
+
+def _fusable_embedding(m: nn.Module) -> bool:
+    return type(m) is nn.Embedding and m.padding_idx is None and m.max_norm is None and not m.sparse
+
+
+def fuse_modules(model: nn.Module) -> list[tuple[nn.Module, type]]:
+    """Swap the class of every plain ``nn.Linear`` and ``nn.Embedding`` in ``model`` (in place; names, parameters and
+    hooks stay) and return them with their classes, for `unfuse_modules`."""
+    _register_accumulate_ops()
+    swapped = []
+    for m in model.modules():
+        fused = _MainGradLinear if type(m) is nn.Linear else _MainGradEmbedding if _fusable_embedding(m) else None
+        if fused is not None:
+            swapped.append((m, type(m)))
+            m.__class__ = fused
     return swapped
 
 
-def unfuse_linears(modules: list[nn.Module]) -> None:
-    for m in modules:
-        if type(m) is _MainGradLinear:
-            m.__class__ = nn.Linear
+def unfuse_modules(swapped: list[tuple[nn.Module, type]]) -> None:
+    for m, cls in swapped:
+        m.__class__ = cls

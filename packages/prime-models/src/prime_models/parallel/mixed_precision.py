@@ -81,7 +81,7 @@ class MixedPrecision:
         adding early frees nothing, and ~300 separate adds a micro-batch are host time the short rows cannot hide."""
         self.main_grad_of: dict[int, torch.Tensor] = {}
         """Master id -> its persistent fp32 gradient, once `accumulate_in_matmuls` ran (empty before)."""
-        self.fused_linears: list[nn.Module] = []
+        self.fused_modules: list[tuple[nn.Module, type]] = []
         self.handles = [w.register_post_accumulate_grad_hook(self._accumulate) for w in self.working if w.requires_grad]
         self.handles.append(register_optimizer_step_post_hook(_stale_after_steps_of(weakref.ref(self))))
 
@@ -97,7 +97,7 @@ class MixedPrecision:
         (`prime_models.parallel.main_grad`): faster with many micro-batches a step, but the fp32 gradients of the
         whole model stay allocated through every forward and backward. Before the first forward (CUDA graphs capture
         the buffers' addresses); idempotent."""
-        from prime_models.parallel.main_grad import fuse_linears
+        from prime_models.parallel.main_grad import fuse_modules
 
         if self.main_grad_of:
             return
@@ -109,7 +109,7 @@ class MixedPrecision:
                     main_grad.copy_(master.grad)
                     master.grad = main_grad
                 self.main_grad_of[id(master)] = working.main_grad = main_grad
-        self.fused_linears = fuse_linears(model) if model is not None else []
+        self.fused_modules = fuse_modules(model) if model is not None else []
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.computing:
@@ -214,12 +214,12 @@ class MixedPrecision:
             self.computing = False
 
     def remove(self) -> None:
-        from prime_models.parallel.main_grad import unfuse_linears
+        from prime_models.parallel.main_grad import unfuse_modules
 
         self.use_masters()
         for h in self.handles:
             h.remove()
-        unfuse_linears(self.fused_linears)
+        unfuse_modules(self.fused_modules)
         for working in self.working:
             working.__dict__.pop("main_grad", None)
 
