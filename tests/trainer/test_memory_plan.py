@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -171,3 +172,35 @@ def test_knobs_without_full_checkpointing_are_one_line_errors():
             load_config(TrainerConfig, args)
         assert "\n" not in str(e.value).strip().splitlines()[-1]
     assert load_config(TrainerConfig, []).parallel.ac == "auto"
+
+
+def test_weight_gradients_go_into_matmuls_only_with_several_micro_batches_and_room(monkeypatch, caplog):
+    """`prime_models.parallel.main_grad` on the one-rank path: its fp32 gradients stay allocated through forward and
+    backward, so the trainer turns it on when a step has several micro-batches (one has nothing to sum) and the plan
+    still fits beside them; the memory line says which."""
+    from prime_models.parallel.mixed_precision import apply_mixed_precision
+
+    def run(micro_batches: list, budget: int) -> tuple[bool, str]:
+        c = _components("--parallel.ac", "full", device="cuda")
+        mp = apply_mixed_precision(c.model, torch.bfloat16)
+        monkeypatch.setattr(M, "_budgets", lambda c: (budget, 0))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="prime.trainer"):
+            M.plan_memory(c, micro_batches)
+        return bool(mp.main_grad_of), next(r.message for r in caplog.records if r.message.startswith("memory: "))
+
+    two = [_micro_batch(2, 32), _micro_batch(2, 32)]
+    c = _components()
+    trainable = sum(p.numel() for p in c.model.parameters())
+    shape = M.ModelShape.from_args(c.model.args)
+    need = M._with_estimate(M.MemoryPlan("full"), shape, 64, 0, c.config.init.logprob_chunk_size, 0, 32)
+    need = math.ceil(need.activation_bytes * (1 + M.MARGIN_FRACTION) + M.MARGIN_BYTES)
+    fused, line = run(two, 10 * GIB)
+    assert fused and line.endswith("; weight gradients summed in fp32 inside their matmuls")
+    fused, line = run([_micro_batch(4, 32)], 10 * GIB)
+    assert not fused and line.endswith("(parallel.ac = full)")
+    # Room for the activations, not for fp32 gradients (2 bytes a parameter more than bf16 ones) beside them.
+    fused, line = run(two, need + trainable)
+    assert not fused and line.endswith("(fp32 ones held throughout would not fit)")
+    fused, _ = run(two, need + 2 * trainable)
+    assert fused
