@@ -114,7 +114,7 @@ class MixedPrecision:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.computing:
             self._refresh_if_stale()
-            if self.main_grad_of:
+            if self.main_grad_of and torch.is_grad_enabled():
                 self._start_main_grads()
             for s in self.slots:
                 s.module._parameters[s.name] = s.working
