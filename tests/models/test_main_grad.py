@@ -119,10 +119,13 @@ def _train(variant: dict, fused: bool, graphs: bool = False) -> dict:
     return out
 
 
-def _assert_trains_alike(fused: dict, plain: dict, rel: float, loss_rel: float = 1e-3) -> None:
+def _assert_trains_alike(
+    fused: dict, plain: dict, rel: float, loss_rel: float = 1e-3, same_forward: bool = True
+) -> None:
     # The first forward reads the same weights: the same loss. The first step's gradients differ by the rounding
     # removed; after AdamW's first (sign-like) update the weights differ too, so later ones get a looser bound.
-    assert fused["losses"][0] == plain["losses"][0]
+    if same_forward:
+        assert fused["losses"][0] == plain["losses"][0]
     assert fused["losses"] == pytest.approx(plain["losses"], rel=loss_rel)
     for step, (f, p) in enumerate(zip(fused["grads"], plain["grads"], strict=True)):
         assert f.keys() == p.keys() and f, step
@@ -178,6 +181,7 @@ def test_on_a_gpu_compiled_layers_train_like_the_bf16_gradient_path(graphs, monk
         if graphs:
             assert (cuda_graphs_of(model).captures, cuda_graphs_of(model).replays) == (2, 4)
         runs[fused] = run
-    # The two paths compile to different graphs (the custom op in backward), whose fused kernels round differently:
-    # the tiny model's norm gradients differed by 3% on an H100, five times the CPU test's bound.
-    _assert_trains_alike(runs[True], runs[False], rel=5e-2, loss_rel=1e-2)
+    # The two paths compile to different graphs (the custom op in backward; the partitioner may then fuse the forward
+    # differently too: the first loss differed by 4e-6 on an H200), whose kernels round differently: the tiny model's
+    # norm gradients differed by 3% on an H100, five times the CPU test's bound.
+    _assert_trains_alike(runs[True], runs[False], rel=5e-2, loss_rel=1e-2, same_forward=False)
