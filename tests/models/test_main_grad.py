@@ -18,7 +18,7 @@ from torch import nn
 
 from tests.models.conftest import tiny_config
 from tests.models.cuda_graph_standin import graphs_on_cpu  # noqa: F401 (fixture)
-from tests.models.test_cuda_graphs import STEPS, _forward_backward
+from tests.models.test_cuda_graphs import STEPS, _batch, _forward_backward
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,6 +81,25 @@ def test_warmups_discard_their_sums_outside_a_capture():
     with discarding_outside_capture():
         (out.float() * gs[0]).sum().backward()
     torch.testing.assert_close(model.weight.grad, before, rtol=0, atol=0)
+
+
+def test_compiled_layers_read_the_warmup_flag_when_they_run_not_when_traced(monkeypatch):
+    monkeypatch.setattr(C, "COMPILE_BACKEND", "aot_eager")
+    C._compiled_class.cache_clear()
+    model = load_model(tiny_config("qwen3", num_hidden_layers=2), seed=0)
+    get_model_spec("qwen3").parallelize_fn(
+        model, ParallelDims(world_size=1), param_dtype=torch.bfloat16, compile_layers=True
+    )
+    mixed_precision_of(model).accumulate_in_matmuls()
+    _forward_backward(model, 0, 0, "cpu")  # traced here, outside the warmup context
+    after_one = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ids, pos = _batch(0, 0, "cpu")
+    logprobs, _ = model(ids[:, :-1], pos[:, :-1], targets=ids[:, 1:])
+    with discarding_outside_capture():
+        logprobs.sum().backward()
+    gate = "model.layers.0.mlp.gate_proj.weight"
+    torch.testing.assert_close(model.get_parameter(gate).grad, after_one[gate], rtol=0, atol=0)
+    C._compiled_class.cache_clear()
 
 
 VARIANTS = {

@@ -24,7 +24,8 @@ parameters (norms, biases) keep the hook path and are added into the same buffer
 CUDA graphs (`prime_models.parallel.cuda_graphs`) run warmup forward/backwards before a capture; their gradients
 must not reach the masters. Inside `discarding_outside_capture` the accumulation runs only while a graph records.
 Under ``torch.compile`` (compiled layers) the accumulation is a custom op that mutates ``main_grad``, so the flag is
-read when it runs, not when it was traced.
+read when it runs, not when it was traced; eager backwards call the function itself (the op's dispatch costs ~40 us a
+call on a CPU core, 12,544 calls a step at one row a forward).
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         main_grad = ctx.main_grad
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         grad_out_NO = grad_out.reshape(-1, grad_out.shape[-1])
-        torch.ops.prime_models.accumulate_weight_grad_(main_grad, grad_out_NO, x.reshape(-1, x.shape[-1]))
+        accumulate = (
+            torch.ops.prime_models.accumulate_weight_grad_ if torch.compiler.is_compiling() else _accumulate_matmul
+        )
+        accumulate(main_grad, grad_out_NO, x.reshape(-1, x.shape[-1]))
         grad_bias = grad_out_NO.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias, None
 
@@ -115,7 +119,10 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         main_grad = ctx.main_grad
         grad_NH = grad_out.reshape(-1, grad_out.shape[-1])
-        torch.ops.prime_models.accumulate_embedding_grad_(main_grad, ids.reshape(-1), grad_NH)
+        accumulate = (
+            torch.ops.prime_models.accumulate_embedding_grad_ if torch.compiler.is_compiling() else _accumulate_rows
+        )
+        accumulate(main_grad, ids.reshape(-1), grad_NH)
         return None, None, None
 
 
