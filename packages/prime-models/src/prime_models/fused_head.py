@@ -122,9 +122,9 @@ class _FusedLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         grad_h = torch.empty_like(hidden) if need_h else None
         into_main = need_w and ctx.main_grad is not None
-        grad_w = (
-            None if not need_w else ctx.main_grad if into_main else weight.new_zeros(weight.shape, dtype=torch.float32)
-        )
+        grad_w = None
+        if need_w:
+            grad_w = ctx.main_grad if into_main else weight.new_zeros(weight.shape, dtype=torch.float32)
         compiled = _use_compiled(hidden)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)

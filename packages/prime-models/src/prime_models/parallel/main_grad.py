@@ -126,7 +126,7 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         return None, None, None
 
 
-def _main_grad_of(module: nn.Module) -> torch.Tensor | None:
+def _main_grad_in_use(module: nn.Module) -> torch.Tensor | None:
     main_grad = getattr(module.weight, "main_grad", None)
     if main_grad is None or not torch.is_grad_enabled() or not module.weight.requires_grad:
         return None
@@ -138,7 +138,7 @@ class _MainGradLinear(nn.Linear):
     inside a forward), the weight gradient goes there; otherwise it is a plain linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        main_grad = _main_grad_of(self)
+        main_grad = _main_grad_in_use(self)
         if main_grad is None:
             return F.linear(x, self.weight, self.bias)
         return _LinearIntoMainGrad.apply(x, self.weight, self.bias, main_grad)
@@ -149,7 +149,7 @@ class _MainGradEmbedding(nn.Embedding):
     looked-up rows' gradients go into the weight's ``main_grad`` when it has one."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        main_grad = _main_grad_of(self)
+        main_grad = _main_grad_in_use(self)
         if main_grad is None:
             return super().forward(ids)
         return _EmbeddingIntoMainGrad.apply(ids, self.weight, main_grad)

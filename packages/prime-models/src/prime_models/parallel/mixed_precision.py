@@ -16,7 +16,9 @@ and a working copy in the compute dtype, refreshed only when a master changed (o
 * backward leaves gradients on the working tensors in the compute dtype. From the second micro-batch of a step on
   they are added to the masters' gradients as they arrive (post-accumulate-grad hooks); what is left at the end of a
   backward (the first micro-batch's) is cast into the masters' gradients then, when activations are gone, so the
-  backward's peak holds bf16 gradients only. Then every module points at its master again.
+  backward's peak holds bf16 gradients only. Then every module points at its master again. With
+  `MixedPrecision.accumulate_in_matmuls` the weight gradients are instead summed in fp32 inside their matmuls
+  (`prime_models.parallel.main_grad`).
 
 Numerics equal FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` on one rank: the same bf16
 copies of the same masters, floating-point forward inputs cast to the compute dtype at the root, gradients summed in
@@ -102,13 +104,10 @@ class MixedPrecision:
         if self.main_grad_of:
             return
         model = self.model_ref()
+        # A gradient the masters already hold is carried over by the next forward (`_start_main_grads`).
         for working, master in zip(self.working, self.masters, strict=True):
             if working.requires_grad:
-                main_grad = torch.zeros_like(master, dtype=torch.float32)
-                if master.grad is not None:
-                    main_grad.copy_(master.grad)
-                    master.grad = main_grad
-                self.main_grad_of[id(master)] = working.main_grad = main_grad
+                self.main_grad_of[id(master)] = working.main_grad = torch.zeros_like(master, dtype=torch.float32)
         self.fused_modules = fuse_modules(model) if model is not None else []
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
