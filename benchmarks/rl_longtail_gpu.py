@@ -21,6 +21,9 @@ times ``--median-tokens``, otherwise uniform around the median. Each arm is one 
   batches; its fair peer is ``fixed_<N>_async2``),
   ``inference.weight_update = "in_flight"``, adaptive concurrency (no ``max_concurrent`` in the config).
 
+Weights reach inference by NCCL where trainer and vLLM get a GPU each (two or more GPUs visible; ``--weights``), else
+by `rl`'s own choice (CUDA IPC on one shared GPU).
+
 Per arm, over the steady steps (from ``--warmup``, 2, on): rollout tok/s (completion tokens the trainer consumed over
 the wall time of the steady steps), step time median (wall time between trainer steps), trainer step time, rollout
 time per step, mismatch KL, stale drops, the concurrency limit; and one row per step (``steps_table``). The verdict
@@ -82,6 +85,7 @@ def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
         f"[orchestrator.sampling]\ntemperature = 1.0\nmax_tokens = {tail}",
         f'[[orchestrator.env]]\nid = "longtail-text"\nnum_workers = {args.workers}\nargs = {env_args}',
         '[inference]\nengine = "torch"' if args.smoke else '[inference]\nengine = "vllm"',
+        f'[trainer.weights.broadcast]\ntype = "{args.weights}"' if args.weights != "default" else "",
     ]  # fmt: skip
     return "\n".join(line for line in lines if line) + "\n"
 
@@ -291,6 +295,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tail-fraction", type=float, default=0.1)
     parser.add_argument("--tail-factor", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=151936, help="tokenizer size (0: the reverse-text example's)")
+    parser.add_argument(
+        "--weights",
+        choices=("auto", "default", "filesystem", "nccl", "cuda_ipc"),
+        default="auto",
+        help="weight transport of every arm; auto: nccl where inference and trainer get a GPU each (2+ GPUs), else "
+        "`rl`'s own choice (cuda_ipc on one shared GPU, files on a CPU)",
+    )
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `rl` arguments, every arm")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results (smoke: the work dir)")
     parser.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"))
@@ -321,12 +332,15 @@ def main() -> None:
     previous = json.loads(out.read_text()) if out.is_file() else {}
     model_dir, model = setup(args, work)
     name, gpus = device()
+    if args.weights == "auto":
+        args.weights = "nccl" if gpus >= 2 and not args.smoke else "default"
     fields = loop_fields()
     report = {
         "benchmark": args.name, "device": name, "gpus": gpus, "commit": tree_commit(args.commit),
         "vocab_size": args.vocab if not args.smoke else None, "model": model, "loop_fields": fields,
         "settings": {k: getattr(args, k) for k in ("max_steps", "batch_size", "group", "median_tokens", "tail_fraction",
-                                                   "tail_factor", "seq_len", "workers", "warmup", "extra")},
+                                                   "tail_factor", "seq_len", "workers", "warmup", "weights",
+                                                   "extra")},
         "lengths": length_stats(args), "results": {},
     }  # fmt: skip
     if previous.get("settings") == report["settings"] and previous.get("device") == name:

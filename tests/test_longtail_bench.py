@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench_args(**overrides) -> argparse.Namespace:
     base = dict(smoke=True, max_steps=4, seq_len=256, batch_size=16, group=4, workers=1, median_tokens=4,
-                tail_fraction=0.1, tail_factor=8)  # fmt: skip
+                tail_fraction=0.1, tail_factor=8, weights="default")  # fmt: skip
     return argparse.Namespace(**{**base, **overrides})
 
 
@@ -41,6 +41,9 @@ def test_arm_configs_differ_only_in_the_loop_settings(tmp_path):
     assert fixed["orchestrator"]["sampling"]["max_tokens"] == 32
     gpu = tomllib.loads(bench.config_text(bench_args(smoke=False), "continuous_k1", tmp_path))
     assert gpu["inference"]["engine"] == "vllm" and "device" not in gpu.get("trainer", {})
+    assert "weights" not in gpu.get("trainer", {})  # rl's own choice: CUDA IPC on one shared GPU
+    two = tomllib.loads(bench.config_text(bench_args(smoke=False, weights="nccl"), "continuous_k1", tmp_path))
+    assert two["trainer"]["weights"]["broadcast"] == {"type": "nccl"}
     both = {"max_off_policy_steps": True, "weight_update": True}
     assert bench.arm_flags("continuous_k1", both) == ["--orchestrator.max-off-policy-steps", "1",
                                                       "--inference.weight-update", "in_flight"]  # fmt: skip
