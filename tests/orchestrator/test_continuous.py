@@ -270,3 +270,23 @@ def test_continuous_loop_ships_every_step_within_the_bound_and_resumes(tmp_path,
     trainer.join(60)
     after = shipped_examples(tmp_path, 2) | shipped_examples(tmp_path, 3)
     assert not after & before and min(after) >= progress["cursors"]["reverse-text"]
+
+
+def test_the_dispatcher_ends_with_the_loop_even_when_its_cancel_is_swallowed():
+    """Python 3.11's wait_for returns instead of raising when the cancel meets a wake-up that just happened: the
+    dispatcher must still end (a dispatcher that lived on held the process's asyncio.run exit forever)."""
+
+    async def main():
+        orch = ScriptedOrchestrator()
+        cont = orch.cont = Continuous(orch)
+        cont.dispatcher = asyncio.create_task(cont.dispatch_loop())
+        await settle()
+        cont.changed.set()
+        await asyncio.sleep(0)  # the wake-up's inner wait completes; the dispatcher has not resumed yet
+        cont.stop_dispatch()
+        done, _ = await asyncio.wait({cont.dispatcher}, timeout=2)
+        assert done == {cont.dispatcher}
+        for group in cont.running.values():
+            group.task.cancel()
+
+    asyncio.run(main())

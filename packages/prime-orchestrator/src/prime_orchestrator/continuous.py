@@ -90,6 +90,8 @@ class Continuous:
         self.counts = {"in_flight": 0, "in_queue": 0, "dropped": 0}
         self.changed = asyncio.Event()
         self.error: BaseException | None = None
+        self.closed = False
+        self.dispatcher: asyncio.Task | None = None
         self.last_formed = time.perf_counter()
         self.longest = 0  # the longest completion finished since the previous batch (the staleness cap's input)
         self.cap: StalenessCap | None = None
@@ -103,7 +105,7 @@ class Continuous:
     async def rollout_loop(self, buffer: asyncio.Queue) -> None:
         """Form batches start_step .. max_steps - 1 and hand each to the ship loop, dispatching all along."""
         c = self.config
-        dispatcher = asyncio.create_task(self.dispatch_loop())
+        self.dispatcher = asyncio.create_task(self.dispatch_loop())
         try:
             for step in range(self.o.start_step, c.max_steps):
                 progress.set_step(step)
@@ -116,7 +118,7 @@ class Continuous:
             await buffer.put(None)
             await self.o.versions.abort([f for r in self.running.values() for f in r.flights if f.tag])
         finally:
-            dispatcher.cancel()
+            self.stop_dispatch()
             for run in list(self.running.values()):
                 run.task.cancel()
 
@@ -140,10 +142,18 @@ class Continuous:
         return room - self.taken - len(self.ready) - len(self.running)
 
     async def dispatch_loop(self) -> None:
-        while self.error is None:  # a failed group ends the run through the formation's wait
+        # A failed group ends the run through the formation's wait. `closed` as well as the cancel: Python 3.11's
+        # wait_for returns the inner result instead of raising when a cancel meets an event that was just set, and
+        # a dispatcher that lived on would hold asyncio.run's exit forever.
+        while self.error is None and not self.closed:
             while self.budget() > 0:
                 self.start_group()
             await self._wait("room for another group", check=False)
+
+    def stop_dispatch(self) -> None:
+        self.closed = True
+        if self.dispatcher is not None:
+            self.dispatcher.cancel()
 
     def draw(self) -> tuple[str, int, int]:
         """(env, example, redraws) of the next group: a stale group's example once more, else the env mix."""
