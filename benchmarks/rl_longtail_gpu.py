@@ -10,15 +10,16 @@ of Qwen3's 151,936 tokens (``--vocab``). The environment is synthetic (benchmark
 asks for an exact length (``max_tokens`` with ``ignore_eos``), with probability ``--tail-fraction`` ``--tail-factor``
 times ``--median-tokens``, otherwise uniform around the median. Each arm is one `rl` run (fresh output directory):
 
-- ``fixed_<N>`` and ``fixed_<N>_async2`` for N in ``--sweep``: today's loop at async_level 1 and 2, weight updates
+- ``fixed_<N>`` and ``fixed_<N>_async<A>`` for N in ``--sweep``: today's loop at async_level 1 and A, weight updates
   that drain running requests (``inference.weight_update = "drain"``), ``client.concurrency = "fixed"``,
   ``max_concurrent`` N. The best of them by rollout tok/s is "today's best";
 - ``mean_length``: every response at the distribution's mean length, N = batch size, async_level 0 (each step's batch
   generated alone); its rollout time per step is the reference "rollout time of the mean-length batch";
-- ``continuous_k<K>[_async2]`` for K in 1, 2: ``orchestrator.max_off_policy_steps = K`` at async_level 1 (groups are
+- ``continuous_k<K>[_async<A>]`` for K in 1, 2: ``orchestrator.max_off_policy_steps = K`` at async_level 1 (groups are
   dispatched at most one batch ahead, so with K = 2 every group has a step of slack before the bound cuts it), or at
-  async_level 2 with the suffix (``continuous_k2_async2``: up to three batches of groups in flight, larger decode
-  batches; its fair peer is ``fixed_<N>_async2``),
+  async_level A with the suffix (``continuous_k2_async2``: up to three batches of groups in flight, larger decode
+  batches; its fair peer is ``fixed_<N>_async2``; ``continuous_k4_async3`` is what benchmarks/continuous_sim.py
+  finds the long tail needs),
   ``inference.weight_update = "in_flight"``, adaptive concurrency (no ``max_concurrent`` in the config).
 
 Weights reach inference by NCCL where trainer and vLLM get a GPU each (two or more GPUs visible; ``--weights``), else
@@ -95,20 +96,21 @@ def async_level(arm: str) -> int:
     nor overlap a weight update, so ``time/rollouts`` is the batch's own generation time."""
     if arm == "mean_length":
         return 0
-    return 2 if arm.endswith("_async2") else 1
+    _, _, level = arm.rpartition("_async")
+    return int(level) if level.isdigit() else 1
 
 
 def arm_flags(arm: str, fields: dict[str, bool]) -> list[str]:
     """CLI flags of issue 42's loop settings: continuous mode always passes them (a config without them fails the
     arm, which says so); today's loop names drain only where the field exists (drain is all there was before)."""
     if arm.startswith("continuous_k"):
-        k = arm.removeprefix("continuous_k").removesuffix("_async2")
+        k = arm.removeprefix("continuous_k").split("_async")[0]
         return ["--orchestrator.max-off-policy-steps", k, "--inference.weight-update", "in_flight"]
     return ["--inference.weight-update", "drain"] if fields["weight_update"] else []
 
 
 def fixed_concurrency(arm: str) -> int:
-    return int(arm.removeprefix("fixed_").removesuffix("_async2"))
+    return int(arm.removeprefix("fixed_").split("_async")[0])
 
 
 def loop_fields() -> dict[str, bool]:
@@ -286,7 +288,7 @@ def parse_args() -> argparse.Namespace:
         "--arms",
         nargs="+",
         default=None,
-        help="run only these (fixed_N, fixed_N_async2, mean_length, continuous_k1, continuous_k2, continuous_k2_async2)",
+        help="run only these (fixed_N, fixed_N_asyncA, mean_length, continuous_kK, continuous_kK_asyncA)",
     )
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady-state numbers")

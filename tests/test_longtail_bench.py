@@ -4,6 +4,7 @@ long-tail environment's lengths, and (slow) the whole benchmark in its CPU smoke
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -49,6 +50,8 @@ def test_arm_configs_differ_only_in_the_loop_settings(tmp_path):
                                                       "--inference.weight-update", "in_flight"]  # fmt: skip
     assert bench.arm_flags("continuous_k2", both)[:2] == ["--orchestrator.max-off-policy-steps", "2"]
     assert bench.async_level("continuous_k2") == 1  # dispatched one batch ahead: K = 2 leaves a step of slack
+    assert bench.async_level("continuous_k4_async3") == 3 and bench.fixed_concurrency("fixed_512_async3") == 512
+    assert bench.arm_flags("continuous_k4_async3", both)[:2] == ["--orchestrator.max-off-policy-steps", "4"]
     assert bench.arm_flags("fixed_8", both) == ["--inference.weight-update", "drain"]
     assert bench.arm_flags("fixed_8", {"max_off_policy_steps": False, "weight_update": False}) == []
 
@@ -140,3 +143,14 @@ def test_smoke_runs_the_benchmark_on_cpu(tmp_path):
         assert "skipped" in new or (new["returncode"] == 0 and new["rollout_tokens_per_s"] > 0)
         assert "skipped" in new or len(new["steps_table"]) == 5
     assert report["verdict"]["best_fixed_arm"] == "fixed_8" and report["device"].startswith("cpu")
+
+
+def test_the_continuous_model_runs_the_real_scheduler_to_the_end():
+    """benchmarks/continuous_sim.py on a small batch: every step ships, within the bound, on the modelled engine."""
+    sim = load("continuous_sim")
+    args = argparse.Namespace(steps=5, warmup=1, batch_size=32, group=4, median_tokens=16, tail_fraction=0.1,
+                              tail_factor=8, step_ms=3.0, per_seq_ms=0.026, max_seqs=1024, concurrency=1024,
+                              trainer_s=0.2, speed=5.0)  # fmt: skip
+    result = asyncio.run(sim.simulate(args, k=2, a=1))
+    assert result["staleness_max"] <= 2 and len(result["step_times_s"]) == 4
+    assert result["step_time_mean_s"] >= args.trainer_s and result["rollout_tokens_per_s"] > 0
