@@ -274,7 +274,7 @@ def test_continuous_loop_ships_every_step_within_the_bound_and_resumes(tmp_path,
 
 def test_the_dispatcher_ends_with_the_loop_even_when_its_cancel_is_swallowed():
     """Python 3.11's wait_for returns instead of raising when the cancel meets a wake-up that just happened: the
-    dispatcher must still end (a dispatcher that lived on held the process's asyncio.run exit forever)."""
+    dispatcher must still end (one that lived on held the process's asyncio.run exit forever; it did before)."""
 
     async def main():
         orch = ScriptedOrchestrator()
@@ -283,7 +283,7 @@ def test_the_dispatcher_ends_with_the_loop_even_when_its_cancel_is_swallowed():
         await settle()
         cont.changed.set()
         await asyncio.sleep(0)  # the wake-up's inner wait completes; the dispatcher has not resumed yet
-        cont.stop_dispatch()
+        cont.dispatcher.cancel()
         done, _ = await asyncio.wait({cont.dispatcher}, timeout=2)
         assert done == {cont.dispatcher}
         for group in cont.running.values():

@@ -90,7 +90,6 @@ class Continuous:
         self.counts = {"in_flight": 0, "in_queue": 0, "dropped": 0}
         self.changed = asyncio.Event()
         self.error: BaseException | None = None
-        self.closed = False
         self.dispatcher: asyncio.Task | None = None
         self.last_formed = time.perf_counter()
         self.longest = 0  # the longest completion finished since the previous batch (the staleness cap's input)
@@ -118,17 +117,22 @@ class Continuous:
             await buffer.put(None)
             await self.o.versions.abort([f for r in self.running.values() for f in r.flights if f.tag])
         finally:
-            self.stop_dispatch()
+            self.dispatcher.cancel()
             for run in list(self.running.values()):
                 run.task.cancel()
 
     async def _wait(self, what: str, check: bool = True) -> None:
         """Until something changed (a group finished or was dropped, a batch formed, new weights are served) or
-        ``WAKE_S`` passed; a group that failed ends the run here."""
+        ``WAKE_S`` passed; a group that failed ends the run here. ``asyncio.wait``, not ``wait_for``: Python 3.11's
+        wait_for returns instead of raising when a cancel meets an event set in the same turn, and a dispatch or
+        formation loop that swallowed its cancel lived on and held asyncio.run's exit forever."""
         self.changed.clear()
+        changed = asyncio.ensure_future(self.changed.wait())
         try:
-            await asyncio.wait_for(self.changed.wait(), WAKE_S)
-        except TimeoutError:
+            done, _ = await asyncio.wait({changed}, timeout=WAKE_S)
+        finally:
+            changed.cancel()
+        if not done:
             logger.debug("still waiting: %s", what)
         if check and self.error is not None:
             raise self.error
@@ -142,18 +146,10 @@ class Continuous:
         return room - self.taken - len(self.ready) - len(self.running)
 
     async def dispatch_loop(self) -> None:
-        # A failed group ends the run through the formation's wait. `closed` as well as the cancel: Python 3.11's
-        # wait_for returns the inner result instead of raising when a cancel meets an event that was just set, and
-        # a dispatcher that lived on would hold asyncio.run's exit forever.
-        while self.error is None and not self.closed:
+        while self.error is None:  # a failed group ends the run through the formation's wait
             while self.budget() > 0:
                 self.start_group()
             await self._wait("room for another group", check=False)
-
-    def stop_dispatch(self) -> None:
-        self.closed = True
-        if self.dispatcher is not None:
-            self.dispatcher.cancel()
 
     def draw(self) -> tuple[str, int, int]:
         """(env, example, redraws) of the next group: a stale group's example once more, else the env mix."""
