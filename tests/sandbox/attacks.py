@@ -153,6 +153,7 @@ probes = {
     "socket_netlink": (41, 16, 3, 0),
     "modify_ldt": (154, 0, bigbuf, 16),
     "kcmp": (312, 1, 1, 0, 0, 0),
+    "syncfs_host": (306, os.open("/usr", os.O_RDONLY)),
 }
 for name, (nr, *args) in probes.items():
     print(name, sys_(nr, *args))
