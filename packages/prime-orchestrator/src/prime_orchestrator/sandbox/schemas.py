@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from typing import Any, Literal
 
 from prime_core.config.sandbox import SandboxLimits
@@ -139,7 +140,7 @@ def values_match(got: Any, expected: Any, rel_tol: float = 1e-6, abs_tol: float 
     if isinstance(expected, float) or isinstance(got, float):
         if not isinstance(got, int | float) or not isinstance(expected, int | float):
             return False
-        return math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol)
+        return _numbers_close(got, expected, rel_tol, abs_tol)
     if isinstance(expected, list | tuple):
         return (
             isinstance(got, list | tuple)
@@ -153,6 +154,20 @@ def values_match(got: Any, expected: Any, rel_tol: float = 1e-6, abs_tol: float 
             and all(values_match(got[str(k)], v, rel_tol, abs_tol, depth + 1) for k, v in expected.items())
         )
     return type(got) is type(expected) and got == expected
+
+
+def _numbers_close(got: int | float, expected: int | float, rel_tol: float, abs_tol: float) -> bool:
+    try:
+        return math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol)
+    except OverflowError:
+        # An int past a float's range (the code returned 10**400 where a float was expected, or the task expects
+        # a huge int and the code returned a float): isclose cannot convert it. Compare exactly instead; the
+        # other side is then finite, or inf/nan that no int is close to. Raising here would make the execution an
+        # exception in the caller: a failed rollout instead of a zero reward.
+        if any(isinstance(x, float) and not math.isfinite(x) for x in (got, expected)):
+            return False
+        g, e = Fraction(got), Fraction(expected)
+        return abs(g - e) <= max(Fraction(rel_tol) * max(abs(g), abs(e)), Fraction(abs_tol))
 
 
 def _depth(value: Any, limit: int = MAX_DEPTH) -> int:
@@ -180,8 +195,16 @@ def parse_test_lines(text: str) -> list[dict]:
         except (ValueError, RecursionError):
             continue
         if isinstance(line, dict) and _depth(line) <= MAX_DEPTH + 1:
-            lines.append(line)
+            lines.append(_without_lone_surrogates(line) if "\\ud" in raw.lower() else line)
     return lines
+
+
+def _without_lone_surrogates(line: dict) -> dict:
+    """``line`` with each lone surrogate (``"\\ud800"`` parses to one) replaced by U+FFFD. Such a string is not
+    text: the result holding it could not be encoded as UTF-8, and a sandbox node answering with it would fail
+    (HTTP 500, a ``sandbox_error`` for the client) instead of failing the test."""
+    text = json.dumps(line, ensure_ascii=False).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return json.loads(text)
 
 
 def judge(tests: list[TestCase], lines: list[dict]) -> list[TestOutcome]:
