@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxClientConfig, SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest, SandboxClient, TestCase
 
 from tests.sandbox import attacks
-from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, run
+from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, run, sandbox_pids
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -104,3 +105,17 @@ def test_neighbours_no_realtime_priority_and_no_core_dump(sandbox):
     crash = run(sandbox, "import ctypes\nctypes.string_at(0)")
     assert crash.status == "error" and "SIGSEGV" in crash.reason, crash
     assert_serving(sandbox)
+
+
+def test_neighbours_the_hosts_oom_killer_takes_sandbox_processes_first(sandbox):
+    # A pool's limits add up to more than most hosts hold (256 x 576 MiB by default; this VM has 24 GiB): executions
+    # each within its cgroup can run the host out of memory, and the kernel then kills the process with the most
+    # memory, the trainer or the inference server, unless the sandbox's processes are marked as first to go.
+    future = sandbox.call(sandbox.pool.execute(ExecRequest(code="import time\ntime.sleep(3)")))
+    deadline = time.monotonic() + 20
+    while not (pids := sandbox_pids()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    zygote = sandbox.pool._zygotes[0].proc.pid
+    adjust = {pid: Path(f"/proc/{pid}/oom_score_adj").read_text().strip() for pid in [zygote, *pids]}
+    assert future.result(timeout=30).status == "ok"
+    assert pids and set(adjust.values()) == {"1000"}, adjust

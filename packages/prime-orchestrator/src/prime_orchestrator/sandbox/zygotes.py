@@ -85,6 +85,12 @@ class Zygote:
         argv = [python, "-I", "-S", *flags, "-c", _BOOT, str(_HERE), str(child.fileno()), json.dumps(setup)]
         self.proc = subprocess.Popen(argv, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=ZYGOTE_ENV)
         child.close()
+        # Every supervisor and execution inherits it: when the host runs out of memory (a pool's limits add up to
+        # more than the host has: 256 executions of 576 MiB by default), the kernel kills the sandbox's largest
+        # process, not the trainer or the inference server, whose resident memory is far larger. Root only can
+        # lower it again, and nothing inside has /proc.
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/oom_score_adj").write_text("1000")
         self.sock = parent
         self.dead = False
         self.retired = False  # the pool has given up on it (dead or hung) and counted it once
