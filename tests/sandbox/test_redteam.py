@@ -4,7 +4,9 @@ reward, the status, the time it took, the node still answering), never only that
 
 from __future__ import annotations
 
+import os
 import secrets
+import sys
 import time
 from pathlib import Path
 
@@ -119,3 +121,12 @@ def test_neighbours_the_hosts_oom_killer_takes_sandbox_processes_first(sandbox):
     adjust = {pid: Path(f"/proc/{pid}/oom_score_adj").read_text().strip() for pid in [zygote, *pids]}
     assert future.result(timeout=30).status == "ok"
     assert pids and set(adjust.values()) == {"1000"}, adjust
+
+
+def test_secrets_of_the_interpreters_prefix_only_bin_and_lib_are_bound(sandbox):
+    # The pool bound the binary's grandparent whole: for an interpreter in $HOME/bin, the home with ~/.ssh in it.
+    prefix = Path(sys.executable).resolve().parent.parent
+    if prefix == Path("/usr") or not (set(os.listdir(prefix)) - {"bin", "lib", "lib64"}):
+        pytest.skip(f"nothing but the interpreter in its prefix {prefix}")
+    result = run(sandbox, f"import os\nprint(sorted(os.listdir({str(prefix)!r})))")
+    assert result.stdout.strip() == str(sorted(d for d in ("bin", "lib", "lib64") if (prefix / d).is_dir())), result
