@@ -195,16 +195,21 @@ def parse_test_lines(text: str) -> list[dict]:
         except (ValueError, RecursionError):
             continue
         if isinstance(line, dict) and _depth(line) <= MAX_DEPTH + 1:
-            lines.append(_without_lone_surrogates(line) if "\\ud" in raw.lower() else line)
+            lines.append(line)
     return lines
 
 
-def _without_lone_surrogates(line: dict) -> dict:
-    """``line`` with each lone surrogate (``"\\ud800"`` parses to one) replaced by U+FFFD. Such a string is not
-    text: the result holding it could not be encoded as UTF-8, and a sandbox node answering with it would fail
-    (HTTP 500, a ``sandbox_error`` for the client) instead of failing the test."""
-    text = json.dumps(line, ensure_ascii=False).encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-    return json.loads(text)
+def _text_only(value: Any) -> Any:
+    """``value`` with each lone surrogate (``"\\ud800"`` parses to one) replaced by U+FFFD. Such a string is not
+    text: a result holding it cannot be encoded as UTF-8, and a sandbox node answering with it failed (HTTP 500, a
+    ``sandbox_error`` for the client) instead of failing the test. Only the values kept are checked: the code may
+    write a megabyte of lines, of which one per test counts."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode()
+        return value
+    except UnicodeEncodeError:
+        return json.loads(text.encode("utf-8", "surrogatepass").decode("utf-8", "replace"))
 
 
 def judge(tests: list[TestCase], lines: list[dict]) -> list[TestOutcome]:
@@ -219,9 +224,9 @@ def judge(tests: list[TestCase], lines: list[dict]) -> list[TestOutcome]:
         if line is None:
             outcomes.append(TestOutcome(passed=False, error="no result (the execution ended before this test)"))
         elif "error" in line:
-            outcomes.append(TestOutcome(passed=False, error=str(line["error"])[:500]))
+            outcomes.append(TestOutcome(passed=False, error=_text_only(str(line["error"])[:500])))
         else:
             got = line.get("value")
             passed = values_match(got, case.expected, case.rel_tol, case.abs_tol)
-            outcomes.append(TestOutcome(passed=passed, got=got))
+            outcomes.append(TestOutcome(passed=passed, got=_text_only(got)))
     return outcomes
