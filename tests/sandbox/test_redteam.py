@@ -4,11 +4,13 @@ reward, the status, the time it took, the node still answering), never only that
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prime_core.config.sandbox import SandboxClientConfig, SandboxLimits
@@ -130,3 +132,21 @@ def test_secrets_of_the_interpreters_prefix_only_bin_and_lib_are_bound(sandbox):
         pytest.skip(f"nothing but the interpreter in its prefix {prefix}")
     result = run(sandbox, f"import os\nprint(sorted(os.listdir({str(prefix)!r})))")
     assert result.stdout.strip() == str(sorted(d for d in ("bin", "lib", "lib64") if (prefix / d).is_dir())), result
+
+
+def test_neighbours_a_megabyte_of_test_lines_costs_the_pool_a_few_parses(monkeypatch):
+    # Every line the code wrote was parsed on the pool's loop: 1 MiB of small lines, 0.2 s in which no neighbour's
+    # verdict was read (32 such executions took a neighbour's latency from 6 ms to 1.3 s on the 2-core VM).
+    from prime_orchestrator.sandbox import schemas
+
+    parsed = []
+    counting = SimpleNamespace(loads=lambda raw: parsed.append(raw) or json.loads(raw), dumps=json.dumps)
+    monkeypatch.setattr(schemas, "json", counting)
+    flood = '{"i": 0, "value": 7}\n' * 50_000
+    harness = '{"i": 0, "value": 1}\n{"i": 1, "error": "ZeroDivisionError"}\n'
+    tests = [TestCase(expr="f(0)", expected=1), TestCase(expr="f(1)", expected=2)]
+    outcomes = schemas.judge(tests, schemas.parse_test_lines(flood + harness, len(tests)))
+    assert [o.passed for o in outcomes] == [True, False] and len(parsed) == 2, (outcomes, len(parsed))
+    parsed.clear()
+    after_harness = schemas.parse_test_lines(harness + "junk\n" * 50_000, len(tests))  # only the code writes there
+    assert after_harness == [] and len(parsed) == 4 * len(tests) + 64
