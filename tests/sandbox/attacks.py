@@ -153,6 +153,7 @@ probes = {
     "socket_netlink": (41, 16, 3, 0),
     "modify_ldt": (154, 0, bigbuf, 16),
     "kcmp": (312, 1, 1, 0, 0, 0),
+    "syncfs_host": (306, os.open("/usr", os.O_RDONLY)),
 }
 for name, (nr, *args) in probes.items():
     print(name, sys_(nr, *args))
@@ -204,3 +205,143 @@ WORKSPACE_FILL = TMPFS_FILL.replace("/work/fill", "fill")
 FORK_BOMB = "import os\nwhile True:\n    os.fork()\n"
 MEMORY_BOMB = "blocks = []\nwhile True:\n    blocks.append(bytearray(32 << 20))\n"
 KILL_EVERYTHING = "import os, signal\nfor pid in range(-1, 4096):\n    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+
+# grade (the judge on the host): values its comparison used to raise on, which made the execution an exception in
+# the caller, or an HTTP 500 of a node (a sandbox_error): a failed rollout, which trains nothing, instead of a 0.
+HUGE_INT = "def solve(x):\n    return 10 ** 400\n"  # where a float is expected: math.isclose could not convert it
+LONE_SURROGATE = "def solve(x):\n    return {'k\\ud800': 'v\\udfff'}\n"  # not text: no UTF-8 encodes the result
+FORGED_SURROGATE_ERROR = r"""
+import os
+os.write(3, b'{"i": 0, "error": "\\udc00"}\n{"i": 1, "value": ["\\ud800"]}\n')
+os._exit(0)
+"""
+
+# grade: what a policy writes to pass tests it cannot solve, each against a harness that evaluates the tests in
+# the code's own interpreter (which the code can rewrite at will). ``solve`` never knows the answers.
+FORGE_TRICKS = {
+    "always_equal": """
+class Anything:
+    def __eq__(self, other):
+        return True
+    __hash__ = object.__hash__
+def solve(x):
+    return Anything()
+""",
+    "int_subclass_equal": """
+class Int(int):
+    def __eq__(self, other):
+        return True
+    __hash__ = int.__hash__
+def solve(x):
+    return Int(0)
+""",
+    "patched_harness": """
+import builtins, json, os
+real_dumps = json.dumps
+json.dumps = lambda obj, *a, **k: real_dumps({**obj, "passed": True, "ok": True} if isinstance(obj, dict) else obj)
+builtins.eval = lambda *a, **k: True
+real_exit = os._exit
+os._exit = lambda code: real_exit(0)
+def solve(x):
+    return None
+""",
+    "fake_verdicts": """
+import json, os, sys
+fake = {"status": "ok", "tests": [{"passed": True}] * 8, "pass_fraction": 1.0, "exit_code": 0}
+print(json.dumps(fake))
+sys.stderr.write(json.dumps(fake) + "\\n")
+os.write(3, b'{"i": 0, "passed": true}\\n{"i": 1, "passed": true, "value": null, "expected": null}\\n')
+def solve(x):
+    raise SystemExit(0)
+""",
+    "spray_then_exit": """
+import json, os
+for i in range(2):
+    for guess in [*range(-1000, 1000), "", "a", None, True, False, [], {}]:
+        os.write(3, (json.dumps({"i": i, "value": guess}) + "\\n").encode())
+os._exit(0)
+""",
+    "write_after_the_harness": """
+import json, os, threading
+real_exit = os._exit
+def late_exit(code):
+    for i in range(2):
+        os.write(3, (json.dumps({"i": i, "value": "forged"}) + "\\n").encode())
+    real_exit(0)
+os._exit = late_exit
+def solve(x):
+    return "forged"
+""",
+}
+
+# hidden tests: everything the code can reach in its interpreter (every object, every frame's locals), printed
+# when it looks like a 32-hex-digit token. The test expressions are there (the harness evaluates them); the
+# expected values must not be.
+HEX_TOKENS = r"""
+import gc, re, sys
+seen, found = set(), set()
+def strings(obj, depth=0):
+    if depth > 6 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (str, bytes)):
+        text = obj if isinstance(obj, str) else obj.decode("latin-1")
+        found.update(re.findall(r"[0-9a-f]{32}", text))
+    elif isinstance(obj, dict):
+        for k, v in list(obj.items()):
+            strings(k, depth + 1)
+            strings(v, depth + 1)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in list(obj):
+            strings(v, depth + 1)
+for obj in gc.get_objects():
+    strings(obj)
+frame = sys._getframe()
+while frame is not None:
+    strings(frame.f_locals)
+    strings(frame.f_globals)
+    frame = frame.f_back
+for module in list(sys.modules.values()):
+    strings(getattr(module, "__dict__", {}))
+print(" ".join(sorted(found)))
+"""
+
+# limits: threads spinning on every core with SIGXCPU and SIGTERM ignored, against a CPU limit of 1 s
+CPU_THREADS_IGNORING_SIGNALS = """
+import signal, threading
+signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def spin():
+    while True:
+        pass
+for _ in range(3):
+    threading.Thread(target=spin, daemon=True).start()
+spin()
+"""
+# limits: 64 MiB on the test channel alone (not stdout or stderr)
+TEST_CHANNEL_FLOOD = "import os\nchunk = b'x' * (1 << 20)\nfor _ in range(64):\n    os.write(3, chunk)\n"
+# neighbours: a real-time priority (allowed to an unprivileged process up to RLIMIT_RTPRIO, which the runner used
+# to inherit from the pool's host) would take the CPUs from every other process on the machine
+REALTIME = """
+import os, resource, ctypes
+print("rlimits", [resource.getrlimit(r) for r in (resource.RLIMIT_RTPRIO, resource.RLIMIT_NICE, resource.RLIMIT_CORE)])
+print("dumpable", ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))
+for what, call in (("fifo", lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))),
+                   ("nice", lambda: os.setpriority(os.PRIO_PROCESS, 0, -5))):
+    try:
+        call()
+        print(what, "granted")
+    except OSError as e:
+        print(what, e.errno)
+"""
+# grade: read the hidden tests' expressions from the harness's memory, and answer every function they call with a
+# lone surrogate (through a node this made every test of the execution a sandbox_error, before the judge's fix)
+SURROGATE_ANSWERS = r"""
+import builtins, gc, re
+called = set()
+for obj in gc.get_objects():
+    if isinstance(obj, list):
+        called.update(m.group(1) for s in obj if isinstance(s, str) for m in [re.match(r"(\w+)\(", s)] if m)
+for name in called - set(dir(builtins)):
+    setattr(builtins, name, lambda *a, **k: "\ud800")
+"""

@@ -40,6 +40,7 @@ ATTACKS = [
     attacks.KILL_EVERYTHING,
     PLANT,
     DAEMON,
+    attacks.SURROGATE_ANSWERS,
 ]
 
 

@@ -26,10 +26,19 @@ URLS_VAR = "PRIME_SANDBOX_URLS"
 class _LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="prime-sandbox", daemon=True).start()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="prime-sandbox", daemon=True)
+        self.thread.start()
 
     def submit(self, coro: Coroutine[Any, Any, T]):
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        """Stop the loop and close it: left to the garbage collector, a loop whose self-pipe was collected first
+        raises from its ``__del__``."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.loop.is_running():
+            self.loop.close()
 
 
 class SandboxClient:
@@ -138,7 +147,7 @@ class SandboxClient:
                 await self._http.aclose()
 
         self._thread.submit(_close()).result()
-        self._thread.loop.call_soon_threadsafe(self._thread.loop.stop)
+        self._thread.stop()
 
 
 _default: dict[str, SandboxClient] = {}

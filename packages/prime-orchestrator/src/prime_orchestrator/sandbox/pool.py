@@ -359,10 +359,10 @@ class SandboxPool:
         return "dropped" if pipe.supervisor is None else "done"
 
     def _result(self, request: ExecRequest, raw: dict) -> ExecResult:
-        lines = parse_test_lines(raw.pop("test_lines", ""))
+        text = raw.pop("test_lines", "")
         result = ExecResult.model_validate(raw)
         if request.tests:
-            result.tests = judge(request.tests, lines)
+            result.tests = judge(request.tests, parse_test_lines(text, len(request.tests)))
         return result
 
     async def run(

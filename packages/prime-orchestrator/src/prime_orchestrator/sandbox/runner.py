@@ -36,8 +36,14 @@ def _limit_and_drop(uid: int, limits: dict) -> None:
         (resource.RLIMIT_NPROC, limits["processes"]),
         (resource.RLIMIT_FSIZE, limits["disk_mb"] << 20),
         (resource.RLIMIT_NOFILE, limits["open_files"]),
-        (resource.RLIMIT_CORE, 0),
+        # 1, not 0: a core_pattern that pipes to a helper (apport, systemd-coredump) ignores RLIMIT_CORE, except
+        # that 1 aborts the dump; so a crash never starts a host helper as root, nor writes a core file.
+        (resource.RLIMIT_CORE, 1),
         (resource.RLIMIT_MSGQUEUE, 0),
+        # Otherwise inherited from the pool's host: a real-time priority or a negative nice value would let the
+        # code take the CPUs from its neighbours, the supervisors and the trainer on the same machine.
+        (resource.RLIMIT_RTPRIO, 0),
+        (resource.RLIMIT_NICE, 0),
     ):
         resource.setrlimit(rlim, (value, value))
     os.setgroups([])
@@ -45,6 +51,10 @@ def _limit_and_drop(uid: int, limits: dict) -> None:
     os.setresuid(uid, uid, uid)  # leaving uid 0 clears every capability
     # After the uid change, so the keyring belongs to (and is charged to) the execution's uid.
     lx.join_new_session_keyring()
+    # The uid change left it at the host's fs.suid_dumpable (2 where apport is installed): no core of the code's
+    # memory for anyone, whatever the host's core_pattern (an argv program is dumpable again after execve: the
+    # RLIMIT_CORE of 1 above covers it).
+    lx.prctl(lx.PR_SET_DUMPABLE, 0)
     lx.prctl(lx.PR_SET_NO_NEW_PRIVS, 1)
     # After the uid change, which clears it: the execution dies with its supervisor (and so with the pool).
     lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from typing import Any, Literal
 
 from prime_core.config.sandbox import SandboxLimits
@@ -139,7 +140,7 @@ def values_match(got: Any, expected: Any, rel_tol: float = 1e-6, abs_tol: float 
     if isinstance(expected, float) or isinstance(got, float):
         if not isinstance(got, int | float) or not isinstance(expected, int | float):
             return False
-        return math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol)
+        return _numbers_close(got, expected, rel_tol, abs_tol)
     if isinstance(expected, list | tuple):
         return (
             isinstance(got, list | tuple)
@@ -153,6 +154,20 @@ def values_match(got: Any, expected: Any, rel_tol: float = 1e-6, abs_tol: float 
             and all(values_match(got[str(k)], v, rel_tol, abs_tol, depth + 1) for k, v in expected.items())
         )
     return type(got) is type(expected) and got == expected
+
+
+def _numbers_close(got: int | float, expected: int | float, rel_tol: float, abs_tol: float) -> bool:
+    try:
+        return math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol)
+    except OverflowError:
+        # An int past a float's range (the code returned 10**400 where a float was expected, or the task expects
+        # a huge int and the code returned a float): isclose cannot convert it. Compare exactly instead; the
+        # other side is then finite, or inf/nan that no int is close to. Raising here would make the execution an
+        # exception in the caller: a failed rollout instead of a zero reward.
+        if any(isinstance(x, float) and not math.isfinite(x) for x in (got, expected)):
+            return False
+        g, e = Fraction(got), Fraction(expected)
+        return abs(g - e) <= max(Fraction(rel_tol) * max(abs(g), abs(e)), Fraction(abs_tol))
 
 
 def _depth(value: Any, limit: int = MAX_DEPTH) -> int:
@@ -170,18 +185,41 @@ def _depth(value: Any, limit: int = MAX_DEPTH) -> int:
     return deepest
 
 
-def parse_test_lines(text: str) -> list[dict]:
-    """The runner's test lines, as written by the code's process: a line that does not parse, is not an object,
-    or nests too deeply is dropped (its test then fails), never an error of the sandbox."""
-    lines = []
-    for raw in text.splitlines():
+def parse_test_lines(text: str, num_tests: int) -> list[dict]:
+    """The runner's test lines that can decide ``num_tests`` tests, in the order written: a line that does not
+    parse, is not an object, or nests too deeply is dropped (its test then fails), never an error of the sandbox.
+
+    The last line of each index wins, and the harness writes its own after the code ran, so the channel is read
+    from its end until every test has a line, and no further than ``4 * num_tests + 64`` lines: the code may
+    write a megabyte of small lines, which took the pool's loop 0.2 s to parse (every neighbour waited), and a
+    line before those the harness wrote last can never win."""
+    lines: list[dict] = []
+    decided: set[int] = set()
+    for raw in reversed(text.splitlines()[-(4 * num_tests + 64) :]):
+        if len(decided) == num_tests:
+            break
         try:
             line = json.loads(raw)
         except (ValueError, RecursionError):
             continue
         if isinstance(line, dict) and _depth(line) <= MAX_DEPTH + 1:
             lines.append(line)
-    return lines
+            if isinstance(line.get("i"), int) and 0 <= line["i"] < num_tests:
+                decided.add(line["i"])
+    return lines[::-1]
+
+
+def _text_only(value: Any) -> Any:
+    """``value`` with each lone surrogate (``"\\ud800"`` parses to one) replaced by U+FFFD. Such a string is not
+    text: a result holding it cannot be encoded as UTF-8, and a sandbox node answering with it failed (HTTP 500, a
+    ``sandbox_error`` for the client) instead of failing the test. Only the values kept are checked: the code may
+    write a megabyte of lines, of which one per test counts."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode()
+        return value
+    except UnicodeEncodeError:
+        return json.loads(text.encode("utf-8", "surrogatepass").decode("utf-8", "replace"))
 
 
 def judge(tests: list[TestCase], lines: list[dict]) -> list[TestOutcome]:
@@ -196,9 +234,9 @@ def judge(tests: list[TestCase], lines: list[dict]) -> list[TestOutcome]:
         if line is None:
             outcomes.append(TestOutcome(passed=False, error="no result (the execution ended before this test)"))
         elif "error" in line:
-            outcomes.append(TestOutcome(passed=False, error=str(line["error"])[:500]))
+            outcomes.append(TestOutcome(passed=False, error=_text_only(str(line["error"])[:500])))
         else:
             got = line.get("value")
             passed = values_match(got, case.expected, case.rel_tol, case.abs_tol)
-            outcomes.append(TestOutcome(passed=passed, got=got))
+            outcomes.append(TestOutcome(passed=passed, got=_text_only(got)))
     return outcomes

@@ -35,7 +35,7 @@ def _names(text: str) -> tuple[str, ...]:
 ALLOWED = _names(
     # files and descriptors
     "read write readv writev pread64 pwrite64 preadv pwritev preadv2 pwritev2 open openat openat2 creat close "
-    "close_range lseek dup dup2 dup3 fcntl ioctl flock fsync fdatasync syncfs sync_file_range truncate ftruncate "
+    "close_range lseek dup dup2 dup3 fcntl ioctl flock fsync fdatasync sync_file_range truncate ftruncate "
     "fallocate fadvise64 readahead sendfile splice tee vmsplice copy_file_range pipe pipe2 "
     # metadata and directories
     "stat lstat fstat newfstatat statx statfs fstatfs access faccessat faccessat2 readlink readlinkat getdents "
@@ -87,7 +87,10 @@ DENIED = _names(
     # host administration
     "init_module finit_module delete_module kexec_load kexec_file_load reboot swapon swapoff acct quotactl "
     "quotactl_fd syslog settimeofday clock_settime clock_adjtime adjtimex sethostname setdomainname iopl ioperm "
-    "modify_ldt fanotify_init fanotify_mark vhangup sync lookup_dcookie nfsservctl uselib ustat sysfs _sysctl"
+    "modify_ldt fanotify_init fanotify_mark vhangup sync lookup_dcookie nfsservctl uselib ustat sysfs _sysctl "
+    # syncfs on a descriptor of a read-only bind (/usr) writes back the host filesystem under it, the one holding
+    # the run's checkpoints, and waits for it uninterruptibly: ``sync`` by another name
+    "syncfs"
 )
 
 NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET

@@ -5,9 +5,9 @@ host's environment on its stack). Life of the process:
 
 1. Leave the host's session keyring for an anonymous one of its own.
 2. As host root, in a new mount namespace: build the sandbox's root on a tmpfs (read-only binds of ``/usr``, the
-   interpreter's prefix, a few ``/etc`` files, five device nodes), ``pivot_root`` into it, detach the host's tree
-   and make the root read-only. Doing this before the user namespace exists lets it bind paths only host root
-   may traverse (an interpreter under ``/root``), while the namespace's root never maps to host root.
+   interpreter's directory and lib, a few ``/etc`` files, five device nodes), ``pivot_root`` into it, detach the
+   host's tree and make the root read-only. Doing this before the user namespace exists lets it bind paths only
+   host root may traverse (an interpreter under ``/root``), while the namespace's root never maps to host root.
 3. ``unshare`` user, mount, network, IPC and UTS namespaces; the pool writes the uid/gid maps: inside 0 is an
    unprivileged host uid of the pool's range (``uid_base``), and the execution and workspace uids map to
    themselves. The mounts of step 2 are locked in the new namespace: its root cannot remount them.

@@ -64,6 +64,15 @@ def bytecode_cache(python: str, preload: list[str]) -> Path | None:
     return root
 
 
+def interpreter_dirs(python: str) -> list[str]:
+    """What of the interpreter's installation the sandbox binds: the binary's directory and its prefix's ``lib``
+    (the standard library, its extension modules, libpython), never the whole prefix (the binary's grandparent): for
+    an interpreter in ``$HOME/bin`` (``--prefix=$HOME``) that was the home, ``~/.ssh`` and every token in it."""
+    binary = Path(python).resolve()
+    dirs = [binary.parent, binary.parent.parent / "lib", binary.parent.parent / "lib64"]
+    return [str(d) for d in dirs if d.is_dir()]
+
+
 class Zygote:
     """One zygote process and its control socket (SOCK_SEQPACKET: one message per request, never split).
 
@@ -72,11 +81,10 @@ class Zygote:
 
     def __init__(self, config: SandboxPoolConfig, uid_base: int, num_uids: int, root: Path, seccomp: bytes | None):
         python = config.python or os.path.realpath(sys.executable)
-        prefix = str(Path(python).resolve().parent.parent)
         bytecode = bytecode_cache(python, config.preload)
         setup = {
             "root": str(root),
-            "ro_paths": [prefix, *config.ro_paths, *([str(bytecode)] if bytecode else [])],
+            "ro_paths": [*interpreter_dirs(python), *config.ro_paths, *([str(bytecode)] if bytecode else [])],
             "preload": config.preload,
             "seccomp": base64.b64encode(seccomp).decode() if seccomp else "",
         }
@@ -85,6 +93,12 @@ class Zygote:
         argv = [python, "-I", "-S", *flags, "-c", _BOOT, str(_HERE), str(child.fileno()), json.dumps(setup)]
         self.proc = subprocess.Popen(argv, pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=ZYGOTE_ENV)
         child.close()
+        # Every supervisor and execution inherits it: when the host runs out of memory (a pool's limits add up to
+        # more than the host has: 256 executions of 576 MiB by default), the kernel kills the sandbox's largest
+        # process, not the trainer or the inference server, whose resident memory is far larger. Root only can
+        # lower it again, and nothing inside has /proc.
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/oom_score_adj").write_text("1000")
         self.sock = parent
         self.dead = False
         self.retired = False  # the pool has given up on it (dead or hung) and counted it once

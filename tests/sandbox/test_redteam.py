@@ -1,0 +1,152 @@
+"""A reward-hacking policy against the grade, the limits and the neighbours, beyond issue #37's table
+(``test_attacks.py``): each attack goes in through the public API and the test asserts what the host sees (the
+reward, the status, the time it took, the node still answering), never only that nothing raised."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prime_core.config.sandbox import SandboxClientConfig, SandboxLimits
+from prime_orchestrator.sandbox import ExecRequest, SandboxClient, TestCase
+
+from tests.sandbox import attacks
+from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, run, sandbox_pids
+
+pytestmark = pytest.mark.xdist_group("sandbox")
+
+
+def _hidden_tests() -> list[TestCase]:
+    """Two tests whose answers the code cannot know: a random int and a random string."""
+    return [
+        TestCase(expr="solve(1)", expected=secrets.randbelow(10**9) + 2000),
+        TestCase(expr="solve(2)", expected=secrets.token_hex(8)),
+    ]
+
+
+def test_grade_values_the_judge_cannot_compare_fail_their_test(sandbox):
+    # Before: math.isclose(10**400, 0.5) raised OverflowError in the pool, so execute() raised in the caller.
+    floats = [TestCase(expr="solve(1)", expected=0.5), TestCase(expr="10 ** 400", expected=1.5)]
+    result = run(sandbox, attacks.HUGE_INT, tests=floats)
+    assert result.status == "ok" and result.pass_fraction == 0.0, result
+    huge = run(sandbox, "def solve(x):\n    return 1.5\n", tests=[TestCase(expr="solve(1)", expected=10**400)])
+    assert huge.status == "ok" and huge.pass_fraction == 0.0, huge
+    exact = run(sandbox, "", tests=[TestCase(expr="10 ** 400", expected=10**400), TestCase(expr="2.0", expected=2)])
+    assert exact.pass_fraction == 1.0, exact
+
+
+def test_grade_lone_surrogates_fail_their_test_through_a_node(node, monkeypatch):
+    # Before: the node could not encode the result (HTTP 500), which the client reports as a sandbox_error.
+    monkeypatch.setenv("NODE_KEY", node.key)
+    client = SandboxClient(SandboxClientConfig(urls=[node.url], api_key_var="NODE_KEY"))
+    tests = [TestCase(expr="solve(1)", expected={"k": "v"}), TestCase(expr="solve(2)", expected=["x"])]
+    try:
+        returned = client.execute_sync(ExecRequest(code=attacks.LONE_SURROGATE, tests=tests))
+        forged = client.execute_sync(ExecRequest(code=attacks.FORGED_SURROGATE_ERROR, tests=tests))
+        after = client.execute_sync(ExecRequest(code="print(6 * 7)"))
+    finally:
+        client.close()
+    assert returned.status == "ok" and returned.pass_fraction == 0.0, returned
+    assert returned.tests[0].got == {"k\ufffd\ufffd\ufffd": "v\ufffd\ufffd\ufffd"}, returned.tests[0]
+    assert forged.status == "ok" and forged.pass_fraction == 0.0, forged
+    assert forged.tests[0].error == "\ufffd\ufffd\ufffd" and forged.tests[1].got == ["\ufffd\ufffd\ufffd"], forged
+    assert (after.status, after.stdout) == ("ok", "42\n"), after
+
+
+@pytest.mark.parametrize("trick", sorted(attacks.FORGE_TRICKS))
+def test_grade_harness_tricks_earn_nothing(sandbox, trick):
+    tests = _hidden_tests()
+    result = run(sandbox, attacks.FORGE_TRICKS[trick], tests=tests)
+    assert result.status != "sandbox_error", result
+    assert result.pass_fraction == 0.0, (trick, result.tests)
+    answers = {1: tests[0].expected, 2: tests[1].expected}
+    honest = run(sandbox, f"def solve(x):\n    return {answers!r}[x]\n", tests=tests)  # the same tests can pass
+    assert honest.pass_fraction == 1.0, honest
+
+
+def test_grade_expected_values_are_nowhere_the_code_can_look(sandbox):
+    in_expr, expected = secrets.token_hex(16), secrets.token_hex(16)
+    tests = [TestCase(expr=f"solve({in_expr!r})", expected=expected)]
+    result = run(sandbox, attacks.HEX_TOKENS + "def solve(x):\n    return x\n", tests=tests)
+    assert result.status == "ok", result
+    assert in_expr in result.stdout  # the scan reaches the test expressions the harness holds
+    assert expected not in result.stdout and expected not in result.stderr
+    assert result.pass_fraction == 0.0
+
+
+def test_limits_cpu_threads_ignoring_signals_are_stopped_at_the_cpu_limit(sandbox):
+    start = time.monotonic()
+    limits = SandboxLimits(wall_s=30, cpu_s=1)
+    result = run(sandbox, attacks.CPU_THREADS_IGNORING_SIGNALS, limits=limits)
+    took = time.monotonic() - start
+    assert result.status == "timeout" and "CPU time limit of 1.0 s" in result.reason, result
+    assert result.cpu_s < 2.5 and took < 10, (result.cpu_s, took)
+    assert_no_sandbox_processes(grace_s=2)
+
+
+def test_limits_the_test_channel_counts_toward_the_output_limit(sandbox):
+    start = time.monotonic()
+    result = run(sandbox, attacks.TEST_CHANNEL_FLOOD, tests=[TestCase(expr="1", expected=1)])
+    assert result.status == "output_limit" and time.monotonic() - start < 10, result.reason
+    assert result.pass_fraction == 0.0
+    assert_serving(sandbox)
+
+
+def test_neighbours_no_realtime_priority_and_no_core_dump(sandbox):
+    # The runner's RLIMIT_RTPRIO and RLIMIT_NICE were inherited from the pool's process (0 on this host, up to 99
+    # and 40 on others), and its dumpable flag from the host's fs.suid_dumpable (2 where apport is installed).
+    result = run(sandbox, attacks.REALTIME)
+    assert result.status == "ok", result
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert lines["rlimits"] == "[(0, 0), (0, 0), (1, 1)]" and lines["dumpable"] == "0", lines
+    assert lines["fifo"] == "1" and lines["nice"] == "13", lines  # EPERM, EACCES
+    crash = run(sandbox, "import ctypes\nctypes.string_at(0)")
+    assert crash.status == "error" and "SIGSEGV" in crash.reason, crash
+    assert_serving(sandbox)
+
+
+def test_neighbours_the_hosts_oom_killer_takes_sandbox_processes_first(sandbox):
+    # A pool's limits add up to more than most hosts hold (256 x 576 MiB by default; this VM has 24 GiB): executions
+    # each within its cgroup can run the host out of memory, and the kernel then kills the process with the most
+    # memory, the trainer or the inference server, unless the sandbox's processes are marked as first to go.
+    future = sandbox.call(sandbox.pool.execute(ExecRequest(code="import time\ntime.sleep(3)")))
+    deadline = time.monotonic() + 20
+    while not (pids := sandbox_pids()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    zygote = sandbox.pool._zygotes[0].proc.pid
+    adjust = {pid: Path(f"/proc/{pid}/oom_score_adj").read_text().strip() for pid in [zygote, *pids]}
+    assert future.result(timeout=30).status == "ok"
+    assert pids and set(adjust.values()) == {"1000"}, adjust
+
+
+def test_secrets_of_the_interpreters_prefix_only_bin_and_lib_are_bound(sandbox):
+    # The pool bound the binary's grandparent whole: for an interpreter in $HOME/bin, the home with ~/.ssh in it.
+    prefix = Path(sys.executable).resolve().parent.parent
+    if prefix == Path("/usr") or not (set(os.listdir(prefix)) - {"bin", "lib", "lib64"}):
+        pytest.skip(f"nothing but the interpreter in its prefix {prefix}")
+    result = run(sandbox, f"import os\nprint(sorted(os.listdir({str(prefix)!r})))")
+    assert result.stdout.strip() == str(sorted(d for d in ("bin", "lib", "lib64") if (prefix / d).is_dir())), result
+
+
+def test_neighbours_a_megabyte_of_test_lines_costs_the_pool_a_few_parses(monkeypatch):
+    # Every line the code wrote was parsed on the pool's loop: 1 MiB of small lines, 0.2 s in which no neighbour's
+    # verdict was read (32 such executions took a neighbour's latency from 6 ms to 1.3 s on the 2-core VM).
+    from prime_orchestrator.sandbox import schemas
+
+    parsed = []
+    counting = SimpleNamespace(loads=lambda raw: parsed.append(raw) or json.loads(raw), dumps=json.dumps)
+    monkeypatch.setattr(schemas, "json", counting)
+    flood = '{"i": 0, "value": 7}\n' * 50_000
+    harness = '{"i": 0, "value": 1}\n{"i": 1, "error": "ZeroDivisionError"}\n'
+    tests = [TestCase(expr="f(0)", expected=1), TestCase(expr="f(1)", expected=2)]
+    outcomes = schemas.judge(tests, schemas.parse_test_lines(flood + harness, len(tests)))
+    assert [o.passed for o in outcomes] == [True, False] and len(parsed) == 2, (outcomes, len(parsed))
+    parsed.clear()
+    after_harness = schemas.parse_test_lines(harness + "junk\n" * 50_000, len(tests))  # only the code writes there
+    assert after_harness == [] and len(parsed) == 4 * len(tests) + 64
