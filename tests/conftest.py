@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.scheduling import compile_workspace_sources, start_rank
+from tests.scheduling import compile_workspace_sources, restore_xdist_groups, start_rank
 
 # Tests must never reach a hub; everything is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,5 +30,7 @@ def pytest_configure(config):
         compile_workspace_sources()
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's loadgroup hook
 def pytest_collection_modifyitems(config, items):
+    restore_xdist_groups(config, items)
     items.sort(key=start_rank)

@@ -41,3 +41,17 @@ def compile_workspace_sources() -> None:
         return
     for folder in ("packages", "environments"):
         compileall.compile_dir(ROOT / folder, quiet=1)
+
+
+def restore_xdist_groups(config: Any, items: list[Any]) -> None:
+    """pytest-xdist's loadgroup finds an item's group from a ``@group`` suffix of its node id, which it writes to
+    ``item._nodeid``; pytest 9.2 reads node ids from ``item._id``, so the suffix was lost and every group's tests were
+    dealt to both workers (sandbox pools of the same uid range then counted each other's processes as leaks). Runs
+    after xdist's hook and only where the suffix is missing, so it does nothing where xdist's own write works."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})  # fmt: skip
+        if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")

@@ -52,3 +52,27 @@ def test_xdist_keeps_the_collection_order_of_the_units():
     # Without it, loadgroup sorts its units by test count and the longest test starts wherever that puts it.
     addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     assert "--no-loadscope-reorder" in addopts.split()
+
+
+def test_an_xdist_group_runs_on_one_worker(tmp_path):
+    """`--dist loadgroup` sends a group's tests to one worker (tests/scheduling.py restores the group suffix that
+    pytest 9.2 dropped): with 2 workers, six tests of one group all record the same worker."""
+    import subprocess
+    import sys
+
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\nfrom tests.scheduling import restore_xdist_groups\n\n"
+        "@pytest.hookimpl(trylast=True)\ndef pytest_collection_modifyitems(config, items):\n"
+        "    restore_xdist_groups(config, items)\n"
+    )
+    (tmp_path / "test_group.py").write_text(
+        "import os, pathlib, pytest\n\n"
+        "@pytest.mark.xdist_group('g')\n@pytest.mark.parametrize('i', range(6))\n"
+        "def test_a(i):\n"
+        "    pathlib.Path(__file__).with_name(f'ran_{i}').write_text(os.environ['PYTEST_XDIST_WORKER'])\n"
+    )
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+           "--rootdir", str(tmp_path), "-c", "/dev/null", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len({(tmp_path / f"ran_{i}").read_text() for i in range(6)}) == 1
