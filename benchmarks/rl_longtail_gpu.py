@@ -20,6 +20,8 @@ times ``--median-tokens``, otherwise uniform around the median. Each arm is one 
   async_level A with the suffix (``continuous_k2_async2``: up to three batches of groups in flight, larger decode
   batches; its fair peer is ``fixed_<N>_async2``; ``continuous_k4_async3`` is what benchmarks/continuous_sim.py
   finds the long tail needs),
+- any arm with ``_cg<N>`` appended: vLLM captures CUDA graphs up to N rollouts a decode step (its default stops at
+  512, and adaptive concurrency grows to 1,024), e.g. ``continuous_k4_async3_cg1024``;
   ``inference.weight_update = "in_flight"``, adaptive concurrency (no ``max_concurrent`` in the config).
 
 Weights reach inference by NCCL where trainer and vLLM get a GPU each (two or more GPUs visible; ``--weights``), else
@@ -39,6 +41,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -70,10 +73,10 @@ def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
     """The arm's `rl` config (TOML)."""
     tail = args.median_tokens * args.tail_factor
     env_args = (f"{{ median_tokens = {args.median_tokens}, tail_fraction = {args.tail_fraction}, tail_factor = "
-                f"{args.tail_factor}, mean_only = {str(arm == 'mean_length').lower()} }}")  # fmt: skip
+                f"{args.tail_factor}, mean_only = {str(arm.startswith('mean_length')).lower()} }}")  # fmt: skip
     client = 'concurrency = "adaptive"'
     if not arm.startswith("continuous"):
-        n = args.batch_size if arm == "mean_length" else fixed_concurrency(arm)
+        n = args.batch_size if arm.startswith("mean_length") else fixed_concurrency(arm)
         client = f'concurrency = "fixed"\nmax_concurrent = {n}'
     lines = [
         f"max_steps = {args.max_steps}", f"seq_len = {args.seq_len}", f"async_level = {async_level(arm)}", "seed = 0",
@@ -86,31 +89,45 @@ def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
         f"[orchestrator.sampling]\ntemperature = 1.0\nmax_tokens = {tail}",
         f'[[orchestrator.env]]\nid = "longtail-text"\nnum_workers = {args.workers}\nargs = {env_args}',
         '[inference]\nengine = "torch"' if args.smoke else '[inference]\nengine = "vllm"',
+        f'[inference.vllm]\nextra_args = ["--max-cudagraph-capture-size", "{graphs}"]' if (graphs := arm_part(arm, "cg"))
+        else "",
         f'[trainer.weights.broadcast]\ntype = "{args.weights}"' if args.weights != "default" else "",
     ]  # fmt: skip
     return "\n".join(line for line in lines if line) + "\n"
 
 
+ARM = re.compile(r"(fixed_(?P<n>\d+)|continuous_k(?P<k>\d+)|mean_length)(_async(?P<async>\d+))?(_cg(?P<cg>\d+))?")
+"""An arm's name: the loop (``fixed_<max_concurrent>``, ``continuous_k<max_off_policy_steps>``, ``mean_length``), then
+optionally ``_async<A>`` and ``_cg<N>`` (vLLM captures CUDA graphs up to N rollouts a step; its default stops at 512)."""
+
+
+def arm_part(arm: str, part: str) -> int | None:
+    """One number of an arm's name (``n``, ``k``, ``async``, ``cg``); None where the name has none."""
+    match = ARM.fullmatch(arm)
+    if match is None:
+        raise ValueError(f"unknown arm {arm!r}: fixed_N, continuous_kK or mean_length, then _asyncA and _cgN")
+    value = match.group(part)
+    return int(value) if value is not None else None
+
+
 def async_level(arm: str) -> int:
     """The reference batch is generated alone (async 0): its step's rollouts neither queue behind the previous step's
     nor overlap a weight update, so ``time/rollouts`` is the batch's own generation time."""
-    if arm == "mean_length":
-        return 0
-    _, _, level = arm.rpartition("_async")
-    return int(level) if level.isdigit() else 1
+    level = arm_part(arm, "async")
+    return level if level is not None else 0 if arm.startswith("mean_length") else 1
 
 
 def arm_flags(arm: str, fields: dict[str, bool]) -> list[str]:
     """CLI flags of issue 42's loop settings: continuous mode always passes them (a config without them fails the
     arm, which says so); today's loop names drain only where the field exists (drain is all there was before)."""
     if arm.startswith("continuous_k"):
-        k = arm.removeprefix("continuous_k").split("_async")[0]
-        return ["--orchestrator.max-off-policy-steps", k, "--inference.weight-update", "in_flight"]
+        k = arm_part(arm, "k")
+        return ["--orchestrator.max-off-policy-steps", str(k), "--inference.weight-update", "in_flight"]
     return ["--inference.weight-update", "drain"] if fields["weight_update"] else []
 
 
 def fixed_concurrency(arm: str) -> int:
-    return int(arm.removeprefix("fixed_").split("_async")[0])
+    return arm_part(arm, "n")
 
 
 def loop_fields() -> dict[str, bool]:

@@ -52,6 +52,12 @@ def test_arm_configs_differ_only_in_the_loop_settings(tmp_path):
     assert bench.async_level("continuous_k2") == 1  # dispatched one batch ahead: K = 2 leaves a step of slack
     assert bench.async_level("continuous_k4_async3") == 3 and bench.fixed_concurrency("fixed_512_async3") == 512
     assert bench.arm_flags("continuous_k4_async3", both)[:2] == ["--orchestrator.max-off-policy-steps", "4"]
+    graphs = tomllib.loads(bench.config_text(bench_args(smoke=False), "continuous_k4_async3_cg1024", tmp_path))
+    assert graphs["inference"]["vllm"]["extra_args"] == ["--max-cudagraph-capture-size", "1024"]
+    assert graphs["async_level"] == 3 and "vllm" not in gpu["inference"]
+    assert bench.async_level("mean_length_cg1024") == 0 and bench.fixed_concurrency("fixed_512_async2_cg1024") == 512
+    with pytest.raises(ValueError, match="unknown arm"):
+        bench.async_level("continuous_async3")
     assert bench.arm_flags("fixed_8", both) == ["--inference.weight-update", "drain"]
     assert bench.arm_flags("fixed_8", {"max_off_policy_steps": False, "weight_update": False}) == []
 
