@@ -60,3 +60,30 @@ def test_a_bad_manifest_fails_before_any_request(tmp_path):
     (tmp_path / "broadcast.json").write_text("{")
     with pytest.raises(client.WeightUpdateError, match="weights step 4 .* cannot be relayed: .*broadcast.json"):
         asyncio.run(client.update_weights(["http://127.0.0.1:9"], str(tmp_path), 4, api_key=None, timeout=1, retries=2))
+
+
+def test_a_policy_wait_cancelled_as_its_weights_arrive_is_cancelled(tmp_path):
+    """Python 3.11's wait_for returned the served version instead of raising when the cancel met weights that had
+    just arrived: a rollout loop waiting for them swallowed its cancel and lived on (the continuous one forever,
+    waiting for groups nobody dispatched, so asyncio.run never exited). Every turn of that window is tried."""
+    from prime_core.config.orchestrator import OrchestratorConfig
+    from prime_core.run_dir import RunDir
+    from prime_orchestrator.weight_relay import Policy
+
+    async def main():
+        policy = Policy(OrchestratorConfig(), RunDir(tmp_path))
+        for turns in range(6):
+            waiter = asyncio.create_task(policy.wait_for(policy.version + 1, 5))
+            await asyncio.sleep(0.01)
+            async with policy._changed:  # what `load` does once inference serves the new weights
+                policy.version += 1
+                policy._changed.notify_all()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if not waiter.cancel():
+                continue  # it had returned already: nothing to swallow
+            done, _ = await asyncio.wait({waiter}, timeout=2)
+            assert done == {waiter}
+            assert waiter.cancelled(), f"the cancel {turns} turn(s) after the weights arrived was swallowed"
+
+    asyncio.run(main())
