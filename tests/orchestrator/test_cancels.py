@@ -1,6 +1,7 @@
-"""A cancelled rollout ends: Python 3.11's ``asyncio.wait_for`` hands back the awaited outcome instead of raising when
-the cancel meets its end in the same turn, so a retry loop around it went on after its cancel. Each test cancels at
-every turn of that window; a cancel the task accepted (``cancel()`` returned True) must end it, cancelled."""
+"""A cancelled rollout ends, and takes its episode with it. Python 3.11's ``asyncio.wait_for`` hands back the awaited
+outcome instead of raising when the cancel meets its end in the same turn, so a retry loop around it went on after its
+cancel: the test cancels at every turn of that window; a cancel the task accepted (``cancel()`` returned True) must
+end it, cancelled."""
 
 from __future__ import annotations
 
@@ -50,5 +51,35 @@ def test_a_rollout_cancelled_as_its_server_crashes_is_not_retried():
             assert rollout.cancelled() and runner.server.runs == runs  # no attempt after the cancel
             if runner.server.gate is not None and not runner.server.gate.done():
                 runner.server.gate.cancel()
+
+    asyncio.run(main())
+
+
+class EndlessClient:
+    """An env client whose episodes run until cancelled."""
+
+    def __init__(self):
+        self.episodes: list[asyncio.Task] = []
+
+    async def run(self, *_):
+        self.episodes.append(asyncio.current_task())
+        await asyncio.get_running_loop().create_future()
+
+
+def test_a_cancelled_rollout_cancels_its_episode_in_the_env_server():
+    """Before, the episode's request task was left running: a stale rollout kept the env server (and its model and
+    tool calls) busy until its own end, and nothing awaited it."""
+    from prime_orchestrator.env_server import EnvServer
+
+    async def main():
+        server = EnvServer(EnvServerSpec(name="scripted", env_config={}))
+        server._died, server._client = asyncio.Event(), EndlessClient()
+        rollout = asyncio.create_task(server.run(client=None, model="m", sampling=None, task_data={}))
+        await asyncio.sleep(0.01)
+        rollout.cancel()
+        (episode,) = server._client.episodes
+        done, _ = await asyncio.wait({rollout, episode}, timeout=2)
+        assert episode in done and episode.cancelled(), "the cancelled rollout's episode runs on"
+        assert rollout.cancelled()
 
     asyncio.run(main())
