@@ -83,3 +83,34 @@ def test_a_cancelled_rollout_cancels_its_episode_in_the_env_server():
         assert rollout.cancelled()
 
     asyncio.run(main())
+
+
+def test_a_take_ends_when_the_server_answers_something_else():
+    """A 200 that is no version record (another server behind the URL) raised in the shared flush, and every rollout
+    waiting for its versions then waited forever: it falls back to the relay's bounds (None) now."""
+    from aiohttp import web
+    from prime_core.config.orchestrator import ClientConfig
+    from prime_orchestrator.versions import Flight, VersionRecords
+
+    async def proxy(_: web.Request) -> web.Response:
+        return web.Response(text="<html>a proxy</html>")
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/rollout_versions", proxy)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        records = VersionRecords(ClientConfig(base_urls=[url]))
+        try:
+            takes = [asyncio.create_task(records.take(Flight(tag=t, url=url))) for t in ("a", "b")]
+            done, _ = await asyncio.wait(takes, timeout=2)
+            assert done == set(takes), "a rollout waits forever for its versions"
+            assert [t.result() for t in takes] == [None, None]
+        finally:
+            await records.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
