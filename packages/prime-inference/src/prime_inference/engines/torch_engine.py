@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import random
 import threading
@@ -127,6 +128,8 @@ class TorchEngine(Engine):
         self._swap: _Swap | None = None
         self.in_flight = config.weight_update == "in_flight"
         self._stop = False
+        self._ended: str | None = None  # why the scheduler thread is gone (nothing waits on it after that)
+        self._live: dict[int, _Sequence] = {}  # every request's sequence (by id) until its generate ends
         self.num_steps = 0
         self._admin_lock: asyncio.Lock | None = None
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
@@ -190,6 +193,9 @@ class TorchEngine(Engine):
 
             seq.grammar = GrammarState(self.tokenizer, request.params.grammar)
         with self._cond:
+            if self._ended is not None:
+                raise RuntimeError(self._ended)
+            self._live[id(seq)] = seq
             self._waiting.append(seq)
             self._cond.notify_all()
         try:
@@ -201,8 +207,9 @@ class TorchEngine(Engine):
                 if out.finish_reason is not None:
                     return
         finally:
-            if not seq.finished:
-                with self._cond:
+            with self._cond:
+                self._live.pop(id(seq), None)
+                if not seq.finished:
                     seq.aborted = True
                     self._cond.notify_all()
 
@@ -292,6 +299,29 @@ class TorchEngine(Engine):
         return bool(self._running) or (bool(self._waiting) and self._swap is None)
 
     def _loop(self) -> None:
+        why = "the torch engine shut down"
+        try:
+            self._schedule()
+        except BaseException as e:  # logged here; the thread ends either way
+            logger.exception("the torch engine's scheduler died")
+            why = f"the torch engine's scheduler died ({type(e).__name__}: {e})"
+        finally:
+            self._end(why)
+
+    def _end(self, why: str) -> None:
+        """Fail what waits on the scheduler: its requests and admin ops would otherwise wait forever."""
+        with self._cond:
+            self._ended, error = why, RuntimeError(why)
+            for seq in self._live.values():  # waiting, running, or in the hands of the step that failed
+                with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
+                    seq.emit(error)
+            self._waiting.clear()
+            self._running = []
+            for future in [op.future for op in self._adapter_ops] + ([self._swap.future] if self._swap else []):
+                if not future.done():
+                    future.set_exception(error)
+
+    def _schedule(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self._has_work():
