@@ -45,6 +45,8 @@ def test_requests_fail_when_the_scheduler_dies(model_dir):
                 await asyncio.wait_for(first_output(engine, "a"), 5)
             with pytest.raises(RuntimeError, match="scheduler died"):  # a later request fails at once
                 await asyncio.wait_for(first_output(engine, "b"), 5)
+            with pytest.raises(RuntimeError, match="scheduler died"):  # so does a weight update
+                await asyncio.wait_for(engine.update_weights(str(model_dir), 1), 10)
         finally:
             await engine.shutdown()
 

@@ -193,8 +193,7 @@ class TorchEngine(Engine):
 
             seq.grammar = GrammarState(self.tokenizer, request.params.grammar)
         with self._cond:
-            if self._ended is not None:
-                raise RuntimeError(self._ended)
+            self._check_serving()
             self._live[id(seq)] = seq
             self._waiting.append(seq)
             self._cond.notify_all()
@@ -253,12 +252,14 @@ class TorchEngine(Engine):
         assert self._admin_lock is not None
         async with self._admin_lock:
             with self._cond:
+                self._check_serving()
                 self._adapter_ops.append(op)
                 self._cond.notify_all()
             await asyncio.wrap_future(op.future)
 
     async def _apply_swap(self, swap: _Swap) -> None:
         with self._cond:
+            self._check_serving()
             self._swap = swap
             self._cond.notify_all()
         await asyncio.wrap_future(swap.future)
@@ -299,27 +300,27 @@ class TorchEngine(Engine):
         return bool(self._running) or (bool(self._waiting) and self._swap is None)
 
     def _loop(self) -> None:
-        why = "the torch engine shut down"
         try:
             self._schedule()
+            self._end("the torch engine shut down")
         except BaseException as e:  # logged here; the thread ends either way
             logger.exception("the torch engine's scheduler died")
-            why = f"the torch engine's scheduler died ({type(e).__name__}: {e})"
-        finally:
-            self._end(why)
+            self._end(f"the torch engine's scheduler died ({type(e).__name__}: {e})")
 
-    def _end(self, why: str) -> None:
-        """Fail what waits on the scheduler: its requests and admin ops would otherwise wait forever."""
+    def _end(self, why: str) -> None:  # fail what waits on the scheduler: requests, admin ops would wait forever
         with self._cond:
             self._ended, error = why, RuntimeError(why)
             for seq in self._live.values():  # waiting, running, or in the hands of the step that failed
                 with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
                     seq.emit(error)
-            self._waiting.clear()
-            self._running = []
+            self._waiting, self._running = collections.deque(), []
             for future in [op.future for op in self._adapter_ops] + ([self._swap.future] if self._swap else []):
                 if not future.done():
                     future.set_exception(error)
+
+    def _check_serving(self) -> None:
+        if self._ended is not None:  # what it queued now would wait forever
+            raise RuntimeError(self._ended)
 
     def _schedule(self) -> None:
         while True:
