@@ -35,7 +35,7 @@ NOT_TIME = {"waiting", "scoring_s", "slowest_s"}  # counts and measurements, no 
 COVERED: dict[str, tuple[str, str, str]] = {
     "ClientConfig.timeout": (
         "prime-orchestrator/src/prime_orchestrator/envs.py",
-        "self.env.rollout_timeout,",
+        "async with asyncio.timeout(self.env.rollout_timeout):",
         "one model request inside a rollout, which its rollout_timeout ends (the rollouts lane); inference answers "
         "/health every second",
     ),
@@ -51,7 +51,7 @@ COVERED: dict[str, tuple[str, str, str]] = {
     ),
     "JudgeEndpointConfig.timeout": (
         "prime-orchestrator/src/prime_orchestrator/envs.py",
-        "self.env.rollout_timeout,",
+        "async with asyncio.timeout(self.env.rollout_timeout):",
         "a judge request inside a rollout's reward, ended by the rollout's timeout (the rollouts lane)",
     ),
     "TeacherConfig.timeout": (
@@ -96,7 +96,7 @@ COVERED: dict[str, tuple[str, str, str]] = {
     ),
     "SandboxClientConfig.timeout_s": (
         "prime-orchestrator/src/prime_orchestrator/envs.py",
-        "self.env.rollout_timeout,",
+        "async with asyncio.timeout(self.env.rollout_timeout):",
         "a sandbox node's execution inside a rollout's reward, ended by the rollout's timeout",
     ),
     "EnvServerSpec.start_timeout": (

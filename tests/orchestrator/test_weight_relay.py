@@ -60,3 +60,60 @@ def test_a_bad_manifest_fails_before_any_request(tmp_path):
     (tmp_path / "broadcast.json").write_text("{")
     with pytest.raises(client.WeightUpdateError, match="weights step 4 .* cannot be relayed: .*broadcast.json"):
         asyncio.run(client.update_weights(["http://127.0.0.1:9"], str(tmp_path), 4, api_key=None, timeout=1, retries=2))
+
+
+def test_a_policy_wait_cancelled_as_its_weights_arrive_is_cancelled(tmp_path):
+    """Python 3.11's wait_for returned the served version instead of raising when the cancel met weights that had
+    just arrived: a rollout loop waiting for them swallowed its cancel and lived on (the continuous one forever,
+    waiting for groups nobody dispatched, so asyncio.run never exited). Every turn of that window is tried."""
+    from prime_core.config.orchestrator import OrchestratorConfig
+    from prime_core.run_dir import RunDir
+    from prime_orchestrator.weight_relay import Policy
+
+    async def main():
+        policy = Policy(OrchestratorConfig(), RunDir(tmp_path))
+        for turns in range(6):
+            waiter = asyncio.create_task(policy.wait_for(policy.version + 1, 5))
+            await asyncio.sleep(0.01)
+            async with policy._changed:  # what `load` does once inference serves the new weights
+                policy.version += 1
+                policy._changed.notify_all()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if not waiter.cancel():
+                continue  # it had returned already: nothing to swallow
+            done, _ = await asyncio.wait({waiter}, timeout=2)
+            assert done == {waiter}
+            assert waiter.cancelled(), f"the cancel {turns} turn(s) after the weights arrived was swallowed"
+
+    asyncio.run(main())
+
+
+def test_the_continuous_loop_ends_when_cancelled_as_the_weights_it_waits_for_arrive(tmp_path):
+    """What the swallowed cancel did: the loop went on to form the batch, the dispatcher (cancelled only by the
+    loop's own finally) started groups for it, and the loop waited for them forever."""
+    from prime_core.run_dir import RunDir
+    from prime_orchestrator.continuous import Continuous
+    from prime_orchestrator.weight_relay import Policy
+
+    from tests.orchestrator.test_continuous import ScriptedOrchestrator
+
+    async def main():
+        orch = ScriptedOrchestrator()
+        orch.start_step = 2  # a resumed run: batch 2 waits for weights 1 (async_level 1)
+        orch.policy = Policy(orch.config, RunDir(tmp_path))
+        cont = orch.cont = Continuous(orch)
+        loop = asyncio.create_task(cont.rollout_loop(asyncio.Queue()))
+        await asyncio.sleep(0.05)
+        async with orch.policy._changed:  # what `load` does once inference serves weights 1
+            orch.policy.version = 1
+            orch.policy._changed.notify_all()
+        for listener in orch.policy.listeners:
+            listener()
+        loop.cancel()
+        done, _ = await asyncio.wait({loop}, timeout=2)
+        assert done == {loop} and loop.cancelled(), "the rollout loop swallowed its cancel and lives on"
+        await asyncio.sleep(0)  # its finally cancelled the dispatcher and the groups
+        assert cont.dispatcher.done() and all(r.task.done() for r in cont.running.values())
+
+    asyncio.run(main())

@@ -203,6 +203,9 @@ class EnvServer:
         death = asyncio.ensure_future(died.wait())
         try:
             await asyncio.wait({run, death}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            run.cancel()  # a cancelled rollout (stale, or the run ends): its episode must not run on in the server
+            raise
         finally:
             death.cancel()
         if run.done():

@@ -111,10 +111,12 @@ class EnvRunner:
         t0 = time.perf_counter()
         for attempt in range(self.max_retries + 1):
             try:
-                episode = await asyncio.wait_for(
-                    self.server.run(client=client, model=model, sampling=VfSampling(**sampling), task_data=task_data),
-                    self.env.rollout_timeout,
-                )
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for hands back the attempt's outcome when the
+                # cancel meets its end, so a crash at that moment was retried and the cancelled rollout ran on.
+                async with asyncio.timeout(self.env.rollout_timeout):
+                    episode = await self.server.run(
+                        client=client, model=model, sampling=VfSampling(**sampling), task_data=task_data
+                    )
                 return to_result(episode, self.name, example, time.perf_counter() - t0)
             except EnvServerCrashed as e:
                 self.num_retries += 1

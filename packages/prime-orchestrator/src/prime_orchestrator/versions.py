@@ -79,7 +79,11 @@ class VersionRecords:
         if resp.status_code != 200:
             logger.warning("rollout versions from %s: %s %s", url, resp.status_code, resp.text[:200])
             return None
-        return RolloutVersionsResponse.model_validate(resp.json())
+        try:
+            return RolloutVersionsResponse.model_validate(resp.json())
+        except ValueError as e:  # another server's answer: no record (it raised in the flush, whose takes then hung)
+            logger.warning("rollout versions from %s: not a version record (%s): %s", url, e, resp.text[:200])
+            return None
 
     async def take(self, flight: Flight) -> PolicyVersions | None:
         """The record of a finished rollout (forgotten by the server once read)."""
@@ -92,17 +96,23 @@ class VersionRecords:
     async def _flush_takes(self) -> None:
         await asyncio.sleep(0)  # rollouts that end together share one call per server
         batch, self._waiting, self._flush = self._waiting, {}, None
-        for url, futures in batch.items():
-            answer = await self._post(url, RolloutVersionsRequest(tags=list(futures), pop=True))
-            found = answer.versions if answer is not None else {}
-            if answer is not None and len(found) < len(futures) and not self.warned_missing:
-                self.warned_missing = True
-                logger.warning("inference server %s has no version record of some finished rollouts (does the "
-                               "client pass sampling_params.extra_args through?); using the weight relay's bounds",
-                               url)  # fmt: skip
-            for tag, future in futures.items():
-                if not future.done():
-                    future.set_result(found.get(tag))
+        try:
+            for url, futures in batch.items():
+                answer = await self._post(url, RolloutVersionsRequest(tags=list(futures), pop=True))
+                found = answer.versions if answer is not None else {}
+                if answer is not None and len(found) < len(futures) and not self.warned_missing:
+                    self.warned_missing = True
+                    logger.warning("inference server %s has no version record of some finished rollouts (does the "
+                                   "client pass sampling_params.extra_args through?); using the weight relay's "
+                                   "bounds", url)  # fmt: skip
+                for tag, future in futures.items():
+                    if not future.done():
+                        future.set_result(found.get(tag))
+        finally:  # whatever ended the flush, no take waits on for an answer that will not come: bounds instead
+            for futures in batch.values():
+                for future in futures.values():
+                    if not future.done():
+                        future.set_result(None)
 
     async def peek(self, flights: list[Flight]) -> dict[str, PolicyVersions] | None:
         """Records of running rollouts; None where a server keeps none."""

@@ -65,16 +65,20 @@ class Policy:
             await asyncio.sleep(poll_interval)
 
     async def wait_for(self, min_version: int, timeout: float) -> float:
-        """Block until the served version is >= ``min_version``; returns the seconds waited."""
+        """Block until the served version is >= ``min_version``; returns the seconds waited.
+
+        ``asyncio.timeout``, not ``wait_for``: Python 3.11's wait_for returns instead of raising when the cancel
+        meets weights that just arrived, and the rollout loops that call this in a loop lived on after their cancel
+        (the continuous one waited forever for groups nobody dispatched, holding asyncio.run's exit)."""
         t0 = time.perf_counter()
         path = self.run_dir.weight_step(min_version) / "STABLE"
         waiting = f"waiting for the trainer's weights step {min_version} ({path})"
         with progress.activity(waiting, lane="policy", waits_for="trainer"):
-            async with self._changed:
-                try:
-                    await asyncio.wait_for(self._changed.wait_for(lambda: self.version >= min_version), timeout)
-                except TimeoutError as e:
-                    raise TimeoutError(
-                        f"waited {timeout:.0f}s for weights step {min_version} ({path}); is the trainer running?"
-                    ) from e
+            try:
+                async with asyncio.timeout(timeout), self._changed:
+                    await self._changed.wait_for(lambda: self.version >= min_version)
+            except TimeoutError as e:
+                raise TimeoutError(
+                    f"waited {timeout:.0f}s for weights step {min_version} ({path}); is the trainer running?"
+                ) from e
         return time.perf_counter() - t0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import random
 import threading
@@ -127,6 +128,8 @@ class TorchEngine(Engine):
         self._swap: _Swap | None = None
         self.in_flight = config.weight_update == "in_flight"
         self._stop = False
+        self._ended: str | None = None  # why the scheduler thread is gone (nothing waits on it after that)
+        self._live: dict[int, _Sequence] = {}  # every request's sequence (by id) until its generate ends
         self.num_steps = 0
         self._admin_lock: asyncio.Lock | None = None
         self._thread = threading.Thread(target=self._loop, name="torch-engine", daemon=True)
@@ -190,6 +193,8 @@ class TorchEngine(Engine):
 
             seq.grammar = GrammarState(self.tokenizer, request.params.grammar)
         with self._cond:
+            self._check_serving()
+            self._live[id(seq)] = seq
             self._waiting.append(seq)
             self._cond.notify_all()
         try:
@@ -201,8 +206,9 @@ class TorchEngine(Engine):
                 if out.finish_reason is not None:
                     return
         finally:
-            if not seq.finished:
-                with self._cond:
+            with self._cond:
+                self._live.pop(id(seq), None)
+                if not seq.finished:
                     seq.aborted = True
                     self._cond.notify_all()
 
@@ -246,12 +252,14 @@ class TorchEngine(Engine):
         assert self._admin_lock is not None
         async with self._admin_lock:
             with self._cond:
+                self._check_serving()
                 self._adapter_ops.append(op)
                 self._cond.notify_all()
             await asyncio.wrap_future(op.future)
 
     async def _apply_swap(self, swap: _Swap) -> None:
         with self._cond:
+            self._check_serving()
             self._swap = swap
             self._cond.notify_all()
         await asyncio.wrap_future(swap.future)
@@ -292,6 +300,29 @@ class TorchEngine(Engine):
         return bool(self._running) or (bool(self._waiting) and self._swap is None)
 
     def _loop(self) -> None:
+        try:
+            self._schedule()
+            self._end("the torch engine shut down")
+        except BaseException as e:  # logged here; the thread ends either way
+            logger.exception("the torch engine's scheduler died")
+            self._end(f"the torch engine's scheduler died ({type(e).__name__}: {e})")
+
+    def _end(self, why: str) -> None:  # fail what waits on the scheduler: requests, admin ops would wait forever
+        with self._cond:
+            self._ended, error = why, RuntimeError(why)
+            for seq in self._live.values():  # waiting, running, or in the hands of the step that failed
+                with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
+                    seq.emit(error)
+            self._waiting, self._running = collections.deque(), []
+            for future in [op.future for op in self._adapter_ops] + ([self._swap.future] if self._swap else []):
+                if not future.done():
+                    future.set_exception(error)
+
+    def _check_serving(self) -> None:
+        if self._ended is not None:  # what it queued now would wait forever
+            raise RuntimeError(self._ended)
+
+    def _schedule(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self._has_work():
