@@ -60,9 +60,10 @@ class Policy:
 
     async def wait_for(self, version: int, timeout: float) -> float:
         start = time.perf_counter()
-        while self.version < version:
-            self.served.clear()
-            await self.served.wait()
+        async with asyncio.timeout(timeout):
+            while self.version < version:
+                self.served.clear()
+                await self.served.wait()
         return time.perf_counter() - start
 
 
@@ -71,18 +72,13 @@ class Engine:
     rollout is sampled on the weights served when it was admitted."""
 
     def __init__(self, args: argparse.Namespace, policy: Policy):
-        self.a, self.c, self.max_seqs, self.speed = (
-            args.step_ms / 1000,
-            args.per_seq_ms / 1000,
-            args.max_seqs,
-            args.speed,
-        )
+        self.a, self.c = args.step_ms / 1000, args.per_seq_ms / 1000
+        self.max_seqs, self.speed = args.max_seqs, args.speed
         self.policy = policy
-        self.running: dict[str, list] = {}  # tag -> [tokens left, future, first version]
+        self.running: dict[str, list] = {}  # tag -> [tokens left, future]
         self.waiting: deque[tuple[str, int, asyncio.Future]] = deque()
         self.wake = asyncio.Event()
-        self.first: dict[str, int] = {}
-        self.tokens = 0
+        self.first: dict[str, int] = {}  # tag -> the weights its first token was sampled on (the version record)
 
     def step_s(self) -> float:
         return self.a + self.c * len(self.running)
@@ -106,19 +102,19 @@ class Engine:
                 for tag, entry in list(self.running.items()):
                     entry[0] -= steps
                     if entry[0] <= 1e-9 and not entry[1].done():
-                        entry[1].set_result(entry[2])
+                        entry[1].set_result(self.first[tag])
                         del self.running[tag]
             last = now
             while self.waiting and len(self.running) < self.max_seqs:
                 tag, tokens, future = self.waiting.popleft()
                 if not future.done():
-                    self.running[tag] = [float(tokens), future, self.policy.version]
+                    self.running[tag] = [float(tokens), future]
                     self.first[tag] = self.policy.version
-                    self.tokens += tokens
             self.wake.clear()
             timeout = min(e[0] for e in self.running.values()) * self.step_s() / self.speed if self.running else None
-            with contextlib.suppress(TimeoutError):  # the next rollout ends
-                await asyncio.wait_for(self.wake.wait(), timeout)
+            with contextlib.suppress(TimeoutError):  # the next rollout ends (asyncio.timeout: no cancel swallowed)
+                async with asyncio.timeout(timeout):
+                    await self.wake.wait()
 
 
 class Ledger:
@@ -180,19 +176,17 @@ class SimOrchestrator:
 async def simulate(args: argparse.Namespace, k: int, a: int) -> dict:
     orch = SimOrchestrator(args, k, a)
     cont = Continuous(orch)
-    orch.cont = cont
     buffer: asyncio.Queue = asyncio.Queue()
     engine = asyncio.create_task(orch.engine.run())
     loop = asyncio.create_task(cont.rollout_loop(buffer))
     rows = []
     while (formed := await buffer.get()) is not None:
         batch = await formed
-        start = time.perf_counter()
         await asyncio.sleep(args.trainer_s / args.speed)
         orch.policy.serve(batch.step + 1)
         tokens = sum(r.result.completion_len for g in batch.groups for r in g)
         stale = max(batch.step - r.result.versions.first for g in batch.groups for r in g)
-        rows.append({"step": batch.step, "end": time.perf_counter(), "start": start, "tokens": tokens,
+        rows.append({"step": batch.step, "end": time.perf_counter(), "tokens": tokens,
                      "staleness_max": stale, "dropped": batch.metrics.get("off_policy/dropped", 0)})  # fmt: skip
     await loop
     engine.cancel()
