@@ -20,8 +20,9 @@ times ``--median-tokens``, otherwise uniform around the median. Each arm is one 
   async_level A with the suffix (``continuous_k2_async2``: up to three batches of groups in flight, larger decode
   batches; its fair peer is ``fixed_<N>_async2``; ``continuous_k4_async3`` is what benchmarks/continuous_sim.py
   finds the long tail needs),
-- any arm with ``_cg<N>`` appended: vLLM captures CUDA graphs up to N rollouts a decode step (its default stops at
-  512, and adaptive concurrency grows to 1,024), e.g. ``continuous_k4_async3_cg1024``;
+- any arm with ``_cg<N>`` appended: vLLM captures CUDA graphs up to N rollouts a decode step, e.g.
+  ``continuous_k4_async3_cg512`` (vLLM's own default; prime's ``inference.vllm.max_cudagraph_capture_size`` follows
+  ``max_num_seqs``, 1,024, the ceiling adaptive concurrency grows to);
   ``inference.weight_update = "in_flight"``, adaptive concurrency (no ``max_concurrent`` in the config).
 
 Weights reach inference by NCCL where trainer and vLLM get a GPU each (two or more GPUs visible; ``--weights``), else
@@ -98,7 +99,7 @@ def config_text(args: argparse.Namespace, arm: str, model_dir: Path) -> str:
 
 ARM = re.compile(r"(fixed_(?P<n>\d+)|continuous_k(?P<k>\d+)|mean_length)(_async(?P<async>\d+))?(_cg(?P<cg>\d+))?")
 """An arm's name: the loop (``fixed_<max_concurrent>``, ``continuous_k<max_off_policy_steps>``, ``mean_length``), then
-optionally ``_async<A>`` and ``_cg<N>`` (vLLM captures CUDA graphs up to N rollouts a step; its default stops at 512)."""
+optionally ``_async<A>`` and ``_cg<N>`` (vLLM captures CUDA graphs up to N rollouts a step)."""
 
 
 def arm_part(arm: str, part: str) -> int | None:

@@ -55,6 +55,26 @@ def test_vllm_cli_args_pass_options_through():
     assert "--disable-log-stats" not in vllm_cli_args(with_stats)
 
 
+def test_cuda_graphs_cover_every_step_adaptive_concurrency_can_reach():
+    from prime_inference.engines.vllm_engine import vllm_cli_args
+
+    def capture(**vllm):
+        args = vllm_cli_args(InferenceConfig.model_validate({"model": {"name": "m"}, "vllm": vllm}))
+        flag = "--max-cudagraph-capture-size"
+        return int(args[args.index(flag) + 1]) if flag in args else None
+
+    # vLLM alone stops at 512; the orchestrator's adaptive ceiling is 1024 rollouts (client.max_concurrent).
+    assert capture() == 1024
+    assert capture(max_num_seqs=700) == 700
+    assert capture(max_num_seqs=64) == 128  # never fewer graphs than vLLM's own min(2 x max_num_seqs, 512)
+    assert capture(max_num_seqs=64, max_cudagraph_capture_size=32) == 32
+    assert capture(enforce_eager=True) is None
+    # extra_args come last: vLLM's parser takes the user's own flag over ours.
+    args = vllm_cli_args(InferenceConfig.model_validate(
+        {"model": {"name": "m"}, "vllm": {"extra_args": ["--max-cudagraph-capture-size", "256"]}}))  # fmt: skip
+    assert args[-2:] == ["--max-cudagraph-capture-size", "256"]
+
+
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
 def test_vllm_engine_args_parse_with_vllms_parser(model_dir):
     from prime_inference.engines.vllm_engine import engine_args

@@ -86,6 +86,12 @@ class VllmConfig(BaseConfig):
     speculative decoding and one data-parallel replica; otherwise the server logs why and uses vLLM's path."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Maximum number of sequences per engine step; unset keeps vLLM's default."""
+    max_cudagraph_capture_size: int | None = Field(default=None, ge=1)
+    """Largest engine step (in tokens: one per decoding sequence) replayed from a CUDA graph; larger steps run
+    eagerly. Unset: ``max_num_seqs`` (1024 when that is unset, ``vllm serve``'s default on an H100), never below
+    vLLM's own min(2 x max_num_seqs, 512). vLLM alone stops at 512 while adaptive concurrency runs up to 1,024
+    rollouts: the long-tail loop's continuous arm ran 1.23x faster with graphs up to 1,024 (two H200s,
+    docs/benchmarks.md), for ~6 s more start-up and ~0.3 GiB."""
     enable_prefix_caching: bool | None = None
     """Prefix caching; unset keeps vLLM's default."""
     enable_fp32_lm_head: bool = True

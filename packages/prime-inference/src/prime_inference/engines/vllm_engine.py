@@ -30,7 +30,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from prime_core.config.inference import InferenceConfig
+from prime_core.config.inference import InferenceConfig, VllmConfig
 from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION_CLS = "prime_inference.vllm_plugin.PrimeWorkerExtension"
 LOGPROBS_MODES = {"processed": "processed_logprobs", "raw": "raw_logprobs"}
+VLLM_SERVE_MAX_NUM_SEQS = 1024
+"""``vllm serve``'s sequences per step on an H100-class GPU, the context this server starts vLLM in."""
 
 
 def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[str]:
@@ -75,6 +77,8 @@ def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[st
         args.append("--disable-log-stats")
     if v.max_num_seqs is not None:
         args += ["--max-num-seqs", str(v.max_num_seqs)]
+    if not v.enforce_eager:
+        args += ["--max-cudagraph-capture-size", str(cudagraph_capture_size(v))]
     if v.enable_prefix_caching is not None:
         args.append("--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching")
     if config.lora_enabled:
@@ -91,6 +95,14 @@ def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[st
     if headless:
         args.append("--headless")
     return args + list(v.extra_args)
+
+
+def cudagraph_capture_size(v: VllmConfig) -> int:
+    """``vllm.max_cudagraph_capture_size``, or what it means unset: graphs for every step the engine may decode."""
+    if v.max_cudagraph_capture_size is not None:
+        return v.max_cudagraph_capture_size
+    seqs = v.max_num_seqs or VLLM_SERVE_MAX_NUM_SEQS
+    return max(seqs, min(2 * seqs, 512))
 
 
 def engine_args(config: InferenceConfig) -> Any:
