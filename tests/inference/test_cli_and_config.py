@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -134,6 +135,50 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.integration
+def test_sigterm_cuts_requests_that_would_hold_the_exit_forever(model_dir, tmp_path):
+    """A request waiting on a paused engine never finishes: uvicorn's graceful shutdown waited for it without end."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prime_inference.entrypoints.inference", "--model.name", str(model_dir),
+         "--engine", "torch", "--server.port", str(port), "--output-dir", str(tmp_path), "--max-model-len", "64",
+         "--server.shutdown-timeout", "1"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url, answers = f"http://127.0.0.1:{port}", []
+    try:
+        wait_healthy(url, proc)
+        assert httpx.post(f"{url}/pause", timeout=30).status_code == 200
+        waiting = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{url}/v1/chat/completions", timeout=120, json={"messages": [{"role": "user", "content": "hi"}]})))  # fmt: skip
+        waiting.start()
+        time.sleep(1.0)  # the request reaches the paused engine
+        assert waiting.is_alive()
+        proc.terminate()
+        proc.wait(timeout=60)  # before the fix: still waiting for the paused request after minutes
+        waiting.join(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [a.status_code for a in answers] == [500]  # the client gets an answer, not a hang
+    log = (tmp_path / "logs" / "inference.log").read_text()
+    assert "a request was cut: still running 1s after the shutdown began (server.shutdown_timeout)" in log
+    assert "Traceback" not in log
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"no /health from {url} in {timeout:.0f} s")
 
 
 def test_log_probs_are_raw_standalone_and_processed_under_rl():

@@ -40,6 +40,9 @@ class ServerConfig(BaseConfig):
     """Model name reported by ``/v1/models`` and accepted in requests; defaults to ``model.name``."""
     timeout_keep_alive: int = Field(default=30, ge=1)
     """Seconds an idle HTTP keep-alive connection stays open."""
+    shutdown_timeout: float = Field(default=10.0, gt=0)
+    """On SIGTERM or Ctrl-C: seconds running requests may take to finish before they are cut (a request waiting on
+    a paused engine, or a client that stops reading a stream, would otherwise hold the exit forever)."""
     frozen: bool = False
     """Refuse every weight change (``/update_weights``, ``/reload_weights``, LoRA adapter loads) with 403: a
     distillation teacher keeps the weights it started with (``rl`` sets it for the teacher it starts)."""

@@ -6,6 +6,8 @@ inference @ inference.toml --server.api-key KEY
 
 from __future__ import annotations
 
+import logging
+
 from prime_core.config import parse_cli, write_config
 from prime_core.config.inference import InferenceConfig
 
@@ -37,11 +39,30 @@ def serve(config: InferenceConfig) -> None:
             port=config.server.port,
             log_level=config.log.level,
             timeout_keep_alive=config.server.timeout_keep_alive,
+            timeout_graceful_shutdown=config.server.shutdown_timeout,
             log_config=None,
         )
     )
     app.state.server = server  # vLLM's engine-error handler stops it when the engine has died
+    logging.getLogger("uvicorn.error").addFilter(CutRequestsInOneLine(config.server.shutdown_timeout))
     server.run()
+
+
+class CutRequestsInOneLine(logging.Filter):
+    """uvicorn logs each request it cuts at shutdown as an "Exception in ASGI application" traceback of a
+    CancelledError: one line says what happened instead."""
+
+    def __init__(self, timeout: float):
+        super().__init__()
+        self.timeout = timeout
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import asyncio
+
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            record.msg = "a request was cut: still running %gs after the shutdown began (server.shutdown_timeout)"
+            record.args, record.exc_info, record.exc_text = (self.timeout,), None, None
+        return True
 
 
 def main(argv: list[str] | None = None) -> None:
