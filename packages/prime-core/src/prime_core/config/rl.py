@@ -144,9 +144,25 @@ def _fill(target: dict[str, Any], key: str, value: Any, path: str, conflicts: li
         conflicts.append(f"{path} is {existing!r} but the shared value is {value!r}")
 
 
+def _continuous_async_level(data: dict[str, Any]) -> dict[str, Any]:
+    """Continuous rollouts with no ``async_level`` anywhere: dispatch as far ahead as the bound allows less one step of
+    slack (K - 1, at least 1 and at most K). A long-tailed rollout outlives several steps, and batches form on time only
+    if its group started that far ahead (docs/orchestrator.md, "Choosing K and async_level")."""
+    k = data.get("max_off_policy_steps")
+    if isinstance(k, str) and k.strip().isdigit():  # the command line's text
+        k = int(k)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0 or _is_set(data.get("async_level")):
+        return data
+    for name in ("trainer", "orchestrator"):
+        sub = _as_dict(data.get(name))
+        if isinstance(sub, dict) and _is_set(sub.get("async_level")):
+            return data
+    return {**data, "async_level": max(k - 1, min(k, 1))}
+
+
 def _share(data: dict[str, Any]) -> dict[str, Any]:
     """Fill the process sections with the shared top-level fields (see the module docstring)."""
-    data = dict(data)
+    data = _continuous_async_level(dict(data))
     conflicts: list[str] = []
     wandb = _as_dict(data.get("wandb"))
     if isinstance(wandb, dict):
@@ -225,7 +241,8 @@ class RLConfig(BaseConfig):
     max_steps: int | None = Field(default=None, ge=1)
     """Shared: number of training steps (trainer and orchestrator)."""
     async_level: int | None = Field(default=None, ge=0)
-    """Shared: how many steps rollouts may lag the trainer (trainer and orchestrator)."""
+    """Shared: how many steps rollouts may lag the trainer (trainer and orchestrator). Unset: 1, or with
+    ``max_off_policy_steps`` K set here, K - 1 (at least 1, at most K)."""
     max_off_policy_steps: int | None = Field(default=None, ge=0)
     """Shared: continuous rollouts with this bound on each rollout's staleness (orchestrator; the server rl starts
     then updates weights in flight)."""
