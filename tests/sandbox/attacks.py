@@ -412,3 +412,14 @@ with open("/work/test_add.py", "w") as f:
 unit = subprocess.run([sys.executable, "-m", "unittest", "-q", "test_add"], cwd="/work", capture_output=True, text=True)
 print("unittest", unit.returncode, unit.stderr.strip().splitlines()[-1])
 """
+# neighbours: output whose every byte JSON escapes in 6: invalid UTF-8 on stdout, control characters on stderr and
+# NULs on the test channel, {n} bytes of each, before a correct solution (its test line comes last)
+ESCAPED_OUTPUT = """
+import os, sys
+sys.stdout.buffer.write(b"\\xff" * {n})
+sys.stdout.flush()
+os.write(2, b"\\x01" * {n})
+os.write(3, b"\\x00" * {n} + b"\\n")
+def solve():
+    return 42
+"""

@@ -224,3 +224,28 @@ def test_host_files_graded_code_still_runs_with_its_own_files(sandbox):
         "shelf [1, 2]",
         "unittest 0 OK",
     ], result
+
+
+def test_neighbours_output_json_escapes_cost_the_host_its_bytes_not_six_times(sandbox, monkeypatch):
+    # An invalid byte went to the pool as "\\ufffd" and a control character as "\\u0001": a megabyte of either
+    # made a 6 MB verdict, which the pool parsed on its loop (14 ms) and a node serialised again (42 ms).
+    from prime_orchestrator.sandbox import pool
+
+    verdicts = []
+    recording = SimpleNamespace(loads=lambda raw: verdicts.append(len(raw)) or json.loads(raw), dumps=json.dumps)
+    monkeypatch.setattr(pool, "json", recording)
+    cap = 256 << 10
+    bound = cap * 3 // 2 + 4096
+    limits = SandboxLimits(wall_s=20, cpu_s=20, output_bytes=cap)
+    tests = [TestCase(expr="solve()", expected=42)]
+    for n in (cap - 4096, cap // 3 - 4096, cap * 2):
+        result = run(sandbox, attacks.ESCAPED_OUTPUT.format(n=n), limits=limits, tests=tests)
+        assert result.status == ("ok" if 3 * n < cap else "output_limit"), result.reason
+        assert verdicts[-1] <= bound and len(result.model_dump_json().encode()) <= bound, (n, verdicts)
+        if 3 * n < cap:  # the harness's line, written last, is kept
+            assert result.pass_fraction == 1.0, result.tests
+    text = 'h\u00e9llo w\u00f6rld \u2713 \U0001f389\t"q" \x1b[1mbold\x1b[0m\n' * (cap // 2 // 40)
+    code = f"import sys\nsys.stdout.write({text!r})\nsys.stderr.write({text[:4000]!r})\n"
+    valid = run(sandbox, code, limits=limits)
+    assert (valid.status, valid.stdout, valid.stderr) == ("ok", text, text[:4000]), valid.reason
+    assert verdicts[-1] <= bound, verdicts
