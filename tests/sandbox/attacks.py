@@ -345,3 +345,81 @@ for obj in gc.get_objects():
 for name in called - set(dir(builtins)):
     setattr(builtins, name, lambda *a, **k: "\ud800")
 """
+
+# host files: an exclusive lock on a read-only host file bound in (the interpreter's stdlib), held while a host
+# process taking the same lock waits; {path} is the file
+HOST_FILE_LOCK = """
+import fcntl, os, time
+fd = os.open({path!r}, os.O_RDONLY)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print("flock 0")
+except OSError as e:
+    print("flock", e.errno)
+time.sleep(2)
+"""
+# host files: watch the bound files (inotify, fanotify, dnotify through fcntl with its int cmd's high bits set or not),
+# probe the host's page cache (mincore of a shared mapping, cachestat) and evict it (fadvise DONTNEED); {path} is a
+# bound host file whose pages the host holds in its cache
+HOST_FILE_PROBES = (
+    _LIBC
+    + """
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+fd = os.open({path!r}, os.O_RDONLY)
+usr = os.open("/usr", os.O_RDONLY)
+buf = ctypes.create_string_buffer(4096)
+probes = {{
+    "inotify_init": (253,),
+    "inotify_init1": (294, 0),
+    "fanotify_init": (300, 0, 0),
+    "dnotify": (72, usr, 1026, 0x80000001),
+    "dnotify_high_bits": (72, usr, (1 << 32) | 1026, 0x80000001),
+    "mincore": (27, libc.mmap(None, 4096, 1, 1, fd, 0), 4096, buf),
+    "cachestat": (451, fd, buf, buf, 0),
+    "fadvise_dontneed": (221, fd, 0, 0, 4),
+    "fadvise_dontneed_high_bits": (221, fd, 0, 0, (1 << 32) | 4),
+}}
+for name, (nr, *args) in probes.items():
+    print(name, sys_(nr, *args))
+"""
+)
+# what graded code does with its own files, which the host-file fixes must leave working: sqlite on /work and in
+# memory, POSIX and OFD locks, fcntl's usual commands, fadvise hints, a dbm shelf, unittest in a child interpreter
+OWN_FILES = r"""
+import fcntl, os, shelve, sqlite3, struct, subprocess, sys
+db = sqlite3.connect("/work/t.db")
+db.execute("create table t (x)")
+db.executemany("insert into t values (?)", [(i,) for i in range(100)])
+db.commit()
+print("sqlite", sqlite3.connect("/work/t.db").execute("select sum(x) from t").fetchone()[0])
+print("memory", sqlite3.connect(":memory:").execute("select 6 * 7").fetchone()[0])
+with open("/work/ofd", "w") as f:
+    fcntl.fcntl(f, 37, struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, 0, 0, 0))  # F_OFD_SETLK
+with open("/work/lock", "w") as f:
+    fcntl.lockf(f, fcntl.LOCK_EX)
+    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    flags = fcntl.fcntl(f, fcntl.F_GETFL)
+    fcntl.fcntl(f, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    os.close(fcntl.fcntl(f, fcntl.F_DUPFD_CLOEXEC, 10))
+print("locks ok")
+with shelve.open("/work/shelf") as shelf:
+    shelf["k"] = [1, 2]
+with shelve.open("/work/shelf") as shelf:
+    print("shelf", shelf["k"])
+with open("/work/test_add.py", "w") as f:
+    f.write("import unittest\nclass T(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(1 + 1, 2)\n")
+unit = subprocess.run([sys.executable, "-m", "unittest", "-q", "test_add"], cwd="/work", capture_output=True, text=True)
+print("unittest", unit.returncode, unit.stderr.strip().splitlines()[-1])
+"""
+# neighbours: output whose every byte JSON escapes in 6: invalid UTF-8 on stdout, control characters on stderr and
+# NULs on the test channel, {n} bytes of each, before a correct solution (its test line comes last)
+ESCAPED_OUTPUT = """
+import os, sys
+sys.stdout.buffer.write(b"\\xff" * {n})
+sys.stdout.flush()
+os.write(2, b"\\x01" * {n})
+os.write(3, b"\\x00" * {n} + b"\\n")
+def solve():
+    return 42
+"""

@@ -4,7 +4,10 @@ reward, the status, the time it took, the node still answering), never only that
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import json
+import mmap
 import os
 import secrets
 import sys
@@ -17,7 +20,7 @@ from prime_core.config.sandbox import SandboxClientConfig, SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest, SandboxClient, TestCase
 
 from tests.sandbox import attacks
-from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, run, sandbox_pids
+from tests.sandbox.conftest import FAST, assert_no_sandbox_processes, assert_serving, run, sandbox_pids
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -150,3 +153,99 @@ def test_neighbours_a_megabyte_of_test_lines_costs_the_pool_a_few_parses(monkeyp
     parsed.clear()
     after_harness = schemas.parse_test_lines(harness + "junk\n" * 50_000, len(tests))  # only the code writes there
     assert after_harness == [] and len(parsed) == 4 * len(tests) + 64
+
+
+def _bound_host_file() -> Path:
+    """The largest module of the interpreter's stdlib: a host file bound read-only into every execution, at its path."""
+    return max(Path(os.__file__).resolve().parent.glob("*.py"), key=lambda p: p.stat().st_size)
+
+
+def _resident_pages(path: Path) -> int:
+    """How many pages of ``path`` the host's page cache holds (mincore of a shared mapping, from the host)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    try:
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+    finally:
+        libc.munmap(address, size)
+    return sum(v & 1 for v in vec)
+
+
+def test_host_files_a_lock_on_a_bound_file_never_blocks_the_host(sandbox):
+    # flock on a read-only bind locks the host's inode: a host process taking the same lock waited (here it was
+    # refused ~300 times in the 2 s the execution held it). POSIX locks stay: read-only, they can only be read locks.
+    path = _bound_host_file()
+    code = attacks.HOST_FILE_LOCK.format(path=str(path))
+    future = sandbox.call(sandbox.pool.execute(ExecRequest(code=code, limits=FAST)))
+    refused, fd = 0, os.open(path, os.O_RDONLY)
+    try:
+        while not future.done():
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                refused += 1
+            time.sleep(0.01)
+    finally:
+        os.close(fd)
+    result = future.result(timeout=60)
+    assert (result.status, refused) == ("ok", 0), (result, refused)
+    assert result.stdout == "flock 38\n", result  # ENOSYS: a lock library gives up at once instead of retrying
+
+
+@pytest.mark.skipif(not attacks.X86_64, reason="raw x86_64 syscall numbers")
+def test_host_files_no_watches_page_cache_probes_or_evictions(sandbox):
+    # inotify and dnotify watched the bound files (when the host and the neighbours read them), mincore probed their
+    # pages in the host's page cache, and fadvise(DONTNEED) emptied it: every page of the file, gone for the host.
+    path = _bound_host_file()
+    path.read_bytes()
+    before = _resident_pages(path)
+    result = run(sandbox, attacks.HOST_FILE_PROBES.format(path=str(path)))
+    assert result.status == "ok", result
+    assert _resident_pages(path) >= before > 0, result.stdout
+    outcomes = dict(line.split() for line in result.stdout.splitlines())
+    assert outcomes and set(outcomes.values()) == {"-1"}, outcomes  # EPERM
+
+
+def test_host_files_graded_code_still_runs_with_its_own_files(sandbox):
+    result = run(sandbox, attacks.OWN_FILES)
+    assert result.status == "ok", result
+    assert result.stdout.splitlines() == [
+        "sqlite 4950",
+        "memory 42",
+        "locks ok",
+        "shelf [1, 2]",
+        "unittest 0 OK",
+    ], result
+
+
+def test_neighbours_output_json_escapes_cost_the_host_its_bytes_not_six_times(sandbox, monkeypatch):
+    # An invalid byte went to the pool as "\\ufffd" and a control character as "\\u0001": a megabyte of either
+    # made a 6 MB verdict, which the pool parsed on its loop (14 ms) and a node serialised again (42 ms).
+    from prime_orchestrator.sandbox import pool
+
+    verdicts = []
+    recording = SimpleNamespace(loads=lambda raw: verdicts.append(len(raw)) or json.loads(raw), dumps=json.dumps)
+    monkeypatch.setattr(pool, "json", recording)
+    cap = 256 << 10
+    bound = cap * 3 // 2 + 4096
+    limits = SandboxLimits(wall_s=20, cpu_s=20, output_bytes=cap)
+    tests = [TestCase(expr="solve()", expected=42)]
+    for n in (cap - 4096, cap // 3 - 4096, cap * 2):
+        result = run(sandbox, attacks.ESCAPED_OUTPUT.format(n=n), limits=limits, tests=tests)
+        assert result.status == ("ok" if 3 * n < cap else "output_limit"), result.reason
+        assert verdicts[-1] <= bound and len(result.model_dump_json().encode()) <= bound, (n, verdicts)
+        if 3 * n < cap:  # the harness's line, written last, is kept
+            assert result.pass_fraction == 1.0, result.tests
+    text = 'h\u00e9llo w\u00f6rld \u2713 \U0001f389\t"q" \x1b[1mbold\x1b[0m\n' * (cap // 2 // 40)
+    code = f"import sys\nsys.stdout.write({text!r})\nsys.stderr.write({text[:4000]!r})\n"
+    valid = run(sandbox, code, limits=limits)
+    assert (valid.status, valid.stdout, valid.stderr) == ("ok", text, text[:4000]), valid.reason
+    assert verdicts[-1] <= bound, verdicts

@@ -76,9 +76,10 @@ class ExecResult(BaseModel):
     exit_code: int | None = None
     """Exit status (negative: killed by that signal)."""
     stdout: str = ""
-    """Standard output (at most the output limit)."""
+    """Standard output (its start, at most the output limit; bytes that are not UTF-8 as U+FFFD). With stderr and the
+    test channel, at most 1.5 times the output limit of JSON: cut further when escapes would make it more."""
     stderr: str = ""
-    """Standard error (its tail, at most the output limit)."""
+    """Standard error (its tail, at most the output limit; cut like ``stdout``)."""
     tests: list[TestOutcome] = Field(default_factory=list)
     """One outcome per test case, in order."""
     wall_s: float = 0.0

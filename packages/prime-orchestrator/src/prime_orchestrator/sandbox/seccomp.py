@@ -12,6 +12,13 @@ The policy is an allowlist in the spirit of Docker's default profile, narrowed f
   namespaces, ``setns``, mounts, keyrings, ``io_uring``, ``bpf``, ``perf_event_open``, ``ptrace`` and cross-process
   memory access, ``userfaultfd``, modules and kexec, SysV and POSIX IPC, ``memfd_create`` (memory RLIMIT_AS does
   not count), and the host-administration calls;
+- ``flock`` is not listed (``ENOSYS``): a lock on a bound host file is the host's inode's lock, which a host process
+  taking it would wait on, and the filter cannot tell such a descriptor from one in ``/work``. ``ENOSYS`` is what a
+  kernel without the call answers, so a lock library gives up at once (Python's ``filelock`` raises
+  ``NotImplementedError``; on ``EPERM`` it would retry until the wall limit). POSIX locks (``fcntl``, which sqlite
+  uses) stay: on a read-only descriptor they can only take read locks;
+- ``fcntl`` is allowed but for ``F_NOTIFY`` (``inotify``'s older form) and ``fadvise64`` but for
+  ``POSIX_FADV_DONTNEED``, which drops a bound host file's pages from the host's page cache;
 - ``clone`` is allowed without namespace flags; ``socket`` for ``AF_UNIX``, ``AF_INET`` and ``AF_INET6`` only
   (other families ``EAFNOSUPPORT``); ``personality`` for the values Docker allows;
 - a call made through another ABI (i386 ``int 0x80``, x32) kills the process.
@@ -35,18 +42,18 @@ def _names(text: str) -> tuple[str, ...]:
 ALLOWED = _names(
     # files and descriptors
     "read write readv writev pread64 pwrite64 preadv pwritev preadv2 pwritev2 open openat openat2 creat close "
-    "close_range lseek dup dup2 dup3 fcntl ioctl flock fsync fdatasync sync_file_range truncate ftruncate "
-    "fallocate fadvise64 readahead sendfile splice tee vmsplice copy_file_range pipe pipe2 "
+    "close_range lseek dup dup2 dup3 ioctl fsync fdatasync sync_file_range truncate ftruncate fallocate readahead "
+    "sendfile splice tee vmsplice copy_file_range pipe pipe2 "
     # metadata and directories
     "stat lstat fstat newfstatat statx statfs fstatfs access faccessat faccessat2 readlink readlinkat getdents "
     "getdents64 getcwd chdir fchdir mkdir mkdirat rmdir rename renameat renameat2 link linkat symlink symlinkat "
     "unlink unlinkat chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes utimensat futimesat "
     "umask mknod mknodat getxattr lgetxattr fgetxattr listxattr llistxattr flistxattr setxattr lsetxattr fsetxattr "
     "removexattr lremovexattr fremovexattr getxattrat setxattrat listxattrat removexattrat file_getattr "
-    "file_setattr inotify_init inotify_init1 inotify_add_watch inotify_rm_watch "
+    "file_setattr "
     # memory
-    "brk mmap munmap mremap mprotect pkey_mprotect pkey_alloc pkey_free madvise mincore msync mlock mlock2 munlock "
-    "mlockall munlockall membarrier mseal map_shadow_stack cachestat get_mempolicy set_mempolicy mbind "
+    "brk mmap munmap mremap mprotect pkey_mprotect pkey_alloc pkey_free madvise msync mlock mlock2 munlock mlockall "
+    "munlockall membarrier mseal map_shadow_stack get_mempolicy set_mempolicy mbind "
     "set_mempolicy_home_node "
     # processes and threads (clone: see CONDITIONAL)
     "fork vfork execve execveat exit exit_group wait4 waitid kill tkill tgkill rt_sigqueueinfo rt_tgsigqueueinfo "
@@ -90,9 +97,14 @@ DENIED = _names(
     "modify_ldt fanotify_init fanotify_mark vhangup sync lookup_dcookie nfsservctl uselib ustat sysfs _sysctl "
     # syncfs on a descriptor of a read-only bind (/usr) writes back the host filesystem under it, the one holding
     # the run's checkpoints, and waits for it uninterruptibly: ``sync`` by another name
-    "syncfs"
+    "syncfs "
+    # What is bound from the host (/usr, the interpreter) is the host's own inodes: watching them shows when the host
+    # and the neighbours read them, and page-cache residency (mincore, cachestat) shows which files they used.
+    "inotify_init inotify_init1 inotify_add_watch inotify_rm_watch mincore cachestat"
 )
 
+F_NOTIFY = 1026
+POSIX_FADV_DONTNEED = 4
 NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # as Docker: PER_LINUX, UNAME26, ADDR_NO_RANDOMIZE, query
@@ -167,6 +179,18 @@ def _rules(lib, ctx) -> None:
     _add(lib, ctx, _errno(errno.EAFNOSUPPORT), "socket", (0, _CMP_GT, 10, 0))
     for value in PERSONALITIES:
         _add(lib, ctx, _ACT_ALLOW, "personality", (0, _CMP_EQ, value, 0))
+    _allow_unless(lib, ctx, "fcntl", 1, F_NOTIFY)
+    _allow_unless(lib, ctx, "fadvise64", 3, POSIX_FADV_DONTNEED)
+
+
+def _allow_unless(lib, ctx, name: str, arg: int, value: int) -> None:
+    """``name`` allowed unless its ``int`` argument ``arg`` is ``value`` (then ``EPERM``). The kernel reads only the
+    low 32 bits, so every comparison masks them: ``value`` with high bits set is still refused. The allowance is one
+    rule per bit in which the argument differs from ``value``, none overlapping the refusal (libseccomp does not
+    order rules of different actions that match the same call)."""
+    for bit in range(32):
+        _add(lib, ctx, _ACT_ALLOW, name, (arg, _CMP_MASKED_EQ, 1 << bit, ~value & (1 << bit)))
+    _add(lib, ctx, _errno(errno.EPERM), name, (arg, _CMP_MASKED_EQ, 0xFFFFFFFF, value))
 
 
 @cache

@@ -9,7 +9,8 @@ execution outlives the verdict and its uid can be lent again at once.
 
 The deadline watches the runner itself (a pidfd), not its pipes: closing stdout, stderr and the test channel does
 not stop the clock. Output past the cap also ends it. The verdict is one JSON object on the result pipe; the test
-channel goes back as text, unparsed: the pool parses it, and no line the code wrote can break this process.
+channel goes back as text, unparsed: the pool parses it, and no line the code wrote can break this process. What the
+code wrote is cut to what its JSON costs, not only to its bytes (see :func:`_fit`).
 
 Stdlib only (imported by the zygote, see :mod:`zygote`).
 """
@@ -48,7 +49,7 @@ def supervise(fds: list[int], ctl_fd: int, zygote_pid: int, seccomp) -> None:
         verdict = {"status": "sandbox_error", "reason": f"supervisor: {type(e).__name__}: {e}"}
     own = resource.getrusage(resource.RUSAGE_SELF)
     verdict["supervisor_cpu_s"] = own.ru_utime + own.ru_stime
-    data = json.dumps(verdict).encode()
+    data = json.dumps(verdict, ensure_ascii=False).encode(errors="replace")
     while data:
         data = data[os.write(result_fd, data) :]
     os.close(result_fd)  # the verdict is complete now, not after this process's namespaces are torn down
@@ -137,17 +138,42 @@ def _verdict(limits: dict, streams: dict, breach: str | None, status: int, usage
     cpu = usage.ru_utime + usage.ru_stime
     stderr = streams["stderr"].decode(errors="replace")
     code = os.waitstatus_to_exitcode(status)
+    cap = limits["output_bytes"]
+    # The test channel's end first (the harness writes its lines last), then stdout, the graded stream, then stderr.
+    budget = cap + cap // 2
+    test_lines, used = _fit(streams["tests"].decode(errors="replace"), budget, tail=True)
+    stdout, more = _fit(streams["stdout"][:cap].decode(errors="replace"), budget - used, tail=False)
     verdict = {
         "exit_code": code,
-        "stdout": streams["stdout"][: limits["output_bytes"]].decode(errors="replace"),
-        "stderr": stderr[-limits["output_bytes"] :],
-        "test_lines": streams["tests"].decode(errors="replace"),
+        "stdout": stdout,
+        "stderr": _fit(stderr[-cap:], budget - used - more, tail=True)[0],
+        "test_lines": test_lines,
         "wall_s": wall,
         "cpu_s": cpu,
         "max_rss_mb": usage.ru_maxrss / 1024,
     }
     verdict.update(_classify(limits, breach, code, cpu, stderr, streams["tests"]))
     return verdict
+
+
+def _fit(text: str, budget: int, tail: bool) -> tuple[str, int]:
+    """``text`` (its end when ``tail``) cut to at most ``budget`` bytes of JSON, and the bytes it takes.
+
+    JSON writes a control character in 6 bytes, and an invalid byte (U+FFFD, 3 bytes in UTF-8) took 6 too when the
+    verdict was ASCII-escaped: a megabyte of such output was a 6 MB verdict, which the pool parses on the loop every
+    neighbour waits on (14 ms) and a node serialises again (42 ms). Output within the limit whose escapes add at most
+    half its size (ordinary text: a newline adds one byte to its line) is never cut."""
+    size = _json_size(text)
+    keep = len(text) * budget // max(size, 1)  # as dense as the whole text
+    while size > budget:  # twice at most: dropping n more characters drops at least n bytes
+        text = text[len(text) - keep :] if tail else text[:keep]
+        size = _json_size(text)
+        keep = max(0, keep - (size - budget))
+    return text, size
+
+
+def _json_size(text: str) -> int:
+    return len(json.dumps(text, ensure_ascii=False).encode()) - 2
 
 
 def _classify(limits: dict, breach: str | None, code: int, cpu: float, stderr: str, tests: bytes) -> dict:
