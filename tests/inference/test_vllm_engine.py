@@ -73,6 +73,10 @@ def test_cuda_graphs_cover_every_step_adaptive_concurrency_can_reach():
     args = vllm_cli_args(InferenceConfig.model_validate(
         {"model": {"name": "m"}, "vllm": {"extra_args": ["--max-cudagraph-capture-size", "256"]}}))  # fmt: skip
     assert args[-2:] == ["--max-cudagraph-capture-size", "256"]
+    # vLLM refuses a capture limit that disagrees with an explicit list of sizes: the user's list alone goes through.
+    for flags in (["--compilation-config", '{"cudagraph_capture_sizes": [1, 2, 4]}'],
+                  ["-cc.cudagraph_capture_sizes=[1,2,4]"], ["--cuda-graph-sizes", "1", "2", "4"]):  # fmt: skip
+        assert capture(extra_args=flags) is None
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")

@@ -77,7 +77,7 @@ def vllm_cli_args(config: InferenceConfig, *, headless: bool = False) -> list[st
         args.append("--disable-log-stats")
     if v.max_num_seqs is not None:
         args += ["--max-num-seqs", str(v.max_num_seqs)]
-    if not v.enforce_eager:
+    if not v.enforce_eager and not names_capture_sizes(v.extra_args):
         args += ["--max-cudagraph-capture-size", str(cudagraph_capture_size(v))]
     if v.enable_prefix_caching is not None:
         args.append("--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching")
@@ -103,6 +103,14 @@ def cudagraph_capture_size(v: VllmConfig) -> int:
         return v.max_cudagraph_capture_size
     seqs = v.max_num_seqs or VLLM_SERVE_MAX_NUM_SEQS
     return max(seqs, min(2 * seqs, 512))
+
+
+def names_capture_sizes(extra_args: list[str]) -> bool:
+    """Whether the user's flags choose the captured sizes themselves (``--cuda-graph-sizes``, or
+    ``cudagraph_capture_sizes`` / ``max_cudagraph_capture_size`` in ``--compilation-config`` or ``-cc.``): vLLM refuses
+    a capture limit that disagrees with an explicit list of sizes."""
+    text = " ".join(extra_args).replace("-", "_")
+    return "cudagraph_capture_size" in text or "cuda_graph_sizes" in text
 
 
 def engine_args(config: InferenceConfig) -> Any:
