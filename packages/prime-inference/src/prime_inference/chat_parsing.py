@@ -122,18 +122,36 @@ class OutputParser:
         if not parse_tools or self.tools is None:
             reasoning, content = self.split_reasoning(text, thinking, final)
             return ParsedOutput(content, reasoning)
-        content_ids, calls = self.tools.extract(list(token_ids))
-        if not final and calls and calls[-1].status.name == "UNCLOSED_BLOCK":
-            calls = calls[:-1]
-        elif not calls or any(c.status.name != "OK" for c in calls):
+        try:
+            content_ids, calls = self.tools.extract(list(token_ids))
+        except (RecursionError, ValueError):  # json.loads on deep nesting or a >4300-digit int: not a call
+            content_ids, calls = [], None
+        held = not final and bool(calls) and calls[-1].status.name == "UNCLOSED_BLOCK"
+        ok = [_openai_call(c) for c in (calls[:-1] if held else calls or [])]
+        if not held and (not calls or None in ok):
             reasoning, content = self.split_reasoning(text, thinking, final)
             return ParsedOutput(content, reasoning)
+        ok = [c for c in ok if c is not None]
         head = self.tokenizer.decode(content_ids, skip_special_tokens=skip_special)
         reasoning, content = self.split_reasoning(head, thinking, final=True)
-        ok = [tool_call(c.name, c.arguments, c.id) for c in calls if c.status.name == "OK"]
         if ok and content is not None and not content.strip():
             content = None  # vLLM: blank content before the calls is no content
         return ParsedOutput(content, reasoning, ok)
+
+
+def _openai_call(call: Any) -> dict[str, Any] | None:
+    """A parsed call as OpenAI's, or None where it cannot be one: its name is not a string (vLLM's parser refuses it
+    too), or a JSON escape decoded to a lone surrogate, which no UTF-8 response can carry (the whole answer was a
+    500). Arguments are always encoded as JSON, a string too, as vLLM does, so clients can decode them."""
+    if call.status.name != "OK" or not isinstance(call.name, str):
+        return None
+    out = tool_call(call.name, json.dumps(call.arguments, ensure_ascii=False), call.id)
+    try:
+        call.name.encode()
+        out["function"]["arguments"].encode()
+    except UnicodeEncodeError:
+        return None
+    return out
 
 
 def forced_tool_calls(text: str, tool_choice: str | dict[str, Any]) -> list[dict[str, Any]]:

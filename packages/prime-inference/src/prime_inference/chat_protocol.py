@@ -96,7 +96,7 @@ def _decoded_tool_call(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # a policy's call echoed back: deep nesting, a >4300-digit int
         return call
     return {**call, "function": {**function, "arguments": arguments}}
 

@@ -104,18 +104,28 @@ async def stream(
             await queue.put((index, e))
 
     tasks = [asyncio.ensure_future(run(i, r)) for i, r in enumerate(requests)]
-    remaining = len(tasks)
+    remaining, behind = len(tasks), False
     try:
         while remaining:
-            index, out = await queue.get()
-            if isinstance(out, Exception):
-                raise out
-            choices[index].add(out)
-            if on_output is not None:
-                on_output(out)
-            finished = out.finish_reason is not None
-            remaining -= finished
-            yield choices[index], finished
+            batch = [await queue.get()]
+            # A consumer that spent over a millisecond on its last delta gets every delta queued since at once: each
+            # delta's view decodes (and parses) the whole text so far, so one view per token made a long stream
+            # quadratic, in the event loop (a 40k-token answer held every other request for over ten minutes).
+            while behind and not queue.empty():
+                batch.append(queue.get_nowait())
+            touched: dict[int, bool] = {}
+            for index, out in batch:
+                if isinstance(out, Exception):
+                    raise out
+                choices[index].add(out)
+                if on_output is not None:
+                    on_output(out)
+                touched[index] = touched.get(index, False) or out.finish_reason is not None
+            for index, finished in touched.items():
+                remaining -= finished
+                start = time.monotonic()
+                yield choices[index], finished
+                behind = time.monotonic() - start > 1e-3
     finally:
         for t in tasks:
             t.cancel()

@@ -23,7 +23,7 @@ from prime_orchestrator.env_config import env_config_data, resolve
 from prime_orchestrator.env_server import EnvServer, EnvServerCrashed
 from prime_orchestrator.judges import JudgeEndpoint
 from prime_orchestrator.rendering import resolve_renderer
-from prime_orchestrator.traces import to_result
+from prime_orchestrator.traces import one_line, to_result
 
 logger = logging.getLogger("prime.orchestrator.env")
 
@@ -129,8 +129,9 @@ class EnvRunner:
                 error = f"{type(e).__name__}: {e}"
                 break
         self.num_failed += 1
-        logger.warning("rollout of %s example %d failed: %s", self.name, example, error.splitlines()[0])
-        return RolloutResult(env=self.name, example=example, failed=True, error=error.splitlines()[0])
+        error = one_line(error)
+        logger.warning("rollout of %s example %d failed: %s", self.name, example, error)
+        return RolloutResult(env=self.name, example=example, failed=True, error=error)
 
     async def close(self) -> None:
         await self.server.close()

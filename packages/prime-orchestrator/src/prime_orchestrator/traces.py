@@ -92,6 +92,14 @@ def seat_metrics(traces: list[TraceResult]) -> dict[str, float]:
     }
 
 
+def one_line(message: str) -> str:
+    """A failure's reason on one line: its first line and, when there are more, its last. A harness that crashed
+    reports its stderr's tail, a traceback whose cause is the last line; the first alone named no cause (``harness
+    'prime-chat' exited 1: Traceback (most recent call last):``, or a cut frame line)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()] or ["(no message)"]
+    return lines[0][:500] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1][-300:]}"
+
+
 def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutResult:
     """The trained view of an episode: one ``TraceResult`` per trainable trace (agent seats and attempts; a simulated
     user or judge trains nothing), with the tokens, mask and log-probs verifiers recorded. A failed episode (it
@@ -100,7 +108,7 @@ def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutRe
     error = episode.last_error or next((t.last_error for t in episode.traces if t.last_error is not None), None)
     if not done or error is not None:
         message = error.message if error is not None else "the episode produced no trace"
-        return RolloutResult(env=env, example=example, failed=True, error=f"{message}".splitlines()[0][:500])
+        return RolloutResult(env=env, example=example, failed=True, error=one_line(f"{message}"))
     # An env where no seat trains (an eval of a fixed pair of agents) is scored over all of them, as vf-eval does.
     trainable = [t for t in done if t.agent.trainable]
     scored = trainable or done

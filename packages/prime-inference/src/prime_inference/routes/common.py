@@ -46,7 +46,7 @@ async def read_json(request: Request) -> dict[str, Any]:
         raise RequestError(f"request body larger than {MAX_BODY_BYTES} bytes", status_code=413)
     try:
         data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # besides syntax: bad UTF-8, deep nesting, a >4300-digit int
         raise RequestError(f"request body is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
