@@ -118,14 +118,7 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
     )  # fmt: skip
     url, headers = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
     try:
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", headers=headers, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
+        wait_healthy(url, proc, headers)
         r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=60,
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
@@ -169,11 +162,11 @@ def test_sigterm_cuts_requests_that_would_hold_the_exit_forever(model_dir, tmp_p
     assert "Traceback" not in log
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, headers: dict[str, str] | None = None, timeout: float = 90) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", headers=headers, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             assert proc.poll() is None, proc.stdout.read()
