@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,12 +54,22 @@ def make_step_batches(step: int, num_micro_batches: int, rows: int, seq_len: int
 
 
 def write_rollouts(
-    output_dir: Path, steps: int, num_ranks: int, micro_batches_per_step: int = 4, seq_len: int = 32, vocab: int = 96
+    output_dir: Path,
+    steps: int,
+    num_ranks: int,
+    micro_batches_per_step: int = 4,
+    seq_len: int = 32,
+    vocab: int = 96,
+    batches_of: Callable[[int], list[MicroBatch]] | None = None,
 ) -> None:
-    """The same global batches split across ``num_ranks`` trainer ranks (rank r gets micro-batches r, r+R, ...)."""
+    """The same global batches split across ``num_ranks`` trainer ranks (rank r gets micro-batches r, r+R, ...).
+    ``batches_of(step)`` replaces the generated batches of each step."""
     run_dir = RunDir(output_dir)
     for step in range(steps):
-        batches = make_step_batches(step, micro_batches_per_step, 2, seq_len, vocab)
+        if batches_of is not None:
+            batches = batches_of(step)
+        else:
+            batches = make_step_batches(step, micro_batches_per_step, 2, seq_len, vocab)
         total = sum(mb.num_loss_tokens for mb in batches)
         for rank in range(num_ranks):
             mine = batches[rank::num_ranks]

@@ -26,7 +26,7 @@ from prime_trainer import perf
 from prime_trainer.ckpt import CheckpointManager
 from prime_trainer.memory import MemoryPlan
 from prime_trainer.model import ModelSource, build_model, loss_scale
-from prime_trainer.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from prime_trainer.optim import SkippedSteps, build_optimizer, clip_grad_norm, lr_at, set_lr
 from prime_trainer.parallel import TrainerLayout, build_layout
 from prime_trainer.weights import WeightPublisher, build_publisher
 from prime_trainer.world import World, init_world
@@ -54,6 +54,8 @@ class Components:
     """Parallel layout (meshes, expert and context parallelism)."""
     memory_plan: MemoryPlan | None = None
     """Activation checkpointing in use; set before the first forward (`prime_trainer.memory.plan_memory`)."""
+    skipped_steps: SkippedSteps = field(default_factory=lambda: SkippedSteps(0))
+    """Optimizer steps skipped in a row for non-finite gradients; `setup` sets ``optim.max_skipped_steps``."""
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -119,6 +121,7 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
         loss_scale=loss_scale(model, world),
         layout=layout,
+        skipped_steps=SkippedSteps(config.optim.max_skipped_steps),
     )
 
 
@@ -144,11 +147,13 @@ def set_grad_sync(model: nn.Module, index: int, count: int) -> None:
 
 
 def optimizer_step(c: Components, step: int) -> tuple[float, float]:
-    """Clip, set the scheduled learning rate, step, zero grads. Returns (grad norm, lr)."""
+    """Clip, set the scheduled learning rate, step (unless the gradients are not finite), zero grads. Returns (grad
+    norm, lr)."""
     grad_norm = clip_grad_norm(c.model, c.config.optim.max_norm)
     lr = lr_at(step, c.config.optim.lr, c.config.scheduler, c.config.max_steps)
     set_lr(c.optimizer, lr)
-    c.optimizer.step()
+    if c.skipped_steps.admit(grad_norm, step):  # the norm is global: every rank decides the same
+        c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr
 

@@ -1,13 +1,17 @@
-"""AdamW, the learning-rate schedule (a pure function of the step) and gradient clipping."""
+"""AdamW, the learning-rate schedule (a pure function of the step), gradient clipping and the guard that skips a step
+whose gradients are not finite."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from prime_core.config.trainer import AdamWConfig, CosineSchedulerConfig, SchedulerConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger("prime.trainer")
 
 
 def build_optimizer(model: nn.Module, config: AdamWConfig) -> torch.optim.Optimizer:
@@ -63,3 +67,34 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return float(total)
+
+
+class NonFiniteGradients(RuntimeError):
+    """More optimizer steps in a row had a NaN or infinite gradient norm than ``optim.max_skipped_steps`` allows."""
+
+
+class SkippedSteps:
+    """Skips the optimizer step of a non-finite gradient norm, as verl does: one NaN (a NaN or overflowing loss, a
+    broken sample) would otherwise write NaN into every weight, which the trainer then publishes to inference and
+    checkpoints, and every later rollout is garbage. A skipped step leaves the weights and AdamW's moments and step
+    count as they were. Past ``limit`` skips in a row the run stops: the cause is no longer one batch."""
+
+    def __init__(self, limit: int, what: str = "") -> None:
+        self.limit = limit
+        self.what = what
+        self.in_a_row = 0
+
+    def admit(self, grad_norm: float, step: int) -> bool:
+        """Whether step ``step`` may apply its gradients; raises `NonFiniteGradients` past the limit."""
+        if math.isfinite(grad_norm):
+            self.in_a_row = 0
+            return True
+        self.in_a_row += 1
+        line = f"step {step}{self.what}: gradient norm is {grad_norm}"
+        if self.in_a_row > self.limit:
+            raise NonFiniteGradients(
+                f"{line}, {self.in_a_row} steps in a row (optim.max_skipped_steps = {self.limit}): the loss or the "
+                "data is not finite every step, or the weights already are"
+            )
+        logger.warning("%s: optimizer step skipped, weights unchanged (%d in a row)", line, self.in_a_row)
+        return False

@@ -59,6 +59,10 @@ class AdamWConfig(BaseConfig):
     """Adam epsilon."""
     max_norm: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; unset disables clipping (the norm is still logged)."""
+    max_skipped_steps: int = Field(default=3, ge=0)
+    """Optimizer steps in a row that may be skipped for a NaN or infinite gradient norm (the weights and AdamW's
+    moments stay as they were; the step is logged with ``optim/skipped``) before the trainer stops with an error.
+    0 stops at the first."""
 
 
 class ConstantSchedulerConfig(BaseConfig):

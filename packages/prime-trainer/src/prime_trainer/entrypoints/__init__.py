@@ -15,6 +15,7 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     from prime_core.config.cli import fail
     from prime_core.progress import stop_reporting
 
+    from prime_trainer.optim import NonFiniteGradients
     from prime_trainer.world import shutdown_world
 
     finished = False
@@ -25,6 +26,9 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     except ConfigError as e:
         # Settings that only the world (ranks, data) shows to be wrong: one line, like a parse error.
         fail(str(e))
+    except NonFiniteGradients as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except Exception as e:
         # A full disk (checkpoint, weights, logs): one line naming errno and path instead of a traceback.
         from prime_core.io import storage_error, storage_error_line

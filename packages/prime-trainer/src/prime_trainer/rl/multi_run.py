@@ -25,7 +25,7 @@ from prime_models.lora import set_active_adapter
 from prime_trainer import common
 from prime_trainer.liveness import checkpointing, publishing
 from prime_trainer.lora import build_run_optimizer, check_base_on_disk, clip_adapter_grad_norm
-from prime_trainer.optim import lr_at
+from prime_trainer.optim import SkippedSteps, lr_at
 from prime_trainer.rl.data import RolloutSource
 from prime_trainer.rl.loss import build_objective
 from prime_trainer.rl.train import forward_backward, next_micro_batches, step_metrics
@@ -42,6 +42,7 @@ class Run:
     rollouts: RolloutSource | None
     """The run's rollouts; None for fake data."""
     monitor: Monitor | None
+    skipped_steps: SkippedSteps
 
     @property
     def name(self) -> str:
@@ -69,7 +70,8 @@ def build_runs(c: common.Components, config: TrainerConfig) -> list[Run]:
             monitor = build_monitor(run_monitor, output_dir=rc.output_dir, process="trainer",
                                     run_config={**config.model_dump(mode="json"), "run": rc.model_dump(mode="json")})  # fmt: skip
         publisher = build_publisher(config, "trainer", run_dir, c.world, tokenizer=config.model.name, adapter=rc.name)
-        runs.append(Run(rc, i, rc.lr or config.optim.lr, run_dir, publisher, rollouts, monitor))
+        skipped = SkippedSteps(config.optim.max_skipped_steps, what=f" of run {rc.name}")
+        runs.append(Run(rc, i, rc.lr or config.optim.lr, run_dir, publisher, rollouts, monitor, skipped))
     return runs
 
 
@@ -85,13 +87,18 @@ def publish(c: common.Components, runs: list[Run], step: int, checkpoint_steps: 
 
 
 def optimizer_step(c: common.Components, runs: list[Run], step: int) -> dict[str, tuple[float, float]]:
-    """Per-adapter clipping and learning rate, one AdamW step. Returns {adapter: (grad norm, lr)}."""
+    """Per-adapter clipping and learning rate, one AdamW step. Returns {adapter: (grad norm, lr)}. An adapter whose
+    gradients are not finite sits the step out (its gradients dropped, so AdamW leaves it and its moments as they
+    were); the other runs train."""
     cfg: TrainerConfig = c.config
     out = {}
     for run, group in zip(runs, c.optimizer.param_groups, strict=True):
         grad_norm = clip_adapter_grad_norm(c.model, run.name, cfg.optim.max_norm)
         group["lr"] = lr_at(step, run.lr, cfg.scheduler, cfg.max_steps)
         out[run.name] = (grad_norm, group["lr"])
+        if not run.skipped_steps.admit(grad_norm, step):
+            for p in group["params"]:
+                p.grad = None
     c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
     return out
@@ -103,7 +110,10 @@ def log_runs(
     """Each run's metrics to its own monitor and the log (rank 0). Returns the tokens of all runs."""
     total_tokens = 0
     for run, (totals, counts, meta) in zip(runs, results, strict=True):
-        metrics = step_metrics(totals, counts, *norms[run.name])
+        metrics = {
+            **step_metrics(totals, counts, *norms[run.name]),
+            "optim/skipped": int(run.skipped_steps.in_a_row > 0),
+        }
         metrics.update({**timings, "temperature": meta.temperature})
         total_tokens += metrics["tokens"]
         if c.world.is_master:

@@ -110,7 +110,7 @@ def train_step(
     """Forward/backward every micro-batch, then one optimizer step. Returns the step's metrics (global)."""
     totals, counts = forward_backward(c, objective, micro_batches, temperature)
     grad_norm, lr = common.optimizer_step(c, step)
-    return step_metrics(totals, counts, grad_norm, lr)
+    return {**step_metrics(totals, counts, grad_norm, lr), "optim/skipped": int(c.skipped_steps.in_a_row > 0)}
 
 
 def next_micro_batches(

@@ -60,6 +60,7 @@ def sft_step(c: common.Components, step: int, micro_batches: list[TensorMicroBat
     return {
         "loss/mean": loss_mean,
         "grad_norm": grad_norm,
+        "optim/skipped": int(c.skipped_steps.in_a_row > 0),
         "lr": lr,
         "tokens": num_tokens,
         "loss_tokens": num_loss_tokens,
