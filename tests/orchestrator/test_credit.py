@@ -82,3 +82,16 @@ def test_seat_metrics_are_logged_per_seat_for_multi_seat_envs_only():
     assert m["reward/duel/a/mean"] == 0.0 and m["reward/duel/b/std"] == 1.0 and m["metrics/duel/a/moves"] == 2.0
     single = seat_step_metrics("one", [rollout(("agent", 1.0)).result])
     assert not any(k.startswith("reward/") for k in single)
+
+
+def test_a_seat_whose_advantages_overflow_is_not_trained_and_the_step_still_is(caplog):
+    """Each reward is finite (screened), yet 1e308 x 4 sums to inf: that seat's advantages would be -inf and the
+    trainer's gradient for the whole step non-finite."""
+    huge = [rollout(("a", 1e308), ("b", r)) for r in (0.0, 1.0, 0.0, 1.0)]
+    fine = [rollout(("a", r), ("b", 0.0)) for r in (0.0, 1.0, 1.0, 0.0)]
+    samples, m = step_samples([huge, fine], config())
+    assert m["filtered/overflowed_seat_groups"] == 1
+    assert not any(s.reward > 1e300 for s in samples)  # seat a of the huge group
+    assert len(samples) == 4 + 4  # seat b of the huge group, seat a of the fine one (its b has no signal)
+    assert all(np.isfinite(s.advantage) for s in samples) and np.isfinite(m["advantage/abs_mean"])
+    assert "env duel: the advantages of seat 'a' overflow (rewards up to 1e+308)" in caplog.text

@@ -70,9 +70,10 @@ def compute_advantages(
         # Scaled by |mean reward| so an all-zero group stays all-zero (no gradient from length alone).
         r = r - abs(r.mean()) * config.length_penalty.weight * lengths / lengths.max()
     estimator = ADVANTAGES[config.type]()
-    adv = r - estimator.baseline(r, lengths)
-    if config.std_norm:
-        adv = adv / (r.std() + STD_EPS)
+    with np.errstate(over="ignore", invalid="ignore"):  # huge rewards overflow to inf: credit drops those groups
+        adv = r - estimator.baseline(r, lengths)
+        if config.std_norm:
+            adv = adv / (r.std() + STD_EPS)
     if len(r) == 1:
         adv = np.zeros_like(adv)
     return adv

@@ -9,6 +9,7 @@ would be 0 in every episode. A single-seat env is plain GRPO over the group's ro
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from prime_orchestrator.advantages import compute_advantages
 from prime_orchestrator.packing import Sample
 
 ZERO = 1e-9
+logger = logging.getLogger("prime.orchestrator.credit")
 
 
 @dataclass
@@ -63,17 +65,27 @@ def seat_groups(group: Sequence[Any]) -> dict[str, list[Unit]]:
 
 def group_samples(
     group: Sequence[Any], config: OrchestratorConfig, teachers: Any = None
-) -> tuple[list[Sample], int, list[float]]:
-    """(samples, seat groups filtered, every unit's advantage) of one group: advantages per seat, a seat whose
-    advantages are all zero dropped when ``filters.zero_advantage_groups`` (unless its env distils: the teacher's
-    per-token signal remains). ``teachers`` (``prime_orchestrator.distill.Teachers``) turns a sequence's advantage
-    into its distillation advantages."""
+) -> tuple[list[Sample], int, int, list[float]]:
+    """(samples, seat groups filtered, seat groups overflowed, their units' advantages) of one group: advantages per
+    seat, a seat whose advantages are all zero dropped when ``filters.zero_advantage_groups`` (unless its env distils:
+    the teacher's per-token signal remains). ``teachers`` (``prime_orchestrator.distill.Teachers``) turns a sequence's
+    advantage into its distillation advantages."""
     by_seat = seat_groups(group)
     samples: list[Sample] = []
-    filtered = 0
+    filtered = overflowed = 0
     advantages: list[float] = []
     for units in by_seat.values():
         adv = compute_advantages([u.reward for u in units], [u.length for u in units], config.advantage)
+        if not np.isfinite(adv.astype(np.float32)).all():
+            # Finite rewards (screened) can still be too large for their advantages: 8 rewards of 1e308 sum to inf,
+            # and the trainer computes in float32. Trained, one such seat would make the whole step's gradient
+            # non-finite, and the trainer would skip every other group's update with it.
+            overflowed += 1
+            logger.warning(
+                "env %s: the advantages of seat %r overflow (rewards up to %.3g): that seat of the group is not trained",
+                units[0].env, units[0].seat, max(abs(u.reward) for u in units),
+            )  # fmt: skip
+            continue
         advantages += adv.tolist()
         distils = teachers is not None and teachers.distils(units[0].env)
         if config.filters.zero_advantage_groups and np.all(np.abs(adv) < ZERO) and not distils:
@@ -93,7 +105,7 @@ def group_samples(
                 )
                 for q in u.sequences
             ]
-    return samples, filtered, advantages
+    return samples, filtered, overflowed, advantages
 
 
 def step_samples(
@@ -102,21 +114,23 @@ def step_samples(
     """Samples of a step's groups: the rollouts the curriculum marks as training (``train``); a failed rollout is a
     reward-0 unit (zero_reward) or dropped (drop)."""
     samples: list[Sample] = []
-    filtered_groups = filtered_seats = 0
+    filtered_groups = filtered_seats = overflowed_seats = 0
     advantages: list[float] = []
     for group in groups:
         group = [r for r in group if getattr(r, "train", True)]
         if config.failed_rollouts == "drop":
             group = [r for r in group if not r.result.failed]
-        kept, filtered, adv = group_samples(group, config, teachers) if group else ([], 0, [])
+        kept, filtered, overflowed, adv = group_samples(group, config, teachers) if group else ([], 0, 0, [])
         samples += kept
         filtered_seats += filtered
+        overflowed_seats += overflowed
         filtered_groups += not kept
         advantages += adv
     adv = np.abs(np.asarray(advantages or [0.0]))
     return samples, {
         "filtered/groups": filtered_groups,
         "filtered/seat_groups": filtered_seats,
+        "filtered/overflowed_seat_groups": overflowed_seats,
         "advantage/abs_mean": float(adv.mean()),
         "advantage/nonzero_fraction": float((adv >= ZERO).mean()),
     }

@@ -112,13 +112,17 @@ def ship_activity(config: OrchestratorConfig, step: int) -> contextlib.AbstractC
 
 
 def screen(result: RolloutResult, max_text_chars: int) -> RolloutResult:
-    """A rollout the trainer may use: a reward or metric that is not finite fails it (it would poison the group's
-    advantages); prompt and completion text, kept only for log tables, are cut to ``max_text_chars``."""
+    """A rollout the trainer may use: a reward (a seat's too) or metric that is not finite fails it (it would poison the
+    group's advantages); prompt and completion text, kept only for log tables, are cut to ``max_text_chars``."""
     if result.failed:
         return result
-    bad = [name for name, value in (("reward", result.reward), *result.metrics.items()) if not math.isfinite(value)]
+    values = {
+        "reward": result.reward,
+        **{f"reward of seat {t.seat}": t.reward for t in result.traces},
+        **result.metrics,
+    }
+    bad = [name for name, value in values.items() if not math.isfinite(value)]
     if bad:
-        values = {"reward": result.reward, **result.metrics}
         error = "not finite: " + ", ".join(f"{name} = {values[name]}" for name in bad[:4])
         return RolloutResult(env=result.env, example=result.example, failed=True, error=error, latency=result.latency)
     if len(result.prompt) > max_text_chars or len(result.completion) > max_text_chars:
