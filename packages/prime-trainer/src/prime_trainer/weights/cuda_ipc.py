@@ -84,13 +84,15 @@ def shareable_allocations() -> Iterator[None]:
     restrictions between sibling processes refuse."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
+    # torch >= 2.10 warns (FutureWarning) on the cuda-specific setter; older ones lack the accelerator one.
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     if expandable:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        setter("expandable_segments:False")
     try:
         yield
     finally:
         if expandable:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            setter("expandable_segments:True")
 
 
 def key(step: int, *parts: object) -> str:
