@@ -1,4 +1,4 @@
-"""``GuardedRenderer``: a completion whose tool call renderers' parser raises on, or whose call no UTF-8 encoder takes,
+"""``guarded_renderer``: a completion whose tool call renderers' parser raises on, or whose call no UTF-8 encoder takes,
 is content with no tool call (vLLM's answer), for the renderers the orchestrator configures."""
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ def test_honest_calls_parse_as_before(tokenizer, renderer):
     r = build(tokenizer, RENDERERS[renderer])
     parsed = r.parse_response(ids(tokenizer, "hi " + call('"f"', '{"a": "caf\\u00e9", "n": 1}')))
     assert [(c.name, c.arguments, c.status.value) for c in parsed.tool_calls] == [("f", {"a": "café", "n": 1}, "ok")]
-    assert r.get_stop_token_ids() == r.inner.get_stop_token_ids() and r.is_multimodal is False
+    assert type(r).__name__ == {"default": "DefaultRenderer", "qwen3": "Qwen3Renderer"}[renderer]  # its own type
 
 
 def test_template_kwargs_reach_the_wrapped_renderer(tokenizer):
     from renderers.configs import Qwen3RendererConfig
 
-    assert build(tokenizer, {"name": "qwen3"}, enable_thinking=False).inner.config == Qwen3RendererConfig(
+    assert build(tokenizer, {"name": "qwen3"}, enable_thinking=False).config == Qwen3RendererConfig(
         enable_thinking=False
     )
     with pytest.raises(ValueError, match="Unsupported chat_template_kwargs"):
@@ -76,7 +76,7 @@ def test_the_orchestrator_guards_every_renderer(tmp_path):
 
     for name in ("auto", "qwen3", "default"):
         config = resolve_renderer(name, str(tmp_path))
-        assert config["import_path"] == "prime_orchestrator.guarded_renderer.GuardedRenderer", config
+        assert config["import_path"] == "prime_orchestrator.guarded_renderer.guarded_renderer", config
 
 
 def test_renderers_own_parser_still_raises(tokenizer):

@@ -12,8 +12,9 @@ either: no UTF-8 encoder takes it, and the MCP client's request writer (httpx2's
 connection, and verifiers' retries (6 attempts, ~20 s) ended the rollout with ``MCPError: Connection closed``. vLLM's
 response encoder refuses it too, so our chat route answers the same completion as content.
 
-It plugs in through renderers' own ``custom`` renderer hook: ``prime_orchestrator.rendering`` wraps every renderer
-the orchestrator configures, so no renderers code is patched and any renderer (a custom one too) is covered.
+It plugs in through renderers' own ``custom`` renderer hook: ``prime_orchestrator.rendering`` names it for every
+renderer the orchestrator configures, and it builds that renderer and guards the ``parse_response`` of that one
+instance, so no renderers code is patched and any renderer (a custom one too) is covered.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from renderers.configs import BaseRendererConfig
 
 logger = logging.getLogger("prime.orchestrator.renderer")
 
-IMPORT_PATH = "prime_orchestrator.guarded_renderer.GuardedRenderer"
+IMPORT_PATH = "prime_orchestrator.guarded_renderer.guarded_renderer"
 
 
 class GuardedRendererConfig(BaseRendererConfig):
-    """renderers' typed config of ``GuardedRenderer``; extra fields are chat-template kwargs for the wrapped one."""
+    """renderers' typed config of ``guarded_renderer``; extra fields are chat-template kwargs for the wrapped one."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
 
@@ -45,34 +46,25 @@ class GuardedRendererConfig(BaseRendererConfig):
 
 
 def guarded(renderer: dict[str, Any]) -> dict[str, Any]:
-    """The ``renderers.RendererConfig`` data of ``renderer`` wrapped in ``GuardedRenderer``."""
+    """The ``renderers.RendererConfig`` data of ``renderer`` with its parse guarded."""
     return {"name": "custom", "import_path": IMPORT_PATH, "renderer": renderer}
 
 
-class GuardedRenderer:
-    """The wrapped renderer, whose ``parse_response`` returns a completion it cannot parse as plain content."""
+def guarded_renderer(tokenizer: Any, config: GuardedRendererConfig) -> Any:
+    """renderers' custom-renderer constructor: the wrapped renderer itself, whose ``parse_response`` (on this
+    instance only) returns a completion it cannot parse as plain content. The renderer keeps its own type, which
+    renderers dispatches on (multimodal features), and its own calls of ``self.parse_response`` (GLM's and
+    DeepSeek's bridges) are guarded too."""
+    from pydantic import TypeAdapter
+    from renderers import RendererConfig, create_renderer
 
-    config_class = GuardedRendererConfig
+    inner_config = TypeAdapter(RendererConfig).validate_python(config.renderer)
+    renderer = create_renderer(tokenizer, inner_config, chat_template_kwargs=config.model_extra or None)
+    parse = renderer.parse_response
 
-    def __init__(self, tokenizer: Any, config: GuardedRendererConfig):
-        from pydantic import TypeAdapter
-        from renderers import RendererConfig, create_renderer
-        from renderers.base import is_multimodal
-
-        inner_config = TypeAdapter(RendererConfig).validate_python(config.renderer)
-        self.inner = create_renderer(tokenizer, inner_config, chat_template_kwargs=config.model_extra or None)
-        self.tokenizer = tokenizer
-        # renderers caches is_multimodal per type: answer per instance, for text and vision renderers alike.
-        self.is_multimodal = is_multimodal(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":  # not set yet (during __init__ or unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def parse_response(self, token_ids: list[int], **kwargs: Any) -> ParsedResponse:
+    def parse_response(token_ids: list[int], **kwargs: Any) -> ParsedResponse:
         try:
-            parsed = self.inner.parse_response(token_ids, **kwargs)
+            parsed = parse(token_ids, **kwargs)
             for call in parsed.tool_calls:
                 if call.status == ToolCallParseStatus.OK:
                     # Lone surrogates: UnicodeEncodeError, a ValueError like the parsers' own failures.
@@ -81,15 +73,18 @@ class GuardedRenderer:
         except (RecursionError, ValueError) as e:
             logger.warning(
                 "%s: a completion's tool call does not parse (%s: %.200s); it is content with no tool call",
-                type(self.inner).__name__,
+                type(renderer).__name__,
                 type(e).__name__,
                 e,
             )
-        return ParsedResponse(content=self._text(token_ids), reasoning_content=None, reasoning_complete=None)
+        # The text up to the first stop token, as renderers' parsers cut it.
+        stops = set(renderer.get_stop_token_ids())
+        end = next((i for i, t in enumerate(token_ids) if t in stops), len(token_ids))
+        text = tokenizer.decode(list(token_ids[:end]), skip_special_tokens=False) if end else ""
+        return ParsedResponse(content=text, reasoning_content=None, reasoning_complete=None)
 
-    def _text(self, token_ids: list[int]) -> str:
-        """The completion's text up to its first stop token, as the renderers' parsers cut it."""
-        stops = set(self.inner.get_stop_token_ids())
-        ids = list(token_ids)
-        end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-        return self.tokenizer.decode(ids[:end], skip_special_tokens=False) if end else ""
+    renderer.parse_response = parse_response
+    return renderer
+
+
+guarded_renderer.config_class = GuardedRendererConfig  # what renderers' custom hook reads

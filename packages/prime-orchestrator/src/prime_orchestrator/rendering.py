@@ -4,7 +4,7 @@
 detects it: a hub id renderers knows maps to its renderer; otherwise the model directory's ``config.json``
 ``model_type`` picks the family's renderer when the tokenizer has that family's special tokens; any other model
 keeps its own chat template through ``default`` (parsing Hermes-style ``<tool_call>`` blocks when it has the token).
-Whichever it is, it is wrapped in ``GuardedRenderer`` (``prime_orchestrator.guarded_renderer``): a completion its
+Whichever it is, its parse is guarded (``prime_orchestrator.guarded_renderer``): a completion its
 parser cannot parse is content, never a failed rollout.
 """
 
