@@ -19,36 +19,53 @@ from tests.fixtures.vf import use_vf_envs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-DEPTH = 20_000
+DEPTH = 4_000  # past the recursion limit (1000) of json.loads; short enough for the test engine's forward pass
 
 
 def raw_call(name_json: str, arguments_json: str) -> str:
     return f'<tool_call>{{"name": {name_json}, "arguments": {arguments_json}}}</tool_call>'
 
 
-# vf-toolset's tasks ask for the code of alpha, bravo, charlie, delta (examples 0-3, then again 4-7)
-HOSTILE = {
-    "alpha": raw_call('"table_lookup"', "[" * DEPTH + "]" * DEPTH),  # renderers' json.loads: RecursionError
-    "bravo": raw_call('"table_lookup"', '{"key": "\\ud800"}'),  # a lone surrogate in the arguments
-    "charlie": raw_call('"no_such_tool"', '{"key": "charlie"}'),
-    "delta": raw_call('"table_lookup"', '{"key": ["not", "a", "string"], "extra": 1}'),
+# vf-toolset's tasks ask for the code of alpha, bravo, charlie, delta (example e asks for KEYS[e % 4]); two rollouts
+# of each. The first rollouts of a key to ask are answered with its attacks in turn; the others are honest: call, then
+# answer. Every rollout starts its own tool server, which costs seconds of CPU: eight rollouts, not more.
+ATTACKS = {
+    "alpha": [
+        raw_call('"table_lookup"', "[" * DEPTH + "]" * DEPTH),  # renderers' json.loads: RecursionError
+        raw_call('"table_lookup"', '{"key": ' + "9" * 5000 + "}"),  # ValueError: CPython's int-string limit
+    ],
+    "bravo": [
+        raw_call('"table_lookup"', '{"key": "\\ud800"}'),  # a lone surrogate in the arguments
+        raw_call('"\\udfff"', '{"key": "bravo"}'),  # and in the name
+    ],
+    "charlie": [raw_call('"no_such_tool"', '{"key": "charlie"}')],
+    "delta": [raw_call('"table_lookup"', '{"key": ["not", "a", "string"], "extra": 1}')],
 }
+ROLLOUTS_PER_KEY = 2
 
 
-def hostile_script(prompt: str) -> str | None:
-    last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
-    m = re.search(r"code of (\w+)\?", prompt)
-    if m and "<tool_response>" not in last_user and m.group(1) in HOSTILE and "HONEST" not in prompt:
-        return HOSTILE[m.group(1)]
-    if m and "<tool_response>" in last_user:
-        return "<answer>none</answer>" if "<answer>" not in last_user else None
-    return script(prompt)
+class HostileScript:
+    """The scripted policy: each key's attacks once, first come first served, then honest tool use."""
+
+    def __init__(self):
+        self.pending = {key: list(attacks) for key, attacks in ATTACKS.items()}
+        self.sent: list[str] = []
+
+    def __call__(self, prompt: str) -> str | None:
+        last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
+        m = re.search(r"code of (\w+)\?", prompt)
+        if m and "<tool_response>" not in last_user and self.pending.get(m.group(1)):
+            self.sent.append(self.pending[m.group(1)].pop(0))
+            return self.sent[-1]
+        if m and "<tool_response>" in last_user and not re.search(r"<tool_response>\s*\d{4}\s", last_user):
+            return "<answer>none</answer>"  # a tool error: give up
+        return script(prompt)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = save_tiny_model(tmp_path_factory.mktemp("tool_model"), build_tool_tokenizer())
-    srv = ScriptedServer(model, hostile_script)
+    srv = ScriptedServer(model, HostileScript())
     yield srv
     srv.stop()
 
@@ -70,23 +87,32 @@ async def _rollouts(server, examples: list[int]):
         await runner.close()
 
 
-def test_hostile_tool_calls_are_scored_or_failed_with_a_reason(server, monkeypatch):
+def test_hostile_tool_calls_are_scored_and_honest_ones_beside_them_score(server, monkeypatch):
+    """A call renderers' parser raises on (deep nesting, a huge integer) or that no UTF-8 encoder takes (a lone
+    surrogate, which closed the MCP connection) is content with no tool call, as on vLLM: the rollout is scored 0 and
+    trained on, like any malformed call; the honest rollouts of the same key beside it score 1."""
     use_vf_envs(monkeypatch)
+    server.engine.script = policy = HostileScript()  # a fresh one per test
+    keys = list(ATTACKS)
     t0 = time.monotonic()
-    results, restarts = asyncio.run(_rollouts(server, list(range(4))))
+    results, restarts = asyncio.run(_rollouts(server, list(range(len(keys) * ROLLOUTS_PER_KEY))))
     elapsed = time.monotonic() - t0
-    outcomes = {
-        key: (r.failed, r.error, r.reward) for key, r in zip(HOSTILE, results, strict=True)
-    }  # fmt: skip
+    outcomes = [
+        (keys[r.example % len(keys)], r.failed, r.error, r.reward, r.completion_len, round(r.latency, 1))
+        for r in results
+    ]
     print(json.dumps(outcomes, indent=1, default=str), f"{elapsed:.1f}s")
     assert restarts == 0 and elapsed < 120
-    for key, r in zip(HOSTILE, results, strict=True):
-        if r.failed:
-            assert r.error and "\n" not in r.error and len(r.error) <= 510, key
-        else:
-            assert r.reward == 0.0 and r.traces, key
-    # the reason names the cause: the last line of the harness's traceback, not its first
-    assert results[0].failed and "maximum recursion depth exceeded" in results[0].error
+    assert len(policy.sent) == sum(map(len, ATTACKS.values()))
+    for key, attacks in ATTACKS.items():
+        mine = [r for r in results if keys[r.example % len(keys)] == key]
+        assert not any(r.failed for r in mine), (key, [r.error for r in mine])
+        assert sorted(r.reward for r in mine) == [0.0] * len(attacks) + [1.0] * (ROLLOUTS_PER_KEY - len(attacks))
+        assert all(r.traces and r.completion_len > 0 for r in mine), key  # every turn's tokens reach the trainer
+    # the calls that do not parse or encode are no call: nothing reached the tool server
+    for r in results:
+        if keys[r.example % len(keys)] in ("alpha", "bravo") and r.reward == 0.0:
+            assert r.metrics["tool_calls"] == 0.0 and r.num_turns == 1
 
 
 def test_one_line_keeps_the_cause_of_a_traceback():

@@ -9,22 +9,29 @@ import functools
 import json
 import traceback
 import weakref
+from importlib.metadata import version
 from typing import Any
 
 import httpx
 from prime_orchestrator.http_pool import pooled_client
+from pydantic import Field
 from verifiers.v1.clients import ModelContext
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.errors import MODEL_TRANSPORT_ERROR_EXIT_CODE
+from verifiers.v1.harness import Harness
 from verifiers.v1.harnesses.null import NullHarness, NullHarnessConfig
 from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
 from verifiers.v1.runtimes import ProgramResult, Runtime
 from verifiers.v1.task import TaskData
 from verifiers.v1.trace import Trace
 
+from prime_chat import tool_output
+
 
 class PrimeChatHarnessConfig(NullHarnessConfig):
-    pass
+    max_tool_output_bytes: int = Field(16 * 2**20, gt=0)
+    """Bytes of a tool server's answer read per call; past it the call's result is the head of its text and a marker
+    saying it was cut (``prime_chat.tool_output``). The model sees at most 20 kB of any result either way."""
 
 
 _clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
@@ -43,9 +50,16 @@ def interception_client() -> httpx.AsyncClient:
 @functools.cache
 def chat_program() -> dict[str, Any]:
     """verifiers' ``null`` chat program (its utils modules bundled into one script), loaded once per process as a
-    namespace. Its ``__main__`` guard stays inert; we call its chat loop, MCP client and compactor directly."""
+    namespace. Its ``__main__`` guard stays inert; we call its chat loop, MCP client and compactor directly.
+
+    One name is ours: ``mcp_client``, which its MCP connections open, reads a tool server's answer through a capped
+    transport (``prime_chat.tool_output``). Checked here, so a verifiers whose connections stop calling it fails
+    loudly instead of dropping the cap."""
     namespace: dict[str, Any] = {"__name__": "prime_chat.chat_program"}
     exec(compile(CHAT_PROGRAM_SOURCE, "<verifiers null chat program>", "exec"), namespace)  # noqa: S102
+    if "mcp_client" not in namespace or "mcp_client" not in namespace["MCPConnection"].serve.__code__.co_names:
+        raise RuntimeError(f"verifiers {version('verifiers')}'s chat program no longer opens MCP via mcp_client")
+    namespace["mcp_client"] = tool_output.mcp_client
     return namespace
 
 
@@ -58,7 +72,7 @@ def initial_messages(system_prompt: str | None, prompt: Any) -> list[dict]:
     return messages
 
 
-class PrimeChatHarness(NullHarness):
+class PrimeChatHarness(NullHarness, Harness[PrimeChatHarnessConfig]):  # Harness[...]: verifiers reads the config type
     """``null`` run inside the env server: the same chat loop, every model call through the interception endpoint,
     so the trace records each exactly as it would the program's."""
 
@@ -123,7 +137,8 @@ class PrimeChatHarness(NullHarness):
         args = argparse.Namespace(
             api_key=secret, tool_interception_url=tool_interception_url or "", bash=False, edit=False, search=False
         )
-        mcp_config = {"mcpServers": {name: {"url": url, "timeout": self.config.tool_timeout}
+        cap = self.config.max_tool_output_bytes
+        mcp_config = {"mcpServers": {name: {"url": url, "timeout": self.config.tool_timeout, "max_output_bytes": cap}
                                      for name, url in mcp_urls.items()}}  # fmt: skip
         try:
             async with contextlib.AsyncExitStack() as stack:

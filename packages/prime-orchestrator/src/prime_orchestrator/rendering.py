@@ -4,6 +4,8 @@
 detects it: a hub id renderers knows maps to its renderer; otherwise the model directory's ``config.json``
 ``model_type`` picks the family's renderer when the tokenizer has that family's special tokens; any other model
 keeps its own chat template through ``default`` (parsing Hermes-style ``<tool_call>`` blocks when it has the token).
+Whichever it is, its parse is guarded (``prime_orchestrator.guarded_renderer``): a completion its
+parser cannot parse is content, never a failed rollout.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def detect_renderer(model: str) -> dict[str, Any]:
 
 
 def resolve_renderer(name: str, model: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The ``renderers.RendererConfig`` data of ``client.renderer`` (+ ``client.renderer_args``)."""
+    """The ``renderers.RendererConfig`` data of ``client.renderer`` (+ ``client.renderer_args``), guarded."""
+    from prime_orchestrator.guarded_renderer import guarded
+
     config = detect_renderer(model) if name == "auto" else {"name": name}
-    return {**config, **(args or {})}
+    return guarded({**config, **(args or {})})
