@@ -65,3 +65,32 @@ def test_a_server_restarted_at_step_0_mid_run_ends_the_run_in_one_line(tmp_path,
             assert all(e >= 0 for e in shipped_examples(tmp_path, step))
     finally:
         server.stop()
+
+
+def test_a_stalled_trainer_keeps_dispatch_bounded_and_the_wait_ends_in_one_line(tmp_path):
+    """No new weights while every group finishes at once: dispatch stops at the batches formable on the served weights
+    (no queue grows), and the wait for the next weights ends at ``weights_timeout`` saying what it waits for."""
+    from prime_core.run_dir import RunDir
+    from prime_orchestrator.continuous import Continuous
+    from prime_orchestrator.weight_relay import Policy
+
+    from tests.orchestrator.test_continuous import ScriptedOrchestrator
+
+    async def main():
+        orch = ScriptedOrchestrator(max_steps=50, weights_timeout=2)
+        orch.policy = Policy(orch.config, RunDir(tmp_path))  # the relay's own bounded wait
+        cont = orch.cont = Continuous(orch)
+        buffer: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.create_task(cont.rollout_loop(buffer))
+        peak, t0 = 0, time.monotonic()
+        while not loop.done():
+            orch.finish(*cont.running, first=0)
+            peak = max(peak, len(cont.running) + len(cont.ready) + cont.taken)
+            await asyncio.sleep(0.01)
+        with pytest.raises(TimeoutError, match=r"waited 2s for weights step 1 \(.*\); is the trainer running\?"):
+            loop.result()
+        assert time.monotonic() - t0 < 10
+        # Weights 0 serve batches 0 and 1 (async_level 1): their 4 groups were drawn, nothing more.
+        assert buffer.qsize() == 2 and cont.draws == 4 and peak <= 4
+
+    asyncio.run(main())
