@@ -191,3 +191,83 @@ def test_the_server_records_the_versions_a_tagged_rollout_spans_and_aborts_stale
     finally:
         release.set()
         server.stop()
+
+
+def corrupt(base: Path, dest: Path, how: str) -> Path:
+    """A copy of ``base`` marked STABLE whose safetensors are broken in one way."""
+    import shutil
+
+    from prime_core.io import mark_stable
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, dest)
+    (dest / "STABLE").unlink(missing_ok=True)
+    file = next(dest.glob("*.safetensors"))
+    if how == "truncated":
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    else:
+        state = load_file(file)
+        name = next(k for k in state if k.endswith("mlp.up_proj.weight"))
+        if how == "nan":
+            state[name] = torch.full_like(state[name], float("nan"))
+        elif how == "wrong_shape":
+            state[name] = state[name][:-1].clone()
+        elif how == "missing_tensor":
+            del state[name]
+        save_file(state, file, metadata={"format": "pt"})
+    mark_stable(dest)
+    return dest
+
+
+FAULTS = {
+    "truncated": "unreadable safetensors",
+    "nan": "mlp.up_proj.weight holds NaN or infinite values",
+    "wrong_shape": "size mismatch for model.layers.0.mlp.up_proj.weight",
+    "missing_tensor": "missing=['model.layers.0.mlp.up_proj.weight']",
+}
+
+
+def test_a_failed_in_flight_update_keeps_serving_and_reporting_the_old_weights(model_dir, head_only_dir, tmp_path):
+    """Each broken step directory is refused with a one-line 400 naming why (a truncated file answered a reasonless
+    500 that clients retried; NaN weights were served, every token then 0, while /health reported the new step; a
+    missing tensor was blamed on the model class). A request running across the failures samples every token on
+    the old weights, its record says so, and a good update afterwards still lands."""
+    from prime_inference.engines import build_engine
+
+    cfg = config(model_dir, "in_flight")
+    release = threading.Event()
+    engines = []
+
+    def factory():
+        engine, tokenizer = build_engine(cfg)
+        gate(engine, 4, release.is_set)
+        engines.append(engine)
+        return engine, tokenizer
+
+    server = start_server(model_dir, weight_update="in_flight", engine_factory=factory)
+    try:
+        done: dict = {}
+        worker = threading.Thread(target=lambda: done.update(r=tagged(server.url, "spans-failures")))
+        worker.start()
+        while not engines[0].num_steps >= 4:
+            time.sleep(0.01)
+        for step, (how, reason) in enumerate(FAULTS.items(), start=1):
+            broken = corrupt(head_only_dir, tmp_path / f"step_{step}", how)
+            t0 = time.monotonic()
+            r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(broken), "step": step}, timeout=60)
+            message = r.json()["error"]["message"]
+            assert r.status_code == 400 and reason in message and str(broken) in message, (how, r.text)
+            assert time.monotonic() - t0 < 30
+            health = httpx.get(f"{server.url}/health", timeout=10).json()
+            assert (health["weight_step"], health["weight_dir"]) == (0, None), how
+        release.set()
+        worker.join(60)
+        assert done["r"].status_code == 200 and len(done["r"].json()["choices"][0]["token_ids"]) == MAX_TOKENS
+        got = versions(server.url, ["spans-failures"], pop=True)["versions"]["spans-failures"]
+        assert (got["first"], got["last"], got["num_tokens"]) == (0, 0, MAX_TOKENS)
+        r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(head_only_dir), "step": 9}, timeout=60)
+        assert r.status_code == 200 and r.json()["weight_step"] == 9
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["weight_step"] == 9
+    finally:
+        release.set()
+        server.stop()

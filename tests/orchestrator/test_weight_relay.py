@@ -117,3 +117,64 @@ def test_the_continuous_loop_ends_when_cancelled_as_the_weights_it_waits_for_arr
         assert cont.dispatcher.done() and all(r.task.done() for r in cont.running.values())
 
     asyncio.run(main())
+
+
+def test_a_server_that_answers_another_step_than_asked_fails_the_update(tmp_path):
+    """The relay counts rollouts' versions from what the servers serve: an answer naming another step (an engine that
+    ignored the step, a stale proxy) is a failure naming the server and both steps, not a silent success."""
+
+    async def main():
+        async def update(request: web.Request) -> web.Response:
+            return web.json_response({"status": "ok", "weight_step": 0})
+
+        app = web.Application()
+        app.router.add_post("/update_weights", update)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            with pytest.raises(client.WeightUpdateError, match=f"inference server {url} serves weights step 0 after "
+                               "loading step 4"):  # fmt: skip
+                await client.update_weights([url], str(tmp_path), 4, api_key=None, timeout=5, retries=2)
+        finally:
+            await runner.cleanup()
+
+    mark_stable(tmp_path)
+    asyncio.run(main())
+
+
+def test_nan_weights_fail_the_relay_in_one_line_and_the_server_keeps_step_0(tmp_path, tiny_model, torch_server):
+    """Weights with NaN were served (every sampled token 0, /health at the new step) and the relay reported success;
+    now the update fails at once (a 400 is not retried) in one line naming the server, the step and the tensor, and
+    the server still serves and reports step 0."""
+    import time
+
+    import httpx
+    import torch
+    from prime_core.config.orchestrator import OrchestratorConfig
+    from prime_core.run_dir import RunDir
+    from prime_orchestrator.weight_relay import Policy
+    from safetensors.torch import load_file, save_file
+
+    from tests.orchestrator.conftest import publish_weights
+
+    publish_weights(tmp_path, 1, tiny_model)
+    step_dir = tmp_path / "weights" / "step_1"
+    file = next(step_dir.glob("*.safetensors"))
+    state = load_file(file)
+    state["lm_head.weight"] = torch.full_like(state["lm_head.weight"], float("nan"))
+    save_file(state, file, metadata={"format": "pt"})
+    config = OrchestratorConfig.model_validate(
+        {"output_dir": str(tmp_path), "client": {"base_urls": [torch_server.url], "max_retries": 3}}
+    )
+    policy = Policy(config, RunDir(tmp_path))
+    t0 = time.monotonic()
+    with pytest.raises(client.WeightUpdateError) as failed:
+        asyncio.run(policy.load(1))
+    line = str(failed.value)
+    assert "\n" not in line and time.monotonic() - t0 < 10
+    assert f"inference server {torch_server.url} failed to load weights step 1" in line
+    assert "lm_head.weight holds NaN or infinite values" in line
+    assert policy.version == 0 and httpx.get(f"{torch_server.url}/health").json()["weight_step"] == 0

@@ -36,13 +36,22 @@ async def post_json(
                     f"{resp.status_code}: {resp.text[:300]}", request=resp.request, response=resp
                 )
             if resp.status_code >= 400:
-                raise RuntimeError(f"POST {url} -> {resp.status_code}: {resp.text[:500]}")
+                raise RuntimeError(f"POST {url} -> {resp.status_code}: {_reason(resp)}")
             return resp.json()
         except (*RETRYABLE, httpx.HTTPStatusError) as e:
             last = e
             if attempt < retries:
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
     raise RuntimeError(f"POST {url} failed after {retries + 1} attempts: {last!r}")
+
+
+def _reason(resp: httpx.Response) -> str:
+    """The server's error message (our servers answer ``{"error": {"message": ...}}``), else the body's start."""
+    try:
+        message = resp.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = resp.text[:500]
+    return " ".join(str(message).split())  # one line: the run's cause is printed as one
 
 
 class ServerUnreachable(RuntimeError):
@@ -106,11 +115,17 @@ async def update_weights(
 
     async def one(client: httpx.AsyncClient, url: str) -> None:
         try:
-            await post_json(client, url.rstrip("/") + "/update_weights", body, timeout=timeout, retries=attempts)
+            answer = await post_json(
+                client, url.rstrip("/") + "/update_weights", body, timeout=timeout, retries=attempts
+            )
         except Exception as e:
             raise WeightUpdateError(
                 f"inference server {url} failed to load weights step {step} ({weight_dir}): {e}"
             ) from e
+        # What the server says it serves now, not what was asked: rollouts' versions are counted from it.
+        served = answer.get("weight_step") if isinstance(answer, dict) else None
+        if served is not None and served != step:
+            raise WeightUpdateError(f"inference server {url} serves weights step {served} after loading step {step}")
 
     async with httpx.AsyncClient(headers=headers(api_key)) as client:
         await asyncio.gather(*(one(client, u) for u in base_urls))

@@ -22,7 +22,7 @@ import numpy as np
 from prime_core.config.orchestrator import ClientConfig
 from prime_core.schemas.rollout import PolicyVersions, RolloutVersionsRequest, RolloutVersionsResponse
 
-from prime_orchestrator.client import headers
+from prime_orchestrator.client import WeightUpdateError, headers
 
 logger = logging.getLogger("prime.orchestrator.versions")
 TIMEOUT_S = 30.0
@@ -42,9 +42,30 @@ class Flight:
     """Once it finished: the versions it spans."""
 
 
+class ServerWentBack(WeightUpdateError):
+    """A server sampled with weights older than those the relay had loaded into it before the request went out."""
+
+
+def check_served(flight: Flight, record: PolicyVersions | None) -> None:
+    """Raise `ServerWentBack` when ``record`` (the server's, of ``flight``) holds a token older than the version
+    served when the rollout started. The relay raises the version only once every server answered the update, so a
+    server can only be behind it after a restart (back to its base weights) or a reload: the relay would take it as
+    current and never load it again (it loads only newer steps), and in continuous mode every group it serves is
+    stale, dropped and redrawn while the run ships nothing, silently and without end."""
+    if record is None or flight.started is None or record.first >= flight.started:
+        return
+    raise ServerWentBack(
+        f"inference server {flight.url} sampled with weights step {record.first} after it had loaded step "
+        f"{flight.started} (it restarted or reloaded its weights); its rollouts' versions cannot be vouched for"
+    )
+
+
 class VersionRecords:
-    def __init__(self, client: ClientConfig):
+    def __init__(self, client: ClientConfig, check: bool = True):
         self.client = client
+        self.check = check
+        """`check_served` on every record read. Off for LoRA runs: vLLM's records of adapter requests carry the base
+        weights' step (0), not the adapter's; a restarted server has no adapter and fails their requests anyway."""
         self.prefix = uuid.uuid4().hex[:12]
         self.count = 0
         self.unsupported: set[str] = set()
@@ -86,12 +107,16 @@ class VersionRecords:
             return None
 
     async def take(self, flight: Flight) -> PolicyVersions | None:
-        """The record of a finished rollout (forgotten by the server once read)."""
+        """The record of a finished rollout (forgotten by the server once read); `ServerWentBack` when it shows the
+        server went back to older weights."""
         future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(flight.url, {})[flight.tag] = future
         if self._flush is None:
             self._flush = asyncio.create_task(self._flush_takes())
-        return await future
+        record = await future
+        if self.check:
+            check_served(flight, record)
+        return record
 
     async def _flush_takes(self) -> None:
         await asyncio.sleep(0)  # rollouts that end together share one call per server
@@ -115,13 +140,15 @@ class VersionRecords:
                         future.set_result(None)
 
     async def peek(self, flights: list[Flight]) -> dict[str, PolicyVersions] | None:
-        """Records of running rollouts; None where a server keeps none."""
+        """Records of running rollouts; None where a server keeps none; `ServerWentBack` as ``take``."""
         found: dict[str, PolicyVersions] = {}
         for url in {f.url for f in flights}:
             answer = await self._post(url, RolloutVersionsRequest(tags=[f.tag for f in flights if f.url == url]))
             if answer is None:
                 return None
             found.update(answer.versions)
+        for flight in flights if self.check else ():
+            check_served(flight, found.get(flight.tag))
         return found
 
     async def abort(self, flights: list[Flight]) -> None:

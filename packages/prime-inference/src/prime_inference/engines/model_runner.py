@@ -34,9 +34,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> tuple[Any, str]:
+def load_causal_lm(
+    path: str, *, dtype: torch.dtype, device: torch.device, trust_remote_code: bool, fallback: bool = True
+) -> tuple[Any, str]:
     """Load ``path`` with prime_models (the trainer's implementation) when it supports the model, else transformers.
 
+    ``fallback=False``: prime_models only (new weights of a model it serves). A directory it cannot read is then
+    broken, and transformers would only hide why: it fills a missing tensor at random and the decoder refuses its
+    model class, so the error named the class instead of the tensor.
     Returns (model in eval mode, "prime_models" | "transformers").
     """
     try:
@@ -48,6 +53,8 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device, trust
             model = load_model(path, dtype=dtype, device=device, attn="sdpa")
             return model.eval(), "prime_models"
         except (ValueError, NotImplementedError, KeyError) as e:
+            if not fallback:
+                raise
             logger.info("prime_models does not load %s (%s); using transformers", path, e)
     from transformers import AutoModelForCausalLM
 

@@ -141,7 +141,8 @@ class TorchEngine(Engine):
 
     def _load(self, path: str) -> tuple[Any, str, Any]:
         adapters_of = self.model if self._adapters else None  # new base weights keep serving the loaded adapters
-        return load_model(path, self.config, dtype=self.dtype, device=self.device, adapters_of=adapters_of)
+        return load_model(path, self.config, dtype=self.dtype, device=self.device, adapters_of=adapters_of,
+                          served_source=getattr(self, "source", None))  # fmt: skip
 
     def _eos_ids(self, hf_config: Any) -> set[int]:
         ids: set[int] = set()

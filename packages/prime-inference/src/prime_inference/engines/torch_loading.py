@@ -20,12 +20,27 @@ def text_config(hf_config: Any) -> Any:
 
 
 def load_model(
-    path: str, config: InferenceConfig, *, dtype: torch.dtype, device: torch.device, adapters_of: Any = None
+    path: str,
+    config: InferenceConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    adapters_of: Any = None,
+    served_source: str | None = None,
 ) -> tuple[Any, str, Any]:
     """(model, "prime_models" | "transformers", HF config) of ``path``; ``adapters_of``: a served model whose LoRA
-    adapters the new one takes over (their files may be gone by now)."""
+    adapters the new one takes over (their files may be gone by now); ``served_source``: the implementation of the
+    served model, which new weights must load with. Unreadable files and non-finite tensors raise `ValueError`."""
     trust = config.model.trust_remote_code
-    model, source = load_causal_lm(path, dtype=dtype, device=device, trust_remote_code=trust)
+    from safetensors import SafetensorError
+
+    try:
+        model, source = load_causal_lm(
+            path, dtype=dtype, device=device, trust_remote_code=trust, fallback=served_source != "prime_models"
+        )
+    except SafetensorError as e:  # truncated or corrupt: a 500 without a reason (and retried) before
+        raise ValueError(f"unreadable safetensors ({e})") from e
+    check_finite(model)
     hf_config = getattr(model, "config", None)
     if hf_config is None or not hasattr(text_config(hf_config), "vocab_size"):
         from transformers import AutoConfig
@@ -57,7 +72,17 @@ def receive_model(manifest: Manifest, served: Any, source: str, dtype: torch.dty
         missing = [k for k in missing if k not in tied]
         if missing or unexpected:
             raise ValueError(f"{what} do not match the served model: missing={missing} unexpected={unexpected}")
+    check_finite(model, what)
     return model
+
+
+def check_finite(model: Any, what: str = "") -> None:
+    """Refuse weights with a NaN or infinite value: served, every logit is NaN and each request samples token 0 while
+    the server reports the new step (a trainer bug or a corrupt file; one pass over the weights, cheap beside
+    loading them)."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{what}{': ' if what else ''}{name} holds NaN or infinite values")
 
 
 def check_compatible(new_config: Any, served_config: Any) -> None:
