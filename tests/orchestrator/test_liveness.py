@@ -29,7 +29,7 @@ def failed(env="a", error="TimeoutError: timed out after 600s") -> RolloutResult
 
 def test_a_reward_or_metric_that_is_not_finite_fails_the_rollout():
     bad = screen(ok(reward=float("nan")), 1000)
-    assert bad.failed and bad.error == "not finite: reward = nan, reward of seat agent = nan" and bad.sequences == []
+    assert bad.failed and bad.error == "not finite: reward = nan" and bad.sequences == []
     # A seat's reward (a multi-agent env's) is what its advantages are taken over, the rollout's mean finite or not.
     seats = [TraceResult(seat="white", reward=1.0), TraceResult(seat="black", reward=float("-inf"))]
     bad = screen(RolloutResult(env="duel", example=0, traces=seats, reward=0.0), 1000)

@@ -116,11 +116,9 @@ def screen(result: RolloutResult, max_text_chars: int) -> RolloutResult:
     group's advantages); prompt and completion text, kept only for log tables, are cut to ``max_text_chars``."""
     if result.failed:
         return result
-    values = {
-        "reward": result.reward,
-        **{f"reward of seat {t.seat}": t.reward for t in result.traces},
-        **result.metrics,
-    }
+    # A seat's reward is named only where it differs from the rollout's (a single-seat env's is the same value).
+    seats = {f"reward of seat {t.seat}": t.reward for t in result.traces if not _same(t.reward, result.reward)}
+    values = {"reward": result.reward, **seats, **result.metrics}
     bad = [name for name, value in values.items() if not math.isfinite(value)]
     if bad:
         error = "not finite: " + ", ".join(f"{name} = {values[name]}" for name in bad[:4])
@@ -129,6 +127,10 @@ def screen(result: RolloutResult, max_text_chars: int) -> RolloutResult:
         cut = {k: _cut(getattr(result, k), max_text_chars) for k in ("prompt", "completion")}
         return result.model_copy(update=cut)
     return result
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def _cut(text: str, limit: int) -> str:
