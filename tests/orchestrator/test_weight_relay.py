@@ -17,6 +17,11 @@ async def _failing_server(seen: list[dict]) -> tuple[web.AppRunner, str]:
         seen.append(await request.json())
         return web.json_response({"error": {"message": "busy"}}, status=503)
 
+    return await _update_server(update)
+
+
+async def _update_server(update) -> tuple[web.AppRunner, str]:
+    """A stand-in inference server answering /update_weights with ``update``; (its runner, its URL)."""
     app = web.Application()
     app.router.add_post("/update_weights", update)
     runner = web.AppRunner(app)
@@ -127,13 +132,7 @@ def test_a_server_that_answers_another_step_than_asked_fails_the_update(tmp_path
         async def update(request: web.Request) -> web.Response:
             return web.json_response({"status": "ok", "weight_step": 0})
 
-        app = web.Application()
-        app.router.add_post("/update_weights", update)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await _update_server(update)
         try:
             with pytest.raises(client.WeightUpdateError, match=f"inference server {url} serves weights step 0 after "
                                "loading step 4"):  # fmt: skip
