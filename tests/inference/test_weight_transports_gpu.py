@@ -32,10 +32,8 @@ from prime_trainer.world import World
 from tests.tiny import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-ENGINES = [
-    "torch",
-    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vllm")),
-]
+NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vllm")
+ENGINES = ["torch", pytest.param("vllm", marks=NEEDS_VLLM)]
 
 
 @contextlib.contextmanager
@@ -132,11 +130,12 @@ def lora_model(model_dir, name: str, seed: int, device: torch.device):
 
 
 VLLM_ADAPTER_XFAIL = pytest.mark.xfail(
-    strict=True, reason="vLLM 0.26 rejects the adapter built from IPC tensors (IndexError in set_lora, H100 2026-11-26)"
+    strict=True,
+    reason="vLLM 0.26 rejects the adapter built from IPC tensors (IndexError in set_lora: H100 2026-11-26, H200 2026-11-29)",
 )
 
 
-@pytest.mark.parametrize("engine", [pytest.param(e, marks=VLLM_ADAPTER_XFAIL) if e == "vllm" else e for e in ENGINES])
+@pytest.mark.parametrize("engine", ["torch", pytest.param("vllm", marks=[NEEDS_VLLM, VLLM_ADAPTER_XFAIL])])
 def test_cuda_ipc_serves_the_trainers_adapter_on_its_gpu(engine, tmp_path, model_dir):
     """A LoRA run on a shared GPU: the adapter goes through GPU memory (no files) and samples exactly what the same
     adapter loaded from files does, step after step under one name."""

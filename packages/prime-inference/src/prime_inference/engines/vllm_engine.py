@@ -323,6 +323,8 @@ class VllmEngine(Engine):
         first_step = self.weight_step  # no token of this request is sampled with older weights
         if self.in_flight_updates:
             prompt["cache_salt"] = f"prime-weights-{first_step}"
+        # vLLM deprecated raw prompts in AsyncLLM.generate: its renderer turns them into engine inputs (images too).
+        (engine_input,) = await self.llm.renderer.render_cmpl_async([prompt])
         # Closing this generator early closes vLLM's, which aborts the request inside the engine.
         lora = None
         if request.lora_name is not None:
@@ -332,7 +334,7 @@ class VllmEngine(Engine):
         taken, delivered = False, 0
         self._in_flight += 1
         try:
-            async for result in self.llm.generate(prompt, params, request.request_id, lora_request=lora):
+            async for result in self.llm.generate(engine_input, params, request.request_id, lora_request=lora):
                 out = result.outputs[0]
                 logprobs = top = steps = None
                 if tapped and result.finished:
