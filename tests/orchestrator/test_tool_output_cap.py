@@ -68,10 +68,76 @@ def test_another_request_over_the_cap_is_an_error_answer():
     assert result == {"jsonrpc": "2.0", "id": 3, "error": {"code": -32603, "message": cut_marker(CAP)}}
 
 
-def test_a_stream_over_the_cap_breaks_off():
-    """An SSE answer (or one that never ends) stops being read at the cap: the MCP client fails the call."""
+def sse(*messages: dict) -> bytes:
+    """An MCP answer streamed as server-sent events, one per JSON-RPC message."""
+    return b"".join(b"event: message\ndata: " + json.dumps(m).encode() + b"\n\n" for m in messages)
+
+
+def post_events(transport, call: dict) -> list[dict]:
+    """The JSON-RPC messages the MCP client's own SSE parser (``httpx2.EventSource``, 1 MiB an event) reads."""
+
+    async def go():
+        async with (
+            httpx2.AsyncClient(transport=transport) as client,
+            client.stream("POST", "http://tools/mcp", json=call) as response,
+        ):
+            return [json.loads(e.data) async for e in httpx2.EventSource(response)]
+
+    return asyncio.run(go())
+
+
+PROGRESS = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 0.5}}
+
+
+def assert_cut(message: dict, text: str, cap: int = CAP) -> None:
+    assert message["id"] == 7 and message["result"]["isError"] is True
+    head, marker = message["result"]["content"][0]["text"].rsplit("\n", 1)
+    assert marker == cut_marker(cap) and text.startswith(head) and len(head) > 100
+
+
+def test_a_streamed_answer_under_the_cap_is_read_unchanged():
+    body = sse(PROGRESS, json.loads(tool_answer("short")))
+    assert post(answer(body, "text/event-stream"), CALL).content == body
+
+
+def test_a_streamed_tool_answer_over_the_cap_is_its_head_and_a_marker():
+    """Before, the stream broke off at the cap and the MCP client failed the call (the rollout with it)."""
+    text = "line one\n" + "é" * 2000
+    progress, cut = post_events(answer(sse(PROGRESS, json.loads(tool_answer(text))), "text/event-stream"), CALL)
+    assert progress == PROGRESS
+    assert_cut(cut, text)
+
+
+def test_an_endless_stream_ends_at_the_cap_with_a_cut_answer():
+    read = []
+
+    class Endless(httpx2.AsyncByteStream):
+        async def __aiter__(self):
+            while len(read) < 10_000:
+                read.append(1)
+                yield sse({**PROGRESS, "params": {"progressToken": 1, "message": "still working " * 3}})
+
+    async def handler(request):
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, stream=Endless())
+
+    messages = post_events(CappedTransport(httpx2.MockTransport(handler), CAP), CALL)
+    assert len(read) < 20 and messages[-1]["id"] == 7 and messages[-1]["result"]["isError"] is True
+    assert all(m["method"] == "notifications/progress" for m in messages[:-1])
+
+
+def test_a_streamed_event_past_the_sse_parsers_limit_is_cut_below_it():
+    """Under a 16 MiB cap a 3 MiB answer passed the cap but not the MCP client's 1 MiB SSE event limit."""
+    text = "the quick brown fox\n" * (3 * 2**20 // 20)
+    transport = CappedTransport(httpx2.MockTransport(lambda r: httpx2.Response(
+        200, headers={"content-type": "text/event-stream"}, stream=Chunks(sse(json.loads(tool_answer(text)))))), 16 * 2**20)  # fmt: skip
+    (cut,) = post_events(transport, CALL)
+    assert_cut(cut, text, 16 * 2**20)
+
+
+def test_a_stream_that_answers_no_call_breaks_off_at_the_cap():
+    """A stream that is no call's answer (the MCP client's GET stream) has nothing to cut to: it fails as before."""
     with pytest.raises(httpx2.ReadError, match="over 1,000 bytes"):
-        post(answer(b"data: " + b"x" * 5000 + b"\n\n", "text/event-stream"), CALL)
+        post(answer(b"data: " + b"x" * 5000 + b"\n\n", "text/event-stream"), {"jsonrpc": "2.0", "method": "x"})
 
 
 @pytest.mark.parametrize(

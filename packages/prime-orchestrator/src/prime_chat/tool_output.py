@@ -6,11 +6,14 @@ make a shell tool ``cat`` anything) took the env server from 0.7 to 3.1 GB of RS
 the text twice, ``content`` and ``structuredContent``, escaped; then its parse, its model and the cut each copy
 it), and concurrent rollouts multiply that. Here the HTTP transport under the MCP client stops reading an answer at
 ``max_bytes``: a JSON answer to a tool call becomes a result holding the head of its text and a marker saying what
-was cut; any other answer past the cap (an endless stream) fails as the MCP client fails a broken stream.
+was cut. A streamed (SSE) answer is passed on event by event while it stays under the cap; what would run past it
+(one huge answer, or an endless stream of small events), or one event larger than the MCP client's SSE parser takes
+(1 MiB, the call fails past it), is cut the same way and ends the stream.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import AsyncIterator
@@ -41,17 +44,39 @@ def text_head(body: bytes) -> str:
     return head.encode("utf-8", errors="replace").decode("utf-8")  # half a surrogate pair may end the cut
 
 
-class _CappedStream(httpx2.AsyncByteStream):
-    def __init__(self, inner: Any, max_bytes: int):
-        self.inner, self.max_bytes = inner, max_bytes
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+SSE_EVENT_BYTES = inspect.signature(httpx2.EventSource).parameters["max_event_size"].default
+"""The largest SSE event the MCP client's ``EventSource`` parses (1 MiB): past it the call fails, so a streamed
+answer is cut below it."""
+
+
+class _CappedEvents(httpx2.AsyncByteStream):
+    """An SSE body passed on whole event by whole event while it stays under ``max_bytes``; what would run past the
+    cap, or one event past ``SSE_EVENT_BYTES``, becomes ``cut(its bytes)`` (which raises when there is nothing to
+    cut it to) and the stream ends there."""
+
+    def __init__(self, inner: Any, max_bytes: int, cut: Any):
+        self.inner, self.max_bytes, self.cut = inner, max_bytes, cut
+        self.event_bytes = min(max_bytes, SSE_EVENT_BYTES or max_bytes)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        size = 0
+        pending, scanned, passed = bytearray(), 0, 0
         async for chunk in self.inner:
-            size += len(chunk)
-            if size > self.max_bytes:
-                raise httpx2.ReadError(f"the tool server's answer is over {self.max_bytes:,} bytes")
-            yield chunk
+            pending += chunk
+            # Scan only what is new (less a separator's length): one huge event is not searched over and over.
+            ends = list(_EVENT_END.finditer(pending, max(scanned - 3, 0)))
+            scanned = len(pending)
+            if ends and passed + ends[-1].end() <= self.max_bytes:
+                whole = ends[-1].end()
+                yield bytes(pending[:whole])
+                passed += whole
+                del pending[:whole]
+                scanned = len(pending)
+            if passed + len(pending) > self.max_bytes or len(pending) > self.event_bytes:
+                yield self.cut(bytes(pending))
+                return
+        if pending:
+            yield bytes(pending)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -66,7 +91,9 @@ class CappedTransport(httpx2.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response = await self.inner.handle_async_request(request)
         if not response.headers.get("content-type", "").lower().startswith("application/json"):
-            response.stream = _CappedStream(response.stream, self.max_bytes)
+            response.stream = _CappedEvents(
+                response.stream, self.max_bytes, lambda event: self._cut_event(request, event)
+            )
             return response
         body = bytearray()
         try:
@@ -81,6 +108,13 @@ class CappedTransport(httpx2.AsyncBaseTransport):
         )
 
     def _cut(self, request: httpx2.Request, body: bytes) -> httpx2.Response:
+        return httpx2.Response(200, json=self._cut_answer(request, body), request=request)
+
+    def _cut_event(self, request: httpx2.Request, event: bytes) -> bytes:
+        data = json.dumps(self._cut_answer(request, event), ensure_ascii=False)
+        return f"event: message\ndata: {data}\n\n".encode()
+
+    def _cut_answer(self, request: httpx2.Request, body: bytes) -> dict[str, Any]:
         """The JSON-RPC answer of a call whose answer ran past the cap: the head of a tool's text and a marker."""
         try:
             call = json.loads(request.content)
@@ -97,7 +131,7 @@ class CappedTransport(httpx2.AsyncBaseTransport):
             }
         else:
             answer = {"error": {"code": -32603, "message": marker}}
-        return httpx2.Response(200, json={"jsonrpc": "2.0", "id": call["id"], **answer}, request=request)
+        return {"jsonrpc": "2.0", "id": call["id"], **answer}
 
     async def aclose(self) -> None:
         await self.inner.aclose()
