@@ -68,6 +68,7 @@ class PrimeWorkerExtension:
         The server has already confined the path to the weight roots and checked its STABLE marker.
         """
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        self._prime_check_finite(version)
         self._prime_serve_version(version)
 
     def prime_receive_weights(self, manifest: dict[str, Any], version: int | None = None) -> int:
@@ -86,8 +87,27 @@ class PrimeWorkerExtension:
         for bucket in stream_receiver(parsed).tensors(parsed, device):
             model.load_weights(weights=bucket)
             loaded += len(bucket)
+        self._prime_check_finite(version)
         self._prime_serve_version(version)
         return loaded
+
+    def _prime_check_finite(self, version: int | None) -> None:
+        """Refuse weights holding a NaN or an infinity once loaded (vLLM loads in place, so only after): served, every
+        logit is NaN and each request samples token 0 under the new step's name. One reduction per tensor on the
+        GPU and one synchronisation, small beside the load."""
+        import torch
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        floats = [
+            (n, p) for n, p in model.named_parameters() if p.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        ]
+        if not floats:
+            return
+        with torch.no_grad():
+            bad = torch.stack([~torch.isfinite(p).all() for _, p in floats])
+        if bool(bad.any()):
+            name = floats[int(bad.nonzero()[0, 0])][0]
+            raise ValueError(f"the weights of step {version} hold NaN or infinite values ({name})")
 
     def prime_receive_adapter(self, manifest: dict[str, Any], lora_int_id: int) -> int:
         """Receive a LoRA adapter's tensors from a streamed transport into this worker's host memory, for vLLM's

@@ -212,6 +212,7 @@ class VllmEngine(Engine):
         self.in_flight_updates = config.weight_update == "in_flight"
         self._steps = 0
         self._swapping = False
+        self._unusable: str | None = None  # why the loaded weights must not be sampled (a load failed part-way)
 
     @property
     def info(self) -> EngineInfo:
@@ -312,6 +313,8 @@ class VllmEngine(Engine):
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._unusable is not None:
+            raise RequestError(self._unusable, status_code=503)
         k = request.params.logprobs
         # The tap serves what RL sends: the sampled tokens' log-probs, in one response per request. renderers' client
         # asks for logprobs=1, which on this route means the same: its top_logprobs hold the first max(k, 1) entries.
@@ -335,6 +338,8 @@ class VllmEngine(Engine):
         self._in_flight += 1
         try:
             async for result in self.llm.generate(engine_input, params, request.request_id, lora_request=lora):
+                if self._unusable is not None:  # a failed load under it (in flight): closing aborts it in vLLM
+                    raise RequestError(self._unusable, status_code=503)
                 out = result.outputs[0]
                 logprobs = top = steps = None
                 if tapped and result.finished:
@@ -384,7 +389,18 @@ class VllmEngine(Engine):
                 mode = "keep" if self.in_flight_updates else "wait"
                 await self.llm.pause_generation(mode=mode, clear_cache=False)
             try:
-                await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
+                try:
+                    await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
+                except Exception as e:
+                    # vLLM loads in place: a load that failed part-way (or loaded NaNs) left weights of no step, which
+                    # must not be sampled under the old step's name. A later complete load serves again.
+                    cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                    self._unusable = (
+                        f"loading the weights of step {step} failed ({cause}): this server serves nothing until weights"
+                        " load completely"
+                    )
+                    raise RequestError(self._unusable, status_code=400, param="weight_dir") from e
+                self._unusable = None
                 if self.in_flight_updates:
                     await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
                 else:

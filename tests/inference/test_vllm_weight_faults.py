@@ -1,0 +1,105 @@
+"""Broken weights on the vLLM engine, without a GPU: vLLM loads weights in place, so a load that brings NaNs (or
+fails part-way) is caught after it and the server stops serving under the old step's name until a complete load.
+
+The worker side runs `PrimeWorkerExtension` over a CPU model standing in for vLLM's; the engine side runs
+`VllmEngine`'s swap over a stand-in for vLLM's ``AsyncLLM``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prime_inference.engines.vllm_engine import VllmEngine
+from prime_inference.protocol import RequestError
+from prime_inference.vllm_plugin import PrimeWorkerExtension
+
+
+class Worker(PrimeWorkerExtension):
+    """vLLM's GPU worker as the extension sees it: a model runner, and an in-place ``reload_weights``."""
+
+    def __init__(self, files: dict[str, dict[str, torch.Tensor]]):
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, dtype=torch.bfloat16))
+        self.model_runner = SimpleNamespace(get_model=lambda: self.model)
+        self.files = files
+
+    def reload_weights(self, weights_path: str) -> None:
+        self.model.load_state_dict(self.files[weights_path], strict=False)
+
+
+def test_the_worker_refuses_weights_it_loaded_with_a_nan_naming_the_tensor():
+    nan = torch.full((4, 4), float("nan"), dtype=torch.bfloat16)
+    worker = Worker({"good": {"0.weight": torch.ones(4, 4)}, "bad": {"1.weight": nan}})
+    worker.prime_reload_weights("good", version=1)
+    with pytest.raises(ValueError, match=r"^the weights of step 2 hold NaN or infinite values \(1\.weight\)$"):
+        worker.prime_reload_weights("bad", version=2)
+
+
+def test_the_worker_checks_infinities_and_every_float_dtype():
+    worker = Worker({"inf": {"0.bias": torch.tensor([0.0, float("inf"), 0.0, 0.0])}})
+    with pytest.raises(ValueError, match=r"\(0\.bias\)"):
+        worker.prime_reload_weights("inf", version=5)
+
+
+class StandInLLM:
+    """The parts of vLLM's ``AsyncLLM`` a weight swap uses; ``fail`` makes the next worker RPC fail as vLLM reports
+    a worker's exception."""
+
+    def __init__(self):
+        self.fail: str | None = None
+        self.resumed = 0
+
+    async def pause_generation(self, **kwargs):
+        pass
+
+    async def resume_generation(self):
+        self.resumed += 1
+
+    async def collective_rpc(self, method, kwargs):
+        if self.fail is not None:
+            raise Exception(f"Call to collective_rpc method failed: {self.fail}")
+
+    async def reset_prefix_cache(self):
+        pass
+
+    async def reset_encoder_cache(self):
+        pass
+
+
+def stand_in_engine() -> VllmEngine:
+    engine = VllmEngine.__new__(VllmEngine)  # no vLLM here: the swap's state only
+    engine.llm = StandInLLM()
+    engine.weight_step, engine.weight_dir = 2, "/w/step_2"
+    engine._paused, engine._swapping, engine._unusable = False, False, None
+    engine._admin_lock, engine.in_flight_updates = asyncio.Lock(), False
+    return engine
+
+
+async def first_output(engine: VllmEngine):
+    async for output in engine.generate(SimpleNamespace()):
+        return output
+
+
+def test_a_failed_load_stops_the_server_serving_until_a_complete_one():
+    """Before, the engine resumed serving the half-loaded (or NaN) weights under step 2's name: every request sampled
+    token 0 while /health said step 2."""
+
+    async def scenario():
+        engine = stand_in_engine()
+        engine.llm.fail = "the weights of step 3 hold NaN or infinite values (model.layers.0.mlp.down_proj.weight)"
+        with pytest.raises(RequestError) as refused:
+            await engine.update_weights("/w/step_3", 3)
+        assert refused.value.status_code == 400 and refused.value.param == "weight_dir"
+        assert "step 3" in refused.value.message and "down_proj.weight" in refused.value.message
+        assert "\n" not in refused.value.message and engine.llm.resumed == 1 and engine.weight_step == 2
+        with pytest.raises(RequestError) as unserved:
+            await first_output(engine)
+        assert unserved.value.status_code == 503 and unserved.value.message == refused.value.message
+
+        engine.llm.fail = None  # the next complete load serves again
+        await engine.update_weights("/w/step_4", 4)
+        assert engine._unusable is None and engine.weight_step == 4 and engine.weight_dir == "/w/step_4"
+
+    asyncio.run(scenario())
