@@ -155,6 +155,12 @@ class FakeLLM:
 
     def __init__(self, token_ids, vllm_logprobs=None):
         self.token_ids, self.vllm_logprobs, self.rpcs = token_ids, vllm_logprobs, []
+        self.renderer = SimpleNamespace(render_cmpl_async=self._render)
+
+    @staticmethod
+    async def _render(prompts):
+        """vLLM's renderer turns each prompt dict into an engine input (``type`` "token" for token ids)."""
+        return [{"type": "token", **p} for p in prompts]
 
     async def generate(self, prompt, params, request_id, lora_request=None):
         out = SimpleNamespace(
@@ -173,7 +179,7 @@ def engine_with(llm: FakeLLM):
 
     engine = VllmEngine.__new__(VllmEngine)  # no vLLM here: the engine's state around a stand-in client
     engine.llm, engine.weight_step, engine._adapters, engine.seen = llm, 3, {}, []
-    engine._in_flight = 0  # the liveness counter __init__ sets
+    engine._in_flight, engine._unusable = 0, None  # the liveness counter and load state __init__ sets
     engine.in_flight_updates = False
     engine._sampling_params = lambda request, tapped: engine.seen.append(tapped)
 
