@@ -17,6 +17,7 @@ import importlib
 import logging
 import multiprocessing as mp
 import queue
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,46 @@ def prepare_env_process(env_config: dict[str, Any]) -> None:
     from prime_orchestrator.http_pool import pool_engine_clients
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(ClientGone())
+    sys.unraisablehook = _quiet_interrupts
     register_project_runtimes(env_config)
     pool_engine_clients()
+
+
+# zmq's errnos for a ROUTER's peer that went away, and for a socket closed under a send.
+_GONE = ("Host unreachable", "Socket operation on non-socket")
+
+
+class ClientGone(logging.Filter):
+    """verifiers logs every answer and trace delta it cannot send, each with a traceback. When the orchestrator stops
+    with rollouts still running (a failed step), its client goes first and every one of them fails so: hundreds of
+    lines after the one that names why the run stopped. The first is kept, as one line; the rest are dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.told = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("verifiers.v1.serve") or not record.getMessage().startswith("failed to send"):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        if not any(gone in f"{record.getMessage()} {error}" for gone in _GONE):
+            return True
+        if self.told:
+            return False
+        self.told = True
+        note = "the orchestrator's client is gone; later answers that cannot be sent are not logged"
+        record.msg, record.args = f"{record.getMessage()} ({error or 'peer gone'}): {note}", ()
+        record.exc_info = record.exc_text = None
+        return True
+
+
+def _quiet_interrupts(unraisable: Any) -> None:
+    """verifiers' pool ends on SIGTERM by raising KeyboardInterrupt, wherever the process is: inside a finalizer that
+    prints as "Exception ignored in ..." with a traceback. That is the stop the orchestrator asked for."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
 
 
 def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> None:
