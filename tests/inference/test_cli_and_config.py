@@ -123,7 +123,13 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
-        assert (Path(tmp_path) / "logs" / "inference.log").is_file()
+        log = Path(tmp_path) / "logs" / "inference.log"
+        size = log.stat().st_size
+        for _ in range(20):  # what a long run sends for ever: health probes, generate requests
+            assert httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200
+        # No line per request: the log of a run of days stays the size of its startup and its events.
+        assert log.stat().st_size == size, log.read_text()[size:]
+        assert "/v1/chat/completions" not in log.read_text()
         assert (Path(tmp_path) / "configs" / "inference.toml").is_file()
     finally:
         proc.terminate()

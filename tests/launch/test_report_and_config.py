@@ -1,8 +1,10 @@
 """prime-launch report, RLConfig shared-field filling, device assignment."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from prime_core.config import ConfigError, load_config
@@ -111,3 +113,18 @@ def test_base_url_must_match_the_started_server():
     )
     with pytest.raises(ValueError, match="port 8001"):
         resolve_here(cfg, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_torchrun_of_a_multi_rank_trainer_leaves_nothing_in_tmp(tmp_path):
+    """torchrun keeps its ranks' logs under a fresh /tmp/torchelastic_* unless told otherwise, and never removes it:
+    one more directory in /tmp per launch of every run, resumed or not."""
+    cfg = load_config(RLConfig, ["--inference.engine", "auto", "--devices.num-cpu-trainer-procs", "2"])
+    trainer_cmd = next(s.cmd for s in resolve_here(cfg, {"CUDA_VISIBLE_DEVICES": ""}).specs if s.name == "trainer")
+    launcher = trainer_cmd[: trainer_cmd.index("--no-python") + 1]
+    launcher[0] = str(Path(sys.executable).with_name("torchrun"))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*launcher, "true"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list(tmp.iterdir()) == []

@@ -108,6 +108,7 @@ def test_async_bound_with_slow_trainer(tmp_path, tiny_model, torch_server):
     assert orch.policy.num_updates >= 2
     ckpt = json.loads((tmp_path / "checkpoints" / "step_2" / "orchestrator" / "progress.json").read_text())
     assert ckpt["step"] == 2
+    assert orch.cursor_history == {}  # an entry per step once shipped would grow for the whole of a long run
 
 
 def test_multi_turn_tool_env_through_token_in_route(tmp_path, tiny_model, torch_server):

@@ -81,6 +81,10 @@ class RunDir:
         """Steps under ``weights/`` whose directory carries the STABLE marker, ascending."""
         return [s for s, p in _steps(self.weights) if is_stable(p)]
 
+    def rollout_steps(self) -> list[int]:
+        """Steps with a directory under ``rollouts/``, ascending."""
+        return [s for s, _ in _steps(self.rollouts)]
+
     def checkpoint_steps(self) -> list[int]:
         """Steps under ``checkpoints/`` with a STABLE marker, ascending."""
         return [s for s, p in _steps(self.checkpoints) if is_stable(p)]

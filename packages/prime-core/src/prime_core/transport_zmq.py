@@ -155,7 +155,9 @@ class ZmqReceiver:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.bind(f"tcp://*:{config.base_port + rank}")
         self._buffer: dict[int, tuple[bytes, bytes]] = {}  # step -> (peer identity, payload)
-        self._consumed: set[int] = set()
+        # Steps are consumed in order: a resend of this step or an older one is acknowledged, not buffered (a set of
+        # every consumed step would grow for the whole run).
+        self._newest_consumed = -1
 
     def receive(self, step: int, *, timeout: float | None) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
         zmq = _zmq()
@@ -175,13 +177,13 @@ class ZmqReceiver:
             if kind != b"DATA":
                 continue
             got = int(raw_step)
-            if got in self._consumed:
+            if got <= self._newest_consumed:
                 self._sock.send_multipart([peer, b"ACK", raw_step])
             else:
                 self._buffer[got] = (peer, rest[0])
         peer, payload = self._buffer.pop(step)
         result = decode(payload)
-        self._consumed.add(step)
+        self._newest_consumed = max(self._newest_consumed, step)
         self._sock.send_multipart([peer, b"ACK", str(step).encode()])
         return result
 

@@ -305,7 +305,10 @@ def _process_specs(
         cmd = [_executable(facts, "inference" if name == TEACHER else role(name)), *args]
         if name == "trainer" and place.num_trainer_ranks > 1:
             ranks = str(place.num_trainer_ranks)
-            cmd = [_executable(facts, "torchrun"), "--standalone", "--nproc-per-node", ranks, "--no-python", *cmd]
+            # --log-dir /dev/null: torchrun otherwise leaves a /tmp/torchelastic_* directory behind every launch (the
+            # ranks' output goes to the trainer's log through stdout anyway).
+            cmd = [_executable(facts, "torchrun"), "--standalone", "--nproc-per-node", ranks, "--log-dir", "/dev/null",
+                   "--no-python", *cmd]  # fmt: skip
         env = {**common_env, **place.env_of[role(name)]}
         if name == "trainer" and place.use_gpu:
             env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -361,6 +361,9 @@ class Orchestrator:
         nxt = batch.step + 1
         if c.ckpt.interval and nxt % c.ckpt.interval == 0 and nxt <= c.max_steps:
             self._save_checkpoint(nxt)
+        # Cursors of steps shipped can no longer be checkpointed: an entry per step would grow for the whole run.
+        for old in [s for s in self.cursor_history if s <= nxt]:
+            del self.cursor_history[old]
         if self.eval_pools and batch.step > 0 and batch.step % c.eval.interval == 0:
             self._eval_tasks.append(asyncio.create_task(self._eval(batch.step)))
 

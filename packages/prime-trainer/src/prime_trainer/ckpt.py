@@ -60,6 +60,8 @@ class CheckpointManager:
         self.run_dir = run_dir
         self.world = world
         self._pending: tuple[Future, int, Path, dict] | None = None
+        self.run_dirs: list[RunDir] = []
+        """Multi-tenant runs' directories, whose orchestrators write their part of each checkpoint there."""
         # The background writer's collectives get a gloo group of their own: sharing one with the main thread's
         # collectives (training, poll, barriers) could interleave them differently on different ranks and hang.
         self._writer_pg = dist.new_group(backend="gloo") if config.save_async else None
@@ -127,15 +129,18 @@ class CheckpointManager:
         dist.barrier()
 
     def _cleanup(self) -> None:
+        """Delete all but the newest ``keep`` checkpoints, the orchestrators' parts with the trainer's: a step that lost
+        its trainer part can never be resumed, and each part left would add a directory per interval for ever."""
         if self.config.keep is None:
             return
         steps = self.saved_steps()
         for old in steps[: -self.config.keep]:
             step_dir = self.run_dir.checkpoint_step(old)
-            shutil.rmtree(step_dir / "trainer", ignore_errors=True)
-            (step_dir / STABLE_MARKER).unlink(missing_ok=True)
-            if step_dir.is_dir() and not any(step_dir.iterdir()):
-                step_dir.rmdir()
+            # Markers first: a stop halfway leaves a step that reads as incomplete, never one that reads as resumable.
+            for marker in (step_dir / STABLE_MARKER, step_dir / "trainer" / STABLE_MARKER):
+                marker.unlink(missing_ok=True)
+            for run_dir in [self.run_dir, *self.run_dirs]:
+                shutil.rmtree(run_dir.checkpoint_step(old), ignore_errors=True)
 
     def protected_steps(self) -> list[int]:
         """Complete checkpoints plus one still being written in the background (weights they need are kept)."""

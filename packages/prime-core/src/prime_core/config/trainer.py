@@ -224,6 +224,9 @@ class RLDataConfig(BaseConfig):
     """Train on synthetic micro-batches instead of the orchestrator's rollouts (set by ``--bench``)."""
     wait_timeout_s: float | None = Field(default=3600.0, gt=0)
     """Fail with a clear error when a step's rollouts have not arrived after this many seconds; unset waits forever."""
+    keep_rollouts: int | None = Field(default=2, ge=1)
+    """Filesystem transport: each rank deletes its ``rollouts/step_n`` files once it has read ``keep_rollouts`` newer
+    steps (a resume never reads a consumed step: the orchestrator writes the resumed steps again); unset keeps all."""
 
 
 class WeightBroadcastConfig(BaseConfig):

@@ -38,6 +38,9 @@ def serve(config: InferenceConfig) -> None:
             host=config.server.host,
             port=config.server.port,
             log_level=config.log.level,
+            # One line per request (health probes, every rollout's generate) would grow the log without bound over a
+            # long run; ``log.level = "debug"`` brings them back.
+            access_log=config.log.level == "debug",
             timeout_keep_alive=config.server.timeout_keep_alive,
             timeout_graceful_shutdown=config.server.shutdown_timeout,
             log_config=None,

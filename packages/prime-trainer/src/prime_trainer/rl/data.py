@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -82,7 +83,9 @@ class RolloutSource:
         self.timeout = config.data.wait_timeout_s
         self.transport = config.transport.type
         self._step = 0
-        self.receiver = make_receiver(config.transport, RunDir(config.output_dir), world.rank, on_wait=self._on_wait)
+        self.run_dir = RunDir(config.output_dir)
+        self.keep = config.data.keep_rollouts if self.transport == "filesystem" else None
+        self.receiver = make_receiver(config.transport, self.run_dir, world.rank, on_wait=self._on_wait)
 
     def _on_wait(self, elapsed: float) -> None:
         logger.info("step %d: rank %d waiting for rollouts for %.0fs", self._step, self.rank, elapsed)
@@ -97,13 +100,27 @@ class RolloutSource:
         waiting = f"waiting for the orchestrator's rollouts of step {step} ({where})"
         try:
             with progress.activity(waiting, waits_for="orchestrator"):
-                return self.receiver.receive(step, timeout=self.timeout)
+                received = self.receiver.receive(step, timeout=self.timeout)
         except TimeoutError as e:
             raise RuntimeError(
                 f"step {step}: no rollouts for rank {self.rank} after {self.timeout:.0f}s ({self.transport} "
                 f"transport: {e}). Is the orchestrator running with the same --output-dir? "
                 f"Raise --data.wait-timeout-s to wait longer."
             ) from None
+        self._drop_consumed(step)
+        return received
+
+    def _drop_consumed(self, step: int) -> None:
+        """Delete this rank's files of steps ``keep`` or more behind ``step``; the rank that deletes a step's last file
+        removes its directory. Every older step goes too (a resumed run's leftovers from before its checkpoint)."""
+        if self.keep is None:
+            return
+        for old in self.run_dir.rollout_steps():
+            if old > step - self.keep:
+                break
+            self.run_dir.rollout_file(old, self.rank).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another rank's file is still there
+                self.run_dir.rollout_step(old).rmdir()
 
     def close(self) -> None:
         self.receiver.close()

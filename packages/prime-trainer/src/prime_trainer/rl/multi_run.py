@@ -130,6 +130,7 @@ def train_runs(config: TrainerConfig) -> None:
     objective = build_objective(config.loss)
     start = common.resume(c)["step"]
     runs = build_runs(c, config)
+    c.ckpt.run_dirs = [run.run_dir for run in runs]
     publish(c, runs, start, c.ckpt.protected_steps(), initial=True)
     c.logger.info("multi-tenant: %d runs (%s), steps %d..%d", len(runs), ", ".join(r.name for r in runs), start,
                   config.max_steps - 1)  # fmt: skip
