@@ -18,9 +18,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 from pathlib import Path
 
 MIB = 1 << 20
+FDS_PER_KEY = 3
+"""Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
+and v1's memory peak. Slots are reused first in, first out, so every slot's are open after a while."""
+
+
+def lift_open_files(need: int) -> str | None:
+    """Raise this process's soft RLIMIT_NOFILE to ``need``, up to its hard limit (as servers do at start: the soft
+    limit is often 1024); why it stays below ``need``, or None."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    target = need if hard == resource.RLIM_INFINITY else min(hard, need)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return None if target >= need else f"open files are limited to {hard} (RLIMIT_NOFILE's hard limit)"
 
 
 def _own_cgroups() -> dict[str, str]:

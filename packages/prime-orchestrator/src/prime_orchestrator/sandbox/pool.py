@@ -29,7 +29,7 @@ from pathlib import Path
 
 from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 
-from prime_orchestrator.sandbox.cgroups import Cgroups
+from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY, Cgroups, lift_open_files
 from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
 from prime_orchestrator.sandbox.liveness import REAP_WAIT_S, PoolProgress
 from prime_orchestrator.sandbox.schemas import ExecRequest, ExecResult, SandboxHealth, judge, parse_test_lines
@@ -38,6 +38,7 @@ from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Z
 __all__ = ["NUM_LEASES", "SandboxPool", "SandboxUnavailable"]
 
 logger = logging.getLogger(__name__)
+OTHER_FDS = 1024  # the env server's own: sockets, zygote pipes, HTTP clients, tool servers
 NUM_LEASES = NUM_WORKSPACES
 UIDS_PER_PROCESS = 8192  # 1 + max_concurrency + NUM_WORKSPACES fit in it
 # A verdict later than its wall limit plus this is lost: the supervisor enforces the wall limit itself, so this only
@@ -131,6 +132,16 @@ class SandboxPool:
         cgroups, why = Cgroups.detect(self.tmp_dir.name)
         if cgroups is None:
             self.unenforced.append(f"{what} ({why}); RLIMIT_AS per process and sized tmpfs still apply")
+            return None
+        # Every slot's and workspace's cgroup files stay open: under a soft limit of 1024 a pool of ~300 slots
+        # failed its executions once enough slots had been used, well into a run.
+        keys = self.config.max_concurrency + NUM_WORKSPACES
+        if short := lift_open_files(FDS_PER_KEY * keys + OTHER_FDS):
+            logger.warning(
+                "sandbox pool: %s, and its cgroups keep %d per slot and workspace (%d slots, up to %d workspaces): "
+                "raise `ulimit -n` or lower pool.max_concurrency", short, FDS_PER_KEY, self.config.max_concurrency,
+                NUM_WORKSPACES,
+            )  # fmt: skip
         return cgroups
 
     @property
