@@ -149,6 +149,18 @@ def storage_error_line(e: OSError, path: str | os.PathLike | None = None) -> str
     return f"{e.strerror or os.strerror(e.errno or 0)} (errno {e.errno} {code}){where}"
 
 
+class UnreadableFile(ValueError):
+    """A file of the run that is there but cannot be read back (truncated, corrupted, another schema): its
+    message is one line naming the file and what is wrong with it."""
+
+
+def first_line(e: BaseException) -> str:
+    """``Type: message`` of ``e`` on one line (a ``KeyError`` names its missing key)."""
+    text = f"missing {e.args[0]!r}" if isinstance(e, KeyError) and e.args else (str(e).strip() or "(no message)")
+    line = text.splitlines()[0]
+    return f"{type(e).__name__}: {line if len(line) <= 200 else line[:200] + '...'}"
+
+
 class StorageError(OSError):
     """A write that failed for lack of storage; its message is one line naming the errno and the path."""
 

@@ -14,7 +14,9 @@ import json
 import logging
 import random
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from prime_core.config.shared import CheckpointConfig
-from prime_core.io import STABLE_MARKER, atomic_write_json, is_stable, mark_stable, raise_storage_error
+from prime_core.io import (
+    STABLE_MARKER,
+    UnreadableFile,
+    atomic_write_json,
+    first_line,
+    is_stable,
+    mark_stable,
+    raise_storage_error,
+    storage_error,
+)
 from prime_core.run_dir import RunDir
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from prime_trainer.world import World
@@ -157,23 +170,65 @@ class CheckpointManager:
         if not is_stable(path):
             have = ", ".join(map(str, self.saved_steps())) or "none"
             raise ValueError(f"no complete trainer checkpoint at {path} (complete checkpoints: {have})")
+        with self._unreadable(step, path, PROGRESS_FILE):
+            progress = json.loads((path / PROGRESS_FILE).read_text())
+            progress["step"], progress["world_size"] = int(progress["step"]), int(progress["world_size"])
+        with self._unreadable(step, path, ".metadata"):
+            metadata = FileSystemReader(str(path)).read_metadata()
+        self._check_sizes(step, path, metadata)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        with self._unreadable(step, path, "*.distcp"):
+            dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
         )
-        progress = json.loads((path / PROGRESS_FILE).read_text())
         rng_file = self._rng_file(path, self.world.rank)
         if progress["world_size"] == self.world.world_size and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            with self._unreadable(step, path, rng_file.relative_to(path)):
+                set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             logger.warning("checkpoint %s was saved by %d ranks: RNG state not restored", path, progress["world_size"])
         logger.info("resumed from checkpoint %s (step %d)", path, step)
         return progress
+
+    def _unreadable_line(self, step: int, path: Path, what: Any, why: str) -> str:
+        earlier = [n for n in self.saved_steps() if n < step]
+        hint = f"--ckpt.resume-step {earlier[-1]} resumes from the one before" if earlier else "no earlier checkpoint"
+        return f"checkpoint step {step} does not load: {path}/{what}: {why} ({hint})"
+
+    @contextmanager
+    def _unreadable(self, step: int, path: Path, what: Any) -> Iterator[None]:
+        """A file of a complete (STABLE) checkpoint that does not read back (cut short, corrupted, edited): one line
+        naming it and the newest earlier checkpoint, never a resume from garbage. A failing disk stays an OSError."""
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            if storage_error(e) is not None:
+                raise
+            raise UnreadableFile(self._unreadable_line(step, path, what, first_line(_root_cause(e)))) from e
+
+    def _check_sizes(self, step: int, path: Path, metadata: Any) -> None:
+        """Every data file the metadata points into must be at least as long as its last item: a file cut short
+        names itself here (DCP would fail with a bare ``EOFError`` deep in unpickling)."""
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            have = (path / name).stat().st_size if (path / name).is_file() else None
+            if have is None or have < size:
+                why = "missing" if have is None else f"cut short: {have} bytes, its index needs {size}"
+                raise UnreadableFile(self._unreadable_line(step, path, name, why))
 
     @staticmethod
     def _rng_file(root: Path, rank: int, mkdir: bool = False) -> Path:
         if mkdir:
             (root / "rng").mkdir(parents=True, exist_ok=True)
         return root / "rng" / f"rank_{rank}.pt"
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (``failures``: rank -> exception)."""
+    for failure in getattr(e, "failures", {}).values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return e

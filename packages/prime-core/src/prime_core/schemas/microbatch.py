@@ -37,13 +37,15 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from prime_core.io import atomic_path
+from prime_core.io import UnreadableFile, atomic_path, first_line, storage_error
 
 MICROBATCH_SCHEMA_VERSION = 1
 EXTRA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -249,15 +251,32 @@ def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_ba
 def read_microbatch_meta(path: str | os.PathLike) -> RolloutBatchMeta:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="numpy") as f:
-        raw = (f.metadata() or {}).get("prime")
-    if raw is None:
-        raise ValueError(f"{path}: not a prime micro-batch file (no 'prime' metadata)")
-    data = json.loads(raw)
-    version = data.get("schema_version")
-    if version != MICROBATCH_SCHEMA_VERSION:
-        raise ValueError(f"{path}: micro-batch schema version {version}, this reader knows {MICROBATCH_SCHEMA_VERSION}")
-    return RolloutBatchMeta.model_validate(data)
+    with _unreadable_as_one_line(path):
+        with safe_open(str(path), framework="numpy") as f:
+            raw = (f.metadata() or {}).get("prime")
+        if raw is None:
+            raise UnreadableFile(f"{path}: not a prime micro-batch file (no 'prime' metadata)")
+        data = json.loads(raw)
+        version = data.get("schema_version")
+        if version != MICROBATCH_SCHEMA_VERSION:
+            raise UnreadableFile(
+                f"{path}: micro-batch schema version {version}, this reader knows {MICROBATCH_SCHEMA_VERSION}"
+            )
+        return RolloutBatchMeta.model_validate(data)
+
+
+@contextmanager
+def _unreadable_as_one_line(path: str | os.PathLike) -> Iterator[None]:
+    """A file cut short, corrupted or of another schema: `UnreadableFile` naming it, not the reader's traceback. A
+    failing disk (``OSError``) stays itself: the entry points name it as a storage fault."""
+    try:
+        yield
+    except (UnreadableFile, OSError):
+        raise
+    except Exception as e:
+        if storage_error(e) is not None:
+            raise
+        raise UnreadableFile(f"{path}: unreadable micro-batch file ({first_line(e)})") from e
 
 
 def read_microbatches(path: str | os.PathLike) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
@@ -265,5 +284,6 @@ def read_microbatches(path: str | os.PathLike) -> tuple[RolloutBatchMeta, list[M
     from safetensors.numpy import load_file
 
     meta = read_microbatch_meta(path)
-    tensors = load_file(str(Path(path)))
-    return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]
+    with _unreadable_as_one_line(path):
+        tensors = load_file(str(Path(path)))
+        return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]
