@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         prog="orchestrator",
         description="Rollouts, advantages, packing and weight relay for RL (see docs/orchestrator.md).",
+        writes_output_dir=True,
     )
 
     from prime_core.progress import start_reporting, stop_reporting
