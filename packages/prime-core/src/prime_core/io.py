@@ -161,6 +161,21 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {line if len(line) <= 200 else line[:200] + '...'}"
 
 
+@contextmanager
+def reading(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Parse ``path`` as ``what`` inside this block: a file cut short, corrupted or of another schema becomes an
+    `UnreadableFile` naming it instead of the parser's traceback. A failing disk (``OSError``) stays itself: the
+    entry points name it as a storage fault."""
+    try:
+        yield
+    except (UnreadableFile, OSError):
+        raise
+    except Exception as e:
+        if storage_error(e) is not None:
+            raise
+        raise UnreadableFile(f"{path}: unreadable {what} ({first_line(e)})") from e
+
+
 class StorageError(OSError):
     """A write that failed for lack of storage; its message is one line naming the errno and the path."""
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from prime_core import progress
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.io import atomic_dir, atomic_write_json, is_stable
+from prime_core.io import atomic_dir, atomic_write_json, is_stable, reading
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_core.transport import make_sender
@@ -176,9 +176,11 @@ class Orchestrator:
         path = self.run_dir.orchestrator_checkpoint(step) / "progress.json"
         if not path.is_file():
             raise FileNotFoundError(f"no orchestrator checkpoint at {path}")
-        state = json.loads(path.read_text())
-        self.start_step = int(state["step"])
-        self.cursors.update({k: int(v) for k, v in state["cursors"].items() if k in self.cursors})
+        with reading(path, "orchestrator checkpoint"):
+            state = json.loads(path.read_text())
+            step, cursors = int(state["step"]), {k: int(v) for k, v in state["cursors"].items() if k in self.cursors}
+        self.start_step = step
+        self.cursors.update(cursors)
         logger.info("resuming at step %d", self.start_step)
 
     # ----- rollouts -----

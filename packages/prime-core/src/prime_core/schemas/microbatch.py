@@ -37,15 +37,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from prime_core.io import UnreadableFile, atomic_path, first_line, storage_error
+from prime_core.io import UnreadableFile, atomic_path, reading
 
 MICROBATCH_SCHEMA_VERSION = 1
 EXTRA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -251,7 +249,7 @@ def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_ba
 def read_microbatch_meta(path: str | os.PathLike) -> RolloutBatchMeta:
     from safetensors import safe_open
 
-    with _unreadable_as_one_line(path):
+    with reading(path, "micro-batch file"):
         with safe_open(str(path), framework="numpy") as f:
             raw = (f.metadata() or {}).get("prime")
         if raw is None:
@@ -265,25 +263,11 @@ def read_microbatch_meta(path: str | os.PathLike) -> RolloutBatchMeta:
         return RolloutBatchMeta.model_validate(data)
 
 
-@contextmanager
-def _unreadable_as_one_line(path: str | os.PathLike) -> Iterator[None]:
-    """A file cut short, corrupted or of another schema: `UnreadableFile` naming it, not the reader's traceback. A
-    failing disk (``OSError``) stays itself: the entry points name it as a storage fault."""
-    try:
-        yield
-    except (UnreadableFile, OSError):
-        raise
-    except Exception as e:
-        if storage_error(e) is not None:
-            raise
-        raise UnreadableFile(f"{path}: unreadable micro-batch file ({first_line(e)})") from e
-
-
 def read_microbatches(path: str | os.PathLike) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
     """Read a file written by ``write_microbatches`` (numpy arrays)."""
     from safetensors.numpy import load_file
 
     meta = read_microbatch_meta(path)
-    with _unreadable_as_one_line(path):
+    with reading(path, "micro-batch file"):
         tensors = load_file(str(Path(path)))
         return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]

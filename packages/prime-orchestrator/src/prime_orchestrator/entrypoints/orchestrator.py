@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.config import write_config
 
     write_config(config, run_dir.config_file("orchestrator"))
+    from prime_core.io import UnreadableFile
+
     from prime_orchestrator.client import WeightUpdateError
     from prime_orchestrator.liveness import RolloutsFailed
 
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError) as e:
+    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError, UnreadableFile) as e:
         # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
         print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         sys.exit(1)
