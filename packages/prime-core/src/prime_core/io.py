@@ -142,10 +142,14 @@ def storage_error(exc: BaseException) -> OSError | None:
 
 
 def storage_error_line(e: OSError, path: str | os.PathLike | None = None) -> str:
-    """``No space left on device (errno 28 ENOSPC) writing <file>`` (or ``writing under <path>`` when the error
-    does not name its file): the cause and where, on one line."""
+    """``No space left on device (errno 28 ENOSPC) writing <file>`` (``writing checkpoint step 12 to <dir>`` from
+    `writing`; ``writing under <path>`` when the error names no file): the cause and where, on one line."""
     code = errno.errorcode.get(e.errno or 0, "?")
-    where = f" writing {e.filename}" if e.filename else f" writing under {path}" if path else ""
+    what = getattr(e, "what", None)
+    if what:  # a `StorageError` of `writing`: what the run was writing, and where to
+        where = f" writing {what} to {e.filename}"
+    else:
+        where = f" writing {e.filename}" if e.filename else f" writing under {path}" if path else ""
     return f"{e.strerror or os.strerror(e.errno or 0)} (errno {e.errno} {code}){where}"
 
 
@@ -177,16 +181,51 @@ def reading(path: str | os.PathLike, what: str) -> Iterator[None]:
 
 
 class StorageError(OSError):
-    """A write that failed for lack of storage; its message is one line naming the errno and the path."""
+    """A write that failed for lack of storage; its message is one line naming the errno, what was being written
+    (``what``, when known) and the path."""
+
+    what: str | None = None
 
     def __str__(self) -> str:
         return storage_error_line(self)
 
 
-def raise_storage_error(exc: BaseException, path: str | os.PathLike) -> None:
-    """Re-raise ``exc`` as a `StorageError` naming ``path`` if a storage error caused it; else return."""
+def raise_storage_error(exc: BaseException, path: str | os.PathLike, what: str | None = None) -> None:
+    """Re-raise ``exc`` as a `StorageError` if a storage error caused it (else return): naming ``what`` and ``path``
+    when ``what`` is given, else the file the error names (or ``path``)."""
     found = storage_error(exc)
-    if found is not None:
-        raise StorageError(
-            found.errno, found.strerror or os.strerror(found.errno or 0), found.filename or str(path)
-        ) from exc
+    if found is None and what is not None:
+        found = _out_of_space(path)
+    if found is None or isinstance(found, StorageError) and found.what:
+        return  # not storage, or already named by an inner `writing`
+    error = StorageError(
+        found.errno, found.strerror or os.strerror(found.errno or 0), str(path) if what else found.filename or str(path)
+    )
+    error.what = what
+    raise error from exc
+
+
+def _out_of_space(path: str | os.PathLike) -> OSError | None:
+    """ENOSPC when the file system of ``path`` has (almost) no space left: what a failed write there meant when
+    the writer lost the errno (torch's zip writer says only ``unexpected pos 704 vs 598``)."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize >= 1 << 20:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@contextmanager
+def writing(what: str, path: str | os.PathLike) -> Iterator[None]:
+    """Write ``what`` (``"checkpoint step 12"``) to ``path`` inside this block: a storage fault becomes a
+    `StorageError` whose one line names both (``... writing checkpoint step 12 to <path>``)."""
+    try:
+        yield
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        raise_storage_error(e, path, what)
+        raise

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from prime_core import progress
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.io import atomic_dir, atomic_write_json, is_stable, reading
+from prime_core.io import atomic_dir, atomic_write_json, is_stable, reading, writing
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_core.transport import make_sender
@@ -167,7 +167,8 @@ class Orchestrator:
     # ----- checkpoints -----
     def _save_checkpoint(self, next_step: int) -> None:
         cursors = self.cursor_history.get(next_step, self.cursors)
-        with atomic_dir(self.run_dir.orchestrator_checkpoint(next_step)) as tmp:
+        path = self.run_dir.orchestrator_checkpoint(next_step)
+        with writing(f"orchestrator checkpoint step {next_step}", path), atomic_dir(path) as tmp:
             atomic_write_json(tmp / "progress.json", {"step": next_step, "cursors": cursors, "seed": self.config.seed})
             self.curriculum.save(tmp, next_step)
         logger.info("saved orchestrator checkpoint %s", self.run_dir.orchestrator_checkpoint(next_step))

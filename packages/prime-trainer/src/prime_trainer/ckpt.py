@@ -32,8 +32,8 @@ from prime_core.io import (
     first_line,
     is_stable,
     mark_stable,
-    raise_storage_error,
     storage_error,
+    writing,
 )
 from prime_core.run_dir import RunDir
 from torch import nn
@@ -87,21 +87,20 @@ class CheckpointManager:
         tmp = final.parent / ".trainer.tmp"
         if self.world.is_master:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            with writing(f"checkpoint step {step}", final):
+                tmp.mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
-        torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
+        with writing(f"checkpoint step {step}", final):
+            torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
         progress = {**progress, "step": step, "world_size": self.world.world_size}
         if self.config.save_async:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._writer_pg)
             self._pending = (future, step, tmp, progress)
         else:
-            try:
+            with writing(f"checkpoint step {step}", final):  # a full disk arrives in DCP's CheckpointException
                 dcp.save(state, checkpoint_id=str(tmp))
-            except BaseException as e:  # a full disk arrives in DCP's CheckpointException (a BaseException)
-                raise_storage_error(e, tmp)
-                raise
             self._finalize(step, tmp, progress)
 
     def poll(self) -> None:
@@ -117,24 +116,22 @@ class CheckpointManager:
         if self._pending is None:
             return
         future, step, tmp, progress = self._pending
-        try:
+        with writing(f"checkpoint step {step}", self.run_dir.trainer_checkpoint(step)):
             future.result()
-        except BaseException as e:
-            raise_storage_error(e, tmp)
-            raise
         self._pending = None
         self._finalize(step, tmp, progress)
 
     def _finalize(self, step: int, tmp: Path, progress: dict[str, Any]) -> None:
         dist.barrier()
         if self.world.is_master:
-            atomic_write_json(tmp / PROGRESS_FILE, progress)
             final = self.run_dir.trainer_checkpoint(step)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            mark_stable(final)
-            mark_stable(final.parent)
+            with writing(f"checkpoint step {step}", final):
+                atomic_write_json(tmp / PROGRESS_FILE, progress)
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+                mark_stable(final)
+                mark_stable(final.parent)
             logger.info("saved checkpoint %s", final)
             self._cleanup()
         dist.barrier()
