@@ -5,8 +5,10 @@ from garbage."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,3 +112,38 @@ def test_the_trainer_names_the_step_and_file_of_a_cut_micro_batch_file(tiny_mode
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: step 1: rollouts for rank 0: {path}: unreadable micro-batch file ("), last
     assert not RunDir(tmp_path).weight_step(2).exists()  # step 0 trained, step 1 never did
+
+
+class Killed(BaseException):
+    """The process stopping part-way through a delete (SIGKILL, a power cut)."""
+
+
+def killed_mid_delete(monkeypatch, name: str):
+    """``shutil.rmtree`` of a directory called ``name`` deletes its data files, then the process "dies"."""
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if Path(path).name != name:
+            return real(path, *args, **kwargs)
+        for f in Path(path).glob("*.distcp"):
+            f.unlink()
+        raise Killed
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+
+
+def test_a_stop_while_old_checkpoints_are_deleted_never_leaves_one_marked_complete(saved, monkeypatch):
+    manager, model, optimizer = saved
+    manager.config = CheckpointConfig(interval=1, keep=1)
+    killed_mid_delete(monkeypatch, "trainer")
+    with pytest.raises(Killed):
+        manager.save(3, model, optimizer, {"data_step": 3})
+    assert manager.saved_steps() == [2, 3] and 1 not in manager.run_dir.checkpoint_steps()
+
+
+def test_a_stop_while_a_checkpoint_is_saved_again_never_leaves_it_marked_complete(saved, monkeypatch):
+    manager, model, optimizer = saved
+    killed_mid_delete(monkeypatch, "trainer")
+    with pytest.raises(Killed):
+        manager.save(2, model, optimizer, {"data_step": 2})  # a resumed run saving the stopped run's step again
+    assert manager.saved_steps() == [1]

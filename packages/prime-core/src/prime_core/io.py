@@ -68,13 +68,20 @@ def atomic_dir(path: str | os.PathLike, *, stable: bool = True) -> Iterator[Path
     try:
         yield tmp
         if path.exists():
-            shutil.rmtree(path)
+            remove_published(path)
         os.replace(tmp, path)
         if stable:
             mark_stable(path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_published(directory: str | os.PathLike) -> None:
+    """Delete a directory published with a STABLE marker, the marker first: a stop part-way through (a kill, a
+    full disk) never leaves a directory that says it is complete with files missing."""
+    (Path(directory) / STABLE_MARKER).unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def mark_stable(directory: str | os.PathLike) -> None:

@@ -32,6 +32,7 @@ from prime_core.io import (
     first_line,
     is_stable,
     mark_stable,
+    remove_published,
     storage_error,
     writing,
 )
@@ -128,7 +129,7 @@ class CheckpointManager:
             with writing(f"checkpoint step {step}", final):
                 atomic_write_json(tmp / PROGRESS_FILE, progress)
                 if final.exists():
-                    shutil.rmtree(final)
+                    remove_published(final)
                 tmp.rename(final)
                 mark_stable(final)
                 mark_stable(final.parent)
@@ -142,8 +143,8 @@ class CheckpointManager:
         steps = self.saved_steps()
         for old in steps[: -self.config.keep]:
             step_dir = self.run_dir.checkpoint_step(old)
-            shutil.rmtree(step_dir / "trainer", ignore_errors=True)
             (step_dir / STABLE_MARKER).unlink(missing_ok=True)
+            remove_published(step_dir / "trainer")
             if step_dir.is_dir() and not any(step_dir.iterdir()):
                 step_dir.rmdir()
 

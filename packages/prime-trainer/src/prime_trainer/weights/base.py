@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import abc
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, final
 
 import torch
-from prime_core.io import atomic_dir, writing
+from prime_core.io import atomic_dir, remove_published, writing
 from prime_core.run_dir import RunDir
 from prime_core.schemas.weights import BucketHeader, Manifest, write_manifest
 from torch import nn
@@ -99,7 +98,7 @@ class WeightPublisher(abc.ABC):
         for child in self.run_dir.weights.iterdir():
             m = re.fullmatch(r"step_(\d+)", child.name)
             if m and int(m.group(1)) not in keep and int(m.group(1)) < latest:
-                shutil.rmtree(child, ignore_errors=True)
+                remove_published(child)
 
 
 # Helpers of transports that stream tensors (broadcast, cuda_ipc): buckets of HF tensors packed into flat buffers.
