@@ -35,14 +35,21 @@ def _truncate(path, size):
         f.truncate(size)
 
 
+CHANGED = "not what was saved (its checksum differs)"
 BREAKS = {
     "data file cut short": ("__0_0.distcp", lambda p: _truncate(p, 100), "cut short: 100 bytes, its index needs "),
     "data file missing": ("__0_0.distcp", lambda p: p.unlink(), "__0_0.distcp: missing"),
+    "data file's bytes changed": (
+        "__0_0.distcp",
+        lambda p: _flip(p, p.stat().st_size // 2),
+        f"__0_0.distcp: {CHANGED}",
+    ),
+    "data file's header overwritten": ("__0_0.distcp", lambda p: _flip(p, 0, b"garbage!"), f"__0_0.distcp: {CHANGED}"),
     "metadata cut short": (".metadata", lambda p: _truncate(p, 500), ".metadata: UnpicklingError"),
     "progress not json": ("progress.json", lambda p: p.write_text("{"), "progress.json: JSONDecodeError"),
     "progress of another schema": ("progress.json", lambda p: p.write_text("[]"), "progress.json: TypeError"),
-    "rng state cut short": ("rng/rank_0.pt", lambda p: _truncate(p, 10), "rng/rank_0.pt: RuntimeError"),
-    "data file's header overwritten": ("__0_0.distcp", lambda p: _flip(p, 0, b"garbage!"), "*.distcp: "),
+    "rng state cut short": ("rng/rank_0.pt", lambda p: _truncate(p, 10), f"rng/rank_0.pt: {CHANGED}"),
+    "checksums not json": ("checksums.json", lambda p: p.write_text("{"), "checksums.json: JSONDecodeError"),
 }
 
 
@@ -73,8 +80,7 @@ def test_a_broken_complete_checkpoint_is_one_line_naming_the_file(saved, case):
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"checkpoint step 2 does not load: {ckpt}/"), line
     assert reason in line and line.endswith("(--ckpt.resume-step 1 resumes from the one before)"), line
-    if case != "data file's header overwritten":  # found before anything is loaded: the model is untouched
-        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # found before anything loaded
     assert manager.load(1, model, optimizer)["data_step"] == 1  # the earlier one still resumes
 
 

@@ -1,5 +1,6 @@
 """DCP checkpoints: ``checkpoints/step_N/trainer/`` holds model + optimizer (sharded, loadable at another world
-size), ``progress.json`` (step, schedule, data position) and ``rng/rank_R.pt``.
+size), ``progress.json`` (step, schedule, data position), ``rng/rank_R.pt`` and ``checksums.json`` (CRC-32 of every
+file, checked before a resume loads anything).
 
 Checkpoint N is the state after N optimizer steps (its model equals ``weights/step_N``); resuming from it trains
 step N next. Frozen parameters are not saved: with LoRA a checkpoint holds the adapters and their optimizer state,
@@ -14,6 +15,7 @@ import json
 import logging
 import random
 import shutil
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -47,6 +49,7 @@ from prime_trainer.world import World
 logger = logging.getLogger("prime.trainer")
 
 PROGRESS_FILE = "progress.json"
+CHECKSUMS_FILE = "checksums.json"
 # Trainable parameters only. `dcp.load` still fails on any of them missing from a checkpoint; `strict=False` only lets
 # `set_state_dict` accept a state without the frozen ones.
 _TRAINABLE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
@@ -124,9 +127,14 @@ class CheckpointManager:
 
     def _finalize(self, step: int, tmp: Path, progress: dict[str, Any]) -> None:
         dist.barrier()
+        # Each rank sums what it wrote (its own shards, mostly still in the page cache); rank 0 keeps them all.
+        sums = {str(f.relative_to(tmp)): _crc32(f) for f in self._own_files(tmp)}
+        every = [None] * self.world.world_size
+        dist.all_gather_object(every, sums)
         if self.world.is_master:
             final = self.run_dir.trainer_checkpoint(step)
             with writing(f"checkpoint step {step}", final):
+                atomic_write_json(tmp / CHECKSUMS_FILE, dict(sorted(kv for d in every for kv in d.items())))
                 atomic_write_json(tmp / PROGRESS_FILE, progress)
                 if final.exists():
                     remove_published(final)
@@ -174,6 +182,7 @@ class CheckpointManager:
         with self._unreadable(step, path, ".metadata"):
             metadata = FileSystemReader(str(path)).read_metadata()
         self._check_sizes(step, path, metadata)
+        self._check_sums(step, path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
         with self._unreadable(step, path, "*.distcp"):
@@ -218,11 +227,43 @@ class CheckpointManager:
                 why = "missing" if have is None else f"cut short: {have} bytes, its index needs {size}"
                 raise UnreadableFile(self._unreadable_line(step, path, name, why))
 
+    def _own_files(self, root: Path) -> list[Path]:
+        """The files this rank wrote into a checkpoint: its DCP shards and RNG state (rank 0: also DCP's index)."""
+        files = [*root.glob(f"__{self.world.rank}_*.distcp"), self._rng_file(root, self.world.rank)]
+        if self.world.is_master:
+            files.append(root / ".metadata")
+        return sorted(f for f in files if f.is_file())
+
+    def _check_sums(self, step: int, path: Path) -> None:
+        """Every file of ``checksums.json`` (ranks share the reading) must hold what was saved: a changed byte would
+        load as silently wrong weights. Checkpoints saved before checksums existed have none to check."""
+        if not (path / CHECKSUMS_FILE).is_file():
+            return
+        with self._unreadable(step, path, CHECKSUMS_FILE):
+            sums = dict(json.loads((path / CHECKSUMS_FILE).read_text()))
+        mine = sorted(sums)[self.world.rank :: self.world.world_size]
+        bad = [name for name in mine if not (path / name).is_file() or _crc32(path / name) != sums[name]]
+        every: list[Any] = [None] * self.world.world_size
+        dist.all_gather_object(every, bad)
+        bad = sorted(name for names in every for name in names)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            why = f"not what was saved (its checksum differs){more}"
+            raise UnreadableFile(self._unreadable_line(step, path, bad[0], why))
+
     @staticmethod
     def _rng_file(root: Path, rank: int, mkdir: bool = False) -> Path:
         if mkdir:
             (root / "rng").mkdir(parents=True, exist_ok=True)
         return root / "rng" / f"rank_{rank}.pt"
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def _root_cause(e: BaseException) -> BaseException:
