@@ -201,7 +201,7 @@ def raise_storage_error(exc: BaseException, path: str | os.PathLike, what: str |
     """Re-raise ``exc`` as a `StorageError` if a storage error caused it (else return): naming ``what`` and ``path``
     when ``what`` is given, else the file the error names (or ``path``)."""
     found = storage_error(exc)
-    if found is None and what is not None:
+    if found is None and what is not None and not isinstance(exc, KeyboardInterrupt | SystemExit):
         found = _out_of_space(path)
     if found is None or isinstance(found, StorageError) and found.what:
         return  # not storage, or already named by an inner `writing`
