@@ -412,7 +412,13 @@ class Orchestrator:
 
     async def run(self) -> None:
         c = self.config
-        await self.setup()
+        try:
+            await self.setup()
+        except BaseException:
+            # Env servers may be up (a checkpoint that does not load, weights inference refuses): stop them, or
+            # the process would wait for them at exit forever, after its error line, its heartbeat still beating.
+            await self.close()
+            raise
         # The buffer holds dispatched steps; the policy gate bounds how far it runs ahead.
         buffer: asyncio.Queue = asyncio.Queue(maxsize=self.config.async_level + 1)
         if self.eval_pools and c.eval.eval_base and self.start_step == 0:
