@@ -207,3 +207,69 @@ def test_unknown_eval_environment_id_is_one_line(capsys):
         "error: CLI --environment-ids: environment-ids.1: environment 'reverse-txt': no installed package provides "
         "module 'reverse_txt' (did you mean 'reverse-text'?)\n"
     )
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory that takes no files: a read-only bind mount as root (root ignores modes), else mode 0o500."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if os.geteuid() != 0:
+        ro.chmod(0o500)
+        yield ro, "Permission denied (errno 13 EACCES)"
+        ro.chmod(0o700)
+        return
+    subprocess.run(["mount", "--bind", str(ro), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        yield ro, "Read-only file system (errno 30 EROFS)"
+    finally:
+        subprocess.run(["umount", str(ro)], check=False)
+
+
+WRITERS = {
+    "rl": RL,
+    "trainer": ("prime_trainer.entrypoints.trainer", "--model.name", str(MODEL)),
+    "sft": ("prime_trainer.entrypoints.sft", "@", str(REPO / "examples" / "reverse_text" / "sft.toml")),
+    "orchestrator": ("prime_orchestrator.entrypoints.orchestrator", "--model.name", str(MODEL)),
+    "eval": ("prime_orchestrator.entrypoints.eval", "--model.name", str(MODEL)),
+}
+
+
+@pytest.mark.parametrize("entry", list(WRITERS))
+def test_an_output_dir_that_takes_no_files_fails_at_start(read_only_dir, entry):
+    """A read-only (or not permitted) output directory: one line naming it and the errno, exit 2, before any model
+    or environment loads (it used to be a traceback from rl and the orchestrator, and a line after torch loaded from
+    the trainer, after a warning about its progress file)."""
+    ro, why = read_only_dir
+    out = ro / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", *WRITERS[entry], "--output-dir", str(out)],
+        cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr == f"error: CLI --output-dir: output-dir: cannot write under {out}: {why}\n", proc.stderr
+    assert "torch" not in proc.stdout
+
+
+def test_a_full_output_dir_fails_at_start(tmp_path, monkeypatch, capsys):
+    from prime_core.config.trainer import TrainerConfig
+
+    real_write = os.write
+
+    def full(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path)):
+            raise OSError(28, os.strerror(28))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(SystemExit) as exc:
+        argv = ["--model.name", str(MODEL), "--output-dir", str(tmp_path / "run")]
+        parse_cli(TrainerConfig, argv, prog="trainer", writes_output_dir=True)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err == f"error: CLI --output-dir: output-dir: cannot write under {tmp_path / 'run'}: No space left on device "
+        "(errno 28 ENOSPC)\n"
+    ), err
+    assert [p.name for p in (tmp_path / "run").iterdir()] == []  # the probe is gone

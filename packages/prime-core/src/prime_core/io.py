@@ -68,13 +68,20 @@ def atomic_dir(path: str | os.PathLike, *, stable: bool = True) -> Iterator[Path
     try:
         yield tmp
         if path.exists():
-            shutil.rmtree(path)
+            remove_published(path)
         os.replace(tmp, path)
         if stable:
             mark_stable(path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_published(directory: str | os.PathLike) -> None:
+    """Delete a directory published with a STABLE marker, the marker first: a stop part-way through (a kill, a
+    full disk) never leaves a directory that says it is complete with files missing."""
+    (Path(directory) / STABLE_MARKER).unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def mark_stable(directory: str | os.PathLike) -> None:
@@ -142,24 +149,90 @@ def storage_error(exc: BaseException) -> OSError | None:
 
 
 def storage_error_line(e: OSError, path: str | os.PathLike | None = None) -> str:
-    """``No space left on device (errno 28 ENOSPC) writing <file>`` (or ``writing under <path>`` when the error
-    does not name its file): the cause and where, on one line."""
+    """``No space left on device (errno 28 ENOSPC) writing <file>`` (``writing checkpoint step 12 to <dir>`` from
+    `writing`; ``writing under <path>`` when the error names no file): the cause and where, on one line."""
     code = errno.errorcode.get(e.errno or 0, "?")
-    where = f" writing {e.filename}" if e.filename else f" writing under {path}" if path else ""
+    what = getattr(e, "what", None)
+    if what:  # a `StorageError` of `writing`: what the run was writing, and where to
+        where = f" writing {what} to {e.filename}"
+    else:
+        where = f" writing {e.filename}" if e.filename else f" writing under {path}" if path else ""
     return f"{e.strerror or os.strerror(e.errno or 0)} (errno {e.errno} {code}){where}"
 
 
+class UnreadableFile(ValueError):
+    """A file of the run that is there but cannot be read back (truncated, corrupted, another schema): its
+    message is one line naming the file and what is wrong with it."""
+
+
+def first_line(e: BaseException) -> str:
+    """``Type: message`` of ``e`` on one line (a ``KeyError`` names its missing key)."""
+    text = f"missing {e.args[0]!r}" if isinstance(e, KeyError) and e.args else (str(e).strip() or "(no message)")
+    line = text.splitlines()[0]
+    return f"{type(e).__name__}: {line if len(line) <= 200 else line[:200] + '...'}"
+
+
+@contextmanager
+def reading(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Parse ``path`` as ``what`` inside this block: a file cut short, corrupted or of another schema becomes an
+    `UnreadableFile` naming it instead of the parser's traceback. A failing disk (``OSError``) stays itself: the
+    entry points name it as a storage fault."""
+    try:
+        yield
+    except (UnreadableFile, OSError):
+        raise
+    except Exception as e:
+        if storage_error(e) is not None:
+            raise
+        raise UnreadableFile(f"{path}: unreadable {what} ({first_line(e)})") from e
+
+
 class StorageError(OSError):
-    """A write that failed for lack of storage; its message is one line naming the errno and the path."""
+    """A write that failed for lack of storage; its message is one line naming the errno, what was being written
+    (``what``, when known) and the path."""
+
+    what: str | None = None
 
     def __str__(self) -> str:
         return storage_error_line(self)
 
 
-def raise_storage_error(exc: BaseException, path: str | os.PathLike) -> None:
-    """Re-raise ``exc`` as a `StorageError` naming ``path`` if a storage error caused it; else return."""
+def raise_storage_error(exc: BaseException, path: str | os.PathLike, what: str | None = None) -> None:
+    """Re-raise ``exc`` as a `StorageError` if a storage error caused it (else return): naming ``what`` and ``path``
+    when ``what`` is given, else the file the error names (or ``path``)."""
     found = storage_error(exc)
-    if found is not None:
-        raise StorageError(
-            found.errno, found.strerror or os.strerror(found.errno or 0), found.filename or str(path)
-        ) from exc
+    if found is None and what is not None and not isinstance(exc, KeyboardInterrupt | SystemExit):
+        found = _out_of_space(path)
+    if found is None or isinstance(found, StorageError) and found.what:
+        return  # not storage, or already named by an inner `writing`
+    error = StorageError(
+        found.errno, found.strerror or os.strerror(found.errno or 0), str(path) if what else found.filename or str(path)
+    )
+    error.what = what
+    raise error from exc
+
+
+def _out_of_space(path: str | os.PathLike) -> OSError | None:
+    """ENOSPC when the file system of ``path`` has (almost) no space left: what a failed write there meant when
+    the writer lost the errno (torch's zip writer says only ``unexpected pos 704 vs 598``)."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize >= 1 << 20:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@contextmanager
+def writing(what: str, path: str | os.PathLike) -> Iterator[None]:
+    """Write ``what`` (``"checkpoint step 12"``) to ``path`` inside this block: a storage fault becomes a
+    `StorageError` whose one line names both (``... writing checkpoint step 12 to <path>``)."""
+    try:
+        yield
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        raise_storage_error(e, path, what)
+        raise

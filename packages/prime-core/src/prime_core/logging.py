@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
 
 _FORMAT = "%(asctime)s %(levelname).1s [{process}] %(message)s"
+
+
+class _LogFile(logging.FileHandler):
+    """``logs/<process>.log``. A disk that refuses a line (full, read-only, failing) is said once, in one line on
+    stderr, and the file stops there (the console keeps every line), instead of a traceback on every line after."""
+
+    _refused = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self._refused:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        from prime_core.io import StorageError, storage_error, storage_error_line
+
+        found = storage_error(sys.exc_info()[1]) if sys.exc_info()[1] is not None else None
+        if found is None:
+            return super().handleError(record)
+        self._refused = True
+        stream, self.stream = self.stream, None  # its buffer would fail again at every flush and at close
+        with contextlib.suppress(OSError):
+            stream.close()
+        error = StorageError(found.errno, found.strerror or "", self.baseFilename)
+        error.what = "the log"
+        print(f"{storage_error_line(error)}; later log lines go to the console only", file=sys.stderr, flush=True)
 
 
 def setup_logging(process: str, *, level: str = "info", log_file: str | Path | None = None) -> logging.Logger:
@@ -26,7 +52,7 @@ def setup_logging(process: str, *, level: str = "info", log_file: str | Path | N
     root.addHandler(console)
     if log_file is not None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(log_file)
+        file_handler = _LogFile(log_file)
         file_handler.setFormatter(fmt)
         file_handler._prime = True  # type: ignore[attr-defined]
         root.addHandler(file_handler)

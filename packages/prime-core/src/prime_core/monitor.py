@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
 from typing import Any, Protocol
 
 from prime_core.config.shared import MonitorConfig, WandbConfig
+from prime_core.io import writing
 from prime_core.schemas.metrics import MetricsRecord
 
 
@@ -24,19 +26,38 @@ class JsonlMonitor:
         self.path = Path(path)
         self.process = process
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A line a full disk cut short (this run's, or the stopped run's this one resumes) stays a torn line of its
+        # own: the next record starts on a new line. Checked here and after a short write of ours, not per line:
+        # the other process's append may be in flight, and a spurious empty line is harmless, a glued record not.
+        self._torn = _ends_torn(self.path)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         record = MetricsRecord(step=step, process=self.process, values=_jsonable(values))
-        line = record.model_dump_json() + "\n"
+        line = (record.model_dump_json() + "\n").encode()
         # O_APPEND writes of one line are atomic w.r.t. other appenders (trainer and orchestrator share it).
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        with writing(f"metrics of step {step}", self.path):
+            if self._torn:
+                line = b"\n" + line
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                written = os.write(fd, line)
+                self._torn = 0 < written < len(line)
+                if written != len(line):  # a full disk takes part of a write without an error
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         pass
+
+
+def _ends_torn(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:  # missing or empty
+        return False
 
 
 class WandbMonitor:

@@ -6,6 +6,7 @@ and milliseconds instead of a traceback after a model load or a minute of networ
   a connection).
 - environment ids: an installed package (or a verifiers built-in taskset) must provide each one.
 - ports: a server's port must be free before the server loads its model.
+- the output directory of a process that writes one must take files (not read-only, not full, permitted).
 
 Nothing here imports torch, transformers or verifiers.
 """
@@ -18,6 +19,7 @@ import importlib.util
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,28 @@ def port_in_use(host: str, port: int) -> str | None:
             if e.errno == errno.EADDRINUSE:
                 return f"port {port} on {bind_host} is already in use (another server is listening there)"
             return f"cannot listen on {bind_host}:{port}: {e.strerror or e}"
+    return None
+
+
+# ---------------------------------------------------------------- output directory
+
+
+def check_writable(directory: str | os.PathLike) -> str | None:
+    """Why files cannot be written under ``directory`` (a read-only mount, no permission, a full disk), or None.
+    Creates the directory, as the run would, and a probe file that it removes again."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=directory)
+        try:
+            os.write(fd, bytes(4096))  # a full disk still lets an empty file be created
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        code = errno.errorcode.get(e.errno or 0, "?")
+        return f"cannot write under {directory}: {e.strerror or e} (errno {e.errno} {code})"
     return None
 
 

@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 from pydantic import Field
 
 from prime_core.config.base import BaseConfig
-from prime_core.io import wait_for_path
+from prime_core.io import wait_for_path, writing
 from prime_core.run_dir import RunDir
 from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta, read_microbatches, write_microbatches
 
@@ -47,7 +47,9 @@ class FilesystemSender:
         self.run_dir = run_dir
 
     def send(self, step: int, rank: int, meta: RolloutBatchMeta, micro_batches: list[MicroBatch]) -> None:
-        write_microbatches(self.run_dir.rollout_file(step, rank), meta, micro_batches)
+        path = self.run_dir.rollout_file(step, rank)
+        with writing(f"rollouts of step {step} for trainer rank {rank}", path):
+            write_microbatches(path, meta, micro_batches)
 
     def close(self) -> None:
         pass

@@ -11,9 +11,9 @@ until the resumed run writes them again.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
+from prime_core.io import remove_published
 from prime_core.run_dir import RunDir
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -31,7 +31,7 @@ def rewind(run_dir: RunDir, step: int) -> str | None:
     rollouts = [(s, p) for s, p in _steps(run_dir.rollouts) if s >= step]
     weights = [(s, p) for s, p in _steps(run_dir.weights) if s > step]
     for _, path in rollouts + weights:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_published(path)
     parts = []
     if rollouts:
         parts.append(f"rollouts of steps {_span(rollouts)}")

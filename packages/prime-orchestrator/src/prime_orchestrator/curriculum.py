@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from prime_core.config.orchestrator import OrchestratorConfig
-from prime_core.io import atomic_write_json
+from prime_core.io import atomic_write_json, reading
 from prime_core.run_dir import RunDir
 
 from prime_orchestrator.advantages import compute_advantages
@@ -269,7 +269,8 @@ class Curriculum:
         if not path.is_file():
             logger.warning("no %s in %s: the curriculum starts from scratch", STATE_FILE, directory)
             return
-        self.load_state_dict(json.loads(path.read_text()))
+        with reading(path, "curriculum checkpoint"):
+            self.load_state_dict(json.loads(path.read_text()))
 
 
 def sequential_plan(envs: list[str], cursors: dict[str, int]) -> list[tuple[str, int]]:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from prime_core import progress
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.io import atomic_dir, atomic_write_json, is_stable
+from prime_core.io import atomic_dir, atomic_write_json, is_stable, reading, writing
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_core.transport import make_sender
@@ -167,7 +167,8 @@ class Orchestrator:
     # ----- checkpoints -----
     def _save_checkpoint(self, next_step: int) -> None:
         cursors = self.cursor_history.get(next_step, self.cursors)
-        with atomic_dir(self.run_dir.orchestrator_checkpoint(next_step)) as tmp:
+        path = self.run_dir.orchestrator_checkpoint(next_step)
+        with writing(f"orchestrator checkpoint step {next_step}", path), atomic_dir(path) as tmp:
             atomic_write_json(tmp / "progress.json", {"step": next_step, "cursors": cursors, "seed": self.config.seed})
             self.curriculum.save(tmp, next_step)
         logger.info("saved orchestrator checkpoint %s", self.run_dir.orchestrator_checkpoint(next_step))
@@ -176,9 +177,11 @@ class Orchestrator:
         path = self.run_dir.orchestrator_checkpoint(step) / "progress.json"
         if not path.is_file():
             raise FileNotFoundError(f"no orchestrator checkpoint at {path}")
-        state = json.loads(path.read_text())
-        self.start_step = int(state["step"])
-        self.cursors.update({k: int(v) for k, v in state["cursors"].items() if k in self.cursors})
+        with reading(path, "orchestrator checkpoint"):
+            state = json.loads(path.read_text())
+            step, cursors = int(state["step"]), {k: int(v) for k, v in state["cursors"].items() if k in self.cursors}
+        self.start_step = step
+        self.cursors.update(cursors)
         logger.info("resuming at step %d", self.start_step)
 
     # ----- rollouts -----
@@ -412,7 +415,13 @@ class Orchestrator:
 
     async def run(self) -> None:
         c = self.config
-        await self.setup()
+        try:
+            await self.setup()
+        except BaseException:
+            # Env servers may be up (a checkpoint that does not load, weights inference refuses): stop them, or
+            # the process would wait for them at exit forever, after its error line, its heartbeat still beating.
+            await self.close()
+            raise
         # The buffer holds dispatched steps; the policy gate bounds how far it runs ahead.
         buffer: asyncio.Queue = asyncio.Queue(maxsize=self.config.async_level + 1)
         if self.eval_pools and c.eval.eval_base and self.start_step == 0:

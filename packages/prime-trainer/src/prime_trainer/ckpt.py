@@ -1,5 +1,6 @@
 """DCP checkpoints: ``checkpoints/step_N/trainer/`` holds model + optimizer (sharded, loadable at another world
-size), ``progress.json`` (step, schedule, data position) and ``rng/rank_R.pt``.
+size), ``progress.json`` (step, schedule, data position), ``rng/rank_R.pt`` and ``checksums.json`` (CRC-32 of every
+file, checked before a resume loads anything).
 
 Checkpoint N is the state after N optimizer steps (its model equals ``weights/step_N``); resuming from it trains
 step N next. Frozen parameters are not saved: with LoRA a checkpoint holds the adapters and their optimizer state,
@@ -14,7 +15,10 @@ import json
 import logging
 import random
 import shutil
+import zlib
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +27,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from prime_core.config.shared import CheckpointConfig
-from prime_core.io import STABLE_MARKER, atomic_write_json, is_stable, mark_stable, raise_storage_error
+from prime_core.io import (
+    STABLE_MARKER,
+    UnreadableFile,
+    atomic_write_json,
+    first_line,
+    is_stable,
+    mark_stable,
+    remove_published,
+    storage_error,
+    writing,
+)
 from prime_core.run_dir import RunDir
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from prime_trainer.world import World
@@ -33,6 +49,7 @@ from prime_trainer.world import World
 logger = logging.getLogger("prime.trainer")
 
 PROGRESS_FILE = "progress.json"
+CHECKSUMS_FILE = "checksums.json"
 # Trainable parameters only. `dcp.load` still fails on any of them missing from a checkpoint; `strict=False` only lets
 # `set_state_dict` accept a state without the frozen ones.
 _TRAINABLE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
@@ -76,21 +93,20 @@ class CheckpointManager:
         tmp = final.parent / ".trainer.tmp"
         if self.world.is_master:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            with writing(f"checkpoint step {step}", final):
+                tmp.mkdir(parents=True)
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
-        torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
+        with writing(f"checkpoint step {step}", final):
+            torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
         progress = {**progress, "step": step, "world_size": self.world.world_size}
         if self.config.save_async:
             future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._writer_pg)
             self._pending = (future, step, tmp, progress)
         else:
-            try:
+            with writing(f"checkpoint step {step}", final):  # a full disk arrives in DCP's CheckpointException
                 dcp.save(state, checkpoint_id=str(tmp))
-            except BaseException as e:  # a full disk arrives in DCP's CheckpointException (a BaseException)
-                raise_storage_error(e, tmp)
-                raise
             self._finalize(step, tmp, progress)
 
     def poll(self) -> None:
@@ -106,24 +122,27 @@ class CheckpointManager:
         if self._pending is None:
             return
         future, step, tmp, progress = self._pending
-        try:
+        with writing(f"checkpoint step {step}", self.run_dir.trainer_checkpoint(step)):
             future.result()
-        except BaseException as e:
-            raise_storage_error(e, tmp)
-            raise
         self._pending = None
         self._finalize(step, tmp, progress)
 
     def _finalize(self, step: int, tmp: Path, progress: dict[str, Any]) -> None:
         dist.barrier()
+        # Each rank sums what it wrote (its own shards, mostly still in the page cache); rank 0 keeps them all.
+        sums = {str(f.relative_to(tmp)): _crc32(f) for f in self._own_files(tmp)}
+        every = [None] * self.world.world_size
+        dist.all_gather_object(every, sums)
         if self.world.is_master:
-            atomic_write_json(tmp / PROGRESS_FILE, progress)
             final = self.run_dir.trainer_checkpoint(step)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            mark_stable(final)
-            mark_stable(final.parent)
+            with writing(f"checkpoint step {step}", final):
+                atomic_write_json(tmp / CHECKSUMS_FILE, dict(sorted(kv for d in every for kv in d.items())))
+                atomic_write_json(tmp / PROGRESS_FILE, progress)
+                if final.exists():
+                    remove_published(final)
+                tmp.rename(final)
+                mark_stable(final)
+                mark_stable(final.parent)
             logger.info("saved checkpoint %s", final)
             self._cleanup()
         dist.barrier()
@@ -162,23 +181,98 @@ class CheckpointManager:
         if not is_stable(path):
             have = ", ".join(map(str, self.saved_steps())) or "none"
             raise ValueError(f"no complete trainer checkpoint at {path} (complete checkpoints: {have})")
+        with self._unreadable(step, path, PROGRESS_FILE):
+            progress = json.loads((path / PROGRESS_FILE).read_text())
+            progress["step"], progress["world_size"] = int(progress["step"]), int(progress["world_size"])
+        with self._unreadable(step, path, ".metadata"):
+            metadata = FileSystemReader(str(path)).read_metadata()
+        self._check_sizes(step, path, metadata)
+        self._check_sums(step, path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        with self._unreadable(step, path, "*.distcp"):
+            dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
         )
-        progress = json.loads((path / PROGRESS_FILE).read_text())
         rng_file = self._rng_file(path, self.world.rank)
         if progress["world_size"] == self.world.world_size and rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            with self._unreadable(step, path, rng_file.relative_to(path)):
+                set_rng_state(torch.load(rng_file, weights_only=False))
         else:
             logger.warning("checkpoint %s was saved by %d ranks: RNG state not restored", path, progress["world_size"])
         logger.info("resumed from checkpoint %s (step %d)", path, step)
         return progress
+
+    def _unreadable_line(self, step: int, path: Path, what: Any, why: str) -> str:
+        earlier = [n for n in self.saved_steps() if n < step]
+        hint = f"--ckpt.resume-step {earlier[-1]} resumes from the one before" if earlier else "no earlier checkpoint"
+        return f"checkpoint step {step} does not load: {path}/{what}: {why} ({hint})"
+
+    @contextmanager
+    def _unreadable(self, step: int, path: Path, what: Any) -> Iterator[None]:
+        """A file of a complete (STABLE) checkpoint that does not read back (cut short, corrupted, edited): one line
+        naming it and the newest earlier checkpoint, never a resume from garbage. A failing disk stays an OSError."""
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            if storage_error(e) is not None:
+                raise
+            raise UnreadableFile(self._unreadable_line(step, path, what, first_line(_root_cause(e)))) from e
+
+    def _check_sizes(self, step: int, path: Path, metadata: Any) -> None:
+        """Every data file the metadata points into must be at least as long as its last item: a file cut short
+        names itself here (DCP would fail with a bare ``EOFError`` deep in unpickling)."""
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(needed.items()):
+            have = (path / name).stat().st_size if (path / name).is_file() else None
+            if have is None or have < size:
+                why = "missing" if have is None else f"cut short: {have} bytes, its index needs {size}"
+                raise UnreadableFile(self._unreadable_line(step, path, name, why))
+
+    def _own_files(self, root: Path) -> list[Path]:
+        """The files this rank wrote into a checkpoint: its DCP shards and RNG state (rank 0: also DCP's index)."""
+        files = [*root.glob(f"__{self.world.rank}_*.distcp"), self._rng_file(root, self.world.rank)]
+        if self.world.is_master:
+            files.append(root / ".metadata")
+        return sorted(f for f in files if f.is_file())
+
+    def _check_sums(self, step: int, path: Path) -> None:
+        """Every file of ``checksums.json`` (ranks share the reading) must hold what was saved: a changed byte would
+        load as silently wrong weights. Checkpoints saved before checksums existed have none to check."""
+        if not (path / CHECKSUMS_FILE).is_file():
+            return
+        with self._unreadable(step, path, CHECKSUMS_FILE):
+            sums = dict(json.loads((path / CHECKSUMS_FILE).read_text()))
+        mine = sorted(sums)[self.world.rank :: self.world.world_size]
+        bad = [name for name in mine if not (path / name).is_file() or _crc32(path / name) != sums[name]]
+        every: list[Any] = [None] * self.world.world_size
+        dist.all_gather_object(every, bad)
+        bad = sorted(name for names in every for name in names)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            why = f"not what was saved (its checksum differs){more}"
+            raise UnreadableFile(self._unreadable_line(step, path, bad[0], why))
 
     @staticmethod
     def _rng_file(root: Path, rank: int, mkdir: bool = False) -> Path:
         if mkdir:
             (root / "rng").mkdir(parents=True, exist_ok=True)
         return root / "rng" / f"rank_{rank}.pt"
+
+
+def _crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's ``CheckpointException`` (``failures``: rank -> exception)."""
+    for failure in getattr(e, "failures", {}).values():
+        return failure[0] if isinstance(failure, tuple) else failure
+    return e

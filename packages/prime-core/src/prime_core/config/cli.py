@@ -108,12 +108,18 @@ def fail(message: str) -> typing.NoReturn:
     raise SystemExit(2)
 
 
-def check_world(config: BaseModel, sources: Any, *, network: bool) -> None:
-    """Model names and environment ids must point at something loadable (see `prime_core.preflight`); the first
-    that does not is a ``ConfigError`` naming the key and where its value came from. A dry run skips the network."""
-    from prime_core.preflight import find_problems
+def check_world(config: BaseModel, sources: Any, *, network: bool, writes_output_dir: bool = False) -> None:
+    """Model names and environment ids must point at something loadable (see `prime_core.preflight`), and with
+    ``writes_output_dir`` the output directory must take files; the first that does not is a ``ConfigError`` naming
+    the key and where its value came from. A dry run skips the network."""
+    from prime_core.preflight import check_writable, find_problems
 
     problems = find_problems(config, network=network)
+    output_dir = getattr(config, "output_dir", None)
+    if output_dir is None and hasattr(config, "trainer"):  # rl: the trainer's directory is the run's
+        output_dir = config.trainer.output_dir
+    if writes_output_dir and not problems and output_dir is not None and (reason := check_writable(output_dir)):
+        problems.append((("output_dir",), reason))
     if problems:
         path, reason = problems[0]
         origin, loc = locate(sources, type(config), path)
@@ -128,11 +134,14 @@ def parse_cli(
     description: str | None = None,
     on_dry_run: Callable[[T], None] | None = None,
     network: bool = True,
+    writes_output_dir: bool = False,
 ) -> T:
     """Resolve a config for an entry point. Prints help, one-line errors (exit 2), or handles --dry-run.
 
     Bad model names and environment ids are errors here too, before the entry point loads anything; with
-    ``network=False`` (and in a dry run) a hub id is not checked for being downloadable from here.
+    ``network=False`` (and in a dry run) a hub id is not checked for being downloadable from here. An entry point
+    that writes into ``output_dir`` passes ``writes_output_dir``: a directory that takes no files (read-only, full,
+    not permitted) is a one-line error before anything heavy loads (not in ``--bench`` runs).
 
     Dry run: resolve, validate, write the resolved config to ``<output_dir>/configs/<prog>.toml`` (print it when
     the config has no ``output_dir``; or call ``on_dry_run``) and exit 0.
@@ -144,7 +153,8 @@ def parse_cli(
             sys.stdout.write(format_help(model, prog, description))
             raise SystemExit(0)
         config = validate(model, parsed.sources)
-        check_world(config, parsed.sources, network=network and not parsed.dry_run)
+        writes = writes_output_dir and not getattr(config, "bench", False)
+        check_world(config, parsed.sources, network=network and not parsed.dry_run, writes_output_dir=writes)
     except ConfigError as e:
         fail(str(e))
     if parsed.dry_run:

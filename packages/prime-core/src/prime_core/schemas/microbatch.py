@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from prime_core.io import atomic_path
+from prime_core.io import UnreadableFile, atomic_path, reading
 
 MICROBATCH_SCHEMA_VERSION = 1
 EXTRA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -249,15 +249,18 @@ def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_ba
 def read_microbatch_meta(path: str | os.PathLike) -> RolloutBatchMeta:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="numpy") as f:
-        raw = (f.metadata() or {}).get("prime")
-    if raw is None:
-        raise ValueError(f"{path}: not a prime micro-batch file (no 'prime' metadata)")
-    data = json.loads(raw)
-    version = data.get("schema_version")
-    if version != MICROBATCH_SCHEMA_VERSION:
-        raise ValueError(f"{path}: micro-batch schema version {version}, this reader knows {MICROBATCH_SCHEMA_VERSION}")
-    return RolloutBatchMeta.model_validate(data)
+    with reading(path, "micro-batch file"):
+        with safe_open(str(path), framework="numpy") as f:
+            raw = (f.metadata() or {}).get("prime")
+        if raw is None:
+            raise UnreadableFile(f"{path}: not a prime micro-batch file (no 'prime' metadata)")
+        data = json.loads(raw)
+        version = data.get("schema_version")
+        if version != MICROBATCH_SCHEMA_VERSION:
+            raise UnreadableFile(
+                f"{path}: micro-batch schema version {version}, this reader knows {MICROBATCH_SCHEMA_VERSION}"
+            )
+        return RolloutBatchMeta.model_validate(data)
 
 
 def read_microbatches(path: str | os.PathLike) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
@@ -265,5 +268,6 @@ def read_microbatches(path: str | os.PathLike) -> tuple[RolloutBatchMeta, list[M
     from safetensors.numpy import load_file
 
     meta = read_microbatch_meta(path)
-    tensors = load_file(str(Path(path)))
-    return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]
+    with reading(path, "micro-batch file"):
+        tensors = load_file(str(Path(path)))
+        return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]

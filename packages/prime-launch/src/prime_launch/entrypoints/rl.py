@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
 
-    config = parse_cli(RLConfig, argv, prog="rl", description=DESCRIPTION, on_dry_run=on_dry_run)
+    config = parse_cli(
+        RLConfig, argv, prog="rl", description=DESCRIPTION, on_dry_run=on_dry_run, writes_output_dir=True
+    )
     from prime_launch.launcher import run
 
     try:

@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         prog="eval",
         description="Evaluate a served model (and checkpoints under --weights-dir) on environments.",
+        writes_output_dir=True,
     )
 
     import asyncio

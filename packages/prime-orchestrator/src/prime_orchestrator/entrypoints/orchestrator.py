@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,6 +16,7 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         prog="orchestrator",
         description="Rollouts, advantages, packing and weight relay for RL (see docs/orchestrator.md).",
+        writes_output_dir=True,
     )
 
     from prime_core.progress import start_reporting, stop_reporting
@@ -26,8 +29,6 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
-    from prime_orchestrator.distill import TeacherError
-    from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.orchestrator import Orchestrator
 
     run_dir = RunDir(config.output_dir)
@@ -43,7 +44,19 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.config import write_config
 
     write_config(config, run_dir.config_file("orchestrator"))
+    run(orchestrator, config.output_dir)
+    stop_reporting()
+
+
+def run(orchestrator: Any, output_dir: Path) -> None:
+    """Run the orchestrator; the faults of a run (not bugs here) end it with one line on stderr."""
+    import asyncio
+
+    from prime_core.io import UnreadableFile, storage_error, storage_error_line
+
     from prime_orchestrator.client import WeightUpdateError
+    from prime_orchestrator.distill import TeacherError
+    from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.liveness import RolloutsFailed
 
     try:
@@ -52,18 +65,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError) as e:
+    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError, UnreadableFile) as e:
         # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
         print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         sys.exit(1)
     except Exception as e:
-        from prime_core.io import storage_error, storage_error_line
-
         if (found := storage_error(e)) is None:
             raise
-        print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
+        print(f"error: {storage_error_line(found, output_dir)}", file=sys.stderr, flush=True)
         sys.exit(1)
-    stop_reporting()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     """Run ``train(config)`` with the errors a user can act on reported as one line instead of a traceback."""
     from prime_core.config import ConfigError
     from prime_core.config.cli import fail
+    from prime_core.io import UnreadableFile
     from prime_core.progress import stop_reporting
 
     from prime_trainer.optim import NonFiniteGradients
@@ -26,7 +27,7 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     except ConfigError as e:
         # Settings that only the world (ranks, data) shows to be wrong: one line, like a parse error.
         fail(str(e))
-    except NonFiniteGradients as e:
+    except (NonFiniteGradients, UnreadableFile) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except Exception as e:

@@ -14,7 +14,7 @@ from prime_trainer.entrypoints import run_training
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_cli(SFTConfig, argv, prog="sft", description=__doc__)
+    config = parse_cli(SFTConfig, argv, prog="sft", description=__doc__, writes_output_dir=True)
     from prime_trainer.sft.train import train
 
     run_training(train, config)

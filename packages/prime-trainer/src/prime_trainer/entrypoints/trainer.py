@@ -14,7 +14,7 @@ from prime_trainer.entrypoints import run_training
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_cli(TrainerConfig, argv, prog="trainer", description=__doc__)
+    config = parse_cli(TrainerConfig, argv, prog="trainer", description=__doc__, writes_output_dir=True)
     if not config.bench:
         import os
 

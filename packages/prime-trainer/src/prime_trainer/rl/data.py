@@ -11,6 +11,7 @@ import torch
 from prime_core import progress
 from prime_core.config import ConfigError
 from prime_core.config.trainer import FakeDataConfig, TrainerConfig
+from prime_core.io import UnreadableFile
 from prime_core.run_dir import RunDir
 from prime_core.schemas.microbatch import MULTIMODAL_FIELDS, MicroBatch, RolloutBatchMeta
 from prime_core.transport import make_receiver
@@ -101,6 +102,8 @@ class RolloutSource:
         try:
             with progress.activity(waiting, waits_for="orchestrator"):
                 received = self.receiver.receive(step, timeout=self.timeout)
+        except UnreadableFile as e:
+            raise UnreadableFile(f"step {step}: rollouts for rank {self.rank}: {e}") from None
         except TimeoutError as e:
             raise RuntimeError(
                 f"step {step}: no rollouts for rank {self.rank} after {self.timeout:.0f}s ({self.transport} "

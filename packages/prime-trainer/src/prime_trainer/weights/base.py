@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import abc
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, final
 
 import torch
-from prime_core.io import atomic_dir
+from prime_core.io import atomic_dir, remove_published, writing
 from prime_core.run_dir import RunDir
 from prime_core.schemas.weights import BucketHeader, Manifest, write_manifest
 from torch import nn
@@ -70,7 +69,7 @@ class WeightPublisher(abc.ABC):
         final_dir = self.run_dir.weight_step(step)
         t0 = time.perf_counter()
         if self.world.is_master:
-            with atomic_dir(final_dir) as tmp:
+            with writing(f"weights step {step}", final_dir), atomic_dir(final_dir) as tmp:
                 broadcast_object(str(tmp))
                 self.write(tmp, step, model, durable=durable, serve=serve)
                 manifest = self.manifest(step, serve=serve)
@@ -78,7 +77,8 @@ class WeightPublisher(abc.ABC):
                     write_manifest(tmp, manifest)
             self._cleanup(step, list(keep_steps))
         else:
-            self.write(Path(broadcast_object(None)), step, model, durable=durable, serve=serve)
+            with writing(f"weights step {step}", final_dir):
+                self.write(Path(broadcast_object(None)), step, model, durable=durable, serve=serve)
         broadcast_object(None)  # nobody moves on before STABLE is written
         timings = {"files_s": time.perf_counter() - t0}
         if serve:
@@ -98,7 +98,7 @@ class WeightPublisher(abc.ABC):
         for child in self.run_dir.weights.iterdir():
             m = re.fullmatch(r"step_(\d+)", child.name)
             if m and int(m.group(1)) not in keep and int(m.group(1)) < latest:
-                shutil.rmtree(child, ignore_errors=True)
+                remove_published(child)
 
 
 # Helpers of transports that stream tensors (broadcast, cuda_ipc): buckets of HF tensors packed into flat buffers.
