@@ -217,8 +217,16 @@ def check_dataset(text: str) -> str | None:
 
 
 def check_output_dir(path: Path) -> str | None:
-    if path.exists() and not path.is_dir():
+    """Why a run directory cannot be (or be created at) ``path``, or None: it, or the nearest part of it that
+    exists, must be a directory this user can write to."""
+    path = path.expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path and not path.is_dir():
         return f"{str(path)!r} is a file; the run directory must be a directory"
+    if not existing.is_dir():
+        return f"{str(path)!r} cannot be created: {str(existing)!r} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{str(path)!r}: {str(existing)!r} is not writable"
     return None
 
 

@@ -46,6 +46,7 @@ class _Sources:
                 self.origin.pop(path[: i + 1], None)
             node = child
         node[path[-1]] = value
+        self.origin.pop(path, None)  # the newest source comes last: errors on a whole section name it
         self.origin[path] = origin
 
     def merge_tree(self, prefix: tuple[str, ...], tree: Mapping[str, Any], origin: str) -> None:

@@ -385,6 +385,9 @@ class OrchestratorConfig(BaseConfig):
             raise ValueError(f"environment names must be unique, got {names}")
         if not self.env:
             raise ValueError("at least one training environment is needed (env)")
+        if self.sampling.max_tokens >= self.seq_len:
+            raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below seq_len ({self.seq_len}): "
+                             "a completion that long leaves no room for its prompt in a training sample")  # fmt: skip
         k = self.max_off_policy_steps
         if k is not None and k < self.async_level:
             raise ValueError(f"max_off_policy_steps ({k}) < async_level ({self.async_level}): batches formed that far "
@@ -440,6 +443,8 @@ class EvalConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_eval(self) -> EvalConfig:
+        if not self.env and not self.environment_ids:
+            raise ValueError("no environment to evaluate: set environment_ids or env")
         if self.steps and self.weights_dir is None:
             raise ValueError("steps needs weights_dir (the directory holding the step_N checkpoints)")
         if self.weights_dir is not None:

@@ -53,9 +53,9 @@ class AdamWConfig(BaseConfig):
     """Peak learning rate."""
     weight_decay: float = Field(default=0.01, ge=0)
     """Decoupled weight decay (not applied to norms and biases)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
-    eps: float = 1e-8
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    """Adam betas, each in [0, 1)."""
+    eps: float = Field(default=1e-8, ge=0)
     """Adam epsilon."""
     max_norm: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; unset disables clipping (the norm is still logged)."""
