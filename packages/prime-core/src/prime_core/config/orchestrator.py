@@ -385,9 +385,9 @@ class OrchestratorConfig(BaseConfig):
             raise ValueError(f"environment names must be unique, got {names}")
         if not self.env:
             raise ValueError("at least one training environment is needed (env)")
-        if self.sampling.max_tokens >= self.seq_len:
-            raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below seq_len ({self.seq_len}): "
-                             "a completion that long leaves no room for its prompt in a training sample")  # fmt: skip
+        if self.sampling.max_tokens > self.seq_len:
+            raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) > seq_len ({self.seq_len}): a completion "
+                             "that long cannot fit a training sample")  # fmt: skip
         k = self.max_off_policy_steps
         if k is not None and k < self.async_level:
             raise ValueError(f"max_off_policy_steps ({k}) < async_level ({self.async_level}): batches formed that far "
