@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if not config.bench:
         start_reporting(config.output_dir, "orchestrator")
+    from prime_orchestrator.env_config import check_envs
+
+    check_envs({"env": config.env, "eval.envs": config.eval.envs})  # before the run waits on any server
     import asyncio
     import json
 
