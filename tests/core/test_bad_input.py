@@ -214,3 +214,12 @@ def test_prime_launch_without_a_command_and_rewind_of_no_run_exit_2(tmp_path):
     )
     proc = launch("rewind", "--output-dir", str(tmp_path), "--step", "-1")
     assert proc.returncode == 2 and "step: Input should be greater than or equal to 0" in proc.stderr
+
+
+def test_a_seq_len_no_row_can_hold_is_refused_at_start(capsys):
+    """``--seq-len 10**12`` used to start every process and die at the first packing: a 7 TiB numpy traceback."""
+    for model, argv in ((RLConfig, ["@", str(EXAMPLE)]), (TrainerConfig, []), (OrchestratorConfig, [])):
+        err = error_line(capsys, model, *argv, "--seq-len", str(10**12))
+        assert (
+            err == "error: CLI --seq-len: seq-len: Input should be less than or equal to 16777216, got '1000000000000'"
+        )

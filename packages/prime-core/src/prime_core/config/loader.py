@@ -308,12 +308,14 @@ def collect_sources(
 def _any_command_keys() -> set[str]:
     """Top-level keys of every prime command's config: a PRIME_ variable may be meant for another process."""
     from prime_core.config.inference import InferenceConfig
+    from prime_core.config.liveness import WatchConfig
     from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
     from prime_core.config.rl import RLConfig
     from prime_core.config.sandbox import SandboxNodeConfig
     from prime_core.config.trainer import SFTConfig, TrainerConfig
 
-    roots = (RLConfig, TrainerConfig, SFTConfig, InferenceConfig, OrchestratorConfig, EvalConfig, SandboxNodeConfig)
+    roots = (RLConfig, TrainerConfig, SFTConfig, InferenceConfig, OrchestratorConfig, EvalConfig, SandboxNodeConfig,
+             WatchConfig)  # fmt: skip
     return set(_fields_of(list(roots)))
 
 

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from prime_core.config.base import BaseConfig
 from prime_core.config.distill import DistillConfig
 from prime_core.config.liveness import RecoveryConfig
-from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
 from prime_core.transport import RolloutTransportConfig
 
 
@@ -307,7 +307,7 @@ class OrchestratorConfig(BaseConfig):
     """Policy model; its directory provides the tokenizer and the served model name."""
     output_dir: Path = Path("outputs")
     """Run directory shared with trainer and inference."""
-    seq_len: int = Field(default=2048, ge=8)
+    seq_len: int = Field(default=2048, ge=8, le=MAX_SEQ_LEN)
     """Tokens per packed trainer row."""
     max_steps: int = Field(default=20, ge=1)
     """Number of training steps to produce rollouts for."""

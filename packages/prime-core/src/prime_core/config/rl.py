@@ -20,7 +20,7 @@ from prime_core.config.distill import TeacherServerConfig
 from prime_core.config.inference import InferenceConfig
 from prime_core.config.liveness import LivenessConfig
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, WandbConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, WandbConfig
 from prime_core.config.trainer import TrainerConfig
 from prime_core.transport import RolloutTransportConfig
 
@@ -236,7 +236,7 @@ class RLConfig(BaseConfig):
     output_dir: Path | None = None
     """Shared: run directory (configs/, logs/, rollouts/, weights/, checkpoints/, metrics.jsonl); replaces the
     process configs' ``output_dir``. Unset: the trainer's ``output_dir`` (default ``outputs``)."""
-    seq_len: int | None = Field(default=None, ge=2)
+    seq_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """Shared: tokens per packed row (trainer and orchestrator)."""
     max_steps: int | None = Field(default=None, ge=1)
     """Shared: number of training steps (trainer and orchestrator)."""

@@ -9,6 +9,9 @@ from pydantic import Field, field_validator
 
 from prime_core.config.base import BaseConfig
 
+# Packed rows are allocated whole (orchestrator and trainer), so a seq_len of 10**12 fails on its first step with a
+# 7 TiB allocation; 16M tokens is beyond any model's context and still refused at once.
+MAX_SEQ_LEN = 1 << 24
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Linear layers LoRA can adapt: the attention projections and the dense (SwiGLU) MLP projections."""
 

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.parallel import ParallelConfig
-from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
 from prime_core.transport import RolloutTransportConfig
 
 # ---------------------------------------------------------------- model, parallelism, performance
@@ -203,7 +203,7 @@ class FakeDataConfig(BaseConfig):
     """Rows per optimizer step over all ranks."""
     micro_batch_size: int = Field(default=1, ge=1)
     """Rows per forward/backward pass."""
-    seq_len: int | None = Field(default=None, ge=2)
+    seq_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """Row length; unset uses the top-level ``seq_len``."""
     variable_lengths: bool = False
     """Pack random-length samples into each row (position ids restart) instead of one full-length sample."""
@@ -332,7 +332,7 @@ class _TrainerBase(BaseConfig):
     """How the model is built (random init, config overrides, tokenizer, attention kernel)."""
     output_dir: Path = Path("outputs")
     """Run directory shared with the other processes."""
-    seq_len: int = Field(default=2048, ge=2)
+    seq_len: int = Field(default=2048, ge=2, le=MAX_SEQ_LEN)
     """Maximum row length in tokens."""
     max_steps: int = Field(default=20, ge=1)
     """Number of optimizer steps (absolute: a resumed run stops at the same step)."""
