@@ -223,3 +223,20 @@ def test_a_seq_len_no_row_can_hold_is_refused_at_start(capsys):
         assert (
             err == "error: CLI --seq-len: seq-len: Input should be less than or equal to 16777216, got '1000000000000'"
         )
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_where_one_is_needed(capsys, tmp_path):
+    """``rl --model.name <dir without tokenizer files>`` used to load the server, start env workers and fail a minute
+    later: "16 of 16 rollouts failed ... token_ids: List should have at least 1 item". The trainer needs none."""
+    model = _model_copy(tmp_path, '{"model_type": "qwen3"}')
+    reason = f"'{model}' holds no tokenizer (tokenizer.json or tokenizer_config.json): copy the tokenizer files there"
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    extra = {RLConfig: ["@", str(EXAMPLE)], SFTConfig: ["--data.path", str(tmp_path / "sft.jsonl")]}
+    for config in (RLConfig, OrchestratorConfig, EvalConfig, SFTConfig):
+        argv = extra.get(config, [])
+        err = error_line(capsys, config, *argv, "--model.name", str(model))
+        assert err == f"error: CLI --model.name: model.name: {reason}"
+    config = parse_cli(TrainerConfig, ["--model.name", str(model), "--output-dir", str(tmp_path)], prog="x")
+    assert config.model.name == str(model)
+    (model / "tokenizer.json").write_text("{}")
+    assert parse_cli(EvalConfig, ["--model.name", str(model), "--environment-ids", "arithmetic"], prog="x")

@@ -34,6 +34,7 @@ _TRUE = ("1", "true", "yes", "on")
 _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 # A model directory: Hugging Face's config.json, or Mistral's params.json (vLLM reads that format too).
 _MODEL_FILES = ("config.json", "params.json")
+_TOKENIZER_FILES = ("vocab.json", "tekken.json", "spiece.model")
 
 
 class PreflightError(ValueError):
@@ -216,6 +217,18 @@ def check_dataset(text: str) -> str | None:
     return None
 
 
+def check_tokenizer_dir(name: str) -> str | None:
+    """Why a local model directory has no tokenizer (inference, the orchestrator, eval and SFT tokenize with it), or
+    None; a hub id or a missing directory is ``check_model_name``'s to judge."""
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    found = [f for f in path.iterdir() if f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES]
+    if found or any(f.suffix == ".tiktoken" for f in path.iterdir()):
+        return None
+    return f"{name!r} holds no tokenizer (tokenizer.json or tokenizer_config.json): copy the tokenizer files there"
+
+
 def check_output_dir(path: Path) -> str | None:
     """Why a run directory cannot be (or be created at) ``path``, or None: it, or the nearest part of it that
     exists, must be a directory this user can write to."""
@@ -287,11 +300,18 @@ def find_problems(config: BaseModel, *, network: bool = True) -> list[tuple[tupl
 
 def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[tuple[str, ...], str]]:
     """The local files a section names that are not there (by field name, so every command's config is covered)."""
-    from prime_core.config.trainer import ModelInitConfig, SFTDataConfig, SFTValConfig
+    from prime_core.config.inference import InferenceConfig
+    from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
+    from prime_core.config.rl import RLConfig
+    from prime_core.config.trainer import ModelInitConfig, SFTConfig, SFTDataConfig, SFTValConfig
 
     output_dir = getattr(section, "output_dir", None)
     if isinstance(output_dir, Path) and (reason := check_output_dir(output_dir)):
         yield (*path, "output_dir"), reason
+    tokenizes = isinstance(section, (RLConfig, OrchestratorConfig, EvalConfig, InferenceConfig))
+    tokenizes = tokenizes or (isinstance(section, SFTConfig) and section.init.tokenizer is None)
+    if tokenizes and (reason := check_tokenizer_dir(section.model.name)):
+        yield (*path, "model", "name"), reason
     tokenizer = section.tokenizer if isinstance(section, ModelInitConfig) else None
     if tokenizer is not None and looks_like_path(tokenizer) and (reason := check_local_path(tokenizer, "tokenizer")):
         yield (*path, "tokenizer"), reason
