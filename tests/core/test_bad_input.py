@@ -240,3 +240,18 @@ def test_a_model_directory_without_a_tokenizer_is_refused_where_one_is_needed(ca
     assert config.model.name == str(model)
     (model / "tokenizer.json").write_text("{}")
     assert parse_cli(EvalConfig, ["--model.name", str(model), "--environment-ids", "arithmetic"], prog="x")
+
+
+def test_server_urls_that_cannot_be_connected_to_are_named(capsys):
+    """``--client.base-url http://127.0.0.1:99999`` used to start the orchestrator and die in its first connect with
+    an OverflowError traceback."""
+    err = error_line(capsys, OrchestratorConfig, "--client.base-url", "http://127.0.0.1:99999")
+    assert (
+        err == "error: CLI --client.base-url: client.base-url: the port must be 0-65535, got 'http://127.0.0.1:99999'"
+    )
+    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--orchestrator.judge.base-url", "localhost:8001/v1")
+    assert err.endswith(
+        "orchestrator.judge.base-url: not an http(s) URL like http://127.0.0.1:8000, got 'localhost:8001/v1'"
+    )
+    config = OrchestratorConfig(client={"base_urls": ["https://example.com/v1/", "http://[::1]:8000"]})
+    assert config.client.base_urls == ["https://example.com", "http://[::1]:8000"]

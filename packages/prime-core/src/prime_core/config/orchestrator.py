@@ -10,16 +10,16 @@ from pydantic import Field, field_validator, model_validator
 from prime_core.config.base import BaseConfig
 from prime_core.config.distill import DistillConfig
 from prime_core.config.liveness import RecoveryConfig
-from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, HttpUrl, LogConfig, ModelConfig, MonitorConfig
 from prime_core.transport import RolloutTransportConfig
 
 
 class ClientConfig(BaseConfig):
     """How the orchestrator reaches the inference servers."""
 
-    base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    base_urls: list[HttpUrl] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """Base URLs of the inference servers (no trailing /v1); requests are spread over them round-robin."""
-    base_url: str | None = None
+    base_url: HttpUrl | None = None
     """One server (shorthand that replaces base_urls when set)."""
     api_key: str | None = None
     """API key sent as a bearer token to every route (None: no auth)."""
@@ -82,7 +82,7 @@ class JudgeEndpointConfig(BaseConfig):
     enabled: bool = True
     """Point every judge at this endpoint (off: each keeps the endpoint its environment configures; verifiers'
     default is a hosted service)."""
-    base_url: str | None = None
+    base_url: HttpUrl | None = None
     """OpenAI-compatible base URL (``.../v1``). Unset: the policy's own inference server, the first of
     ``client.base_urls`` (the one ``rl`` starts), so judging needs nothing outside the run."""
     model: str | None = None
