@@ -189,8 +189,9 @@ def test_settings_that_can_never_work_are_refused(capsys):
         "error: CLI --inference.max-model-len: inference.max_model_len (16) <= orchestrator.sampling.max_tokens (48): "
         "the server would refuse every request"
     )
-    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--trainer.model.lora.rank", "8")
-    assert err.startswith("error: CLI --trainer.model.lora.rank: only trainer set model.lora")
+    # A check across fields names the flag that set one of its fields, not the last flag given (here --seed).
+    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--trainer.model.lora.rank", "8", "--seed", "3")
+    assert err.startswith("error: CLI --trainer.model.lora.rank: only trainer.model.lora is set: the trainer publishes")
     err = error_line(capsys, TrainerConfig, "--optim.betas", "0.9,1.5")
     assert err == "error: CLI --optim.betas: optim.betas.1: Input should be less than 1, got '1.5'"
     err = error_line(capsys, EvalConfig, "--environment-ids", "")

@@ -463,8 +463,13 @@ def _format_validation_error(err: ValidationError, sources: _Sources, model: typ
     msg = str(error) if first["type"] == "value_error" and error is not None else first["msg"]
     if first["type"] == "extra_forbidden":
         return f"{origin}: unknown key {key!r}"
-    if not loc:  # a check across fields: its message names them
-        return f"{origin}: {msg}"
+    if not loc:  # a check across fields names them: blame the one the user set last (origins are in set order)
+        named = [
+            o
+            for p, o in sources.origin.items()
+            if any(".".join(p[:i]) in msg for i in range(min(2, len(p)), 1 + len(p)))
+        ]
+        return f"{named[-1] if named else origin}: {msg}"
     inp = first.get("input")
     shown = "" if isinstance(inp, dict) or inp is None else f", got {inp!r}"
     return f"{origin}: {key}: {msg}{shown}"

@@ -353,8 +353,8 @@ class RLConfig(BaseConfig):
         loras = {name: cfg.model.lora for name, cfg in processes.items() if hasattr(cfg, "model")}
         if len({lora is None for lora in loras.values()}) > 1:
             with_lora = sorted(name for name, lora in loras.items() if lora is not None)
-            raise ValueError(f"only {', '.join(with_lora)} set model.lora: the trainer publishes adapters that every "
-                             "process must expect; set the shared model.lora")  # fmt: skip
+            raise ValueError(f"only {', '.join(f'{n}.model.lora' for n in with_lora)} is set: the trainer publishes "
+                             "adapters that every process must expect; set the shared model.lora")  # fmt: skip
         max_model_len = self.inference.max_model_len if self.inference is not None else None
         if max_model_len is not None and max_model_len <= o.sampling.max_tokens:
             raise ValueError(f"inference.max_model_len ({max_model_len}) <= orchestrator.sampling.max_tokens "
