@@ -237,6 +237,8 @@ def test_a_model_directory_without_a_tokenizer_is_refused_where_one_is_needed(ca
         argv = extra.get(config, [])
         err = error_line(capsys, config, *argv, "--model.name", str(model))
         assert err == f"error: CLI --model.name: model.name: {reason}"
+    err = error_line(capsys, RLConfig, "--trainer.model.name", str(model), "--orchestrator.model.name", str(model))
+    assert err == f"error: CLI --orchestrator.model.name: orchestrator.model.name: {reason}"  # no shared model
     config = parse_cli(TrainerConfig, ["--model.name", str(model), "--output-dir", str(tmp_path)], prog="x")
     assert config.model.name == str(model)
     (model / "tokenizer.json").write_text("{}")

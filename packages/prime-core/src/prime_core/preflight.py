@@ -310,7 +310,8 @@ def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[
         yield (*path, "output_dir"), reason
     tokenizes = isinstance(section, (RLConfig, OrchestratorConfig, EvalConfig, InferenceConfig))
     tokenizes = tokenizes or (isinstance(section, SFTConfig) and section.init.tokenizer is None)
-    if tokenizes and (reason := check_tokenizer_dir(section.model.name)):
+    model = getattr(section, "model", None)  # rl's shared model is optional
+    if tokenizes and model is not None and (reason := check_tokenizer_dir(model.name)):
         yield (*path, "model", "name"), reason
     tokenizer = section.tokenizer if isinstance(section, ModelInitConfig) else None
     if tokenizer is not None and looks_like_path(tokenizer) and (reason := check_local_path(tokenizer, "tokenizer")):
