@@ -85,7 +85,7 @@ def test_directory_that_is_not_a_model_is_one_line(in_repo, tmp_path, capsys):
         "(did you mean 'examples/reverse_text/model'?)"
     )
     assert check_model_name(str(tmp_path)) == f"{str(tmp_path)!r} holds no config.json: not a model directory"
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
     assert check_model_name(str(tmp_path)) is None
 
 

@@ -190,7 +190,8 @@ def test_inference_port_in_use_is_one_line_before_loading(tmp_path, server):
     other = server()
     model_dir = tmp_path / "model"  # never loaded: the port is checked first
     model_dir.mkdir()
-    (model_dir / "config.json").write_text("{}")
+    (model_dir / "config.json").write_text('{"model_type": "qwen3"}')
+    (model_dir / "tokenizer_config.json").write_text("{}")
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "prime_inference.entrypoints.inference", "--model.name", str(model_dir),

@@ -72,3 +72,26 @@ def test_a_judge_endpoint_that_does_not_answer_is_one_line_at_start():
     message = str(e.value)
     assert "\n" not in message and "http://127.0.0.1:9/v1" in message and "env graded" in message
     assert "taskset.task.judges.0" in message
+
+
+def test_misspelt_or_mistyped_env_args_end_orchestrator_and_eval_at_start_in_one_line(capsys, tmp_path):
+    """A typo in ``args`` used to be a 30-line pydantic traceback from the orchestrator's setup, after inference was
+    up; now both entry points exit 2 before any server is contacted, naming the key and the field it resembles."""
+    from pathlib import Path
+
+    from prime_orchestrator.entrypoints import eval as eval_cli
+    from prime_orchestrator.entrypoints import orchestrator as orchestrator_cli
+
+    model = ["--model.name", str(Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "model")]
+    typo = ["--env", '[{"id": "reverse-text", "args": {"num_exampels": 5}}]']
+    for main, extra in ((eval_cli.main, []), (orchestrator_cli.main, ["--output-dir", str(tmp_path)])):
+        with pytest.raises(SystemExit) as exc:
+            main([*model, *typo, *extra])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err == (
+            "error: env.0 (reverse-text): args.num_exampels: Extra inputs are not permitted "
+            "(did you mean 'num_examples'?)\n"
+        )
+    with pytest.raises(SystemExit):
+        eval_cli.main([*model, "--env", '[{"id": "reverse-text", "env_args": {"bogus": 1}}]'])
+    assert capsys.readouterr().err == "error: env.0 (reverse-text): env_args.bogus: Extra inputs are not permitted\n"

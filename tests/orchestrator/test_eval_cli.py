@@ -39,7 +39,9 @@ def test_missing_step_is_one_line_before_any_eval(tmp_path):
     weights = tmp_path / "outputs" / "weights"
     (weights / "step_2").mkdir(parents=True)
     # The relative weights dir resolves where eval runs; step 3 does not exist: one line, exit 2, nothing evaluated.
-    out = eval_cli("--weights-dir", "outputs/weights", "--steps", "2,3", "--client.base-url", "x", cwd=tmp_path)
+    out = eval_cli(
+        "--weights-dir", "outputs/weights", "--steps", "2,3", "--client.base-url", "http://127.0.0.1:9", cwd=tmp_path
+    )
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "steps" in lines[0] and "step_3" in lines[0] and "step_2" in lines[0], out.stderr

@@ -120,3 +120,20 @@ def test_a_sample_that_sampled_an_image_placeholder_is_dropped():
     sampled_pad = Sample([5, 6, 99], [False, True, True], [0.0, -0.1, -0.1], 1.0, 0)
     kept, truncated, dropped = fit_to_seq_len([prompt_image, sampled_pad], 64, "truncate", vision)
     assert kept == [prompt_image] and (truncated, dropped) == (0, 1)
+
+
+def test_a_seq_len_shorter_than_every_prompt_is_named_not_trained_on():
+    """Before, truncation kept the prompt tokens alone: the run finished every step training on nothing (seen with
+    ``rl @ examples/arithmetic/rl.toml --seq-len 16``: loss 0, rc 0). Now the step is a one-line fault."""
+    from prime_orchestrator.packing import seq_len_too_short
+
+    samples = make_samples(8, max_len=60)
+    first = min(s.loss_mask.index(True) for s in samples)
+    assert seq_len_too_short(samples, first + 1) is None  # one trained token still fits
+    assert seq_len_too_short(samples, first) == (
+        f"every prompt fills seq_len ({first}) (the shortest is {first} tokens): no sample keeps a trained token; "
+        "raise seq_len"
+    )
+    packed = pack(samples, step=0, seq_len=first, num_ranks=1, micro_batch_rows=1, temperature=1.0)
+    assert packed.metas[0].global_loss_tokens == 0  # what the trainer would have been given
+    assert seq_len_too_short([], 8) is None

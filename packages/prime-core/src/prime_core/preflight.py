@@ -7,6 +7,8 @@ and milliseconds instead of a traceback after a model load or a minute of networ
 - environment ids: an installed package (or a verifiers built-in taskset) must provide each one.
 - ports: a server's port must be free before the server loads its model.
 - the output directory of a process that writes one must take files (not read-only, not full, permitted).
+- local files: a model directory's config.json must parse, a tokenizer path, an SFT dataset and the checkpoint
+  ``ckpt.resume_step`` names must exist, and ``output_dir`` must not be a file.
 
 Nothing here imports torch, transformers or verifiers.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import difflib
 import errno
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -33,6 +36,7 @@ _TRUE = ("1", "true", "yes", "on")
 _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 # A model directory: Hugging Face's config.json, or Mistral's params.json (vLLM reads that format too).
 _MODEL_FILES = ("config.json", "params.json")
+_TOKENIZER_FILES = ("vocab.json", "tekken.json", "spiece.model")
 
 
 class PreflightError(ValueError):
@@ -63,6 +67,17 @@ def _is_model_dir(path: Path) -> bool:
     return any((path / f).is_file() for f in _MODEL_FILES)
 
 
+def _bad_model_config(path: Path) -> str | None:
+    """Why an HF config.json cannot configure a model (transformers and our loader need ``model_type``), or None."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        return f"{str(path)!r} is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        return f"{str(path)!r} has no model_type: not a Hugging Face model config"
+    return None
+
+
 def looks_like_path(name: str) -> bool:
     """A model name meant as a local directory: it starts with ``/``, ``.`` or ``~``, has more than one ``/``,
     is not a valid hub id, or its first part is a directory here (``examples/modle``). ``org/name`` and
@@ -89,6 +104,10 @@ def check_model_name(name: str, *, network: bool = True, environ: dict[str, str]
     """Why ``name`` cannot be loaded, or None. ``network``: also check that a hub id not yet downloaded can be."""
     env = dict(os.environ if environ is None else environ)
     path = Path(name).expanduser()
+    if path.is_file():
+        return f"{name!r} is a file, not a model directory (one holding config.json)"
+    if (path / "config.json").is_file():
+        return _bad_model_config(path / "config.json")
     if path.is_dir() and not _is_model_dir(path):
         inside = sorted(p.name for p in path.iterdir() if p.is_dir() and _is_model_dir(p))
         inside.sort(key=lambda sub: sub != "model")  # examples/<task>/model before the others
@@ -198,6 +217,68 @@ def check_writable(directory: str | os.PathLike) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- local files
+
+
+def check_local_path(text: str, what: str) -> str | None:
+    """Why ``text``, meant as a local file or directory (a tokenizer, a dataset), is not there, or None."""
+    if not text.strip():
+        return f"empty {what} path"
+    if Path(text).expanduser().exists():
+        return None
+    return f"no such file or directory {text!r} ({what})"
+
+
+def check_dataset(text: str) -> str | None:
+    """Why an SFT dataset path cannot be read (see prime_trainer.sft.data.load_rows), or None."""
+    path = Path(text).expanduser()
+    if not path.exists() or not text.strip():
+        return check_local_path(text, "dataset")
+    if not path.is_dir() or any((path / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
+        return None
+    if not any(f.suffix in (".jsonl", ".json", ".parquet") for f in path.iterdir()):
+        return f"directory {text!r} holds no .jsonl/.json/.parquet file and no datasets save_to_disk data"
+    return None
+
+
+def check_tokenizer_dir(name: str) -> str | None:
+    """Why a local model directory has no tokenizer (inference, the orchestrator, eval and SFT tokenize with it), or
+    None; a hub id or a missing directory is ``check_model_name``'s to judge."""
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        return None
+    found = [f for f in path.iterdir() if f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES]
+    if found or any(f.suffix == ".tiktoken" for f in path.iterdir()):
+        return None
+    return f"{name!r} holds no tokenizer (tokenizer.json or tokenizer_config.json): copy the tokenizer files there"
+
+
+def check_output_dir(path: Path) -> str | None:
+    """Why a run directory cannot be (or be created at) ``path``, or None: it, or the nearest part of it that
+    exists, must be a directory this user can write to."""
+    path = path.expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path and not path.is_dir():
+        return f"{str(path)!r} is a file; the run directory must be a directory"
+    if not existing.is_dir():
+        return f"{str(path)!r} cannot be created: {str(existing)!r} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{str(path)!r}: {str(existing)!r} is not writable"
+    return None
+
+
+def check_resume_step(output_dir: Path, step: int) -> str | None:
+    """Why the trainer cannot resume from checkpoint ``step`` of ``output_dir``, or None."""
+    from prime_core.io import is_stable
+    from prime_core.run_dir import RunDir
+
+    run_dir = RunDir(output_dir)
+    if is_stable(run_dir.trainer_checkpoint(step)):
+        return None
+    have = ", ".join(map(str, run_dir.checkpoint_steps())) or "none"
+    return f"no complete checkpoint {run_dir.trainer_checkpoint(step)} (complete checkpoint steps: {have})"
+
+
 # ---------------------------------------------------------------- whole configs
 
 
@@ -219,6 +300,7 @@ def find_problems(config: BaseModel, *, network: bool = True) -> list[tuple[tupl
 
     problems, seen = [], set()
     for path, section in _walk(config, ()):
+        problems.extend(_file_problems(path, section))
         if isinstance(section, ModelConfig):
             key, reason = (*path, "name"), None
             if section.name not in seen:
@@ -238,3 +320,31 @@ def find_problems(config: BaseModel, *, network: bool = True) -> list[tuple[tupl
         if reason:
             problems.append((key, reason))
     return problems
+
+
+def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[tuple[str, ...], str]]:
+    """The local files a section names that are not there (by field name, so every command's config is covered)."""
+    from prime_core.config.inference import InferenceConfig
+    from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
+    from prime_core.config.rl import RLConfig
+    from prime_core.config.trainer import ModelInitConfig, SFTConfig, SFTDataConfig, SFTValConfig
+
+    output_dir = getattr(section, "output_dir", None)
+    if isinstance(output_dir, Path) and (reason := check_output_dir(output_dir)):
+        yield (*path, "output_dir"), reason
+    tokenizes = isinstance(section, (RLConfig, OrchestratorConfig, EvalConfig, InferenceConfig))
+    tokenizes = tokenizes or (isinstance(section, SFTConfig) and section.init.tokenizer is None)
+    model = getattr(section, "model", None)  # rl's shared model is optional
+    if tokenizes and model is not None and (reason := check_tokenizer_dir(model.name)):
+        yield (*path, "model", "name"), reason
+    tokenizer = section.tokenizer if isinstance(section, ModelInitConfig) else None
+    if tokenizer is not None and looks_like_path(tokenizer) and (reason := check_local_path(tokenizer, "tokenizer")):
+        yield (*path, "tokenizer"), reason
+    data_path = section.path if isinstance(section, (SFTDataConfig, SFTValConfig)) else None
+    if data_path is not None and (reason := check_dataset(data_path)):
+        yield (*path, "path"), reason
+    # A trainer section (it has ``init``) resumes from its own run directory's checkpoint.
+    resume_step = getattr(getattr(section, "ckpt", None), "resume_step", None)
+    trainer = isinstance(getattr(section, "init", None), ModelInitConfig) and isinstance(output_dir, Path)
+    if trainer and resume_step is not None and (reason := check_resume_step(output_dir, resume_step)):
+        yield (*path, "ckpt", "resume_step"), reason

@@ -79,3 +79,40 @@ def env_config_data(env: EnvConfig, judge: JudgeEndpoint | None = None) -> dict[
     if judge is not None:
         point_judges(resolve(full), full, judge)
     return resolve(full).model_dump(mode="json")
+
+
+def env_config_problem(env: EnvConfig) -> str | None:
+    """Why verifiers refuses an environment's settings (a misspelt ``args`` key, a wrong type), in one line naming
+    the key, or None. Cheap (no dataset is built), so entry points check every environment before they start."""
+    import difflib
+
+    from pydantic import ValidationError
+
+    try:
+        env_config_data(env)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = [str(p) for p in first["loc"]]
+        in_args = bool(loc) and loc[0] == "taskset"
+        key = ".".join(["args", *loc[1:]] if in_args else ["env_args", *loc])
+        hint = ""
+        if in_args and first["type"] == "extra_forbidden" and len(loc) == 2:
+            from verifiers.v1.utils.loaders import taskset_config_type
+
+            close = difflib.get_close_matches(loc[1], list(taskset_config_type(env.id).model_fields), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{key}: {first['msg']}{hint}"
+    except (ValueError, TypeError, KeyError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def check_envs(named: dict[str, list[EnvConfig]]) -> None:
+    """Exit 2 with one line at the first environment verifiers refuses (``named``: config key -> environments)."""
+    import sys
+
+    for key, envs in named.items():
+        for i, env in enumerate(envs):
+            if problem := env_config_problem(env):
+                print(f"error: {key}.{i} ({env.id}): {problem}", file=sys.stderr, flush=True)
+                raise SystemExit(2)

@@ -43,6 +43,7 @@ from prime_orchestrator.evals import evaluate_envs
 from prime_orchestrator.judges import check_judges, judge_endpoint
 from prime_orchestrator.liveness import (
     InflightLane,
+    RolloutsFailed,
     RolloutTracker,
     check_step,
     env_metrics,
@@ -50,7 +51,7 @@ from prime_orchestrator.liveness import (
     screen,
     ship_activity,
 )
-from prime_orchestrator.packing import Sample, pack
+from prime_orchestrator.packing import Sample, pack, seq_len_too_short
 from prime_orchestrator.versions import Flight, VersionRecords, bounds, version_metrics
 from prime_orchestrator.weight_relay import Policy
 
@@ -322,6 +323,8 @@ class Orchestrator:
         t0 = time.perf_counter()
         check_step(batch.step, [r.result for g in batch.groups for r in g], c.recovery.min_ok_fraction)
         samples, extra = self._samples(batch)
+        if reason := seq_len_too_short(samples, c.seq_len):
+            raise RolloutsFailed(f"step {batch.step}: {reason}")
         packed = pack(
             samples,
             step=batch.step,

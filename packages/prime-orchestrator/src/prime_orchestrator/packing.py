@@ -103,6 +103,19 @@ def fit_to_seq_len(
     return kept, truncated, dropped
 
 
+def seq_len_too_short(samples: list[Sample], seq_len: int) -> str | None:
+    """Why no sample of a step can train (every trained token lies beyond ``seq_len``: the prompts alone fill it),
+    or None. Truncation would keep only prompt tokens, and the run would go on training on nothing."""
+    firsts = [next((i for i, m in enumerate(s.loss_mask) if m), None) for s in samples]
+    trained = [f for f in firsts if f is not None]
+    if not trained or min(trained) < seq_len:
+        return None
+    return (
+        f"every prompt fills seq_len ({seq_len}) (the shortest is {min(trained)} tokens): no sample keeps a trained "
+        "token; raise seq_len"
+    )
+
+
 def balance_across_ranks(lengths: list[int], num_ranks: int) -> list[list[int]]:
     """Indices per rank; greedy longest-processing-time: max-min token totals <= the longest sample."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))

@@ -15,6 +15,9 @@ class BaseConfig(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
         populate_by_name=True,
+        # inf and nan are never meant: an infinite timeout is an unbounded wait, an infinite lr or temperature a
+        # run that produces garbage, and nan fails every comparison, so it slips past the ge/le bounds.
+        allow_inf_nan=False,
     )
 
     def derive(self, **changes: Any) -> Self:

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.inference import TorchEngineConfig, VllmConfig
-from prime_core.config.shared import ModelConfig
+from prime_core.config.shared import HttpUrl, ModelConfig
 
 
 class TeacherConfig(BaseConfig):
@@ -17,7 +17,7 @@ class TeacherConfig(BaseConfig):
     ``/inference/v1/generate`` with ``prompt_logprobs`` (prime's ``inference`` with either engine, or vLLM with
     prime's app)."""
 
-    base_url: str | None = None
+    base_url: HttpUrl | None = None
     """The server's base URL (with or without ``/v1``), e.g. ``http://127.0.0.1:8001``. Unset: the teacher server
     ``rl`` starts from ``[teacher]`` (a standalone orchestrator needs it set)."""
     model: str | None = None

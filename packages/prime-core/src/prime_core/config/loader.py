@@ -46,6 +46,7 @@ class _Sources:
                 self.origin.pop(path[: i + 1], None)
             node = child
         node[path[-1]] = value
+        self.origin.pop(path, None)  # the newest source comes last: errors on a whole section name it
         self.origin[path] = origin
 
     def merge_tree(self, prefix: tuple[str, ...], tree: Mapping[str, Any], origin: str) -> None:
@@ -126,8 +127,8 @@ def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return sorted(set(keys))
 
 
-def _suggest(bad: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(bad, list(candidates), n=1, cutoff=0.6)
+def _suggest(bad: str, candidates: Sequence[str], cutoff: float = 0.6) -> str:
+    close = difflib.get_close_matches(bad, list(candidates), n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -169,15 +170,19 @@ def parse_scalar_text(text: str, annotation: Any) -> Any:
     if stripped and stripped[0] in "[{":
         try:
             return json.loads(stripped)
+        except RecursionError:
+            raise ValueError("a list or table nested too deeply") from None
         except json.JSONDecodeError:
             try:
                 return tomllib.loads(f"v = {stripped}")["v"]
-            except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"cannot parse {text!r} as a list or table: {e}") from None
+            except (tomllib.TOMLDecodeError, RecursionError) as e:
+                raise ValueError(f"cannot parse {text!r} as a list or table: {e or 'nested too deeply'}") from None
     if _is_list_type(annotation) and not _models_in(annotation):
         return [p.strip() for p in text.split(",") if p.strip()] if text.strip() else []
     if _is_dict_type(annotation):
         raise ValueError(f"expected a JSON or TOML table like '{{\"k\": 1}}', got {text!r}")
+    if not stripped and Path in _unwrap(annotation):
+        raise ValueError("empty path (a path of '' would mean the current directory)")
     if stripped.lower() in ("none", "null") and type(None) in typing.get_args(annotation):
         return None
     return text
@@ -197,6 +202,10 @@ def load_toml(path_text: str, origin: str) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{origin}: cannot parse TOML file {path_text!r}: {e}") from None
+    except RecursionError:
+        raise ConfigError(
+            f"{origin}: cannot parse TOML file {path_text!r}: arrays or tables nested too deeply"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{origin}: cannot read config file {path_text!r}: {e}") from None
 
@@ -215,8 +224,19 @@ def _normalize_tree(
         if isinstance(value, Mapping) and _models_in(annotation):
             out[key] = _normalize_tree(model, value, path, origin)
         else:
+            _check_toml_leaf(value, annotation, f"{origin}: {dotted.replace('_', '-')}")
             out[key] = value
     return out
+
+
+def _check_toml_leaf(value: Any, annotation: Any, where: str) -> None:
+    """What pydantic's lax mode would take silently: ``max_steps = true`` as 1, ``output_dir = ""`` as ``.``."""
+    alternatives = _unwrap(annotation)
+    numeric = {int, float} & set(alternatives) and bool not in alternatives and Any not in alternatives
+    if isinstance(value, bool) and numeric:
+        raise ConfigError(f"{where}: expected a number, got the boolean {str(value).lower()}")
+    if value == "" and Path in alternatives:
+        raise ConfigError(f"{where}: empty path (a path of '' would mean the current directory)")
 
 
 @dataclass
@@ -285,14 +305,34 @@ def collect_sources(
     return parsed
 
 
+def _any_command_keys() -> set[str]:
+    """Top-level keys of every prime command's config: a PRIME_ variable may be meant for another process."""
+    from prime_core.config.inference import InferenceConfig
+    from prime_core.config.liveness import WatchConfig
+    from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
+    from prime_core.config.rl import RLConfig
+    from prime_core.config.sandbox import SandboxNodeConfig
+    from prime_core.config.trainer import SFTConfig, TrainerConfig
+
+    roots = (RLConfig, TrainerConfig, SFTConfig, InferenceConfig, OrchestratorConfig, EvalConfig, SandboxNodeConfig,
+             WatchConfig)  # fmt: skip
+    return set(_fields_of(list(roots)))
+
+
 def _read_environment(model: type[BaseModel], merged: _Sources, environ: Mapping[str, str], env_prefix: str) -> None:
-    """``PRIME_A__B=value``. Unknown PRIME_ names are left alone: several processes share an environment."""
+    """``PRIME_A__B=value``. PRIME_ names of no option here are left alone (several processes share an
+    environment, and the project reads a few PRIME_ variables of its own), unless the name is a near miss of an
+    option here and an option of no other command: ``PRIME_MAX_STEP`` would otherwise be ignored silently."""
     known_top = set(_fields_of([model]))
     for name in sorted(environ):
         if not name.startswith(env_prefix):
             continue
         dotted = ".".join(p.lower() for p in name[len(env_prefix) :].split("__"))
-        if dotted.split(".")[0] not in known_top:
+        top = dotted.split(".")[0]
+        if top not in known_top:
+            close = difflib.get_close_matches(top, sorted(known_top), n=1, cutoff=0.8)
+            if close and top not in _any_command_keys():
+                raise ConfigError(f"env {name}: no option {top!r} (did you mean {env_prefix}{close[0].upper()}?)")
             continue
         origin = f"env {name}"
         path, annotation = resolve_path(model, dotted, origin)
@@ -423,8 +463,13 @@ def _format_validation_error(err: ValidationError, sources: _Sources, model: typ
     msg = str(error) if first["type"] == "value_error" and error is not None else first["msg"]
     if first["type"] == "extra_forbidden":
         return f"{origin}: unknown key {key!r}"
-    if not loc:  # a check across fields: its message names them
-        return f"{origin}: {msg}"
+    if not loc:  # a check across fields names them: blame the one the user set last (origins are in set order)
+        named = [
+            o
+            for p, o in sources.origin.items()
+            if any(".".join(p[:i]) in msg for i in range(min(2, len(p)), 1 + len(p)))
+        ]
+        return f"{named[-1] if named else origin}: {msg}"
     inp = first.get("input")
     shown = "" if isinstance(inp, dict) or inp is None else f", got {inp!r}"
     return f"{origin}: {key}: {msg}{shown}"

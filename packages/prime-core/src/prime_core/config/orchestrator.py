@@ -10,16 +10,16 @@ from pydantic import Field, field_validator, model_validator
 from prime_core.config.base import BaseConfig
 from prime_core.config.distill import DistillConfig
 from prime_core.config.liveness import RecoveryConfig
-from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, HttpUrl, LogConfig, ModelConfig, MonitorConfig
 from prime_core.transport import RolloutTransportConfig
 
 
 class ClientConfig(BaseConfig):
     """How the orchestrator reaches the inference servers."""
 
-    base_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    base_urls: list[HttpUrl] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """Base URLs of the inference servers (no trailing /v1); requests are spread over them round-robin."""
-    base_url: str | None = None
+    base_url: HttpUrl | None = None
     """One server (shorthand that replaces base_urls when set)."""
     api_key: str | None = None
     """API key sent as a bearer token to every route (None: no auth)."""
@@ -82,7 +82,7 @@ class JudgeEndpointConfig(BaseConfig):
     enabled: bool = True
     """Point every judge at this endpoint (off: each keeps the endpoint its environment configures; verifiers'
     default is a hosted service)."""
-    base_url: str | None = None
+    base_url: HttpUrl | None = None
     """OpenAI-compatible base URL (``.../v1``). Unset: the policy's own inference server, the first of
     ``client.base_urls`` (the one ``rl`` starts), so judging needs nothing outside the run."""
     model: str | None = None
@@ -307,7 +307,7 @@ class OrchestratorConfig(BaseConfig):
     """Policy model; its directory provides the tokenizer and the served model name."""
     output_dir: Path = Path("outputs")
     """Run directory shared with trainer and inference."""
-    seq_len: int = Field(default=2048, ge=8)
+    seq_len: int = Field(default=2048, ge=8, le=MAX_SEQ_LEN)
     """Tokens per packed trainer row."""
     max_steps: int = Field(default=20, ge=1)
     """Number of training steps to produce rollouts for."""
@@ -385,6 +385,9 @@ class OrchestratorConfig(BaseConfig):
             raise ValueError(f"environment names must be unique, got {names}")
         if not self.env:
             raise ValueError("at least one training environment is needed (env)")
+        if self.sampling.max_tokens > self.seq_len:
+            raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) > seq_len ({self.seq_len}): a completion "
+                             "that long cannot fit a training sample")  # fmt: skip
         k = self.max_off_policy_steps
         if k is not None and k < self.async_level:
             raise ValueError(f"max_off_policy_steps ({k}) < async_level ({self.async_level}): batches formed that far "
@@ -440,6 +443,8 @@ class EvalConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_eval(self) -> EvalConfig:
+        if not self.env and not self.environment_ids:
+            raise ValueError("no environment to evaluate: set environment_ids or env")
         if self.steps and self.weights_dir is None:
             raise ValueError("steps needs weights_dir (the directory holding the step_N checkpoints)")
         if self.weights_dir is not None:

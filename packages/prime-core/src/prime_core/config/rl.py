@@ -20,7 +20,7 @@ from prime_core.config.distill import TeacherServerConfig
 from prime_core.config.inference import InferenceConfig
 from prime_core.config.liveness import LivenessConfig
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, WandbConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, WandbConfig
 from prime_core.config.trainer import TrainerConfig
 from prime_core.transport import RolloutTransportConfig
 
@@ -236,7 +236,7 @@ class RLConfig(BaseConfig):
     output_dir: Path | None = None
     """Shared: run directory (configs/, logs/, rollouts/, weights/, checkpoints/, metrics.jsonl); replaces the
     process configs' ``output_dir``. Unset: the trainer's ``output_dir`` (default ``outputs``)."""
-    seq_len: int | None = Field(default=None, ge=2)
+    seq_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """Shared: tokens per packed row (trainer and orchestrator)."""
     max_steps: int | None = Field(default=None, ge=1)
     """Shared: number of training steps (trainer and orchestrator)."""
@@ -350,6 +350,15 @@ class RLConfig(BaseConfig):
             )
         if t.model.name != o.model.name:
             raise ValueError(f"trainer.model.name ({t.model.name!r}) != orchestrator.model.name ({o.model.name!r})")
+        loras = {name: cfg.model.lora for name, cfg in processes.items() if hasattr(cfg, "model")}
+        if len({lora is None for lora in loras.values()}) > 1:
+            with_lora = sorted(name for name, lora in loras.items() if lora is not None)
+            raise ValueError(f"only {', '.join(f'{n}.model.lora' for n in with_lora)} is set: the trainer publishes "
+                             "adapters that every process must expect; set the shared model.lora")  # fmt: skip
+        max_model_len = self.inference.max_model_len if self.inference is not None else None
+        if max_model_len is not None and max_model_len <= o.sampling.max_tokens:
+            raise ValueError(f"inference.max_model_len ({max_model_len}) <= orchestrator.sampling.max_tokens "
+                             f"({o.sampling.max_tokens}): the server would refuse every request")  # fmt: skip
         inference_threads = self.devices.cpu_threads.get("inference")
         engine_threads = self.inference.torch.num_threads if self.inference is not None else None
         if None not in (inference_threads, engine_threads) and inference_threads != engine_threads:

@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
+from urllib.parse import urlparse
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from prime_core.config.base import BaseConfig
+
+# Packed rows are allocated whole (orchestrator and trainer), so a seq_len of 10**12 fails on its first step with a
+# 7 TiB allocation; 16M tokens is beyond any model's context and still refused at once.
+MAX_SEQ_LEN = 1 << 24
+
+
+def _http_url(url: str) -> str:
+    """A server's base URL must parse: a port above 65535 used to surface as an OverflowError traceback from the
+    first connect, a bare host name as a request error after the run started."""
+    parsed = urlparse(url.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError("not an http(s) URL like http://127.0.0.1:8000")
+    try:
+        parsed.port  # noqa: B018 - urllib checks the range only when asked
+    except ValueError:
+        raise ValueError("the port must be 0-65535") from None
+    return url
+
+
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+"""A server's http(s) base URL, checked at load."""
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Linear layers LoRA can adapt: the attention projections and the dense (SwiGLU) MLP projections."""

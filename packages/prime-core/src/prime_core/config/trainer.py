@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.parallel import ParallelConfig
-from prime_core.config.shared import CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
 from prime_core.transport import RolloutTransportConfig
 
 # ---------------------------------------------------------------- model, parallelism, performance
@@ -53,9 +53,9 @@ class AdamWConfig(BaseConfig):
     """Peak learning rate."""
     weight_decay: float = Field(default=0.01, ge=0)
     """Decoupled weight decay (not applied to norms and biases)."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
-    eps: float = 1e-8
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    """Adam betas, each in [0, 1)."""
+    eps: float = Field(default=1e-8, ge=0)
     """Adam epsilon."""
     max_norm: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; unset disables clipping (the norm is still logged)."""
@@ -203,7 +203,7 @@ class FakeDataConfig(BaseConfig):
     """Rows per optimizer step over all ranks."""
     micro_batch_size: int = Field(default=1, ge=1)
     """Rows per forward/backward pass."""
-    seq_len: int | None = Field(default=None, ge=2)
+    seq_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """Row length; unset uses the top-level ``seq_len``."""
     variable_lengths: bool = False
     """Pack random-length samples into each row (position ids restart) instead of one full-length sample."""
@@ -335,7 +335,7 @@ class _TrainerBase(BaseConfig):
     """How the model is built (random init, config overrides, tokenizer, attention kernel)."""
     output_dir: Path = Path("outputs")
     """Run directory shared with the other processes."""
-    seq_len: int = Field(default=2048, ge=2)
+    seq_len: int = Field(default=2048, ge=2, le=MAX_SEQ_LEN)
     """Maximum row length in tokens."""
     max_steps: int = Field(default=20, ge=1)
     """Number of optimizer steps (absolute: a resumed run stops at the same step)."""

@@ -138,16 +138,19 @@ def _fail_run(cause: str) -> int:
 
 def _rewind(argv: list[str]) -> int:
     from prime_core.config import BaseConfig, parse_cli
+    from pydantic import Field
 
     class RewindConfig(BaseConfig):
         """Before resuming a stopped run at ``step``: remove its rollouts of steps >= step and weights after it."""
 
         output_dir: Path = Path("outputs")
         """The run directory."""
-        step: int
+        step: int = Field(ge=0)
         """The checkpoint step the run resumes from."""
 
     config = parse_cli(RewindConfig, argv, prog="prime-launch rewind")
+    if not config.output_dir.is_dir():
+        return _fail(f"output-dir: {str(config.output_dir)!r} is not a run directory (no such directory)")
     from prime_core.run_dir import RunDir
 
     from prime_launch.resume import rewind
@@ -158,7 +161,9 @@ def _rewind(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:
+        return _fail("prime-launch needs a command: slurm, report, watch or rewind (--help lists them)")
+    if argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
         return 0
     command, rest = argv[0], argv[1:]

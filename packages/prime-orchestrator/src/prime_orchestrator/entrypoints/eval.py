@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> None:
         writes_output_dir=True,
     )
 
+    from prime_orchestrator.env_config import check_envs
+
+    check_envs({"env" if config.env else "environment_ids": config.resolved_envs()})
     import asyncio
 
     from prime_core.logging import setup_logging

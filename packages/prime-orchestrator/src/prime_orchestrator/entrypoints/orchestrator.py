@@ -26,11 +26,14 @@ def main(argv: list[str] | None = None) -> None:
     import asyncio
     import json
 
+    from prime_core.config import write_config
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
+    from prime_orchestrator.env_config import check_envs
     from prime_orchestrator.orchestrator import Orchestrator
 
+    check_envs({"env": config.env, "eval.envs": config.eval.envs})  # before the run waits on any server
     run_dir = RunDir(config.output_dir)
     setup_logging(
         "orchestrator", level=config.log.level, log_file=run_dir.log_file("orchestrator") if config.log.file else None
@@ -41,8 +44,6 @@ def main(argv: list[str] | None = None) -> None:
 
         print(json.dumps(asyncio.run(run_bench(orchestrator)), indent=2))
         return
-    from prime_core.config import write_config
-
     write_config(config, run_dir.config_file("orchestrator"))
     run(orchestrator, config.output_dir)
     stop_reporting()
