@@ -254,16 +254,15 @@ def check_tokenizer_dir(name: str) -> str | None:
 
 
 def check_output_dir(path: Path) -> str | None:
-    """Why a run directory cannot be (or be created at) ``path``, or None: it, or the nearest part of it that
-    exists, must be a directory this user can write to."""
+    """Why a run directory cannot be (or be created at) ``path`` because it, or the nearest part of it that exists,
+    is a file; or None. Whether files can be written there is ``check_writable``'s (a probe write names the errno:
+    a read-only mount, no permission, a full disk)."""
     path = path.expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if existing == path and not path.is_dir():
         return f"{str(path)!r} is a file; the run directory must be a directory"
     if not existing.is_dir():
         return f"{str(path)!r} cannot be created: {str(existing)!r} is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{str(path)!r}: {str(existing)!r} is not writable"
     return None
 
 
@@ -333,7 +332,9 @@ def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[
     if isinstance(output_dir, Path) and (reason := check_output_dir(output_dir)):
         yield (*path, "output_dir"), reason
     tokenizes = isinstance(section, (RLConfig, OrchestratorConfig, EvalConfig, InferenceConfig))
-    tokenizes = tokenizes or (isinstance(section, SFTConfig) and section.init.tokenizer is None)
+    # SFT on fake data (benchmarks, tests) reads no text.
+    sft_reads_text = isinstance(section, SFTConfig) and section.data.fake is None
+    tokenizes = tokenizes or (sft_reads_text and section.init.tokenizer is None)
     model = getattr(section, "model", None)  # rl's shared model is optional
     if tokenizes and model is not None and (reason := check_tokenizer_dir(model.name)):
         yield (*path, "model", "name"), reason
