@@ -116,7 +116,7 @@ def test_hostile_tool_calls_are_scored_and_honest_ones_beside_them_score(server,
 
 
 def test_one_line_keeps_the_cause_of_a_traceback():
-    from prime_orchestrator.traces import one_line
+    from prime_core.io import one_line
 
     tail = 'nit__.py", line 482, in exc_check\n    raise X\nhttpx.HTTPStatusError: 500 Internal Server Error\n'
     assert one_line(f"harness 'prime-chat' exited 1: {tail}") == (

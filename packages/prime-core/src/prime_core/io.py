@@ -172,6 +172,14 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {line if len(line) <= 200 else line[:200] + '...'}"
 
 
+def one_line(message: str) -> str:
+    """A failure's reason on one line: its first line and, when there are more, its last. A harness that crashed
+    reports its stderr's tail, a traceback whose cause is the last line; the first alone named no cause (``harness
+    'prime-chat' exited 1: Traceback (most recent call last):``, or a cut frame line)."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()] or ["(no message)"]
+    return lines[0][:500] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1][-300:]}"
+
+
 @contextmanager
 def reading(path: str | os.PathLike, what: str) -> Iterator[None]:
     """Parse ``path`` as ``what`` inside this block: a file cut short, corrupted or of another schema becomes an

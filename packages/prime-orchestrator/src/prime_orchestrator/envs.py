@@ -17,13 +17,14 @@ import time
 from typing import Any
 
 from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
+from prime_core.io import one_line
 from prime_core.schemas.rollout import ROLLOUT_TAG, EnvServerSpec, RolloutResult
 
 from prime_orchestrator.env_config import env_config_data, resolve
 from prime_orchestrator.env_server import EnvServer, EnvServerCrashed
 from prime_orchestrator.judges import JudgeEndpoint
 from prime_orchestrator.rendering import resolve_renderer
-from prime_orchestrator.traces import one_line, to_result
+from prime_orchestrator.traces import to_result
 
 logger = logging.getLogger("prime.orchestrator.env")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from prime_core.io import one_line
 from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
 
 
@@ -90,14 +91,6 @@ def seat_metrics(traces: list[TraceResult]) -> dict[str, float]:
         for seat, values in per_seat.items()
         for k, vs in values.items()
     }
-
-
-def one_line(message: str) -> str:
-    """A failure's reason on one line: its first line and, when there are more, its last. A harness that crashed
-    reports its stderr's tail, a traceback whose cause is the last line; the first alone named no cause (``harness
-    'prime-chat' exited 1: Traceback (most recent call last):``, or a cut frame line)."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()] or ["(no message)"]
-    return lines[0][:500] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1][-300:]}"
 
 
 def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutResult:

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from prime_core.config.inference import InferenceConfig, VllmConfig
+from prime_core.io import one_line
 from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
@@ -394,10 +395,9 @@ class VllmEngine(Engine):
                 except Exception as e:
                     # vLLM loads in place: a load that failed part-way (or loaded NaNs) left weights of no step, which
                     # must not be sampled under the old step's name. A later complete load serves again.
-                    cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
                     self._unusable = (
-                        f"loading the weights of step {step} failed ({cause}): this server serves nothing until weights"
-                        " load completely"
+                        f"loading the weights of step {step} failed ({one_line(str(e) or type(e).__name__)}): this "
+                        "server serves nothing until weights load completely"
                     )
                     raise RequestError(self._unusable, status_code=400, param="weight_dir") from e
                 self._unusable = None
