@@ -146,26 +146,38 @@ def versions(url: str, tags: list[str], **flags) -> dict:
     return r.json()
 
 
-def test_the_server_records_the_versions_a_tagged_rollout_spans_and_aborts_stale_ones(model_dir, head_only_dir):
+def gated_server(model_dir, release):
+    """A server updating in flight whose engine holds its 4th step until ``release(engine)`` is true; its engines."""
     from prime_inference.engines import build_engine
 
-    cfg = config(model_dir, "in_flight")
-    release = threading.Event()
-    engines = []
+    cfg, engines = config(model_dir, "in_flight"), []
 
     def factory():
         engine, tokenizer = build_engine(cfg)
-        gate(engine, 4, lambda: engine._swap is not None or engine.weight_step == 1 or release.is_set())
+        gate(engine, 4, lambda: release(engine))
         engines.append(engine)
         return engine, tokenizer
 
-    server = start_server(model_dir, weight_update="in_flight", engine_factory=factory)
+    return start_server(model_dir, weight_update="in_flight", engine_factory=factory), engines
+
+
+def held_request(server, engines, tag: str, done: dict) -> threading.Thread:
+    """``tag``'s request in a thread (its answer goes to ``done["r"]``), once the engine holds it at its 4th step."""
+    worker = threading.Thread(target=lambda: done.update(r=tagged(server.url, tag)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while engines[0].num_steps < 4:
+        assert time.monotonic() < deadline, f"the engine made no 4 steps of {tag!r} in 60 s"
+        time.sleep(0.01)
+    return worker
+
+
+def test_the_server_records_the_versions_a_tagged_rollout_spans_and_aborts_stale_ones(model_dir, head_only_dir):
+    release = threading.Event()
+    server, engines = gated_server(model_dir, lambda e: e._swap is not None or e.weight_step == 1 or release.is_set())
     try:
         done: dict = {}
-        worker = threading.Thread(target=lambda: done.update(r=tagged(server.url, "rollout-1")))
-        worker.start()
-        while not engines[0].num_steps >= 4:
-            time.sleep(0.01)
+        worker = held_request(server, engines, "rollout-1", done)
         live = versions(server.url, ["rollout-1", "unknown"])["versions"]  # read while it runs: the first token's
         assert set(live) == {"rollout-1"} and live["rollout-1"]["first"] == 0 and live["rollout-1"]["exact"]
         r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(head_only_dir), "step": 1}, timeout=60)
@@ -232,25 +244,11 @@ def test_a_failed_in_flight_update_keeps_serving_and_reporting_the_old_weights(m
     500 that clients retried; NaN weights were served, every token then 0, while /health reported the new step; a
     missing tensor was blamed on the model class). A request running across the failures samples every token on
     the old weights, its record says so, and a good update afterwards still lands."""
-    from prime_inference.engines import build_engine
-
-    cfg = config(model_dir, "in_flight")
     release = threading.Event()
-    engines = []
-
-    def factory():
-        engine, tokenizer = build_engine(cfg)
-        gate(engine, 4, release.is_set)
-        engines.append(engine)
-        return engine, tokenizer
-
-    server = start_server(model_dir, weight_update="in_flight", engine_factory=factory)
+    server, engines = gated_server(model_dir, lambda e: release.is_set())
     try:
         done: dict = {}
-        worker = threading.Thread(target=lambda: done.update(r=tagged(server.url, "spans-failures")))
-        worker.start()
-        while not engines[0].num_steps >= 4:
-            time.sleep(0.01)
+        worker = held_request(server, engines, "spans-failures", done)
         for step, (how, reason) in enumerate(FAULTS.items(), start=1):
             broken = corrupt(head_only_dir, tmp_path / f"step_{step}", how)
             t0 = time.monotonic()
