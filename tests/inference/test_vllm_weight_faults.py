@@ -8,6 +8,7 @@ The worker side runs `PrimeWorkerExtension` over a CPU model standing in for vLL
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -103,3 +104,49 @@ def test_a_failed_load_stops_the_server_serving_until_a_complete_one():
         assert engine._unusable is None and engine.weight_step == 4 and engine.weight_dir == "/w/step_4"
 
     asyncio.run(scenario())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
+def test_vllm_refuses_nan_weights_and_serves_nothing_until_a_complete_load(model_dir, other_weights_dir, tmp_path):
+    """The stand-ins above, on the real vLLM worker: a weight directory with one NaN tensor is refused in one line
+    naming the tensor, generation answers 503 (not token 0 under the old step's name), and the next complete load
+    serves its weights."""
+    import shutil
+
+    import httpx
+    from prime_core.io import mark_stable
+    from safetensors.torch import load_file, save_file
+
+    from .helpers import start_server
+
+    bad = tmp_path / "step_2"
+    shutil.copytree(other_weights_dir, bad)
+    file = next(bad.glob("*.safetensors"))
+    state = load_file(file)
+    state["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(state, file, metadata={"format": "pt"})
+    mark_stable(bad)
+    server = start_server(
+        model_dir,
+        engine="vllm",
+        model={"name": str(model_dir), "dtype": "bfloat16"},
+        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True},
+        startup_timeout=600,
+    )
+    try:
+        body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 8, "temperature": 0}}
+        generate = f"{server.url}/inference/v1/generate"
+        assert httpx.post(generate, json=body, timeout=120).status_code == 200
+        refused = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(bad), "step": 2}, timeout=600)
+        assert refused.status_code == 400, refused.text
+        message = refused.json()["error"]["message"]
+        assert "step 2" in message and "down_proj" in message and "\n" not in message
+        unserved = httpx.post(generate, json=body, timeout=120)
+        assert unserved.status_code == 503 and httpx.get(f"{server.url}/health").json()["weight_step"] == 0
+        good = {"weight_dir": str(other_weights_dir), "step": 3}
+        assert httpx.post(f"{server.url}/update_weights", json=good, timeout=600).status_code == 200
+        served = httpx.post(generate, json=body, timeout=120)
+        assert served.status_code == 200 and httpx.get(f"{server.url}/health").json()["weight_step"] == 3
+    finally:
+        server.stop()
