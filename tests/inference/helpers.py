@@ -57,13 +57,15 @@ class RunningServer:
         headers = {"Authorization": f"Bearer {config.server.api_key}"} if config.server.api_key else {}
         deadline = time.time() + startup_timeout
         while time.time() < deadline:
+            if not self.thread.is_alive():  # uvicorn gave up on startup (the engine failed): its log says why
+                raise RuntimeError(f"server on {self.url} exited while starting")
             try:
                 if httpx.get(f"{self.url}/health", headers=headers, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError("server did not start")
+        raise RuntimeError(f"server on {self.url} not healthy after {startup_timeout} s")
 
     def stop(self) -> None:
         self.server.should_exit = True
