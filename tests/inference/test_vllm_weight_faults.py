@@ -33,15 +33,15 @@ class Worker(PrimeWorkerExtension):
 def test_the_worker_refuses_weights_it_loaded_with_a_nan_naming_the_tensor():
     nan = torch.full((4, 4), float("nan"), dtype=torch.bfloat16)
     worker = Worker({"good": {"0.weight": torch.ones(4, 4)}, "bad": {"1.weight": nan}})
-    worker.prime_reload_weights("good", version=1)
-    with pytest.raises(ValueError, match=r"^the weights of step 2 hold NaN or infinite values \(1\.weight\)$"):
-        worker.prime_reload_weights("bad", version=2)
+    assert worker.prime_reload_weights("good", version=1) is None
+    # Returned, not raised: vLLM's engine core would log a raised one as a traceback.
+    refusal = worker.prime_reload_weights("bad", version=2)
+    assert refusal == "the weights of step 2 hold NaN or infinite values (1.weight)"
 
 
 def test_the_worker_checks_infinities_and_every_float_dtype():
     worker = Worker({"inf": {"0.bias": torch.tensor([0.0, float("inf"), 0.0, 0.0])}})
-    with pytest.raises(ValueError, match=r"\(0\.bias\)"):
-        worker.prime_reload_weights("inf", version=5)
+    assert "(0.bias)" in worker.prime_reload_weights("inf", version=5)
 
 
 class StandInLLM:
@@ -50,6 +50,7 @@ class StandInLLM:
 
     def __init__(self):
         self.fail: str | None = None
+        self.refuse: str | None = None
         self.resumed = 0
 
     async def pause_generation(self, **kwargs):
@@ -61,6 +62,7 @@ class StandInLLM:
     async def collective_rpc(self, method, kwargs):
         if self.fail is not None:
             raise Exception(f"Call to collective_rpc method failed: {self.fail}")
+        return [self.refuse]
 
     async def reset_prefix_cache(self):
         pass
@@ -83,13 +85,15 @@ async def first_output(engine: VllmEngine):
         return output
 
 
-def test_a_failed_load_stops_the_server_serving_until_a_complete_one():
+@pytest.mark.parametrize("how", ["raised", "returned"])
+def test_a_failed_load_stops_the_server_serving_until_a_complete_one(how):
     """Before, the engine resumed serving the half-loaded (or NaN) weights under step 2's name: every request sampled
-    token 0 while /health said step 2."""
+    token 0 while /health said step 2. A load fails by raising (a file cut short) or with a worker's refusal (NaN)."""
 
     async def scenario():
         engine = stand_in_engine()
-        engine.llm.fail = "the weights of step 3 hold NaN or infinite values (model.layers.0.mlp.down_proj.weight)"
+        reason = "the weights of step 3 hold NaN or infinite values (model.layers.0.mlp.down_proj.weight)"
+        setattr(engine.llm, "fail" if how == "raised" else "refuse", reason)
         with pytest.raises(RequestError) as refused:
             await engine.update_weights("/w/step_3", 3)
         assert refused.value.status_code == 400 and refused.value.param == "weight_dir"
@@ -99,7 +103,7 @@ def test_a_failed_load_stops_the_server_serving_until_a_complete_one():
             await first_output(engine)
         assert unserved.value.status_code == 503 and unserved.value.message == refused.value.message
 
-        engine.llm.fail = None  # the next complete load serves again
+        engine.llm.fail = engine.llm.refuse = None  # the next complete load serves again
         await engine.update_weights("/w/step_4", 4)
         assert engine._unusable is None and engine.weight_step == 4 and engine.weight_dir == "/w/step_4"
 

@@ -61,19 +61,22 @@ class PrimeWorkerExtension:
         if tap is not None and version is not None:
             tap.set_version(version)
 
-    def prime_reload_weights(self, weights_path: str, version: int | None = None) -> None:
+    def prime_reload_weights(self, weights_path: str, version: int | None = None) -> str | None:
         """Layerwise in-place reload from an HF directory (or the base model id) via vLLM's own reload; ``version``:
-        the weight step it serves.
+        the weight step it serves. Returns why the loaded weights must not be served, or None.
 
         The server has already confined the path to the weight roots and checked its STABLE marker.
         """
         self.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
-        self._prime_check_finite(version)
-        self._prime_serve_version(version)
+        refusal = self._prime_refuse_nonfinite(version)
+        if refusal is None:
+            self._prime_serve_version(version)
+        return refusal
 
-    def prime_receive_weights(self, manifest: dict[str, Any], version: int | None = None) -> int:
+    def prime_receive_weights(self, manifest: dict[str, Any], version: int | None = None) -> str | None:
         """Receive a streamed weight update into this worker's model (vLLM maps HF names to its fused layers): the
-        manifest's transport (`prime_inference.weights.StreamReceiver`) yields the buckets. Returns the tensors loaded.
+        manifest's transport (`prime_inference.weights.StreamReceiver`) yields the buckets. Returns why the loaded
+        weights must not be served, or None.
         """
         import torch
         from prime_core.schemas.weights import parse_manifest
@@ -83,18 +86,18 @@ class PrimeWorkerExtension:
         parsed = parse_manifest(manifest)
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         device = torch.device("cuda", torch.cuda.current_device())
-        loaded = 0
         for bucket in stream_receiver(parsed).tensors(parsed, device):
             model.load_weights(weights=bucket)
-            loaded += len(bucket)
-        self._prime_check_finite(version)
-        self._prime_serve_version(version)
-        return loaded
+        refusal = self._prime_refuse_nonfinite(version)
+        if refusal is None:
+            self._prime_serve_version(version)
+        return refusal
 
-    def _prime_check_finite(self, version: int | None) -> None:
-        """Refuse weights holding a NaN or an infinity once loaded (vLLM loads in place, so only after): served, every
-        logit is NaN and each request samples token 0 under the new step's name. One reduction per tensor on the
-        GPU and one synchronisation, small beside the load."""
+    def _prime_refuse_nonfinite(self, version: int | None) -> str | None:
+        """Why weights holding a NaN or an infinity must not be served, checked once loaded (vLLM loads in place, so
+        only after): served, every logit is NaN and each request samples token 0 under the new step's name. One
+        reduction per tensor on the GPU and one synchronisation, small beside the load. Returned, not raised: the
+        engine core logs a worker's exception as a traceback, and a refusal is a one-line answer to the update."""
         import torch
 
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -102,12 +105,13 @@ class PrimeWorkerExtension:
             (n, p) for n, p in model.named_parameters() if p.dtype in (torch.float32, torch.bfloat16, torch.float16)
         ]
         if not floats:
-            return
+            return None
         with torch.no_grad():
             bad = torch.stack([~torch.isfinite(p).all() for _, p in floats])
-        if bool(bad.any()):
-            name = floats[int(bad.nonzero()[0, 0])][0]
-            raise ValueError(f"the weights of step {version} hold NaN or infinite values ({name})")
+        if not bool(bad.any()):
+            return None
+        name = floats[int(bad.nonzero()[0, 0])][0]
+        return f"the weights of step {version} hold NaN or infinite values ({name})"
 
     def prime_receive_adapter(self, manifest: dict[str, Any], lora_int_id: int) -> int:
         """Receive a LoRA adapter's tensors from a streamed transport into this worker's host memory, for vLLM's

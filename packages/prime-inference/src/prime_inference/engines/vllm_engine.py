@@ -391,15 +391,20 @@ class VllmEngine(Engine):
                 await self.llm.pause_generation(mode=mode, clear_cache=False)
             try:
                 try:
-                    await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
+                    answers = await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
+                    refusal = next((a for a in answers or () if isinstance(a, str)), None)  # a worker's NaN check
                 except Exception as e:
+                    refusal, cause = str(e) or type(e).__name__, e
+                else:
+                    cause = None
+                if refusal is not None:
                     # vLLM loads in place: a load that failed part-way (or loaded NaNs) left weights of no step, which
                     # must not be sampled under the old step's name. A later complete load serves again.
                     self._unusable = (
-                        f"loading the weights of step {step} failed ({one_line(str(e) or type(e).__name__)}): this "
+                        f"loading the weights of step {step} failed ({one_line(refusal)}): this "
                         "server serves nothing until weights load completely"
                     )
-                    raise RequestError(self._unusable, status_code=400, param="weight_dir") from e
+                    raise RequestError(self._unusable, status_code=400, param="weight_dir") from cause
                 self._unusable = None
                 if self.in_flight_updates:
                     await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
