@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
 from prime_core.config.shared import MonitorConfig, WandbConfig
 from prime_core.io import writing
 from prime_core.schemas.metrics import MetricsRecord
+
+logger = logging.getLogger(__name__)
+
+WANDB_FINISH_TIMEOUT_S = 120.0
+"""How long closing waits for W&B to upload what it holds: a W&B that stopped answering must not keep a finished run
+from exiting (the run's W&B files stay in its directory for ``wandb sync``)."""
+
+
+class MonitorUnavailable(RuntimeError):
+    """A configured metrics sink could not start; the message is one line meant for the console."""
 
 
 class Monitor(Protocol):
@@ -61,7 +74,11 @@ def _ends_torn(path: Path) -> bool:
 
 
 class WandbMonitor:
-    """Logs to W&B; imported only when enabled."""
+    """Logs to W&B; imported only when enabled. W&B is a side channel of a run that may last days: once it fails
+    (its service process died, its server stopped answering) it is switched off with one warning and the run goes
+    on, its metrics still in metrics.jsonl."""
+
+    _open: set[WandbMonitor] = set()  # this process's monitors not yet closed (multi-tenant runs share W&B's service)
 
     def __init__(
         self, config: WandbConfig, process: str, run_config: dict[str, Any] | None = None, dir: Path | None = None
@@ -71,28 +88,82 @@ class WandbMonitor:
         except ImportError as e:
             raise ImportError("W&B logging needs wandb: pip install 'prime-core[wandb]'") from e
         name = f"{config.name}-{process}" if config.name else None
-        self._run = wandb.init(
-            project=config.project,
-            entity=config.entity,
-            name=name,
-            group=config.group,
-            tags=config.tags,
-            mode="offline" if config.offline else "online",
-            config=run_config,
-            dir=str(dir) if dir else None,
-            reinit=True,
-        )
+        self._dir, self._failed = dir, False
+        try:
+            self._run = wandb.init(
+                project=config.project,
+                entity=config.entity,
+                name=name,
+                group=config.group,
+                tags=config.tags,
+                mode="offline" if config.offline else "online",
+                config=run_config,
+                dir=str(dir) if dir else None,
+                reinit="create_new",
+            )
+        except Exception as e:  # no network, a server that does not answer, a bad key: wandb's own errors
+            raise MonitorUnavailable(
+                f"W&B did not start ({_first_line(e)}): set monitor.wandb.offline to log locally and `wandb sync` "
+                "later, or monitor.wandb.enabled = false"
+            ) from None
+        WandbMonitor._open.add(self)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        self._run.log({k: v for k, v in values.items() if isinstance(v, int | float)}, step=step)
+        self._call(
+            step, lambda run: run.log({k: v for k, v in values.items() if isinstance(v, int | float)}, step=step)
+        )
 
     def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
         import wandb
 
-        self._run.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+        self._call(step, lambda run: run.log({name: wandb.Table(columns=columns, data=rows)}, step=step))
+
+    def _call(self, step: int, call: Any) -> None:
+        if self._run is None:
+            return
+        try:
+            call(self._run)
+        except Exception as e:
+            self._run, self._failed = None, True
+            logger.warning("W&B logging stopped at step %d (%s); metrics go on in metrics.jsonl", step, _first_line(e))
 
     def close(self) -> None:
-        self._run.finish()
+        run, self._run = self._run, None
+        WandbMonitor._open.discard(self)
+        if run is None:
+            if self._failed and not WandbMonitor._open:
+                _teardown_quietly()
+            return
+        # finish() uploads what W&B still holds; bounded, as a server that stopped answering would keep it forever.
+        failed: list[BaseException] = []
+        closing = threading.Thread(target=_finish, args=(run, failed), name="wandb-finish", daemon=True)
+        closing.start()
+        closing.join(WANDB_FINISH_TIMEOUT_S)
+        where = f" ({self._dir / 'wandb'}; `wandb sync` uploads it)" if self._dir else ""
+        if closing.is_alive():
+            logger.warning("W&B did not finish uploading within %g s%s", WANDB_FINISH_TIMEOUT_S, where)
+        elif failed:
+            logger.warning("W&B did not finish (%s)%s", _first_line(failed[0]), where)
+
+
+def _finish(run: Any, failed: list[BaseException]) -> None:
+    try:
+        run.finish()
+    except BaseException as e:  # reported by close(); a thread's traceback would bypass the one-line rule
+        failed.append(e)
+
+
+def _teardown_quietly() -> None:
+    """Close the connection to W&B's service after it failed, once no other run uses it: its exit hook would print
+    the broken connection's traceback as the process exits."""
+    import wandb
+
+    with contextlib.suppress(Exception):
+        wandb.teardown()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 class MultiMonitor:

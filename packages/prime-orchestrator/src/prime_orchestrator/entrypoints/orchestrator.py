@@ -54,6 +54,7 @@ def run(orchestrator: Any, output_dir: Path) -> None:
     import asyncio
 
     from prime_core.io import UnreadableFile, storage_error, storage_error_line
+    from prime_core.monitor import MonitorUnavailable
 
     from prime_orchestrator.client import WeightUpdateError
     from prime_orchestrator.distill import TeacherError
@@ -66,7 +67,7 @@ def run(orchestrator: Any, output_dir: Path) -> None:
         sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError, UnreadableFile) as e:
+    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError, UnreadableFile, MonitorUnavailable) as e:
         # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
         print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         sys.exit(1)

@@ -14,6 +14,7 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     from prime_core.config import ConfigError
     from prime_core.config.cli import fail
     from prime_core.io import UnreadableFile
+    from prime_core.monitor import MonitorUnavailable
     from prime_core.progress import stop_reporting
 
     from prime_trainer.optim import NonFiniteGradients
@@ -27,7 +28,7 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     except ConfigError as e:
         # Settings that only the world (ranks, data) shows to be wrong: one line, like a parse error.
         fail(str(e))
-    except (NonFiniteGradients, UnreadableFile) as e:
+    except (NonFiniteGradients, UnreadableFile, MonitorUnavailable) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except Exception as e:
