@@ -1,0 +1,74 @@
+"""The shipped environments against a reward-hacking policy: replies that would hang, crash or slow the env worker,
+or score without solving the task. Each reward runs as the env worker runs it (the task's async reward hook)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+class _Trace:
+    """What the rewards read of a verifiers trace."""
+
+    def __init__(self, reply: str):
+        self.last_reply = reply
+        self.tool_messages = []
+
+
+def _run(script: str, timeout: float) -> str:
+    """Run ``script`` in a fresh interpreter (a blocked event loop cannot be interrupted in this one)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the reward did not return within {timeout:.0f} s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_arithmetic_power_tower_scores_zero_without_blocking_the_event_loop():
+    """``\\boxed{9^{9^{9^{9}}}}`` made sympy compute for ever inside the reward, blocking the worker's event loop
+    (every rollout it serves); it scores 0 within the scoring bound and the loop keeps running meanwhile."""
+    out = _run(
+        """
+        import asyncio, time
+        from arithmetic.taskset import ArithmeticData, ArithmeticTask
+        from arithmetic import verify
+
+        verify._scorer = verify.Scorer(timeout_s=3.0)
+
+        class Trace:
+            def __init__(self, reply): self.last_reply = reply
+
+        def task(answer):
+            return ArithmeticTask(ArithmeticData(prompt="p", answer=answer))
+
+        async def main():
+            assert await task("7").correct(Trace("so \\\\boxed{7}")) == 1.0  # starts the child
+            gaps, last = [], time.monotonic()
+            async def beat():
+                nonlocal last
+                while True:
+                    await asyncio.sleep(0.05)
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+            beater = asyncio.create_task(beat())
+            t0 = time.monotonic()
+            bombs = [task("7").correct(Trace(r)) for r in ("\\\\boxed{9^{9^{9^{9}}}}", "\\\\boxed{(10^{6})!}")]
+            scores = await asyncio.gather(*bombs)
+            took = time.monotonic() - t0
+            beater.cancel()
+            after = await task("12").correct(Trace("\\\\boxed{\\\\frac{24}{2}}"))
+            print(scores, round(took, 1), round(max(gaps), 2), after)
+
+        asyncio.run(main())
+        """,
+        timeout=90,
+    )
+    scores, took, gap, after = out.rsplit("]", 1)[0] + "]", *out.rsplit("]", 1)[1].split()
+    assert scores == "[0.0, 0.0]"
+    assert float(took) < 30  # two replies at 3 s each, plus restarting the child
+    assert float(gap) < 2.0  # the event loop served other coroutines throughout
+    assert float(after) == 1.0  # the restarted child scores right answers
