@@ -72,3 +72,40 @@ def test_arithmetic_power_tower_scores_zero_without_blocking_the_event_loop():
     assert float(took) < 30  # two replies at 3 s each, plus restarting the child
     assert float(gap) < 2.0  # the event loop served other coroutines throughout
     assert float(after) == 1.0  # the restarted child scores right answers
+
+
+def _reward(coro) -> float:
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("reply", ["<answer>,</answer>", "<answer>" + "9" * 5000 + "</answer>"])
+def test_tool_use_unparseable_answer_scores_zero(reply):
+    """An answer of commas only, or of more digits than Python converts, raised ValueError in the reward (the
+    rollout failed instead of scoring 0)."""
+    from tool_use.taskset import ToolUseData, ToolUseTask
+
+    task = ToolUseTask(ToolUseData(prompt="p", expression="2 + 2", answer="4"))
+    assert _reward(task.correct(_Trace(reply))) == 0.0
+    assert _reward(task.correct(_Trace("<answer>4</answer>"))) == 1.0
+
+
+@pytest.mark.parametrize("expression", ["1" + "+1" * 2000, "-" * 1500 + "1", "1" + "*1" * 1500, "1 + " * 600 + "1"])
+def test_calculator_refuses_deep_or_long_expressions_with_its_error(expression):
+    """A long chain (``1+1+...+1``) or ``----1`` raised RecursionError or MemoryError out of the tool instead of
+    the calculator's ``error: ...`` answer to the model."""
+    from tool_use.calculator import CalculatorToolset
+
+    assert CalculatorToolset.evaluate(None, expression).startswith("error: ")
+    assert CalculatorToolset.evaluate(None, "(2 + 3) * 4") == "20"
+
+
+def test_guess_number_guess_of_thousands_of_digits_is_no_guess():
+    """``<guess>99...9</guess>`` past 4300 digits raised ValueError inside the game loop (the episode failed); the
+    game answers with its format reminder, as for a reply without a guess."""
+    from guess_number import feedback, parse_guess
+
+    huge = "<guess>" + "9" * 5000 + "</guess>"
+    assert parse_guess(huge) is None and feedback(parse_guess(huge), 5) == feedback(None, 5)
+    assert parse_guess("<guess>" + "9" * 40 + "</guess>") == int("9" * 40)  # out of range: just a wrong guess
