@@ -109,3 +109,29 @@ def test_guess_number_guess_of_thousands_of_digits_is_no_guess():
     huge = "<guess>" + "9" * 5000 + "</guess>"
     assert parse_guess(huge) is None and feedback(parse_guess(huge), 5) == feedback(None, 5)
     assert parse_guess("<guess>" + "9" * 40 + "</guess>") == int("9" * 40)  # out of range: just a wrong guess
+
+
+def test_color_shapes_and_reverse_text_parse_long_unclosed_replies_in_linear_time():
+    """color-shapes' ``<answer>\\s*(.*?)\\s*</answer>`` backtracked in cubic time over an unclosed ``<answer>`` and a
+    run of spaces (2,000 spaces: 5 s, 16,000: about 40 min, the worker's event loop blocked throughout);
+    reverse-text's lazy pattern rescanned to the end from every unclosed ``<reversed>`` (quadratic)."""
+    out = _run(
+        """
+        import asyncio
+        from color_shapes.taskset import ColorShapesData, ColorShapesTask
+        from reverse_text.taskset import ReverseTextData, ReverseTextTask
+
+        class Trace:
+            def __init__(self, reply): self.last_reply = reply
+
+        shapes = ColorShapesTask(ColorShapesData(prompt="p", answer="red"))
+        text = ReverseTextTask(ReverseTextData(prompt="p", answer="tac"))
+        replies = ["<answer>" + " " * 16000, "<answer>" + "\\n" * 8000 + "x" + " " * 8000, "<answer>" * 2000]
+        print([asyncio.run(shapes.correct(Trace(r))) for r in replies])
+        print(asyncio.run(text.lcs(Trace("<reversed>" * 40000))))
+        print(asyncio.run(shapes.correct(Trace("<answer>x</answer> no: <ANSWER> Red </answer>"))))
+        print(asyncio.run(text.lcs(Trace("<reversed> tac </reversed>"))))
+        """,
+        timeout=60,
+    )
+    assert out.split() == ["[0.0,", "0.0,", "0.0]", "0.0", "1.0", "1.0"]
