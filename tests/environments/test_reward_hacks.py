@@ -135,3 +135,13 @@ def test_color_shapes_and_reverse_text_parse_long_unclosed_replies_in_linear_tim
         timeout=60,
     )
     assert out.split() == ["[0.0,", "0.0,", "0.0]", "0.0", "1.0", "1.0"]
+
+
+def test_reverse_text_perfect_reply_scores_one_for_every_prompt():
+    """4% of the prompts end with a space ("lake "), so their answer starts with one, which the stripped tagged reply
+    never matched: the ideal completion scored 0.89."""
+    from reverse_text import generate_examples, lcs_ratio
+
+    examples = generate_examples(1000, seed=0)
+    assert any(e["prompt"].endswith(" ") for e in examples)
+    assert [lcs_ratio(e["completion"], e["answer"]) for e in examples] == [1.0] * len(examples)
