@@ -76,6 +76,9 @@ class Scorer:
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 ready = await self._proc.stdout.readline()
+        except TimeoutError:
+            self.close()
+            raise RuntimeError(f"the math-verify child did not start within {START_TIMEOUT_S:.0f} s") from None
         except BaseException:
             self.close()
             raise
