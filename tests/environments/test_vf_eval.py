@@ -212,3 +212,35 @@ def test_color_shapes_vision_under_verifiers(tmp_path):
         srv.stop()
     for t in _traces(episodes):
         assert t.num_turns == 1 and sum(t.branches[0].mm_token_type_ids) > 0
+
+
+def test_arithmetic_scores_right_answers_and_a_power_tower_zero(tmp_path):
+    """Under verifiers' eval the reward runs math-verify in its child process: right answers score 1, and a boxed
+    power tower (sympy computed it for ever, inside the event loop that runs the rollouts) scores 0."""
+    from arithmetic import generate_examples
+
+    answers = {e["prompt"]: e["answer"] for e in generate_examples(2, seed=0)}
+    tower = next(iter(answers))
+
+    def arithmetic(prompt: str) -> str | None:
+        for problem, answer in answers.items():
+            if problem in prompt:
+                return "\\boxed{9^{9^{9^{9}}}}" if problem == tower else f"so \\boxed{{{answer}}}"
+        return None
+
+    model = save_tiny_model(tmp_path / "model", build_tool_tokenizer())
+    srv = ScriptedServer(model, arithmetic)
+    try:
+        episodes = run_vf_eval(
+            "arithmetic",
+            server_url=srv.url,
+            model=str(model),
+            output_dir=tmp_path / "out",
+            env={"agent": local_agent()},
+            max_tokens=48,
+        )
+    finally:
+        srv.stop()
+    traces = _traces(episodes)
+    assert sorted(t.reward for t in traces) == [0.0, 0.0, 1.0, 1.0]
+    assert all(t.reward == 0.0 for t in traces if "9^{9^" in t.last_reply)

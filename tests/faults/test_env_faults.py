@@ -131,12 +131,15 @@ def test_a_reward_that_blocks_the_only_worker_fails_what_ran_beside_it(tmp_path,
     (5 s without a health answer) and the rollouts re-run once (max_rollout_retries = 1); the blocking task blocks it
     again, so all fail, named, and the step stops the run (recovery.min_ok_fraction)."""
     use_vf_envs(monkeypatch)
+    monkeypatch.setenv("PRIME_PROGRESS_DIR", str(tmp_path / "progress"))  # as the orchestrator's entry point sets it
     config = fault_config(tmp_path, tiny_model, torch_server, "block", env=BLOCK, max_steps=1)
     orch, took, error, left = run_orchestrator(config)
     assert left == [] and orch.pools["vf-faults"].server.num_restarts >= 2
     assert str(error).startswith("step 0: 8 of 8 rollouts failed (vf-faults: 8)")
     assert "env server vf-faults died during a rollout (the server pid " in str(error)
     assert "did not answer a health probe for" in str(error)
+    # The worker's own stack names the culprit: the reward function, stuck in time.sleep (a C call, so no frame).
+    assert "(its event loop is blocked in reversed_words (vf_faults/__init__.py:" in str(error)
     print(f"block (1 worker): stopped after {took:.0f} s: {error}")
 
 

@@ -163,3 +163,62 @@ async def _probe_twice(watch: HangWatch):
     first = await watch.unanswered()
     await asyncio.sleep(0.4)
     return first, await watch.unanswered()
+
+
+BLOCKED_WORKER = """
+import asyncio, os, sys, time
+from prime_orchestrator.stacks import register_stack_dump
+
+def reward_that_never_returns():
+    time.sleep(3600)
+
+async def main():
+    register_stack_dump()
+    print("ready", flush=True)
+    await asyncio.sleep(0.1)
+    reward_that_never_returns()
+
+asyncio.run(main())
+"""
+
+
+def test_a_blocked_worker_is_named_by_the_function_its_loop_is_stuck_in(tmp_path, monkeypatch):
+    """The line that says why a silent worker was replaced named no culprit ("a reward function or tool call that
+    never returns?"); it names the function the worker's event loop is blocked in, from the worker's own stack."""
+    import sys
+
+    monkeypatch.setenv("PRIME_PROGRESS_DIR", str(tmp_path))
+    worker = subprocess.Popen([sys.executable, "-c", BLOCKED_WORKER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline() == "ready\n"
+        time.sleep(0.5)  # into the blocking call
+        watch = HangWatch("arithmetic", _Proc(worker), _SilentClient(), 0.3, set)
+        first, reason = asyncio.run(_probe_twice(watch))
+        assert first is None and reason.startswith(f"the server pid {worker.pid} did not answer a health probe for ")
+        assert reason.endswith(
+            "(its event loop is blocked in reward_that_never_returns (<string>:6), called from main (<string>:12))"
+        ), reason
+        assert worker.poll() is None and not (tmp_path / f"env_stack_{worker.pid}.txt").exists()
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_the_stack_summary_names_the_innermost_frame_and_the_env_function_verifiers_called():
+    from prime_orchestrator.stacks import summarize
+
+    dump = """Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/venv/site-packages/sympy/core/power.py", line 340 in __new__
+  File "/repo/environments/arithmetic/src/arithmetic/data.py", line 64 in score_answer
+  File "/repo/environments/arithmetic/src/arithmetic/taskset.py", line 22 in correct
+  File "/venv/site-packages/verifiers/v1/utils/invoke.py", line 40 in invoke
+  File "/venv/site-packages/verifiers/v1/task.py", line 264 in score
+  File "/usr/lib/python3.11/asyncio/base_events.py", line 1922 in _run_once
+  File "/usr/lib/python3.11/asyncio/base_events.py", line 607 in run_forever
+"""
+    assert summarize(dump) == "__new__ (core/power.py:340), called from correct (arithmetic/taskset.py:22)"
+    assert summarize("") is None and summarize(dump.split("Current")[0]) is None

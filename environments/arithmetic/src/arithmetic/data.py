@@ -49,12 +49,15 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def score_answer(reply: str, answer: str) -> float:
-    """1.0 when math-verify finds the reply's answer equal to ``answer``, else 0.0."""
+    """1.0 when math-verify finds the reply's answer equal to ``answer``, else 0.0.
+
+    Unbounded: sympy computes what the reply boxes (``9^{9^{9}}`` never returns). The environment scores through
+    ``arithmetic.verify.bounded_score``, which runs this in a child process it kills at a time limit."""
     import logging
 
     from math_verify import parse, verify
 
-    # Timeouts are off (they need SIGALRM, i.e. the main thread); the inputs here are tiny.
+    # math-verify's timeouts are off: they need SIGALRM (the main thread) and cannot interrupt big-integer C code.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     boxed = _BOXED.findall(reply)

@@ -7,7 +7,8 @@ from collections.abc import Iterable
 import verifiers.v1 as vf
 from verifiers.v1.harnesses.null import NullHarness
 
-from arithmetic.data import SYSTEM_PROMPT, generate_examples, score_answer
+from arithmetic.data import SYSTEM_PROMPT, generate_examples
+from arithmetic.verify import bounded_score
 
 
 class ArithmeticData(vf.TaskData):
@@ -18,7 +19,8 @@ class ArithmeticData(vf.TaskData):
 class ArithmeticTask(vf.Task[ArithmeticData]):
     @vf.reward(weight=1.0)
     async def correct(self, trace: vf.Trace) -> float:
-        return score_answer(trace.last_reply, self.data.answer)
+        # In a child process: sympy would compute a boxed power tower for ever, blocking the worker's event loop.
+        return await bounded_score(trace.last_reply, self.data.answer)
 
 
 class ArithmeticConfig(vf.TasksetConfig):

@@ -30,7 +30,10 @@ def generate_examples(n: int, seed: int = 0, high: int = 16) -> list[dict]:
 def parse_guess(reply: str) -> int | None:
     """The number in the last ``<guess>N</guess>`` of ``reply``, or None without one."""
     found = _GUESS_RE.findall(reply or "")
-    return int(found[-1]) if found else None
+    try:
+        return int(found[-1]) if found else None
+    except ValueError:  # more digits than Python converts (4300): no guess, not a crashed game
+        return None
 
 
 def feedback(guess: int | None, secret: int) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import random
-import re
 
 SYSTEM_PROMPT = "Reverse the text character by character. Put your answer in <reversed> tags."
 
@@ -49,7 +48,7 @@ WORDS = [
     "word",
 ]
 
-_TAG_RE = re.compile(r"<reversed>(.*?)</reversed>", re.DOTALL)
+_OPEN, _CLOSE = "<reversed>", "</reversed>"
 
 
 def generate_examples(n: int, seed: int = 0, min_chars: int = 5, max_chars: int = 20) -> list[dict[str, str]]:
@@ -82,13 +81,17 @@ def generate_examples(n: int, seed: int = 0, min_chars: int = 5, max_chars: int 
 
 def parse_answer(reply: str) -> str | None:
     """Content of the first ``<reversed>...</reversed>`` (stripped), or None without the tags."""
-    m = _TAG_RE.search(reply)
-    return m.group(1).strip() if m else None
+    # str.find, not a regex: a lazy pattern scans to the end from every unclosed `<reversed>` (quadratic time).
+    start = reply.find(_OPEN)
+    end = reply.find(_CLOSE, start + len(_OPEN)) if start >= 0 else -1
+    return reply[start + len(_OPEN) : end].strip() if end >= 0 else None
 
 
 def lcs_ratio(reply: str, answer: str) -> float:
-    """LCS ratio ``2 M / (len(a) + len(b))`` between the tagged answer and ``answer``, in [0, 1]."""
+    """LCS ratio ``2 M / (len(a) + len(b))`` between the tagged answer and ``answer`` (both stripped), in [0, 1]."""
     parsed = parse_answer(reply)
     if parsed is None:
         return 0.0
-    return difflib.SequenceMatcher(None, parsed, answer).ratio()
+    # The tagged answer is stripped, so the target is too: a prompt cut after a space ("lake ") made the perfect
+    # reply score 0.89.
+    return difflib.SequenceMatcher(None, parsed, answer.strip()).ratio()

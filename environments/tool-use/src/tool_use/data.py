@@ -19,7 +19,8 @@ _OPS = {
     ast.Mod: operator.mod,
 }
 _MAX_ABS = 10**30
-_ANSWER = re.compile(r"<answer>\s*(-?[\d,]+)\s*</answer>")
+_ANSWER = re.compile(r"<answer>\s*(-?\d[\d,]*)\s*</answer>")
+_MAX_CHARS = 2000
 
 
 def generate_examples(n: int, seed: int = 0, digits: int = 4, terms: int = 2) -> list[dict]:
@@ -39,11 +40,15 @@ def generate_examples(n: int, seed: int = 0, digits: int = 4, terms: int = 2) ->
 
 def evaluate(expression: str) -> int:
     """Integer value of an arithmetic ``expression`` (+ - * // %, parentheses, unary minus); ValueError otherwise."""
+    if len(expression) > _MAX_CHARS:
+        raise ValueError(f"expression too long ({len(expression)} characters, at most {_MAX_CHARS})")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
+        return _eval(tree.body)
     except SyntaxError as e:
-        raise ValueError(f"not an arithmetic expression: {expression!r}") from e
-    return _eval(tree.body)
+        raise ValueError(f"not an arithmetic expression: {expression[:200]!r}") from e
+    except (RecursionError, MemoryError) as e:  # `1+1+...+1` or `----1` nests deeper than Python recurses
+        raise ValueError("expression nested too deeply") from e
 
 
 def _eval(node: ast.AST) -> int:
@@ -67,4 +72,7 @@ def _eval(node: ast.AST) -> int:
 def parse_answer(reply: str) -> int | None:
     """The integer in the last ``<answer>...</answer>`` of ``reply`` (thousands commas allowed), or None."""
     found = _ANSWER.findall(reply or "")
-    return int(found[-1].replace(",", "")) if found else None
+    try:
+        return int(found[-1].replace(",", "")) if found else None
+    except ValueError:  # more digits than Python converts (4300): no answer, not a failed rollout
+        return None

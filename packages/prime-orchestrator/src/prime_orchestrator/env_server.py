@@ -53,8 +53,10 @@ def register_project_runtimes(data: Any) -> None:
 
 def prepare_env_process(env_config: dict[str, Any]) -> None:
     """Run in the env server and in every worker verifiers spawns for it (its ``log_setup`` hook): logging, the
-    project runtimes the config names, and the pooled HTTP transport for the engine calls."""
+    project runtimes the config names, the pooled HTTP transport for the engine calls, and the stack dump that names
+    where a blocked event loop is stuck."""
     from prime_orchestrator.http_pool import pool_engine_clients
+    from prime_orchestrator.stacks import register_stack_dump
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for handler in logging.getLogger().handlers:
@@ -62,6 +64,7 @@ def prepare_env_process(env_config: dict[str, Any]) -> None:
     sys.unraisablehook = _quiet_interrupts
     register_project_runtimes(env_config)
     pool_engine_clients()
+    register_stack_dump()
 
 
 # zmq's errnos for a ROUTER's peer that went away, and for a socket closed under a send.

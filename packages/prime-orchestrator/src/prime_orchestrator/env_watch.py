@@ -7,8 +7,9 @@ work is seen here, and killed, so that the server is replaced the same way and t
   env server down;
 - the server itself (one worker) or each worker of its pool must answer verifiers' ``health`` request, which its event
   loop serves: a reward function or tool call that blocks the loop (never returns, sleeps synchronously) leaves it
-  unanswered. A worker silent for ``probe_timeout_s`` is killed. verifiers' broker answers ``health`` itself, so the
-  workers are probed directly on the ipc socket each one listens on (found through ``/proc``);
+  unanswered. A worker silent for ``probe_timeout_s`` is killed, its reason naming the function its loop is stuck in
+  (``prime_orchestrator.stacks``). verifiers' broker answers ``health`` itself, so the workers are probed directly on
+  the ipc socket each one listens on (found through ``/proc``);
 - a shared tool server of a worker (``tool_watch``) that exits while its worker lives, or does not answer HTTP for
   ``probe_timeout_s``: verifiers never starts another, so the server is replaced;
 - a sandbox pool in any process of the tree (``progress/sandbox_pool_<pid>.json``, ``prime_orchestrator.sandbox``)
@@ -31,6 +32,7 @@ from typing import Any
 from prime_core.progress import helper_file, read_progress
 
 from prime_orchestrator.proc_tree import command, family, listening_paths, process_tree
+from prime_orchestrator.stacks import blocked_in
 from prime_orchestrator.tool_watch import ToolWatch
 
 __all__ = ["HangWatch", "command", "listening_paths", "process_tree"]
@@ -128,10 +130,10 @@ class HangWatch:
                 self._last_ok[pid] = now
             elif now - last > self.probe_timeout_s:
                 what = "the server" if pid == self.proc.pid else "worker"
-                return (
-                    f"{what} pid {pid} did not answer a health probe for {now - last:.0f} s "
-                    "(its event loop is blocked: a reward function or tool call that never returns?)"
-                )
+                where = await blocked_in(pid)
+                why = f" in {where}" if where else ": a reward function or tool call that never returns?"
+                silent = f"{what} pid {pid} did not answer a health probe for {now - last:.0f} s"
+                return f"{silent} (its event loop is blocked{why})"
         return None
 
     async def _probe(self, client: Any) -> bool:
