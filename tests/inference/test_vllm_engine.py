@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prime_core.config.inference import InferenceConfig
 
-from .helpers import start_server
+from .helpers import start_server, start_vllm_server
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -95,14 +95,7 @@ def test_vllm_engine_args_parse_with_vllms_parser(model_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
 def test_vllm_serves_updates_and_reloads(model_dir, other_weights_dir):
-    server = start_server(
-        model_dir,
-        engine="vllm",
-        # bf16 as served: vLLM 0.26's V2 model runner hits an illegal memory access warming up an fp32 model (H100).
-        model={"name": str(model_dir), "dtype": "bfloat16"},
-        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True},
-        startup_timeout=600,
-    )
+    server = start_vllm_server(model_dir)
     try:
         health = httpx.get(f"{server.url}/health").json()
         assert health["engine"] == "vllm" and health["vllm_plugin"]["loaded"]
@@ -133,13 +126,7 @@ def test_vllm_fast_token_logprobs_equal_vllms_own(model_dir):
     in a full batch."""
     import asyncio
 
-    server = start_server(
-        model_dir,
-        engine="vllm",
-        model={"name": str(model_dir), "dtype": "bfloat16"},
-        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True, "fast_token_logprobs": True},
-        startup_timeout=600,
-    )
+    server = start_vllm_server(model_dir, vllm={"fast_token_logprobs": True})
 
     def body(seed: int, k: int) -> dict:
         sp = {"max_tokens": 24, "temperature": 1.0, "seed": seed, "logprobs": k, "ignore_eos": True}
@@ -232,13 +219,7 @@ def test_a_stopped_vllm_engine_core_is_named_by_the_stall_check(model_dir):
     from prime_core.config.liveness import LivenessConfig
     from prime_launch.watchdog import ProcessStuck, Watchdog
 
-    server = start_server(
-        model_dir,
-        engine="vllm",
-        model={"name": str(model_dir), "dtype": "bfloat16"},
-        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True},
-        startup_timeout=600,
-    )
+    server = start_vllm_server(model_dir)
 
     def descendants(root: int) -> list[int]:
         found, todo = [], [root]
@@ -325,14 +306,11 @@ def test_vllm_in_flight_update_keeps_running_requests_and_records_exact_versions
     import asyncio
 
     TOKENS = 250  # as long as the tiny model allows (256 positions): the update lands while they decode
-    server = start_server(
+    server = start_vllm_server(
         model_dir,
-        engine="vllm",
         weight_update="in_flight",
-        model={"name": str(model_dir), "dtype": "bfloat16"},
-        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True, "fast_token_logprobs": True},
+        vllm={"fast_token_logprobs": True},
         max_model_len=256,  # the helper's 128 answers these requests with a 400 at once
-        startup_timeout=600,
     )
 
     async def main() -> list[dict]:

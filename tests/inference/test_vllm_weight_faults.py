@@ -122,7 +122,7 @@ def test_vllm_refuses_nan_weights_and_serves_nothing_until_a_complete_load(model
     from prime_core.io import mark_stable
     from safetensors.torch import load_file, save_file
 
-    from .helpers import start_server
+    from .helpers import start_vllm_server
 
     bad = tmp_path / "step_2"
     shutil.copytree(other_weights_dir, bad)
@@ -131,13 +131,7 @@ def test_vllm_refuses_nan_weights_and_serves_nothing_until_a_complete_load(model
     state["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(state, file, metadata={"format": "pt"})
     mark_stable(bad)
-    server = start_server(
-        model_dir,
-        engine="vllm",
-        model={"name": str(model_dir), "dtype": "bfloat16"},
-        vllm={"gpu_memory_utilization": 0.3, "enforce_eager": True},
-        startup_timeout=600,
-    )
+    server = start_vllm_server(model_dir)
     try:
         body = {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 8, "temperature": 0}}
         generate = f"{server.url}/inference/v1/generate"
