@@ -81,9 +81,13 @@ class ClientGone(logging.Filter):
         self.told = False
 
     def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, KeyboardInterrupt):
+            # verifiers' SIGTERM raised inside a request's task: asyncio reports the task's "exception was never
+            # retrieved" with a traceback as the loop goes. That is the stop the orchestrator asked for.
+            return False
         if not record.name.startswith("verifiers.v1.serve") or not record.getMessage().startswith("failed to send"):
             return True
-        error = record.exc_info[1] if record.exc_info else None
         if not any(gone in f"{record.getMessage()} {error}" for gone in _GONE):
             return True
         if self.told:
