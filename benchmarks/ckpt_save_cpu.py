@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -50,6 +51,7 @@ def main() -> None:
     p.add_argument("--async", dest="save_async", action="store_true")
     p.add_argument("--dir", type=Path, default=None, help="parent of the run directory (default: the temp dir)")
     p.add_argument("--label", default=None)
+    p.add_argument("--commit", default=os.environ.get("PRIME_COMMIT"), help="the commit measured (default: HEAD)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ckpt_save_cpu.json")
     args = p.parse_args()
 
@@ -85,7 +87,7 @@ def main() -> None:
             reads.append(read_back_crc(ckpt))
     dist.destroy_process_group()
 
-    record = {"benchmark": "ckpt_save_cpu", "commit": tree_commit(), "host": platform.node(),
+    record = {"benchmark": "ckpt_save_cpu", "commit": tree_commit(args.commit), "host": platform.node(),
               "torch": torch.__version__, "save_async": args.save_async, "width": args.width, "layers": args.layers,
               "checkpoint_mb": round(size / 2**20, 1), "save_s": [round(w, 3) for w in walls],
               "save_median_s": round(statistics.median(walls), 3),
