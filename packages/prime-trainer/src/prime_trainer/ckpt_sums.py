@@ -62,7 +62,7 @@ class _CrcStream:
             finally:  # the caller may free the buffer once write returns, so the sum must be done by then
                 crc = summing.result()
         # Buffered files take every byte or raise; a count short of it would leave the sum ahead of the file.
-        self.crc = crc if written is None or written == view.nbytes else None
+        self.crc = crc if written == view.nbytes else None
         return written
 
     def close_helper(self) -> None:
