@@ -19,6 +19,8 @@ from pathlib import Path
 
 name = Path(sys.argv[0]).name
 args = sys.argv[1:]
+if "--dry-run" in args:  # rl --dry-run's check of the orchestrators' environments
+    sys.exit(0)
 config = tomllib.loads(Path(args[args.index("@") + 1]).read_text())
 out = Path(config["output_dir"])
 (out / "pids").mkdir(parents=True, exist_ok=True)

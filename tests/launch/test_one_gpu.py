@@ -245,6 +245,8 @@ def test_memory_shares_cannot_exceed_the_gpu():
 
 def test_dry_run_shows_both_roles_on_gpu_0(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    # The model directory holds a shape only (no tokenizer): the orchestrator's own check would refuse it.
+    monkeypatch.setattr("prime_launch.launcher.check_orchestrators", lambda specs: None)
     out = io.StringIO()
     dry_run(rl_config(model_dir, tmp_path, "--devices.gpu-memory-gib", "80"), out)
     text = out.getvalue()

@@ -15,6 +15,7 @@ from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
 from prime_core.run_dir import RunDir
 
+from prime_launch.dry_check import check_orchestrators
 from prime_launch.host import gather_host_facts
 from prime_launch.metrics import MetricsFollower, format_run_line, format_summary, summarize
 from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, clear_run, command_line, existing_artifacts
@@ -62,11 +63,13 @@ def check_output_dirs(plan: ResolvedRun, rl: RLConfig) -> None:
 
 
 def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
-    """Resolve and write the per-process configs; print the commands ``rl`` would run (to stdout by default)."""
+    """Resolve and write the per-process configs, check the orchestrators' environments (``dry_check``); print the
+    commands ``rl`` would run (to stdout by default)."""
     out = out or sys.stdout
     plan = resolve_here(rl)
     check_output_dirs(plan, rl)
     paths = write_configs(plan, dry_run=True)
+    check_orchestrators(plan.specs)
     print(f"rl dry run: resolved configs written to {plan.run_dir.configs}", file=out)
     for name, path in paths.items():
         print(f"  {name:<{plan.name_width}}{path}  ({plan.devices.get(name, '')})", file=out)

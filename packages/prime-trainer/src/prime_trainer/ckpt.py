@@ -1,6 +1,6 @@
 """DCP checkpoints: ``checkpoints/step_N/trainer/`` holds model + optimizer (sharded, loadable at another world
 size), ``progress.json`` (step, schedule, data position), ``rng/rank_R.pt`` and ``checksums.json`` (CRC-32 of every
-file, checked before a resume loads anything).
+file, summed as it is written (``ckpt_sums``), checked against the disk before a resume loads anything).
 
 Checkpoint N is the state after N optimizer steps (its model equals ``weights/step_N``); resuming from it trains
 step N next. Frozen parameters are not saved: with LoRA a checkpoint holds the adapters and their optimizer state,
@@ -15,7 +15,6 @@ import json
 import logging
 import random
 import shutil
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -42,8 +41,10 @@ from prime_core.run_dir import RunDir
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from prime_trainer.ckpt_sums import CrcFileSystemWriter, file_crc32
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")
@@ -76,7 +77,7 @@ class CheckpointManager:
         self.config = config
         self.run_dir = run_dir
         self.world = world
-        self._pending: tuple[Future, int, Path, dict] | None = None
+        self._pending: tuple[Future, int, Path, dict, CrcFileSystemWriter] | None = None
         self.run_dirs: list[RunDir] = []
         """Multi-tenant runs' directories, whose orchestrators write their part of each checkpoint there."""
         # The background writer's collectives get a gloo group of their own: sharing one with the main thread's
@@ -98,16 +99,23 @@ class CheckpointManager:
         dist.barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
         state = {"model": model_sd, "optim": optim_sd}
-        with writing(f"checkpoint step {step}", final):
-            torch.save(rng_state(), self._rng_file(tmp, self.world.rank, mkdir=True))
+        # Every file goes through the writer, which sums the bytes as they are written: the save reads nothing back.
+        writer = CrcFileSystemWriter(str(tmp))
+        rng_file = self._rng_file(tmp, self.world.rank, mkdir=True)
+        with writing(f"checkpoint step {step}", final), writer.fs.create_stream(rng_file, "wb") as stream:
+            torch.save(rng_state(), stream)
         progress = {**progress, "step": step, "world_size": self.world.world_size}
         if self.config.save_async:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._writer_pg)
-            self._pending = (future, step, tmp, progress)
+            # The stager DCP picks without a writer given; the writer itself (a BlockingAsyncStager) would be picked.
+            stager = DefaultStager(StagingOptions(False, False, False, False))
+            future = dcp.async_save(
+                state, checkpoint_id=str(tmp), storage_writer=writer, process_group=self._writer_pg, async_stager=stager
+            )
+            self._pending = (future, step, tmp, progress, writer)
         else:
             with writing(f"checkpoint step {step}", final):  # a full disk arrives in DCP's CheckpointException
-                dcp.save(state, checkpoint_id=str(tmp))
-            self._finalize(step, tmp, progress)
+                dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
+            self._finalize(step, tmp, progress, writer.checksums())
 
     def poll(self) -> None:
         """Finalize a background save once every rank's writer is done (one tiny collective per call)."""
@@ -121,16 +129,20 @@ class CheckpointManager:
     def wait(self) -> None:
         if self._pending is None:
             return
-        future, step, tmp, progress = self._pending
+        future, step, tmp, progress, writer = self._pending
         with writing(f"checkpoint step {step}", self.run_dir.trainer_checkpoint(step)):
             future.result()
         self._pending = None
-        self._finalize(step, tmp, progress)
+        self._finalize(step, tmp, progress, writer.checksums())
 
-    def _finalize(self, step: int, tmp: Path, progress: dict[str, Any]) -> None:
+    def _finalize(self, step: int, tmp: Path, progress: dict[str, Any], written: dict[str, str | None]) -> None:
         dist.barrier()
-        # Each rank sums what it wrote (its own shards, mostly still in the page cache); rank 0 keeps them all.
-        sums = {str(f.relative_to(tmp)): _crc32(f) for f in self._own_files(tmp)}
+        # Each rank sums what it wrote, as it wrote it; a file the writer could not vouch for is read back (page
+        # cache, mostly). Rank 0 keeps them all.
+        sums = {}
+        for f in self._own_files(tmp):
+            name = str(f.relative_to(tmp))
+            sums[name] = written.get(name) or file_crc32(f)
         every = [None] * self.world.world_size
         dist.all_gather_object(every, sums)
         if self.world.is_master:
@@ -247,7 +259,7 @@ class CheckpointManager:
         with self._unreadable(step, path, CHECKSUMS_FILE):
             sums = dict(json.loads((path / CHECKSUMS_FILE).read_text()))
         mine = sorted(sums)[self.world.rank :: self.world.world_size]
-        bad = [name for name in mine if not (path / name).is_file() or _crc32(path / name) != sums[name]]
+        bad = [name for name in mine if not (path / name).is_file() or file_crc32(path / name) != sums[name]]
         every: list[Any] = [None] * self.world.world_size
         dist.all_gather_object(every, bad)
         bad = sorted(name for names in every for name in names)
@@ -261,14 +273,6 @@ class CheckpointManager:
         if mkdir:
             (root / "rng").mkdir(parents=True, exist_ok=True)
         return root / "rng" / f"rank_{rank}.pt"
-
-
-def _crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def _root_cause(e: BaseException) -> BaseException:

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         prog="orchestrator",
         description="Rollouts, advantages, packing and weight relay for RL (see docs/orchestrator.md).",
+        on_dry_run=dry_run,
         writes_output_dir=True,
     )
 
@@ -47,6 +48,19 @@ def main(argv: list[str] | None = None) -> None:
     write_config(config, run_dir.config_file("orchestrator"))
     run(orchestrator, config.output_dir)
     stop_reporting()
+
+
+def dry_run(config: Any) -> None:
+    """``--dry-run``: the environments' settings are checked too (what verifiers refuses is one line naming the key,
+    exit 2; ``rl --dry-run`` runs this), then the resolved config is written as every entry point's dry run does."""
+    from prime_core.config import write_config
+
+    from prime_orchestrator.env_config import check_envs
+
+    check_envs({"env": config.env, "eval.envs": config.eval.envs})
+    print(
+        f"resolved config written to {write_config(config, Path(config.output_dir) / 'configs' / 'orchestrator.toml')}"
+    )
 
 
 def run(orchestrator: Any, output_dir: Path) -> None:
