@@ -85,7 +85,7 @@ def test_misspelt_or_mistyped_env_args_end_orchestrator_and_eval_at_start_in_one
     model = ["--model.name", str(Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "model")]
     typo = ["--env", '[{"id": "reverse-text", "args": {"num_exampels": 5}}]']
     orchestrator = ["--output-dir", str(tmp_path)]
-    for main, extra in ((eval_cli.main, []), (orchestrator_cli.main, orchestrator),
+    for main, extra in ((eval_cli.main, []), (eval_cli.main, ["--dry-run"]), (orchestrator_cli.main, orchestrator),
                         (orchestrator_cli.main, [*orchestrator, "--dry-run"])):  # fmt: skip
         with pytest.raises(SystemExit) as exc:
             main([*model, *typo, *extra])

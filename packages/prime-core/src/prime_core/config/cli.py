@@ -161,11 +161,17 @@ def parse_cli(
         if on_dry_run is not None:
             on_dry_run(config)
         else:
-            output_dir = getattr(config, "output_dir", None)
-            if output_dir is None:  # nowhere to write it: show it
-                sys.stdout.write(config_to_toml(config))
-            else:
-                path = write_config(config, Path(output_dir) / "configs" / f"{prog.replace(' ', '-')}.toml")
-                print(f"resolved config written to {path}")
+            show_resolved(config, prog)
         raise SystemExit(0)
     return config
+
+
+def show_resolved(config: BaseModel, prog: str) -> None:
+    """A dry run's output: the resolved config written to ``<output_dir>/configs/<prog>.toml``, or printed when the
+    config has no ``output_dir``."""
+    output_dir = getattr(config, "output_dir", None)
+    if output_dir is None:  # nowhere to write it: show it
+        sys.stdout.write(config_to_toml(config))
+    else:
+        path = write_config(config, Path(output_dir) / "configs" / f"{prog.replace(' ', '-')}.toml")
+        print(f"resolved config written to {path}")

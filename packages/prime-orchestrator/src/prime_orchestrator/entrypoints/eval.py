@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -14,12 +15,10 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         prog="eval",
         description="Evaluate a served model (and checkpoints under --weights-dir) on environments.",
+        on_dry_run=dry_run,
         writes_output_dir=True,
     )
-
-    from prime_orchestrator.env_config import check_envs
-
-    check_envs({"env" if config.env else "environment_ids": config.resolved_envs()})
+    check_envs(config)
     import asyncio
 
     from prime_core.logging import setup_logging
@@ -37,6 +36,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"eval: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def check_envs(config: Any) -> None:
+    """The environments' settings as verifiers validates them: one line naming the key, exit 2."""
+    from prime_orchestrator.env_config import check_envs
+
+    check_envs({"env" if config.env else "environment_ids": config.resolved_envs()})
+
+
+def dry_run(config: Any) -> None:
+    """``--dry-run`` checks the environments' settings too, then writes the resolved config."""
+    from prime_core.config.cli import show_resolved
+
+    check_envs(config)
+    show_resolved(config, "eval")
 
 
 if __name__ == "__main__":

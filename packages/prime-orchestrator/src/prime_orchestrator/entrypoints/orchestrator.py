@@ -53,14 +53,12 @@ def main(argv: list[str] | None = None) -> None:
 def dry_run(config: Any) -> None:
     """``--dry-run``: the environments' settings are checked too (what verifiers refuses is one line naming the key,
     exit 2; ``rl --dry-run`` runs this), then the resolved config is written as every entry point's dry run does."""
-    from prime_core.config import write_config
+    from prime_core.config.cli import show_resolved
 
     from prime_orchestrator.env_config import check_envs
 
     check_envs({"env": config.env, "eval.envs": config.eval.envs})
-    print(
-        f"resolved config written to {write_config(config, Path(config.output_dir) / 'configs' / 'orchestrator.toml')}"
-    )
+    show_resolved(config, "orchestrator")
 
 
 def run(orchestrator: Any, output_dir: Path) -> None:
