@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
@@ -186,3 +187,45 @@ def test_eval_prints_table(tmp_path, tiny_model, torch_server, capsys):
     assert "reverse-text" in out and "arithmetic" in out and "pass@2" in out
     assert set(results["base"]) == {"reverse-text", "arithmetic"}
     assert (tmp_path / "eval" / "base" / "arithmetic.json").is_file()
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_dispatch_ahead_holds_rollouts_at_the_server_until_their_weights(tmp_path, tiny_model, torch_server, k):
+    """``dispatch_ahead``: step n's rollouts go out while weights n - k - 1 still serve (their env side done early) and
+    the server holds their requests until it serves n - k: every token of step n is still sampled with weights
+    >= n - k, which the torch engine records exactly."""
+    from prime_orchestrator.orchestrator import Orchestrator
+
+    steps = 4
+    config = make_config(tmp_path, tiny_model, torch_server, max_steps=steps, async_level=k, num_trainer_ranks=1,
+                         dispatch_ahead=True, client={"base_urls": [torch_server.url], "max_concurrent": 16})  # fmt: skip
+    base = httpx.get(f"{torch_server.url}/health").json()["weight_step"]  # the shared server: another test's step
+    if base:
+        httpx.post(f"{torch_server.url}/reload_weights", timeout=60).raise_for_status()
+
+    def fake_trainer():
+        for n in range(steps):
+            path = tmp_path / "rollouts" / f"step_{n}" / "rank_0.safetensors"
+            while not path.exists():
+                time.sleep(0.02)
+            time.sleep(1.0)  # the optimizer step, while the next step's rollouts wait at the server
+            publish_weights(tmp_path, n + 1, tiny_model)
+
+    orch = Orchestrator(config)
+    started, sampled = [], []
+    rollout = orch._rollout
+
+    async def watched(step, *args, **kwargs):
+        started.append((step, orch.policy.version))
+        done = await rollout(step, *args, **kwargs)
+        sampled.append((step, done.result.versions.first))
+        return done
+
+    orch._rollout = watched
+    threading.Thread(target=fake_trainer, daemon=True).start()
+    asyncio.run(orch.run())
+    assert all(first >= n - k for n, first in sampled), sampled
+    # Dispatched one update early: the rollouts of every step after the first k + 1 started on weights n - k - 1.
+    assert {n: v for n, v in started if n > k} == {n: n - k - 1 for n in range(k + 1, steps)}, started
+    lags = [r.values["off_policy_lag/max"] for r in read_metrics(tmp_path / "metrics.jsonl", "orchestrator")]
+    assert max(lags) <= k

@@ -21,7 +21,7 @@ from prime_core.config.inference import InferenceConfig
 
 from prime_inference.engines.base import Engine, EngineOutput, EngineRequest
 from prime_inference.protocol import RequestError, SamplingParams, error_body
-from prime_inference.versions import VersionLedger
+from prime_inference.versions import VersionLedger, WeightGate
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,7 @@ class ServerState:
             self.parser = OutputParser(tokenizer, config.tool_parser, config.reasoning_parser)
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.versions = VersionLedger()
+        self.weight_gate = WeightGate()
 
     def single_tokens(self, texts: tuple[str, ...]) -> dict[str, int]:
         """Those of ``texts`` that the tokenizer writes as one token, with its id."""

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from prime_core.schemas.rollout import ROLLOUT_TAG, PolicyVersions, RolloutVersionsRequest, RolloutVersionsResponse
+from prime_core.schemas.rollout import (
+    MIN_WEIGHT_STEP,
+    ROLLOUT_TAG,
+    PolicyVersions,
+    RolloutVersionsRequest,
+    RolloutVersionsResponse,
+)
 
-from prime_inference.engines.base import EngineOutput
+from prime_inference.engines.base import Engine, EngineOutput
 from prime_inference.protocol import RequestError
 
 T = TypeVar("T")
@@ -33,6 +40,43 @@ def rollout_tag(extra_args: dict[str, Any] | None) -> str | None:
     if tag is not None and (not isinstance(tag, str) or not 0 < len(tag) <= 256):
         raise RequestError(f"extra_args.{ROLLOUT_TAG} must be a string of 1 to 256 characters", param="extra_args")
     return tag
+
+
+def min_weight_step(extra_args: dict[str, Any] | None) -> int | None:
+    step = (extra_args or {}).get(MIN_WEIGHT_STEP)
+    if step is not None and (type(step) is not int or step < 0):
+        raise RequestError(f"extra_args.{MIN_WEIGHT_STEP} must be a weight step (an integer >= 0)", param="extra_args")
+    return step
+
+
+class WeightGate:
+    """Holds a request that names the oldest weights it accepts until the engine serves them. The orchestrator sends a
+    step's rollouts before that step's weights land (``dispatch_ahead``), so their env side (prompts, tokenizing,
+    requests on the way) is done while the previous weights still serve, and they all start the moment the update
+    does. Weight changes wake the waiters (``changed``); a 1 s recheck covers any change that did not."""
+
+    def __init__(self):
+        self._changed = asyncio.Event()
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait(self, engine: Engine, step: int | None, timeout: float) -> None:
+        if step is None or engine.info.weight_step >= step:
+            return
+        deadline = asyncio.get_running_loop().time() + timeout
+        while engine.info.weight_step < step:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise RequestError(
+                    f"waited {timeout:g} s for weights step {step} (extra_args.{MIN_WEIGHT_STEP}); this server serves "
+                    f"step {engine.info.weight_step} (server.weight_wait_timeout)",
+                    status_code=503,
+                    param="extra_args",
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
 
 
 class VersionLedger:

@@ -18,7 +18,7 @@ from typing import Any
 
 from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 from prime_core.io import one_line
-from prime_core.schemas.rollout import ROLLOUT_TAG, EnvServerSpec, RolloutResult
+from prime_core.schemas.rollout import MIN_WEIGHT_STEP, ROLLOUT_TAG, EnvServerSpec, RolloutResult
 
 from prime_orchestrator.env_config import env_config_data, resolve
 from prime_orchestrator.env_server import EnvServer, EnvServerCrashed
@@ -145,16 +145,23 @@ def request_seed(seed: int, step: int, index: int) -> int:
 
 
 def sampling_args(
-    sampling: SamplingConfig, *, seed: int, max_tokens: int | None = None, tag: str | None = None
+    sampling: SamplingConfig,
+    *,
+    seed: int,
+    max_tokens: int | None = None,
+    tag: str | None = None,
+    oldest_weights: int | None = None,
 ) -> dict[str, Any]:
     """Verifiers' sampling fields of a rollout; ``tag`` names the rollout in its requests (the inference server's
-    version ledger, `prime_orchestrator.versions`), a field the train client passes through."""
+    version ledger, `prime_orchestrator.versions`) and ``oldest_weights`` the weight step its requests wait for at
+    the server (``dispatch_ahead``): fields the train client passes through in ``extra_args``."""
     args: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "max_tokens": max_tokens or sampling.max_tokens,
         "seed": seed,
     }
-    if tag is not None:
-        args["extra_args"] = {ROLLOUT_TAG: tag}
+    extra = {ROLLOUT_TAG: tag, MIN_WEIGHT_STEP: oldest_weights}
+    if extra := {k: v for k, v in extra.items() if v is not None}:
+        args["extra_args"] = extra
     return args

@@ -195,13 +195,20 @@ class Orchestrator:
         chosen = rng.choices(names, weights=weights, k=c.batch_size // c.rollouts_per_example)
         return self.curriculum.plan(step, chosen, self.cursors)
 
+    def _oldest_weights(self, step: int) -> int | None:
+        """The weight step a dispatched-ahead rollout of ``step`` waits for at the inference server (None: it may
+        start on what is served now)."""
+        oldest = step - self.config.async_level
+        return oldest if self.config.dispatch_ahead and oldest > self.policy.version else None
+
     async def _rollout(
         self, step: int, env: str, example: int, group: int, index: int, flight: Flight | None = None
     ) -> Rollout:
         c = self.config
         flight = flight or Flight()
         async with self.semaphore:
-            weight_step = flight.started = self.policy.version
+            oldest = self._oldest_weights(step)
+            weight_step = flight.started = max(self.policy.version, oldest or 0)
             self._requests += 1
             flight.url, flight.tag = self.url_for(self._requests), self.versions.new_tag()
             seed = request_seed(c.seed, step, index) if flight.seed is None else flight.seed
@@ -209,7 +216,7 @@ class Orchestrator:
                 example,
                 client=self.client_for(self._requests),
                 model=self.served_model,
-                sampling=sampling_args(c.sampling, seed=seed, tag=flight.tag),
+                sampling=sampling_args(c.sampling, seed=seed, tag=flight.tag, oldest_weights=oldest),
             )
         if not result.failed:  # the weight steps that sampled its tokens (`prime_orchestrator.versions`)
             result.versions = await self.versions.take(flight) or bounds(weight_step, self.policy.version)
@@ -235,7 +242,8 @@ class Orchestrator:
         c = self.config
         for step in range(self.start_step, c.max_steps):
             progress.set_step(step)
-            waited = await self.policy.wait_for(step - c.async_level, c.weights_timeout)
+            # Dispatched ahead, a step's rollouts go out one update early and wait at the server (`_oldest_weights`).
+            waited = await self.policy.wait_for(step - c.async_level - int(c.dispatch_ahead), c.weights_timeout)
             self.cursor_history[step] = dict(self.cursors)
             plan = self._plan_step(step)
             batch = StepBatch(step, [], time.perf_counter(), waited)

@@ -43,6 +43,9 @@ class ServerConfig(BaseConfig):
     shutdown_timeout: float = Field(default=10.0, gt=0)
     """On SIGTERM or Ctrl-C: seconds running requests may take to finish before they are cut (a request waiting on
     a paused engine, or a client that stops reading a stream, would otherwise hold the exit forever)."""
+    weight_wait_timeout: float = Field(default=1800.0, gt=0)
+    """Seconds a token-in request that names the oldest weights it accepts (``extra_args.prime_min_weight_step``, the
+    orchestrator's ``dispatch_ahead``) waits for them; then it answers 503 naming the step it waited for."""
     frozen: bool = False
     """Refuse every weight change (``/update_weights``, ``/reload_weights``, LoRA adapter loads) with 403: a
     distillation teacher keeps the weights it started with (``rl`` sets it for the teacher it starts)."""

@@ -317,6 +317,12 @@ class OrchestratorConfig(BaseConfig):
     """Continuous rollouts (docs/orchestrator.md): a rollout trains at step n only if n minus the weight step of its
     first token is at most this, queue time included (staler groups are cancelled or dropped, and redrawn); weights
     are updated in flight. Unset: the step-synchronous loop of ``async_level``."""
+    dispatch_ahead: bool = False
+    """Dispatch step n's rollouts one weight update early, each request held by the inference server until it serves
+    weights n - async_level (``server.weight_wait_timeout``): the env side of the rollouts (prompts, tokenizing,
+    requests on the way) is done when those weights land, and generation starts at once. Every token is still
+    sampled with weights >= n - async_level; ``client.max_concurrent`` must leave room for the held rollouts beside
+    the running ones. Not with LoRA (adapters carry their own steps) or ``max_off_policy_steps``."""
     batch_size: int = Field(default=128, ge=1)
     """Samples per step (groups of rollouts_per_example)."""
     rollouts_per_example: int = Field(default=8, ge=1)
@@ -392,6 +398,9 @@ class OrchestratorConfig(BaseConfig):
         if k is not None and k < self.async_level:
             raise ValueError(f"max_off_policy_steps ({k}) < async_level ({self.async_level}): batches formed that far "
                              "ahead would hold only stale rollouts")  # fmt: skip
+        if self.dispatch_ahead and (k is not None or self.model.lora is not None):
+            raise ValueError("dispatch_ahead holds requests until a step's weights: not with max_off_policy_steps "
+                             "(weights change in flight) or LoRA (adapters carry their own steps)")  # fmt: skip
         if k is not None and self.curriculum.enabled:
             raise ValueError(
                 "curriculum (difficulty_pool, dynamic_sampling) draws per step: unset max_off_policy_steps"

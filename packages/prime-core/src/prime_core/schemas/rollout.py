@@ -18,6 +18,12 @@ ROLLOUT_TAG = "prime_rollout"
 server records which weight steps sampled the tokens of each tag (``POST /rollout_versions``)."""
 
 
+MIN_WEIGHT_STEP = "prime_min_weight_step"
+"""Key in a token-in request's ``sampling_params.extra_args``: the oldest weight step that may sample it. The inference
+server holds the request until it serves that step (the orchestrator dispatches a step's rollouts before its weights
+land, so the env side of every rollout is done by then: ``orchestrator.dispatch_ahead``)."""
+
+
 class EnvServerSpec(BaseModel):
     """How one environment's verifiers env server is started."""
 

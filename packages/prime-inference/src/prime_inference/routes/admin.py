@@ -47,7 +47,10 @@ async def update_weights(request: Request) -> dict[str, Any]:
     _refuse_if_frozen(request)
     s = state(request)
     req = await parse_body(request, WeightUpdateRequest)
-    return await weights.update_weights(s.engine, req, s.config.server.weight_roots)
+    try:
+        return await weights.update_weights(s.engine, req, s.config.server.weight_roots)
+    finally:
+        s.weight_gate.changed()
 
 
 @router.post("/rollout_versions")
@@ -85,9 +88,12 @@ async def unload_lora_adapter(request: Request) -> dict[str, Any]:
 @router.post("/reload_weights")
 async def reload_weights(request: Request) -> dict[str, Any]:
     _refuse_if_frozen(request)
-    engine = state(request).engine
-    await engine.reload_weights()
-    return {"status": "ok", "weight_step": engine.info.weight_step}
+    s = state(request)
+    try:
+        await s.engine.reload_weights()
+    finally:
+        s.weight_gate.changed()
+    return {"status": "ok", "weight_step": s.engine.info.weight_step}
 
 
 @router.post("/pause")

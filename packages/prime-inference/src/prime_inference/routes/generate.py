@@ -17,7 +17,7 @@ from prime_inference.protocol import GenerateRequest, RequestError
 from prime_inference.routes.common import parse_body, state
 from prime_inference.serving import Choice, FastJSONResponse, ServerState, collect, sse, stream, usage
 from prime_inference.structured import request_grammar
-from prime_inference.versions import rollout_tag
+from prime_inference.versions import min_weight_step, rollout_tag
 
 router = APIRouter()
 GENERATE_ROUTES = ("/inference/v1/generate", "/v1/generate")
@@ -64,6 +64,8 @@ async def generate(request: Request) -> Any:
     rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
     k = req.sampling_params.logprobs
     tag = rollout_tag(req.sampling_params.extra_args)
+    oldest = min_weight_step(req.sampling_params.extra_args)
+    await s.weight_gate.wait(s.engine, oldest, s.config.server.weight_wait_timeout)
     on_output = _recorder(s, tag)
     if req.stream:
         return sse(_chunks(s, req, requests, rid, len(prompt), on_output))
