@@ -43,15 +43,14 @@ class RunningServer:
 
     def __init__(self, config, startup_timeout: float = 60, engine_factory=None):
         import uvicorn
+        from prime_inference.connections import uvicorn_config
         from prime_inference.engines import build_engine
         from prime_inference.server import build_app
 
         self.config = config
         self.url = f"http://127.0.0.1:{config.server.port}"
         app = build_app(config, engine_factory or (lambda: build_engine(config)))
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=config.server.port, log_level="warning")
-        )
+        self.server = uvicorn.Server(uvicorn_config(app, config, host="127.0.0.1", log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         headers = {"Authorization": f"Bearer {config.server.api_key}"} if config.server.api_key else {}

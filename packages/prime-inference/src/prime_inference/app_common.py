@@ -4,6 +4,7 @@ the API-key check, ``X-Weight-Step`` on generation responses, our error envelope
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import Callable
@@ -64,8 +65,55 @@ class AuthAndWeightStep:
         await self.app(scope, receive, stamped)
 
 
+class CancelOnDisconnect:
+    """ASGI middleware: a generation request whose client disconnects before its response is complete is cancelled,
+    which aborts its sequences in the engine (vLLM's ``with_cancellation``). Streams stopped on a disconnect already;
+    a non-streaming request (a client that timed out and retries) ran to the end for nobody, holding its batch slots.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        body_read, response_sent = asyncio.Event(), asyncio.Event()
+
+        async def app_receive() -> Message:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        async def app_send(message: Message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                response_sent.set()
+
+        async def disconnected() -> None:
+            await body_read.wait()  # until then the app reads the body (and sees a disconnect itself)
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        task = asyncio.ensure_future(self.app(scope, app_receive, app_send))
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and not response_sent.is_set():
+                task.cancel()  # the client left: nobody reads the answer
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return
+            await task
+        finally:
+            task.cancel()
+            watcher.cancel()
+
+
 def add_common(app: FastAPI, config: InferenceConfig) -> None:
-    """API-key check on every route, ``X-Weight-Step`` on generation responses, and our error envelope on our routes."""
+    """API-key check on every route, ``X-Weight-Step`` on generation responses, cancelling generation requests whose
+    client left, and our error envelope on our routes."""
+    app.add_middleware(CancelOnDisconnect)
     app.add_middleware(AuthAndWeightStep, api_key=config.server.api_key)
 
     @app.exception_handler(RequestError)

@@ -68,7 +68,7 @@ def completion_prompts(state: ServerState, req: CompletionRequest) -> list[tuple
     out = []
     special = req.add_special_tokens is not False
     for item in prompts:
-        ids = list(state.tokenizer(item, add_special_tokens=special)["input_ids"]) if isinstance(item, str) else item
+        ids = state.encode(item, special, "prompt") if isinstance(item, str) else item
         state.check_tokens(ids, "prompt")
         out.append((list(ids), item if isinstance(item, str) else None))
     return out

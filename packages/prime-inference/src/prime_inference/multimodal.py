@@ -9,13 +9,28 @@ the model's processor, which computes the same grids).
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from prime_core.vision import VisionSpec, load_image, mrope_positions, to_rgb
+from prime_core.vision import VisionSpec, mrope_positions, to_rgb
 
 from prime_inference.protocol import RequestError
+
+MAX_IMAGE_PIXELS = 32_000_000
+"""Largest decoded image (width x height) a request may send, checked from the image's header before it is decoded.
+Pillow's own bound (179M pixels, a 500 MB RGB decode that a 200 kB PNG can ask for) lets a few requests exhaust the
+host; a 32M-pixel photo decodes to about 100 MB, and the processor resizes every image far below it anyway."""
+MAX_REQUEST_PIXELS = 4 * MAX_IMAGE_PIXELS
+"""Decoded pixels of all the images of one request together (each image stays decoded until the request ends)."""
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+"""The formats Pillow may open for a request: not every plugin it has (EPS would run Ghostscript on client data)."""
+_DATA_URL = re.compile(r"^data:([^;,]*)(?:;[^,]*)?,(.*)$", re.DOTALL)
 
 
 @dataclass
@@ -41,12 +56,61 @@ def decode_images(sources: list[Any], vision: VisionSpec | None, param: str) -> 
     """Decode and patchify ``sources`` (data: URLs, base64); a 400 names ``param`` on bad input."""
     if vision is None:
         raise RequestError("the served model takes no images (no vision_config in its config.json)", param=param)
-    try:
-        images = [to_rgb(load_image(s)) for s in sources]
-    except (ValueError, OSError) as e:
-        raise RequestError(f"invalid image: {e}", param=param) from e
+    opened = [_open_image(s, i, param) for i, s in enumerate(sources)]
+    total = sum(image.width * image.height for image in opened)
+    if total > MAX_REQUEST_PIXELS:
+        raise RequestError(
+            f"the images hold {total} pixels together, more than the {MAX_REQUEST_PIXELS} a request may send",
+            param=param,
+        )
+    images = []
+    for i, image in enumerate(opened):
+        try:
+            image.load()
+            images.append(to_rgb(image))
+        except (ValueError, OSError) as e:  # a header that decodes but a truncated or corrupt body
+            raise RequestError(f"image {i} does not decode: {e}", param=param) from e
     pixel_values, grids = vision.processor.process_many(images)
     return MultiModalInput(images, pixel_values, grids, vision.image_token_id)
+
+
+def _open_image(source: Any, index: int, param: str) -> Any:
+    """Image ``index`` of a request opened from its header only (size known, pixels not decoded). Only inline images
+    are taken: a local path or ``file://`` URL would let any client read the host's files (vLLM reads none unless
+    ``--allowed-local-media-path`` allows them), and this server fetches no remote URL."""
+    import PIL.Image
+
+    if not isinstance(source, str):
+        raise RequestError(f"image {index} must be a data: URL or base64 text", param=param)
+    payload, mime = source, None
+    if (m := _DATA_URL.match(source)) is not None:
+        mime, payload = m.group(1), m.group(2)
+        if not mime.startswith("image/") or ";base64," not in source[: m.start(2)]:
+            raise RequestError(
+                f"image {index} is a data: URL of {mime or 'no type'}, not base64 image data", param=param
+            )
+    elif source.startswith(("http://", "https://")):
+        raise RequestError(f"image {index}: remote image URLs are not fetched; send a data: URL", param=param)
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        local = mime is None and source.startswith(("file:", "/", "~", "."))
+        what = "a local path: the server reads no host files" if local else "not valid base64"
+        raise RequestError(f"image {index} is {what}; send a data: URL", param=param) from None
+    try:
+        with warnings.catch_warnings():  # sizes past Pillow's warning are refused below, in one line
+            warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+            image = PIL.Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
+    except PIL.Image.DecompressionBombError as e:
+        raise RequestError(f"image {index} has more than {MAX_IMAGE_PIXELS} pixels: {e}", param=param) from e
+    except (OSError, ValueError) as e:
+        raise RequestError(f"image {index} is not a {', '.join(IMAGE_FORMATS)} image", param=param) from e
+    if image.width * image.height > MAX_IMAGE_PIXELS:
+        raise RequestError(
+            f"image {index} is {image.width}x{image.height} pixels, more than the {MAX_IMAGE_PIXELS} an image may have",
+            param=param,
+        )
+    return image
 
 
 def check_placeholders(token_ids: list[int], mm: MultiModalInput, vision: VisionSpec, param: str) -> None:

@@ -85,7 +85,7 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
         )
     except Exception as e:  # jinja errors (raise_exception in templates), bad kwargs
         raise RequestError(f"chat template failed: {e}", param="messages") from e
-    return list(state.tokenizer(text, add_special_tokens=bool(req.add_special_tokens))["input_ids"])
+    return state.encode(text, bool(req.add_special_tokens), "messages")
 
 
 def chat_images(state: ServerState, req: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[list[int], Any]:

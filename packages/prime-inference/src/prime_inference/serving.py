@@ -187,6 +187,21 @@ class ServerState:
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.versions = VersionLedger()
         self.weight_gate = WeightGate()
+        # No token covers more characters than the longest entry of the vocabulary (byte-level BPE writes one
+        # character per byte); twice that per token of context allows for normalizers that shrink the text (NFC).
+        self.longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = 2 * engine.info.max_model_len * self.longest_token
+
+    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """``text``'s token ids; a text too long to fit the context is refused before the tokenizer sees it (it
+        held the event loop for 9 s and took 1.6 GB on a 12 MB prompt)."""
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(
+                f"the prompt has {len(text)} characters, more than this model's maximum context length of "
+                f"{self.engine.info.max_model_len} tokens can hold (a token is at most {self.longest_token} characters)",
+                param=param,
+            )
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def single_tokens(self, texts: tuple[str, ...]) -> dict[str, int]:
         """Those of ``texts`` that the tokenizer writes as one token, with its id."""

@@ -27,6 +27,26 @@ from typing import Any
 from prime_inference.protocol import RequestError
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_GRAMMAR_CHARS = 128 * 1024
+"""Longest grammar source (a regex, Lark grammar, the choices, a JSON schema or the tools a forced call uses) this
+server compiles. llguidance's compile time grows faster than linearly with the alternatives of one rule (20k choices
+took 0.7 s, 500k hung the server for minutes) and its own limits are checked only after that work, so the size is
+bounded before; at this bound a compile takes well under a second."""
+
+
+def _bounded(source: str, param: str) -> str:
+    if len(source) > MAX_GRAMMAR_CHARS:
+        raise RequestError(
+            f"{param} is {len(source)} characters long; this server compiles grammars of at most {MAX_GRAMMAR_CHARS}",
+            param=param,
+        )
+    return source
+
+
+def _first_line(message: str) -> str:
+    """llguidance's errors can run to a Rust backtrace: the first line names the problem."""
+    line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    return line if len(line) <= 300 else line[:300] + "..."
 
 
 def _json_grammar(schema: Any, param: str, compact: bool = False) -> str:
@@ -39,6 +59,11 @@ def _json_grammar(schema: Any, param: str, compact: bool = False) -> str:
             raise RequestError(f"JSON schema is not valid JSON: {e}", param=param) from e
     if not isinstance(schema, dict):
         raise RequestError("a JSON schema must be an object", param=param)
+    try:
+        source = json.dumps(schema)
+    except (ValueError, RecursionError) as e:  # nesting past the recursion limit
+        raise RequestError(f"JSON schema cannot be serialized: {e}", param=param) from e
+    _bounded(source, param)
     try:
         defaults = {"whitespace_flexible": False} if compact else None
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
@@ -65,11 +90,13 @@ def _from_structured(spec: dict[str, Any]) -> str:
     if key == "json_object":
         return _json_grammar({"type": "object"}, param, compact)
     if key == "regex" and isinstance(value, str):
-        return llguidance.LLMatcher.grammar_from_regex(value)
+        return llguidance.LLMatcher.grammar_from_regex(_bounded(value, param))
     if key == "choice" and isinstance(value, list) and value and all(isinstance(c, str) for c in value):
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+        return llguidance.LLMatcher.grammar_from_lark(
+            _bounded("start: " + " | ".join(json.dumps(c) for c in value), param)
+        )
     if key == "grammar" and isinstance(value, str):
-        return llguidance.LLMatcher.grammar_from_lark(value)
+        return llguidance.LLMatcher.grammar_from_lark(_bounded(value, param))
     raise RequestError(f"{param} has the wrong type", param=param)
 
 
@@ -150,10 +177,10 @@ def _validated(grammar: str, param: str) -> str:
     """``grammar`` once llguidance has compiled it (its JSON schemas included): a bad one is a 400 naming ``param``."""
     import llguidance
 
-    result = llguidance.LLMatcher.validate_grammar(grammar)
+    result = llguidance.LLMatcher.validate_grammar(_bounded(grammar, param))
     error = result[1] if isinstance(result, tuple) else result  # (ok, message) in some releases
     if error and not (isinstance(result, tuple) and result[0]):
-        raise RequestError(f"invalid JSON schema: {error.strip().splitlines()[0]}", param=param)
+        raise RequestError(f"invalid JSON schema: {_first_line(error)}", param=param)
     return grammar
 
 
@@ -180,13 +207,20 @@ def ll_tokenizer(tokenizer: Any) -> Any:
     return llguidance.hf.from_tokenizer(tokenizer)
 
 
-def check_grammar(tokenizer: Any, grammar: str, param: str = "structured_outputs") -> None:
-    """Compile ``grammar`` once for ``tokenizer`` so that a bad one is a 400, not a failed generation."""
+@functools.lru_cache(maxsize=32)
+def _compiled(tokenizer: Any, grammar: str) -> Any:
+    """A matcher at the grammar's start, compiled once: each sequence of a request (``n`` of them) and each request
+    with the same grammar starts from a copy, not from another compile in the event loop."""
     import llguidance
 
-    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar)
+    return llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar)
+
+
+def check_grammar(tokenizer: Any, grammar: str, param: str = "structured_outputs") -> None:
+    """Compile ``grammar`` once for ``tokenizer`` so that a bad one is a 400, not a failed generation."""
+    matcher = _compiled(tokenizer, grammar)
     if matcher.is_error():
-        raise RequestError(f"invalid grammar: {matcher.get_error()}", param=param)
+        raise RequestError(f"invalid grammar: {_first_line(matcher.get_error())}", param=param)
 
 
 class GrammarState:
@@ -196,11 +230,10 @@ class GrammarState:
     llguidance's own torch helper compiles a kernel with torch.compile, which costs 20+ s on a CPU."""
 
     def __init__(self, tokenizer: Any, grammar: str):
-        import llguidance
         import torch
 
         self.tokenizer = ll_tokenizer(tokenizer)
-        self.matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        self.matcher = _compiled(tokenizer, grammar).deep_copy()
         self._bits = torch.arange(8, dtype=torch.uint8)
 
     def allowed(self) -> Any:

@@ -39,7 +39,8 @@ class ServerConfig(BaseConfig):
     served_model_name: str | None = None
     """Model name reported by ``/v1/models`` and accepted in requests; defaults to ``model.name``."""
     timeout_keep_alive: int = Field(default=30, ge=1)
-    """Seconds an idle HTTP keep-alive connection stays open."""
+    """Seconds an idle HTTP keep-alive connection stays open, and seconds a client has to send each whole request
+    (headers and body) after connecting or after its previous response: slower connections are closed."""
     shutdown_timeout: float = Field(default=10.0, gt=0)
     """On SIGTERM or Ctrl-C: seconds running requests may take to finish before they are cut (a request waiting on
     a paused engine, or a client that stops reading a stream, would otherwise hold the exit forever)."""

@@ -18,6 +18,7 @@ def serve(config: InferenceConfig) -> None:
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
+    from prime_inference.connections import uvicorn_config
     from prime_inference.engines import build_engine
     from prime_inference.server import build_app
 
@@ -33,16 +34,13 @@ def serve(config: InferenceConfig) -> None:
     app = build_app(config, lambda: build_engine(config))
     logger.info("listening on http://%s:%d", config.server.host, config.server.port)
     server = uvicorn.Server(
-        uvicorn.Config(
+        uvicorn_config(
             app,
-            host=config.server.host,
-            port=config.server.port,
+            config,
             log_level=config.log.level,
             # One line per request (health probes, every rollout's generate) would grow the log without bound over a
             # long run; ``log.level = "debug"`` brings them back.
             access_log=config.log.level == "debug",
-            timeout_keep_alive=config.server.timeout_keep_alive,
-            timeout_graceful_shutdown=config.server.shutdown_timeout,
             log_config=None,
         )
     )

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from prime_inference.protocol import RequestError
 from prime_inference.serving import ServerState
@@ -41,9 +42,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise RequestError(f"request body larger than {MAX_BODY_BYTES} bytes", status_code=413)
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise RequestError(f"request body larger than {MAX_BODY_BYTES} bytes", status_code=413)
+    raw = await _body(request)
     try:
         data = json.loads(raw) if raw else None
     except (ValueError, RecursionError) as e:  # besides syntax: bad UTF-8, deep nesting, a >4300-digit int
@@ -51,6 +50,21 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     return data
+
+
+async def _body(request: Request) -> bytes:
+    """The body, read until ``MAX_BODY_BYTES``: a chunked upload has no Content-Length to refuse up front, and
+    Starlette's ``request.body()`` would hold all of it (a 200 MB one raised the server's RSS by 390 MB)."""
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise RequestError(f"request body larger than {MAX_BODY_BYTES} bytes", status_code=413)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left (or was cut by the request deadline, `prime_inference.connections`)
+        raise RequestError("the client disconnected before sending the whole body") from None
+    return b"".join(chunks)
 
 
 def validate(data: dict[str, Any], model: type[Model]) -> Model:

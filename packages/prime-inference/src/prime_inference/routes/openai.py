@@ -70,7 +70,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
     if isinstance(body, TokenizeChatRequest):
         ids = chat_prompt(s, body)
     else:
-        ids = list(s.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        ids = s.encode(body.prompt, body.add_special_tokens, "prompt")
     out: dict[str, Any] = {"count": len(ids), "max_model_len": s.engine.info.max_model_len, "tokens": ids,
                            "token_strs": None}  # fmt: skip
     if body.return_token_strs:

@@ -1,0 +1,69 @@
+"""uvicorn as both apps run it, with a bound on how long a client may take to send a request.
+
+uvicorn's ``timeout_keep_alive`` only runs between a response and the next request, and any byte restarts it: a
+connection that never sends a request, or sends its headers a byte at a time (slowloris), stayed open for good, and
+a few thousand of them exhaust the server's file descriptors. Here every connection must deliver each whole request
+(headers and body) within ``server.timeout_keep_alive`` seconds of opening or of its previous response; else it is
+closed (a request whose body was cut is answered with nothing: its client is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+from prime_core.config.inference import InferenceConfig
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+class RequestDeadlineProtocol(H11Protocol):
+    """h11 uvicorn protocol that closes a connection whose request is not fully received by its deadline."""
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.SEND_BODY:
+            self._disarm()  # the request is in: its handler may take as long as generation takes
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE:  # not when a pipelined request was already read
+            self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.config.timeout_keep_alive, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_config(app: Any, config: InferenceConfig, **overrides: Any) -> Any:
+    """The uvicorn config of a server: address, keep-alive and shutdown bounds from ``config.server``."""
+    import uvicorn
+
+    kwargs = dict(
+        host=config.server.host,
+        port=config.server.port,
+        timeout_keep_alive=config.server.timeout_keep_alive,
+        timeout_graceful_shutdown=config.server.shutdown_timeout,
+        http=RequestDeadlineProtocol,
+    )
+    return uvicorn.Config(app, **{**kwargs, **overrides})

@@ -1,0 +1,240 @@
+"""Clients that attack the server rather than use it: decompression bombs and host paths as images, bodies past the
+limit without a Content-Length, grammars that take minutes to compile, prompts that take seconds to tokenize, slow
+and idle connections, and clients that leave before their answer. Each is refused in one line naming the field (or
+cut within a documented bound), and the server goes on serving everyone else."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import socket
+import struct
+import time
+import zlib
+
+import httpx
+import pytest
+from prime_inference.protocol import RequestError
+
+from .helpers import start_server
+
+KEEP_ALIVE = 2
+
+
+@pytest.fixture(scope="module")
+def hostile_server(model_dir):
+    s = start_server(model_dir, server={"timeout_keep_alive": KEEP_ALIVE})
+    yield s
+    s.stop()
+
+
+def health(server) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=10).json()
+
+
+def assert_serving(server) -> None:
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}}
+    r = httpx.post(f"{server.url}/v1/generate", json=body, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+
+
+# ---------------------------------------------------------------- images
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png(width: int, height: int, rows: int | None = None) -> bytes:
+    """A grayscale PNG of ``width`` x ``height`` black pixels; with ``rows``, only that many rows of pixel data (the
+    header still claims the full size)."""
+    z = zlib.compressobj(9)
+    row = b"\0" * (width + 1)
+    data = b"".join(z.compress(row) for _ in range(height if rows is None else rows)) + z.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", data) + _chunk(b"IEND", b"")
+
+
+def data_url(raw: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    from prime_core.vision import VisionSpec
+
+    from tests.tiny import write_tiny_vl_model_dir
+
+    path, _ = write_tiny_vl_model_dir(tmp_path_factory.mktemp("vl"), ["a red square"] * 8)
+    return VisionSpec.from_model_dir(path)
+
+
+def test_images_come_inline_and_bounded_in_pixels(vision, tmp_path):
+    from prime_inference.multimodal import MAX_IMAGE_PIXELS, decode_images
+
+    host_file = tmp_path / "secret.png"
+    host_file.write_bytes(png(32, 32))
+    assert len(decode_images([data_url(png(32, 32))], vision, "images").images) == 1
+    refused = {
+        # the server reads no host file (vLLM reads none without --allowed-local-media-path)
+        str(host_file): "local path",
+        f"file://{host_file}": "local path",
+        "http://169.254.169.254/latest/meta-data": "remote",
+        # 900M pixels in an 880 kB PNG: Pillow raises its own DecompressionBombError, which was a 500 and a traceback
+        data_url(png(30_000, 30_000, rows=1)): "pixels",
+        # past our bound but under Pillow's: decoded whole before (1.1 GB of RSS for one 12000x12000 PNG)
+        data_url(png(6_000, 6_000)): "pixels",
+        data_url(png(32, 32), "text/html"): "text/html",
+        "data:image/png;base64,AAAA!!!": "base64",
+        data_url(b"\x89PNG\r\n\x1a\n garbage"): "not a PNG",
+    }
+    for source, expected in refused.items():
+        with pytest.raises(RequestError, match=expected) as info:
+            decode_images([source], vision, "images")
+        assert info.value.param == "images" and info.value.status_code == 400
+    assert MAX_IMAGE_PIXELS < 6_000 * 6_000
+    # Each under the bound, together past the request's: refused from the headers, nothing decoded.
+    many = [data_url(png(5_000, 6_000, rows=1))] * 5
+    with pytest.raises(RequestError, match="pixels together") as info:
+        decode_images(many, vision, "messages")
+    assert info.value.param == "messages"
+
+
+# ---------------------------------------------------------------- bodies
+
+
+def test_a_chunked_body_past_the_limit_stops_being_read(monkeypatch):
+    from prime_inference.routes import common
+    from starlette.requests import Request
+
+    monkeypatch.setattr(common, "MAX_BODY_BYTES", 1000)
+    sent = []
+
+    async def receive() -> dict:
+        sent.append(100)
+        return {"type": "http.request", "body": b" " * 100, "more_body": len(sent) < 1000}
+
+    request = Request({"type": "http", "method": "POST", "headers": [], "path": "/v1/generate"}, receive)
+    with pytest.raises(RequestError) as info:
+        asyncio.run(common.read_json(request))
+    # No Content-Length to refuse up front: reading stops at the limit, not after all 100 kB are held.
+    assert info.value.status_code == 413
+    assert sum(sent) <= 1000 + 100
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(hostile_server):
+    text = "hello " * 200_000  # 1.2 MB; at 12 MB the tokenizer held the event loop for 9 s and took 1.6 GB
+    for path, body, param in [
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1}, "messages"),
+        ("/tokenize", {"prompt": text}, "prompt"),
+    ]:
+        r = httpx.post(f"{hostile_server.url}{path}", json=body, timeout=60)
+        assert r.status_code == 400, (path, r.text[:200])
+        error = r.json()["error"]
+        assert error["param"] == param and "characters" in error["message"]
+    assert_serving(hostile_server)
+
+
+# ---------------------------------------------------------------- grammars
+
+
+def test_grammars_too_large_to_compile_quickly_are_refused(hostile_server):
+    from prime_inference.structured import MAX_GRAMMAR_CHARS
+
+    def generate(structured: dict) -> httpx.Response:
+        body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 3, "structured_outputs": structured}}
+        return httpx.post(f"{hostile_server.url}/v1/generate", json=body, timeout=60)
+
+    attacks = {
+        # 500k alternatives of one rule: llguidance's compile grows faster than linearly; this hung the server
+        "choice": [str(i) for i in range(500_000)],
+        # 200k alternatives in Lark: 43 s, then a Rust panic with its backtrace as the message
+        "grammar": "start: " + " | ".join(f'"{i}"' for i in range(200_000)),
+        "regex": "|".join(str(i) for i in range(100_000)),
+        "json": {"type": "string", "enum": [f"v{i}" for i in range(100_000)]},
+    }
+    for key, value in attacks.items():
+        r = generate({key: value})
+        assert r.status_code == 400, (key, r.text[:200])
+        error = r.json()["error"]
+        assert error["param"] == f"structured_outputs.{key}" and str(MAX_GRAMMAR_CHARS) in error["message"]
+    # Errors from llguidance are one line, even where its message ran to a backtrace.
+    r = generate({"regex": "(" * 5000 + "a" + ")" * 5000})
+    assert r.status_code == 400 and "\n" not in r.json()["error"]["message"]
+    # A grammar under the bound still works, for every one of n sequences.
+    body = {
+        "token_ids": [5, 6],
+        "sampling_params": {"n": 8, "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]}},
+    }
+    r = httpx.post(f"{hostile_server.url}/v1/generate", json=body, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8
+    assert_serving(hostile_server)
+
+
+# ---------------------------------------------------------------- connections
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    """Whether the server closes ``sock`` within ``within`` seconds (after whatever answer it sends first)."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(1024):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_idle_slow_and_half_sent_connections_are_closed(hostile_server):
+    host, port = "127.0.0.1", hostile_server.config.server.port
+    idle = socket.create_connection((host, port))
+    half_body = socket.create_connection((host, port))
+    half_body.sendall(b'POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"token_ids"')
+    slowloris = socket.create_connection((host, port))
+    slowloris.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    start = time.monotonic()
+    closed_at = None
+    while time.monotonic() - start < KEEP_ALIVE + 8:
+        try:  # a header line every 0.2 s: each byte restarted uvicorn's only timer, so this held a connection forever
+            slowloris.sendall(b"X-Slow: 1\r\n")
+        except OSError:
+            closed_at = time.monotonic() - start
+            break
+        time.sleep(0.2)
+    assert closed_at is not None and closed_at < KEEP_ALIVE + 5
+    assert _closed_by_server(idle, 3) and _closed_by_server(half_body, 3)
+    for s in (idle, half_body, slowloris):
+        s.close()
+    assert_serving(hostile_server)
+
+
+def test_a_client_that_leaves_cancels_its_generation(hostile_server):
+    """vLLM's ``with_cancellation``: a non-streaming request whose client disconnects is aborted, not run for nobody
+    (an orchestrator that times out and retries would otherwise pile up work that holds every batch slot)."""
+    url = hostile_server.url
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 100, "ignore_eos": True}}
+
+    async def leave(n: int) -> None:
+        async with httpx.AsyncClient() as client:
+
+            async def one() -> None:
+                with pytest.raises(httpx.TimeoutException):
+                    await client.post(f"{url}/v1/generate", json=body, timeout=1.0)
+
+            await asyncio.gather(*[one() for _ in range(n)])
+
+    assert httpx.post(f"{url}/pause", timeout=10).status_code == 200
+    try:
+        asyncio.run(leave(8))  # held by the pause until their clients give up
+        time.sleep(0.5)
+    finally:
+        httpx.post(f"{url}/resume", timeout=10)
+    steps = health(hostile_server)["engine_steps"]
+    time.sleep(1.0)
+    after = health(hostile_server)
+    assert after["running"] == after["waiting"] == 0
+    assert after["engine_steps"] - steps < 5  # the 8 x 100 tokens nobody waits for are not generated
+    assert_serving(hostile_server)
