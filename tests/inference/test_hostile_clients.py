@@ -70,7 +70,7 @@ def vision(tmp_path_factory):
 
 
 def test_images_come_inline_and_bounded_in_pixels(vision, tmp_path):
-    from prime_inference.multimodal import MAX_IMAGE_PIXELS, decode_images
+    from prime_inference.multimodal import decode_images
 
     host_file = tmp_path / "secret.png"
     host_file.write_bytes(png(32, 32))
@@ -88,11 +88,17 @@ def test_images_come_inline_and_bounded_in_pixels(vision, tmp_path):
         "data:image/png;base64,AAAA!!!": "base64",
         data_url(b"\x89PNG\r\n\x1a\n garbage"): "not a PNG",
     }
+    breaches = []
     for source, expected in refused.items():
-        with pytest.raises(RequestError, match=expected) as info:
+        try:
             decode_images([source], vision, "images")
-        assert info.value.param == "images" and info.value.status_code == 400
-    assert MAX_IMAGE_PIXELS < 6_000 * 6_000
+            breaches.append((source[:60], "accepted"))
+        except RequestError as e:
+            if expected not in e.message or e.param != "images" or e.status_code != 400:
+                breaches.append((source[:60], e.message))
+        except Exception as e:  # the server answers these with a 500 and a traceback
+            breaches.append((source[:60], repr(e)[:80]))
+    assert breaches == []
     # Each under the bound, together past the request's: refused from the headers, nothing decoded.
     many = [data_url(png(5_000, 6_000, rows=1))] * 5
     with pytest.raises(RequestError, match="pixels together") as info:
@@ -140,8 +146,6 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(hostile_
 
 
 def test_grammars_too_large_to_compile_quickly_are_refused(hostile_server):
-    from prime_inference.structured import MAX_GRAMMAR_CHARS
-
     def generate(structured: dict) -> httpx.Response:
         body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 3, "structured_outputs": structured}}
         return httpx.post(f"{hostile_server.url}/v1/generate", json=body, timeout=60)
@@ -158,7 +162,7 @@ def test_grammars_too_large_to_compile_quickly_are_refused(hostile_server):
         r = generate({key: value})
         assert r.status_code == 400, (key, r.text[:200])
         error = r.json()["error"]
-        assert error["param"] == f"structured_outputs.{key}" and str(MAX_GRAMMAR_CHARS) in error["message"]
+        assert error["param"] == f"structured_outputs.{key}" and "at most" in error["message"]
     # Errors from llguidance are one line, even where its message ran to a backtrace.
     r = generate({"regex": "(" * 5000 + "a" + ")" * 5000})
     assert r.status_code == 400 and "\n" not in r.json()["error"]["message"]
