@@ -106,6 +106,34 @@ def test_images_come_inline_and_bounded_in_pixels(vision, tmp_path):
     assert info.value.param == "messages"
 
 
+def test_other_clients_are_served_while_images_decode(hostile_server, monkeypatch):
+    """Decoding runs off the event loop: two 31M-pixel images took 1.2 s to decode, during which no other request,
+    /health included, was answered."""
+    from prime_inference import multimodal
+
+    def slow_decode(sources, vision, param):
+        time.sleep(2.0)  # blocking, as Pillow is
+        raise RequestError("decoded slowly", param=param)
+
+    monkeypatch.setattr(multimodal, "decode_images", slow_decode)
+
+    async def run() -> tuple[httpx.Response, list[float]]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            body = {"token_ids": [5, 6], "images": ["x"], "sampling_params": {"max_tokens": 2}}
+            decoding = asyncio.ensure_future(client.post(f"{hostile_server.url}/v1/generate", json=body))
+            await asyncio.sleep(0.3)
+            latencies = []
+            for _ in range(3):
+                start = time.monotonic()
+                assert (await client.get(f"{hostile_server.url}/health")).status_code == 200
+                latencies.append(time.monotonic() - start)
+            return await decoding, latencies
+
+    answer, latencies = asyncio.run(run())
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == "decoded slowly"
+    assert max(latencies) < 1.0, latencies  # a blocked loop answers only after the 2 s decode
+
+
 # ---------------------------------------------------------------- bodies
 
 

@@ -88,14 +88,14 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
     return state.encode(text, bool(req.add_special_tokens), "messages")
 
 
-def chat_images(state: ServerState, req: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[list[int], Any]:
+async def chat_images(state: ServerState, req: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[list[int], Any]:
     """Decode the messages' image parts and expand each rendered placeholder to the image's token run."""
     urls = [u for m in req.messages for u in m.image_urls()]
     if not urls:
         return prompt_ids, None
-    from prime_inference.multimodal import decode_images
+    from prime_inference.multimodal import decode_images_off_loop
 
-    multimodal = decode_images(urls, state.vision, "messages")
+    multimodal = await decode_images_off_loop(urls, state.vision, "messages")
     try:
         prompt_ids = state.vision.expand_placeholders(prompt_ids, multimodal.image_grid_thw)
     except ValueError as e:
@@ -166,7 +166,7 @@ def chat_message(view: ChatView, role: str, echo: str) -> dict[str, Any]:
 async def chat(state: ServerState, req: ChatCompletionRequest) -> Any:
     adapter = state.adapter(req.model)
     choice_of_tool = tool_choice(state, req)
-    prompt_ids, multimodal = chat_images(state, req, chat_prompt(state, req))
+    prompt_ids, multimodal = await chat_images(state, req, chat_prompt(state, req))
     params = req.sampling(state.max_tokens(len(prompt_ids), req.requested_max_tokens()), req.requested_logprobs())
     tool_grammar = forced_tool_grammar(state, req, choice_of_tool)
     params.grammar = request_grammar(req.structured_outputs, req.response_format, tool_grammar)

@@ -23,21 +23,26 @@ router = APIRouter()
 GENERATE_ROUTES = ("/inference/v1/generate", "/v1/generate")
 
 
-def _prompt(s: ServerState, req: GenerateRequest) -> tuple[list[int], Any, dict[str, Any] | None]:
+async def _prompt(s: ServerState, req: GenerateRequest) -> tuple[list[int], Any, dict[str, Any] | None]:
     """The prompt the engine runs, its images, and vLLM's ``mm_placeholders`` when the images came as
     ``content_parts`` (renderers' token-in with one placeholder token per image, expanded here as vLLM does)."""
-    from prime_inference.multimodal import check_placeholders, content_part_images, decode_images, placeholder_ranges
+    from prime_inference.multimodal import (
+        check_placeholders,
+        content_part_images,
+        decode_images_off_loop,
+        placeholder_ranges,
+    )
 
     ids = list(req.token_ids)
     s.check_tokens(ids, "token_ids")
     if req.images:
-        multimodal = decode_images(req.images, s.vision, "images")
+        multimodal = await decode_images_off_loop(req.images, s.vision, "images")
         check_placeholders(ids, multimodal, s.vision, "images")
         return ids, multimodal, None
     sources = content_part_images(req.content_parts or [], "content_parts")
     if not sources:
         return ids, None, None
-    multimodal = decode_images(sources, s.vision, "content_parts")
+    multimodal = await decode_images_off_loop(sources, s.vision, "content_parts")
     try:
         ids = s.vision.expand_placeholders(ids, multimodal.image_grid_thw)
     except ValueError as e:
@@ -59,7 +64,7 @@ def _requests(s: ServerState, req: GenerateRequest, prompt: list[int], multimoda
 async def generate(request: Request) -> Any:
     s = state(request)
     req = await parse_body(request, GenerateRequest)
-    prompt, multimodal, placeholders = _prompt(s, req)
+    prompt, multimodal, placeholders = await _prompt(s, req)
     requests = _requests(s, req, prompt, multimodal)
     rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
     k = req.sampling_params.logprobs
