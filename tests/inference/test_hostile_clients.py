@@ -9,6 +9,8 @@ import asyncio
 import base64
 import socket
 import struct
+import subprocess
+import sys
 import time
 import zlib
 
@@ -201,6 +203,40 @@ def test_grammars_too_large_to_compile_quickly_are_refused(hostile_server):
     }
     r = httpx.post(f"{hostile_server.url}/v1/generate", json=body, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"]) == 8
+    assert_serving(hostile_server)
+
+
+def chained_rules(n: int) -> str:
+    """A Lark grammar of ``n`` rules, each referring to the next."""
+    return "start: a0\n" + "\n".join(f"a{i}: a{i + 1}" for i in range(n)) + f'\na{n}: "y"'
+
+
+CHAIN_SCRIPT = """
+import sys, threading
+import transformers
+from prime_inference.structured import GrammarState, check_grammar, request_grammar
+tokenizer = transformers.AutoTokenizer.from_pretrained(sys.argv[1])
+grammar = request_grammar({"grammar": sys.argv[2]})
+check_grammar(tokenizer, grammar)
+thread = threading.Thread(target=lambda: print(int(GrammarState(tokenizer, grammar).allowed().sum())))
+thread.start()
+thread.join()
+"""
+
+
+def test_a_deeply_chained_grammar_does_not_crash_the_server(hostile_server, model_dir):
+    """llguidance recurses once per level of rule references: 3000 chained rules (48 kB) overflowed the event loop's
+    8 MB stack, a segfault that took the server down for everyone. Compiled on a large stack, it just works, in the
+    engine thread's masks too. Checked in a child process first, so that a crash fails this test only."""
+    grammar = chained_rules(3000)
+    child = subprocess.run(
+        [sys.executable, "-c", CHAIN_SCRIPT, str(model_dir), grammar], capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-2000:]}"
+    assert child.stdout.split() == ["1"]  # only "y" is allowed
+    body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 4, "structured_outputs": {"grammar": grammar}}}
+    r = httpx.post(f"{hostile_server.url}/v1/generate", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
     assert_serving(hostile_server)
 
 

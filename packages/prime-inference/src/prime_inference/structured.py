@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from typing import Any
 
 from prime_inference.protocol import RequestError
@@ -41,6 +42,36 @@ def _bounded(source: str, param: str) -> str:
             param=param,
         )
     return source
+
+
+COMPILE_STACK_BYTES = 512 * 1024 * 1024
+"""Stack of the thread that compiles grammars. llguidance recurses once per level of rule references: a Lark grammar
+chaining 3000 rules (48 kB) overflowed an 8 MB thread stack and killed the server with a segfault. Only the pages
+used are committed; 512 MB holds the deepest chain under `MAX_GRAMMAR_CHARS`."""
+_stack_lock = threading.Lock()
+
+
+def _on_compile_stack(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a thread with a `COMPILE_STACK_BYTES` stack (the caller waits for it)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
+
+    with _stack_lock:  # the stack size is process-wide: set it just for this thread
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def _first_line(message: str) -> str:
@@ -66,7 +97,7 @@ def _json_grammar(schema: Any, param: str, compact: bool = False) -> str:
     _bounded(source, param)
     try:
         defaults = {"whitespace_flexible": False} if compact else None
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        return _on_compile_stack(llguidance.LLMatcher.grammar_from_json_schema, schema, defaults=defaults)
     except Exception as e:  # llguidance reports unsupported schema features as ValueError/RuntimeError
         raise RequestError(f"unsupported JSON schema: {e}", param=param) from e
 
@@ -177,7 +208,7 @@ def _validated(grammar: str, param: str) -> str:
     """``grammar`` once llguidance has compiled it (its JSON schemas included): a bad one is a 400 naming ``param``."""
     import llguidance
 
-    result = llguidance.LLMatcher.validate_grammar(_bounded(grammar, param))
+    result = _on_compile_stack(llguidance.LLMatcher.validate_grammar, _bounded(grammar, param))
     error = result[1] if isinstance(result, tuple) else result  # (ok, message) in some releases
     if error and not (isinstance(result, tuple) and result[0]):
         raise RequestError(f"invalid JSON schema: {_first_line(error)}", param=param)
@@ -213,7 +244,7 @@ def _compiled(tokenizer: Any, grammar: str) -> Any:
     with the same grammar starts from a copy, not from another compile in the event loop."""
     import llguidance
 
-    return llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar)
+    return _on_compile_stack(llguidance.LLMatcher, ll_tokenizer(tokenizer), grammar)
 
 
 def check_grammar(tokenizer: Any, grammar: str, param: str = "structured_outputs") -> None:
