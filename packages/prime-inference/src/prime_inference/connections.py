@@ -17,19 +17,35 @@ from prime_core.config.inference import InferenceConfig
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-class RequestDeadlineProtocol(H11Protocol):
-    """h11 uvicorn protocol that closes a connection whose request is not fully received by its deadline."""
+class _RequestDeadline:
+    """Closes a connection whose request is not fully received by its deadline (mixed into uvicorn's protocols)."""
 
     _deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.config.timeout_keep_alive, self._expire)  # type: ignore[attr-defined]
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():  # type: ignore[attr-defined]
+            self.transport.close()  # type: ignore[attr-defined]
+
+
+class H11RequestDeadline(_RequestDeadline, H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.SEND_BODY:
@@ -40,19 +56,26 @@ class RequestDeadlineProtocol(H11Protocol):
         if self.conn.their_state is h11.IDLE:  # not when a pipelined request was already read
             self._arm()
 
-    def _arm(self) -> None:
-        self._disarm()
-        self._deadline = self.loop.call_later(self.config.timeout_keep_alive, self._expire)
 
-    def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+def _httptools_protocol() -> type | None:
+    """The httptools protocol with the deadline (uvicorn's faster parser, which ``auto`` picks when installed)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
 
-    def _expire(self) -> None:
-        self._deadline = None
-        if not self.transport.is_closing():
-            self.transport.close()
+    class HttpToolsRequestDeadline(_RequestDeadline, HttpToolsProtocol):
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._disarm()
+
+        def on_response_complete(self) -> None:
+            idle = not self.pipeline
+            super().on_response_complete()
+            if idle and not self.transport.is_closing():
+                self._arm()
+
+    return HttpToolsRequestDeadline
 
 
 def uvicorn_config(app: Any, config: InferenceConfig, **overrides: Any) -> Any:
@@ -64,6 +87,6 @@ def uvicorn_config(app: Any, config: InferenceConfig, **overrides: Any) -> Any:
         port=config.server.port,
         timeout_keep_alive=config.server.timeout_keep_alive,
         timeout_graceful_shutdown=config.server.shutdown_timeout,
-        http=RequestDeadlineProtocol,
+        http=_httptools_protocol() or H11RequestDeadline,
     )
     return uvicorn.Config(app, **{**kwargs, **overrides})
