@@ -64,6 +64,12 @@ COVERED: dict[str, tuple[str, str, str]] = {
         'progress.begin(f"starting env servers and waiting for inference\'s{teachers} /health", waits_for="inference")',
         "the start-up activity, which names the teachers and logs every minute",
     ),
+    "ServerConfig.weight_wait_timeout": (
+        "prime-orchestrator/src/prime_orchestrator/envs.py",
+        "async with asyncio.timeout(self.env.rollout_timeout):",
+        "a request held for its weights (dispatch_ahead) belongs to a rollout, which its rollout_timeout ends (the "
+        "rollouts lane), while the policy lane waits on the trainer that makes those weights",
+    ),
     "EnvConfig.rollout_timeout": (
         "prime-orchestrator/src/prime_orchestrator/liveness.py",
         "self.limit_s = max(env_timeouts) + config.recovery.probe_timeout_s",
@@ -117,6 +123,10 @@ KNOWN_WAITS: dict[tuple[str, str], str] = {
         "the orchestrator's close hands the last steps to the trainer inside a ship activity that waits on it"
     ),
     ("prime-trainer/src/prime_trainer/world.py", "timeout_s"): "the default of ParallelConfig.timeout_s (COVERED)",
+    ("prime-launch/src/prime_launch/dry_check.py", "CHECK_TIMEOUT_S"): (
+        "rl --dry-run's check of the orchestrators' settings, before anything starts: it says every minute what it "
+        "waits for (dry_check._wait)"
+    ),
     ("prime-orchestrator/src/prime_orchestrator/sandbox/zygotes.py", "timeout"): (
         "a pool's first start compiles its bytecode cache; the pool starts inside a rollout's reward (rollouts lane)"
     ),

@@ -72,7 +72,9 @@ def test_a_dead_wandb_service_switches_wandb_off_and_the_run_goes_on(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "run went on" in done.stdout
     warnings = [line for line in done.stderr.splitlines() if "W&B" in line]
-    assert len(warnings) == 1 and "W&B logging stopped at step 1" in warnings[0], done.stderr
+    # The broken connection shows at the next log, or (when W&B buffered those) at closing: one line either way.
+    assert len(warnings) == 1, done.stderr
+    assert "W&B logging stopped at step" in warnings[0] or "W&B did not finish" in warnings[0], done.stderr
     assert "Traceback" not in done.stderr
 
 

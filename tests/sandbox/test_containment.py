@@ -145,3 +145,16 @@ def test_background_processes_die_with_the_execution(sandbox):
     result = run(sandbox, daemon + "print('bye')")
     assert (result.status, result.stdout) == ("ok", "bye\n")
     assert_serving(sandbox)
+
+
+def test_a_cpu_limit_kill_is_a_timeout_when_the_rusage_reads_short():
+    """The kernel's CPU-limit SIGKILL of a process whose rusage read 0.89 s of a 1 s limit (a CI host under load) was
+    reported as an error ("killed by signal SIGKILL"), not the timeout it is."""
+    import signal
+
+    from prime_orchestrator.sandbox.supervisor import _classify
+
+    limits = {"wall_s": 60, "cpu_s": 1, "output_bytes": 1 << 20, "memory_mb": 512, "processes": 32}
+    verdict = _classify(limits, None, -signal.SIGKILL, 0.89, "", b"")
+    assert verdict == {"status": "timeout", "reason": "CPU time limit of 1 s exceeded"}
+    assert _classify(limits, None, -signal.SIGKILL, 0.2, "", b"")["status"] == "error"  # killed early: not the limit

@@ -17,7 +17,7 @@ from prime_core.schemas.metrics import MetricsRecord
 
 logger = logging.getLogger(__name__)
 
-WANDB_FINISH_TIMEOUT_S = 120.0
+WANDB_FINISH_TIMEOUT_S = 60.0
 """How long closing waits for W&B to upload what it holds: a W&B that stopped answering must not keep a finished run
 from exiting (the run's W&B files stay in its directory for ``wandb sync``)."""
 
@@ -130,11 +130,14 @@ class WandbMonitor:
     def close(self) -> None:
         run, self._run = self._run, None
         WandbMonitor._open.discard(self)
-        if run is None:
-            if self._failed and not WandbMonitor._open:
-                _teardown_quietly()
-            return
-        # finish() uploads what W&B still holds; bounded, as a server that stopped answering would keep it forever.
+        if run is not None:
+            self._finish(run)
+        if self._failed and not WandbMonitor._open:
+            _teardown_quietly()
+
+    def _finish(self, run: Any) -> None:
+        """``run.finish()`` uploads what W&B still holds: bounded, as a server that stopped answering would keep it
+        forever (the service is then left to the process's exit)."""
         failed: list[BaseException] = []
         closing = threading.Thread(target=_finish, args=(run, failed), name="wandb-finish", daemon=True)
         closing.start()
@@ -143,6 +146,7 @@ class WandbMonitor:
         if closing.is_alive():
             logger.warning("W&B did not finish uploading within %g s%s", WANDB_FINISH_TIMEOUT_S, where)
         elif failed:
+            self._failed = True
             logger.warning("W&B did not finish (%s)%s", _first_line(failed[0]), where)
 
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+from prime_core.progress import NOTICE_EVERY_S
 
 from prime_launch.plan import role
 from prime_launch.process import ProcessSpec
@@ -25,16 +28,9 @@ def check_orchestrators(specs: list[ProcessSpec], timeout_s: float = CHECK_TIMEO
     with tempfile.TemporaryDirectory(prefix="prime-rl-dry-run-") as scratch:
         procs = {spec.name: _start(spec, Path(scratch)) for spec in checked}
         try:
-            deadline = time.monotonic() + timeout_s
+            start = time.monotonic()
             for spec in checked:
-                proc = procs[spec.name]
-                try:
-                    code = proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-                except subprocess.TimeoutExpired:
-                    raise ValueError(
-                        f"{spec.name}: its config check ({Path(spec.cmd[0]).name} --dry-run) did not finish within "
-                        f"{timeout_s:.0f} s"
-                    ) from None
+                code = _wait(procs[spec.name], spec, start, timeout_s)
                 if code != 0:
                     raise ValueError(f"{spec.name}: {_last_line(Path(scratch) / f'{spec.name}.err', code)}")
         finally:
@@ -42,6 +38,20 @@ def check_orchestrators(specs: list[ProcessSpec], timeout_s: float = CHECK_TIMEO
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+
+
+def _wait(proc: subprocess.Popen, spec: ProcessSpec, start: float, timeout_s: float) -> int:
+    """The check's exit code, within ``timeout_s`` of ``start``; a line every minute says what it waits for."""
+    what = f"{spec.name}: its config check ({Path(spec.cmd[0]).name} --dry-run)"
+    while True:
+        waited = time.monotonic() - start
+        try:
+            return proc.wait(timeout=max(min(NOTICE_EVERY_S, timeout_s - waited), 0.0))
+        except subprocess.TimeoutExpired:
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise ValueError(f"{what} did not finish within {timeout_s:.0f} s") from None
+            print(f"rl: still waiting for {what} after {waited:.0f} s (bound {timeout_s:.0f} s)", file=sys.stderr)
 
 
 def _start(spec: ProcessSpec, scratch: Path) -> subprocess.Popen:
