@@ -310,3 +310,34 @@ def test_a_client_that_leaves_cancels_its_generation(hostile_server):
     assert after["running"] == after["waiting"] == 0
     assert after["engine_steps"] - steps < 5  # the 8 x 100 tokens nobody waits for are not generated
     assert_serving(hostile_server)
+
+
+# ---------------------------------------------------------------- log flood
+
+
+def test_malformed_requests_write_a_line_a_minute_not_one_each(hostile_server, caplog):
+    """Each malformed request was a warning line in the server's log: a client connecting in a loop writes the log's
+    disk full over a long run. Now one line a minute, counting those left out."""
+    import logging
+
+    from prime_inference.connections import ClientWarningsPerMinute
+
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    clock = [0.0]
+    limit = ClientWarningsPerMinute(clock=lambda: clock[0])
+    uvicorn_log.addFilter(limit)
+    try:
+        with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+            for _ in range(50):
+                with socket.create_connection(("127.0.0.1", hostile_server.config.server.port), timeout=5) as s:
+                    s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+                    s.recv(1024)  # uvicorn's 400: the warning is logged by then
+            clock[0] = 61.0
+            with socket.create_connection(("127.0.0.1", hostile_server.config.server.port), timeout=5) as s:
+                s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+                s.recv(1024)
+    finally:
+        uvicorn_log.removeFilter(limit)
+    lines = [r.getMessage() for r in caplog.records if "Invalid HTTP request" in r.getMessage()]
+    assert lines == ["Invalid HTTP request received.", "Invalid HTTP request received. (49 more in the last 60 s)"]
+    assert_serving(hostile_server)

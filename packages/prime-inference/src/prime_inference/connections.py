@@ -4,12 +4,16 @@ uvicorn's ``timeout_keep_alive`` only runs between a response and the next reque
 connection that never sends a request, or sends its headers a byte at a time (slowloris), stayed open for good, and
 a few thousand of them exhaust the server's file descriptors. Here every connection must deliver each whole request
 (headers and body) within ``server.timeout_keep_alive`` seconds of opening or of its previous response; else it is
-closed (a request whose body was cut is answered with nothing: its client is gone).
+closed (a request whose body was cut is answered with nothing: its client is gone). uvicorn's warnings that any
+client can trigger pass at most once a minute (``ClientWarningsPerMinute``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -90,3 +94,27 @@ def uvicorn_config(app: Any, config: InferenceConfig, **overrides: Any) -> Any:
         http=_httptools_protocol() or H11RequestDeadline,
     )
     return uvicorn.Config(app, **{**kwargs, **overrides})
+
+
+class ClientWarningsPerMinute(logging.Filter):
+    """uvicorn warns once per malformed request ("Invalid HTTP request received.", "Unsupported upgrade request."),
+    each a line any client can write into the server's log, as fast as it can connect: over a long run, a disk. Each
+    such warning passes at most once a minute, saying how many were left out since; errors pass untouched."""
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.every_s, self.clock = every_s, clock
+        self.last: dict[str, float] = {}
+        self.left_out: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or record.exc_info:
+            return True
+        key, now = record.getMessage(), self.clock()
+        if now - self.last.get(key, -self.every_s) < self.every_s:
+            self.left_out[key] = self.left_out.get(key, 0) + 1
+            return False
+        self.last[key] = now
+        if left_out := self.left_out.pop(key, 0):
+            record.msg, record.args = f"{key} ({left_out} more in the last {self.every_s:g} s)", ()
+        return True

@@ -18,7 +18,7 @@ def serve(config: InferenceConfig) -> None:
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
-    from prime_inference.connections import uvicorn_config
+    from prime_inference.connections import ClientWarningsPerMinute, uvicorn_config
     from prime_inference.engines import build_engine
     from prime_inference.server import build_app
 
@@ -45,7 +45,9 @@ def serve(config: InferenceConfig) -> None:
         )
     )
     app.state.server = server  # vLLM's engine-error handler stops it when the engine has died
-    logging.getLogger("uvicorn.error").addFilter(CutRequestsInOneLine(config.server.shutdown_timeout))
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(CutRequestsInOneLine(config.server.shutdown_timeout))
+    uvicorn_log.addFilter(ClientWarningsPerMinute())
     server.run()
 
 
