@@ -139,7 +139,7 @@ class WandbMonitor:
         """``run.finish()`` uploads what W&B still holds: bounded, as a server that stopped answering would keep it
         forever (the service is then left to the process's exit)."""
         failed: list[BaseException] = []
-        closing = threading.Thread(target=_finish, args=(run, failed), name="wandb-finish", daemon=True)
+        closing = threading.Thread(target=_run_finish, args=(run, failed), name="wandb-finish", daemon=True)
         closing.start()
         closing.join(WANDB_FINISH_TIMEOUT_S)
         where = f" ({self._dir / 'wandb'}; `wandb sync` uploads it)" if self._dir else ""
@@ -150,7 +150,7 @@ class WandbMonitor:
             logger.warning("W&B did not finish (%s)%s", _first_line(failed[0]), where)
 
 
-def _finish(run: Any, failed: list[BaseException]) -> None:
+def _run_finish(run: Any, failed: list[BaseException]) -> None:
     try:
         run.finish()
     except BaseException as e:  # reported by close(); a thread's traceback would bypass the one-line rule

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
         on_dry_run=dry_run,
         writes_output_dir=True,
     )
-    check_envs(config)
+    _check_env_settings(config)
     import asyncio
 
     from prime_core.logging import setup_logging
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
 
 
-def check_envs(config: Any) -> None:
+def _check_env_settings(config: Any) -> None:
     """The environments' settings as verifiers validates them: one line naming the key, exit 2."""
     from prime_orchestrator.env_config import check_envs
 
@@ -49,7 +49,7 @@ def dry_run(config: Any) -> None:
     """``--dry-run`` checks the environments' settings too, then writes the resolved config."""
     from prime_core.config.cli import show_resolved
 
-    check_envs(config)
+    _check_env_settings(config)
     show_resolved(config, "eval")
 
 
