@@ -71,7 +71,40 @@ def summarize(metrics: Path, async_level: int = 0) -> dict:
         ),
         "off_policy_lag_max": max((r.get("off_policy_lag/max", 0) for r in orchestrator.values()), default=None),
         "reward": [orchestrator[s].get("reward/mean") for s in sorted(orchestrator)],
+        "timeline": timeline(trainer, orchestrator),
     }
+
+
+def timeline(trainer: dict[int, dict], orchestrator: dict[int, dict]) -> list[dict]:
+    """Per step, in seconds from the first trainer step's start: when its batch was dispatched (and on which
+    served weights), its rollouts admitted, done and shipped, and when the trainer received it, finished computing
+    and published the next weights. What one step waits on is then read off, not guessed."""
+    starts = [r["time/received_at"] for r in trainer.values() if "time/received_at" in r]
+    if not starts:
+        return []
+    t0 = min(starts)
+
+    def at(value: float | None) -> float | None:
+        return None if value is None else round(value - t0, 3)
+
+    rows = []
+    for step in sorted(set(trainer) | set(orchestrator)):
+        o, t = orchestrator.get(step, {}), trainer.get(step, {})
+        sent = o.get("time/dispatched_at")
+        row = {"step": step, "weights_served": at(o.get("time/policy_served_at")), "dispatched": at(sent)}
+        if sent is not None:
+            for key in ("rollouts_admitted", "rollouts_first_done", "rollouts_half_done", "rollouts"):
+                if o.get(f"time/{key}") is not None:
+                    row[key.replace("rollouts_", "") if key != "rollouts" else "last_done"] = at(
+                        sent + o[f"time/{key}"]
+                    )
+        row["shipped"] = at(o.get("time"))
+        if "time/received_at" in t:
+            row |= {"trainer_received": at(t["time/received_at"]),
+                    "trainer_computed": at(t["time/received_at"] + t["time/step"]),
+                    "trainer_published": at(t.get("time/published_at"))}  # fmt: skip
+        rows.append(row)
+    return rows
 
 
 def verdict(entry: dict, reference_step_s: float = 4.5) -> dict:
@@ -159,6 +192,8 @@ def main() -> None:
             log = run / "logs" / f"{name}.log"
             if log.is_file():
                 (args.out / f"{out.stem}_async{level}_{name}.log").write_text(log.read_text()[-200_000:])
+        if (run / "metrics.jsonl").is_file():
+            shutil.copy(run / "metrics.jsonl", args.out / f"{out.stem}_async{level}_metrics.jsonl")
     print(f"wrote {out}")
 
 

@@ -78,3 +78,20 @@ def test_rl_gpu_reports_no_step_times_of_a_previous_run(tmp_path):
     assert partial["steps"] == 3 and "step_wall_s" not in partial
     ok = run_level([*fake_rl(tmp_path, code=0, steps=4), str(run)], run, 0)
     assert ok["returncode"] == 0 and ok["steps"] == 4 and ok["step_wall_s"] == [2.0, 2.0, 2.0]
+
+
+def test_rl_gpu_timeline_lines_up_the_processes(tmp_path):
+    """The loop's timeline: each step's dispatch, results, ship and the trainer's receive/compute/publish, in
+    seconds from the first trainer step's start."""
+    trainer = {s: {"time/received_at": 100.0 + 4 * s, "time/step": 2.5, "time/published_at": 102.8 + 4 * s}
+               for s in range(2)}  # fmt: skip
+    orchestrator = {1: {"time": 103.7, "time/dispatched_at": 99.0, "time/policy_served_at": 98.9,
+                        "time/rollouts_admitted": 0.5, "time/rollouts_first_done": 3.0,
+                        "time/rollouts_half_done": 3.5, "time/rollouts": 4.5}}  # fmt: skip
+    rows = load("rl_gpu").timeline(trainer, orchestrator)
+    assert rows[0] == {"step": 0, "weights_served": None, "dispatched": None, "shipped": None,
+                       "trainer_received": 0.0, "trainer_computed": 2.5, "trainer_published": 2.8}  # fmt: skip
+    assert rows[1] == {"step": 1, "weights_served": -1.1, "dispatched": -1.0, "admitted": -0.5, "first_done": 2.0,
+                       "half_done": 2.5, "last_done": 3.5, "shipped": 3.7, "trainer_received": 4.0,
+                       "trainer_computed": 6.5, "trainer_published": 6.8}  # fmt: skip
+    assert load("rl_gpu").timeline({0: {"time/step": 1.0}}, {}) == []  # records of before the timeline

@@ -73,9 +73,14 @@ def test_one_step_end_to_end(tmp_path, tiny_model, torch_server):
             assert (mb.inference_logprobs[~mb.loss_mask] == 0).all()
             total += mb.num_loss_tokens
     assert total == meta.global_loss_tokens > 0
-    m = read_metrics(tmp_path / "metrics.jsonl", "orchestrator")[0].values
+    record = read_metrics(tmp_path / "metrics.jsonl", "orchestrator")[0]
+    m = record.values
     assert m["off_policy_lag/max"] == 0 and "reward/reverse-text/mean" in m and m["seq_len/mean"] > 0
     assert (tmp_path / "samples" / "orchestrator_step_0.jsonl").is_file()
+    # The step's timeline (benchmarks/rl_gpu.py lines it up with the trainer's): weights, dispatch, results, ship.
+    assert m["time/policy_served_at"] <= m["time/dispatched_at"] <= record.time
+    assert 0 <= m["time/rollouts_admitted"] <= m["time/rollouts"]
+    assert 0 < m["time/rollouts_first_done"] <= m["time/rollouts_half_done"] <= m["time/rollouts"]
 
 
 def test_async_bound_with_slow_trainer(tmp_path, tiny_model, torch_server):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,10 @@ class Rollout:
     first token (continuous)."""
     result: RolloutResult
     train: bool = True  # False: the curriculum scored the group but does not train it
+    admitted: float = 0.0
+    """``perf_counter`` when it took its in-flight slot (0: not recorded)."""
+    done: float = 0.0
+    """``perf_counter`` when its result came back."""
 
 
 @dataclass
@@ -30,3 +35,20 @@ class StepBatch:
     cursors: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     """Metrics of how the batch was formed (continuous mode: the stale rollouts cancelled and dropped meanwhile)."""
+    dispatched_at: float = field(default_factory=time.time)
+    """Wall-clock time of dispatch: the loop's timeline lines it up with the trainer's and the weight relay's."""
+
+
+def rollout_timeline(started: float, rollouts: list[Rollout]) -> dict[str, float]:
+    """When a step's rollouts went out and came back, in seconds from its dispatch: the last admitted to a slot, the
+    first and the median result. With ``time/rollouts`` (the last result) they say whether a step waits on
+    admission, on generation or on its tail."""
+    admitted = [r.admitted - started for r in rollouts if r.admitted]
+    done = sorted(r.done - started for r in rollouts if r.done)
+    if not admitted or not done:
+        return {}
+    return {
+        "time/rollouts_admitted": max(admitted),
+        "time/rollouts_first_done": done[0],
+        "time/rollouts_half_done": done[len(done) // 2],
+    }

@@ -32,7 +32,7 @@ from prime_core.transport import make_sender
 from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
-from prime_orchestrator.batch import Rollout, StepBatch
+from prime_orchestrator.batch import Rollout, StepBatch, rollout_timeline
 from prime_orchestrator.concurrency import ConcurrencyLimiter
 from prime_orchestrator.continuous import Continuous
 from prime_orchestrator.credit import seat_step_metrics, step_samples
@@ -207,6 +207,7 @@ class Orchestrator:
         c = self.config
         flight = flight or Flight()
         async with self.semaphore:
+            admitted = time.perf_counter()
             oldest = self._oldest_weights(step)
             weight_step = flight.started = max(self.policy.version, oldest or 0)
             self._requests += 1
@@ -222,7 +223,7 @@ class Orchestrator:
             result.versions = await self.versions.take(flight) or bounds(weight_step, self.policy.version)
             flight.versions = result.versions
         result = self.tracker.record(screen(result, c.recovery.max_text_chars))
-        return Rollout(env, example, group, weight_step, result)
+        return Rollout(env, example, group, weight_step, result, admitted=admitted, done=time.perf_counter())
 
     async def _group(self, step: int, env: str, example: int, gi: int) -> list[Rollout]:
         g = self.config.rollouts_per_example
@@ -247,6 +248,7 @@ class Orchestrator:
             self.cursor_history[step] = dict(self.cursors)
             plan = self._plan_step(step)
             batch = StepBatch(step, [], time.perf_counter(), waited)
+            batch.metrics["time/policy_served_at"] = self.policy.served_at
             logger.debug("dispatching step %d on weights %d", step, self.policy.version)
             await buffer.put(asyncio.create_task(self._generate_step(step, plan, batch)))
         await buffer.put(None)
@@ -282,6 +284,8 @@ class Orchestrator:
             "policy/version": self.policy.version,
             "time/rollouts": gen_time,
             "time/wait_for_policy": batch.wait_for_policy,
+            "time/dispatched_at": batch.dispatched_at,
+            **rollout_timeline(batch.started, rollouts),
             "samples/trained": len(samples),
             "env_servers/restarts": sum(p.server.num_restarts for p in self.pools.values()),
             "env_servers/retries": sum(p.num_retries for p in self.pools.values()),

@@ -25,6 +25,8 @@ class Policy:
         self.version = version
         self.num_updates = 0
         self.last_update_time = 0.0
+        self.served_at = time.time()
+        """Wall-clock time the served version was loaded (the loop's timeline, ``time/policy_served_at``)."""
         self._changed = asyncio.Condition()
         self.listeners: list[Callable[[], None]] = []
         """Called whenever the served version changes (continuous dispatch starts groups for the new weights)."""
@@ -51,7 +53,7 @@ class Policy:
         self.num_updates += 1
         logger.info("inference now serves weights step %d (update took %.2fs)", step, self.last_update_time)
         async with self._changed:
-            self.version = step
+            self.version, self.served_at = step, time.time()
             self._changed.notify_all()
         for listener in self.listeners:
             listener()

@@ -155,6 +155,7 @@ def train(config: TrainerConfig) -> None:
         t0 = time.perf_counter()
         meta, micro_batches = next_micro_batches(c, rollouts, step, config.seed)
         wait_s = time.perf_counter() - t0
+        received_at = time.time()  # wall clock: the loop's timeline lines it up with the orchestrator's
 
         common.perf.reset_peak_memory(c.world.device)
         t1 = time.perf_counter()
@@ -162,12 +163,14 @@ def train(config: TrainerConfig) -> None:
             metrics = train_step(c, objective, step, micro_batches, meta.temperature)
         compute_s = time.perf_counter() - t1
         metrics.update(common.perf_metrics(c, metrics["tokens"], meta.seq_len, compute_s))
-        metrics.update({"time/step": compute_s, "time/wait": wait_s, "temperature": meta.temperature})
+        metrics.update({"time/step": compute_s, "time/wait": wait_s, "temperature": meta.temperature,
+                        "time/received_at": received_at})  # fmt: skip
         check_loss_tokens(c, step, meta, metrics)
 
         # Step n's update is weights n + 1: published for inference, then checkpointed (both collective), then logged.
         with publishing(c, step + 1):
             metrics.update(common.publish_weights(c, step + 1))
+        metrics["time/published_at"] = time.time()
         with checkpointing(c, step + 1):
             metrics.update(common.save_checkpoint(c, step + 1, {"loss": config.loss.type}))
         common.log_step(c, step, metrics)
