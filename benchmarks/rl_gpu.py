@@ -66,9 +66,11 @@ def summarize(metrics: Path, async_level: int = 0) -> dict:
         "steady_rollout_tokens_per_s_mean": mean(
             {s: r for s, r in orchestrator.items() if s > async_level}, "throughput/rollout_tokens_per_s"
         ),
+        # a NaN step is logged as null (and the trainer stops after optim.max_skipped_steps of them)
         "max_mismatch_kl": max(
-            (r["mismatch_kl/mean"] for r in trainer.values() if "mismatch_kl/mean" in r), default=None
+            (v for r in trainer.values() if (v := r.get("mismatch_kl/mean")) is not None), default=None
         ),
+        "nan_steps": sum(1 for r in trainer.values() if "mismatch_kl/mean" in r and r["mismatch_kl/mean"] is None),
         "off_policy_lag_max": max((r.get("off_policy_lag/max", 0) for r in orchestrator.values()), default=None),
         "reward": [orchestrator[s].get("reward/mean") for s in sorted(orchestrator)],
         "timeline": timeline(trainer, orchestrator),
