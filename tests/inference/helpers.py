@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -96,3 +102,32 @@ def start_vllm_server(model_dir: Path, **overrides) -> RunningServer:
     vllm = {"gpu_memory_utilization": 0.3, "enforce_eager": True, **overrides.pop("vllm", {})}
     model = {"name": str(model_dir), "dtype": "bfloat16", **overrides.pop("model", {})}
     return start_server(model_dir, engine="vllm", model=model, vllm=vllm, startup_timeout=600, **overrides)
+
+
+@contextlib.contextmanager
+def inference_server(model_dir, engine: str, tmp_path, *more: str) -> Iterator[str]:
+    """The `inference` command in a process of its own (its main thread, its limits, its crash), bf16 on one GPU;
+    yields its URL once healthy."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", engine, "--model.name",
+           str(model_dir), "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(tmp_path / "inf"),
+           "--max-model-len", "128", "--vllm.gpu-memory-utilization", "0.3", "--vllm.enforce-eager", *more]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    server = subprocess.Popen(cmd, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert server.poll() is None, f"inference exited during startup (rc={server.returncode})"
+            assert time.time() < deadline, "inference not healthy after 600 s"
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(server.pid, signal.SIGKILL)

@@ -159,6 +159,33 @@ def check_sampling_parameters(client, model: str, url: str) -> None:
     assert len(r.choices) == 1
 
 
+def check_token_in_sampling_fields(url: str, tokenizer) -> None:
+    """The RL route (``/inference/v1/generate``, token ids in and out) honours every sampling field it accepts: a field
+    dropped on one engine changes what a rollout samples there and nowhere else."""
+
+    def generate(**sampling) -> dict:
+        body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 6, "temperature": 1, "seed": 0, **sampling}}
+        r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+        assert r.status_code == 200, (sampling, r.text[:300])
+        return r.json()["choices"][0]
+
+    forced = 9
+    assert generate(logit_bias={str(forced): 100})["token_ids"] == [forced] * 6
+    assert set(generate(allowed_token_ids=[11, 12])["token_ids"]) <= {11, 12}
+    assert generate(min_p=1.0)["token_ids"] == generate(temperature=0)["token_ids"]  # min_p = 1 leaves the top one
+    # A bias that makes one token the greedy choice, which the penalties then take away once it has repeated.
+    biased = {"temperature": 0, "logit_bias": {str(forced): 8}}
+    assert generate(**biased)["token_ids"] == [forced] * 6
+    for penalty in ({"frequency_penalty": 2.0}, {"repetition_penalty": 50.0}):
+        assert generate(**biased, **penalty)["token_ids"] != [forced] * 6, penalty
+    choice = generate(max_tokens=8, structured_outputs={"choice": ["alpha", "beta"]})
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) in ("alpha", "beta")
+    digits = generate(max_tokens=8, structured_outputs={"regex": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", tokenizer.decode(digits["token_ids"], skip_special_tokens=True))
+    value = generate(max_tokens=60, structured_outputs={"json": WEATHER_SCHEMA, "disable_any_whitespace": True})
+    assert set(json.loads(tokenizer.decode(value["token_ids"], skip_special_tokens=True))) == {"city", "days"}
+
+
 def check_tokenize_routes(url: str, model: str) -> None:
     tok = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": "hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0

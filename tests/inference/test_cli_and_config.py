@@ -131,6 +131,10 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
         assert log.stat().st_size == size, log.read_text()[size:]
         assert "/v1/chat/completions" not in log.read_text()
         assert (Path(tmp_path) / "configs" / "inference.toml").is_file()
+        # vLLM compiles grammars on the server's main thread: its stack may grow to 256 MB (`deepen_main_stack`)
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        soft = next(line.split()[3] for line in limits.splitlines() if line.startswith("Max stack size"))
+        assert soft == "unlimited" or int(soft) >= 256 * 1024 * 1024, limits
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -17,6 +17,7 @@ import zlib
 import httpx
 import pytest
 from prime_inference.protocol import RequestError
+from prime_inference.structured import MAX_GRAMMAR_CHARS
 
 from .helpers import start_server
 
@@ -242,6 +243,35 @@ def test_a_deeply_chained_grammar_does_not_crash_the_server(hostile_server, mode
     r = httpx.post(f"{hostile_server.url}/v1/generate", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop"
     assert_serving(hostile_server)
+
+
+VLLM_LIKE_COMPILE = """
+import sys
+import llguidance
+from prime_inference.structured import deepen_main_stack
+if sys.argv[2] == "deepened":
+    deepen_main_stack()
+# as vLLM's guidance backend validates a request's grammar: on the calling thread, here the main one
+llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", sys.argv[1]))
+print("compiled")
+"""
+
+
+def test_the_inference_process_compiles_deep_grammars_on_its_main_thread():
+    """vLLM compiles a request's grammar itself, on the server's event loop (the main thread) and in its engine core:
+    a grammar of 3000 chained rules segfaulted the vLLM server (one H200), which `serve` now prevents by raising its
+    stack limit before vLLM starts. The deepest chain under the size bound compiles on a main thread so raised, and
+    overflows one that is not."""
+    grammar = chained_rules(10_000)
+    assert len(grammar) < MAX_GRAMMAR_CHARS
+
+    def compile_in_child(how: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", VLLM_LIKE_COMPILE, grammar, how]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    deepened = compile_in_child("deepened")
+    assert deepened.returncode == 0 and deepened.stdout.split() == ["compiled"], deepened.stderr[-2000:]
+    assert compile_in_child("as started").returncode == -11  # SIGSEGV: what took the vLLM server down
 
 
 # ---------------------------------------------------------------- connections

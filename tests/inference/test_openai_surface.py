@@ -247,6 +247,7 @@ def test_structured_outputs_on_a_real_model(real):
 def test_sampling_parameters_on_a_real_model(real):
     cases.check_sampling_parameters(client(real), "m", real.url)
     cases.check_tolerant_requests(client(real), "m")
+    cases.check_token_in_sampling_fields(real.url, real.tokenizer)
 
 
 def test_prompt_logprobs_and_echo_match_a_reference_forward(real):

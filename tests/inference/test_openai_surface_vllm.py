@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from . import surface_cases as cases
-from .helpers import start_server
+from .helpers import inference_server, start_server
 from .surface import build_surface_tokenizer, save_surface_model
 
 pytestmark = [
@@ -103,6 +103,7 @@ def test_vllm_engine_errors_are_vllms_500(vllm_server):
 def test_vllm_sampling_parameters_and_tolerant_requests(vllm_server):
     cases.check_sampling_parameters(client(vllm_server), "m", vllm_server.url)
     cases.check_tolerant_requests(client(vllm_server), "m")
+    cases.check_token_in_sampling_fields(vllm_server.url, vllm_server.tokenizer)
 
 
 def test_vllm_tokenize_routes(vllm_server):
@@ -136,3 +137,23 @@ def test_vllm_reasoning_echo_log_probs_and_refusals(vllm_server):
     cases.check_raw_logprobs_by_default(vllm_server.url, "m")
     cases.check_unknown_field_ignored(vllm_server.url, "m")
     cases.check_refused_requests(vllm_server.url, "m", stop_limit=None)  # vLLM 0.26 takes any number of stops
+
+
+def test_vllm_deeply_chained_grammar_leaves_the_server_serving(tmp_path):
+    """A grammar of 3000 chained rules (48 kB, under the server's size bound) is compiled again by vLLM, with
+    llguidance, on the server's event loop: on an 8 MB stack the segfault took the server down (one H200, vLLM 0.26,
+    a server in a test thread). The `inference` process raises its stack limit first; it answers, and goes on
+    serving. A process of its own, as users run it: a crash fails this test, not the session."""
+    from .test_hostile_clients import chained_rules
+
+    model_dir = save_surface_model(tmp_path / "model")
+    with inference_server(model_dir, "vllm", tmp_path) as url:
+        body = {
+            "token_ids": [5, 6],
+            "sampling_params": {"max_tokens": 4, "structured_outputs": {"grammar": chained_rules(3000)}},
+        }
+        r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=300)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text[:300]
+        assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+        plain = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}}
+        assert httpx.post(f"{url}/inference/v1/generate", json=plain, timeout=60).status_code == 200

@@ -55,6 +55,44 @@ def test_vllm_cli_args_pass_options_through():
     assert "--disable-log-stats" not in vllm_cli_args(with_stats)
 
 
+def test_every_sampling_field_of_a_request_reaches_vllm(monkeypatch):
+    """The token-in route's sampling fields on the vLLM engine. min_p, the three penalties, logit_bias,
+    allowed_token_ids and structured_outputs were accepted, validated and then not handed to vLLM: a grammar or a
+    penalty that bound on the torch engine was silently dropped on a GPU. Each field now reaches vLLM's
+    ``SamplingParams`` (a stand-in module records what it is built with; the GPU test samples with them)."""
+    import dataclasses
+    import enum
+    import sys
+    import types
+
+    from prime_inference.engines.base import EngineRequest
+    from prime_inference.engines.vllm_engine import VllmEngine
+    from prime_inference.protocol import SamplingParams
+
+    fake = types.ModuleType("vllm.sampling_params")
+    fake.RequestOutputKind = enum.Enum("RequestOutputKind", "CUMULATIVE DELTA FINAL_ONLY")
+    fake.SamplingParams = lambda **kw: kw
+    fake.StructuredOutputsParams = lambda **kw: ("structured", kw)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", fake)
+    spec = {"choice": ["yes", "no"]}
+    params = SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop=["x"], stop_token_ids=[2],
+        ignore_eos=True, min_tokens=1, logprobs=2, prompt_logprobs=1, include_stop_str_in_output=True,
+        skip_special_tokens=False, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2,
+        logit_bias={9: 5.0}, allowed_token_ids=[9, 10], grammar="start: \"yes\" | \"no\"", structured_outputs=spec,
+    )  # fmt: skip
+    sent = VllmEngine._sampling_params(None, EngineRequest("r", [1, 2], params, stream=False), tapped=False)
+    for f in dataclasses.fields(SamplingParams):
+        if f.name == "grammar":  # the torch engine's compiled form; vLLM compiles the request's own spec
+            continue
+        value = getattr(params, f.name)
+        assert f.name in sent, f"{f.name} does not reach vLLM"
+        assert sent[f.name] == (("structured", spec) if f.name == "structured_outputs" else value), f.name
+    default = VllmEngine._sampling_params(None, EngineRequest("r", [1], SamplingParams(max_tokens=1)), tapped=False)
+    assert default["structured_outputs"] is None and default["logit_bias"] is None and default["top_k"] == -1
+
+
 def test_cuda_graphs_cover_every_step_adaptive_concurrency_can_reach():
     from prime_inference.engines.vllm_engine import vllm_cli_args
 

@@ -7,12 +7,7 @@ engines."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -31,36 +26,11 @@ from prime_trainer.world import World
 
 from tests.tiny import free_port
 
+from .helpers import inference_server
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 NEEDS_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="no vllm")
 ENGINES = ["torch", pytest.param("vllm", marks=NEEDS_VLLM)]
-
-
-@contextlib.contextmanager
-def inference_server(model_dir, engine: str, tmp_path, *more: str):
-    port = free_port()
-    cmd = [sys.executable, "-m", "prime_inference.entrypoints.inference", "--engine", engine, "--model.name",
-           str(model_dir), "--model.dtype", "bfloat16", "--server.port", str(port), "--output-dir", str(tmp_path / "inf"),
-           "--max-model-len", "128", "--vllm.gpu-memory-utilization", "0.3", "--vllm.enforce-eager", *more]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    server = subprocess.Popen(cmd, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert server.poll() is None, f"inference exited during startup (rc={server.returncode})"
-            assert time.time() < deadline, "inference not healthy after 600 s"
-            time.sleep(1)
-        yield url
-    finally:
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(server.pid, signal.SIGKILL)
 
 
 def greedy(url: str) -> list[int]:

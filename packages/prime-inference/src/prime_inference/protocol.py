@@ -76,6 +76,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     grammar: str | None = None
     """An llguidance grammar (built by `prime_inference.structured`) that every sampled token must follow."""
+    structured_outputs: dict[str, Any] | None = None
+    """The request's ``structured_outputs`` as vLLM reads it, once `grammar` compiled from it: the vLLM engine hands
+    it to vLLM's own structured-output backend (its engine core compiles it), the torch engine follows `grammar`."""
 
     @property
     def has_penalties(self) -> bool:

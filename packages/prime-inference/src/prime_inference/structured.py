@@ -74,6 +74,29 @@ def _on_compile_stack(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return out["value"]
 
 
+MAIN_STACK_BYTES = 256 * 1024 * 1024
+"""Stack limit the inference process raises itself to (`deepen_main_stack`)."""
+
+
+def deepen_main_stack(limit: int = MAIN_STACK_BYTES) -> int:
+    """Raise this process's soft stack limit to ``limit`` (within the hard one); returns the soft limit in force.
+
+    On the vLLM engine a request's grammar is compiled again by vLLM itself, with llguidance, on the server's event
+    loop (the main thread, where vLLM validates structured outputs) and in its engine core: a Lark grammar of 3000
+    chained rules overflowed that 8 MB stack and the segfault took the server down (one H200, vLLM 0.26). The main
+    thread's stack grows up to the soft limit as it is when the fault happens, so raising it at startup is enough
+    there; processes started afterwards inherit it. 256 MB holds chains of 40,000 rules, several times the deepest
+    grammar under `MAX_GRAMMAR_CHARS`; pages are committed only as used."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    target = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_STACK, (target, hard))
+        soft = target
+    return soft
+
+
 def _first_line(message: str) -> str:
     """llguidance's errors can run to a Rust backtrace: the first line names the problem."""
     line = message.strip().splitlines()[0] if message.strip() else "unknown error"

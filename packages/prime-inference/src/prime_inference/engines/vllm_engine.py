@@ -287,14 +287,22 @@ class VllmEngine(Engine):
         self.llm.shutdown()
 
     def _sampling_params(self, request: EngineRequest, tapped: bool) -> Any:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
         p = request.params
+        structured = StructuredOutputsParams(**p.structured_outputs) if p.structured_outputs else None
         return SamplingParams(
             n=1,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k if p.top_k > 0 else -1,
+            min_p=p.min_p,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logit_bias=p.logit_bias or None,
+            allowed_token_ids=p.allowed_token_ids,
+            structured_outputs=structured,
             seed=p.seed,
             stop=p.stop or None,
             stop_token_ids=p.stop_token_ids or None,
@@ -308,7 +316,7 @@ class VllmEngine(Engine):
             include_stop_str_in_output=p.include_stop_str_in_output,
             # The server detokenizes; vLLM only needs text to match stop strings.
             detokenize=bool(p.stop),
-            skip_special_tokens=True,
+            skip_special_tokens=p.skip_special_tokens,
             extra_args={TAP_FLAG: True} if tapped else None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )

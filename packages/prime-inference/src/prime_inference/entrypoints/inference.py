@@ -21,7 +21,9 @@ def serve(config: InferenceConfig) -> None:
     from prime_inference.connections import ClientWarningsPerMinute, uvicorn_config
     from prime_inference.engines import build_engine
     from prime_inference.server import build_app
+    from prime_inference.structured import deepen_main_stack
 
+    deepen_main_stack()  # before vLLM starts: it compiles grammars on this thread and in the processes it starts
     if config.vllm.headless:
         from prime_inference.engines.vllm_engine import run_headless
 

@@ -56,6 +56,7 @@ def _requests(s: ServerState, req: GenerateRequest, prompt: list[int], multimoda
     requested = sp.max_tokens if "max_tokens" in sp.model_fields_set else None
     params = req.sampling(s.max_tokens(len(prompt), requested))
     params.grammar = request_grammar(sp.structured_outputs)
+    params.structured_outputs = sp.structured_outputs if params.grammar is not None else None
     return s.requests(prompt, params, sp.n, 0, s.adapter(req.model), multimodal)
 
 
