@@ -93,6 +93,47 @@ def test_every_sampling_field_of_a_request_reaches_vllm(monkeypatch):
     assert default["structured_outputs"] is None and default["logit_bias"] is None and default["top_k"] == -1
 
 
+def test_what_vllm_refuses_before_generating_is_a_one_line_400():
+    """vLLM checks a request when it is added (its structured-output backend compiles the grammar, its sampler checks
+    the parameters) and raises ValueError: that was a 500 with a traceback in the server log; `vllm serve` answers
+    it with a 400, and so does this engine now. Once outputs flow, an error stays an error, and closing the stream
+    early still closes vLLM's generator (which aborts the request in the engine)."""
+    import asyncio
+
+    from prime_inference.engines.vllm_engine import refused_as_400
+    from prime_inference.protocol import RequestError
+
+    closed = []
+
+    async def vllm_outputs(fail_after: int | None):
+        try:
+            for i in range(3):
+                if fail_after == i:
+                    raise ValueError("Invalid grammar specification.\nTraceback line")
+                yield i
+        finally:
+            closed.append(fail_after)
+
+    async def consume(fail_after: int | None, take: int = 3) -> list[int]:
+        got, stream = [], refused_as_400(vllm_outputs(fail_after))
+        async for out in stream:
+            got.append(out)
+            if len(got) == take:
+                await stream.aclose()  # as the server's consumer closes a stream whose client left
+                assert closed and closed[-1] == fail_after  # vLLM's generator closed with it, not at exit
+                break
+        return got
+
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(consume(0))
+    assert refused.value.status_code == 400 and refused.value.param == "sampling_params"
+    assert "\n" not in refused.value.message and "Invalid grammar" in refused.value.message
+    with pytest.raises(ValueError) as failed:
+        asyncio.run(consume(2))
+    assert not isinstance(failed.value, RequestError)
+    assert asyncio.run(consume(None, take=1)) == [0]
+
+
 def test_cuda_graphs_cover_every_step_adaptive_concurrency_can_reach():
     from prime_inference.engines.vllm_engine import vllm_cli_args
 

@@ -181,6 +181,23 @@ def prompt_logprobs_of(entries: Any) -> list[dict[int, tuple[float, int]] | None
     return out
 
 
+async def refused_as_400(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """vLLM's outputs of one request, with what vLLM refuses before generating (its ``ValueError`` from checking the
+    request: a grammar its backend cannot compile, a parameter its sampler does not take) as a one-line 400, as
+    `vllm serve` answers it, not a 500 with a traceback in the log. Errors once tokens flow stay errors."""
+    started = False
+    try:
+        async for output in outputs:
+            started = True
+            yield output
+    except ValueError as e:
+        if started:
+            raise
+        raise RequestError(f"vLLM refused the request: {one_line(str(e))}", param="sampling_params") from None
+    finally:  # closed early (the client left): closing vLLM's generator aborts the request inside the engine
+        await outputs.aclose()  # type: ignore[attr-defined]
+
+
 class VllmEngine(Engine):
     name = "vllm"
     live_versions = False  # non-streamed requests deliver their tokens at the end
@@ -346,7 +363,9 @@ class VllmEngine(Engine):
         taken, delivered = False, 0
         self._in_flight += 1
         try:
-            async for result in self.llm.generate(engine_input, params, request.request_id, lora_request=lora):
+            async for result in refused_as_400(
+                self.llm.generate(engine_input, params, request.request_id, lora_request=lora)
+            ):
                 if self._unusable is not None:  # a failed load under it (in flight): closing aborts it in vLLM
                     raise RequestError(self._unusable, status_code=503)
                 out = result.outputs[0]
