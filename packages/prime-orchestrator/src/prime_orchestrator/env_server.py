@@ -54,9 +54,10 @@ def register_project_runtimes(data: Any) -> None:
 def prepare_env_process(env_config: dict[str, Any]) -> None:
     """Run in the env server and in every worker verifiers spawns for it (its ``log_setup`` hook): logging, the
     project runtimes the config names, the pooled HTTP transport for the engine calls, and the stack dump that names
-    where a blocked event loop is stuck."""
+    where a blocked event loop is stuck, and the process settings that cut a rollout's CPU (``worker_tuning``)."""
     from prime_orchestrator.http_pool import pool_engine_clients
     from prime_orchestrator.stacks import register_stack_dump
+    from prime_orchestrator.worker_tuning import memoise_factory_signatures
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for handler in logging.getLogger().handlers:
@@ -65,6 +66,7 @@ def prepare_env_process(env_config: dict[str, Any]) -> None:
     register_project_runtimes(env_config)
     pool_engine_clients()
     register_stack_dump()
+    memoise_factory_signatures()
 
 
 # zmq's errnos for a ROUTER's peer that went away, and for a socket closed under a send.

@@ -58,6 +58,9 @@ def guarded_renderer(tokenizer: Any, config: GuardedRendererConfig) -> Any:
     from pydantic import TypeAdapter
     from renderers import RendererConfig, create_renderer
 
+    from prime_orchestrator.worker_tuning import memoise_short_encodes
+
+    memoise_short_encodes(tokenizer)  # renderers re-encodes its headers and probes on every turn
     inner_config = TypeAdapter(RendererConfig).validate_python(config.renderer)
     renderer = create_renderer(tokenizer, inner_config, chat_template_kwargs=config.model_extra or None)
     parse = renderer.parse_response
