@@ -159,6 +159,43 @@ def test_a_server_that_answers_no_health_probe_is_replaced():
         server.wait()
 
 
+class _BusyClient:
+    """A worker whose event loop is busy, not blocked: it answers every health request, 2.5 s late."""
+
+    def __init__(self):
+        self.asked = 0
+
+    async def health(self, timeout):
+        self.asked += 1
+        await asyncio.sleep(min(2.5, timeout))
+        return timeout >= 2.5
+
+
+def test_a_busy_worker_that_answers_late_is_not_replaced():
+    """One worker with 512 rollouts in flight answers health seconds late (each pass of its loop runs hundreds of
+    callbacks). Each probe waited 2 s for its answer, so every probe read as silence and the worker was killed with
+    all its rollouts after ``probe_timeout_s``. A probe now waits as long as silence may last."""
+    server = subprocess.Popen(["sleep", "60"])
+    client = _BusyClient()
+
+    async def watch_for(seconds: float) -> list[str | None]:
+        watch = HangWatch("reverse-text", _Proc(server), client, 4.0, set)
+        verdicts, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            verdicts.append(await watch.unanswered())
+            await asyncio.sleep(0.5)
+        await watch.close()
+        return verdicts
+
+    try:
+        verdicts = asyncio.run(watch_for(8.0))
+        assert verdicts and all(v is None for v in verdicts), verdicts
+        assert 3 <= client.asked <= 5  # one request in flight at a time, each answered
+    finally:
+        server.kill()
+        server.wait()
+
+
 async def _probe_twice(watch: HangWatch):
     first = await watch.unanswered()
     await asyncio.sleep(0.4)

@@ -56,6 +56,8 @@ class HangWatch:
         """``workers()``: live pool worker pids (empty for a single server, which ``client`` probes)."""
         self._clients: dict[int, Any] = {}
         self._last_ok: dict[int, float] = {}
+        self._probes: dict[int, asyncio.Task] = {}
+        """One health request in flight per process, waiting up to ``probe_timeout_s`` for its answer."""
         self.tools = ToolWatch(probe_timeout_s, PROBE_INTERVAL_S)
 
     async def run(self) -> None:
@@ -122,13 +124,16 @@ class HangWatch:
                 if pid not in self._clients:
                     self._clients[pid] = EnvClient(f"ipc://{path}")
                 targets[pid] = self._clients[pid]
+        for pid in set(self._probes) - set(targets):  # a worker that left the pool
+            self._probes.pop(pid).cancel()
         now = time.monotonic()
-        answers = await asyncio.gather(*(self._probe(c) for c in targets.values()))
-        for pid, ok in zip(targets, answers, strict=True):
-            last = self._last_ok.setdefault(pid, now)
-            if ok:
-                self._last_ok[pid] = now
-            elif now - last > self.probe_timeout_s:
+        for pid, client in targets.items():
+            self._last_ok.setdefault(pid, now)
+            if pid not in self._probes or self._probes[pid].done():
+                self._probes[pid] = asyncio.create_task(self._probe(pid, client))
+        await asyncio.sleep(0)  # an answer already waiting lands before the verdict
+        for pid in targets:
+            if now - (last := self._last_ok[pid]) > self.probe_timeout_s:
                 what = "the server" if pid == self.proc.pid else "worker"
                 where = await blocked_in(pid)
                 why = f" in {where}" if where else ": a reward function or tool call that never returns?"
@@ -136,13 +141,22 @@ class HangWatch:
                 return f"{silent} (its event loop is blocked{why})"
         return None
 
-    async def _probe(self, client: Any) -> bool:
+    async def _probe(self, pid: int, client: Any) -> None:
+        """Ask once and wait for the answer as long as a silent worker may take. A busy loop (hundreds of rollouts
+        a worker, each callback milliseconds of rendering and parsing) answers seconds late; each probe waiting only
+        the probe interval for it read that as silence, and a working worker was killed after ``probe_timeout_s``
+        with every rollout it held (one worker, 512 rollouts in flight). Silence now means no answer at all."""
         try:
-            return await client.health(timeout=PROBE_INTERVAL_S)
+            ok = await client.health(timeout=self.probe_timeout_s)
         except Exception:  # a socket of a dying worker: silence, like a timeout
-            return False
+            ok = False
+        if ok:
+            self._last_ok[pid] = time.monotonic()
 
     async def close(self) -> None:
+        for probe in self._probes.values():
+            probe.cancel()
+        self._probes.clear()
         for client in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.close()
