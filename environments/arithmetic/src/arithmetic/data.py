@@ -49,7 +49,10 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def score_answer(reply: str, answer: str) -> float:
-    """1.0 when math-verify finds the reply's answer equal to ``answer``, else 0.0.
+    """1.0 when math-verify finds the reply's answer to be a number equal to ``answer``, else 0.0.
+
+    A number, not an expression: sympy evaluates what it parses, so ``\\boxed{12 \\times 17}`` (the problem's operands
+    copied, no arithmetic done) would match 204; copying the operands and the operator scored 1.0 on every problem.
 
     Unbounded: sympy computes what the reply boxes (``9^{9^{9}}`` never returns). The environment scores through
     ``arithmetic.verify.bounded_score``, which runs this in a child process it kills at a time limit."""
@@ -65,6 +68,8 @@ def score_answer(reply: str, answer: str) -> float:
     try:
         gold = parse(f"${answer}$", parsing_timeout=None)
         pred = parse(candidate, parsing_timeout=None)
-        return 1.0 if pred and verify(gold, pred, timeout_seconds=None) else 0.0
+        if not pred or not getattr(pred[0], "is_Number", False):  # 12*17, sqrt(64), a set, an equation
+            return 0.0
+        return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
     except Exception:  # math-verify raises on malformed LaTeX; that is a wrong answer
         return 0.0

@@ -58,25 +58,22 @@ def png_data_url(image) -> str:
 
 
 def generate_examples(n: int, seed: int = 0, image_size: int = 32, grid: int = 2, max_shapes: int = 4) -> list[dict]:
-    """``n`` examples ``{"image" (PNG data URL), "question", "answer", "completion", "kind"}``."""
+    """``n`` examples ``{"image" (PNG data URL), "question", "answer", "completion", "kind"}``.
+
+    The answer is drawn first and the scene built around it, so that no answer is more likely than another for its
+    question: a count uniform in ``[0, max_shapes]``, a colour uniform over the four. A scene drawn first made "0"
+    the answer to 50% of the count questions (a random colour over 1-4 shapes), which a policy earned without looking.
+    """
     if not 1 <= max_shapes <= grid * grid:
         raise ValueError(f"max_shapes must be in [1, {grid * grid}] for a {grid}x{grid} grid, got {max_shapes}")
     rng = random.Random(seed)
+    colors = list(COLORS)
     out = []
     for _ in range(n):
-        cells = rng.sample(range(grid * grid), rng.randint(1, max_shapes))
-        items = [(rng.choice(SHAPES), rng.choice(list(COLORS)), c) for c in cells]
-        unique = [s for s in SHAPES if sum(i[0] == s for i in items) == 1]
-        if unique and rng.random() < 0.5:
-            shape = rng.choice(unique)
-            question = f"What colour is the {shape}?"
-            answer = next(c for s, c, _ in items if s == shape)
-            kind = "colour"
+        if rng.random() < 0.5:
+            items, question, answer, kind = _colour_question(rng, grid, max_shapes, colors)
         else:
-            color = rng.choice(list(COLORS))
-            question = f"How many {color} shapes are in the image?"
-            answer = str(sum(c == color for _, c, _ in items))
-            kind = "count"
+            items, question, answer, kind = _count_question(rng, grid, max_shapes, colors)
         out.append(
             {
                 "image": png_data_url(draw_scene(items, image_size, grid)),
@@ -87,6 +84,24 @@ def generate_examples(n: int, seed: int = 0, image_size: int = 32, grid: int = 2
             }
         )
     return out
+
+
+def _count_question(rng: random.Random, grid: int, max_shapes: int, colors: list[str]):
+    """A scene with ``k`` shapes of the asked colour, ``k`` uniform in ``[0, max_shapes]``, among 1-max_shapes."""
+    color, count = rng.choice(colors), rng.randint(0, max_shapes)
+    cells = rng.sample(range(grid * grid), rng.randint(max(1, count), max_shapes))
+    others = [c for c in colors if c != color]
+    items = [(rng.choice(SHAPES), color if i < count else rng.choice(others), c) for i, c in enumerate(cells)]
+    return items, f"How many {color} shapes are in the image?", str(count), "count"
+
+
+def _colour_question(rng: random.Random, grid: int, max_shapes: int, colors: list[str]):
+    """A scene with exactly one shape of the asked kind, its colour uniform, among 1-max_shapes shapes."""
+    shape, color = rng.choice(SHAPES), rng.choice(colors)
+    cells = rng.sample(range(grid * grid), rng.randint(1, max_shapes))
+    others = [s for s in SHAPES if s != shape]
+    items = [(shape, color, cells[0])] + [(rng.choice(others), rng.choice(colors), c) for c in cells[1:]]
+    return items, f"What colour is the {shape}?", color, "colour"
 
 
 def prompt_messages(example: dict[str, Any]) -> list[dict[str, Any]]:
