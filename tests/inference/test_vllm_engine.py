@@ -66,7 +66,7 @@ def test_every_sampling_field_of_a_request_reaches_vllm(monkeypatch):
     import types
 
     from prime_inference.engines.base import EngineRequest
-    from prime_inference.engines.vllm_engine import VllmEngine
+    from prime_inference.engines.vllm_requests import sampling_params
     from prime_inference.protocol import SamplingParams
 
     fake = types.ModuleType("vllm.sampling_params")
@@ -82,14 +82,14 @@ def test_every_sampling_field_of_a_request_reaches_vllm(monkeypatch):
         skip_special_tokens=False, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.2,
         logit_bias={9: 5.0}, allowed_token_ids=[9, 10], grammar="start: \"yes\" | \"no\"", structured_outputs=spec,
     )  # fmt: skip
-    sent = VllmEngine._sampling_params(None, EngineRequest("r", [1, 2], params, stream=False), tapped=False)
+    sent = sampling_params(EngineRequest("r", [1, 2], params, stream=False), tapped=False)
     for f in dataclasses.fields(SamplingParams):
         if f.name == "grammar":  # the torch engine's compiled form; vLLM compiles the request's own spec
             continue
         value = getattr(params, f.name)
         assert f.name in sent, f"{f.name} does not reach vLLM"
         assert sent[f.name] == (("structured", spec) if f.name == "structured_outputs" else value), f.name
-    default = VllmEngine._sampling_params(None, EngineRequest("r", [1], SamplingParams(max_tokens=1)), tapped=False)
+    default = sampling_params(EngineRequest("r", [1], SamplingParams(max_tokens=1)), tapped=False)
     assert default["structured_outputs"] is None and default["logit_bias"] is None and default["top_k"] == -1
 
 
@@ -100,7 +100,7 @@ def test_what_vllm_refuses_before_generating_is_a_one_line_400():
     early still closes vLLM's generator (which aborts the request in the engine)."""
     import asyncio
 
-    from prime_inference.engines.vllm_engine import refused_as_400
+    from prime_inference.engines.vllm_requests import refused_as_400
     from prime_inference.protocol import RequestError
 
     closed = []

@@ -72,10 +72,6 @@ def memoise_short_encodes(tokenizer: Any) -> None:
     ``tokenizer.__call__`` from the instance."""
     if getattr(tokenizer, "_prime_short_encodes", False) or not hasattr(tokenizer, "encode"):
         return
-    try:
-        from transformers.tokenization_utils_base import BatchEncoding
-    except ImportError:  # a tokenizer of its own (renderers takes any): left as it is
-        return
 
     encode, call = tokenizer.encode, tokenizer.__call__
 
@@ -110,10 +106,11 @@ def memoise_short_encodes(tokenizer: Any) -> None:
         if k is None or kwargs.get("return_tensors") is not None:
             return call(*args, **kwargs)
         answer = called(*k)
-        if not isinstance(answer, BatchEncoding):
+        # transformers' BatchEncoding, recognised by what it carries: the orchestrator does not import transformers
+        if not all(hasattr(answer, a) for a in ("items", "encodings", "n_sequences")):
             return answer
         data = {name: list(value) if isinstance(value, list) else value for name, value in answer.items()}
-        return BatchEncoding(data, encoding=answer.encodings, n_sequences=answer.n_sequences)
+        return type(answer)(data, encoding=answer.encodings, n_sequences=answer.n_sequences)
 
     try:
         tokenizer.encode, tokenizer.__call__ = short_encode, short_call

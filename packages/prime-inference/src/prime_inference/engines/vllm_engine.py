@@ -36,8 +36,9 @@ from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.vllm_load import LoadPoller
+from prime_inference.engines.vllm_requests import refused_as_400, sampling_params
 from prime_inference.protocol import RequestError
-from prime_inference.token_logprobs import TAP_FLAG, TapFetcher, align
+from prime_inference.token_logprobs import TapFetcher, align
 
 logger = logging.getLogger(__name__)
 
@@ -181,23 +182,6 @@ def prompt_logprobs_of(entries: Any) -> list[dict[int, tuple[float, int]] | None
     return out
 
 
-async def refused_as_400(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """vLLM's outputs of one request, with what vLLM refuses before generating (its ``ValueError`` from checking the
-    request: a grammar its backend cannot compile, a parameter its sampler does not take) as a one-line 400, as
-    `vllm serve` answers it, not a 500 with a traceback in the log. Errors once tokens flow stay errors."""
-    started = False
-    try:
-        async for output in outputs:
-            started = True
-            yield output
-    except ValueError as e:
-        if started:
-            raise
-        raise RequestError(f"vLLM refused the request: {one_line(str(e))}", param="sampling_params") from None
-    finally:  # closed early (the client left): closing vLLM's generator aborts the request inside the engine
-        await outputs.aclose()  # type: ignore[attr-defined]
-
-
 class VllmEngine(Engine):
     name = "vllm"
     live_versions = False  # non-streamed requests deliver their tokens at the end
@@ -303,41 +287,6 @@ class VllmEngine(Engine):
         await self._load.stop()
         self.llm.shutdown()
 
-    def _sampling_params(self, request: EngineRequest, tapped: bool) -> Any:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-        p = request.params
-        structured = StructuredOutputsParams(**p.structured_outputs) if p.structured_outputs else None
-        return SamplingParams(
-            n=1,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k if p.top_k > 0 else -1,
-            min_p=p.min_p,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            logit_bias=p.logit_bias or None,
-            allowed_token_ids=p.allowed_token_ids,
-            structured_outputs=structured,
-            seed=p.seed,
-            stop=p.stop or None,
-            stop_token_ids=p.stop_token_ids or None,
-            ignore_eos=p.ignore_eos,
-            max_tokens=p.max_tokens,
-            min_tokens=p.min_tokens,
-            logprobs=0 if tapped else p.logprobs,  # the tap needs no alternatives
-            prompt_logprobs=p.prompt_logprobs,
-            # Log-probs as flat per-request lists, not a dict and a Logprob object per token and alternative.
-            flat_logprobs=p.logprobs is not None,
-            include_stop_str_in_output=p.include_stop_str_in_output,
-            # The server detokenizes; vLLM only needs text to match stop strings.
-            detokenize=bool(p.stop),
-            skip_special_tokens=p.skip_special_tokens,
-            extra_args={TAP_FLAG: True} if tapped else None,
-            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
-        )
-
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self._unusable is not None:
             raise RequestError(self._unusable, status_code=503)
@@ -345,7 +294,7 @@ class VllmEngine(Engine):
         # The tap serves what RL sends: the sampled tokens' log-probs, in one response per request. renderers' client
         # asks for logprobs=1, which on this route means the same: its top_logprobs hold the first max(k, 1) entries.
         tapped = self._tap is not None and k is not None and k <= 1 and not request.stream
-        params = self._sampling_params(request, tapped)
+        params = sampling_params(request, tapped)
         prompt = {"prompt_token_ids": list(request.prompt_ids)}
         if request.multimodal is not None:
             prompt = request.multimodal.vllm_prompt(list(request.prompt_ids))
