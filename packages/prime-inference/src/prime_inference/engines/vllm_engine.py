@@ -287,6 +287,9 @@ class VllmEngine(Engine):
         await self._load.stop()
         self.llm.shutdown()
 
+    def _sampling_params(self, request: EngineRequest, tapped: bool) -> Any:
+        return sampling_params(request, tapped)  # a method: CPU tests replace it, having no vllm to build one
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self._unusable is not None:
             raise RequestError(self._unusable, status_code=503)
@@ -294,7 +297,7 @@ class VllmEngine(Engine):
         # The tap serves what RL sends: the sampled tokens' log-probs, in one response per request. renderers' client
         # asks for logprobs=1, which on this route means the same: its top_logprobs hold the first max(k, 1) entries.
         tapped = self._tap is not None and k is not None and k <= 1 and not request.stream
-        params = sampling_params(request, tapped)
+        params = self._sampling_params(request, tapped)
         prompt = {"prompt_token_ids": list(request.prompt_ids)}
         if request.multimodal is not None:
             prompt = request.multimodal.vllm_prompt(list(request.prompt_ids))
