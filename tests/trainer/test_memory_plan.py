@@ -204,3 +204,28 @@ def test_weight_gradients_go_into_matmuls_only_with_several_micro_batches_and_ro
     assert not fused and line.endswith("(fp32 ones held throughout would not fit)")
     fused, _ = run(two, need + 2 * trainable)
     assert fused
+
+
+@pytest.mark.parametrize(
+    "device,varlen,cuda_graphs,masked",
+    [
+        ("cpu", True, False, True),
+        ("cuda", True, False, False),
+        ("cuda", False, False, True),
+        ("cuda", True, True, True),
+    ],
+)
+def test_packed_rows_count_masks_only_where_sdpa_builds_them(monkeypatch, device, varlen, cuda_graphs, masked):
+    """torch's varlen kernel (packed rows on CUDA) needs no [S, S] mask, so the plan does not budget one; CPU, a CUDA
+    graph's capture, or the kernel turned off still build masks."""
+    from prime_models import kernels
+
+    monkeypatch.setattr(kernels, "SDPA_VARLEN", varlen)
+    monkeypatch.setattr(kernels, "torch_varlen_attn", lambda: object())
+    mb = SimpleNamespace(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    c = SimpleNamespace(
+        model=SimpleNamespace(attn_backend="sdpa"),
+        config=SimpleNamespace(parallel=SimpleNamespace(cuda_graphs=cuda_graphs)),
+        world=SimpleNamespace(device=torch.device(device)),
+    )
+    assert M._packed_rows(c, [mb], rows=1) == (1 if masked else 0)

@@ -95,6 +95,33 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+# Packed rows (several samples a row) under SDPA on CUDA attend through torch's own variable-length flash kernel
+# (`torch.nn.attention.varlen`, FA2 built into torch, forward and backward) instead of a block-diagonal mask: no mask,
+# and no attention across the masked-out blocks, which a dense mask's kernel computes anyway (the one-GPU loop's rows
+# hold ~10 samples of ~200 tokens: a tenth of a row's causal FLOPs). PRIME_SDPA_VARLEN=0 brings back the mask.
+SDPA_VARLEN: bool = os.environ.get("PRIME_SDPA_VARLEN", "1") != "0"
+
+
+@functools.cache
+def torch_varlen_attn():
+    """torch's `varlen_attn` (registers the ``torch_attn::_varlen_attn`` op), or None where this torch lacks it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_attention_ops() -> frozenset:
+    """The op `torch_varlen_attn` runs (for activation checkpointing's kept-attention policy), if this torch has it."""
+    if torch_varlen_attn() is None:
+        return frozenset()
+    try:
+        return frozenset({torch.ops.torch_attn._varlen_attn.default})
+    except (AttributeError, RuntimeError):
+        return frozenset()
+
+
 def flash_attn_varlen_func():
     """Return flash-attn's varlen kernel, importing it only when the flash path is actually used."""
     if not HAS_FLASH_ATTN:

@@ -279,6 +279,7 @@ def write_bench(c: Components) -> dict[str, Any]:
         "batch_size": fake.batch_size,
         "micro_batch_size": fake.micro_batch_size,
         "variable_lengths": fake.variable_lengths,
+        "max_sample_len": fake.max_sample_len,
         "steps_measured": len(steps),
         "tokens_per_s": mean("throughput/tokens_per_s"),
         "mfu": mean("mfu"),

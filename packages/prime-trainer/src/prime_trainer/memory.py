@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from prime_models.layers.attention import varlen_applies
 from prime_models.parallel import apply_activation_checkpointing, main_grad
 from prime_models.parallel.mixed_precision import mixed_precision_of
 from torch import nn
@@ -310,9 +311,11 @@ def _packed(mb) -> bool:
 
 
 def _packed_rows(c, micro_batches: list, rows: int) -> int:
-    """Rows of a micro-batch that need attention masks: all of them when some row is packed and attention is SDPA."""
+    """Rows of a micro-batch that need attention masks: all of them when some row is packed and attention is SDPA
+    with masks (not torch's varlen kernel: on CPU, or where CUDA graphs capture the forward)."""
     sdpa = getattr(c.model, "attn_backend", "sdpa") == "sdpa"
-    return rows if sdpa and any(_packed(mb) for mb in micro_batches) else 0
+    masked = sdpa and (c.config.parallel.cuda_graphs or not varlen_applies(c.world.device))
+    return rows if masked and any(_packed(mb) for mb in micro_batches) else 0
 
 
 def plan_memory(c, micro_batches: list) -> MemoryPlan:

@@ -207,6 +207,9 @@ class FakeDataConfig(BaseConfig):
     """Row length; unset uses the top-level ``seq_len``."""
     variable_lengths: bool = False
     """Pack random-length samples into each row (position ids restart) instead of one full-length sample."""
+    max_sample_len: int | None = Field(default=None, ge=2)
+    """With ``variable_lengths``: sample lengths are drawn from 2 .. this (e.g. 400 for the one-GPU RL loop's rows of
+    about ten rollouts); unset draws up to the row length."""
 
     @model_validator(mode="after")
     def _divisible(self) -> FakeDataConfig:

@@ -3,8 +3,11 @@
 A row may hold several samples; `position_ids` restart at 0 at each sample start and attention never crosses a sample
 boundary. Two backends:
 
-* ``sdpa``: `torch.nn.functional.scaled_dot_product_attention`. Unpacked rows use `is_causal=True`; packed rows use a
-  block-diagonal causal boolean mask `[B, 1, S, S]` (S^2 bytes per row, e.g. 64 MiB at 8k tokens).
+* ``sdpa``: torch's own kernels. Unpacked rows use `torch.nn.functional.scaled_dot_product_attention` with
+  `is_causal=True`. Packed rows on CUDA use torch's variable-length flash kernel (`torch.nn.attention.varlen`) over
+  the flattened tokens, so a row's samples cost their own causal blocks and nothing across them; elsewhere (CPU, a
+  CUDA-graph capture, `kernels.SDPA_VARLEN` off) SDPA with a block-diagonal causal boolean mask `[B, 1, S, S]` (S^2
+  bytes per row, e.g. 64 MiB at 8k tokens, and the whole causal triangle computed).
 * ``flash_attn``: `flash_attn_varlen_func` over the flattened `[B*S]` tokens with `cu_seqlens` derived from
   `position_ids` (no mask at all).
 
@@ -50,10 +53,18 @@ class AttentionMetadata:
 
     backend: str
     mask_B1SS: torch.Tensor | None = None  # sdpa, packed rows only
-    cu_seqlens: torch.Tensor | None = None  # flash_attn: int32 [num_samples + 1] over the flattened tokens
+    cu_seqlens: torch.Tensor | None = None  # flash_attn, sdpa's packed rows on CUDA: int32 [num_samples + 1]
     max_seqlen: int = 0
     context_parallel: Any = None  # a CPShard: ring attention over the context-parallel group
     kv_cache: KVCacheStep | None = None  # sampling: attend over a KV cache instead of the rows
+    position_ids_BS: torch.Tensor | None = None  # sdpa's packed rows on CUDA: for the mask, if a layer needs it
+
+    def packed_mask(self) -> torch.Tensor:
+        """The block-diagonal causal mask of packed rows, built at the first call (sdpa's fallback from the varlen
+        kernel, e.g. for fp32 activations, which that kernel does not take)."""
+        if self.mask_B1SS is None:
+            self.mask_B1SS = block_causal_mask(self.position_ids_BS)
+        return self.mask_B1SS
 
 
 def sample_starts(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -86,7 +97,18 @@ class RowPacking:
     max_seqlen: int
 
 
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+VARLEN_HEAD_DIMS = range(8, 257, 8)
+"""What torch's varlen flash kernel takes; other activations fall back to SDPA with a mask."""
+
 ROW_PACKING: ContextVar[RowPacking | None] = ContextVar("prime_row_packing", default=None)
+
+
+def varlen_applies(device: torch.device | None) -> bool:
+    """Whether packed rows on ``device`` attend through torch's varlen kernel (else through a mask)."""
+    return (
+        device is not None and device.type == "cuda" and kernels.SDPA_VARLEN and kernels.torch_varlen_attn() is not None
+    )
 
 
 def row_packing(position_ids_BS: torch.Tensor, device: torch.device | None = None) -> RowPacking:
@@ -130,14 +152,24 @@ def build_attention_metadata(
         raise ValueError(f"unknown attention backend {backend!r}; known: {ATTN_BACKENDS}")
     if known is not None and not known.packed:
         return AttentionMetadata(backend)
-    starts = sample_starts(position_ids_BS)
-    if known is None and not bool((starts.sum(-1) > 1).any()):  # a read-back: on a GPU, a sync
+    if known is not None and known.cu_seqlens.numel() and varlen_applies(known.cu_seqlens.device):
+        return AttentionMetadata(
+            backend, cu_seqlens=known.cu_seqlens, max_seqlen=known.max_seqlen, position_ids_BS=position_ids_BS
+        )
+    if known is None and not bool((sample_starts(position_ids_BS).sum(-1) > 1).any()):  # a read-back: a GPU sync
         return AttentionMetadata(backend)
+    if known is None and varlen_applies(position_ids_BS.device) and not kernels.capturing(position_ids_BS):
+        cu, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
+        return AttentionMetadata(backend, cu_seqlens=cu, max_seqlen=max_seqlen, position_ids_BS=position_ids_BS)
+    return AttentionMetadata(backend, mask_B1SS=block_causal_mask(position_ids_BS))
+
+
+def block_causal_mask(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Boolean `[B, 1, S, S]`: causal within each sample of a packed row, nothing across samples."""
     seq = position_ids_BS.shape[1]
-    doc_BS = starts.cumsum(-1)
+    doc_BS = sample_starts(position_ids_BS).cumsum(-1)
     causal_SS = torch.ones(seq, seq, dtype=torch.bool, device=position_ids_BS.device).tril()
-    mask = (doc_BS[:, :, None] == doc_BS[:, None, :]) & causal_SS
-    return AttentionMetadata(backend, mask_B1SS=mask.unsqueeze(1))
+    return ((doc_BS[:, :, None] == doc_BS[:, None, :]) & causal_SS).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -186,14 +218,17 @@ class Attention(nn.Module):
             out = meta.context_parallel.attention(q, k, v, self.scale)
         elif meta.backend == "flash_attn":
             out = self._flash(q, k, v, meta)
+        elif meta.cu_seqlens is not None and q.dtype in VARLEN_DTYPES and self.head_dim in VARLEN_HEAD_DIMS:
+            out = self._varlen(q, k, v, meta)
         else:
             out = self._sdpa(q, k, v, meta)
         return self.o_proj(out.reshape(B, S, -1))
 
     def _sdpa(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = q_BSND.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)
+        mask = meta.packed_mask() if meta.cu_seqlens is not None else meta.mask_B1SS
         rep = self.num_heads // self.num_kv_heads
-        if rep > 1 and meta.mask_B1SS is None and q.is_cuda and kernels.SDPA_NATIVE_GQA:
+        if rep > 1 and mask is None and q.is_cuda and kernels.SDPA_NATIVE_GQA:
             with kernels.sdpa_backend_context(q.device):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             return out.transpose(1, 2)
@@ -201,11 +236,26 @@ class Attention(nn.Module):
             # Expanding K/V (rather than enable_gqa) keeps every SDPA backend eligible, masked ones included.
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         with kernels.sdpa_backend_context(q.device):
-            if meta.mask_B1SS is None:
+            if mask is None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask_B1SS, scale=self.scale)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.transpose(1, 2)
+
+    def _varlen(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
+        B, S = q_BSND.shape[:2]
+        out = kernels.torch_varlen_attn()(
+            q_BSND.reshape(B * S, self.num_heads, self.head_dim),
+            k_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
+            v_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
+            meta.cu_seqlens,
+            meta.cu_seqlens,
+            meta.max_seqlen,
+            meta.max_seqlen,
+            scale=self.scale,
+            window_size=(-1, 0),
+        )
+        return out.view(B, S, self.num_heads, self.head_dim)
 
     def _flash(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
         B, S = q_BSND.shape[:2]

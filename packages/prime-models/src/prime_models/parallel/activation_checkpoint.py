@@ -52,7 +52,8 @@ def _ops(names: tuple[str, ...]) -> frozenset:
 
 ATTENTION_OPS = _ops(("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
                       "_scaled_dot_product_efficient_attention", "_flash_attention_forward",
-                      "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu"))  # fmt: skip
+                      "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu")
+                     ) | kernels.varlen_attention_ops()  # fmt: skip
 """Attention kernels whose outputs `keep_attention` keeps (and `offload_attention` moves to host memory)."""
 MATMUL_OPS = _ops(("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm"))
 

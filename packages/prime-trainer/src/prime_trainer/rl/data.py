@@ -148,7 +148,8 @@ def fake_micro_batches(
         for row in range(config.micro_batch_size):
             pos = 0
             while pos < seq_len:
-                length = int(rng.integers(2, seq_len + 1)) if config.variable_lengths else seq_len
+                longest = min(config.max_sample_len or seq_len, seq_len)
+                length = int(rng.integers(2, longest + 1)) if config.variable_lengths else seq_len
                 length = min(length, seq_len - pos)
                 span = slice(pos, pos + length)
                 mb.input_ids[row, span] = rng.integers(0, vocab_size, length)

@@ -1,0 +1,141 @@
+"""Packed rows under SDPA on CUDA attend through torch's varlen flash kernel (no mask, no work across samples).
+
+On CPU the kernel does not run, so the routing is checked with a reference stand-in of the same signature (each
+sample's causal attention on its own); the kernel itself is checked against the mask on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from prime_models import apply_activation_checkpointing, kernels, load_model
+from prime_models.layers import attention
+from prime_models.layers.attention import row_packing, use_row_packing
+from prime_models.parallel.activation_checkpoint import ATTENTION_OPS
+
+from tests.models.conftest import VOCAB, tiny_config
+
+LENGTHS = [5, 9, 2, 7]  # one row of four samples, and a second row of one
+SEQ = sum(LENGTHS)
+
+
+class _ReferenceVarlen:
+    """torch's `varlen_attn` signature, computed sample by sample with causal SDPA; records its calls."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        self.calls.append(dict(cu=cu_q.tolist(), max_q=max_q, window=window_size, heads=(q.shape[1], k.shape[1])))
+        assert torch.equal(cu_q, cu_k) and max_q == max_k and window_size == (-1, 0)
+        out = torch.empty_like(q)
+        for start, end in zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], strict=True):
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            ).transpose(0, 1)
+        return out
+
+
+def _rows() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in LENGTHS]), torch.arange(SEQ)])
+    return ids, positions
+
+
+@pytest.fixture
+def reference_varlen(monkeypatch):
+    """Packed rows on CPU routed to the varlen path, served by `_ReferenceVarlen`."""
+    ref = _ReferenceVarlen()
+    monkeypatch.setattr(attention, "varlen_applies", lambda device: device is not None)
+    monkeypatch.setattr(kernels, "torch_varlen_attn", lambda: ref)
+    return ref
+
+
+def _logprobs(model, ids, positions, packing: bool) -> torch.Tensor:
+    with use_row_packing(row_packing(positions) if packing else None):
+        lp, _ = model(ids[:, :-1], positions[:, :-1], targets=ids[:, 1:])
+    return lp
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["host_packing", "from_position_ids"])
+def test_packed_rows_attend_through_the_varlen_kernel_like_the_mask(reference_varlen, packing):
+    model = load_model(tiny_config("qwen3"), dtype=torch.bfloat16, seed=0)
+    ids, positions = _rows()
+    with torch.no_grad():
+        varlen = _logprobs(model, ids, positions, packing)
+        assert len(reference_varlen.calls) == model.args.num_layers
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention, "varlen_applies", lambda device: False)
+            masked = _logprobs(model, ids, positions, packing)
+    call = reference_varlen.calls[0]
+    # Both rows flattened: the first row's four samples (the last cut by the shift), then the second row whole.
+    assert call["cu"] == [0, 5, 14, 16, 22, 44] and call["max_q"] == 22
+    assert call["heads"] == (4, 2)  # grouped-query K/V go in unexpanded
+    assert (varlen.float() - masked.float()).abs().max().item() < 2e-2
+
+
+def test_activations_the_kernel_does_not_take_fall_back_to_the_mask(reference_varlen):
+    model = load_model(tiny_config("qwen3"), seed=0)  # fp32
+    ids, positions = _rows()
+    with torch.no_grad():
+        fallback = _logprobs(model, ids, positions, packing=True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention, "varlen_applies", lambda device: False)
+            masked = _logprobs(model, ids, positions, packing=True)
+    assert reference_varlen.calls == []
+    assert torch.equal(fallback, masked)
+
+
+def test_kept_attention_covers_the_varlen_kernel():
+    if kernels.torch_varlen_attn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    assert torch.ops.torch_attn._varlen_attn.default in ATTENTION_OPS
+
+
+# --- GPU: the kernel itself ------------------------------------------------------------------------------------------
+
+
+def _gpu_step(model, ids, positions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    lp = _logprobs(model, ids, positions, packing=True)
+    (-lp.float().mean()).backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return lp.detach().float(), grads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("ac", ["none", "keep_attention", "offload_attention"])
+def test_gpu_varlen_kernel_trains_like_the_mask(monkeypatch, ac):
+    """bf16 Qwen3-shaped layers (GQA 16/8 heads of 128), rows of many short samples: log-probs and gradients of the
+    varlen kernel against SDPA with the block-diagonal mask, with and without checkpointing that keeps its outputs."""
+    cfg = tiny_config("qwen3", hidden_size=512, intermediate_size=1024, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)  # fmt: skip
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    rows, seq = 4, 2048
+    ids = torch.randint(0, VOCAB, (rows, seq + 1), generator=g)
+    positions = torch.zeros(rows, seq + 1, dtype=torch.long)
+    for r in range(rows):
+        pos = 0
+        while pos < seq + 1:
+            n = min(int(torch.randint(16, 400, (1,), generator=g)), seq + 1 - pos)
+            positions[r, pos : pos + n] = torch.arange(n)
+            pos += n
+    ids, positions = ids.to(device), positions  # positions stay on the host for row_packing, as the trainer's
+    results = {}
+    for name, on in (("varlen", True), ("mask", False)):
+        monkeypatch.setattr(kernels, "SDPA_VARLEN", on)
+        model = load_model(cfg, dtype=torch.bfloat16, device=device, seed=0)
+        if ac != "none":
+            apply_activation_checkpointing(
+                model.model.layers, "full", keep_attention=-1, offload_attention=ac == "offload_attention"
+            )
+        with use_row_packing(row_packing(positions, device)):
+            results[name] = _gpu_step(model, ids, positions.to(device))
+    (lp_v, g_v), (lp_m, g_m) = results["varlen"], results["mask"]
+    assert (lp_v - lp_m).abs().max().item() < 0.05
+    for n, grad in g_m.items():
+        rel = (g_v[n] - grad).norm() / grad.norm().clamp_min(1e-12)
+        assert rel.item() < 0.02, (n, rel.item())
