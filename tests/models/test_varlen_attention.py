@@ -8,12 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from prime_models import apply_activation_checkpointing, kernels, load_model
+from prime_models import ParallelDims, apply_activation_checkpointing, get_model_spec, kernels, load_model
 from prime_models.layers import attention
 from prime_models.layers.attention import row_packing, use_row_packing
+from prime_models.parallel import cuda_graphs as G
 from prime_models.parallel.activation_checkpoint import ATTENTION_OPS
+from prime_models.parallel.cuda_graphs import cuda_graphs_of
 
 from tests.models.conftest import VOCAB, tiny_config
+from tests.models.cuda_graph_standin import graphs_on_cpu  # noqa: F401 (fixture)
 
 LENGTHS = [5, 9, 2, 7]  # one row of four samples, and a second row of one
 SEQ = sum(LENGTHS)
@@ -30,6 +33,8 @@ class _ReferenceVarlen:
         assert torch.equal(cu_q, cu_k) and max_q == max_k and window_size == (-1, 0)
         out = torch.empty_like(q)
         for start, end in zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], strict=True):
+            if end == start:  # an empty sample (CUDA graphs pad cu_seqlens with them)
+                continue
             qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
             out[start:end] = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
@@ -91,6 +96,73 @@ def test_kept_attention_covers_the_varlen_kernel():
     if kernels.torch_varlen_attn() is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
     assert torch.ops.torch_attn._varlen_attn.default in ATTENTION_OPS
+
+
+# Micro-batches of two 16-token rows (sample lengths per row) and the varlen bucket each falls into:
+# (samples padded to a power of two, longest sample rounded up to one, at most the row).
+GRAPHED_BATCHES = (
+    (((4, 4, 8), (6, 10)), (8, 16)),
+    (((3, 5, 8), (2, 6, 8)), (8, 8)),
+    (((4, 4, 8), (16,)), (4, 16)),
+    (((7, 9), (5, 11)), (4, 16)),
+)
+
+
+def _graphed_model(graphs: bool):
+    model = load_model(tiny_config("qwen3", num_hidden_layers=2), seed=0)
+    get_model_spec("qwen3").parallelize_fn(
+        model, ParallelDims(world_size=1), param_dtype=torch.bfloat16, cuda_graphs=graphs
+    )
+    return model
+
+
+def _train_packed(model) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], []
+    for seed, (rows, _) in enumerate(GRAPHED_BATCHES):
+        ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(seed))
+        pos = torch.stack(
+            [torch.cat([torch.arange(n) for n in row] + [torch.zeros(1, dtype=torch.long)]) for row in rows]
+        )
+        with use_row_packing(row_packing(pos[:, :-1])):
+            lp, _ = model(ids[:, :-1], pos[:, :-1], targets=ids[:, 1:])
+        loss = -lp.mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads
+
+
+@pytest.mark.usefixtures("graphs_on_cpu")
+def test_cuda_graphs_replay_the_varlen_kernel_one_graph_a_bucket(reference_varlen):
+    eager_losses, eager_grads = _train_packed(_graphed_model(graphs=False))
+    eager_calls, reference_varlen.calls[:] = list(reference_varlen.calls), []
+    model = _graphed_model(graphs=True)
+    losses, grads = _train_packed(model)
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    for got, want in zip(grads, eager_grads, strict=True):
+        for name, g in want.items():
+            torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    graphs = cuda_graphs_of(model)
+    buckets = [bucket for _, bucket in GRAPHED_BATCHES]
+    assert sorted(key[2] for key in graphs.graphs) == sorted(set(buckets))
+    assert (graphs.captures, graphs.replays) == (3, 4)
+    # Every replayed forward ran the kernel on cu_seqlens padded with empty samples, for the bucket's longest sample.
+    replayed = [c for c in reference_varlen.calls if len(c["cu"]) - 1 in {b[0] for b in buckets}]
+    assert {(len(c["cu"]) - 1, c["max_q"]) for c in replayed} == set(buckets)
+    assert all(c["cu"][-1] == 32 for c in reference_varlen.calls)
+    assert all(len(c["cu"]) < 8 for c in eager_calls)  # eager forwards: the samples as they are
+
+
+@pytest.mark.usefixtures("graphs_on_cpu")
+def test_past_the_bucket_limit_packed_rows_replay_the_mask(monkeypatch, reference_varlen):
+    monkeypatch.setattr(G, "MAX_VARLEN_KEYS", 2)
+    model = _graphed_model(graphs=True)
+    _train_packed(model)
+    keys = cuda_graphs_of(model).graphs
+    assert sorted(str(key[2]) for key in keys) == ["(8, 16)", "(8, 8)", "None"]
 
 
 # --- GPU: the kernel itself ------------------------------------------------------------------------------------------

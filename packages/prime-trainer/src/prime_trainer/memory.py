@@ -312,9 +312,9 @@ def _packed(mb) -> bool:
 
 def _packed_rows(c, micro_batches: list, rows: int) -> int:
     """Rows of a micro-batch that need attention masks: all of them when some row is packed and attention is SDPA
-    with masks (not torch's varlen kernel: on CPU, or where CUDA graphs capture the forward)."""
+    with masks (not torch's varlen kernel, which serves packed rows on CUDA, CUDA graphs included)."""
     sdpa = getattr(c.model, "attn_backend", "sdpa") == "sdpa"
-    masked = sdpa and (c.config.parallel.cuda_graphs or not varlen_applies(c.world.device))
+    masked = sdpa and not varlen_applies(c.world.device)
     return rows if masked and any(_packed(mb) for mb in micro_batches) else 0
 
 

@@ -8,10 +8,14 @@ What is graphed: a `CausalLM`'s `forward_hidden` (embeddings, rotary table, atte
 norm), through torch's `make_graphed_callables`: a forward and a backward graph inside one autograd node, per key.
 The LM head, the chunked log-probs and the loss stay eager (few ops; they read the graph's output).
 
-* Key: the rows' shape and whether some row is packed. Packed rows attend through a block-diagonal mask that the
-  graph builds on the device from position_ids (a graph input), so every packing of one shape replays one graph;
-  unpacked rows keep the mask-free causal kernel. The trainer's micro-batches are [rows, seq_len]: a run captures
-  at most two graphs.
+* Key: the rows' shape, whether some row is packed, and for packed rows the varlen kernel's bucket. Packed rows whose
+  packing the caller computed on the host (the trainer's `row_packing`) attend through torch's varlen kernel: its
+  `cu_seqlens` are a graph input padded with empty samples to a power-of-two count, and its longest sample is rounded
+  up to a power of two (both fixed at capture: blocks past a sample's end return at once), so a bucket (samples,
+  longest) replays one graph; the loop's 2048-token rows of ~10 rollouts of ~214 tokens fall into one or two. Past
+  `MAX_VARLEN_KEYS` buckets, and for packings the forward has to read itself, packed rows attend through a
+  block-diagonal mask that the graph builds on the device from position_ids (a graph input), one graph for every
+  packing of a shape. Unpacked rows keep the mask-free causal kernel.
 * Capture is lazy, at the first forward of a key (warmup forward/backwards on a side stream whose gradients go
   through `torch.autograd.grad`, so nothing accumulates into ``.grad``), inside the model's forward once the one-rank
   mixed precision (`prime_models.parallel.mixed_precision`) swapped its working copy in: the graphs read the working
@@ -48,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prime_models.layers import attention
 from prime_models.layers.attention import CONTEXT_PARALLEL, ROW_PACKING, RowPacking, sample_starts, use_row_packing
 from prime_models.models.transformer import CausalLM
 from prime_models.parallel.main_grad import discarding_outside_capture
@@ -63,10 +68,33 @@ CAPTURE_ATTEMPTS: int = 2
 """Captures of one key before its rows run eagerly for the rest of the run. On an H100, 2 of 6 runs of the GPU test
 (each the first pytest run on a fresh machine) failed a capture with cuBLAS's EXECUTION_FAILED inside the backward
 of compiled layers, cause not found; another attempt is cheap, and a training run should not die of it."""
+MAX_VARLEN_KEYS: int = 8
+"""Varlen buckets captured per run at most (each capture takes a few seconds); further buckets replay the mask."""
 _NO_CU_SEQLENS = torch.empty(0, dtype=torch.int32)
 
-GraphKey = tuple[tuple[int, ...], bool]
-"""(rows' shape, some row packed)."""
+VarlenBucket = tuple[int, int]
+"""(samples the padded `cu_seqlens` holds, longest sample the kernel is launched for): both powers of two."""
+GraphKey = tuple[tuple[int, ...], bool, VarlenBucket | None]
+"""(rows' shape, some row packed, the varlen bucket of packed rows or None for the mask)."""
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def varlen_bucket(packing: RowPacking | None, shape: tuple[int, ...]) -> VarlenBucket | None:
+    """The bucket of rows of ``shape`` whose host-computed ``packing`` the varlen kernel serves, else None."""
+    if packing is None or packing.shape != shape or not packing.packed or not packing.cu_seqlens.numel():
+        return None
+    if not attention.varlen_applies(packing.cu_seqlens.device):
+        return None
+    return _pow2(packing.cu_seqlens.numel() - 1), min(_pow2(packing.max_seqlen), shape[1])
+
+
+def padded_cu_seqlens(cu_seqlens: torch.Tensor, samples: int) -> torch.Tensor:
+    """``cu_seqlens`` with empty samples appended up to ``samples`` (on its device, without reading it back)."""
+    missing = samples + 1 - cu_seqlens.numel()
+    return torch.cat([cu_seqlens, cu_seqlens[-1:].expand(missing)]) if missing else cu_seqlens
 
 
 def make_graphed(module: nn.Module, sample_args: tuple[torch.Tensor, ...], pool: Any) -> nn.Module:
@@ -81,16 +109,22 @@ class _Stack(nn.Module):
     (the working copy), its forward the model's eager `forward_hidden` on the key's attention path. Not part of the
     model's module tree (state dicts and optimizers never see it)."""
 
-    def __init__(self, model: CausalLM, packed: bool):
+    def __init__(self, model: CausalLM, packed: bool, varlen: VarlenBucket | None):
         super().__init__()
         self.backbone = model.model
         self.model_ref = weakref.ref(model)
-        self.packed = packed
+        self.packed, self.varlen = packed, varlen
 
-    def forward(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         model = self.model_ref()
-        # The key's packing, not the first micro-batch's: SDPA reads only the flag (the mask comes from position_ids).
-        packing = RowPacking(tuple(input_ids_BS.shape), self.packed, _NO_CU_SEQLENS, 0)
+        # The key's packing, not the first micro-batch's: the mask path reads only the flag (the mask comes from
+        # position_ids), the varlen path the static cu_seqlens and the bucket's longest sample.
+        if self.varlen is None:
+            packing = RowPacking(tuple(input_ids_BS.shape), self.packed, _NO_CU_SEQLENS, 0)
+        else:
+            packing = RowPacking(tuple(input_ids_BS.shape), True, cu_seqlens, self.varlen[1])
         with use_row_packing(packing):
             return super(_CudaGraphed, model).forward_hidden(input_ids_BS, position_ids_BS)
 
@@ -152,15 +186,24 @@ class CudaGraphs:
             mp.accumulate_at_end = True
         if position_ids_BS is None:
             position_ids_BS = torch.arange(input_ids_BS.shape[1], device=input_ids_BS.device).expand_as(input_ids_BS)
-        key = (tuple(input_ids_BS.shape), _packed(position_ids_BS))
+        shape = tuple(input_ids_BS.shape)
+        packed = _packed(position_ids_BS)
+        packing = ROW_PACKING.get()
+        bucket = varlen_bucket(packing, shape) if packed else None
+        if bucket is not None and (shape, True, bucket) not in self.graphs and self._varlen_keys() >= MAX_VARLEN_KEYS:
+            bucket = None
+        key = (shape, packed, bucket)
+        args = (input_ids_BS, position_ids_BS)
+        if bucket is not None:
+            args += (padded_cu_seqlens(packing.cu_seqlens, bucket[0]),)
         _check_gradients_handed_over(mp)
         graphed = self.graphs.get(key)
         if graphed is None and key not in self.failed:
-            graphed = self._capture(model, key, input_ids_BS, position_ids_BS)
+            graphed = self._capture(model, key, args)
         if graphed is None:
             self.last_eager_reason = f"capture failed: {self.failed[key]}"
             return None
-        hidden = graphed(input_ids_BS, position_ids_BS)
+        hidden = graphed(*args)
         self.replays += 1
         if hidden.grad_fn is not None:
             self._awaiting = weakref.ref(hidden.grad_fn)
@@ -170,16 +213,27 @@ class CudaGraphs:
     def _backward_reached(self, grad: torch.Tensor) -> None:
         self._awaiting = None
 
-    def _capture(self, model: CausalLM, key: GraphKey, input_ids_BS, position_ids_BS) -> Callable | None:
-        rows = f"{'x'.join(map(str, key[0]))} ({'packed' if key[1] else 'unpacked'})"
+    def _varlen_keys(self) -> int:
+        return sum(key[2] is not None for key in (*self.graphs, *self.failed))
+
+    def _capture(self, model: CausalLM, key: GraphKey, args: tuple[torch.Tensor, ...]) -> Callable | None:
+        shape, packed, bucket = key
+        how = (
+            "unpacked"
+            if not packed
+            else "packed, mask"
+            if bucket is None
+            else f"packed, varlen {bucket[0]}x{bucket[1]}"
+        )
+        rows = f"{'x'.join(map(str, shape))} ({how})"
         for attempt in range(1, CAPTURE_ATTEMPTS + 1):
             if self.pool is None and DEVICE_TYPE == "cuda":
                 self.pool = torch.cuda.graph_pool_handle()
             # Clones: the graph's static inputs, overwritten by every replay (never the caller's tensors).
-            sample = tuple(t.clone(memory_format=torch.contiguous_format) for t in (input_ids_BS, position_ids_BS))
+            sample = tuple(t.clone(memory_format=torch.contiguous_format) for t in args)
             start = time.perf_counter()
             try:
-                graphed = _make_graphed_keeping_the_stream(_Stack(model, key[1]), sample, self.pool)
+                graphed = _make_graphed_keeping_the_stream(_Stack(model, packed, bucket), sample, self.pool)
             except RuntimeError as e:  # torch.AcceleratorError is one
                 message = str(e).strip()
                 self.failed[key] = message.splitlines()[0][:300] if message else type(e).__name__
