@@ -4,10 +4,12 @@ A row may hold several samples; `position_ids` restart at 0 at each sample start
 boundary. Two backends:
 
 * ``sdpa``: torch's own kernels. Unpacked rows use `torch.nn.functional.scaled_dot_product_attention` with
-  `is_causal=True`. Packed rows on CUDA use torch's variable-length flash kernel (`torch.nn.attention.varlen`) over
-  the flattened tokens, so a row's samples cost their own causal blocks and nothing across them; elsewhere (CPU, a
-  CUDA-graph capture, `kernels.SDPA_VARLEN` off) SDPA with a block-diagonal causal boolean mask `[B, 1, S, S]` (S^2
-  bytes per row, e.g. 64 MiB at 8k tokens, and the whole causal triangle computed).
+  `is_causal=True`. Packed rows on CUDA whose packing the caller computed on the host (`row_packing`, as the trainer
+  does) use torch's variable-length flash kernel (`torch.nn.attention.varlen`) over the flattened tokens, so a row's
+  samples cost their own causal blocks and nothing across them; otherwise (CPU, a packing the forward reads itself,
+  `kernels.SDPA_VARLEN` off, fp32 activations) SDPA with a block-diagonal causal boolean mask `[B, 1, S, S]` (S^2
+  bytes per row, e.g. 64 MiB at 8k tokens, and the whole causal triangle computed). CUDA graphs replay the same
+  choice (`prime_models.parallel.cuda_graphs`).
 * ``flash_attn``: `flash_attn_varlen_func` over the flattened `[B*S]` tokens with `cu_seqlens` derived from
   `position_ids` (no mask at all).
 
@@ -158,9 +160,6 @@ def build_attention_metadata(
         )
     if known is None and not bool((sample_starts(position_ids_BS).sum(-1) > 1).any()):  # a read-back: a GPU sync
         return AttentionMetadata(backend)
-    if known is None and varlen_applies(position_ids_BS.device) and not kernels.capturing(position_ids_BS):
-        cu, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
-        return AttentionMetadata(backend, cu_seqlens=cu, max_seqlen=max_seqlen, position_ids_BS=position_ids_BS)
     return AttentionMetadata(backend, mask_B1SS=block_causal_mask(position_ids_BS))
 
 
