@@ -5,6 +5,7 @@ generated examples against the chance level of its question kind."""
 from __future__ import annotations
 
 import collections
+import functools
 import re
 
 import pytest
@@ -71,8 +72,10 @@ def _code_reward(task: dict, source: str) -> float:
     return sum(o.passed for o in judge(tests, lines)) / len(tests)
 
 
-def _lookup_table(prompt: str) -> str:
-    """The SFT data's wrong policy (examples/code/make_sft_data.py): the prompt's two example calls, else None."""
+@functools.cache
+def _make_sft_data():
+    """examples/code/make_sft_data.py, whose ``lookup_table`` (the prompt's two example calls, else None) is the SFT
+    data's wrong policy."""
     import importlib.util
     from pathlib import Path
 
@@ -80,7 +83,7 @@ def _lookup_table(prompt: str) -> str:
     spec = importlib.util.spec_from_file_location("make_sft_data", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.lookup_table(prompt)
+    return module
 
 
 @pytest.mark.parametrize(
@@ -111,12 +114,12 @@ def test_code_tasks_no_blind_function_beats_one_test(args):
     common = {family: values.most_common(1)[0][0] for family, values in fit.items()}
     rewards, constant = collections.defaultdict(list), collections.defaultdict(list)
     for task in generate_tasks(1500, seed=0, **args):
-        name, family = task["family"], task["family"]
+        name = family = task["family"]
         stubs = {
             "most_frequent": f"def {name}(*args):\n    return {common[family]}\n",
             "none": f"def {name}(*args):\n    return None\n",
             "echo": f"def {name}(*args):\n    return args[0]\n",
-            "table": _lookup_table(task["prompt"]),
+            "table": _make_sft_data().lookup_table(task["prompt"]),
         }
         for policy, source in stubs.items():
             rewards[policy].append(_code_reward(task, source))
