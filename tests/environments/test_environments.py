@@ -99,3 +99,20 @@ def test_code_tasks_restricted_to_families():
     assert {t["family"] for t in tasks} == {"primes", "digit_power"}
     with pytest.raises(ValueError, match="nope"):
         generate_tasks(1, families=["nope"])
+
+
+def test_code_tasks_prompts_stay_what_the_shipped_model_learned():
+    """The hidden tests are drawn apart from the prompts: changing how they are chosen leaves every prompt and
+    reference as examples/code/model was SFT'd on (seed 1234) and as the GPU example trains on (8 tests)."""
+    import hashlib
+
+    from code_tasks import generate_tasks
+
+    four = ["sum_divisible", "count_chars", "digit_power", "primes"]
+    pinned = {
+        "0076390175e8cc0c55e888ce2522f6312be2bf1a442d9156e1631457ac769416": dict(n=300, seed=1234, families=four),
+        "e0f5f98aff0ef9fd446d65555038510a899b188b042bda919892f6eb7d419886": dict(n=300, seed=0, num_tests=8),
+    }
+    for digest, args in pinned.items():
+        shown = "\n".join(t["prompt"] + t["reference"] for t in generate_tasks(**args))
+        assert hashlib.sha256(shown.encode()).hexdigest() == digest, args

@@ -3,7 +3,10 @@ and the extraction of the code from a reply."""
 
 from __future__ import annotations
 
+import collections
 import copy
+import itertools
+import json
 import random
 import re
 
@@ -13,6 +16,7 @@ SYSTEM_PROMPT = (
     "You are an expert Python programmer. Answer with one ```python code block that defines the requested "
     "function (standard library only, no input() or printing needed)."
 )
+_DRAWS_PER_TEST = 20  # random inputs drawn for the hidden tests, per test: enough to find distinct values
 _BLOCK_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -24,7 +28,9 @@ def _reference(family: Family, name: str, params: dict):
 
 
 def _cases(family: Family, params: dict, fn, rng: random.Random, n: int) -> list[tuple[str, object]]:
-    """``n`` distinct (call expression, expected value) pairs: the family's edge cases, then random inputs."""
+    """``n`` distinct (call expression, expected value) pairs: the family's edge cases, then random inputs. The
+    prompt shows the last ones; this draw (and what it takes from ``rng``) must not change, or every prompt after
+    it would, and the shipped SFT model and its data with them."""
     name = fn.__name__
     seen, cases = set(), []
     candidates = list(family.edge_cases) + [family.inputs(rng, params) for _ in range(8 * n)]
@@ -37,6 +43,54 @@ def _cases(family: Family, params: dict, fn, rng: random.Random, n: int) -> list
         if len(cases) == n:
             break
     return cases
+
+
+def _blind_keys(args: tuple, value) -> tuple[str, ...]:
+    """What a function that ignores the task could answer and pass this test with: the value itself (a constant),
+    and the first argument when the value equals it (echoing the input)."""
+    canon = json.dumps(value, sort_keys=True, default=repr)
+    echo = args and canon == json.dumps(args[0], sort_keys=True, default=repr)
+    return ("=" + canon, "echo") if echo else ("=" + canon,)
+
+
+def _calls(family: Family, params: dict, fn, rng: random.Random, num_draws: int, shown: set[str]):
+    """(call expression, expected value, blind keys) of the family's edge cases, then of ``num_draws`` random
+    inputs, each call once and none of those ``shown``."""
+    seen = set(shown)
+    for args in itertools.chain(family.edge_cases, (family.inputs(rng, params) for _ in range(num_draws))):
+        expr = f"{fn.__name__}({', '.join(repr(a) for a in args)})"
+        if expr not in seen:
+            seen.add(expr)
+            value = fn(*copy.deepcopy(args))
+            yield expr, value, _blind_keys(args, value)
+
+
+def _hidden(family: Family, params: dict, fn, rng: random.Random, n: int, shown: set[str]) -> list[tuple[str, object]]:
+    """``n`` calls to test, none of them shown: the family's edge cases, then random inputs, such that no expected
+    value (and no echo of the argument) repeats while the family has other values to test. The edge cases' values
+    are common constants (0, [], None), and always testing two of them paid a stub returning the family's most
+    frequent value a third of the reward; now a constant passes one test of ``n``, or ``ceil(n / k)`` in a family
+    with only ``k`` values (True/False)."""
+    pool: list[tuple[str, object, tuple[str, ...]]] = []
+    chosen, taken = {}, collections.Counter()
+    for call in _calls(family, params, fn, rng, _DRAWS_PER_TEST * n, shown):
+        pool.append(call)
+        if not any(taken[key] for key in call[2]):
+            chosen[len(pool) - 1] = call[:2]
+            taken.update(call[2])
+            if len(chosen) == n:
+                break
+    if len(chosen) < n:
+        # Fewer distinct values than tests (True/False): each repeats as evenly as it can, and which one repeats
+        # most is drawn, not always the edge cases' value.
+        rank = {call[2][0]: rng.random() for call in pool}
+        order = sorted(range(len(pool)), key=lambda i: (rank[pool[i][2][0]], i))
+        for cap in range(2, n + 1):
+            for index in order:
+                if len(chosen) < n and index not in chosen and all(taken[key] < cap for key in pool[index][2]):
+                    chosen[index] = pool[index][:2]
+                    taken.update(pool[index][2])
+    return [chosen[i] for i in sorted(chosen)]
 
 
 def _prompt(family: Family, name: str, params: dict, examples: list[tuple[str, object]]) -> str:
@@ -68,8 +122,10 @@ def generate_tasks(
         params = family.params(rng)
         name = family.key
         source, fn = _reference(family, name, params)
-        cases = _cases(family, params, fn, rng, num_tests + num_examples)
-        examples, hidden = cases[-num_examples:], cases[: len(cases) - num_examples]
+        examples = _cases(family, params, fn, rng, num_tests + num_examples)[-num_examples:]
+        # The hidden tests come from a stream of their own, so that choosing them leaves the prompts as they were.
+        tests_rng = random.Random(f"{seed}:{i}:tests")
+        hidden = _hidden(family, params, fn, tests_rng, num_tests, {expr for expr, _ in examples})
         tasks.append(
             {
                 "id": f"{seed}-{i}-{family.key}",
