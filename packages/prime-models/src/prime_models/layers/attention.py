@@ -215,9 +215,9 @@ class Attention(nn.Module):
             out = meta.kv_cache.attend(self.layer_idx, q, k, v, self.scale)
         elif meta.context_parallel is not None:
             out = meta.context_parallel.attention(q, k, v, self.scale)
-        elif meta.backend == "flash_attn":
-            out = self._flash(q, k, v, meta)
-        elif meta.cu_seqlens is not None and q.dtype in VARLEN_DTYPES and self.head_dim in VARLEN_HEAD_DIMS:
+        elif meta.backend == "flash_attn" or (
+            meta.cu_seqlens is not None and q.dtype in VARLEN_DTYPES and self.head_dim in VARLEN_HEAD_DIMS
+        ):
             out = self._varlen(q, k, v, meta)
         else:
             out = self._sdpa(q, k, v, meta)
@@ -242,23 +242,13 @@ class Attention(nn.Module):
         return out.transpose(1, 2)
 
     def _varlen(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the flattened rows' samples (`meta.cu_seqlens`): flash-attn's varlen kernel for the
+        ``flash_attn`` backend, torch's own for SDPA's packed rows."""
+        if meta.backend == "flash_attn":
+            fn, causal = kernels.flash_attn_varlen_func(), dict(softmax_scale=self.scale, causal=True)
+        else:
+            fn, causal = kernels.torch_varlen_attn(), dict(scale=self.scale, window_size=(-1, 0))
         B, S = q_BSND.shape[:2]
-        out = kernels.torch_varlen_attn()(
-            q_BSND.reshape(B * S, self.num_heads, self.head_dim),
-            k_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
-            v_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
-            meta.cu_seqlens,
-            meta.cu_seqlens,
-            meta.max_seqlen,
-            meta.max_seqlen,
-            scale=self.scale,
-            window_size=(-1, 0),
-        )
-        return out.view(B, S, self.num_heads, self.head_dim)
-
-    def _flash(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
-        B, S = q_BSND.shape[:2]
-        fn = kernels.flash_attn_varlen_func()
         out = fn(
             q_BSND.reshape(B * S, self.num_heads, self.head_dim),
             k_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
@@ -267,7 +257,6 @@ class Attention(nn.Module):
             meta.cu_seqlens,
             meta.max_seqlen,
             meta.max_seqlen,
-            softmax_scale=self.scale,
-            causal=True,
+            **causal,
         )
         return out.view(B, S, self.num_heads, self.head_dim)
