@@ -207,25 +207,26 @@ def test_weight_gradients_go_into_matmuls_only_with_several_micro_batches_and_ro
 
 
 @pytest.mark.parametrize(
-    "device,varlen,cuda_graphs,masked",
+    "device,varlen,dtype,masked",
     [
-        ("cpu", True, False, True),
-        ("cuda", True, False, False),
-        ("cuda", False, False, True),
-        ("cuda", True, True, False),
+        ("cpu", True, torch.bfloat16, True),
+        ("cuda", True, torch.bfloat16, False),
+        ("cuda", False, torch.bfloat16, True),
+        ("cuda", True, torch.float32, True),
     ],
 )
-def test_packed_rows_count_masks_only_where_sdpa_builds_them(monkeypatch, device, varlen, cuda_graphs, masked):
-    """torch's varlen kernel (packed rows on CUDA, CUDA graphs included) needs no [S, S] mask, so the plan does not
-    budget one; CPU or the kernel turned off still build masks."""
+def test_packed_rows_count_masks_only_where_sdpa_builds_them(monkeypatch, device, varlen, dtype, masked):
+    """torch's varlen kernel (packed bf16 rows on CUDA, CUDA graphs included) needs no [S, S] mask, so the plan does not
+    budget one; CPU, fp32 activations (which the kernel does not take) or the kernel turned off still build masks."""
     from prime_models import kernels
+
+    from tests.models.conftest import tiny_config
 
     monkeypatch.setattr(kernels, "SDPA_VARLEN", varlen)
     monkeypatch.setattr(kernels, "torch_varlen_attn", lambda: object())
     mb = SimpleNamespace(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
     c = SimpleNamespace(
-        model=SimpleNamespace(attn_backend="sdpa"),
-        config=SimpleNamespace(parallel=SimpleNamespace(cuda_graphs=cuda_graphs)),
+        model=load_model(tiny_config("qwen3"), dtype=dtype),
         world=SimpleNamespace(device=torch.device(device)),
     )
     assert M._packed_rows(c, [mb], rows=1) == (1 if masked else 0)

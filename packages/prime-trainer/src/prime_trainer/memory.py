@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from prime_models.layers.attention import varlen_applies
+from prime_models.layers.attention import varlen_applies, varlen_takes
 from prime_models.parallel import apply_activation_checkpointing, main_grad
 from prime_models.parallel.mixed_precision import mixed_precision_of
 from torch import nn
@@ -310,11 +310,19 @@ def _packed(mb) -> bool:
     return bool(((mb.position_ids[:, 1:] == 0).sum(-1) > 0).any())
 
 
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the activations: the one-rank mixed precision's working copy, else the parameters'."""
+    mp = mixed_precision_of(model)
+    return mp.param_dtype if mp is not None else next(model.parameters()).dtype
+
+
 def _packed_rows(c, micro_batches: list, rows: int) -> int:
     """Rows of a micro-batch that need attention masks: all of them when some row is packed and attention is SDPA
-    with masks (not torch's varlen kernel, which serves packed rows on CUDA, CUDA graphs included)."""
+    with masks (not torch's varlen kernel, which serves packed bf16/fp16 rows on CUDA, CUDA graphs included)."""
     sdpa = getattr(c.model, "attn_backend", "sdpa") == "sdpa"
-    masked = sdpa and not varlen_applies(c.world.device)
+    masked = sdpa and not (
+        varlen_applies(c.world.device) and varlen_takes(_compute_dtype(c.model), c.model.args.head_dim)
+    )
     return rows if masked and any(_packed(mb) for mb in micro_batches) else 0
 
 

@@ -113,6 +113,11 @@ def varlen_applies(device: torch.device | None) -> bool:
     )
 
 
+def varlen_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's varlen kernel takes activations of ``dtype`` and heads of ``head_dim`` (else the mask)."""
+    return dtype in VARLEN_DTYPES and head_dim in VARLEN_HEAD_DIMS
+
+
 def row_packing(position_ids_BS: torch.Tensor, device: torch.device | None = None) -> RowPacking:
     """The packing of rows whose ``position_ids`` are in host memory; ``cu_seqlens`` is copied to ``device``."""
     assert position_ids_BS.device.type == "cpu", "row_packing reads position_ids on the host"
@@ -215,9 +220,7 @@ class Attention(nn.Module):
             out = meta.kv_cache.attend(self.layer_idx, q, k, v, self.scale)
         elif meta.context_parallel is not None:
             out = meta.context_parallel.attention(q, k, v, self.scale)
-        elif meta.backend == "flash_attn" or (
-            meta.cu_seqlens is not None and q.dtype in VARLEN_DTYPES and self.head_dim in VARLEN_HEAD_DIMS
-        ):
+        elif meta.backend == "flash_attn" or (meta.cu_seqlens is not None and varlen_takes(q.dtype, self.head_dim)):
             out = self._varlen(q, k, v, meta)
         else:
             out = self._sdpa(q, k, v, meta)

@@ -218,13 +218,7 @@ class CudaGraphs:
 
     def _capture(self, model: CausalLM, key: GraphKey, args: tuple[torch.Tensor, ...]) -> Callable | None:
         shape, packed, bucket = key
-        how = (
-            "unpacked"
-            if not packed
-            else "packed, mask"
-            if bucket is None
-            else f"packed, varlen {bucket[0]}x{bucket[1]}"
-        )
+        how = f"packed, varlen {bucket[0]}x{bucket[1]}" if bucket else "packed, mask" if packed else "unpacked"
         rows = f"{'x'.join(map(str, shape))} ({how})"
         for attempt in range(1, CAPTURE_ATTEMPTS + 1):
             if self.pool is None and DEVICE_TYPE == "cuda":

@@ -143,12 +143,12 @@ def fake_micro_batches(
     seq_len = config.seq_len or seq_len
     micro_batches = []
     sample = world.rank * rows_per_rank * seq_len  # globally unique sample ids
+    longest = min(config.max_sample_len or seq_len, seq_len)
     for _ in range(rows_per_rank // config.micro_batch_size):
         mb = MicroBatch.empty(config.micro_batch_size, seq_len)
         for row in range(config.micro_batch_size):
             pos = 0
             while pos < seq_len:
-                longest = min(config.max_sample_len or seq_len, seq_len)
                 length = int(rng.integers(2, longest + 1)) if config.variable_lengths else seq_len
                 length = min(length, seq_len - pos)
                 span = slice(pos, pos + length)
