@@ -75,7 +75,8 @@ def test_a_per_token_array_flows_from_the_packer_to_the_loss(tiny_model_dir, tmp
     assert sorted(read_trainer_metrics(out)) == [0, 1]
     seen = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(seen) == sum(n for n, _ in produced)  # one call per micro-batch of each step
-    assert all(s["dtype"] == "torch.float32" and s["shape"] == [ROWS, SEQ_LEN] for s in seen)
+    # A micro-batch's all-padding rows stay out of the forward, so the last may hold fewer rows.
+    assert all(s["dtype"] == "torch.float32" and 1 <= s["shape"][0] <= ROWS and s["shape"][1] == SEQ_LEN for s in seen)
     assert all(s["padding_abs_sum"] == 0 for s in seen)
     start = 0
     for n, expected in produced:

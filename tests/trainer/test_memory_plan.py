@@ -230,3 +230,20 @@ def test_packed_rows_count_masks_only_where_sdpa_builds_them(monkeypatch, device
         world=SimpleNamespace(device=torch.device(device)),
     )
     assert M._packed_rows(c, [mb], rows=1) == (1 if masked else 0)
+
+
+def test_the_plan_budgets_for_the_rows_as_packed_not_as_trimmed(caplog):
+    """A step whose micro-batches reach the forward without their all-padding rows (a small first step) still gets a
+    plan for full micro-batches: the next step may fill every row."""
+    import numpy as np
+    from prime_core.schemas.microbatch import MicroBatch
+    from prime_trainer.rl.data import TensorMicroBatch
+
+    mb = MicroBatch.empty(4, 16)
+    mb.sample_ids[0, :5] = 0
+    t = TensorMicroBatch.from_numpy(mb, torch.device("cpu"))
+    assert tuple(t.input_ids.shape) == (1, 16) and t.sent_shape == (4, 16)
+    assert np.array_equal(t.input_ids.numpy(), mb.input_ids[:1])
+    with caplog.at_level(logging.INFO, logger="prime.trainer"):
+        M.plan_memory(_components(), [t])
+    assert "for 64 tokens a micro-batch" in caplog.text

@@ -333,7 +333,9 @@ def plan_memory(c, micro_batches: list) -> MemoryPlan:
     if c.memory_plan is not None or not micro_batches:
         return c.memory_plan or MemoryPlan()
     parallel = c.config.parallel
-    rows, row_len = max((tuple(mb.input_ids.shape) for mb in micro_batches), key=lambda s: s[0] * s[1])
+    # As packed, all-padding rows included: they stay out of this step's forwards, but a later step may fill them.
+    shapes = (getattr(mb, "sent_shape", None) or tuple(mb.input_ids.shape) for mb in micro_batches)
+    rows, row_len = max(shapes, key=lambda s: s[0] * s[1])
     row_len //= c.cp_size
     tokens = rows * row_len
     if parallel.ac != "auto":

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +155,24 @@ class MicroBatch:
     @property
     def extra_dtypes(self) -> dict[str, np.dtype]:
         return {name: arr.dtype for name, arr in self.extra.items()}
+
+    def without_empty_rows(self) -> MicroBatch:
+        """This micro-batch without its all-padding rows (no token of a sample), keeping at least one row.
+
+        Packing fills the last micro-batch of a step (and every micro-batch a rank pads with) with such rows; a
+        forward over them is compute for nothing: 7 of the one-GPU loop's 64 rows a step (docs/benchmarks.md)."""
+        keep = (self.sample_ids >= 0).any(axis=1)
+        if keep.all():
+            return self
+        keep[0] = keep[0] or not keep.any()
+        rows = np.flatnonzero(keep)
+        mrope = None if self.mrope_position_ids is None else self.mrope_position_ids[:, rows]
+        return replace(
+            self,
+            **{name: getattr(self, name)[rows] for name in MICROBATCH_FIELDS},
+            extra={name: arr[rows] for name, arr in self.extra.items()},
+            mrope_position_ids=mrope,
+        )
 
     @classmethod
     def empty(cls, rows: int, seq_len: int, extra: dict[str, np.dtype] | None = None) -> MicroBatch:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,10 @@ from prime_models.layers.attention import RowPacking, row_packing
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")
+
+# All-padding rows (the tail of a step's last micro-batch, a rank's filler micro-batches) are left out of the forward.
+# PRIME_TRIM_EMPTY_ROWS=0 keeps them: the path before, for measuring what they cost.
+TRIM_EMPTY_ROWS: bool = os.environ.get("PRIME_TRIM_EMPTY_ROWS", "1") != "0"
 
 
 @dataclass
@@ -50,11 +55,18 @@ class TensorMicroBatch:
     """[R, S] dense index (0 .. num_loss_samples - 1) of each loss token's sample, 0 elsewhere (`LossInputs.segments`)."""
     packing: RowPacking | None = None
     """Where the rows' samples start (`prime_models.layers.attention.row_packing`)."""
+    sent_shape: tuple[int, int] | None = None
+    """[R, S] as the packer made it, all-padding rows included: what the memory plan budgets for (a later step's
+    micro-batch may fill every row). None: the tensors' shape."""
 
     @classmethod
     def from_numpy(cls, mb: MicroBatch, device: torch.device) -> TensorMicroBatch:
         def put(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)
+
+        sent_shape = mb.shape
+        if TRIM_EMPTY_ROWS:
+            mb = mb.without_empty_rows()
 
         loss_samples, inverse = np.unique(mb.sample_ids[mb.loss_mask], return_inverse=True)
         segments = np.zeros(mb.sample_ids.shape, dtype=np.int64)
@@ -73,6 +85,7 @@ class TensorMicroBatch:
             num_loss_samples=len(loss_samples),
             segments=put(segments),
             packing=row_packing(torch.from_numpy(mb.position_ids), device),
+            sent_shape=sent_shape,
         )
 
 
