@@ -63,7 +63,8 @@ def _real_batch(seed: int) -> MicroBatch:
 def _inputs(mb: MicroBatch, seed: int) -> tuple[LossInputs, torch.Tensor]:
     t = TensorMicroBatch.from_numpy(mb, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
-    shape = t.loss_mask.shape  # an all-padding micro-batch reaches the loss as one row (`MicroBatch.without_empty_rows`)
+    # An all-padding micro-batch reaches the loss as one row (`MicroBatch.without_empty_rows`).
+    shape = t.loss_mask.shape
     logprobs = (-1.0 + 0.1 * torch.randn(shape, generator=gen)).requires_grad_(True)
     entropy = torch.rand(shape, generator=gen).requires_grad_(True)
     return LossInputs(logprobs, t.inference_logprobs, t.advantages, t.loss_mask, t.sample_ids, entropy), logprobs
