@@ -49,6 +49,9 @@ def test_an_all_padding_micro_batch_keeps_one_row_and_a_full_one_is_unchanged():
     assert MicroBatch.empty(8, SEQ).without_empty_rows().shape == (1, SEQ)
     full = make_step_batches(1, 1, 3, SEQ, VOCAB)[0]
     assert full.without_empty_rows() is full
+    odd = MicroBatch.empty(3, SEQ)
+    odd.loss_mask[2, 4] = True  # a loss token on a padding id: never dropped
+    assert np.array_equal(odd.without_empty_rows().loss_mask, odd.loss_mask[[2]])
 
 
 def _step(c, objective, batches: list[MicroBatch]) -> tuple[dict, tuple, dict[str, torch.Tensor], list]:

@@ -157,11 +157,12 @@ class MicroBatch:
         return {name: arr.dtype for name, arr in self.extra.items()}
 
     def without_empty_rows(self) -> MicroBatch:
-        """This micro-batch without its all-padding rows (no token of a sample), keeping at least one row.
+        """This micro-batch without its all-padding rows (no token of a sample, no loss token), keeping at least one.
 
         Packing fills the last micro-batch of a step (and every micro-batch a rank pads with) with such rows; a
         forward over them is compute for nothing: 7 of the one-GPU loop's 64 rows a step (docs/benchmarks.md)."""
-        keep = (self.sample_ids >= 0).any(axis=1)
+        # A loss token on a padding id (a malformed file) keeps its row: it trained before and must not vanish silently.
+        keep = (self.sample_ids >= 0).any(axis=1) | self.loss_mask.any(axis=1)
         if keep.all():
             return self
         keep[0] = keep[0] or not keep.any()
