@@ -162,6 +162,7 @@ def token_logprobs(
     multimodal: dict[str, torch.Tensor] | None = None,
     context_parallel: ContextParallel | None = None,
     packing: RowPacking | None = None,
+    head_positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token given its prefix, and the entropy of the distribution that predicted it.
 
@@ -170,10 +171,14 @@ def token_logprobs(
     ``mrope_position_ids``), passed through to its forward. With ``context_parallel`` every rank of the CP group passes
     the same full rows, runs the model on its share of each row and gets the full rows' values back (differentiable).
     ``packing``: where the rows' samples start, computed on the host (`TensorMicroBatch.packing`), so that attention
-    reads nothing back from the device.
+    reads nothing back from the device. ``head_positions`` (`TensorMicroBatch.head_positions`): only these flat
+    positions go through the LM head; every loss token's value is among them, other tokens may hold 0. Ignored under
+    context parallelism.
     """
     targets_RS = torch.roll(input_ids_RS, shifts=-1, dims=1)
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
+    if head_positions is not None and context_parallel is None:
+        kwargs["head_positions"] = head_positions
     if context_parallel is None:
         with use_row_packing(packing):
             lp_RS, ent_RS = model(input_ids_RS, position_ids_RS, targets=targets_RS, **kwargs, **(multimodal or {}))

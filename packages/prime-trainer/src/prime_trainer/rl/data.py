@@ -25,6 +25,28 @@ logger = logging.getLogger("prime.trainer")
 # All-padding rows (the tail of a step's last micro-batch, a rank's filler micro-batches) are left out of the forward.
 # PRIME_TRIM_EMPTY_ROWS=0 keeps them: the path before, for measuring what they cost.
 TRIM_EMPTY_ROWS: bool = os.environ.get("PRIME_TRIM_EMPTY_ROWS", "1") != "0"
+# The LM head runs on the positions that predict loss tokens, topped up to a multiple of this many: the fused head's
+# compiled chunk kernels then see a few tail lengths, not one per micro-batch. PRIME_HEAD_ON_LOSS_TOKENS=0: every
+# position, the path before.
+HEAD_POSITIONS_BUCKET = 512
+HEAD_ON_LOSS_TOKENS: bool = os.environ.get("PRIME_HEAD_ON_LOSS_TOKENS", "1") != "0"
+
+
+def head_positions(loss_mask: np.ndarray, bucket: int | None = None) -> np.ndarray | None:
+    """Flat indices into ``[R * S]`` of the positions that predict a loss token (t - 1 for a loss token t: the model's
+    output at t - 1 is token t's log-prob), in order, topped up with the first other positions to a multiple of
+    ``bucket``; None when that is every position."""
+    bucket = bucket or HEAD_POSITIONS_BUCKET
+    rows, seq = loss_mask.shape
+    wanted = np.zeros((rows, seq), np.bool_)
+    wanted[:, :-1] = loss_mask[:, 1:]
+    flat = wanted.reshape(-1)
+    count = int(flat.sum())
+    total = min(rows * seq, -(-max(count, 1) // bucket) * bucket)
+    if total == rows * seq:
+        return None
+    flat[np.flatnonzero(~flat)[: total - count]] = True
+    return np.flatnonzero(flat)
 
 
 @dataclass
@@ -55,6 +77,8 @@ class TensorMicroBatch:
     """[R, S] dense index (0 .. num_loss_samples - 1) of each loss token's sample, 0 elsewhere (`LossInputs.segments`)."""
     packing: RowPacking | None = None
     """Where the rows' samples start (`prime_models.layers.attention.row_packing`)."""
+    head_positions: torch.Tensor | None = None
+    """Flat positions the LM head needs for the loss tokens (`head_positions`); None: every position."""
     sent_shape: tuple[int, int] | None = None
     """[R, S] as the packer made it, all-padding rows included: what the memory plan budgets for (a later step's
     micro-batch may fill every row). None: the tensors' shape."""
@@ -68,6 +92,7 @@ class TensorMicroBatch:
         if TRIM_EMPTY_ROWS:
             mb = mb.without_empty_rows()
 
+        positions = head_positions(mb.loss_mask) if HEAD_ON_LOSS_TOKENS else None
         loss_samples, inverse = np.unique(mb.sample_ids[mb.loss_mask], return_inverse=True)
         segments = np.zeros(mb.sample_ids.shape, dtype=np.int64)
         segments[mb.loss_mask] = inverse.reshape(-1)
@@ -85,6 +110,7 @@ class TensorMicroBatch:
             num_loss_samples=len(loss_samples),
             segments=put(segments),
             packing=row_packing(torch.from_numpy(mb.position_ids), device),
+            head_positions=None if positions is None else put(positions),
             sent_shape=sent_shape,
         )
 

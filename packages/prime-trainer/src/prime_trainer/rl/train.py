@@ -67,6 +67,8 @@ def forward_backward(
             multimodal=mb.multimodal,
             context_parallel=c.context_parallel,
             packing=mb.packing,
+            # The built-in objectives read log-probs on loss tokens only; a custom one gets every position.
+            head_positions=None if cfg.loss.type == "custom" else mb.head_positions,
         )
         segments = (mb.segments, mb.num_loss_samples) if mb.segments is not None else None
         inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, mb.sample_ids, entropy,

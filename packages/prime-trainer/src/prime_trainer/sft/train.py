@@ -37,6 +37,7 @@ def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
         multimodal=mb.multimodal,
         context_parallel=c.context_parallel,
         packing=mb.packing,
+        head_positions=mb.head_positions,
     )
     return -(logprobs * mb.loss_mask).sum()
 
