@@ -109,11 +109,12 @@ def _flag_int(flags: set[str], letter: str, default: int) -> int:
 def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str], dict[str, str]]:
     """Command and extra env of a named job. Names: rl<K>k[_noac|_sel|_auto][_cudnn|_flash][_c<chunk>][_keepattn[N]]
     [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile][_nomaingrad][_compilelayers][_cudagraphs][_fsdp][_cap<GiB>]
-    [_b<rows>][_m<rows>][_s<steps>][_var|_var<N>][_mask], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[...], micro.
+    [_b<rows>][_m<rows>][_s<steps>][_var|_var<N>][_mask][_fullhead], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[...], micro.
     `_b<N>` trains N rows of <K>k tokens per step in micro-batches of `_m<M>` rows (default one row of each), and `_var`
     packs random-length samples into each row (`_var<N>`: of at most N tokens): `rl2k_auto_b64_m8_var400` is the
     one-GPU RL loop's step (512 rollouts of ~200 tokens packed into 2048-token rows, eight rows a forward). `_mask`
-    attends over packed rows through SDPA's block-diagonal mask instead of torch's varlen kernel (`PRIME_SDPA_VARLEN=0`).
+    attends over packed rows through SDPA's block-diagonal mask instead of torch's varlen kernel (`PRIME_SDPA_VARLEN=0`);
+    `_fullhead` runs the LM head on every position, not only those predicting loss tokens (`PRIME_HEAD_ON_LOSS_TOKENS=0`).
     `_auto` leaves `parallel.ac` at its default (chosen from the free memory at the first step); otherwise full AC unless
     `_noac` / `_sel`. `_mlpchunk<N>` runs each dense MLP in N sequence chunks under full AC (`--parallel.ac-mlp-chunks
     N`); `_offloadattn` (with `_keepattn`) holds the kept attention outputs in pinned host memory between forward and
@@ -146,6 +147,8 @@ def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str],
         env["PRIME_MAIN_GRAD"] = "0"
     if "mask" in flags:
         env["PRIME_SDPA_VARLEN"] = "0"
+    if "fullhead" in flags:
+        env["PRIME_HEAD_ON_LOSS_TOKENS"] = "0"
     if kind == "base":
         if host.pythonpath:
             env["PYTHONPATH"] = host.pythonpath
