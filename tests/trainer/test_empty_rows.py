@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from prime_core.config.trainer import TrainerConfig
-from prime_core.schemas.microbatch import MicroBatch, stack_rows
+from prime_core.schemas.microbatch import MICROBATCH_FIELDS, MicroBatch, stack_rows
 from prime_trainer.rl import data as rl_data
 from prime_trainer.rl.data import TensorMicroBatch
 from prime_trainer.rl.loss import build_objective
@@ -24,9 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 def _with_empty_rows(mb: MicroBatch, empty: int) -> MicroBatch:
     """``mb``'s rows with ``empty`` all-padding rows between them, as packing leaves them at a step's end."""
-    rows = [MicroBatch(**{f: getattr(mb, f)[r : r + 1] for f in rl_data.MicroBatch.__dataclass_fields__
-                          if f not in ("extra", "pixel_values", "image_grid_thw", "mrope_position_ids")})
-            for r in range(mb.shape[0])]  # fmt: skip
+    rows = [MicroBatch(**{f: getattr(mb, f)[r : r + 1] for f in MICROBATCH_FIELDS}) for r in range(mb.shape[0])]
     filler = [MicroBatch.empty(1, mb.shape[1]) for _ in range(empty)]
     return stack_rows([rows[0], *filler, *rows[1:]])
 

@@ -177,11 +177,10 @@ def token_logprobs(
     """
     targets_RS = torch.roll(input_ids_RS, shifts=-1, dims=1)
     kwargs = dict(temperature=temperature, chunk_size=chunk_size, return_entropy=return_entropy)
-    if head_positions is not None and context_parallel is None:
-        kwargs["head_positions"] = head_positions
     if context_parallel is None:
         with use_row_packing(packing):
-            lp_RS, ent_RS = model(input_ids_RS, position_ids_RS, targets=targets_RS, **kwargs, **(multimodal or {}))
+            lp_RS, ent_RS = model(input_ids_RS, position_ids_RS, targets=targets_RS, head_positions=head_positions,
+                                  **kwargs, **(multimodal or {}))  # fmt: skip
     else:
         if multimodal:
             raise ValueError("model.cp > 1 does not support image inputs (vision-language rows)")
