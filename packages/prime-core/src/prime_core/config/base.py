@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import PurePath
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def control_character_error(value: str) -> str | None:
+    """Why a value that ends up in a file name or a shell script must not hold ``value``'s control character."""
+    if (found := _CONTROL.search(value)) is None:
+        return None
+    return f"holds the control character {found.group()!r}, which a path or script line cannot carry"
 
 
 class BaseConfig(BaseModel):
@@ -19,6 +30,17 @@ class BaseConfig(BaseModel):
         # run that produces garbage, and nan fails every comparison, so it slips past the ge/le bounds.
         allow_inf_nan=False,
     )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _paths_are_printable(cls, value: Any) -> Any:
+        # A NUL in a path fails in os.stat with a traceback; a newline splits the sbatch script's lines (``#SBATCH
+        # --output=<dir>``), so the rest of the path runs as a command.
+        paths = value if isinstance(value, list | tuple) else [value]
+        for path in paths:
+            if isinstance(path, PurePath) and (why := control_character_error(str(path))):
+                raise ValueError(f"the path {why}")
+        return value
 
     def derive(self, **changes: Any) -> Self:
         """A copy with ``changes`` (field name -> value; a sub-section is given as a derived section) applied and

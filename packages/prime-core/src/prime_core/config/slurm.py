@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from prime_core.config.base import BaseConfig
+from prime_core.config.base import BaseConfig, control_character_error
 
 
 class SlurmConfig(BaseConfig):
@@ -71,6 +71,19 @@ class SlurmConfig(BaseConfig):
     """torchrun rendezvous port on the first trainer node."""
     inference_port: int = Field(default=8000, ge=1, le=65535)
     """Port of the inference server on every inference node."""
+
+    @field_validator(
+        "job_name", "partition", "account", "qos", "time", "mem", "nodelist", "exclude", "extra_sbatch",
+        "container_image", "container_mounts", "launcher", "inference_url",
+    )  # fmt: skip
+    @classmethod
+    def _one_line(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # Each is written into one line of the sbatch script (``#SBATCH --job-name=...``): after a newline the rest
+        # would run as a command of its own. ``setup`` is shell lines by design.
+        for text in [value] if isinstance(value, str) else value or []:
+            if why := control_character_error(text):
+                raise ValueError(why)
+        return value
 
     @property
     def rl_multi_node(self) -> bool:
