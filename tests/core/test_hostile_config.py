@@ -49,3 +49,25 @@ def test_a_newline_in_an_sbatch_field_is_refused_and_no_script_is_written(tmp_pa
         assert proc.stderr.startswith(f"error: CLI {flag}: {flag[2:]}: holds the control character '\\n'"), proc.stderr
         assert proc.stderr.count("\n") == 1
     assert not (out / "slurm" / "rl.sbatch").exists()
+
+
+# ---------------------------------------------------------------- what the trainer finds wrong once it loads
+
+
+@pytest.mark.integration
+def test_settings_the_trainer_refuses_once_it_loads_are_one_line(tmp_path):
+    """``--model.dtype float16``, ``--device cuda`` on a host without one, ``--init.config-overrides`` on a model with
+    weights: each used to be a ValueError traceback from rank 0 and exit 1."""
+    common = ["-m", "prime_trainer.entrypoints.trainer", "--model.name", str(MODEL), "--output-dir", str(tmp_path)]
+    cases = [
+        (["--model.dtype", "float16"], "model.dtype='float16' is not supported for training"),
+        (["--init.config-overrides", '{"hidden_size": 128}'], "init.config_overrides change the architecture"),
+    ]
+    import torch
+
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "device='cuda' but no CUDA device is visible"))
+    for argv, message in cases:
+        proc = _run(*common, *argv)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"error: {message}") and "Traceback" not in proc.stderr, proc.stderr

@@ -10,6 +10,7 @@ from ``model.name`` on resume).
 from __future__ import annotations
 
 import torch
+from prime_core.config import ConfigError
 from prime_core.config.trainer import AdamWConfig
 from prime_models.lora import adapter_parameters
 from torch import nn
@@ -45,7 +46,7 @@ def clip_adapter_grad_norm(model: nn.Module, adapter: str, max_norm: float | Non
 def check_base_on_disk(config, random_init: bool) -> None:
     """A LoRA run publishes adapters for inference's copy of the base: that base must exist outside the trainer."""
     if random_init and config.weights.publish and not config.bench:
-        raise ValueError(
+        raise ConfigError(
             f"model.lora with a randomly initialized base ({config.model.name} has no weights, or init.random): "
             "inference serves model.name's weights plus the adapter, so the base must be a checkpoint on disk"
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from prime_core.config import ConfigError
 from prime_core.config.shared import Fp8Config, LoRAConfig, ModelConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
 from prime_models import get_model_spec, load_model
@@ -52,12 +53,12 @@ def resolve_source(name: str, init: ModelInitConfig) -> tuple[object, ModelSourc
         path = Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ValueError(f"model {name!r}: no config.json in {path}")
+        raise ConfigError(f"model {name!r}: no config.json in {path}")
     hf_config = {**json.loads(config_file.read_text()), **init.config_overrides}
     tokenizer = init.tokenizer or str(path)
     has_weights = any(path.glob("*.safetensors"))
     if init.config_overrides and has_weights and not init.random:
-        raise ValueError("init.config_overrides change the architecture: use them with init.random")
+        raise ConfigError("init.config_overrides change the architecture: use them with init.random")
     random_init = init.random or not has_weights
     if not init.random and not has_weights:
         logger.warning("model %s has no safetensors weights: initializing randomly", name)
@@ -94,7 +95,7 @@ def build_model(
     validate_cuda_graphs(parallel, world, source.hf_config)
     torch_dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
-        raise ValueError(f"model.dtype={dtype!r} is not supported for training (use auto, float32 or bfloat16)")
+        raise ConfigError(f"model.dtype={dtype!r} is not supported for training (use auto, float32 or bfloat16)")
     # CUDA graphs need SDPA (flash-attn's cu_seqlens vary per micro-batch): "auto" picks it for them.
     attn = "sdpa" if parallel.cuda_graphs and init.attn == "auto" else init.attn
     model = load_model(target, dtype=torch_dtype, device=world.device, attn=attn, seed=seed)
@@ -104,7 +105,7 @@ def build_model(
         apply_lora(model, LoRASpec.from_config(lora), list(adapters) or [lora.adapter_name], seed=seed)
     if init.freeze_vision:
         if not hasattr(model, "freeze_vision"):
-            raise ValueError(f"init.freeze_vision: {name} ({source.hf_config['model_type']}) has no vision tower")
+            raise ConfigError(f"init.freeze_vision: {name} ({source.hf_config['model_type']}) has no vision tower")
         model.freeze_vision()
     return _parallelize(model, source, parallel, layout, fp8), source
 

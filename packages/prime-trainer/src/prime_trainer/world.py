@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from prime_core.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ def init_world(device: str = "auto", timeout_s: int = 3600, gpu_memory_fraction:
     """Initialize torch.distributed from torchrun's env vars, or a one-process group when run directly."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is visible")
+        raise ConfigError("device='cuda' but no CUDA device is visible")
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
@@ -45,7 +46,7 @@ def init_world(device: str = "auto", timeout_s: int = 3600, gpu_memory_fraction:
             dist.init_process_group(backend, timeout=timeout, device_id=dev if use_cuda else None)
         else:
             if world_size != 1:
-                raise ValueError("WORLD_SIZE > 1 without MASTER_ADDR: start several processes with torchrun")
+                raise ConfigError("WORLD_SIZE > 1 without MASTER_ADDR: start several processes with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return World(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev)
 
