@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from prime_core.config.trainer import TrainerConfig
+from prime_core.config import parse_cli
+from prime_core.config.trainer import SFTConfig, TrainerConfig
+from prime_core.io import mark_stable
 
 from tests.core.test_bad_input import EXAMPLE, MODEL, REPO, error_line
 
@@ -71,3 +74,59 @@ def test_settings_the_trainer_refuses_once_it_loads_are_one_line(tmp_path):
         proc = _run(*common, *argv)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith(f"error: {message}") and "Traceback" not in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- a run directory that holds another run
+
+
+def _trained_run(root: Path, *steps: int) -> None:
+    for step in steps:
+        for part in (root / "checkpoints" / f"step_{step}", root / "weights" / f"step_{step}"):
+            (part / "trainer").mkdir(parents=True, exist_ok=True)
+            mark_stable(part / "trainer")
+            mark_stable(part)
+
+
+def test_a_trainer_started_afresh_does_not_overwrite_another_runs_checkpoints(capsys, tmp_path):
+    """``sft --output-dir <a run that trained>`` (no resume) used to train from step 0 and replace that run's
+    checkpoint and weights of every step it reached: two runs mixed in one directory, the first one's lost."""
+    run = tmp_path / "run"
+    _trained_run(run, 2, 4)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    sft = ["--model.name", str(MODEL), "--data.path", str(tmp_path / "sft.jsonl"), "--output-dir", str(run)]
+    err = error_line(capsys, SFTConfig, *sft)
+    assert err == (
+        f"error: CLI --output-dir: output-dir: '{run}' holds another run's checkpoints (steps 2, 4) and weights "
+        "(steps 2, 4), which this run would overwrite: resume it with --ckpt.resume-step 4, delete them with "
+        "--overwrite, or choose another --output-dir"
+    )
+    err = error_line(capsys, TrainerConfig, "--model.name", str(MODEL), "--output-dir", str(run))
+    assert err.endswith("resume it with --ckpt.resume-step 4, delete them, or choose another --output-dir")
+    assert error_line(capsys, SFTConfig, *sft, "--overwrite", "--ckpt.resume-step", "4").endswith(
+        "overwrite and ckpt.resume_step exclude each other"
+    )
+    # Resuming, a benchmark, --overwrite and a directory with only the base weights (step 0) are fine.
+    assert parse_cli(SFTConfig, [*sft, "--ckpt.resume-step", "4"], prog="sft").ckpt.resume_step == 4
+    assert parse_cli(TrainerConfig, ["--model.name", str(MODEL), "--output-dir", str(run), "--bench"], prog="t").bench
+    assert parse_cli(SFTConfig, [*sft, "--overwrite"], prog="sft").overwrite
+    fresh = tmp_path / "fresh"
+    (fresh / "weights" / "step_0").mkdir(parents=True)
+    mark_stable(fresh / "weights" / "step_0")
+    assert parse_cli(TrainerConfig, ["--model.name", str(MODEL), "--output-dir", str(fresh)], prog="t")
+    assert (run / "checkpoints" / "step_4" / "trainer").is_dir()  # nothing above deleted anything
+
+
+@pytest.mark.integration
+def test_sft_overwrite_deletes_the_previous_run_and_a_dry_run_deletes_nothing(tmp_path):
+    run = tmp_path / "run"
+    _trained_run(run, 2)
+    (run / "notes.txt").write_text("mine")
+    sft = ["-m", "prime_trainer.entrypoints.sft", "--model.name", str(MODEL), "--output-dir", str(run), "--overwrite"]
+    sft += ["--data.fake.batch-size", "1", "--seq-len", "16", "--max-steps", "1", "--device", "cpu"]
+    proc = _run(*sft, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert (run / "checkpoints" / "step_2" / "trainer").is_dir()
+    proc = _run(*sft)
+    assert proc.returncode == 0, proc.stderr
+    assert not (run / "checkpoints" / "step_2").exists() and (run / "notes.txt").read_text() == "mine"
+    assert (run / "weights" / "step_1").is_dir()

@@ -278,6 +278,23 @@ def check_resume_step(output_dir: Path, step: int) -> str | None:
     return f"no complete checkpoint {run_dir.trainer_checkpoint(step)} (complete checkpoint steps: {have})"
 
 
+def check_previous_run(output_dir: Path, *, overwrite_flag: bool) -> str | None:
+    """Why a trainer must not start afresh in ``output_dir``: it holds another run's checkpoints or weights, which
+    step by step it would replace, leaving a mix of two runs. None when there are none."""
+    from prime_core.run_dir import RunDir, trainer_outputs
+
+    run_dir = RunDir(output_dir)
+    if (found := trainer_outputs(run_dir)) is None:
+        return None
+    steps = run_dir.checkpoint_steps()
+    resume = f"resume it with --ckpt.resume-step {steps[-1]}, " if steps else ""
+    overwrite = "delete them with --overwrite" if overwrite_flag else "delete them"
+    return (
+        f"{str(output_dir)!r} holds another run's {found}, which this run would overwrite: {resume}{overwrite}, or "
+        + ("choose another --output-dir")
+    )
+
+
 # ---------------------------------------------------------------- whole configs
 
 
@@ -349,3 +366,7 @@ def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[
     trainer = isinstance(getattr(section, "init", None), ModelInitConfig) and isinstance(output_dir, Path)
     if trainer and resume_step is not None and (reason := check_resume_step(output_dir, resume_step)):
         yield (*path, "ckpt", "resume_step"), reason
+    # Only a trainer started on its own: rl checks (or clears, with --overwrite) the run directory itself.
+    fresh = trainer and not path and resume_step is None and not section.bench and not getattr(section, "overwrite", 0)
+    if fresh and (reason := check_previous_run(output_dir, overwrite_flag=hasattr(section, "overwrite"))):
+        yield ("output_dir",), reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 from prime_core.io import is_stable
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+# Run artifacts of a launch; anything else in the output directory is left alone.
+RUN_ARTIFACTS = ("configs", "logs", "rollouts", "weights", "checkpoints", "metrics.jsonl", "samples", "eval")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,27 @@ class RunDir:
     def latest_stable_weight_step(self) -> int | None:
         steps = self.stable_weight_steps()
         return steps[-1] if steps else None
+
+
+def clear_run(run_dir: RunDir) -> None:
+    """Delete the artifacts of a previous run (only the names a run writes; nothing else in the directory)."""
+    for name in RUN_ARTIFACTS:
+        path = run_dir.root / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+
+
+def trainer_outputs(run_dir: RunDir) -> str | None:
+    """What a trainer starting afresh in ``run_dir`` would overwrite: a previous run's complete checkpoints and the
+    weights it published after step 0 (described in words), or None."""
+    found = []
+    if steps := [s for s in run_dir.checkpoint_steps() if is_stable(run_dir.trainer_checkpoint(s))]:
+        found.append(f"checkpoints (steps {', '.join(map(str, steps))})")
+    if steps := [s for s in run_dir.stable_weight_steps() if s > 0]:
+        found.append(f"weights (steps {', '.join(map(str, steps))})")
+    return " and ".join(found) or None
 
 
 def _steps(parent: Path) -> list[tuple[int, Path]]:

@@ -13,12 +13,12 @@ from typing import TextIO
 
 from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
-from prime_core.run_dir import RunDir
+from prime_core.run_dir import RunDir, clear_run
 
 from prime_launch.dry_check import check_orchestrators
 from prime_launch.host import gather_host_facts
 from prime_launch.metrics import MetricsFollower, format_run_line, format_summary, summarize
-from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, clear_run, command_line, existing_artifacts
+from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, command_line, existing_artifacts
 from prime_launch.process import ProcessFailed, ProcessManager, full_disk_note, tail_lines
 from prime_launch.resolver import ResolvedRun, resolve
 from prime_launch.resume import rewind

@@ -5,15 +5,12 @@ worked out by ``prime_launch.resolver``."""
 from __future__ import annotations
 
 import shlex
-import shutil
 
-from prime_core.run_dir import RunDir
+from prime_core.run_dir import RUN_ARTIFACTS, RunDir
 
 from prime_launch.cpu_threads import THREAD_ENV_VARS
 from prime_launch.process import ProcessSpec
 
-# Run artifacts of a launch; anything else in the output directory is left alone.
-RUN_ARTIFACTS = ("configs", "logs", "rollouts", "weights", "checkpoints", "metrics.jsonl", "samples", "eval")
 DRY_RUN_MARKER = ".dry-run"
 
 
@@ -63,16 +60,6 @@ def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool) -> None:
             f"output directory {run_dir.root} holds another run ({', '.join(found)}); pass --resume to continue it, "
             "--overwrite to delete it and start afresh, or choose another --output-dir"
         )
-
-
-def clear_run(run_dir: RunDir) -> None:
-    """Delete the artifacts of a previous run (only the names a run writes; nothing else in the directory)."""
-    for name in RUN_ARTIFACTS:
-        path = run_dir.root / name
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)
 
 
 def command_line(spec: ProcessSpec) -> str:

@@ -10,11 +10,11 @@ from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
 from prime_core.config.slurm import SlurmConfig
 from prime_core.io import atomic_write_text
-from prime_core.run_dir import RunDir
+from prime_core.run_dir import RunDir, clear_run
 from pydantic import BaseModel
 
 from prime_launch.host import ClusterFacts, resumable_steps
-from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, clear_run, orchestrator_name
+from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, orchestrator_name
 from prime_launch.resolver import resolve
 from prime_launch.slurm import SlurmJob, base_context, choose_template, render
 from prime_launch.watchdog import watch_context
@@ -107,14 +107,15 @@ def _resolve_nodes(
 def _prepare_sft(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: bool) -> SlurmJob:
     from prime_core.config.trainer import SFTConfig
 
-    sft = SFTConfig.model_validate(config.model_dump(exclude={"slurm", "overwrite"}))
+    sft = SFTConfig.model_validate(config.model_dump(exclude={"slurm"}))
     output_dir = Path(sft.output_dir).resolve()
     run_dir = RunDir(output_dir)
-    overwrite = bool(getattr(config, "overwrite", False))
-    check_output_dir(run_dir, overwrite=overwrite, resume=sft.ckpt.resume_step is not None)
-    if overwrite and not dry_run:
+    check_output_dir(run_dir, overwrite=sft.overwrite, resume=sft.ckpt.resume_step is not None)
+    if sft.overwrite and not dry_run:
         clear_run(run_dir)
-    sft = sft.derive(output_dir=output_dir, device="cuda" if slurm.gpus_per_node > 0 else "cpu")
+    # Cleared here, once: the job's own sft (started again if SLURM requeues it) must not clear what it trained.
+    device = "cuda" if slurm.gpus_per_node > 0 else "cpu"
+    sft = sft.derive(output_dir=output_dir, device=device, overwrite=False)
     ctx = base_context(slurm, template, output_dir, slurm.num_nodes)
     configs = {"sft": write_config(sft, run_dir.config_file("sft"))}
     _mark(run_dir, dry_run)

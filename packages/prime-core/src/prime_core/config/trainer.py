@@ -469,9 +469,14 @@ class SFTConfig(_TrainerBase):
     """Validation loss."""
     weights_interval: int | None = Field(default=None, ge=1)
     """Also publish HF weights every N steps (the final step is always published)."""
+    overwrite: bool = False
+    """Start afresh in an output directory that holds another run: its configs, logs, metrics, weights and
+    checkpoints are deleted first. Without it such a directory is an error (unless ``ckpt.resume_step`` resumes it)."""
 
     @model_validator(mode="after")
     def _needs_data(self) -> SFTConfig:
         if self.data.fake is None and self.data.path is None:
             raise ValueError("set data.path (a dataset) or data.fake (synthetic tokens)")
+        if self.overwrite and self.ckpt.resume_step is not None:
+            raise ValueError("overwrite and ckpt.resume_step exclude each other")
         return self

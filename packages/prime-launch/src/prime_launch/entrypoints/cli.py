@@ -36,12 +36,7 @@ def slurm_config_model(kind: str) -> type:
     else:
         from prime_core.config.trainer import SFTConfig as Base
 
-        extra = {
-            "overwrite": (
-                bool,
-                Field(default=False, description="Submit even if the output directory holds another run."),
-            )
-        }
+        extra = {}
     return create_model(
         f"Slurm{Base.__name__}",
         __base__=Base,

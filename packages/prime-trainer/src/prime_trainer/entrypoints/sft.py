@@ -7,6 +7,8 @@ sft --bench --model.name <dir>
 
 from __future__ import annotations
 
+import os
+
 from prime_core.config import parse_cli
 from prime_core.config.trainer import SFTConfig
 
@@ -15,6 +17,10 @@ from prime_trainer.entrypoints import run_training
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(SFTConfig, argv, prog="sft", description=__doc__, writes_output_dir=True)
+    if config.overwrite and os.environ.get("RANK", "0") == "0":  # before any rank writes (they meet in init_world)
+        from prime_core.run_dir import RunDir, clear_run
+
+        clear_run(RunDir(config.output_dir))
     from prime_trainer.sft.train import train
 
     run_training(train, config)
