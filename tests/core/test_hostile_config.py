@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from prime_core.config import parse_cli
+from prime_core.config.rl import RLConfig
 from prime_core.config.trainer import SFTConfig, TrainerConfig
 from prime_core.io import mark_stable
 
@@ -130,3 +131,29 @@ def test_sft_overwrite_deletes_the_previous_run_and_a_dry_run_deletes_nothing(tm
     assert proc.returncode == 0, proc.stderr
     assert not (run / "checkpoints" / "step_2").exists() and (run / "notes.txt").read_text() == "mine"
     assert (run / "weights" / "step_1").is_dir()
+
+
+# ---------------------------------------------------------------- resuming past the end
+
+
+def test_resuming_at_or_past_max_steps_is_refused(capsys, tmp_path):
+    """``sft --ckpt.resume-step 4 --max-steps 2`` used to load the checkpoint, print a validation loss and exit 0
+    having trained nothing; ``rl --resume`` of a finished run started every process for nothing."""
+    from prime_launch.host import HostFacts
+    from prime_launch.resolver import resolve
+
+    run = tmp_path / "run"
+    _trained_run(run, 4)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    sft = ["--model.name", str(MODEL), "--data.path", str(tmp_path / "sft.jsonl"), "--output-dir", str(run)]
+    err = error_line(capsys, SFTConfig, *sft, "--ckpt.resume-step", "4", "--max-steps", "2")
+    assert err == (
+        "error: CLI --max-steps: ckpt.resume_step (4) >= max_steps (2): nothing is left to train (max_steps counts "
+        "from the run's start)"
+    )
+    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--ckpt.resume-step", "60")
+    assert err.startswith("error: CLI --ckpt.resume-step: trainer: ckpt.resume_step (60) >= max_steps (60)")
+    rl = parse_cli(RLConfig, ["@", str(EXAMPLE), "--resume", "--output-dir", str(run)], prog="rl")
+    facts = HostFacts(gpus=(), cores=8, executables={}, run_id="r", checkpoint_steps=(30, 60))
+    with pytest.raises(ValueError, match=r"^--resume: the newest checkpoint \(step 60\) is at max-steps 60: the run"):
+        resolve(rl, facts)

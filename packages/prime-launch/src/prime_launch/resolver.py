@@ -104,6 +104,11 @@ def _resume_step(rl: RLConfig, checkpoint_steps: tuple[int, ...], run_dir: RunDi
                 "trainer and orchestrator parts and the weights of its step are complete)"
             )
         resume_step = checkpoint_steps[-1]
+        if resume_step >= rl.trainer.max_steps:
+            raise ValueError(
+                f"--resume: the newest checkpoint (step {resume_step}) is at max-steps {rl.trainer.max_steps}: the run "
+                "is finished; raise --max-steps to train on"
+            )
     return resume_step
 
 

@@ -463,13 +463,18 @@ def _format_validation_error(err: ValidationError, sources: _Sources, model: typ
     msg = str(error) if first["type"] == "value_error" and error is not None else first["msg"]
     if first["type"] == "extra_forbidden":
         return f"{origin}: unknown key {key!r}"
-    if not loc:  # a check across fields names them: blame the one the user set last (origins are in set order)
-        named = [
-            o
-            for p, o in sources.origin.items()
-            if any(".".join(p[:i]) in msg for i in range(min(2, len(p)), 1 + len(p)))
+    if not loc or (first["type"] == "value_error" and isinstance(first.get("input"), dict)):
+        # A check across fields names them: blame the one the user set last (origins are in set order). A section's
+        # check may name a key set at the top (rl's shared --ckpt.resume-step, copied into trainer).
+        def named(p: tuple[str, ...]) -> bool:
+            return any(".".join(p[:i]) in msg for i in range(min(2, len(p)), 1 + len(p)))
+
+        found = [
+            o for p, o in sources.origin.items() if named(p) or (p[: len(loc)] == tuple(loc) and named(p[len(loc) :]))
         ]
-        return f"{named[-1] if named else origin}: {msg}"
+        origin = found[-1] if found else origin
+        if not loc:
+            return f"{origin}: {msg}"
     inp = first.get("input")
     shown = "" if isinstance(inp, dict) or inp is None else f", got {inp!r}"
     return f"{origin}: {key}: {msg}{shown}"

@@ -382,6 +382,13 @@ class _TrainerBase(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _resume_before_the_end(self) -> _TrainerBase:
+        if (step := self.ckpt.resume_step) is not None and step >= self.max_steps:
+            raise ValueError(f"ckpt.resume_step ({step}) >= max_steps ({self.max_steps}): nothing is left to train "
+                             "(max_steps counts from the run's start)")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _cuda_graphs_serve_what_they_capture(self) -> _TrainerBase:
         if not self.parallel.cuda_graphs:
             return self
