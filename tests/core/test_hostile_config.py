@@ -157,3 +157,34 @@ def test_resuming_at_or_past_max_steps_is_refused(capsys, tmp_path):
     facts = HostFacts(gpus=(), cores=8, executables={}, run_id="r", checkpoint_steps=(30, 60))
     with pytest.raises(ValueError, match=r"^--resume: the newest checkpoint \(step 60\) is at max-steps 60: the run"):
         resolve(rl, facts)
+
+
+# ---------------------------------------------------------------- config files that are not config files
+
+
+def test_config_files_that_are_not_files_say_what_they_are(capsys, tmp_path):
+    """A directory, a FIFO, a device and a symlink loop were all "not found"; a 100 MB file (a checkpoint given by
+    mistake) was read whole before its first byte failed to parse."""
+    import os
+
+    (tmp_path / "dir.toml").mkdir()
+    os.mkfifo(tmp_path / "fifo.toml")
+    os.symlink(tmp_path / "b.toml", tmp_path / "a.toml")
+    os.symlink(tmp_path / "a.toml", tmp_path / "b.toml")
+    with open(tmp_path / "big.toml", "wb") as f:
+        f.truncate(100 * 2**20)
+    for name, why in [
+        ("dir.toml", "is a directory"),
+        ("fifo.toml", "is not a regular file"),
+        ("a.toml", "is a symlink that leads nowhere"),
+        ("big.toml", "is 100 MiB; a config is at most 16 MiB (is it the right file?)"),
+    ]:
+        path = tmp_path / name
+        assert error_line(capsys, TrainerConfig, "@", str(path)) == f"error: file {path}: config file '{path}' {why}"
+    assert error_line(capsys, TrainerConfig, "@", "/dev/zero").endswith("'/dev/zero' is not a regular file")
+
+
+def test_a_boolean_given_a_word_names_the_flag(capsys):
+    """``--bench maybe`` said "unexpected argument 'maybe'", naming no option."""
+    err = error_line(capsys, TrainerConfig, "--model.name", str(MODEL), "--bench", "maybe")
+    assert err == "error: CLI --bench: expected true or false (or --bench / --no-bench alone), got 'maybe'"

@@ -11,7 +11,6 @@ import difflib
 import json
 import os
 import tomllib
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,9 +19,20 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from prime_core.config.introspect import (
+    _fields_of,
+    _is_bool_type,
+    _is_dict_type,
+    _is_list_type,
+    _models_in,
+    _unwrap,
+    all_keys,
+)
+
 T = TypeVar("T", bound=BaseModel)
 
 ENV_PREFIX = "PRIME_"
+MAX_CONFIG_BYTES = 16 * 2**20  # a checkpoint or a dataset given by mistake is refused before it is read
 
 
 class ConfigError(ValueError):
@@ -69,62 +79,6 @@ class _Sources:
             if keys[:n] in self.origin:
                 return self.origin[keys[:n]]
         return None
-
-
-# ---------------------------------------------------------------- type introspection
-
-
-def _unwrap(annotation: Any) -> list[Any]:
-    """The concrete alternatives of an annotation (Optional/Union/Annotated flattened)."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _unwrap(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        out: list[Any] = []
-        for arg in typing.get_args(annotation):
-            if arg is not type(None):
-                out.extend(_unwrap(arg))
-        return out
-    return [annotation]
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    return [a for a in _unwrap(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-
-
-def _fields_of(models: list[type[BaseModel]]) -> dict[str, Any]:
-    """Union of the fields of several models (for discriminated unions): name -> annotation."""
-    fields: dict[str, Any] = {}
-    for model in models:
-        for name, info in model.model_fields.items():
-            fields.setdefault(name, info.annotation)
-            if info.alias:
-                fields.setdefault(info.alias, info.annotation)
-    return fields
-
-
-def _is_dict_type(annotation: Any) -> bool:
-    return any(typing.get_origin(a) in (dict, Mapping) or a is dict for a in _unwrap(annotation))
-
-
-def _is_list_type(annotation: Any) -> bool:
-    return any(typing.get_origin(a) in (list, tuple, set, Sequence) or a in (list, tuple) for a in _unwrap(annotation))
-
-
-def _is_bool_type(annotation: Any) -> bool:
-    alts = _unwrap(annotation)
-    return bool(alts) and all(a is bool for a in alts)
-
-
-def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every dotted key of a config class (for suggestions and help)."""
-    keys = []
-    for name, annotation in _fields_of([model]).items():
-        dotted = f"{prefix}{name}"
-        keys.append(dotted)
-        for sub in _models_in(annotation):
-            keys.extend(all_keys(sub, dotted + "."))
-    return sorted(set(keys))
 
 
 def _suggest(bad: str, candidates: Sequence[str], cutoff: float = 0.6) -> str:
@@ -196,7 +150,13 @@ def load_toml(path_text: str, origin: str) -> dict[str, Any]:
         raise ConfigError(f"{origin}: '@' must be followed by a TOML file path")
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise ConfigError(f"{origin}: config file {path_text!r} not found")
+        # A FIFO or a device is never opened: reading one would wait for a writer or never end.
+        why = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "not found"
+        why = "is a symlink that leads nowhere" if why == "not found" and path.is_symlink() else why
+        raise ConfigError(f"{origin}: config file {path_text!r} {why}")
+    if (size := path.stat().st_size) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{origin}: config file {path_text!r} is {size / 2**20:.0f} MiB; a config is at most "
+                          f"{MAX_CONFIG_BYTES // 2**20} MiB (is it the right file?)")  # fmt: skip
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -370,6 +330,8 @@ def _flag(model: type[BaseModel], tokens: list[str], i: int) -> tuple[tuple[str,
         value = True
         if i < len(tokens) and tokens[i].lower() in ("true", "false", "1", "0", "yes", "no"):
             value, i = tokens[i], i + 1
+        elif i < len(tokens) and not tokens[i].startswith(("--", "@")):
+            raise ConfigError(f"{origin}: expected true or false (or --{key} / --no-{key} alone), got {tokens[i]!r}")
     else:
         values = []
         while i < len(tokens) and not tokens[i].startswith("--") and not tokens[i].startswith("@"):
