@@ -188,3 +188,12 @@ def test_a_boolean_given_a_word_names_the_flag(capsys):
     """``--bench maybe`` said "unexpected argument 'maybe'", naming no option."""
     err = error_line(capsys, TrainerConfig, "--model.name", str(MODEL), "--bench", "maybe")
     assert err == "error: CLI --bench: expected true or false (or --bench / --no-bench alone), got 'maybe'"
+
+
+def test_a_seed_no_generator_takes_is_refused(capsys):
+    """``--seed 99999999999999999999999`` used to start the trainer and fail in torch's generator ("Overflow when
+    unpacking long long", a traceback); ``sft --seed -1`` failed in numpy's."""
+    err = error_line(capsys, TrainerConfig, "--model.name", str(MODEL), "--seed", str(10**23))
+    assert err == f"error: CLI --seed: seed: Input should be less than or equal to 4294967295, got '{10**23}'"
+    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--seed", "-1")
+    assert err == "error: CLI --seed: seed: Input should be greater than or equal to 0, got '-1'"

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
-from prime_core.config.shared import LogConfig, ModelConfig
+from prime_core.config.shared import LogConfig, ModelConfig, Seed
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
@@ -187,7 +187,7 @@ class InferenceConfig(BaseConfig):
     finish on the old weights first (each completion from one weight step); ``in_flight`` swaps at the next engine
     step and they go on with the new weights (their KV cache kept). ``rl`` sets in_flight with
     ``max_off_policy_steps``."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of requests that carry no seed of their own (and of vLLM's engine)."""
     output_dir: Path = Path("outputs")
     """Run directory; the log goes to ``<output_dir>/logs/inference.log``."""

@@ -10,7 +10,15 @@ from pydantic import Field, field_validator, model_validator
 from prime_core.config.base import BaseConfig
 from prime_core.config.distill import DistillConfig
 from prime_core.config.liveness import RecoveryConfig
-from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, HttpUrl, LogConfig, ModelConfig, MonitorConfig
+from prime_core.config.shared import (
+    MAX_SEQ_LEN,
+    CheckpointConfig,
+    HttpUrl,
+    LogConfig,
+    ModelConfig,
+    MonitorConfig,
+    Seed,
+)
 from prime_core.transport import RolloutTransportConfig
 
 
@@ -334,7 +342,7 @@ class OrchestratorConfig(BaseConfig):
     micro-batch, about 16k tokens in all (the GPU configs: 8 x 2048); activations grow with it (docs/scaling.md)."""
     num_trainer_ranks: int = Field(default=1, ge=1)
     """Trainer data-parallel ranks (filled by the launcher); one file per rank per step."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of environment mixing, prompt order and per-request sampling seeds."""
     client: ClientConfig = Field(default_factory=ClientConfig)
     """Inference servers."""
@@ -446,7 +454,7 @@ class EvalConfig(BaseConfig):
     """Checkpoint steps under weights_dir to evaluate."""
     eval_base: bool = True
     """Also evaluate the weights the server started with (first; restored with /reload_weights before scoring)."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of example selection and sampling."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging."""

@@ -20,7 +20,7 @@ from prime_core.config.distill import TeacherServerConfig
 from prime_core.config.inference import InferenceConfig
 from prime_core.config.liveness import LivenessConfig
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, WandbConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, Seed, WandbConfig
 from prime_core.config.trainer import TrainerConfig
 from prime_core.transport import RolloutTransportConfig
 
@@ -104,7 +104,7 @@ class RLRunConfig(BaseConfig):
     ``metrics.jsonl``); default ``<output_dir>/runs/<name>``."""
     lr: float | None = Field(default=None, gt=0)
     """Peak learning rate of the run's adapter; unset uses ``trainer.optim.lr``."""
-    seed: int | None = None
+    seed: Seed | None = None
     """Seed of the run's orchestrator (example order, sampling); unset uses ``orchestrator.seed``."""
     env: list[EnvConfig] | None = None
     """Environments of the run's orchestrator; unset uses ``orchestrator.env``."""
@@ -246,7 +246,7 @@ class RLConfig(BaseConfig):
     max_off_policy_steps: int | None = Field(default=None, ge=0)
     """Shared: continuous rollouts with this bound on each rollout's staleness (orchestrator; the server rl starts
     then updates weights in flight)."""
-    seed: int | None = None
+    seed: Seed | None = None
     """Shared: seed of all three processes."""
     ckpt: CheckpointConfig | None = None
     """Shared: checkpoint interval, retention and resume step (trainer and orchestrator)."""

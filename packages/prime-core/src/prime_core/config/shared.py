@@ -13,6 +13,8 @@ from prime_core.config.base import BaseConfig
 # Packed rows are allocated whole (orchestrator and trainer), so a seq_len of 10**12 fails on its first step with a
 # 7 TiB allocation; 16M tokens is beyond any model's context and still refused at once.
 MAX_SEQ_LEN = 1 << 24
+# numpy's and vLLM's seeding take 0 .. 2**32 - 1; a larger seed overflowed in torch's generator with a traceback.
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 def _http_url(url: str) -> str:

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.parallel import ParallelConfig
-from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, MonitorConfig
+from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, MonitorConfig, Seed
 from prime_core.transport import RolloutTransportConfig
 
 # ---------------------------------------------------------------- model, parallelism, performance
@@ -342,7 +342,7 @@ class _TrainerBase(BaseConfig):
     """Maximum row length in tokens."""
     max_steps: int = Field(default=20, ge=1)
     """Number of optimizer steps (absolute: a resumed run stops at the same step)."""
-    seed: int = 0
+    seed: Seed = 0
     """Seed of model init and data order."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device type; auto uses CUDA when available (NCCL), else CPU (gloo)."""
