@@ -16,6 +16,7 @@ from prime_core.config.trainer import SFTConfig, TrainerConfig
 from prime_core.io import mark_stable
 
 from tests.core.test_bad_input import EXAMPLE, MODEL, REPO, error_line
+from tests.tiny import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -197,3 +198,34 @@ def test_a_seed_no_generator_takes_is_refused(capsys):
     assert err == f"error: CLI --seed: seed: Input should be less than or equal to 4294967295, got '{10**23}'"
     err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--seed", "-1")
     assert err == "error: CLI --seed: seed: Input should be greater than or equal to 0, got '-1'"
+
+
+def test_a_directory_no_run_wrote_is_never_cleared_as_a_run(capsys, tmp_path):
+    """``rl --output-dir <a project>`` whose ``logs/`` and ``configs/`` were the project's used to take them for the
+    leftovers of a failed start and delete them, unasked; ``--overwrite`` (and ``sft --overwrite``) deleted its
+    ``eval/`` too."""
+    from prime_core.config import load_config
+    from prime_launch.launcher import _prepare
+
+    project = tmp_path / "project"
+    for name, text in (("logs/keep.txt", "precious"), ("configs/mine.yaml", "x: 1"), ("eval/results.csv", "1")):
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    for extra in ([], ["--overwrite"]):
+        rl = load_config(RLConfig, ["@", str(EXAMPLE), "--output-dir", str(project), *extra])
+        with pytest.raises(FileExistsError, match="holds configs, logs, eval that no run wrote"):
+            _prepare(rl)
+    err = error_line(capsys, SFTConfig, "--model.name", str(MODEL), "--data.fake.batch-size", "1", "--overwrite",
+                     "--output-dir", str(project))  # fmt: skip
+    assert err.endswith("holds configs, logs, eval that no run wrote (no configs/<process>.toml, no step_N " + (
+        "directories, no metrics), which --overwrite would delete; choose another --output-dir"
+    ))  # fmt: skip
+    assert sorted(p.name for p in project.rglob("*") if p.is_file()) == ["keep.txt", "mine.yaml", "results.csv"]
+    # A failed start's leftovers (its configs) are still cleared.
+    (tmp_path / "failed" / "configs").mkdir(parents=True)
+    (tmp_path / "failed" / "configs" / "trainer.toml").write_text("")
+    (tmp_path / "failed" / "logs").mkdir()
+    (tmp_path / "failed" / "logs" / "trainer.log").write_text("boom")
+    port = ("--inference.server.port", str(free_port()))
+    _, cleared = _prepare(load_config(RLConfig, ["@", str(EXAMPLE), *port, "--output-dir", str(tmp_path / "failed")]))
+    assert cleared and not (tmp_path / "failed" / "logs" / "trainer.log").exists()

@@ -344,6 +344,7 @@ def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[
     from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
     from prime_core.config.rl import RLConfig
     from prime_core.config.trainer import ModelInitConfig, SFTConfig, SFTDataConfig, SFTValConfig
+    from prime_core.run_dir import RunDir, foreign_artifacts
 
     output_dir = getattr(section, "output_dir", None)
     if isinstance(output_dir, Path) and (reason := check_output_dir(output_dir)):
@@ -370,3 +371,8 @@ def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[
     fresh = trainer and not path and resume_step is None and not section.bench and not getattr(section, "overwrite", 0)
     if fresh and (reason := check_previous_run(output_dir, overwrite_flag=hasattr(section, "overwrite"))):
         yield ("output_dir",), reason
+    overwrite = trainer and not path and getattr(section, "overwrite", False)
+    if overwrite and (foreign := foreign_artifacts(RunDir(output_dir))):
+        why = "no configs/<process>.toml, no step_N directories, no metrics"
+        reason = f"{str(output_dir)!r} holds {', '.join(foreign)} that no run wrote ({why}), which --overwrite would "
+        yield ("output_dir",), reason + "delete; choose another --output-dir"

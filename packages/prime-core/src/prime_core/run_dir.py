@@ -13,6 +13,8 @@ from prime_core.io import is_stable
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # Run artifacts of a launch; anything else in the output directory is left alone.
 RUN_ARTIFACTS = ("configs", "logs", "rollouts", "weights", "checkpoints", "metrics.jsonl", "samples", "eval")
+DRY_RUN_MARKER = ".dry-run"
+_RUN_CONFIG_RE = re.compile(r"^(rl|sft|trainer|inference|teacher|orchestrator(-[A-Za-z0-9_.-]+)?)\.toml$")
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,24 @@ class RunDir:
     def latest_stable_weight_step(self) -> int | None:
         steps = self.stable_weight_steps()
         return steps[-1] if steps else None
+
+
+def foreign_artifacts(run_dir: RunDir) -> list[str]:
+    """The names of run artifacts in ``run_dir`` (``logs/``, ``configs/``, ``eval/``...) when no run wrote them: no
+    process config in ``configs/`` (a launch writes them first), no dry run's marker, no ``step_N`` directory, no
+    metrics. A project's own ``logs/`` or ``eval/`` is never cleared as a run's."""
+    root = run_dir.root
+    found = [n for n in RUN_ARTIFACTS if (root / n).is_file() or ((root / n).is_dir() and any((root / n).iterdir()))]
+    if not found:
+        return []
+    configs = run_dir.configs
+    if configs.is_dir() and any(p.name == DRY_RUN_MARKER or _RUN_CONFIG_RE.match(p.name) for p in configs.iterdir()):
+        return []
+    if any(_steps(parent) for parent in (run_dir.rollouts, run_dir.weights, run_dir.checkpoints)):
+        return []
+    if run_dir.metrics.is_file() and run_dir.metrics.stat().st_size:  # a run's own directory under [[runs]]
+        return []
+    return found
 
 
 def clear_run(run_dir: RunDir) -> None:

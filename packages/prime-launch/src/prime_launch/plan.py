@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import shlex
 
-from prime_core.run_dir import RUN_ARTIFACTS, RunDir
+from prime_core.run_dir import DRY_RUN_MARKER, RUN_ARTIFACTS, RunDir, foreign_artifacts
 
 from prime_launch.cpu_threads import THREAD_ENV_VARS
 from prime_launch.process import ProcessSpec
-
-DRY_RUN_MARKER = ".dry-run"
 
 
 def orchestrator_name(run: str) -> str:
@@ -53,7 +51,13 @@ def trained(run_dir: RunDir) -> bool:
 
 
 def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool) -> None:
-    """Refuse an output directory holding another run that trained, unless resuming or overwriting."""
+    """Refuse an output directory holding another run that trained, unless resuming or overwriting, and one whose
+    ``logs/``, ``configs/``... no run wrote (a start clears a failed start's, and ``--overwrite`` a run's)."""
+    if not resume and (foreign := foreign_artifacts(run_dir)):
+        raise FileExistsError(
+            f"output directory {run_dir.root} holds {', '.join(foreign)} that no run wrote (no configs/<process>.toml, "
+            "no step_N directories, no metrics), which starting a run there would delete; choose another --output-dir"
+        )
     found = existing_artifacts(run_dir)
     if found and not (overwrite or resume) and trained(run_dir):
         raise FileExistsError(
