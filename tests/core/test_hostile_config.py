@@ -229,3 +229,22 @@ def test_a_directory_no_run_wrote_is_never_cleared_as_a_run(capsys, tmp_path):
     port = ("--inference.server.port", str(free_port()))
     _, cleared = _prepare(load_config(RLConfig, ["@", str(EXAMPLE), *port, "--output-dir", str(tmp_path / "failed")]))
     assert cleared and not (tmp_path / "failed" / "logs" / "trainer.log").exists()
+
+
+def test_a_checkpoint_of_another_kind_of_run_is_not_resumed(capsys, tmp_path):
+    """``trainer --ckpt.resume-step 2`` in an SFT run's directory used to load the SFT model and optimizer state and
+    then wait, at step 2, for rollouts an RL run had never made; the reverse resumed RL state as SFT."""
+    run = tmp_path / "run"
+    _trained_run(run, 2)
+    (run / "checkpoints" / "step_2" / "trainer" / "progress.json").write_text('{"step": 2, "process": "sft"}')
+    err = error_line(
+        capsys, TrainerConfig, "--model.name", str(MODEL), "--output-dir", str(run), "--ckpt.resume-step", "2"
+    )
+    assert err == (
+        f"error: CLI --ckpt.resume-step: ckpt.resume-step: checkpoint step 2 in {run} was written by sft, and trainer "
+        f"does not resume another kind of run: start afresh in another --output-dir from its weights (--model.name "
+        f"{run}/weights/step_2)"
+    )
+    (run / "checkpoints" / "step_2" / "trainer" / "progress.json").write_text('{"step": 2}')  # saved before the field
+    assert parse_cli(TrainerConfig, ["--model.name", str(MODEL), "--output-dir", str(run), "--ckpt.resume-step", "2"],
+                     prog="trainer").ckpt.resume_step == 2  # fmt: skip

@@ -84,6 +84,13 @@ def test_a_broken_complete_checkpoint_is_one_line_naming_the_file(saved, case):
     assert manager.load(1, model, optimizer)["data_step"] == 1  # the earlier one still resumes
 
 
+def test_a_checkpoint_records_the_process_that_saved_it(saved):
+    """So that ``sft`` never resumes an RL trainer's checkpoint, nor the trainer an SFT run's (checked at parse)."""
+    manager, _, _ = saved
+    progress = json.loads((manager.run_dir.trainer_checkpoint(2) / "progress.json").read_text())
+    assert progress["process"] == "trainer" and progress["step"] == 2
+
+
 def test_a_cut_micro_batch_file_is_one_line_naming_it(tmp_path):
     write_rollouts(tmp_path, steps=1, num_ranks=1)
     path = RunDir(tmp_path).rollout_file(0, 0)

@@ -266,13 +266,24 @@ def check_output_dir(path: Path) -> str | None:
     return None
 
 
-def check_resume_step(output_dir: Path, step: int) -> str | None:
-    """Why the trainer cannot resume from checkpoint ``step`` of ``output_dir``, or None."""
+def check_resume_step(output_dir: Path, step: int, process: str = "trainer") -> str | None:
+    """Why ``process`` (``trainer`` or ``sft``) cannot resume from checkpoint ``step`` of ``output_dir``, or None."""
     from prime_core.io import is_stable
     from prime_core.run_dir import RunDir
 
     run_dir = RunDir(output_dir)
-    if is_stable(run_dir.trainer_checkpoint(step)):
+    path = run_dir.trainer_checkpoint(step)
+    if is_stable(path):
+        try:  # checkpoints saved before the process was recorded name none
+            saved = json.loads((path / "progress.json").read_text()).get("process", process)
+        except (OSError, ValueError, AttributeError):
+            return None  # an unreadable progress file is the trainer's to name, with the checkpoint to use instead
+        if saved != process:
+            return (
+                f"checkpoint step {step} in {output_dir} was written by {saved}, and {process} does not resume another "
+                f"kind of run: start afresh in another --output-dir from its weights (--model.name "
+                f"{run_dir.weight_step(step)})"
+            )
         return None
     have = ", ".join(map(str, run_dir.checkpoint_steps())) or "none"
     return f"no complete checkpoint {run_dir.trainer_checkpoint(step)} (complete checkpoint steps: {have})"
@@ -365,7 +376,8 @@ def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[
     # A trainer section (it has ``init``) resumes from its own run directory's checkpoint.
     resume_step = getattr(getattr(section, "ckpt", None), "resume_step", None)
     trainer = isinstance(getattr(section, "init", None), ModelInitConfig) and isinstance(output_dir, Path)
-    if trainer and resume_step is not None and (reason := check_resume_step(output_dir, resume_step)):
+    process = "sft" if isinstance(section, SFTConfig) else "trainer"
+    if trainer and resume_step is not None and (reason := check_resume_step(output_dir, resume_step, process)):
         yield (*path, "ckpt", "resume_step"), reason
     # Only a trainer started on its own: rl checks (or clears, with --overwrite) the run directory itself.
     fresh = trainer and not path and resume_step is None and not section.bench and not getattr(section, "overwrite", 0)

@@ -73,8 +73,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, config: CheckpointConfig, run_dir: RunDir, world: World):
+    def __init__(self, config: CheckpointConfig, run_dir: RunDir, world: World, process: str = "trainer"):
         self.config = config
+        self.process = process
+        """``trainer`` or ``sft``: saved with each checkpoint, so that neither resumes the other's."""
         self.run_dir = run_dir
         self.world = world
         self._pending: tuple[Future, int, Path, dict, CrcFileSystemWriter] | None = None
@@ -104,7 +106,7 @@ class CheckpointManager:
         rng_file = self._rng_file(tmp, self.world.rank, mkdir=True)
         with writing(f"checkpoint step {step}", final), writer.fs.create_stream(rng_file, "wb") as stream:
             torch.save(rng_state(), stream)
-        progress = {**progress, "step": step, "world_size": self.world.world_size}
+        progress = {**progress, "step": step, "world_size": self.world.world_size, "process": self.process}
         if self.config.save_async:
             # The stager DCP picks without a writer given; the writer itself (a BlockingAsyncStager) would be picked.
             stager = DefaultStager(StagingOptions(False, False, False, False))

@@ -115,7 +115,7 @@ def setup(config: TrainerConfig | SFTConfig, process: str) -> Components:
         model=model,
         model_source=model_source,
         optimizer=optimizer,
-        ckpt=CheckpointManager(config.ckpt, run_dir, world),
+        ckpt=CheckpointManager(config.ckpt, run_dir, world, process),
         publisher=build_publisher(config, process, run_dir, world, tokenizer=model_source.tokenizer),
         monitor=monitor,
         peak_flops=perf.peak_flops(world.device, config.perf.peak_tflops),
