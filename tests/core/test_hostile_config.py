@@ -248,3 +248,14 @@ def test_a_checkpoint_of_another_kind_of_run_is_not_resumed(capsys, tmp_path):
     (run / "checkpoints" / "step_2" / "trainer" / "progress.json").write_text('{"step": 2}')  # saved before the field
     assert parse_cli(TrainerConfig, ["--model.name", str(MODEL), "--output-dir", str(run), "--ckpt.resume-step", "2"],
                      prog="trainer").ckpt.resume_step == 2  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [('{"A=B": "x"}', "'A=B'"), ('{"": "x"}', "''"), ('{"A": "x\\u0000y"}', "A's value (a NUL)")],
+)
+def test_an_environment_variable_no_process_can_get_is_named(capsys, value, why):
+    """``--env-vars '{"A=B": "x"}'`` was accepted and failed at the first process start as "illegal environment
+    variable name" (a NUL: "embedded null byte"), naming no option."""
+    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--env-vars", value)
+    assert err == f"error: CLI --env-vars: env_vars: {why} cannot be set in a process's environment"

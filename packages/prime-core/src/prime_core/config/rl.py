@@ -10,6 +10,7 @@ outputs/configs/trainer.toml ... --output-dir outputs2`` starts the same run els
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -366,6 +367,10 @@ class RLConfig(BaseConfig):
                 f"devices.cpu_threads.inference ({inference_threads}) != inference.torch.num_threads "
                 f"({engine_threads}); set one of them"
             )
+        bad = next((f"{k!r}" for k, v in self.env_vars.items() if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)), None)
+        bad = bad or next((f"{k}'s value (a NUL)" for k, v in self.env_vars.items() if "\x00" in v), None)
+        if bad:  # os.execve's "illegal environment variable name" or "embedded null byte", naming nothing
+            raise ValueError(f"env_vars: {bad} cannot be set in a process's environment")
         protected = PROTECTED_ENV_VARS & set(self.env_vars)
         if protected:
             raise ValueError(f"env_vars may not set {sorted(protected)}: the launcher sets them per process")
