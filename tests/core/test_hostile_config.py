@@ -259,3 +259,17 @@ def test_an_environment_variable_no_process_can_get_is_named(capsys, value, why)
     variable name" (a NUL: "embedded null byte"), naming no option."""
     err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--env-vars", value)
     assert err == f"error: CLI --env-vars: env_vars: {why} cannot be set in a process's environment"
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--health-timeout", "--orchestrator.client.timeout", "--trainer.parallel.timeout-s", "--liveness.startup-s"],
+)
+def test_a_wait_of_a_thousand_years_is_no_bound(capsys, flag):
+    """``inf`` was refused but ``1e300`` was taken: a wait with no bound, and past threading.TIMEOUT_MAX (2**63 ns) a
+    lock's ``acquire(timeout=...)`` raises OverflowError."""
+    big = "99999999999" if flag.endswith("timeout-s") else "1e300"  # an int field takes no exponent
+    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), flag, big)
+    expected = f"a wait of {float(big):g} s is no bound: at most 604800 s (7 days), got '{big}'"
+    assert err == f"error: CLI {flag}: {flag[2:]}: {expected}"
+    assert parse_cli(RLConfig, ["@", str(EXAMPLE), flag, "604800"], prog="rl", network=False)

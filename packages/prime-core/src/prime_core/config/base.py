@@ -6,9 +6,10 @@ import re
 from pathlib import PurePath
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_WAIT_S = 7 * 24 * 3600
 
 
 def control_character_error(value: str) -> str | None:
@@ -33,13 +34,18 @@ class BaseConfig(BaseModel):
 
     @field_validator("*", mode="after")
     @classmethod
-    def _paths_are_printable(cls, value: Any) -> Any:
+    def _paths_printable_and_waits_bounded(cls, value: Any, info: ValidationInfo) -> Any:
         # A NUL in a path fails in os.stat with a traceback; a newline splits the sbatch script's lines (``#SBATCH
         # --output=<dir>``), so the rest of the path runs as a command.
         paths = value if isinstance(value, list | tuple) else [value]
         for path in paths:
             if isinstance(path, PurePath) and (why := control_character_error(str(path))):
                 raise ValueError(f"the path {why}")
+        # A wait of 1e12 s is no bound, and past threading.TIMEOUT_MAX a lock's acquire raises OverflowError.
+        name = info.field_name or ""
+        is_wait = "timeout" in name or name.endswith("_s")
+        if is_wait and isinstance(value, int | float) and not isinstance(value, bool) and value > MAX_WAIT_S:
+            raise ValueError(f"a wait of {value:g} s is no bound: at most {MAX_WAIT_S} s (7 days)")
         return value
 
     def derive(self, **changes: Any) -> Self:
