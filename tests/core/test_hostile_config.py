@@ -273,3 +273,16 @@ def test_a_wait_of_a_thousand_years_is_no_bound(capsys, flag):
     expected = f"a wait of {float(big):g} s is no bound: at most 604800 s (7 days), got '{big}'"
     assert err == f"error: CLI {flag}: {flag[2:]}: {expected}"
     assert parse_cli(RLConfig, ["@", str(EXAMPLE), flag, "604800"], prog="rl", network=False)
+
+
+def test_rewind_to_a_step_with_no_checkpoint_removes_nothing(tmp_path):
+    """``prime-launch rewind --step 3`` (a typo for 4) used to remove the weights of every step after 3, leaving
+    checkpoint 4 without the weights it resumes with (no longer resumable)."""
+    run = tmp_path / "run"
+    _trained_run(run, 2, 4)
+    proc = _run("-m", "prime_launch.entrypoints.cli", "rewind", "--output-dir", str(run), "--step", "3")
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: step: 3 is not a complete checkpoint of {run} (complete checkpoint steps: 2, 4); rewind to the step "
+        "the run resumes from\n"
+    )
+    assert (run / "weights" / "step_4").is_dir()

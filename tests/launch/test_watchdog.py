@@ -257,6 +257,8 @@ def test_prime_launch_watch_ends_cleanly_on_sigterm_and_rewind_cli(tmp_path):
     assert proc.wait(timeout=30) == 0
     run = RunDir(tmp_path)
     run.rollout_step(3).mkdir(parents=True)
+    run.checkpoint_step(2).mkdir(parents=True)
+    mark_stable(run.checkpoint_step(2))
     done = subprocess.run(
         [*CLI, "rewind", "--output-dir", str(tmp_path), "--step", "2"], capture_output=True, text=True
     )

@@ -150,7 +150,13 @@ def _rewind(argv: list[str]) -> int:
 
     from prime_launch.resume import rewind
 
-    print(rewind(RunDir(config.output_dir), config.step) or f"nothing after step {config.step} to remove")
+    run_dir = RunDir(config.output_dir)
+    if config.step not in (steps := run_dir.checkpoint_steps()):
+        # Weights after the step go: a typo would leave every later checkpoint without the weights it resumes with.
+        have = ", ".join(map(str, steps)) or "none"
+        return _fail(f"step: {config.step} is not a complete checkpoint of {run_dir.root} (complete checkpoint steps: "
+                     f"{have}); rewind to the step the run resumes from")  # fmt: skip
+    print(rewind(run_dir, config.step) or f"nothing after step {config.step} to remove")
     return 0
 
 
