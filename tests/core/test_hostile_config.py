@@ -286,3 +286,24 @@ def test_rewind_to_a_step_with_no_checkpoint_removes_nothing(tmp_path):
         "the run resumes from\n"
     )
     assert (run / "weights" / "step_4").is_dir()
+
+
+def test_an_sbatch_value_with_a_space_is_refused_before_anything_is_cleared(tmp_path):
+    """sbatch ends an ``#SBATCH`` value at a space: ``--slurm.job-name 'my run'`` named the job ``my``, and an output
+    directory with a space sent the job log to the path's first word (``slurm sft --overwrite`` cleared the run
+    first)."""
+    spaced = tmp_path / "my run"
+    _trained_run(spaced, 2)
+    (spaced / "configs").mkdir()
+    (spaced / "configs" / "sft.toml").write_text("")
+    sft = ["-m", "prime_launch.entrypoints.cli", "slurm", "sft", "--model.name", str(MODEL), "--data.fake.batch-size"]
+    proc = _run(*sft, "1", "--output-dir", str(spaced), "--overwrite")
+    assert proc.returncode == 2 and proc.stderr == (
+        f"error: output-dir: '{spaced}' holds a space, which the job's #SBATCH --output line cannot carry: choose a "
+        "directory without spaces\n"
+    )
+    assert (spaced / "checkpoints" / "step_2").is_dir()
+    proc = _run(*sft, "1", "--output-dir", str(tmp_path / "run"), "--slurm.job-name", "my run", "--dry-run")
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: CLI --slurm.job-name: slurm.job-name: an #SBATCH value is one word: no spaces, not empty, got 'my run'\n"
+    )

@@ -81,6 +81,9 @@ def container_args(slurm: SlurmConfig) -> str:
 
 def base_context(slurm: SlurmConfig, template: str, output_dir: Path, num_nodes: int) -> dict[str, Any]:
     output_dir = output_dir.resolve()
+    if any(c.isspace() for c in str(output_dir)):  # sbatch ends ``#SBATCH --output=<dir>/...`` at the space
+        raise ValueError(f"output-dir: {str(output_dir)!r} holds a space, which the job's #SBATCH --output line "
+                         "cannot carry: choose a directory without spaces")  # fmt: skip
     project_dir = (slurm.project_dir or Path.cwd()).resolve()
     launcher = (slurm.launcher or "").strip()
     procs_per_node = slurm.gpus_per_node if slurm.gpus_per_node > 0 else slurm.cpu_procs_per_node

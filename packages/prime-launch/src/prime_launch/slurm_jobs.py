@@ -111,12 +111,12 @@ def _prepare_sft(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: 
     output_dir = Path(sft.output_dir).resolve()
     run_dir = RunDir(output_dir)
     check_output_dir(run_dir, overwrite=sft.overwrite, resume=sft.ckpt.resume_step is not None)
+    ctx = base_context(slurm, template, output_dir, slurm.num_nodes)  # what it refuses, it refuses before the clear
     if sft.overwrite and not dry_run:
         clear_run(run_dir)
     # Cleared here, once: the job's own sft (started again if SLURM requeues it) must not clear what it trained.
     device = "cuda" if slurm.gpus_per_node > 0 else "cpu"
     sft = sft.derive(output_dir=output_dir, device=device, overwrite=False)
-    ctx = base_context(slurm, template, output_dir, slurm.num_nodes)
     configs = {"sft": write_config(sft, run_dir.config_file("sft"))}
     _mark(run_dir, dry_run)
     ctx["configs"] = configs

@@ -85,6 +85,14 @@ class SlurmConfig(BaseConfig):
                 raise ValueError(why)
         return value
 
+    @field_validator("job_name", "partition", "account", "qos", "time", "mem", "nodelist", "exclude")
+    @classmethod
+    def _one_word(cls, value: str | None) -> str | None:
+        # sbatch ends an #SBATCH value at a space: ``--job-name=my run`` would name the job ``my``.
+        if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+            raise ValueError("an #SBATCH value is one word: no spaces, not empty")
+        return value
+
     @property
     def rl_multi_node(self) -> bool:
         """Whether an RL job spans several nodes (multi-node-rl) rather than running ``rl`` on one."""
