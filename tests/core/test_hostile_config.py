@@ -307,3 +307,25 @@ def test_an_sbatch_value_with_a_space_is_refused_before_anything_is_cleared(tmp_
     assert proc.returncode == 2 and proc.stderr == (
         "error: CLI --slurm.job-name: slurm.job-name: an #SBATCH value is one word: no spaces, not empty, got 'my run'\n"
     )
+
+
+def test_inference_output_dir_urls_and_lengths_are_checked_at_parse(capsys, tmp_path):
+    """``inference --output-dir <not writable>`` was a FileNotFoundError traceback (its dry run too); a URL with a
+    space and a ``max_model_len`` of 10**11 were taken."""
+    from prime_core.config.inference import InferenceConfig
+    from prime_core.config.orchestrator import OrchestratorConfig
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    for extra in ([], ["--dry-run"]):
+        proc = _run("-m", "prime_inference.entrypoints.inference", "--model.name", str(MODEL), "--output-dir",
+                    str(blocked / "run"), "--server.port", "1", *extra)  # fmt: skip
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("error: CLI --output-dir: output-dir: "), proc.stderr
+    err = error_line(capsys, OrchestratorConfig, "--model.name", str(MODEL), "--client.base-urls", "http://a b")
+    assert err.endswith("client.base-urls.0: not an http(s) URL like http://127.0.0.1:8000, got 'http://a b'")
+    err = error_line(capsys, InferenceConfig, "--model.name", str(MODEL), "--max-model-len", str(10**11))
+    assert (
+        err
+        == f"error: CLI --max-model-len: max-model-len: Input should be less than or equal to 16777216, got '{10**11}'"
+    )

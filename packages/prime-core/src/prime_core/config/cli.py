@@ -161,7 +161,10 @@ def parse_cli(
         if on_dry_run is not None:
             on_dry_run(config)
         else:
-            show_resolved(config, prog)
+            try:
+                show_resolved(config, prog)
+            except OSError as e:  # a directory that cannot be created or written: what --dry-run is there to find
+                fail(f"output-dir: cannot write the resolved config under {getattr(config, 'output_dir', '')}: {e}")
         raise SystemExit(0)
     return config
 

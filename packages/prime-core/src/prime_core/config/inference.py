@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
-from prime_core.config.shared import LogConfig, ModelConfig, Seed
+from prime_core.config.shared import MAX_SEQ_LEN, LogConfig, ModelConfig, Seed
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
@@ -160,7 +160,7 @@ class InferenceConfig(BaseConfig):
     """Engine: auto picks vLLM when CUDA and the ``vllm`` extra are available, else the PyTorch engine."""
     server: ServerConfig = Field(default_factory=ServerConfig)
     """HTTP server settings."""
-    max_model_len: int | None = Field(default=None, ge=2)
+    max_model_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """Longest prompt + completion in tokens; unset uses the model's ``max_position_embeddings``."""
     max_batch_size: int = Field(default=32, ge=1)
     """Torch engine: sequences decoded together (the running batch); more requests wait in a queue."""

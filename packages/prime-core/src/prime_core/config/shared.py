@@ -21,7 +21,7 @@ def _http_url(url: str) -> str:
     """A server's base URL must parse: a port above 65535 used to surface as an OverflowError traceback from the
     first connect, a bare host name as a request error after the run started."""
     parsed = urlparse(url.strip())
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or any(c.isspace() for c in url.strip()):
         raise ValueError("not an http(s) URL like http://127.0.0.1:8000")
     try:
         parsed.port  # noqa: B018 - urllib checks the range only when asked

@@ -71,7 +71,7 @@ class CutRequestsInOneLine(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_cli(InferenceConfig, argv, prog="inference", description=__doc__)
+    config = parse_cli(InferenceConfig, argv, prog="inference", description=__doc__, writes_output_dir=True)
     from prime_core.config.cli import fail
     from prime_core.preflight import port_in_use
 
