@@ -329,3 +329,18 @@ def test_inference_output_dir_urls_and_lengths_are_checked_at_parse(capsys, tmp_
         err
         == f"error: CLI --max-model-len: max-model-len: Input should be less than or equal to 16777216, got '{10**11}'"
     )
+
+
+def test_a_key_of_a_section_or_of_another_command_says_where_it_belongs(capsys, tmp_path):
+    """A trainer config given to ``rl`` said "unknown key 'optim'", ``--lr`` suggested nothing, and sft.toml given to
+    ``trainer`` suggested 'data.fake' for its data.path."""
+    (tmp_path / "t.toml").write_text("[optim]\nlr = 1e-4\n")
+    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "@", str(tmp_path / "t.toml"))
+    assert err == f"error: file {tmp_path}/t.toml: unknown key 'optim' (did you mean 'trainer.optim'?)"
+    err = error_line(capsys, RLConfig, "@", str(EXAMPLE), "--lr", "1e-4")
+    assert err == "error: CLI --lr: unknown key 'lr' (did you mean 'trainer.optim.lr'?)"
+    sft_toml = REPO / "examples" / "reverse_text" / "sft.toml"
+    err = error_line(capsys, TrainerConfig, "@", str(sft_toml))
+    assert err == f"error: file {sft_toml}: unknown key 'data.path' (an option of sft)"
+    err = error_line(capsys, TrainerConfig, "--max-step", "3")
+    assert err == "error: CLI --max-step: unknown key 'max-step' (did you mean 'max-steps'?)"

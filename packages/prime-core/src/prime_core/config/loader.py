@@ -107,8 +107,13 @@ def resolve_path(model: type[BaseModel], dotted: str, origin: str) -> tuple[tupl
         if part not in fields:
             prefix = ".".join(parts[:i])
             candidates = [f"{prefix}.{k}" if prefix else k for k in fields]
-            full = ".".join(parts).replace("_", "-")
-            suggestion = _suggest(".".join(parts), candidates + all_keys(model))
+            full, bad = ".".join(parts).replace("_", "-"), ".".join(parts)
+            # A key of a section given at the top (rl's ``optim``), or of another command's config (sft's data.path
+            # to the trainer), says so; only then the nearest spelling.
+            inside = sorted((k for k in all_keys(model) if k.endswith(f".{bad}")), key=len)
+            owner = None if inside else _owner_of(model, bad)
+            suggestion = f" (did you mean {inside[0]!r}?)" if inside else f" (an option of {owner})" if owner else ""
+            suggestion = suggestion or _suggest(bad, candidates + all_keys(model))
             raise ConfigError(f"{origin}: unknown key {full!r}{suggestion.replace('_', '-')}")
         annotation = fields[part]
         models = _models_in(annotation)
@@ -263,6 +268,24 @@ def collect_sources(
         merged.merge_tree(prefix, tree, origin)
     _apply_flags(merged, cli)
     return parsed
+
+
+def _commands() -> dict[str, type[BaseModel]]:
+    from prime_core.config.inference import InferenceConfig
+    from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
+    from prime_core.config.rl import RLConfig
+    from prime_core.config.trainer import SFTConfig, TrainerConfig
+
+    return {"rl": RLConfig, "trainer": TrainerConfig, "sft": SFTConfig, "orchestrator": OrchestratorConfig,
+            "eval": EvalConfig, "inference": InferenceConfig}  # fmt: skip
+
+
+def _owner_of(model: type[BaseModel], dotted: str) -> str | None:
+    """The first prime command (other than ``model``'s) whose config has the key ``dotted``."""
+    for name, root in _commands().items():
+        if not issubclass(model, root) and dotted in all_keys(root):
+            return name
+    return None
 
 
 def _any_command_keys() -> set[str]:
