@@ -230,10 +230,6 @@ class RLDataConfig(BaseConfig):
     keep_rollouts: int | None = Field(default=2, ge=1)
     """Filesystem transport: each rank deletes its ``rollouts/step_n`` files once it has read ``keep_rollouts`` newer
     steps (a resume never reads a consumed step: the orchestrator writes the resumed steps again); unset keeps all."""
-    wait_for_next_batch: bool = False
-    """Start step n only once step n + 1's rollouts have arrived, i.e. once inference has generated them (needs
-    ``async_level`` >= 1). Trainer and inference on one GPU then take turns on it instead of time-slicing it kernel
-    by kernel; the last step does not wait."""
 
 
 class WeightBroadcastConfig(BaseConfig):
@@ -443,9 +439,6 @@ class TrainerConfig(_TrainerBase):
 
     @model_validator(mode="after")
     def _check_runs(self) -> TrainerConfig:
-        if self.data.wait_for_next_batch and (self.async_level < 1 or self.runs):
-            raise ValueError("data.wait_for_next_batch needs async_level >= 1 (step n + 1's rollouts need step n's "
-                             "weights at async_level 0) and one run (no runs)")  # fmt: skip
         if not self.runs:
             return self
         if self.model.lora is None:

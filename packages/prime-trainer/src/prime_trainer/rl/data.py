@@ -126,21 +126,18 @@ class RolloutSource:
         self.run_dir = RunDir(config.output_dir)
         self.keep = config.data.keep_rollouts if self.transport == "filesystem" else None
         self.receiver = make_receiver(config.transport, self.run_dir, world.rank, on_wait=self._on_wait)
-        self._ahead: dict[int, tuple[RolloutBatchMeta, list[MicroBatch]]] = {}
 
     def _on_wait(self, elapsed: float) -> None:
         logger.info("step %d: rank %d waiting for rollouts for %.0fs", self._step, self.rank, elapsed)
 
-    def get(self, step: int, why: str = "") -> tuple[RolloutBatchMeta, list[MicroBatch]]:
-        if step in self._ahead:
-            return self._ahead.pop(step)
+    def get(self, step: int) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
         self._step = step
         where = (
             f"rollouts/step_{step}/rank_{self.rank}"
             if self.transport == "filesystem"
             else f"{self.transport} transport"
         )
-        waiting = f"waiting for the orchestrator's rollouts of step {step} ({where}){why}"
+        waiting = f"waiting for the orchestrator's rollouts of step {step} ({where})"
         try:
             with progress.activity(waiting, waits_for="orchestrator"):
                 received = self.receiver.receive(step, timeout=self.timeout)
@@ -154,11 +151,6 @@ class RolloutSource:
             ) from None
         self._drop_consumed(step)
         return received
-
-    def receive_ahead(self, step: int) -> None:
-        """Receive ``step``'s rollouts now, before training ``step - 1``, and keep them for ``get(step)``
-        (``data.wait_for_next_batch``: inference has then generated them and leaves the GPU to the trainer)."""
-        self._ahead[step] = self.get(step, f" before training step {step - 1} (data.wait_for_next_batch)")
 
     def _drop_consumed(self, step: int) -> None:
         """Delete this rank's files of steps ``keep`` or more behind ``step``; the rank that deletes a step's last file

@@ -156,8 +156,6 @@ def train(config: TrainerConfig) -> None:
         progress.set_step(step)
         t0 = time.perf_counter()
         meta, micro_batches = next_micro_batches(c, rollouts, step, config.seed)
-        if rollouts is not None and config.data.wait_for_next_batch and step + 1 < config.max_steps:
-            rollouts.receive_ahead(step + 1)  # one GPU: inference has finished generating before the step starts
         wait_s = time.perf_counter() - t0
         received_at = time.time()  # wall clock: the loop's timeline lines it up with the orchestrator's
 
