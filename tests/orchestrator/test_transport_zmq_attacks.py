@@ -289,3 +289,25 @@ def test_sender_does_not_pile_copies_on_a_busy_trainer(tmp_path, closing):
         trainer.recv_multipart()
         copies += 1
     assert copies == 2
+
+
+def test_a_batch_signed_for_another_rank_is_dropped(tmp_path, closing):
+    """The signature covers the rank: rank 1's batch arriving on rank 0's port (a mis-set base_port, a replay) is not
+    trained on by rank 0."""
+    from prime_core.transport import transport_secret
+    from prime_core.transport_zmq import mac
+
+    cfg = RolloutTransportConfig(type="zmq", base_port=free_base_port())
+    receiver = make_receiver(cfg, RunDir(tmp_path), 0)
+    closing(receiver)
+    raw = foreign(cfg.base_port, closing)
+    payload = poisoned(0, rank=1)
+    raw.send_multipart([b"DATA", b"0", mac(transport_secret(RunDir(tmp_path)), b"DATA", 1, b"0", payload), payload])
+    time.sleep(0.5)
+    sender = make_sender(cfg, RunDir(tmp_path), 1)
+    closing(sender)
+    good = batch(0, ranks=1)
+    sender.send(0, 0, good.metas[0], good.micro_batches[0])
+    _, mbs = receiver.receive(0, timeout=10)
+    np.testing.assert_array_equal(mbs[0].input_ids, good.micro_batches[0][0].input_ids)
+    assert receiver.num_dropped == 1
