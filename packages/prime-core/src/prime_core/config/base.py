@@ -7,6 +7,10 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict
 
 
+class ConfigError(ValueError):
+    """A user error in configuration input; the message is one line meant for the console."""
+
+
 class BaseConfig(BaseModel):
     """A config section. Every field carries a docstring; unknown keys are errors."""
 

@@ -20,13 +20,11 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from prime_core.config.base import ConfigError  # noqa: F401  (defined beside BaseConfig: a leaf every module can import)
+
 T = TypeVar("T", bound=BaseModel)
 
 ENV_PREFIX = "PRIME_"
-
-
-class ConfigError(ValueError):
-    """A user error in configuration input; the message is one line meant for the console."""
 
 
 @dataclass
