@@ -94,7 +94,8 @@ def test_another_runs_batch_for_the_awaited_step_is_not_trained_on(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="prime.transport"):
         meta, mbs = receiver.receive(0, timeout=10)
     np.testing.assert_array_equal(mbs[0].input_ids, good.micro_batches[0][0].input_ids)
-    assert receiver.num_dropped >= 51
+    # ZeroMQ queues fairly across connections: the run's batch may come before every intruder copy was read.
+    assert receiver.num_dropped >= 1
     drops = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(drops) == 1 and "127.0.0.1" in drops[0] and "\n" not in drops[0], drops
     sender.drain_timeout = intruder.drain_timeout = 2
