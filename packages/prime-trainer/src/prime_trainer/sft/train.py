@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from prime_core.config import ConfigError
 from prime_core.config.trainer import SFTConfig
 from prime_core.schemas.microbatch import MicroBatch
 from prime_core.vision import VisionSpec
@@ -97,8 +98,12 @@ def build_data(
     elif config.val.fraction > 0:
         order = np.random.default_rng(config.seed).permutation(len(rows))
         num_val = max(1, int(round(len(rows) * config.val.fraction)))
-        val_rows, rows = [rows[i] for i in order[:num_val]], [rows[i] for i in order[num_val:]]
-    samples = build_samples(rows, tokenizer, config.data.loss_mask, config.seq_len, vision)
+        if num_val >= len(rows):
+            raise ConfigError(
+                f"data.path has {len(rows)} rows: val.fraction={config.val.fraction} leaves none to train on"
+            )
+        val_rows, rows = rows.subset(order[:num_val]), rows.subset(order[num_val:])
+    samples = build_samples(rows, tokenizer, config.data.loss_mask, config.seq_len, vision, source="data.path")
     data = PackedData(
         samples,
         config.seq_len,
@@ -110,7 +115,8 @@ def build_data(
     )
     val = None
     if val_rows:
-        val_samples = build_samples(val_rows, tokenizer, config.data.loss_mask, config.seq_len, vision)
+        source = "val.path" if config.val.path is not None else "data.path (validation rows)"
+        val_samples = build_samples(val_rows, tokenizer, config.data.loss_mask, config.seq_len, vision, source=source)
         val = eval_batches(
             val_samples,
             config.seq_len,
