@@ -244,3 +244,33 @@ def test_sft_cli_reports_a_bad_row_in_one_line(tmp_path, tok_dir):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {data} line 2: messages[1] is a string (expected an object with role and content)"]
     assert "Traceback" not in proc.stderr
+
+
+def test_directory_of_split_files_reads_only_data_split(tmp_path, caplog):
+    """train.jsonl beside test.jsonl: reading both (old code) trains on the test set."""
+    (tmp_path / "train.jsonl").write_text(GOOD + "\n")
+    (tmp_path / "test-00000.jsonl").write_text(json.dumps({"prompt": "held", "completion": "out"}) + "\n")
+    with caplog.at_level(logging.WARNING, logger="prime.sft"):
+        assert load_rows(str(tmp_path)) == [json.loads(GOOD)]
+    assert "skipping test-00000.jsonl" in caplog.text
+    assert load_rows(str(tmp_path), split="test")[0]["prompt"] == "held"
+    with pytest.raises(ConfigError, match=r"no files of split 'validation' .*splits: test, train"):
+        load_rows(str(tmp_path), split="validation")
+
+
+def test_deeply_nested_json_is_named(tmp_path):
+    (tmp_path / "d.jsonl").write_text(GOOD + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=r"d\.jsonl line 2: JSON nested too deep"):
+        load_rows(str(tmp_path / "d.jsonl"))
+
+
+def test_validation_fraction_that_leaves_no_training_rows(tmp_path, tok_dir):
+    from types import SimpleNamespace
+
+    from prime_core.config.trainer import SFTConfig
+    from prime_trainer.sft.train import build_data
+
+    (tmp_path / "d.jsonl").write_text(GOOD + "\n")
+    config = SFTConfig.model_validate({"data": {"path": str(tmp_path / "d.jsonl")}, "val": {"fraction": 0.1}})
+    with pytest.raises(ConfigError, match=r"data.path has 1 rows: val.fraction=0.1 leaves none to train on"):
+        build_data(config, str(tok_dir), SimpleNamespace(rank=0, world_size=1))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ def load_rows(path: str, split: str = "train") -> Rows:
     if not files:
         raise ConfigError(f"no {'/'.join(FILE_SUFFIXES)} files in {path!r}")
     if p.is_dir():
+        files = _files_of_split(files, split, path)
         skipped = sorted(f.name for f in p.iterdir() if f.is_file() and f not in files and not f.name.startswith("."))
         if skipped:
             logger.warning("%s: reading %d data files; skipping %s", path, len(files), ", ".join(skipped[:5]))
@@ -76,6 +78,24 @@ def load_rows(path: str, split: str = "train") -> Rows:
     return rows
 
 
+_SPLIT_NAME = re.compile(r"^(train|test|validation|valid|val|eval|dev)(?:$|[-._ 0-9])", re.IGNORECASE)
+
+
+def _files_of_split(files: list[Path], split: str, path: str) -> list[Path]:
+    """A directory holding files of several splits by name (``train.jsonl``, ``test-00000.parquet``, as Hugging Face
+    names them) gives only ``split``'s files: reading them all would train on the test set."""
+    names = {f: m.group(1).lower() if (m := _SPLIT_NAME.match(f.stem)) else None for f in files}
+    splits = {n for n in names.values() if n is not None}
+    if len(splits) < 2:
+        return files
+    mine = [f for f in files if names[f] == split.lower()]
+    if not mine:
+        raise ConfigError(
+            f"{path}: no files of split {split!r} (data.split; files of splits: {', '.join(sorted(splits))})"
+        )
+    return mine
+
+
 def _read_jsonl(f: Path, rows: Rows) -> None:
     # Line by line, so a file is never held twice in memory; utf-8-sig accepts a leading byte-order mark.
     with open(f, "rb") as fh:
@@ -88,6 +108,8 @@ def _read_jsonl(f: Path, rows: Rows) -> None:
                 continue
             try:
                 row = json.loads(line)
+            except RecursionError:
+                raise ConfigError(f"{f} line {number}: JSON nested too deep") from None
             except json.JSONDecodeError as e:
                 end = "" if raw.endswith(b"\n") else " (the last line is cut short: is the file complete?)"
                 raise ConfigError(f"{f} line {number}: invalid JSON at column {e.colno}: {e.msg}{end}") from None
@@ -102,6 +124,8 @@ def _read_json(f: Path, rows: Rows) -> None:
         raise ConfigError(f"{f}: not UTF-8 (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{f}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise ConfigError(f"{f}: JSON nested too deep") from None
     for number, row in enumerate(data if isinstance(data, list) else [data]):
         _check_object(row, f"{f} row {number}")
         rows.add(row, str(f), "row", number)
