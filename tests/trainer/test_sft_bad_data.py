@@ -274,3 +274,13 @@ def test_validation_fraction_that_leaves_no_training_rows(tmp_path, tok_dir):
     config = SFTConfig.model_validate({"data": {"path": str(tmp_path / "d.jsonl")}, "val": {"fraction": 0.1}})
     with pytest.raises(ConfigError, match=r"data.path has 1 rows: val.fraction=0.1 leaves none to train on"):
         build_data(config, str(tok_dir), SimpleNamespace(rank=0, world_size=1))
+
+
+def test_token_past_the_models_vocab_is_named(tmp_path, tokenizer):
+    """A tokenizer with more tokens than the model's embedding (old code: an IndexError traceback on CPU, a device-side
+    assert on GPU, at the first step that meets the row)."""
+    (tmp_path / "d.jsonl").write_text(GOOD + "\n" + json.dumps({"prompt": "ab", "completion": "~"}) + "\n")
+    rows = load_rows(str(tmp_path / "d.jsonl"))
+    assert len(build_samples(rows[:1], tokenizer, LossMaskConfig(), 64, vocab_size=96)) == 1
+    with pytest.raises(ConfigError, match=r"d\.jsonl line 2: token id 99 \('~'\) is past the model's vocab_size=96"):
+        build_samples(rows, tokenizer, LossMaskConfig(), 64, vocab_size=96)

@@ -267,9 +267,11 @@ def build_samples(
     seq_len: int,
     vision: VisionSpec | None = None,
     source: str = "data.path",
+    vocab_size: int | None = None,
 ) -> list[Sample]:
     """Tokenized, masked samples of ``rows`` cut to ``seq_len``; rows left with no trained token are skipped and
-    counted by cause, and a dataset with no trained token at all is a ``ConfigError`` naming the cause."""
+    counted by cause, and a dataset with no trained token at all is a ``ConfigError`` naming the cause. A token id
+    past the model's ``vocab_size`` (a tokenizer that is not the model's) is a ``ConfigError`` naming the row."""
     samples: list[Sample] = []
     # cause -> [count, where the first row of that cause came from]
     dropped: dict[str, list] = {}
@@ -289,6 +291,11 @@ def build_samples(
         cut += was_cut
         trained_beyond = any(mask[keep:])
         ids, mask = np.asarray(ids[:keep], dtype=np.int64), np.asarray(mask[:keep], dtype=np.bool_)
+        if vocab_size is not None and len(ids) and (top := int(ids.max())) >= vocab_size:
+            raise ConfigError(
+                f"{where}: token id {top} ({tokenizer.convert_ids_to_tokens(top)!r}) is past the model's "
+                f"vocab_size={vocab_size}: the tokenizer does not belong to this model"
+            )
         if len(mask):
             mask[0] = False
         if not mask.any():

@@ -82,11 +82,12 @@ def evaluate(c: common.Components, batches: list[MicroBatch]) -> float:
 
 
 def build_data(
-    config: SFTConfig, tokenizer_name: str, world, vision: VisionSpec | None = None
+    config: SFTConfig, tokenizer_name: str, world, vision: VisionSpec | None = None, vocab_size: int | None = None
 ) -> tuple[PackedData | None, list | None]:
     """Training rows (None with fake data) and this rank's validation batches (None without validation).
 
     ``vision``: image preprocessing and token ids of a vision-language model (rows may then hold images).
+    ``vocab_size``: the model's; a row with a larger token id is refused.
     """
     if config.data.fake is not None:
         return None, None
@@ -103,7 +104,8 @@ def build_data(
                 f"data.path has {len(rows)} rows: val.fraction={config.val.fraction} leaves none to train on"
             )
         val_rows, rows = rows.subset(order[:num_val]), rows.subset(order[num_val:])
-    samples = build_samples(rows, tokenizer, config.data.loss_mask, config.seq_len, vision, source="data.path")
+    args = (tokenizer, config.data.loss_mask, config.seq_len, vision)
+    samples = build_samples(rows, *args, source="data.path", vocab_size=vocab_size)
     data = PackedData(
         samples,
         config.seq_len,
@@ -116,7 +118,7 @@ def build_data(
     val = None
     if val_rows:
         source = "val.path" if config.val.path is not None else "data.path (validation rows)"
-        val_samples = build_samples(val_rows, tokenizer, config.data.loss_mask, config.seq_len, vision, source=source)
+        val_samples = build_samples(val_rows, *args, source=source, vocab_size=vocab_size)
         val = eval_batches(
             val_samples,
             config.seq_len,
@@ -133,7 +135,11 @@ def train(config: SFTConfig) -> None:
     c = common.setup(config, "sft")
     setup_lora(c)
     data, val = build_data(
-        config, c.model_source.tokenizer, c.world, VisionSpec.from_model_dir(c.model_source.model_dir)
+        config,
+        c.model_source.tokenizer,
+        c.world,
+        VisionSpec.from_model_dir(c.model_source.model_dir),
+        c.model_source.vocab_size,
     )
     progress = common.resume(c)
     start = progress["step"]
