@@ -284,3 +284,14 @@ def test_token_past_the_models_vocab_is_named(tmp_path, tokenizer):
     assert len(build_samples(rows[:1], tokenizer, LossMaskConfig(), 64, vocab_size=96)) == 1
     with pytest.raises(ConfigError, match=r"d\.jsonl line 2: token id 99 \('~'\) is past the model's vocab_size=96"):
         build_samples(rows, tokenizer, LossMaskConfig(), 64, vocab_size=96)
+
+
+def test_chat_template_path_that_is_missing_or_does_not_parse(tmp_path, tok_dir):
+    """A mistyped template path was taken as the template's text (every row rendered as the path itself)."""
+    with pytest.raises(ConfigError, match=r"data.chat_template: no such file .*templates/chat\.jinja"):
+        load_tokenizer(str(tok_dir), str(tmp_path / "templates/chat.jinja"))
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(ConfigError, match=r"data.chat_template: the chat template does not parse \(line 1: "):
+        load_tokenizer(str(tok_dir), str(tmp_path / "bad.jinja"))
+    (tmp_path / "ok.jinja").write_text(DROPS_ASSISTANT)
+    assert load_tokenizer(str(tok_dir), str(tmp_path / "ok.jinja")).chat_template == DROPS_ASSISTANT

@@ -462,7 +462,24 @@ def load_tokenizer(name: str, chat_template: str | None):
     tokenizer = AutoTokenizer.from_pretrained(name)
     if chat_template is not None:
         path = Path(chat_template).expanduser()
-        tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
+        if path.is_file():
+            chat_template = path.read_text()
+        elif "{{" not in chat_template and "{%" not in chat_template:
+            # No Jinja markup: a path, and a mistyped one would otherwise be a template printing the path itself.
+            raise ConfigError(f"data.chat_template: no such file {str(path)!r} (and no Jinja markup in it)")
+        tokenizer.chat_template = chat_template
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"tokenizer {name!r} has no chat template: set --data.chat-template")
+    if isinstance(tokenizer.chat_template, str):
+        _check_template_syntax(tokenizer.chat_template, "data.chat_template" if chat_template else name)
     return tokenizer
+
+
+def _check_template_syntax(template: str, what: str) -> None:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{what}: the chat template does not parse (line {e.lineno}: {e.message})") from None
