@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ from prime_core.vision import VisionSpec, image_parts, load_image, mrope_positio
 
 from prime_trainer.sft.rows import TRAINABLE_ROLES, to_messages, where_of
 from prime_trainer.sft.rows import load_rows as load_rows  # re-exported: the data API is this module
+from prime_trainer.sft.rows import load_tokenizer as load_tokenizer
 
 logger = logging.getLogger("prime.sft")
 
@@ -454,32 +454,3 @@ def eval_batches(
     rows += [MicroBatch.empty(1, seq_len) for _ in range(-len(rows) % per_step)]
     mine = rows[rank::world_size]
     return [stack(mine[i : i + micro_batch_size]) for i in range(0, len(mine), micro_batch_size)]
-
-
-def load_tokenizer(name: str, chat_template: str | None):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    if chat_template is not None:
-        path = Path(chat_template).expanduser()
-        if path.is_file():
-            chat_template = path.read_text()
-        elif "{{" not in chat_template and "{%" not in chat_template:
-            # No Jinja markup: a path, and a mistyped one would otherwise be a template printing the path itself.
-            raise ConfigError(f"data.chat_template: no such file {str(path)!r} (and no Jinja markup in it)")
-        tokenizer.chat_template = chat_template
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"tokenizer {name!r} has no chat template: set --data.chat-template")
-    if isinstance(tokenizer.chat_template, str):
-        _check_template_syntax(tokenizer.chat_template, "data.chat_template" if chat_template else name)
-    return tokenizer
-
-
-def _check_template_syntax(template: str, what: str) -> None:
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    try:
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ConfigError(f"{what}: the chat template does not parse (line {e.lineno}: {e.message})") from None

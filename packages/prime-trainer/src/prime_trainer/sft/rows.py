@@ -1,4 +1,4 @@
-"""SFT rows: read dataset files, and check each row's shape before it reaches the chat template.
+"""SFT inputs: read dataset files, check each row's shape before it reaches the chat template, load the template.
 
 A bad row is a ``ConfigError`` naming its file, its line (JSON Lines) or row (other formats) and the field, e.g.
 ``data.jsonl line 7: messages[1].content is a number (expected a string or a list of parts)``.
@@ -263,3 +263,35 @@ def _clean_message(message: Any, field: str, where: str) -> dict[str, Any]:
         if arguments is not None and not isinstance(arguments, dict):
             raise ConfigError(f"{where}: {name}.function.arguments is {_kind(arguments)} (expected a JSON object)")
     return out
+
+
+# ---------------------------------------------------------------- chat template
+
+
+def load_tokenizer(name: str, chat_template: str | None):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if chat_template is not None:
+        path = Path(chat_template).expanduser()
+        if path.is_file():
+            chat_template = path.read_text()
+        elif "{{" not in chat_template and "{%" not in chat_template:
+            # No Jinja markup: a path, and a mistyped one would otherwise be a template printing the path itself.
+            raise ConfigError(f"data.chat_template: no such file {str(path)!r} (and no Jinja markup in it)")
+        tokenizer.chat_template = chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"tokenizer {name!r} has no chat template: set --data.chat-template")
+    if isinstance(tokenizer.chat_template, str):
+        _check_template_syntax(tokenizer.chat_template, "data.chat_template" if chat_template else name)
+    return tokenizer
+
+
+def _check_template_syntax(template: str, what: str) -> None:
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"{what}: the chat template does not parse (line {e.lineno}: {e.message})") from None
