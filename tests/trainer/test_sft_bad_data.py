@@ -68,6 +68,10 @@ BAD_JSONL = {
     ),
     "tool_calls_string": (tool_row("call f"), r"messages\[1\]\.tool_calls is a string"),
     "tool_call_no_function": (tool_row([{"name": "f"}]), r"tool_calls\[0\] needs a `function` object"),
+    "completion_null": (
+        json.dumps({"prompt": "a", "completion": None}),
+        r"line 1: needs `messages`, or `prompt` and `completion` \(has non-null \['prompt'\]\)",
+    ),
     "tools_bad_json": (json.dumps({"prompt": "a", "completion": "b", "tools": "{bad"}), r"tools is a string but not"),
 }
 
@@ -295,3 +299,17 @@ def test_chat_template_path_that_is_missing_or_does_not_parse(tmp_path, tok_dir)
         load_tokenizer(str(tok_dir), str(tmp_path / "bad.jinja"))
     (tmp_path / "ok.jinja").write_text(DROPS_ASSISTANT)
     assert load_tokenizer(str(tok_dir), str(tmp_path / "ok.jinja")).chat_template == DROPS_ASSISTANT
+
+
+def test_dataset_smaller_than_a_batch_warns_that_steps_repeat_rows(tmp_path, tok_dir, caplog):
+    from types import SimpleNamespace
+
+    from prime_core.config.trainer import SFTConfig
+    from prime_trainer.sft.train import build_data
+
+    (tmp_path / "d.jsonl").write_text(GOOD + "\n" + GOOD + "\n")
+    config = SFTConfig.model_validate({"data": {"path": str(tmp_path / "d.jsonl"), "batch_size": 4}, "seq_len": 64})
+    with caplog.at_level(logging.WARNING, logger="prime.sft"):
+        data, _ = build_data(config, str(tok_dir), SimpleNamespace(rank=0, world_size=1))
+    assert len(data.rows(0)) == 1
+    assert "packs into 1 rows of seq_len=64, fewer than data.batch_size=4: every step repeats rows" in caplog.text

@@ -207,7 +207,8 @@ def to_messages(row: Any, index: int | str) -> tuple[list[dict[str, Any]], list[
         completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
         messages = _message_list(prompt, "prompt", where) + _message_list(completion, "completion", where)
     else:
-        raise ConfigError(f"{where}: needs `messages`, or `prompt` and `completion` (has {sorted(row)})")
+        has = sorted(k for k, v in row.items() if v is not None)
+        raise ConfigError(f"{where}: needs `messages`, or `prompt` and `completion` (has non-null {has})")
     messages = [_clean_message(m, name, where) for name, m in messages]
     return messages, tools or None
 

@@ -5,6 +5,7 @@ Setup (``common.setup`` + the dataset), ``sft_step`` (one optimizer step), ``eva
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -24,6 +25,8 @@ from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import TensorMicroBatch, fake_micro_batches
 from prime_trainer.sft.data import PackedData, build_samples, eval_batches, load_rows, load_tokenizer
 from prime_trainer.world import all_reduce_sum
+
+logger = logging.getLogger("prime.sft")
 
 
 def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
@@ -115,6 +118,14 @@ def build_data(
         config.seed,
         vision,
     )
+    num_rows = len(data.rows(0))
+    if num_rows < config.data.batch_size:
+        logger.warning(
+            "data.path packs into %d rows of seq_len=%d, fewer than data.batch_size=%d: every step repeats rows",
+            num_rows,
+            config.seq_len,
+            config.data.batch_size,
+        )
     val = None
     if val_rows:
         source = "val.path" if config.val.path is not None else "data.path (validation rows)"
