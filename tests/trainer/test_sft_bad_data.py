@@ -313,3 +313,19 @@ def test_dataset_smaller_than_a_batch_warns_that_steps_repeat_rows(tmp_path, tok
         data, _ = build_data(config, str(tok_dir), SimpleNamespace(rank=0, world_size=1))
     assert len(data.rows(0)) == 1
     assert "packs into 1 rows of seq_len=64, fewer than data.batch_size=4: every step repeats rows" in caplog.text
+
+
+def test_save_to_disk_directory_without_the_split(tmp_path, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": "a", "completion": "b"}]
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ConfigError, match=r"dd: no split 'train' \(data.split; splits: test\)"):
+        load_rows(str(tmp_path / "dd"))
+    assert load_rows(str(tmp_path / "dd"), "test") == rows
+    # One split saved alone (old code: read as whatever split was asked, training on the test set).
+    datasets.Dataset.from_list(rows, split="test").save_to_disk(str(tmp_path / "one"))
+    with pytest.raises(ConfigError, match=r"one: holds only split 'test', not data.split='train'"):
+        load_rows(str(tmp_path / "one"))
+    datasets.Dataset.from_list([{"prompt": "a", "completion": 5}]).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ConfigError, match=r"bad row 0: completion is a number"):
+        build_samples(load_rows(str(tmp_path / "bad")), tokenizer, LossMaskConfig(), 64)

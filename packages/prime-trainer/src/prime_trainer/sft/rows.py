@@ -157,13 +157,17 @@ def _load_hf_disk(path: Path, split: str) -> Rows:
             "(pip install datasets), or export it to .jsonl/.parquet"
         ) from None
     ds = datasets.load_from_disk(str(path))
+    label = str(path)
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ConfigError(f"{path}: no split {split!r} (splits: {', '.join(ds)})")
-        ds = ds[split]
+            raise ConfigError(f"{path}: no split {split!r} (data.split; splits: {', '.join(ds)})")
+        ds, label = ds[split], f"{path}[{split}]"
+    elif ds.split is not None and str(ds.split) != split:
+        # A single split saved alone still records which it was: reading `test` as `train` trains on the test set.
+        raise ConfigError(f"{path}: holds only split {str(ds.split)!r}, not data.split={split!r}")
     rows = Rows()
     for number, row in enumerate(ds.to_list()):
-        rows.add(row, f"{path}[{split}]", "row", number)
+        rows.add(row, label, "row", number)
     return rows
 
 
