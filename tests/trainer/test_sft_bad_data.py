@@ -72,6 +72,10 @@ BAD_JSONL = {
         json.dumps({"prompt": "a", "completion": None}),
         r"line 1: needs `messages`, or `prompt` and `completion` \(has non-null \['prompt'\]\)",
     ),
+    "lone_surrogate": (
+        '{"prompt": "a\\ud800b", "completion": "c"}',
+        r"line 1: messages\[0\] renders '\\ud800', a lone surrogate",
+    ),
     "tools_bad_json": (json.dumps({"prompt": "a", "completion": "b", "tools": "{bad"}), r"tools is a string but not"),
 }
 

@@ -104,6 +104,13 @@ def tokenize_conversation(
         text = _render(tokenizer, messages[: k + 1], tools, where)
         if not text.startswith(prev):
             raise _prefix_error(where, k, message, prev, text)
+        try:
+            text[len(prev) :].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(
+                f"{where}: messages[{k}] renders {text[len(prev) + e.start]!r}, a lone surrogate (a JSON escape such as "
+                "\\ud800 that is not a character): no tokenizer reads it"
+            ) from None
         content = message.get("content")
         if isinstance(content, list) and content and str(content) in text[len(prev) :]:
             raise ConfigError(
