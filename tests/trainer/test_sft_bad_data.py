@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prime_core.config import ConfigError
 from prime_core.config.trainer import LossMaskConfig
-from prime_trainer.sft.data import Sample, build_samples, load_rows, load_tokenizer, pack
+from prime_trainer.sft.data import PackedData, Sample, build_samples, load_rows, load_tokenizer, pack
 
 from tests.trainer.trainer_utils import TINY_QWEN3, write_char_tokenizer
 
@@ -333,3 +333,11 @@ def test_save_to_disk_directory_without_the_split(tmp_path, tokenizer):
     datasets.Dataset.from_list([{"prompt": "a", "completion": 5}]).save_to_disk(str(tmp_path / "bad"))
     with pytest.raises(ConfigError, match=r"bad row 0: completion is a number"):
         build_samples(load_rows(str(tmp_path / "bad")), tokenizer, LossMaskConfig(), 64)
+
+
+def test_batch_that_does_not_split_over_the_ranks_is_a_config_error():
+    """Raised on every rank at the first step: a ConfigError is one line (exit 2), a ValueError was a traceback."""
+    samples = [Sample(np.arange(4), np.array([False, True, True, True]))] * 8
+    data = PackedData(samples, 16, 4, 1, False, 0)
+    with pytest.raises(ConfigError, match=r"data.batch_size=4 must split into 3 ranks x micro_batch_size=1"):
+        data.next_batch(0, 3)

@@ -429,7 +429,7 @@ class PackedData:
     def next_batch(self, rank: int, world_size: int) -> list[MicroBatch]:
         per_rank, rest = divmod(self.batch_size, world_size)
         if rest or per_rank % self.micro_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"data.batch_size={self.batch_size} must split into {world_size} ranks x "
                 f"micro_batch_size={self.micro_batch_size}"
             )
