@@ -341,3 +341,23 @@ def test_batch_that_does_not_split_over_the_ranks_is_a_config_error():
     data = PackedData(samples, 16, 4, 1, False, 0)
     with pytest.raises(ConfigError, match=r"data.batch_size=4 must split into 3 ranks x micro_batch_size=1"):
         data.next_batch(0, 3)
+
+
+# The generation prompt opens a think block that rendered assistant turns do not have.
+THINK_PROMPT = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>{% endif %}"
+)
+
+
+def test_generation_prompt_that_does_not_start_the_turn_is_named(tmp_path, tok_dir, caplog, monkeypatch):
+    import prime_trainer.sft.data as data
+
+    monkeypatch.setattr(data, "_warned_header", False)
+    tokenizer = with_template(tok_dir, THINK_PROMPT)
+    (tmp_path / "d.jsonl").write_text(GOOD + "\n")
+    with caplog.at_level(logging.WARNING, logger="prime.sft"):
+        (sample,) = build_samples(load_rows(str(tmp_path / "d.jsonl")), tokenizer, LossMaskConfig(), 64)
+    trained = "".join(tokenizer.convert_ids_to_tokens(sample.input_ids[sample.loss_mask].tolist()))
+    assert trained == "<|im_start|>assistant\nba<|im_end|>\n"
+    assert "d.jsonl line 1: the chat template's generation prompt '<|im_start|>assistant\\n<think>'" in caplog.text

@@ -83,6 +83,29 @@ def _prefix_error(where: str, k: int, message: dict, prev: str, text: str) -> Pr
     )
 
 
+_warned_header = False
+
+
+def _header_end(tokenizer, messages: list[dict], k: int, tools, where: str, prev: str, text: str) -> int:
+    """Where the role header the template adds before assistant message ``k`` (its generation prompt) ends in
+    ``text``; ``len(prev)`` when there is none, or when the turn does not start with it (warned once: the header is
+    then trained with the turn)."""
+    global _warned_header
+    header = _render(tokenizer, messages[:k], tools, where, add_generation_prompt=True)
+    if header.startswith(prev) and text.startswith(header):
+        return len(header)
+    if not _warned_header and header.startswith(prev):
+        _warned_header = True
+        logger.warning(
+            "%s: the chat template's generation prompt %r does not start its assistant turn %r: assistant turns whose "
+            "header differs are trained from their first character, header included",
+            where,
+            header[len(prev) :][:60],
+            text[len(prev) :][:60],
+        )
+    return len(prev)
+
+
 def tokenize_conversation(
     tokenizer,
     messages: list[dict],
@@ -121,10 +144,8 @@ def tokenize_conversation(
         trained = bool(getattr(roles, role, False))
         start = len(prev)
         if role == "assistant" and k > 0:
-            header = _render(tokenizer, messages[:k], tools, where, add_generation_prompt=True)
-            if header.startswith(prev) and text.startswith(header):
-                spans.append((start, len(header), False))
-                start = len(header)
+            start = _header_end(tokenizer, messages, k, tools, where, prev, text)
+            spans.append((len(prev), start, False))
         spans.append((start, len(text), trained))
         prev = text
         # A conversation far longer than max_tokens stops here rather than rendering every later prefix.
