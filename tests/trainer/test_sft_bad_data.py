@@ -361,3 +361,18 @@ def test_generation_prompt_that_does_not_start_the_turn_is_named(tmp_path, tok_d
     trained = "".join(tokenizer.convert_ids_to_tokens(sample.input_ids[sample.loss_mask].tolist()))
     assert trained == "<|im_start|>assistant\nba<|im_end|>\n"
     assert "d.jsonl line 1: the chat template's generation prompt '<|im_start|>assistant\\n<think>'" in caplog.text
+
+
+def test_bad_rows_fail_before_the_model_is_built(tmp_path, monkeypatch):
+    """A bad row fails before ``common.setup`` (old code: after the model had loaded, minutes for a large one)."""
+    import prime_trainer.sft.train as sft_train
+    from prime_core.config.trainer import SFTConfig
+
+    def setup(*_args, **_kwargs):
+        raise AssertionError("the model was built before the data was read")
+
+    monkeypatch.setattr(sft_train.common, "setup", setup)
+    (tmp_path / "d.jsonl").write_text(GOOD + "\n" + msgs(("user", "a"), ("assistant", None)) + "\n")
+    config = SFTConfig.model_validate({"data": {"path": str(tmp_path / "d.jsonl")}})
+    with pytest.raises(ConfigError, match=r"d\.jsonl line 2: messages\[1\]\.content is missing"):
+        sft_train.train(config)
