@@ -76,6 +76,12 @@ BAD_JSONL = {
         '{"prompt": "a\\ud800b", "completion": "c"}',
         r"line 1: messages\[0\] renders '\\ud800', a lone surrogate",
     ),
+    "weight_not_0_or_1": (
+        json.dumps(
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 2}]}
+        ),
+        r"messages\[1\]\.weight is 2 \(expected 0 or 1\)",
+    ),
     "tools_bad_json": (json.dumps({"prompt": "a", "completion": "b", "tools": "{bad"}), r"tools is a string but not"),
 }
 
@@ -376,3 +382,17 @@ def test_bad_rows_fail_before_the_model_is_built(tmp_path, monkeypatch):
     config = SFTConfig.model_validate({"data": {"path": str(tmp_path / "d.jsonl")}})
     with pytest.raises(ConfigError, match=r"d\.jsonl line 2: messages\[1\]\.content is missing"):
         sft_train.train(config)
+
+
+def test_openai_weight_zero_keeps_a_turn_out_of_the_loss(tmp_path, tokenizer):
+    """OpenAI's fine-tuning format marks assistant turns not to learn with ``weight: 0`` (old code trained them)."""
+    chat = [
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": "xx", "weight": 0},
+        {"role": "user", "content": "cd"},
+        {"role": "assistant", "content": "dc", "weight": 1},
+    ]
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
+    (sample,) = build_samples(load_rows(str(tmp_path / "d.jsonl")), tokenizer, LossMaskConfig(), 64)
+    trained = "".join(tokenizer.convert_ids_to_tokens(sample.input_ids[sample.loss_mask].tolist()))
+    assert trained == "dc<|im_end|>\n"

@@ -141,7 +141,8 @@ def tokenize_conversation(
                 "(the template only handles string content: join the text parts, or use a template that renders parts)"
             )
         role = message.get("role", "")
-        trained = bool(getattr(roles, role, False))
+        # OpenAI's fine-tuning format: `weight: 0` keeps a message out of the loss.
+        trained = bool(getattr(roles, role, False)) and message.get("weight", 1) != 0
         start = len(prev)
         if role == "assistant" and k > 0:
             start = _header_end(tokenizer, messages, k, tools, where, prev, text)
@@ -327,7 +328,7 @@ def build_samples(
         if len(mask):
             mask[0] = False
         if not mask.any():
-            has_trained_role = any(getattr(roles, m["role"], False) for m in messages)
+            has_trained_role = any(getattr(roles, m["role"], False) and m.get("weight", 1) != 0 for m in messages)
             dropped.setdefault(_drop_cause(trained_beyond, was_cut, has_trained_role, seq_len), [0, where])[0] += 1
             continue
         samples.append(_with_images(Sample(ids, mask), images, grids, vision))

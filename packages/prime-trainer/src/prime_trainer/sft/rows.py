@@ -234,6 +234,8 @@ def _clean_message(message: Any, field: str, where: str) -> dict[str, Any]:
     role = out.get("role")
     if not isinstance(role, str) or not role:
         raise ConfigError(f"{where}: {field}.role is {'missing' if role is None else _kind(role)} (expected a string)")
+    if "weight" in out and (isinstance(out["weight"], bool) or out["weight"] not in (0, 1)):
+        raise ConfigError(f"{where}: {field}.weight is {out['weight']!r} (expected 0 or 1)")
     calls = out.get("tool_calls")
     if calls is not None and not isinstance(calls, list | tuple):
         raise ConfigError(f"{where}: {field}.tool_calls is {_kind(calls)} (expected a list)")
