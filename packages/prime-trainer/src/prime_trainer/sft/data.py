@@ -61,14 +61,14 @@ def _render(tokenizer, messages: list[dict], tools: list[dict] | None, where: st
         raise ConfigError(f"{where}: the chat template failed on messages[:{len(messages)}] ({reason})") from None
 
 
-def _encode(tokenizer, text: str, max_tokens: int | None) -> dict:
+def _encode(tokenizer, text: str, max_tokens: int | None) -> tuple[dict, bool]:
     """Ids and offsets of ``text``, or of a prefix of it with more than ``max_tokens`` tokens (plus a margin): a
-    huge row costs what ``seq_len`` keeps of it, not its size."""
+    huge row costs what ``seq_len`` keeps of it, not its size. The flag: the whole text was encoded."""
     limit = len(text) if max_tokens is None else 4 * (max_tokens + _MARGIN)
     while True:
         enc = tokenizer(text[:limit], add_special_tokens=False, return_offsets_mapping=True)
         if limit >= len(text) or len(enc["input_ids"]) > max_tokens + _MARGIN:
-            return enc
+            return enc, limit >= len(text)
         limit *= 4
 
 
@@ -119,6 +119,13 @@ def tokenize_conversation(
     The role header the template adds before an assistant message (its generation prompt) is never trained. With
     ``max_tokens``, rendering stops once the text holds more than that many tokens and only a prefix is returned.
     """
+    return _tokenize(tokenizer, messages, tools, roles, index, max_tokens)[:2]
+
+
+def _tokenize(
+    tokenizer, messages: list[dict], tools, roles: LossMaskConfig, index: int | str, max_tokens: int | None
+) -> tuple[list[int], list[bool], bool]:
+    """``tokenize_conversation``, and whether the ids cover the whole conversation (not only a prefix)."""
     where = f"row {index}" if isinstance(index, int) else index
     spans: list[tuple[int, int, bool]] = []  # character spans of the full text and whether they are trained
     prev = ""
@@ -150,36 +157,36 @@ def tokenize_conversation(
         spans.append((start, len(text), trained))
         prev = text
         # A conversation far longer than max_tokens stops here rather than rendering every later prefix.
-        if max_tokens is not None and len(prev) >= check_at:
-            if len(_encode(tokenizer, prev, max_tokens)["input_ids"]) > max_tokens + _MARGIN:
-                break
+        if max_tokens is not None and len(prev) >= check_at and k < len(messages) - 1:
+            if len(_encode(tokenizer, prev, max_tokens)[0]["input_ids"]) > max_tokens + _MARGIN:
+                return *_ids_and_mask(tokenizer, prev, spans, max_tokens)[:2], False
             check_at = 2 * len(prev)
-
     return _ids_and_mask(tokenizer, prev, spans, max_tokens)
 
 
 def _ids_and_mask(
     tokenizer, text: str, spans: list[tuple[int, int, bool]], max_tokens: int | None
-) -> tuple[list[int], list[bool]]:
-    """Token ids of ``text`` and whether each is trained (the span its first character falls in)."""
+) -> tuple[list[int], list[bool], bool]:
+    """Token ids of ``text``, whether each is trained (the span its first character falls in), and whether they
+    cover all of ``text``."""
     starts = [s for s, _, _ in spans]
     if getattr(tokenizer, "is_fast", False):
-        enc = _encode(tokenizer, text, max_tokens)
+        enc, whole = _encode(tokenizer, text, max_tokens)
         ids, mask = list(enc["input_ids"]), []
         for tok_start, _ in enc["offset_mapping"]:
             j = bisect.bisect_right(starts, tok_start) - 1
             mask.append(j >= 0 and tok_start < spans[j][1] and spans[j][2])
-        return ids, mask
+        return ids, mask, whole
     ids, mask = [], []
-    for s, e, trained in spans:
+    for n, (s, e, trained) in enumerate(spans):
         # Slow tokenizers have no offsets: a span is cut at a generous 16 characters per token, and nothing follows it.
         cut = e if max_tokens is None else min(e, s + 16 * (max_tokens + _MARGIN))
         piece = tokenizer(text[s:cut], add_special_tokens=False)["input_ids"]
         ids.extend(piece)
         mask.extend([trained] * len(piece))
-        if cut < e or (max_tokens is not None and len(ids) > max_tokens):
-            break
-    return ids, mask
+        if cut < e or (max_tokens is not None and len(ids) > max_tokens and n < len(spans) - 1):
+            return ids, mask, False
+    return ids, mask, True
 
 
 @dataclass
@@ -312,9 +319,9 @@ def build_samples(
         for m in messages:
             if m["role"] not in TRAINABLE_ROLES and m["role"] not in unknown_roles:
                 unknown_roles[m["role"]] = where
-        ids, mask = tokenize_conversation(tokenizer, messages, tools, roles, index=where, max_tokens=seq_len)
+        ids, mask, whole = _tokenize(tokenizer, messages, tools, roles, where, seq_len)
         images = row_images(row, messages, where)
-        ids, mask, grids = expand_images(ids, mask, images, vision, where, prefix=len(ids) > seq_len)
+        ids, mask, grids = expand_images(ids, mask, images, vision, where, prefix=not whole)
         keep = truncate_keeping_images(ids, grids, seq_len, vision)
         was_cut = keep < len(ids)
         cut += was_cut
