@@ -134,6 +134,13 @@ def test_directory_names_the_file_of_a_bad_row(tmp_path, tokenizer):
         build_samples(rows, tokenizer, LossMaskConfig(), 64)
 
 
+def test_unicode_line_separator_inside_a_string_is_not_a_line_break(tmp_path):
+    """JSON Lines break at \\n only: str.splitlines (old code) also split at U+2028/U+0085 inside a string value."""
+    rows = [{"prompt": "a\u2028b\x85c", "completion": "d"}, json.loads(GOOD)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    assert load_rows(str(tmp_path / "d.jsonl")) == rows
+
+
 def test_byte_order_mark_is_read(tmp_path, tokenizer):
     (tmp_path / "d.jsonl").write_text("\ufeff" + GOOD + "\n")
     (tmp_path / "d.json").write_text("\ufeff[" + GOOD + "]")

@@ -97,6 +97,7 @@ def _files_of_split(files: list[Path], split: str, path: str) -> list[Path]:
 
 
 def _read_jsonl(f: Path, rows: Rows) -> None:
+    name = str(f)
     # Line by line, so a file is never held twice in memory; utf-8-sig accepts a leading byte-order mark.
     with open(f, "rb") as fh:
         for number, raw in enumerate(fh, start=1):
@@ -114,10 +115,11 @@ def _read_jsonl(f: Path, rows: Rows) -> None:
                 end = "" if raw.endswith(b"\n") else " (the last line is cut short: is the file complete?)"
                 raise ConfigError(f"{f} line {number}: invalid JSON at column {e.colno}: {e.msg}{end}") from None
             _check_object(row, f"{f} line {number}")
-            rows.add(row, str(f), "line", number)
+            rows.add(row, name, "line", number)
 
 
 def _read_json(f: Path, rows: Rows) -> None:
+    name = str(f)
     try:
         data = json.loads(f.read_bytes().decode("utf-8-sig"))
     except UnicodeDecodeError as e:
@@ -128,19 +130,20 @@ def _read_json(f: Path, rows: Rows) -> None:
         raise ConfigError(f"{f}: JSON nested too deep") from None
     for number, row in enumerate(data if isinstance(data, list) else [data]):
         _check_object(row, f"{f} row {number}")
-        rows.add(row, str(f), "row", number)
+        rows.add(row, name, "row", number)
 
 
 def _read_parquet(f: Path, rows: Rows) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    name = str(f)
     try:
         table = pq.read_table(f)
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"{f}: not a readable parquet file ({str(e).splitlines()[0]})") from None
     for number, row in enumerate(table.to_pylist()):
-        rows.add(row, str(f), "row", number)
+        rows.add(row, name, "row", number)
 
 
 def _check_object(row: Any, where: str) -> None:
