@@ -48,6 +48,16 @@ def poisoned(step: int, rank: int = 0) -> bytes:
     return encode(res.metas[rank], res.micro_batches[rank])
 
 
+def the_runs_batch_arrives(cfg: RolloutTransportConfig, tmp_path, receiver, closing) -> None:
+    """This run's orchestrator sends step 0; the rank returns exactly that batch."""
+    sender = make_sender(cfg, RunDir(tmp_path), 1)
+    closing(sender)
+    good = batch(0, ranks=1)
+    sender.send(0, 0, good.metas[0], good.micro_batches[0])
+    _, mbs = receiver.receive(0, timeout=10)
+    np.testing.assert_array_equal(mbs[0].input_ids, good.micro_batches[0][0].input_ids)
+
+
 def listen_addresses(port: int) -> set[str]:
     """The local addresses this machine listens on ``port`` over TCP (from /proc/net/tcp, LISTEN entries)."""
     found = set()
@@ -259,12 +269,7 @@ def test_oversized_message_is_never_read_into_memory(tmp_path, closing):
     raw = foreign(cfg.base_port, closing)
     raw.send_multipart([b"DATA", b"0", b"\0" * 32, b"\0" * (8 << 20)])
     time.sleep(1.0)
-    sender = make_sender(cfg, RunDir(tmp_path), 1)
-    closing(sender)
-    good = batch(0, ranks=1)
-    sender.send(0, 0, good.metas[0], good.micro_batches[0])
-    _, mbs = receiver.receive(0, timeout=10)
-    np.testing.assert_array_equal(mbs[0].input_ids, good.micro_batches[0][0].input_ids)
+    the_runs_batch_arrives(cfg, tmp_path, receiver, closing)
     assert receiver.num_dropped == 0  # never handed to Python at all
 
 
@@ -305,10 +310,5 @@ def test_a_batch_signed_for_another_rank_is_dropped(tmp_path, closing):
     payload = poisoned(0, rank=1)
     raw.send_multipart([b"DATA", b"0", mac(transport_secret(RunDir(tmp_path)), b"DATA", 1, b"0", payload), payload])
     time.sleep(0.5)
-    sender = make_sender(cfg, RunDir(tmp_path), 1)
-    closing(sender)
-    good = batch(0, ranks=1)
-    sender.send(0, 0, good.metas[0], good.micro_batches[0])
-    _, mbs = receiver.receive(0, timeout=10)
-    np.testing.assert_array_equal(mbs[0].input_ids, good.micro_batches[0][0].input_ids)
+    the_runs_batch_arrives(cfg, tmp_path, receiver, closing)
     assert receiver.num_dropped == 1
