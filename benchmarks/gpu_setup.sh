@@ -3,7 +3,7 @@
 #
 # Here:   ../shared/tools/offline-wheelhouse.sh .vw2 62 vllm==0.26.0 verifiers==0.4.0 wandb tomli-w rich \
 #             matplotlib pyarrow jinja2 pillow pyzmq httpx-aiohttp
-#         uv build --all-packages --wheel -o dist-gpu
+#         uv build --all-packages --wheel -o dist-gpu && git rev-parse --short HEAD > dist-gpu/BUILD_COMMIT
 #         (a wheelhouse made before httpx-aiohttp was a dependency: pip download httpx-aiohttp --no-deps -d dist-gpu)
 # There:  one call per part, each carrying it:  mkdir -p /tmp/stage && cp .vw3/pNN (re-split to 50 MiB: the tree travels too) /tmp/stage/
 #         then (carrying dist-gpu):             bash benchmarks/gpu_setup.sh
@@ -21,6 +21,8 @@ export PATH=/tmp/site/bin:$PATH
 export PRIME_LAUNCH_BIN_DIR=/tmp/site/bin
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ENV
+# The records name the commit the wheels were built from: the copied tree's git metadata can lag behind it.
+if [ -f dist-gpu/BUILD_COMMIT ]; then echo "export PRIME_COMMIT=$(tr -cd '0-9a-f' < dist-gpu/BUILD_COMMIT)" >> /tmp/prime-env.sh; fi
 source /tmp/prime-env.sh
 python3 -c "import vllm, verifiers, prime_inference, prime_trainer; print('vllm', vllm.__version__, 'verifiers', verifiers.__version__)"
 ls /tmp/site/bin | tr '\n' ' '

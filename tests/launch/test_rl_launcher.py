@@ -95,6 +95,20 @@ def test_normal_finish_exits_zero_and_summarizes(tmp_path, rl_env):
         wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
 
 
+def test_zmq_transport_gets_a_fresh_secret_each_launch(tmp_path, rl_env):
+    """A new launch's trainer refuses the batches of an orchestrator left from the last one: rl writes a new
+    transport secret (mode 0600) before it starts anything."""
+    out, secrets = tmp_path / "run", []
+    for extra in ((), ("--overwrite",)):
+        result = subprocess.run(rl_cmd(out, "--transport.type", "zmq", *extra), env=rl_env, capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        secret = out / "transport.secret"
+        assert secret.stat().st_mode & 0o777 == 0o600
+        secrets.append(secret.read_bytes())
+    assert len(secrets[0]) == 64 and secrets[0] != secrets[1]
+
+
 def test_orchestrator_starts_beside_its_inference_server(tmp_path, rl_env):
     """With its own inference server, rl starts the orchestrator at once (its env servers start while inference
     does) and the trainer after /health; the orchestrator waits for the server carrying this run's id, as long as rl."""

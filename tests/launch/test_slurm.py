@@ -90,6 +90,37 @@ def test_multi_node_rl_script(tmp_path):
     assert subprocess.run(["bash", "-n", str(tmp_path / "run" / "slurm" / "rl.sbatch")]).returncode == 0
 
 
+@pytest.mark.parametrize("trainer_nodes", [1, 2])
+def test_multi_node_rl_script_with_zmq_transport(tmp_path, trainer_nodes):
+    """zmq rollouts: a fresh secret per launch; trainer ranks bind every interface only when the orchestrator (beside
+    trainer rank 0) must reach another trainer node, and then it is given those nodes' hosts."""
+    result = render(
+        tmp_path,
+        "rl",
+        "@",
+        str(HERE / "rl_example.toml"),
+        "--transport.type",
+        "zmq",
+        "--slurm.num-inference-nodes",
+        "1",
+        "--slurm.num-trainer-nodes",
+        str(trainer_nodes),
+        "--slurm.gpus-per-node",
+        "2",
+    )
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    secret = tmp_path / "run" / "transport.secret"
+    assert "umask 077" in script and f"mv -f {secret}.tmp {secret}" in script
+    assert script.index(str(secret)) < script.index("torchrun")  # before any process reads it
+    trainer = (tmp_path / "run" / "configs" / "trainer.toml").read_text()
+    if trainer_nodes == 1:
+        assert 'bind_host = "127.0.0.1"' in trainer and "--transport.host" not in script
+    else:
+        assert 'bind_host = "0.0.0.0"' in trainer and "--transport.host $TRAINER_HOSTS_CSV" in script
+    assert subprocess.run(["bash", "-n", str(tmp_path / "run" / "slurm" / "rl.sbatch")]).returncode == 0
+
+
 def test_multi_node_sft_script(tmp_path):
     result = render(
         tmp_path, "sft", "--data.fake.batch-size", "4", "--slurm.num-nodes", "3", "--slurm.gpus-per-node", "8"

@@ -61,18 +61,19 @@ def test_zmq_receiver_keeps_no_state_per_consumed_step(tmp_path):
     cfg = RolloutTransportConfig(type="zmq", base_port=free_base_port())
     receiver = make_receiver(cfg, RunDir(tmp_path), 0)
     sender = make_sender(cfg, RunDir(tmp_path), 1)
-    res = batch(0, ranks=1)
 
     def held() -> int:
         return sum(len(v) for v in vars(receiver).values() if isinstance(v, set | dict | list))
 
     sizes = {}
     for step in range(200):
+        res = batch(step, ranks=1)
         sender.send(step, 0, res.metas[0], res.micro_batches[0])
         receiver.receive(step, timeout=30)
         sizes[step] = held()
     assert sizes[199] == sizes[10], sizes
-    sender.send(3, 0, res.metas[0], res.micro_batches[0])  # a late resend of an old step
+    old, res = batch(3, ranks=1), batch(200, ranks=1)
+    sender.send(3, 0, old.metas[0], old.micro_batches[0])  # a late resend of an old step
     sender.send(200, 0, res.metas[0], res.micro_batches[0])
     receiver.receive(200, timeout=30)
     sender.drain_timeout = 10

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from prime_core.config import ConfigError
 from prime_core.config.trainer import LossMaskConfig
 from prime_core.run_dir import RunDir
 from prime_trainer.sft.data import (
@@ -81,7 +82,7 @@ def test_load_rows_formats(tmp_path):
     try:
         import datasets  # noqa: F401
     except ImportError:
-        with pytest.raises(ImportError, match="datasets"):
+        with pytest.raises(ConfigError, match="needs the `datasets` package"):
             load_rows(str(tmp_path / "hf"))
 
 

@@ -87,6 +87,9 @@ def test_truncation_never_cuts_an_image(vl_dir, vision):
     with pytest.raises(ValueError, match="rendered 0 image placeholders for 1 images"):
         tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
         build_samples([row], tokenizer, LossMaskConfig(), 256, vision)
+    # Still refused when the row is longer than seq_len: only a conversation tokenized in part may lack later images.
+    with pytest.raises(ValueError, match="rendered 0 image placeholders for 1 images"):
+        build_samples([row], tokenizer, LossMaskConfig(), 4, vision)
 
 
 def test_packed_rows_carry_patches_and_restarting_3d_positions(vl_dir, vision, tmp_path):

@@ -14,6 +14,7 @@ from typing import TextIO
 from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
 from prime_core.run_dir import RunDir, clear_run
+from prime_core.transport import new_transport_secret
 
 from prime_launch.dry_check import check_orchestrators
 from prime_launch.host import gather_host_facts
@@ -249,6 +250,8 @@ def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _C
     reserve its memory first). With a server started elsewhere: check it, reset it to the base weights, start all."""
     specs = {spec.name: spec for spec in plan.specs}
     append = rl.resume or plan.resume_step is not None
+    if rl.orchestrator.transport.type == "zmq":  # before any process reads it: an earlier launch's ones are refused
+        new_transport_secret(plan.run_dir)
     own = "inference" in specs
     # The teacher loads while the rest starts (the orchestrators wait for it themselves too), unless it shares a GPU.
     if "teacher" in specs and not (own and plan.teacher_after_inference):

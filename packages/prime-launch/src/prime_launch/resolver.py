@@ -74,6 +74,10 @@ def resolve(rl: RLConfig, facts: HostFacts | ClusterFacts) -> ResolvedRun:
     inference = _inference_config(rl, place, run_dir)
     teacher = teacher_config(rl, place, run_dir)
     trainer = _trainer_config(rl, place, inference, run_dir, resume_step)
+    if not local and facts.num_trainer_nodes > 1 and trainer.transport.type == "zmq":
+        # The orchestrator, beside trainer rank 0, reaches the other trainer nodes' ranks over the network (the job
+        # script gives it their hosts); a single trainer node keeps its ranks on loopback.
+        trainer = trainer.derive(transport=trainer.transport.derive(bind_host="0.0.0.0"))
     environ = facts.environ if local else {}
     orchestrator = _orchestrator_config(rl, place, trainer, inference, run_dir, resume_step, environ)
     orchestrator = orchestrator.derive(env=with_teacher(orchestrator.env, teacher, rl.health_timeout))

@@ -11,6 +11,7 @@ from prime_core.config.rl import RLConfig
 from prime_core.config.slurm import SlurmConfig
 from prime_core.io import atomic_write_text
 from prime_core.run_dir import RunDir, clear_run
+from prime_core.transport import secret_path
 from pydantic import BaseModel
 
 from prime_launch.host import ClusterFacts, resumable_steps
@@ -59,6 +60,8 @@ def _prepare_rl(rl: RLConfig, slurm: SlurmConfig, template: str, dry_run: bool) 
     if slurm.rl_multi_node:
         configs, process_logs = _resolve_nodes(rl, slurm, run_dir, dry_run)
         ctx["health_timeout"] = int(rl.health_timeout)
+        if rl.orchestrator.transport.type == "zmq":
+            ctx["transport_secret"] = secret_path(run_dir)
         ctx.update(watch_context(rl, run_dir))
     else:
         configs, process_logs = _write_rl_toml(rl, run_dir)

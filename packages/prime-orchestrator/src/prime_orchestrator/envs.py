@@ -41,29 +41,53 @@ def server_spec(env: EnvConfig, name: str | None = None, judge: JudgeEndpoint | 
     )
 
 
+class TasksetError(ValueError):
+    """An environment's taskset could not give a task (it failed to build, is empty, ended early, or a task's data is
+    not JSON): bad input of the run, one line naming the environment and the task."""
+
+
 class TaskStream:
     """The taskset's tasks by index: a finite taskset cycles, an infinite one is drawn as far as the run needs."""
 
-    def __init__(self, env_config: dict[str, Any]):
+    def __init__(self, env_config: dict[str, Any], name: str | None = None):
         from verifiers.v1.utils.loaders import taskset_class
 
         config = resolve(env_config).taskset
-        self.taskset = taskset_class(config.id)(config)
-        self.bounded = self.taskset.bounded
-        self._iter = iter(self.taskset)
-        self._tasks: list[Any] = list(self._iter) if self.bounded else []
+        self.name = name or config.id
+        try:
+            self.taskset = taskset_class(config.id)(config)
+            self.bounded = self.taskset.bounded
+            self._iter = iter(self.taskset)
+            self._tasks: list[Any] = list(self._iter) if self.bounded else []
+        except Exception as e:  # the taskset's own code reading its data: whatever it raises names a bad input
+            raise TasksetError(f"env {self.name}: its taskset {config.id!r} failed to load ({_reason(e)})") from None
         if self.bounded and not self._tasks:
-            raise ValueError(f"taskset {config.id!r} has no tasks")
+            raise TasksetError(f"env {self.name}: taskset {config.id!r} has no tasks")
 
     def __len__(self) -> int:
         return len(self._tasks)
 
     def task_data(self, index: int) -> dict[str, Any]:
         if self.bounded:
-            return self._tasks[index % len(self._tasks)].data.model_dump(mode="json")
+            index %= len(self._tasks)
         while len(self._tasks) <= index:
-            self._tasks.append(next(self._iter))
-        return self._tasks[index].data.model_dump(mode="json")
+            try:
+                self._tasks.append(next(self._iter))
+            except StopIteration:
+                # Raised inside a coroutine, StopIteration would surface as an unrelated RuntimeError.
+                raise TasksetError(
+                    f"env {self.name}: the infinite taskset ended after {len(self._tasks)} tasks (task {index} asked)"
+                ) from None
+            except Exception as e:
+                raise TasksetError(f"env {self.name}: task {len(self._tasks)} failed to load ({_reason(e)})") from None
+        try:
+            return self._tasks[index].data.model_dump(mode="json")
+        except Exception as e:
+            raise TasksetError(f"env {self.name}: task {index}'s data is not JSON ({_reason(e)})") from None
+
+
+def _reason(e: BaseException) -> str:
+    return one_line(f"{type(e).__name__}: {e}")[:300]
 
 
 def train_client(client: ClientConfig, model_dir: str, base_url: str) -> Any:
@@ -100,7 +124,7 @@ class EnvRunner:
         return len(self.tasks) if self.tasks is not None and self.tasks.bounded else 0
 
     async def start(self) -> None:
-        self.tasks = await asyncio.to_thread(TaskStream, self.spec.env_config)
+        self.tasks = await asyncio.to_thread(TaskStream, self.spec.env_config, self.name)
         await self.server.start()
 
     async def rollout(self, example: int, *, client: Any, model: str, sampling: dict[str, Any]) -> RolloutResult:

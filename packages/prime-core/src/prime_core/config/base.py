@@ -19,6 +19,10 @@ def control_character_error(value: str) -> str | None:
     return f"holds the control character {found.group()!r}, which a path or script line cannot carry"
 
 
+class ConfigError(ValueError):
+    """A user error in configuration input; the message is one line meant for the console."""
+
+
 class BaseConfig(BaseModel):
     """A config section. Every field carries a docstring; unknown keys are errors."""
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from prime_core.config.base import ConfigError  # noqa: F401  (defined beside BaseConfig: a leaf every module can import)
 from prime_core.config.introspect import (
     _fields_of,
     _is_bool_type,
@@ -33,10 +34,6 @@ T = TypeVar("T", bound=BaseModel)
 
 ENV_PREFIX = "PRIME_"
 MAX_CONFIG_BYTES = 16 * 2**20  # a checkpoint or a dataset given by mistake is refused before it is read
-
-
-class ConfigError(ValueError):
-    """A user error in configuration input; the message is one line meant for the console."""
 
 
 @dataclass

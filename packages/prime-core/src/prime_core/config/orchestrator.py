@@ -400,6 +400,9 @@ class OrchestratorConfig(BaseConfig):
             raise ValueError(f"environment names must be unique, got {names}")
         if not self.env:
             raise ValueError("at least one training environment is needed (env)")
+        if self.transport.type == "zmq" and self.num_trainer_ranks % len(self.transport.hosts):
+            raise ValueError(f"transport.host names {len(self.transport.hosts)} trainer node(s) for num_trainer_ranks "
+                             f"{self.num_trainer_ranks}: the ranks must split evenly over the nodes")  # fmt: skip
         if self.sampling.max_tokens > self.seq_len:
             raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) > seq_len ({self.seq_len}): a completion "
                              "that long cannot fit a training sample")  # fmt: skip

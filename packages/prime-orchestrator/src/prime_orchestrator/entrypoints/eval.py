@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.logging import setup_logging
 
     from prime_orchestrator.client import ServerUnreachable
+    from prime_orchestrator.envs import TasksetError
     from prime_orchestrator.eval_runner import run_eval
     from prime_orchestrator.judges import JudgeUnreachable
 
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"eval: {e}; start one (inference ...) or pass --client.base-url")
     except JudgeUnreachable as e:
         sys.exit(f"eval: {e}")
+    except TasksetError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
 

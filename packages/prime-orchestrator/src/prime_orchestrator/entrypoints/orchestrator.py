@@ -70,6 +70,7 @@ def run(orchestrator: Any, output_dir: Path) -> None:
 
     from prime_orchestrator.client import WeightUpdateError
     from prime_orchestrator.distill import TeacherError
+    from prime_orchestrator.envs import TasksetError
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.liveness import RolloutsFailed
 
@@ -79,6 +80,9 @@ def run(orchestrator: Any, output_dir: Path) -> None:
         sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
+    except TasksetError as e:  # bad input, like a config error
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError, UnreadableFile, MonitorUnavailable) as e:
         # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
         print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)

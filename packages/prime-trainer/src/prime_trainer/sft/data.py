@@ -16,11 +16,9 @@ templates that rewrite earlier turns (e.g. strip past reasoning) are refused wit
 
 from __future__ import annotations
 
-import contextlib
-import json
+import bisect
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,90 +27,22 @@ from prime_core.config.trainer import LossMaskConfig
 from prime_core.schemas.microbatch import MicroBatch, stack_rows
 from prime_core.vision import VisionSpec, image_parts, load_image, mrope_positions
 
+from prime_trainer.sft.rows import TRAINABLE_ROLES, to_messages, where_of
+from prime_trainer.sft.rows import load_rows as load_rows  # re-exported: the data API is this module
+from prime_trainer.sft.rows import load_tokenizer as load_tokenizer
+
 logger = logging.getLogger("prime.sft")
-
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-# ---------------------------------------------------------------- loading
-
-
-def load_rows(path: str, split: str = "train") -> list[dict[str, Any]]:
-    """Rows of a .jsonl/.json/.parquet file, a directory of such files, or a ``datasets`` save_to_disk directory."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(f"dataset {path!r} does not exist")
-    if p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file()):
-        return _load_hf_disk(p, split)
-    files = sorted(f for f in p.iterdir() if f.suffix in _FILE_SUFFIXES) if p.is_dir() else [p]
-    if not files:
-        raise ConfigError(f"no {'/'.join(_FILE_SUFFIXES)} files in {path!r}")
-    rows: list[dict[str, Any]] = []
-    for f in files:
-        if f.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            rows.extend(pq.read_table(f).to_pylist())
-        elif f.suffix == ".jsonl":
-            rows.extend(json.loads(line) for line in f.read_text().splitlines() if line.strip())
-        elif f.suffix == ".json":
-            data = json.loads(f.read_text())
-            rows.extend(data if isinstance(data, list) else [data])
-        else:
-            raise ConfigError(f"{f}: unsupported dataset file type (use {', '.join(_FILE_SUFFIXES)})")
-    return rows
-
-
-def _load_hf_disk(path: Path, split: str) -> list[dict[str, Any]]:
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(
-            f"{path} is a `datasets` save_to_disk directory: reading it needs the `datasets` package "
-            "(pip install datasets), or export it to .jsonl/.parquet"
-        ) from None
-    ds = datasets.load_from_disk(str(path))
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise ConfigError(f"{path}: no split {split!r} (splits: {', '.join(ds)})")
-        ds = ds[split]
-    return ds.to_list()
-
-
-def to_messages(row: dict[str, Any], index: int) -> tuple[list[dict[str, Any]], list[dict] | None]:
-    """A row's conversation and tools."""
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        tools = json.loads(tools) if tools.strip() else None
-    if row.get("messages") is not None:
-        messages = list(row["messages"])
-    elif row.get("prompt") is not None and row.get("completion") is not None:
-        prompt, completion = row["prompt"], row["completion"]
-        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else list(completion)
-        messages = prompt + completion
-    else:
-        raise ConfigError(f"row {index}: needs `messages`, or `prompt` and `completion` (has {sorted(row)})")
-    messages = [_clean_message(m) for m in messages]
-    return messages, tools or None
-
-
-def _clean_message(message: dict[str, Any]) -> dict[str, Any]:
-    """Drop null fields (columnar formats fill absent keys with None); parse JSON-string tool-call arguments."""
-    out = {k: v for k, v in message.items() if v is not None}
-    for call in out.get("tool_calls") or []:
-        fn = call.get("function", {})
-        if isinstance(fn.get("arguments"), str):
-            with contextlib.suppress(json.JSONDecodeError):
-                fn["arguments"] = json.loads(fn["arguments"])
-    return out
-
 
 # ---------------------------------------------------------------- tokenization with role masks
 
 
-class PrefixPropertyError(ValueError):
+class PrefixPropertyError(ConfigError):
     pass
+
+
+_MARGIN = 64
+"""Tokens kept past ``max_tokens`` when only a prefix of a long text is tokenized: the tokens near the cut may differ
+from the whole text's, those well before it do not."""
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = False) -> str:
@@ -123,51 +53,140 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None, add_genera
     )
 
 
+def _render(tokenizer, messages: list[dict], tools: list[dict] | None, where: str, **kwargs) -> str:
+    try:
+        return render(tokenizer, messages, tools, **kwargs)
+    except Exception as e:  # a template's raise_exception, or any error of its code on this row's data
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise ConfigError(f"{where}: the chat template failed on messages[:{len(messages)}] ({reason})") from None
+
+
+def _encode(tokenizer, text: str, max_tokens: int | None) -> tuple[dict, bool]:
+    """Ids and offsets of ``text``, or of a prefix of it with more than ``max_tokens`` tokens (plus a margin): a
+    huge row costs what ``seq_len`` keeps of it, not its size. The flag: the whole text was encoded."""
+    limit = len(text) if max_tokens is None else 4 * (max_tokens + _MARGIN)
+    while True:
+        enc = tokenizer(text[:limit], add_special_tokens=False, return_offsets_mapping=True)
+        if limit >= len(text) or len(enc["input_ids"]) > max_tokens + _MARGIN:
+            return enc, limit >= len(text)
+        limit *= 4
+
+
+def _prefix_error(where: str, k: int, message: dict, prev: str, text: str) -> PrefixPropertyError:
+    at = next((i for i, (a, b) in enumerate(zip(prev, text, strict=False)) if a != b), min(len(prev), len(text)))
+    return PrefixPropertyError(
+        f"{where}: the chat template lacks the prefix property: adding message {k} "
+        f"(role {message.get('role')!r}) changes how messages[:{k}] render (first difference at character "
+        f"{at}: {prev[at : at + 40]!r} became {text[at : at + 40]!r}). Templates that rewrite earlier turns (e.g. "
+        "strip past reasoning) cannot be masked by role; use a template that keeps history verbatim "
+        "(--data.chat-template)."
+    )
+
+
+_warned_header = False
+
+
+def _header_end(tokenizer, messages: list[dict], k: int, tools, where: str, prev: str, text: str) -> int:
+    """Where the role header the template adds before assistant message ``k`` (its generation prompt) ends in
+    ``text``; ``len(prev)`` when there is none, or when the turn does not start with it (warned once: the header is
+    then trained with the turn)."""
+    global _warned_header
+    header = _render(tokenizer, messages[:k], tools, where, add_generation_prompt=True)
+    if header.startswith(prev) and text.startswith(header):
+        return len(header)
+    if not _warned_header and header.startswith(prev):
+        _warned_header = True
+        logger.warning(
+            "%s: the chat template's generation prompt %r does not start its assistant turn %r: assistant turns whose "
+            "header differs are trained from their first character, header included",
+            where,
+            header[len(prev) :][:60],
+            text[len(prev) :][:60],
+        )
+    return len(prev)
+
+
 def tokenize_conversation(
-    tokenizer, messages: list[dict], tools: list[dict] | None, roles: LossMaskConfig, index: int = 0
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None,
+    roles: LossMaskConfig,
+    index: int | str = 0,
+    max_tokens: int | None = None,
 ) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and, per token, whether it is trained (by its message's role).
 
-    The role header the template adds before an assistant message (its generation prompt) is never trained.
+    The role header the template adds before an assistant message (its generation prompt) is never trained. With
+    ``max_tokens``, rendering stops once the text holds more than that many tokens and only a prefix is returned.
     """
+    return _tokenize(tokenizer, messages, tools, roles, index, max_tokens)[:2]
+
+
+def _tokenize(
+    tokenizer, messages: list[dict], tools, roles: LossMaskConfig, index: int | str, max_tokens: int | None
+) -> tuple[list[int], list[bool], bool]:
+    """``tokenize_conversation``, and whether the ids cover the whole conversation (not only a prefix)."""
+    where = f"row {index}" if isinstance(index, int) else index
     spans: list[tuple[int, int, bool]] = []  # character spans of the full text and whether they are trained
     prev = ""
+    check_at = max_tokens or 0
     for k, message in enumerate(messages):
-        text = render(tokenizer, messages[: k + 1], tools)
+        text = _render(tokenizer, messages[: k + 1], tools, where)
         if not text.startswith(prev):
-            at = next(
-                (i for i, (a, b) in enumerate(zip(prev, text, strict=False)) if a != b), min(len(prev), len(text))
-            )
-            raise PrefixPropertyError(
-                f"row {index}: the chat template lacks the prefix property: adding message {k} "
-                f"(role {message.get('role')!r}) changes how messages[:{k}] render (first difference at character "
-                f"{at}: {prev[at : at + 40]!r} became {text[at : at + 40]!r}). Templates that rewrite earlier turns (e.g. "
-                "strip past reasoning) cannot be masked by role; use a template that keeps history verbatim "
-                "(--data.chat-template)."
+            raise _prefix_error(where, k, message, prev, text)
+        try:
+            text[len(prev) :].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(
+                f"{where}: messages[{k}] renders {text[len(prev) + e.start]!r}, a lone surrogate (a JSON escape such as "
+                "\\ud800 that is not a character): no tokenizer reads it"
+            ) from None
+        content = message.get("content")
+        if isinstance(content, list) and content and str(content) in text[len(prev) :]:
+            raise ConfigError(
+                f"{where}: the chat template rendered messages[{k}].content, a list of parts, as its Python repr "
+                "(the template only handles string content: join the text parts, or use a template that renders parts)"
             )
         role = message.get("role", "")
-        trained = bool(getattr(roles, role, False))
+        # OpenAI's fine-tuning format: `weight: 0` keeps a message out of the loss.
+        trained = bool(getattr(roles, role, False)) and message.get("weight", 1) != 0
         start = len(prev)
         if role == "assistant" and k > 0:
-            header = render(tokenizer, messages[:k], tools, add_generation_prompt=True)
-            if header.startswith(prev) and text.startswith(header):
-                spans.append((start, len(header), False))
-                start = len(header)
+            start = _header_end(tokenizer, messages, k, tools, where, prev, text)
+            spans.append((len(prev), start, False))
         spans.append((start, len(text), trained))
         prev = text
+        # A conversation far longer than max_tokens stops here rather than rendering every later prefix.
+        if max_tokens is not None and len(prev) >= check_at and k < len(messages) - 1:
+            if len(_encode(tokenizer, prev, max_tokens)[0]["input_ids"]) > max_tokens + _MARGIN:
+                return *_ids_and_mask(tokenizer, prev, spans, max_tokens)[:2], False
+            check_at = 2 * len(prev)
+    return _ids_and_mask(tokenizer, prev, spans, max_tokens)
 
+
+def _ids_and_mask(
+    tokenizer, text: str, spans: list[tuple[int, int, bool]], max_tokens: int | None
+) -> tuple[list[int], list[bool], bool]:
+    """Token ids of ``text``, whether each is trained (the span its first character falls in), and whether they
+    cover all of ``text``."""
+    starts = [s for s, _, _ in spans]
     if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(prev, add_special_tokens=False, return_offsets_mapping=True)
-        ids, mask = enc["input_ids"], []
+        enc, whole = _encode(tokenizer, text, max_tokens)
+        ids, mask = list(enc["input_ids"]), []
         for tok_start, _ in enc["offset_mapping"]:
-            mask.append(next((t for s, e, t in spans if s <= tok_start < e), False))
-        return ids, mask
+            j = bisect.bisect_right(starts, tok_start) - 1
+            mask.append(j >= 0 and tok_start < spans[j][1] and spans[j][2])
+        return ids, mask, whole
     ids, mask = [], []
-    for s, e, trained in spans:
-        piece = tokenizer(prev[s:e], add_special_tokens=False)["input_ids"]
+    for n, (s, e, trained) in enumerate(spans):
+        # Slow tokenizers have no offsets: a span is cut at a generous 16 characters per token, and nothing follows it.
+        cut = e if max_tokens is None else min(e, s + 16 * (max_tokens + _MARGIN))
+        piece = tokenizer(text[s:cut], add_special_tokens=False)["input_ids"]
         ids.extend(piece)
         mask.extend([trained] * len(piece))
-    return ids, mask
+        if cut < e or (max_tokens is not None and len(ids) > max_tokens and n < len(spans) - 1):
+            return ids, mask, False
+    return ids, mask, True
 
 
 @dataclass
@@ -183,7 +202,7 @@ class Sample:
     """[3, len] rotary positions of a sample with images."""
 
 
-def row_images(row: dict[str, Any], messages: list[dict[str, Any]], index: int) -> list[Any]:
+def row_images(row: dict[str, Any], messages: list[dict[str, Any]], index: int | str) -> list[Any]:
     """Image sources of a conversation in order; sourceless ``image`` parts take the row's ``images`` column."""
     column = list(row.get("images") or [])
     out = []
@@ -191,24 +210,35 @@ def row_images(row: dict[str, Any], messages: list[dict[str, Any]], index: int) 
         for source in image_parts(message.get("content")):
             if source is None:
                 if not column:
-                    raise ValueError(f"row {index}: an image part has no source and the row's `images` ran out")
+                    raise ConfigError(f"{_where(index)}: an image part has no source and the row's `images` ran out")
                 source = column.pop(0)
             out.append(source)
     return out
 
 
 def expand_images(
-    ids: list[int], mask: list[bool], images: list[Any], vision: VisionSpec | None, index: int
+    ids: list[int],
+    mask: list[bool],
+    images: list[Any],
+    vision: VisionSpec | None,
+    index: int | str,
+    prefix: bool = False,
 ) -> tuple[list[int], list[bool], np.ndarray | None]:
-    """Replace each rendered ``<|image_pad|>`` with the image's placeholder tokens; returns the grids too."""
+    """Replace each rendered ``<|image_pad|>`` with the image's placeholder tokens; returns the grids too. ``prefix``:
+    ``ids`` are only the start of the conversation (``tokenize_conversation``'s ``max_tokens``), so later images
+    have no placeholder yet."""
     if not images:
         return ids, mask, None
     if vision is None:
-        raise ConfigError(f"row {index} has images but the model has no vision config (vision_config in config.json)")
+        raise ConfigError(
+            f"{_where(index)} has images but the model has no vision config (vision_config in config.json)"
+        )
     pads = [k for k, t in enumerate(ids) if t == vision.image_token_id]
+    if prefix and len(pads) < len(images):
+        images = images[: len(pads)]
     if len(pads) != len(images):
-        raise ValueError(
-            f"row {index}: the chat template rendered {len(pads)} image placeholders for {len(images)} images "
+        raise ConfigError(
+            f"{_where(index)}: the chat template rendered {len(pads)} image placeholders for {len(images)} images "
             "(does the template render image content parts?)"
         )
     grids = []
@@ -239,37 +269,89 @@ def truncate_keeping_images(ids: list[int], grids: np.ndarray | None, seq_len: i
     return seq_len
 
 
+def _where(index: int | str) -> str:
+    return f"row {index}" if isinstance(index, int) else index
+
+
+def _drop_cause(trained_beyond: bool, was_cut: bool, has_trained_role: bool, seq_len: int) -> str:
+    if trained_beyond or (was_cut and has_trained_role):
+        return f"their first trained token is past seq_len={seq_len}"
+    if has_trained_role:
+        return "the chat template renders no text for their trained messages (data.loss_mask roles)"
+    return "they have no message of a trained role (data.loss_mask)"
+
+
+def _with_images(sample: Sample, images: list, grids: np.ndarray | None, vision: VisionSpec | None) -> Sample:
+    """Attach the images whose placeholder blocks survived truncation."""
+    if grids is None:
+        return sample
+    num_kept = int((sample.input_ids == vision.image_token_id).sum())
+    counts = np.cumsum([vision.processor.num_tokens(g) for g in grids])
+    n = int(np.searchsorted(counts, num_kept, side="right")) if num_kept else 0
+    if n:
+        sample.images, sample.image_grid_thw = images[:n], grids[:n]
+        sample.mrope_position_ids = mrope_positions(
+            sample.input_ids, vision.image_token_id, grids[:n], vision.processor.merge_size
+        )
+    return sample
+
+
 def build_samples(
-    rows: list[dict], tokenizer, roles: LossMaskConfig, seq_len: int, vision: VisionSpec | None = None
+    rows: list[dict],
+    tokenizer,
+    roles: LossMaskConfig,
+    seq_len: int,
+    vision: VisionSpec | None = None,
+    source: str = "data.path",
+    vocab_size: int | None = None,
 ) -> list[Sample]:
-    samples, skipped = [], 0
+    """Tokenized, masked samples of ``rows`` cut to ``seq_len``; rows left with no trained token are skipped and
+    counted by cause, and a dataset with no trained token at all is a ``ConfigError`` naming the cause. A token id
+    past the model's ``vocab_size`` (a tokenizer that is not the model's) is a ``ConfigError`` naming the row."""
+    samples: list[Sample] = []
+    # cause -> [count, where the first row of that cause came from]
+    dropped: dict[str, list] = {}
+    unknown_roles: dict[str, str] = {}
+    cut = 0
     for i, row in enumerate(rows):
-        messages, tools = to_messages(row, i)
-        ids, mask = tokenize_conversation(tokenizer, messages, tools, roles, index=i)
-        images = row_images(row, messages, i)
-        ids, mask, grids = expand_images(ids, mask, images, vision, i)
+        where = where_of(rows, i)
+        messages, tools = to_messages(row, where)
+        for m in messages:
+            if m["role"] not in TRAINABLE_ROLES and m["role"] not in unknown_roles:
+                unknown_roles[m["role"]] = where
+        ids, mask, whole = _tokenize(tokenizer, messages, tools, roles, where, seq_len)
+        images = row_images(row, messages, where)
+        ids, mask, grids = expand_images(ids, mask, images, vision, where, prefix=not whole)
         keep = truncate_keeping_images(ids, grids, seq_len, vision)
+        was_cut = keep < len(ids)
+        cut += was_cut
+        trained_beyond = any(mask[keep:])
         ids, mask = np.asarray(ids[:keep], dtype=np.int64), np.asarray(mask[:keep], dtype=np.bool_)
+        if vocab_size is not None and len(ids) and (top := int(ids.max())) >= vocab_size:
+            raise ConfigError(
+                f"{where}: token id {top} ({tokenizer.convert_ids_to_tokens(top)!r}) is past the model's "
+                f"vocab_size={vocab_size}: the tokenizer does not belong to this model"
+            )
         if len(mask):
             mask[0] = False
         if not mask.any():
-            skipped += 1
+            has_trained_role = any(getattr(roles, m["role"], False) and m.get("weight", 1) != 0 for m in messages)
+            dropped.setdefault(_drop_cause(trained_beyond, was_cut, has_trained_role, seq_len), [0, where])[0] += 1
             continue
-        sample = Sample(ids, mask)
-        if grids is not None:
-            num_kept = int((ids == vision.image_token_id).sum())
-            counts = np.cumsum([vision.processor.num_tokens(g) for g in grids])
-            n = int(np.searchsorted(counts, num_kept, side="right")) if num_kept else 0
-            if n:
-                sample.images, sample.image_grid_thw = images[:n], grids[:n]
-                sample.mrope_position_ids = mrope_positions(
-                    ids, vision.image_token_id, grids[:n], vision.processor.merge_size
-                )
-        samples.append(sample)
-    if skipped:
-        logger.warning("skipped %d of %d samples with no trained token within seq_len=%d", skipped, len(rows), seq_len)
+        samples.append(_with_images(Sample(ids, mask), images, grids, vision))
+    for role, where in unknown_roles.items():
+        logger.warning(
+            "%s: role %r is never trained (data.loss_mask trains %s)", where, role, "/".join(TRAINABLE_ROLES)
+        )
+    causes = "; ".join(f"{n} because {cause} (first: {where})" for cause, (n, where) in dropped.items())
+    if not rows:
+        raise ConfigError(f"{source}: no rows")
     if not samples:
-        raise ConfigError("no sample has a trained token: check data.loss_mask and seq_len")
+        raise ConfigError(f"{source}: none of its {len(rows)} rows has a trained token: {causes}")
+    if dropped:
+        logger.warning("%s: skipped %d of %d rows: %s", source, len(rows) - len(samples), len(rows), causes)
+    if cut:
+        logger.warning("%s: %d of %d rows were cut to seq_len=%d", source, cut, len(rows), seq_len)
     return samples
 
 
@@ -376,7 +458,7 @@ class PackedData:
     def next_batch(self, rank: int, world_size: int) -> list[MicroBatch]:
         per_rank, rest = divmod(self.batch_size, world_size)
         if rest or per_rank % self.micro_batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"data.batch_size={self.batch_size} must split into {world_size} ranks x "
                 f"micro_batch_size={self.micro_batch_size}"
             )
@@ -408,15 +490,3 @@ def eval_batches(
     rows += [MicroBatch.empty(1, seq_len) for _ in range(-len(rows) % per_step)]
     mine = rows[rank::world_size]
     return [stack(mine[i : i + micro_batch_size]) for i in range(0, len(mine), micro_batch_size)]
-
-
-def load_tokenizer(name: str, chat_template: str | None):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    if chat_template is not None:
-        path = Path(chat_template).expanduser()
-        tokenizer.chat_template = path.read_text() if path.is_file() else chat_template
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"tokenizer {name!r} has no chat template: set --data.chat-template")
-    return tokenizer

@@ -5,12 +5,14 @@ Setup (``common.setup`` + the dataset), ``sft_step`` (one optimizer step), ``eva
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
 
 import numpy as np
 import torch
+from prime_core.config import ConfigError
 from prime_core.config.trainer import SFTConfig
 from prime_core.schemas.microbatch import MicroBatch
 from prime_core.vision import VisionSpec
@@ -22,7 +24,10 @@ from prime_trainer.model import token_logprobs
 from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import TensorMicroBatch, fake_micro_batches
 from prime_trainer.sft.data import PackedData, build_samples, eval_batches, load_rows, load_tokenizer
+from prime_trainer.sft.rows import to_messages, where_of
 from prime_trainer.world import all_reduce_sum
+
+logger = logging.getLogger("prime.sft")
 
 
 def nll_sum(c: common.Components, mb: TensorMicroBatch) -> torch.Tensor:
@@ -80,16 +85,9 @@ def evaluate(c: common.Components, batches: list[MicroBatch]) -> float:
     return total / max(count, 1)
 
 
-def build_data(
-    config: SFTConfig, tokenizer_name: str, world, vision: VisionSpec | None = None
-) -> tuple[PackedData | None, list | None]:
-    """Training rows (None with fake data) and this rank's validation batches (None without validation).
-
-    ``vision``: image preprocessing and token ids of a vision-language model (rows may then hold images).
-    """
-    if config.data.fake is not None:
-        return None, None
-    tokenizer = load_tokenizer(tokenizer_name, config.data.chat_template)
+def read_rows(config: SFTConfig) -> tuple[list, list]:
+    """Training and validation rows, each row's shape checked (``to_messages``). ``train`` reads them before it
+    builds the model, so a bad file fails in seconds rather than after a large model has loaded."""
     rows = load_rows(config.data.path, config.data.split)
     val_rows: list = []
     if config.val.path is not None:
@@ -97,8 +95,36 @@ def build_data(
     elif config.val.fraction > 0:
         order = np.random.default_rng(config.seed).permutation(len(rows))
         num_val = max(1, int(round(len(rows) * config.val.fraction)))
-        val_rows, rows = [rows[i] for i in order[:num_val]], [rows[i] for i in order[num_val:]]
-    samples = build_samples(rows, tokenizer, config.data.loss_mask, config.seq_len, vision)
+        if num_val >= len(rows):
+            raise ConfigError(
+                f"data.path has {len(rows)} rows: val.fraction={config.val.fraction} leaves none to train on"
+            )
+        val_rows, rows = rows.subset(order[:num_val]), rows.subset(order[num_val:])
+    for some in (rows, val_rows):
+        for i, row in enumerate(some):
+            to_messages(row, where_of(some, i))
+    return rows, val_rows
+
+
+def build_data(
+    config: SFTConfig,
+    tokenizer_name: str,
+    world,
+    vision: VisionSpec | None = None,
+    vocab_size: int | None = None,
+    rows: tuple[list, list] | None = None,
+) -> tuple[PackedData | None, list | None]:
+    """Training rows (None with fake data) and this rank's validation batches (None without validation).
+
+    ``vision``: image preprocessing and token ids of a vision-language model (rows may then hold images).
+    ``vocab_size``: the model's; a row with a larger token id is refused. ``rows``: ``read_rows``'s, read already.
+    """
+    if config.data.fake is not None:
+        return None, None
+    tokenizer = load_tokenizer(tokenizer_name, config.data.chat_template)
+    rows, val_rows = rows if rows is not None else read_rows(config)
+    args = (tokenizer, config.data.loss_mask, config.seq_len, vision)
+    samples = build_samples(rows, *args, source="data.path", vocab_size=vocab_size)
     data = PackedData(
         samples,
         config.seq_len,
@@ -108,9 +134,18 @@ def build_data(
         config.seed,
         vision,
     )
+    num_rows = len(data.rows(0))
+    if num_rows < config.data.batch_size:
+        logger.warning(
+            "data.path packs into %d rows of seq_len=%d, fewer than data.batch_size=%d: every step repeats rows",
+            num_rows,
+            config.seq_len,
+            config.data.batch_size,
+        )
     val = None
     if val_rows:
-        val_samples = build_samples(val_rows, tokenizer, config.data.loss_mask, config.seq_len, vision)
+        source = "val.path" if config.val.path is not None else "data.path (validation rows)"
+        val_samples = build_samples(val_rows, *args, source=source, vocab_size=vocab_size)
         val = eval_batches(
             val_samples,
             config.seq_len,
@@ -124,10 +159,16 @@ def build_data(
 
 
 def train(config: SFTConfig) -> None:
+    rows = read_rows(config) if config.data.fake is None else None
     c = common.setup(config, "sft")
     setup_lora(c)
     data, val = build_data(
-        config, c.model_source.tokenizer, c.world, VisionSpec.from_model_dir(c.model_source.model_dir)
+        config,
+        c.model_source.tokenizer,
+        c.world,
+        VisionSpec.from_model_dir(c.model_source.model_dir),
+        c.model_source.vocab_size,
+        rows,
     )
     progress = common.resume(c)
     start = progress["step"]

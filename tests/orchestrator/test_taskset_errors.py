@@ -1,0 +1,72 @@
+"""An environment's taskset that cannot give a task (fails to build, is empty, ends early, raises on a row) stops the
+orchestrator and eval with one line naming the environment and the task, exit 2; never a traceback or an unrelated
+``RuntimeError: coroutine raised StopIteration``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prime_core.config.orchestrator import EnvConfig
+from prime_orchestrator.envs import TasksetError, TaskStream, server_spec
+
+from tests.fixtures.vf import use_vf_envs
+from tests.trainer.trainer_utils import write_char_tokenizer
+
+
+def stream(env_id: str, args: dict) -> TaskStream:
+    spec = server_spec(EnvConfig.model_validate({"id": env_id, "args": args}))
+    return TaskStream(spec.env_config, spec.name)
+
+
+def test_bounded_taskset_that_fails_to_load_or_is_empty():
+    with pytest.raises(TasksetError, match=r"env reverse-text: taskset 'reverse-text' has no tasks"):
+        stream("reverse-text", {"num_examples": 0})
+    with pytest.raises(TasksetError, match=r"env reverse-text: its taskset 'reverse-text' failed to load \(ValueError"):
+        stream("reverse-text", {"min_chars": 30, "max_chars": 2})
+
+
+def test_infinite_taskset_that_ends_or_raises_names_the_task(monkeypatch):
+    use_vf_envs(monkeypatch)
+    tasks = stream("vf-bad-rows", {"good": 2, "after": "end"})
+    assert tasks.task_data(1)["prompt"] == "Say 1."
+
+    async def ask(index: int):  # as EnvRunner.rollout asks, inside a coroutine
+        return tasks.task_data(index)
+
+    with pytest.raises(
+        TasksetError, match=r"env vf-bad-rows: the infinite taskset ended after 2 tasks \(task 5 asked\)"
+    ):
+        asyncio.run(ask(5))
+    tasks = stream("vf-bad-rows", {"good": 1, "after": "raise"})
+    with pytest.raises(TasksetError, match=r"env vf-bad-rows: task 1 failed to load \(ValueError: row 1: 'prompt'"):
+        asyncio.run(ask(3))
+
+
+@pytest.mark.parametrize("entry", ["orchestrator", "eval"])
+def test_entry_points_report_a_taskset_error_in_one_line(entry, monkeypatch, capsys, tmp_path):
+    async def broken(*_args, **_kwargs):
+        raise TasksetError("env x: task 3 failed to load (ValueError: bad row)")
+
+    if entry == "orchestrator":
+        from prime_orchestrator.entrypoints.orchestrator import run
+
+        class Orch:
+            run = staticmethod(broken)
+
+        with pytest.raises(SystemExit) as e:
+            run(Orch(), tmp_path)
+    else:
+        import prime_orchestrator.eval_runner as eval_runner
+        from prime_orchestrator.entrypoints.eval import main
+
+        monkeypatch.setattr(eval_runner, "run_eval", broken)
+        model = write_char_tokenizer(tmp_path / "model")
+        (model / "config.json").write_text('{"model_type": "qwen3"}')
+        monkeypatch.setattr("prime_orchestrator.entrypoints.eval._check_env_settings", lambda config: None)
+        with pytest.raises(SystemExit) as e:
+            main(["--model.name", str(model), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path)])
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1] == "error: env x: task 3 failed to load (ValueError: bad row)"
+    )
