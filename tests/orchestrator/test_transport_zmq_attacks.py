@@ -235,6 +235,9 @@ def test_sender_ignores_acks_of_whoever_holds_the_port(tmp_path, closing):
 def test_orchestrator_spreads_ranks_over_trainer_hosts(closing):
     with pytest.raises(ValueError, match=r"transport\.host names 2 trainer node"):
         OrchestratorConfig(num_trainer_ranks=3, transport=RolloutTransportConfig(type="zmq", host="a,b"))
+    for blank in ("a,,b", "a,", " ", "a b"):  # a rank's batches would go to no host, or to an unresolvable name
+        with pytest.raises(ValueError, match=r"every comma-separated host must be a name"):
+            RolloutTransportConfig(type="zmq", host=blank)
     from prime_core.transport_zmq import ZmqSender
 
     cfg = RolloutTransportConfig(type="zmq", host="node-a,node-b", base_port=40000)

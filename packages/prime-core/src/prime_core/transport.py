@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal, Protocol
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from prime_core.config.base import BaseConfig, ConfigError
 from prime_core.io import atomic_write_bytes, wait_for_path, writing
@@ -40,6 +40,14 @@ class RolloutTransportConfig(BaseConfig):
     max_message_mb: int = Field(default=4096, ge=1)
     """zmq: the largest batch (one rank's micro-batches of one step, MiB) a trainer rank accepts; a bigger message
     drops its sender's connection before it is read into memory, and the orchestrator refuses to send one."""
+
+    @field_validator("host", "bind_host")
+    @classmethod
+    def _hosts_named(cls, value: str) -> str:
+        # "a,,b" or "a, b c" would send a rank's batches to no host, or to a name no resolver answers.
+        if any(not h.strip() or any(c.isspace() for c in h.strip()) for h in value.split(",")):
+            raise ValueError(f"{value!r}: every comma-separated host must be a name or address without spaces")
+        return value
 
     @property
     def hosts(self) -> list[str]:
