@@ -118,6 +118,21 @@ def test_a_trainer_started_afresh_does_not_overwrite_another_runs_checkpoints(ca
     assert (run / "checkpoints" / "step_4" / "trainer").is_dir()  # nothing above deleted anything
 
 
+def test_a_dry_run_in_a_trained_runs_directory_keeps_that_runs_config(capsys, tmp_path):
+    """The config a run trained with is its record: a dry run of its resume writes beside it, not over it."""
+    run = tmp_path / "run"
+    _trained_run(run, 2)
+    (run / "configs").mkdir()
+    (run / "configs" / "sft.toml").write_text("# what step 2 was trained with\n")
+    sft = ["--model.name", str(MODEL), "--output-dir", str(run), "--data.fake.batch-size", "1", "--max-steps", "4"]
+    with pytest.raises(SystemExit) as e:
+        parse_cli(SFTConfig, [*sft, "--ckpt.resume-step", "2", "--dry-run"], prog="sft", writes_output_dir=True)
+    assert e.value.code == 0
+    assert (run / "configs" / "sft.toml").read_text() == "# what step 2 was trained with\n"
+    assert "resume_step = 2" in (run / "configs" / "sft.dry-run.toml").read_text()
+    assert capsys.readouterr().out.strip().endswith("sft.dry-run.toml")
+
+
 @pytest.mark.integration
 def test_sft_overwrite_deletes_the_previous_run_and_a_dry_run_deletes_nothing(tmp_path):
     run = tmp_path / "run"

@@ -124,11 +124,14 @@ def foreign_artifacts(run_dir: RunDir) -> list[str]:
     configs = run_dir.configs
     if configs.is_dir() and any(p.name == DRY_RUN_MARKER or _RUN_CONFIG_RE.match(p.name) for p in configs.iterdir()):
         return []
+    return [] if has_run_outputs(run_dir) else found
+
+
+def has_run_outputs(run_dir: RunDir) -> bool:
+    """Whether a run has trained or sampled in ``run_dir``: a ``step_N`` directory or metrics."""
     if any(_steps(parent) for parent in (run_dir.rollouts, run_dir.weights, run_dir.checkpoints)):
-        return []
-    if run_dir.metrics.is_file() and run_dir.metrics.stat().st_size:  # a run's own directory under [[runs]]
-        return []
-    return found
+        return True
+    return run_dir.metrics.is_file() and run_dir.metrics.stat().st_size > 0  # a run's own directory under [[runs]]
 
 
 def clear_run(run_dir: RunDir) -> None:

@@ -170,11 +170,17 @@ def parse_cli(
 
 
 def show_resolved(config: BaseModel, prog: str) -> None:
-    """A dry run's output: the resolved config written to ``<output_dir>/configs/<prog>.toml``, or printed when the
-    config has no ``output_dir``."""
+    """A dry run's output: the resolved config written to ``<output_dir>/configs/<prog>.toml`` (beside it as
+    ``<prog>.dry-run.toml`` in the directory of a run that trained or sampled), or printed when the config has no
+    ``output_dir``."""
     output_dir = getattr(config, "output_dir", None)
     if output_dir is None:  # nowhere to write it: show it
         sys.stdout.write(config_to_toml(config))
     else:
-        path = write_config(config, Path(output_dir) / "configs" / f"{prog.replace(' ', '-')}.toml")
-        print(f"resolved config written to {path}")
+        from prime_core.run_dir import RunDir, has_run_outputs
+
+        name = prog.replace(" ", "-")
+        path = Path(output_dir) / "configs" / f"{name}.toml"
+        if path.exists() and has_run_outputs(RunDir(output_dir)):  # that run's record of its config stays as it was
+            path = path.with_name(f"{name}.dry-run.toml")
+        print(f"resolved config written to {write_config(config, path)}")
