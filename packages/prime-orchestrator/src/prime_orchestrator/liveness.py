@@ -20,6 +20,8 @@ from prime_core import progress
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import RolloutResult
 
+from prime_orchestrator.sample_checks import check_sequences, vocab_size
+
 T = TypeVar("T")
 LANE = "rollouts"
 
@@ -39,6 +41,8 @@ class RolloutTracker:
         self.limit_s = max(env_timeouts) + config.recovery.probe_timeout_s
         self.pending: Counter[int] = Counter()
         self.done: Counter[int] = Counter()
+        self.vocab = vocab_size(config.model.name)
+        self.max_tokens = config.sampling.max_tokens
 
     def _describe(self) -> str:
         steps = sorted(self.pending)
@@ -65,6 +69,15 @@ class RolloutTracker:
             else:
                 progress.end(LANE)
         return result
+
+    def screen(self, result: RolloutResult, server: str) -> RolloutResult:
+        """`screen`, and a rollout whose tokens ``server`` sampled hold a value no policy samples fails, naming it."""
+        if not result.failed and (bad := check_sequences(result, vocab=self.vocab, max_tokens=self.max_tokens)):
+            error = f"inference server {server} answered {bad}"
+            result = RolloutResult(
+                env=result.env, example=result.example, failed=True, error=error, latency=result.latency
+            )
+        return screen(result, self.config.recovery.max_text_chars)
 
     def record(self, result: RolloutResult) -> RolloutResult:
         """Count a finished rollout of its environment (done, failed) in the progress file."""

@@ -48,7 +48,6 @@ from prime_orchestrator.liveness import (
     check_step,
     env_metrics,
     report_env_servers,
-    screen,
     ship_activity,
 )
 from prime_orchestrator.packing import Sample, pack, seq_len_too_short
@@ -74,6 +73,7 @@ class Orchestrator:
         self.eval_lane = InflightLane("evals", "generating eval rollouts", self.tracker.limit_s)
         self.semaphore = ConcurrencyLimiter.from_config(config.client)  # rollouts in flight (concurrency.py)
         self.versions = VersionRecords(config.client, check=config.model.lora is None)
+        self.versions.newest = lambda: self.policy.requested
         self.monitor = None
         self.sender = None
         self.shipped: list[int] = []
@@ -222,7 +222,7 @@ class Orchestrator:
         if not result.failed:  # the weight steps that sampled its tokens (`prime_orchestrator.versions`)
             result.versions = await self.versions.take(flight) or bounds(weight_step, self.policy.version)
             flight.versions = result.versions
-        result = self.tracker.record(screen(result, c.recovery.max_text_chars))
+        result = self.tracker.record(self.tracker.screen(result, flight.url))
         return Rollout(env, example, group, weight_step, result, admitted=admitted, done=time.perf_counter())
 
     async def _group(self, step: int, env: str, example: int, gi: int) -> list[Rollout]:

@@ -1,0 +1,54 @@
+"""What an inference server answered, checked before the trainer sees it.
+
+The train client (verifiers over ``renderers``) checks the shape of a ``/inference/v1/generate`` answer: as many
+log-probs as tokens, each a finite number. It does not check the values: a broken or hostile server could answer
+token ids below zero or past the model's vocabulary (an out-of-range embedding index on the trainer's GPU: a device
+assert, the whole run lost), positive log-probs (an importance ratio the loss never sees from a real policy), or
+more tokens per turn than ``max_tokens`` asked. Each would reach the packed micro-batch as it came. ``check_sequences``
+names the first such value of a rollout, which then fails (no tokens, counted) instead of training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from prime_core.schemas.rollout import RolloutResult
+
+# A real log-softmax is <= 0; float32 rounding of a near-certain token can land a hair above it.
+MAX_LOGPROB = 1e-3
+
+
+def vocab_size(model_dir: str) -> int | None:
+    """The model's embedding rows (``config.json``'s ``vocab_size``, a VLM's ``text_config``'s); None when the model
+    is not a local directory (a hub id: the server's tokenizer is all there is to go by)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def check_sequences(result: RolloutResult, *, vocab: int | None, max_tokens: int | None) -> str | None:
+    """The first value of ``result``'s trained sequences that no real policy samples, in one line; None if none."""
+    for t, trace in enumerate(result.traces):
+        for s, seq in enumerate(trace.sequences):
+            where = f"trace {t} sequence {s}"
+            for i, token in enumerate(seq.token_ids):
+                if type(token) is not int or token < 0 or (vocab is not None and token >= vocab):
+                    bound = f" (vocabulary {vocab})" if vocab is not None else ""
+                    return f"token id {token!r} at {where} position {i}{bound}"
+            run = 0
+            for i, (sampled, logprob) in enumerate(zip(seq.loss_mask, seq.logprobs, strict=True)):
+                if not sampled:
+                    run = 0
+                    continue
+                if not math.isfinite(logprob) or logprob > MAX_LOGPROB:
+                    return f"log-prob {logprob!r} of a sampled token at {where} position {i}"
+                run += 1
+                if max_tokens is not None and run > max_tokens:
+                    return f"a turn of more than max_tokens = {max_tokens} sampled tokens at {where} position {i}"
+    return None

@@ -1,0 +1,243 @@
+"""A broken or hostile inference server: a fake one on 127.0.0.1 answers the token-in route ``/inference/v1/generate``
+(and ``/health``, ``/rollout_versions``) the way ``prime_inference.routes.generate`` does, but wrong. Each answer must
+end in a failed rollout whose one-line reason names the server and what was wrong, or in a one-line error, within a
+bound; the packed micro-batch and the step's metrics never hold such a value.
+
+The rollouts go through the train client's own request code (``renderers.client.generate`` over the HTTP client the
+env server's workers use, `prime_orchestrator.http_pool`); a stand-in runner turns the answer into the trained
+sequence as verifiers records it (prompt, then the sampled tokens with their log-probs), so the whole orchestrator
+side (screening, advantages, packing, metrics) runs as in a real step without an env server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from aiohttp import web
+from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.io import one_line
+from prime_core.monitor import read_metrics
+from prime_core.schemas.microbatch import read_microbatches
+from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
+
+VOCAB = 100
+PROMPT = [1, 2, 3]
+MAX_TOKENS = 4
+
+
+def answer(token_ids: list[Any], logprobs: list[Any] | None = None, finish: str = "stop") -> dict[str, Any]:
+    """``/inference/v1/generate``'s body (vLLM 0.26's), with whatever ids and log-probs the test gives."""
+    logprobs = [-0.5] * len(token_ids) if logprobs is None else logprobs
+    content = [
+        {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": [{"token": f"token_id:{t}", "logprob": lp}]}
+        for t, lp in zip(token_ids, logprobs, strict=False)
+    ]  # fmt: skip
+    return {
+        "request_id": "generate-tokens-x",
+        "choices": [{"index": 0, "finish_reason": finish, "token_ids": token_ids, "logprobs": {"content": content}}],
+        "prompt_token_ids": PROMPT,
+    }
+
+
+class FakeServer:
+    """``handler(body) -> web.StreamResponse | dict`` answers generate; ``versions`` (None: 404) the ledger."""
+
+    def __init__(self):
+        self.handler = lambda body: answer([5, 6])
+        self.versions: dict[str, Any] | None = None
+        self.health: dict[str, Any] = {"status": "ok", "weight_step": 0}
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        out = self.handler(await request.json())
+        if asyncio.iscoroutine(out):
+            out = await out
+        return web.json_response(out) if isinstance(out, dict) else out
+
+    async def _versions(self, request: web.Request) -> web.StreamResponse:
+        if self.versions is None:
+            return web.Response(status=404)
+        tags = (await request.json())["tags"]
+        return web.json_response({"versions": {t: self.versions for t in tags}})
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(self.health)
+
+    async def start(self) -> FakeServer:
+        app = web.Application(client_max_size=2**20)
+        app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_post("/rollout_versions", self._versions)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+
+class StubRenderer:
+    def get_stop_token_ids(self) -> list[int]:
+        return [0]
+
+    def parse_response(self, token_ids, **kwargs):
+        from renderers.base import ParsedResponse
+
+        return ParsedResponse(content=" ".join(map(str, token_ids)), reasoning_content=None, reasoning_complete=None)
+
+
+class Runner:
+    """A stand-in `EnvRunner`: one turn through the train client's request code; a raise is a failed rollout, as
+    `EnvRunner.rollout` makes it."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.num_retries = 0
+        self.server = type("S", (), {"num_restarts": 0})()
+
+    async def rollout(self, example: int, *, client: Any, model: str, sampling: dict[str, Any]) -> RolloutResult:
+        from renderers.client import generate
+        from verifiers.v1.clients.base import build_async_openai
+
+        params = {k: v for k, v in sampling.items() if k != "extra_args"}
+        try:
+            openai = build_async_openai(client)
+            try:
+                result = await generate(client=openai, renderer=StubRenderer(), messages=[], model=model,
+                                        prompt_ids=PROMPT, sampling_params=params, max_prompt_len=64)  # fmt: skip
+            finally:
+                await openai.close()
+            ids, lps = result["completion_ids"], result["completion_logprobs"]
+            seq = TrainedSequence(
+                token_ids=PROMPT + ids, loss_mask=[False] * 3 + [True] * len(ids), logprobs=[0.0] * 3 + lps
+            )
+            trace = TraceResult(seat="a", reward=float(example % 2), sequences=[seq])
+            return RolloutResult(
+                env=self.name, example=example, traces=[trace], reward=trace.reward, completion_len=len(ids)
+            )
+        except Exception as e:  # noqa: BLE001 - as EnvRunner.rollout
+            return RolloutResult(
+                env=self.name, example=example, failed=True, error=one_line(f"{type(e).__name__}: {e}")
+            )
+
+    async def close(self) -> None:
+        pass
+
+
+def model_dir(tmp_path):
+    path = tmp_path / "model"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    return path
+
+
+def orchestrator(tmp_path, server: FakeServer, **client):
+    from prime_core.monitor import build_monitor
+    from prime_core.transport import make_sender
+    from prime_orchestrator.orchestrator import Orchestrator
+
+    config = OrchestratorConfig.model_validate(
+        {"model": {"name": str(model_dir(tmp_path))}, "output_dir": str(tmp_path / "run"), "seq_len": 64,
+         "batch_size": 4, "rollouts_per_example": 4, "num_trainer_ranks": 1, "micro_batch_rows": 2,
+         "client": {"base_urls": [server.url], "max_concurrent": 4, **client},
+         "env": [{"id": "reverse-text"}], "sampling": {"max_tokens": MAX_TOKENS, "temperature": 1.0},
+         "filters": {"zero_advantage_groups": False}, "recovery": {"min_ok_fraction": 0.25}}
+    )  # fmt: skip
+    orch = Orchestrator(config)
+    orch.pools = {"reverse-text": Runner("reverse-text")}
+    orch.monitor = build_monitor(config.monitor, output_dir=config.output_dir, process="orchestrator", run_config={})
+    orch.sender = make_sender(config.transport, orch.run_dir, 1)
+    return orch
+
+
+async def one_step(orch, bad: FakeServer) -> list[RolloutResult]:
+    """Step 0 of one group of four rollouts; the 2nd (index 1) gets ``bad``'s answer, the others an honest one."""
+    from prime_orchestrator.batch import StepBatch
+
+    honest = bad.handler
+    calls = {"n": 0}
+
+    def handler(body):
+        calls["n"] += 1
+        return honest(body) if calls["n"] == 2 else answer([5, 6])
+
+    bad.handler = handler
+    group = await orch._group(0, "reverse-text", 0, 0)
+    batch = StepBatch(0, [group], time.perf_counter(), 0.0, finished=time.perf_counter())
+    await orch.ship(batch)
+    return [r.result for r in group]
+
+
+# ----- answers the train client lets through: the orchestrator must screen them -----
+LET_THROUGH = {
+    "positive log-prob": (answer([5, 6], [-0.1, 0.7]), "log-prob 0.7"),
+    "negative token id": (answer([5, -3]), "token id -3"),
+    "token id past the vocabulary": (answer([5, VOCAB + 7]), f"token id {VOCAB + 7}"),
+    "more tokens than max_tokens": (answer([5, 6, 7, 8, 9, 10]), f"max_tokens = {MAX_TOKENS}"),
+}
+
+
+@pytest.mark.parametrize("case", list(LET_THROUGH))
+def test_values_no_policy_samples_fail_the_rollout_and_never_reach_the_micro_batch(tmp_path, case):
+    body, reason = LET_THROUGH[case]
+
+    async def main():
+        server = await FakeServer().start()
+        orch = orchestrator(tmp_path, server)
+        server.handler = lambda b: body
+        try:
+            return server.url, await one_step(orch, server), orch
+        finally:
+            await orch.close()
+            await server.stop()
+
+    url, results, orch = asyncio.run(main())
+    failed = [r for r in results if r.failed]
+    assert len(failed) == 1, [r.error for r in results]
+    assert failed[0].error.startswith(f"inference server {url} answered ") and reason in failed[0].error
+    assert "\n" not in failed[0].error
+    _, micro_batches = read_microbatches(orch.run_dir.rollout_file(0, 0))
+    tokens = [t for mb in micro_batches for t in mb.input_ids.ravel().tolist()]
+    logprobs = [x for mb in micro_batches for x in mb.inference_logprobs.ravel().tolist()]
+    assert tokens and all(0 <= t < VOCAB for t in tokens) and all(x <= 0 for x in logprobs)
+    assert 10 not in tokens and 9 not in tokens  # the long turn's tokens
+    (metrics,) = [m.values for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "failed/rollouts" in m.values]
+    assert metrics["failed/rollouts"] == 1 and metrics["completion_len/mean"] <= MAX_TOKENS
+
+
+# ----- the version ledger -----
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ({"first": 0, "last": 7, "num_tokens": 2}, "step 7, but the orchestrator has published no step past 0"),
+        ({"first": 3, "last": 1, "num_tokens": 2}, "steps 3..1 over 2 tokens"),
+    ],
+)
+def test_a_ledger_of_steps_never_published_ends_the_run_naming_the_server(tmp_path, record, reason):
+    """A server whose version record names a weight step the relay never sent (another run's server, a corrupt
+    ledger) would have the rollout counted as sampled by a policy that does not exist: staleness below zero, the
+    continuous scheduler's bound computed from it. Before: trained on, ``off_policy/max`` = -7."""
+    from prime_orchestrator.versions import ServerWentBack
+
+    async def main():
+        server = await FakeServer().start()
+        server.versions = record
+        orch = orchestrator(tmp_path, server)
+        try:
+            with pytest.raises(ServerWentBack) as err:
+                await one_step(orch, server)
+            return server.url, str(err.value)
+        finally:
+            await orch.close()
+            await server.stop()
+
+    url, error = asyncio.run(main())
+    assert error.startswith(f"inference server {url}: the version record of rollout ") and reason in error
+    assert not (tmp_path / "run" / "rollouts" / "step_0").exists()
