@@ -23,6 +23,16 @@ from prime_core.monitor import read_metrics
 from prime_core.schemas.microbatch import read_microbatches
 from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
 
+
+@pytest.fixture(autouse=True)
+def env_worker_http(monkeypatch):
+    """verifiers' clients over the env workers' HTTP client, as `prime_orchestrator.env_server` sets them up."""
+    from prime_orchestrator.http_pool import engine_client
+    from verifiers.v1.clients import base
+
+    monkeypatch.setattr(base, "build_async_httpx", engine_client)
+
+
 VOCAB = 100
 PROMPT = [1, 2, 3]
 MAX_TOKENS = 4
@@ -53,7 +63,7 @@ class FakeServer:
         self._runner: web.AppRunner | None = None
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        out = self.handler(await request.json())
+        out = self.handler({**await request.json(), "_request": request})
         if asyncio.iscoroutine(out):
             out = await out
         return web.json_response(out) if isinstance(out, dict) else out
@@ -210,6 +220,118 @@ def test_values_no_policy_samples_fail_the_rollout_and_never_reach_the_micro_bat
     assert 10 not in tokens and 9 not in tokens  # the long turn's tokens
     (metrics,) = [m.values for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "failed/rollouts" in m.values]
     assert metrics["failed/rollouts"] == 1 and metrics["completion_len/mean"] <= MAX_TOKENS
+
+
+def run_step(tmp_path, handler, **client) -> tuple[str, list[RolloutResult], Any, float]:
+    """One step against a server whose 2nd answer is ``handler``'s: its url, the rollouts, the orchestrator, seconds."""
+
+    async def main():
+        server = await FakeServer().start()
+        orch = orchestrator(tmp_path, server, **client)
+        server.handler = handler
+        t0 = time.monotonic()
+        try:
+            results = await one_step(orch, server)
+            return server.url, results, orch, time.monotonic() - t0
+        finally:
+            await orch.close()
+            await server.stop()
+
+    return asyncio.run(main())
+
+
+def assert_clean_step(tmp_path, results: list[RolloutResult]) -> RolloutResult:
+    """One rollout failed with a one-line reason; the micro-batch and metrics hold the three honest ones only."""
+    failed = [r for r in results if r.failed]
+    assert len(failed) == 1, [r.error for r in results]
+    assert failed[0].error and "\n" not in failed[0].error and len(failed[0].error) < 600
+    _, micro_batches = read_microbatches(tmp_path / "run" / "rollouts" / "step_0" / "rank_0.safetensors")
+    sampled = [
+        (t, lp)
+        for mb in micro_batches
+        for t, lp, m in zip(mb.input_ids.ravel(), mb.inference_logprobs.ravel(), mb.loss_mask.ravel(), strict=True)
+        if m
+    ]
+    assert sorted(sampled) == [(5, -0.5)] * 3 + [(6, -0.5)] * 3
+    (metrics,) = [m.values for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "failed/rollouts" in m.values]
+    assert metrics["failed/rollouts"] == 1
+    return failed[0]
+
+
+def trickle(seconds: float):
+    """An honest answer, sent a few bytes at a time over ``seconds``: every read gets bytes within any read timeout."""
+
+    async def handler(body):
+        data = json.dumps(answer([5, 6])).encode()
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(data)
+        await response.prepare(body["_request"])
+        step = max(1, len(data) // 40)
+        try:
+            for i in range(0, len(data), step):
+                await response.write(data[i : i + step])
+                await asyncio.sleep(seconds / 40)
+            await response.write_eof()
+        except ConnectionResetError:  # the client hung up
+            pass
+        return response
+
+    return handler
+
+
+def test_a_trickling_answer_is_cut_at_the_request_timeout_naming_the_server(tmp_path, caplog):
+    """httpx's read timeout restarts at every chunk: an answer trickled over 8 s passed ``client.timeout = 1`` and held
+    its rollout (on a real run, up to its rollout timeout) before it trained. Now the whole answer must come within it."""
+    url, results, _, elapsed = run_step(tmp_path, trickle(8.0), timeout=1.0)
+    assert_clean_step(tmp_path, results)
+    assert elapsed < 6.0
+    assert any(url.removeprefix("http://") in m and "not complete after 1s" in m for m in caplog.messages)
+
+
+def test_an_answer_past_the_size_cap_is_cut_naming_the_server(tmp_path, caplog, monkeypatch):
+    """A 500 MB answer was read whole into the env worker's memory (the cap here is 1 MiB, the answer 3 MiB)."""
+    from prime_orchestrator import http_pool
+
+    monkeypatch.setattr(http_pool, "MAX_RESPONSE_BYTES", 2**20, raising=False)
+    url, results, _, _ = run_step(tmp_path, lambda b: {**answer([5, 6]), "pad": "x" * 3 * 2**20})
+    assert_clean_step(tmp_path, results)
+    assert any(url.removeprefix("http://") in m and f"larger than {2**20} bytes" in m for m in caplog.messages)
+
+
+def raw(text: str, status: int = 200, content_type: str = "application/json"):
+    return lambda b: web.Response(text=text, status=status, content_type=content_type)
+
+
+def with_logprobs(values: list[Any]) -> dict[str, Any]:
+    body = answer([5, 6])
+    for entry, value in zip(body["choices"][0]["logprobs"]["content"], values, strict=True):
+        entry["logprob"] = value
+    return body
+
+
+# Answers the train client (renderers' response checks, the OpenAI SDK) already refuses: each fails its rollout in one
+# line and nothing of it trains. They held before this test was written; it keeps them held.
+REFUSED = {
+    "fewer log-probs than tokens": lambda b: answer([5, 6], [-0.5]),
+    "NaN log-prob": raw(json.dumps(answer([5, 6])).replace('"logprob": -0.5,', '"logprob": NaN,', 1)),
+    "+inf log-prob": raw(json.dumps(answer([5, 6])).replace('"logprob": -0.5,', '"logprob": Infinity,', 1)),
+    "string log-prob": lambda b: with_logprobs(["-0.5", -0.5]),
+    "null log-prob": lambda b: with_logprobs([None, -0.5]),
+    "null logprobs": lambda b: {**answer([5, 6]), "choices": [{**answer([5, 6])["choices"][0], "logprobs": None}]},
+    "float token id": lambda b: answer([5, 6.5]),
+    "not JSON": raw("{choices: nope", content_type="text/plain"),
+    "HTML error page": raw("<html><body><h1>502 Bad Gateway</h1></body></html>", 502, "text/html"),
+    "200 with an error body": lambda b: {"error": {"message": "engine dead", "code": 500}},
+    "500": raw('{"error": {"message": "CUDA error"}}', 500),
+    "deeply nested JSON": raw('{"choices": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_malformed_answers_fail_their_rollout_in_one_line(tmp_path, case):
+    _, results, _, elapsed = run_step(tmp_path, REFUSED[case])
+    assert_clean_step(tmp_path, results)
+    assert elapsed < 30
 
 
 # ----- the version ledger -----

@@ -84,6 +84,7 @@ def test_a_client_never_closed_is_closed_with_its_loop(caplog):
 
 def test_verifiers_engine_client_uses_the_pool(monkeypatch):
     from httpx_aiohttp import AiohttpTransport
+    from prime_orchestrator.http_pool import Bounded
     from verifiers.v1.clients import base
     from verifiers.v1.configs.client import TrainClientConfig
 
@@ -92,6 +93,6 @@ def test_verifiers_engine_client_uses_the_pool(monkeypatch):
     config = TrainClientConfig(base_url="http://127.0.0.1:1/v1")
     openai_client = base.build_async_openai(config)
     http = openai_client._client
-    assert isinstance(http._transport, AiohttpTransport)
+    assert isinstance(http._transport, Bounded) and isinstance(http._transport.inner, AiohttpTransport)
     assert http.timeout == httpx.Timeout(**config.timeout.model_dump())
-    assert isinstance(engine_client(config)._transport, AiohttpTransport)
+    assert isinstance(engine_client(config)._transport.inner, AiohttpTransport)

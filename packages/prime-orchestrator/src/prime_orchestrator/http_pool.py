@@ -6,12 +6,20 @@ server, hundreds of each. httpx's own pool scans all of its connections on every
 64-512 in flight on a 2-core VM, where httpx over aiohttp's pool (``httpx-aiohttp``, the transport behind the OpenAI
 SDK's aiohttp option) takes 0.7-0.8 ms (``benchmarks/http_pool.py``, docs/benchmarks.md). verifiers' engine client
 also keeps only 100 idle connections, so past 100 rollouts in flight each turn opened a new one.
+
+Each response is bounded as a whole (`Bounded`): httpx's read timeout restarts at every chunk, so a server that
+trickles a byte a second held a rollout until its rollout timeout, and one that answers 500 MB had it read into the
+env worker's memory. A response past its request's read timeout or past ``MAX_RESPONSE_BYTES`` is cut, and a
+warning names the server and the bound (the OpenAI SDK turns the error into "Request timed out." / "Connection
+error.", which name neither).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.request
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -21,12 +29,81 @@ from httpx_aiohttp import AiohttpTransport
 if TYPE_CHECKING:
     from verifiers.v1.configs.client import BaseClientConfig
 
+logger = logging.getLogger("prime.orchestrator.http")
 
-def pooled_client(timeout: httpx.Timeout | None = None, max_connections: int | None = None) -> httpx.AsyncClient:
+MAX_RESPONSE_BYTES = 256 * 2**20
+"""Largest response body read: ~15x a 128k-token completion's ``/inference/v1/generate`` answer with log-probs."""
+
+
+class ResponseTooLarge(httpx.ReadError):
+    pass
+
+
+class Bounded(httpx.AsyncBaseTransport):
+    """``inner`` with each response done within its request's read timeout (headers and whole body, not per chunk)
+    and no larger than ``MAX_RESPONSE_BYTES``."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport):
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        limit_s = request.extensions.get("timeout", {}).get("read")
+        deadline = None if limit_s is None else asyncio.get_running_loop().time() + limit_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await self.inner.handle_async_request(request)
+        except TimeoutError:
+            raise _timed_out(request, limit_s) from None
+        response.stream = _BoundedStream(response.stream, request, deadline, limit_s)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _BoundedStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, request: httpx.Request, deadline: float | None, limit_s: float):
+        self.inner, self.request, self.deadline, self.limit_s = inner, request, deadline, limit_s
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        size = 0
+        chunks = self.inner.__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout_at(self.deadline):
+                    chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise _timed_out(self.request, self.limit_s) from None
+            size += len(chunk)
+            if size > MAX_RESPONSE_BYTES:
+                message = f"{_server(self.request)}: response larger than {MAX_RESPONSE_BYTES} bytes; cut"
+                logger.warning(message)
+                raise ResponseTooLarge(message, request=self.request)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _server(request: httpx.Request) -> str:
+    return f"server {request.url.scheme}://{request.url.netloc.decode()} ({request.method} {request.url.path})"
+
+
+def _timed_out(request: httpx.Request, limit_s: float) -> httpx.ReadTimeout:
+    message = f"{_server(request)}: response not complete after {limit_s:g}s (its read timeout, client.timeout)"
+    logger.warning(message)
+    return httpx.ReadTimeout(message, request=request)
+
+
+def pooled_client(
+    timeout: httpx.Timeout | None = None, max_connections: int | None = None, bounded: bool = False
+) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` whose connections live in one aiohttp pool (``max_connections`` None: unbounded;
-    every idle connection is kept until aiohttp's keep-alive expiry). The CA bundle is httpx's; proxy variables are
-    honoured as httpx does when any is set (aiohttp's ``trust_env`` looks them up in a thread on every request, so
-    it stays off without them)."""
+    every idle connection is kept until aiohttp's keep-alive expiry; ``bounded``: each response `Bounded`). The CA
+    bundle is httpx's; proxy variables are honoured as httpx does when any is set (aiohttp's ``trust_env`` looks them
+    up in a thread on every request, so it stays off without them)."""
 
     def session() -> aiohttp.ClientSession:  # built on the first request, inside the event loop that uses it
         connector = aiohttp.TCPConnector(limit=max_connections or 0, ssl=httpx.create_ssl_context())
@@ -34,7 +111,8 @@ def pooled_client(timeout: httpx.Timeout | None = None, max_connections: int | N
         _keepers.add(asyncio.get_running_loop().create_task(_close_with_loop(session)))
         return session
 
-    return httpx.AsyncClient(timeout=timeout, transport=AiohttpTransport(client=session))
+    transport = AiohttpTransport(client=session)
+    return httpx.AsyncClient(timeout=timeout, transport=Bounded(transport) if bounded else transport)
 
 
 _keepers: set[asyncio.Task] = set()
@@ -56,7 +134,7 @@ def engine_client(config: BaseClientConfig) -> httpx.AsyncClient:
     """verifiers' ``build_async_httpx`` with the pooled transport: the same timeout and connection cap."""
     from verifiers.v1.clients.base import DEFAULT_LIMITS
 
-    return pooled_client(httpx.Timeout(**config.timeout.model_dump()), DEFAULT_LIMITS.max_connections)
+    return pooled_client(httpx.Timeout(**config.timeout.model_dump()), DEFAULT_LIMITS.max_connections, bounded=True)
 
 
 def pool_engine_clients() -> None:
