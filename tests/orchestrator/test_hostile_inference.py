@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.config.orchestrator import ClientConfig, OrchestratorConfig
 from prime_core.io import one_line
 from prime_core.monitor import read_metrics
 from prime_core.schemas.microbatch import read_microbatches
@@ -363,3 +363,41 @@ def test_a_ledger_of_steps_never_published_ends_the_run_naming_the_server(tmp_pa
     url, error = asyncio.run(main())
     assert error.startswith(f"inference server {url}: the version record of rollout ") and reason in error
     assert not (tmp_path / "run" / "rollouts" / "step_0").exists()
+
+
+# ----- /health -----
+@pytest.mark.parametrize(
+    ("before", "after", "reason"),
+    [
+        ({"run_id": "mine", "weight_step": 0}, {"run_id": "theirs", "weight_step": 0}, "for run 'theirs', not this"),
+        ({"run_id": "mine", "weight_step": 3}, {"run_id": "mine", "weight_step": 1}, "weights step 1 after step 3"),
+    ],
+)
+def test_a_server_that_changes_under_the_run_stops_it_naming_the_server(before, after, reason):
+    """The load poll reads every server's /health each second; a server that now answers for another run, or whose
+    weight step went back, was polled for its load and sampled on as if it served the relay's policy. Now the next
+    rollout that asks for a slot (and every one waiting) gets one line naming the server."""
+    from prime_orchestrator.concurrency import ConcurrencyLimiter
+
+    async def main():
+        server = await FakeServer().start()
+        server.health = {"status": "ok", **before}
+        client = ClientConfig(base_urls=[server.url], server_run_id="mine", max_concurrent=1, load_poll_interval=0.1)
+        limiter = ConcurrencyLimiter.from_config(client)
+        try:
+            async with limiter:
+                await asyncio.sleep(0.3)
+                server.health = {"status": "ok", **after}
+                waiting = asyncio.create_task(limiter.__aenter__())
+                await asyncio.sleep(2.0)
+            with pytest.raises(RuntimeError) as err:
+                await asyncio.wait_for(waiting, 5)
+            with pytest.raises(RuntimeError) as again:
+                await asyncio.wait_for(limiter.__aenter__(), 5)
+            return server.url, str(err.value), str(again.value)
+        finally:
+            await limiter.aclose()
+            await server.stop()
+
+    url, error, again = asyncio.run(main())
+    assert error == again and error.startswith(f"inference server {url} now ") and reason in error

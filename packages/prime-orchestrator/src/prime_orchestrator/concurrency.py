@@ -122,11 +122,20 @@ class StalenessCap:
         return self.value
 
 
+class ServerChanged(RuntimeError):
+    """A server's /health says it is not the server the run loaded its weights into: another run's, or one whose
+    weight step went back (a restart or reload behind the relay's back). The message is one line naming it."""
+
+
 class HealthPoller:
-    """A `LoadSource` over HTTP: every server's /health at once, each request bounded by the poll interval."""
+    """A `LoadSource` over HTTP: every server's /health at once, each request bounded by the poll interval. An answer
+    with another run's ``run_id`` (``client.server_run_id``) or a weight step below one it reported before raises
+    `ServerChanged`: every rollout it samples from then on would be counted as the relay's policy."""
 
     def __init__(self, client: ClientConfig):
         self.urls = [u.rstrip("/") + "/health" for u in client.base_urls]
+        self.run_id = client.server_run_id
+        self.steps: dict[str, int] = {}
         self.timeout = max(client.load_poll_interval, 0.5)
         key = client.resolved_api_key()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -135,7 +144,23 @@ class HealthPoller:
     async def __call__(self) -> list[HealthResponse | None]:
         if self._http is None:
             self._http = httpx.AsyncClient(headers=self.headers)
-        return list(await asyncio.gather(*(self._one(self._http, u) for u in self.urls)))
+        answers = list(await asyncio.gather(*(self._one(self._http, u) for u in self.urls)))
+        for url, health in zip(self.urls, answers, strict=True):
+            self._check(url.removesuffix("/health"), health)
+        return answers
+
+    def _check(self, url: str, health: HealthResponse | None) -> None:
+        if health is None:
+            return
+        if self.run_id is not None and health.run_id != self.run_id:
+            raise ServerChanged(f"inference server {url} now answers /health for run {health.run_id!r}, not this "
+                                f"run ({self.run_id!r}): another server took its place")  # fmt: skip
+        before, step = self.steps.get(url), health.weight_step
+        if step is not None and before is not None and step < before:
+            raise ServerChanged(f"inference server {url} now serves weights step {step} after step {before} (it "
+                                "restarted or reloaded its weights); its rollouts' versions cannot be vouched for")  # fmt: skip
+        if step is not None:
+            self.steps[url] = max(step, before or 0)
 
     async def _one(self, http: httpx.AsyncClient, url: str) -> HealthResponse | None:
         try:
@@ -167,6 +192,8 @@ class ConcurrencyLimiter:
         self._new_preemptions = 0
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._task: asyncio.Task | None = None
+        self.fault: ServerChanged | None = None
+        """Raised to every rollout that asks for a slot once a poll found it: the run stops on its one line."""
 
     @classmethod
     def from_config(cls, client: ClientConfig) -> ConcurrencyLimiter:
@@ -182,6 +209,8 @@ class ConcurrencyLimiter:
 
     # ----- the semaphore -----
     async def __aenter__(self) -> ConcurrencyLimiter:
+        if self.fault is not None:
+            raise self.fault
         self._start_polling()
         if self.in_flight < self.limit and not self._waiters:
             self._occupy()
@@ -254,6 +283,13 @@ class ConcurrencyLimiter:
             started = loop.time()
             try:
                 await self.poll_once()
+            except ServerChanged as e:
+                logger.error("%s", e)
+                self.fault = e
+                for waiter in self._waiters:
+                    if not waiter.done():
+                        waiter.set_exception(e)
+                return
             except Exception:  # the limit must never take the run down: it holds instead
                 logger.exception("reading the inference servers' load failed; the concurrency limit holds")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
