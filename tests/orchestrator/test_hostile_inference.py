@@ -191,6 +191,7 @@ LET_THROUGH = {
     "negative token id": (answer([5, -3]), "token id -3"),
     "token id past the vocabulary": (answer([5, VOCAB + 7]), f"token id {VOCAB + 7}"),
     "more tokens than max_tokens": (answer([5, 6, 7, 8, 9, 10]), f"max_tokens = {MAX_TOKENS}"),
+    "empty completion cut at length": (answer([], finish="length"), "no sampled token in trace 0"),
 }
 
 

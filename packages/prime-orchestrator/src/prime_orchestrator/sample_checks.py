@@ -4,7 +4,9 @@ The train client (verifiers over ``renderers``) checks the shape of a ``/inferen
 log-probs as tokens, each a finite number. It does not check the values: a broken or hostile server could answer
 token ids below zero or past the model's vocabulary (an out-of-range embedding index on the trainer's GPU: a device
 assert, the whole run lost), positive log-probs (an importance ratio the loss never sees from a real policy), or
-more tokens per turn than ``max_tokens`` asked. Each would reach the packed micro-batch as it came. ``check_sequences``
+more tokens per turn than ``max_tokens`` asked; or no token at all (an empty completion "cut at length": vLLM
+always returns the stop token or at least one sampled token), a rollout that trains nothing but whose reward still
+moves its group's baseline. Each would reach the packed micro-batch, or the advantages, as it came. ``check_sequences``
 names the first such value of a rollout, which then fails (no tokens, counted) instead of training.
 """
 
@@ -35,6 +37,8 @@ def vocab_size(model_dir: str) -> int | None:
 def check_sequences(result: RolloutResult, *, vocab: int | None, max_tokens: int | None) -> str | None:
     """The first value of ``result``'s trained sequences that no real policy samples, in one line; None if none."""
     for t, trace in enumerate(result.traces):
+        if trace.trainable and not any(True in seq.loss_mask for seq in trace.sequences):
+            return f"no sampled token in trace {t} (an empty completion)"
         for s, seq in enumerate(trace.sequences):
             where = f"trace {t} sequence {s}"
             for i, token in enumerate(seq.token_ids):
