@@ -58,7 +58,8 @@ class FakeServer:
     def __init__(self):
         self.handler = lambda body: answer([5, 6])
         self.versions: dict[str, Any] | None = None
-        self.health: dict[str, Any] = {"status": "ok", "weight_step": 0}
+        self.health: Any = {"status": "ok", "weight_step": 0}
+        """The /health body, or an async handler of the request."""
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -75,6 +76,8 @@ class FakeServer:
         return web.json_response({"versions": {t: self.versions for t in tags}})
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
+        if callable(self.health):
+            return await self.health(request)
         return web.json_response(self.health)
 
     async def start(self) -> FakeServer:
@@ -402,3 +405,44 @@ def test_a_server_that_changes_under_the_run_stops_it_naming_the_server(before, 
 
     url, error, again = asyncio.run(main())
     assert error == again and error.startswith(f"inference server {url} now ") and reason in error
+
+
+async def trickled_health(request: web.Request) -> web.StreamResponse:
+    """A /health that sends a byte a second for a minute: every read gets a byte within any read timeout."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await response.prepare(request)
+    try:
+        for _ in range(60):
+            await response.write(b" ")
+            await asyncio.sleep(1.0)
+    except ConnectionResetError:
+        pass
+    return response
+
+
+def test_a_trickling_health_neither_holds_the_start_up_nor_the_load_poll():
+    """``wait_healthy`` checked its deadline only between answers and bounded each read to 5 s: a /health trickled a
+    byte a second held the start-up for as long as the trickle lasted (a minute here; forever for a hostile server).
+    Now each answer is bounded as a whole, and the start-up fails at its deadline naming the server."""
+    from prime_orchestrator.client import wait_healthy
+    from prime_orchestrator.concurrency import HealthPoller
+
+    async def main():
+        server = await FakeServer().start()
+        server.health = trickled_health
+        poller = HealthPoller(ClientConfig(base_urls=[server.url], load_poll_interval=0.5))
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(TimeoutError) as err:
+                await asyncio.wait_for(wait_healthy([server.url], api_key=None, timeout=2.0), 40)
+            waited = time.monotonic() - t0
+            t0 = time.monotonic()
+            answers = await asyncio.wait_for(poller(), 40)
+            return server.url, str(err.value), waited, answers, time.monotonic() - t0
+        finally:
+            await poller.aclose()
+            await server.stop()
+
+    url, error, waited, answers, polled = asyncio.run(main())
+    assert error == f"inference server {url} not healthy after 2s" and waited < 15
+    assert answers == [None] and polled < 5

@@ -76,7 +76,12 @@ async def wait_healthy(
 
 async def _answers(client: httpx.AsyncClient, url: str, run_id: str | None, fail_fast: bool) -> bool:
     try:
-        response = await client.get(url.rstrip("/") + "/health", timeout=5.0)
+        # As a whole: httpx's timeout restarts at every chunk, and a /health trickled a byte a second held the
+        # start-up past its deadline (checked only between answers) for as long as the trickle lasted.
+        async with asyncio.timeout(5.0):
+            response = await client.get(url.rstrip("/") + "/health", timeout=5.0)
+    except TimeoutError:
+        return False
     except httpx.TransportError as e:
         if fail_fast:
             raise ServerUnreachable(f"no inference server at {url} ({type(e).__name__})") from None

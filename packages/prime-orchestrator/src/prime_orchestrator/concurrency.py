@@ -164,9 +164,10 @@ class HealthPoller:
 
     async def _one(self, http: httpx.AsyncClient, url: str) -> HealthResponse | None:
         try:
-            response = await http.get(url, timeout=self.timeout)
+            async with asyncio.timeout(self.timeout):  # as a whole: a trickled answer must not hold the poll
+                response = await http.get(url, timeout=self.timeout)
             return parse_health(response.json()) if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, TimeoutError):
             return None
 
     async def aclose(self) -> None:
