@@ -70,6 +70,8 @@ class FakeServer:
         return web.json_response(out) if isinstance(out, dict) else out
 
     async def _versions(self, request: web.Request) -> web.StreamResponse:
+        if callable(self.versions):
+            return await self.versions(request)
         if self.versions is None:
             return web.Response(status=404)
         tags = (await request.json())["tags"]
@@ -369,6 +371,33 @@ def test_a_ledger_of_steps_never_published_ends_the_run_naming_the_server(tmp_pa
     assert not (tmp_path / "run" / "rollouts" / "step_0").exists()
 
 
+def test_a_trickled_version_record_falls_back_to_the_relays_bounds_in_bounded_time(tmp_path, monkeypatch, caplog):
+    """A ``/rollout_versions`` answer trickled a byte every 0.2 s passed its 30 s read timeout (restarted at every byte)
+    and held every finished rollout's ``take`` behind it for as long as it lasted. Now the whole answer must come
+    within it (1 s here); the rollouts get the weight relay's bounds, as from a server without the record."""
+    from prime_orchestrator import versions
+
+    monkeypatch.setattr(versions, "TIMEOUT_S", 1.0)
+
+    async def main():
+        server = await FakeServer().start()
+        server.versions = trickled(0.2, 150)
+        orch = orchestrator(tmp_path, server)
+        server.handler = lambda b: answer([5, 6])
+        t0 = time.monotonic()
+        try:
+            results = await asyncio.wait_for(one_step(orch, server), 40)
+            return server.url, results, time.monotonic() - t0
+        finally:
+            await orch.close()
+            await server.stop()
+
+    url, results, elapsed = asyncio.run(main())
+    assert elapsed < 15 and not any(r.failed for r in results)
+    assert all(r.versions is not None and not r.versions.exact for r in results)
+    assert any(url in m and "no whole answer in 1s" in m for m in caplog.messages)
+
+
 # ----- /health -----
 @pytest.mark.parametrize(
     ("before", "after", "reason"),
@@ -407,17 +436,22 @@ def test_a_server_that_changes_under_the_run_stops_it_naming_the_server(before, 
     assert error == again and error.startswith(f"inference server {url} now ") and reason in error
 
 
-async def trickled_health(request: web.Request) -> web.StreamResponse:
-    """A /health that sends a byte a second for a minute: every read gets a byte within any read timeout."""
-    response = web.StreamResponse(headers={"Content-Type": "application/json"})
-    await response.prepare(request)
-    try:
-        for _ in range(60):
-            await response.write(b" ")
-            await asyncio.sleep(1.0)
-    except ConnectionResetError:
-        pass
-    return response
+def trickled(interval: float, count: int = 60):
+    """A handler that sends a byte every ``interval`` s, ``count`` times: every read gets a byte within any read
+    timeout longer than ``interval``."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        try:
+            for _ in range(count):
+                await response.write(b" ")
+                await asyncio.sleep(interval)
+        except ConnectionResetError:
+            pass
+        return response
+
+    return handler
 
 
 def test_a_trickling_health_neither_holds_the_start_up_nor_the_load_poll():
@@ -429,7 +463,7 @@ def test_a_trickling_health_neither_holds_the_start_up_nor_the_load_poll():
 
     async def main():
         server = await FakeServer().start()
-        server.health = trickled_health
+        server.health = trickled(1.0)
         poller = HealthPoller(ClientConfig(base_urls=[server.url], load_poll_interval=0.5))
         t0 = time.monotonic()
         try:

@@ -106,7 +106,13 @@ class VersionRecords:
         if url in self.unsupported:
             return None
         try:
-            resp = await self._client().post(url.rstrip("/") + "/rollout_versions", json=req.model_dump())
+            # As a whole: httpx's timeout restarts at every chunk, and a trickled answer held every take behind it.
+            async with asyncio.timeout(TIMEOUT_S):
+                resp = await self._client().post(url.rstrip("/") + "/rollout_versions", json=req.model_dump())
+        except TimeoutError:
+            logger.warning("rollout versions from %s: no whole answer in %.0fs; using the weight relay's bounds", url,
+                           TIMEOUT_S)  # fmt: skip
+            return None
         except httpx.HTTPError as e:
             logger.warning("rollout versions from %s failed (%s); using the weight relay's bounds", url, e)
             return None
