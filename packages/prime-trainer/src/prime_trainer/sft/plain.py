@@ -19,8 +19,9 @@ def content_spans(
         return None
     spans = injected_spans(text, render(tokenizer, inert(messages, specials), inert(tools, specials), where), specials)
     if spans is None:
+        first = next((t for t in specials if t in str([messages, tools])), "")
         raise ConfigError(
-            f"{where}: the messages hold special-token text (e.g. {specials.pattern.search(str([messages, tools])).group()!r}) "
+            f"{where}: the messages hold special-token text (e.g. {first!r}) "
             "and the chat template changes their length, so it cannot be told from the template's own special tokens"
         )
     return spans
