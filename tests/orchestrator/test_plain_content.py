@@ -60,6 +60,18 @@ def test_special_text_in_a_tool_output_or_user_turn_is_plain_text(tok, name):
 
 
 @pytest.mark.parametrize("name", RENDERERS)
+def test_private_use_characters_in_messages_stay_themselves(tok, name):
+    """The placeholders are private-use characters: a message's own ones come back as they were."""
+    ours, theirs = _renderers(tok, name)
+    text = "".join(chr(0xF0000 + k) for k in range(5)) + "<|im_start|>" + chr(0xF0001)
+    ids = ours.render_ids(_conversation(text, "hello"), add_generation_prompt=True)
+    assert text in tok.decode(ids)
+    assert _specials(tok, ids) == _specials(
+        tok, theirs.render_ids(_conversation("x", "hello"), add_generation_prompt=True)
+    )
+
+
+@pytest.mark.parametrize("name", RENDERERS)
 def test_next_turn_bridge(tok, name):
     ours, _ = _renderers(tok, name)
     first = [{"role": "user", "content": "hello"}]

@@ -17,11 +17,13 @@ special-token text render exactly as before.
 from __future__ import annotations
 
 import re
+from contextvars import ContextVar
 from typing import Any
 
 from prime_core.chat_tokens import encode_plain, special_tokens
 
-_BASE = 0xF0000  # Supplementary Private Use Area-A: one character per special token
+_HIDDEN: ContextVar[bool] = ContextVar("prime_plain_content_hidden", default=False)
+_ESC = chr(0xF0000)  # Supplementary Private Use Area-A: an escape, then one character per special token
 
 
 class PlainContentTokenizer:
@@ -30,9 +32,10 @@ class PlainContentTokenizer:
     def __init__(self, tokenizer: Any):
         self._inner = tokenizer
         self._specials = special_tokens(tokenizer)
-        self._text = {chr(_BASE + k): t for k, t in enumerate(self._specials)}
+        self._text = {chr(ord(_ESC) + 1 + k): t for k, t in enumerate(self._specials)}
         self._char = {t: c for c, t in self._text.items()}
-        self._placeholder = re.compile("[" + "".join(self._text) + "]") if self._text else None
+        # A message's own characters of this range are escaped, so they come back as themselves.
+        self._placeholder = re.compile("[" + _ESC + "".join(self._text) + "]") if self._text else None
         self.__call__ = self._instance_call
 
     def __getattr__(self, name: str) -> Any:
@@ -44,8 +47,10 @@ class PlainContentTokenizer:
     def hide(self, value: Any) -> Any:
         """``value`` (messages, tools) with each special token's text inside its strings as its placeholder."""
         if isinstance(value, str):
-            pattern = self._specials.pattern
-            return value if pattern is None else pattern.sub(lambda m: self._char[m.group()], value)
+            if self._placeholder is None:
+                return value
+            value = self._placeholder.sub(lambda m: _ESC + m.group(), value)
+            return self._specials.pattern.sub(lambda m: self._char[m.group()], value)
         if isinstance(value, dict):
             return {k: self.hide(v) for k, v in value.items()}
         if isinstance(value, list | tuple):
@@ -58,14 +63,18 @@ class PlainContentTokenizer:
     def _restore(self, text: str) -> tuple[str, list[tuple[int, int]], list[int]]:
         """``text`` with its placeholders as token texts, their spans, and each restored index's index in ``text``."""
         out, spans, where = [], [], []
-        at = 0
+        at, escaped = 0, False
         for i, ch in enumerate(text):
-            piece = self._text.get(ch, ch)
+            if ch == _ESC and not escaped:
+                escaped = True
+                continue
+            piece = ch if escaped else self._text.get(ch, ch)
             if piece is not ch:
                 spans.append((at, at + len(piece)))
             out.append(piece)
             where.extend([i] * len(piece))
             at += len(piece)
+            escaped = False
         where.append(len(text))
         return "".join(out), spans, where
 
@@ -129,9 +138,15 @@ def plain_content(renderer: Any, tokenizer: PlainContentTokenizer) -> None:
             continue
 
         def hiding(*args: Any, _method=method, _at=at, _key=key, **kwargs: Any) -> Any:
+            if _HIDDEN.get():  # a renderer method calling another (render_ids -> render): hidden once
+                return _method(*args, **kwargs)
             args = tuple(tokenizer.hide(a) if k == _at else a for k, a in enumerate(args))
             if _key in kwargs:
                 kwargs[_key] = tokenizer.hide(kwargs[_key])
-            return _method(*args, **kwargs)
+            token = _HIDDEN.set(True)
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                _HIDDEN.reset(token)
 
         setattr(renderer, name, hiding)
