@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from prime_core.chat_tokens import encode_plain, has_special_text, inert, injected_spans, special_tokens
+
 from prime_inference.chat_parsing import FORCED_CALL_MARKERS, FORCED_CALL_SYNTAX, forced_tool_calls
 from prime_inference.chat_protocol import ChatCompletionRequest
 from prime_inference.completions_serving import token_entries
@@ -75,17 +77,39 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
         kwargs["tools"] = req.template_tools()
     if req.documents is not None:
         kwargs["documents"] = req.documents
-    try:
-        text = state.tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            **kwargs,
+
+    def render(messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        try:
+            return state.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **kwargs,
+            )
+        except Exception as e:  # jinja errors (raise_exception in templates), bad kwargs
+            raise RequestError(f"chat template failed: {e}", param="messages") from e
+
+    text = render(messages, kwargs)
+    ids = state.encode(text, bool(req.add_special_tokens), "messages")
+    specials = special_tokens(state.tokenizer)
+    if not specials or not has_special_text([messages, kwargs], specials):
+        return ids
+    # Special-token text the request brought in (a user's, a tool result's) is plain text: only the template's own
+    # special tokens are special, or a message could forge turns and roles (prime_core.chat_tokens).
+    injected = injected_spans(text, render(inert(messages, specials), inert(kwargs, specials)), specials)
+    if injected is None:
+        raise RequestError(
+            "the messages hold special-token text and the chat template changes its length, so it cannot be told "
+            "from the template's own special tokens",
+            param="messages",
         )
-    except Exception as e:  # jinja errors (raise_exception in templates), bad kwargs
-        raise RequestError(f"chat template failed: {e}", param="messages") from e
-    return state.encode(text, bool(req.add_special_tokens), "messages")
+    plain = encode_plain(state.tokenizer, text, injected, specials)["input_ids"]
+    if req.add_special_tokens:  # the post-processor's tokens (a BOS) around the text, as `ids` has them
+        added = state.tokenizer("", add_special_tokens=True)["input_ids"]
+        lead = next((i for i, (a, b) in enumerate(zip(added, ids, strict=False)) if a != b), min(len(added), len(ids)))
+        plain = added[:lead] + plain + added[lead:]
+    return plain
 
 
 async def chat_images(state: ServerState, req: ChatCompletionRequest, prompt_ids: list[int]) -> tuple[list[int], Any]:

@@ -58,11 +58,14 @@ def guarded_renderer(tokenizer: Any, config: GuardedRendererConfig) -> Any:
     from pydantic import TypeAdapter
     from renderers import RendererConfig, create_renderer
 
+    from prime_orchestrator.plain_content import PlainContentTokenizer, plain_content
     from prime_orchestrator.worker_tuning import memoise_short_encodes
 
     memoise_short_encodes(tokenizer)  # renderers re-encodes its headers and probes on every turn
     inner_config = TypeAdapter(RendererConfig).validate_python(config.renderer)
-    renderer = create_renderer(tokenizer, inner_config, chat_template_kwargs=config.model_extra or None)
+    plain = PlainContentTokenizer(tokenizer)
+    renderer = create_renderer(plain, inner_config, chat_template_kwargs=config.model_extra or None)
+    plain_content(renderer, plain)  # special-token text in messages (a tool's output) is plain text
     parse = renderer.parse_response
 
     def parse_response(token_ids: list[int], **kwargs: Any) -> ParsedResponse:

@@ -27,6 +27,7 @@ from prime_core.config.trainer import LossMaskConfig
 from prime_core.schemas.microbatch import MicroBatch, stack_rows
 from prime_core.vision import VisionSpec, image_parts, load_image, mrope_positions
 
+from prime_trainer.sft.plain import content_spans, encode
 from prime_trainer.sft.rows import TRAINABLE_ROLES, to_messages, where_of
 from prime_trainer.sft.rows import load_rows as load_rows  # re-exported: the data API is this module
 from prime_trainer.sft.rows import load_tokenizer as load_tokenizer
@@ -61,12 +62,12 @@ def _render(tokenizer, messages: list[dict], tools: list[dict] | None, where: st
         raise ConfigError(f"{where}: the chat template failed on messages[:{len(messages)}] ({reason})") from None
 
 
-def _encode(tokenizer, text: str, max_tokens: int | None) -> tuple[dict, bool]:
+def _encode(tokenizer, text: str, max_tokens: int | None, injected=None) -> tuple[dict, bool]:
     """Ids and offsets of ``text``, or of a prefix of it with more than ``max_tokens`` tokens (plus a margin): a
     huge row costs what ``seq_len`` keeps of it, not its size. The flag: the whole text was encoded."""
     limit = len(text) if max_tokens is None else 4 * (max_tokens + _MARGIN)
     while True:
-        enc = tokenizer(text[:limit], add_special_tokens=False, return_offsets_mapping=True)
+        enc = encode(tokenizer, text[:limit], injected, offsets=True)
         if limit >= len(text) or len(enc["input_ids"]) > max_tokens + _MARGIN:
             return enc, limit >= len(text)
         limit *= 4
@@ -159,19 +160,21 @@ def _tokenize(
         # A conversation far longer than max_tokens stops here rather than rendering every later prefix.
         if max_tokens is not None and len(prev) >= check_at and k < len(messages) - 1:
             if len(_encode(tokenizer, prev, max_tokens)[0]["input_ids"]) > max_tokens + _MARGIN:
-                return *_ids_and_mask(tokenizer, prev, spans, max_tokens)[:2], False
+                injected = content_spans(tokenizer, messages[: k + 1], tools, prev, where, _render)
+                return *_ids_and_mask(tokenizer, prev, spans, max_tokens, injected)[:2], False
             check_at = 2 * len(prev)
-    return _ids_and_mask(tokenizer, prev, spans, max_tokens)
+    injected = content_spans(tokenizer, messages, tools, prev, where, _render)
+    return _ids_and_mask(tokenizer, prev, spans, max_tokens, injected)
 
 
 def _ids_and_mask(
-    tokenizer, text: str, spans: list[tuple[int, int, bool]], max_tokens: int | None
+    tokenizer, text: str, spans: list[tuple[int, int, bool]], max_tokens: int | None, injected=None
 ) -> tuple[list[int], list[bool], bool]:
     """Token ids of ``text``, whether each is trained (the span its first character falls in), and whether they
-    cover all of ``text``."""
+    cover all of ``text``. ``injected``: spans of special-token text from the messages, encoded as plain text."""
     starts = [s for s, _, _ in spans]
     if getattr(tokenizer, "is_fast", False):
-        enc, whole = _encode(tokenizer, text, max_tokens)
+        enc, whole = _encode(tokenizer, text, max_tokens, injected)
         ids, mask = list(enc["input_ids"]), []
         for tok_start, _ in enc["offset_mapping"]:
             j = bisect.bisect_right(starts, tok_start) - 1
@@ -181,7 +184,7 @@ def _ids_and_mask(
     for n, (s, e, trained) in enumerate(spans):
         # Slow tokenizers have no offsets: a span is cut at a generous 16 characters per token, and nothing follows it.
         cut = e if max_tokens is None else min(e, s + 16 * (max_tokens + _MARGIN))
-        piece = tokenizer(text[s:cut], add_special_tokens=False)["input_ids"]
+        piece = encode(tokenizer, text[s:cut], injected, start=s)["input_ids"]
         ids.extend(piece)
         mask.extend([trained] * len(piece))
         if cut < e or (max_tokens is not None and len(ids) > max_tokens and n < len(spans) - 1):
