@@ -156,7 +156,10 @@ def test_malformed_messages_are_dropped_not_raised(tmp_path, closing):
         [b"DATA", b"0", b"mac", (1 << 62).to_bytes(8, "little") + b"{}"],  # a huge declared header
     ):
         raw.send_multipart(frames)
-    time.sleep(1.0)
+    # Waiting for a step nobody sends: the rank reads (and drops) every malformed message meanwhile, raising none.
+    with pytest.raises(TimeoutError):
+        receiver.receive(0, timeout=3)
+    assert receiver.num_dropped == 8
     sender = make_sender(cfg, RunDir(tmp_path), 1)
     closing(sender)
     good = batch(0, ranks=1)
@@ -164,7 +167,6 @@ def test_malformed_messages_are_dropped_not_raised(tmp_path, closing):
     meta, mbs = receiver.receive(0, timeout=10)
     assert meta.step == 0
     np.testing.assert_array_equal(mbs[0].input_ids, good.micro_batches[0][0].input_ids)
-    assert receiver.num_dropped == 8
 
 
 def test_batch_of_another_step_or_rank_is_one_line_error(tmp_path, closing):

@@ -42,7 +42,6 @@ class RolloutTracker:
         self.pending: Counter[int] = Counter()
         self.done: Counter[int] = Counter()
         self.vocab = vocab_size(config.model.name)
-        self.max_tokens = config.sampling.max_tokens
 
     def _describe(self) -> str:
         steps = sorted(self.pending)
@@ -72,7 +71,7 @@ class RolloutTracker:
 
     def screen(self, result: RolloutResult, server: str) -> RolloutResult:
         """`screen`, and a rollout whose tokens ``server`` sampled hold a value no policy samples fails, naming it."""
-        if not result.failed and (bad := check_sequences(result, vocab=self.vocab, max_tokens=self.max_tokens)):
+        if not result.failed and (bad := check_sequences(result, vocab=self.vocab)):
             error = f"inference server {server} answered {bad}"
             result = RolloutResult(
                 env=result.env, example=result.example, failed=True, error=error, latency=result.latency

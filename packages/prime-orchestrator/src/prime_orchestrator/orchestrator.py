@@ -73,7 +73,6 @@ class Orchestrator:
         self.eval_lane = InflightLane("evals", "generating eval rollouts", self.tracker.limit_s)
         self.semaphore = ConcurrencyLimiter.from_config(config.client)  # rollouts in flight (concurrency.py)
         self.versions = VersionRecords(config.client, check=config.model.lora is None)
-        self.versions.newest = lambda: self.policy.requested
         self.monitor = None
         self.sender = None
         self.shipped: list[int] = []

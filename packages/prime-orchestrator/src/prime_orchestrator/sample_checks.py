@@ -3,8 +3,8 @@
 The train client (verifiers over ``renderers``) checks the shape of a ``/inference/v1/generate`` answer: as many
 log-probs as tokens, each a finite number. It does not check the values: a broken or hostile server could answer
 token ids below zero or past the model's vocabulary (an out-of-range embedding index on the trainer's GPU: a device
-assert, the whole run lost), positive log-probs (an importance ratio the loss never sees from a real policy), or
-more tokens per turn than ``max_tokens`` asked; or no token at all (an empty completion "cut at length": vLLM
+assert, the whole run lost) or positive log-probs (an importance ratio the loss never sees from a real policy); or
+no token at all (an empty completion "cut at length": vLLM
 always returns the stop token or at least one sampled token), a rollout that trains nothing but whose reward still
 moves its group's baseline. Each would reach the packed micro-batch, or the advantages, as it came. ``check_sequences``
 names the first such value of a rollout, which then fails (no tokens, counted) instead of training.
@@ -34,7 +34,7 @@ def vocab_size(model_dir: str) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def check_sequences(result: RolloutResult, *, vocab: int | None, max_tokens: int | None) -> str | None:
+def check_sequences(result: RolloutResult, *, vocab: int | None) -> str | None:
     """The first value of ``result``'s trained sequences that no real policy samples, in one line; None if none."""
     for t, trace in enumerate(result.traces):
         if trace.trainable and not any(True in seq.loss_mask for seq in trace.sequences):
@@ -45,14 +45,7 @@ def check_sequences(result: RolloutResult, *, vocab: int | None, max_tokens: int
                 if type(token) is not int or token < 0 or (vocab is not None and token >= vocab):
                     bound = f" (vocabulary {vocab})" if vocab is not None else ""
                     return f"token id {token!r} at {where} position {i}{bound}"
-            run = 0
             for i, (sampled, logprob) in enumerate(zip(seq.loss_mask, seq.logprobs, strict=True)):
-                if not sampled:
-                    run = 0
-                    continue
-                if not math.isfinite(logprob) or logprob > MAX_LOGPROB:
+                if sampled and (not math.isfinite(logprob) or logprob > MAX_LOGPROB):
                     return f"log-prob {logprob!r} of a sampled token at {where} position {i}"
-                run += 1
-                if max_tokens is not None and run > max_tokens:
-                    return f"a turn of more than max_tokens = {max_tokens} sampled tokens at {where} position {i}"
     return None

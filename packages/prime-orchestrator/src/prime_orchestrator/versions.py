@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,16 +60,16 @@ def check_served(flight: Flight, record: PolicyVersions | None) -> None:
     )
 
 
-def check_published(url: str, tag: str, record: PolicyVersions | None, newest: int | None) -> None:
-    """Raise `ServerWentBack` when ``record`` (of rollout ``tag``, from ``url``) names weight steps the relay never
-    sent, or a last token older than the first: the server's ledger is not of this run's policy, and every rollout
-    counted from it (staleness, the continuous scheduler's bound) would be wrong."""
+def check_published(url: str, tag: str, record: PolicyVersions | None) -> None:
+    """Raise `ServerWentBack` when ``record`` (of rollout ``tag``, from ``url``) names a last token older than the
+    first, or a negative count: the server's ledger is broken, and every rollout counted from it (staleness, the
+    continuous scheduler's bound) would be wrong."""
     if record is None:
         return
+    # A step past the newest the relay sent is not refused: a server started on resumed weights, or updated by another
+    # hand (tests, an operator), serves steps the relay never sent.
     if record.first > record.last or record.num_tokens < 0:
         problem = f"steps {record.first}..{record.last} over {record.num_tokens} tokens"
-    elif newest is not None and record.last > newest:
-        problem = f"step {record.last}, but the orchestrator has published no step past {newest}"
     else:
         return
     raise ServerWentBack(f"inference server {url}: the version record of rollout {tag} names {problem}")
@@ -82,8 +81,6 @@ class VersionRecords:
         self.check = check
         """`check_served` on every record read. Off for LoRA runs: vLLM's records of adapter requests carry the base
         weights' step (0), not the adapter's; a restarted server has no adapter and fails their requests anyway."""
-        self.newest: Callable[[], int] | None = None
-        """The newest weight step the relay asked of inference (`Policy.requested`); records past it are refused."""
         self.prefix = uuid.uuid4().hex[:12]
         self.count = 0
         self.unsupported: set[str] = set()
@@ -138,7 +135,7 @@ class VersionRecords:
         if self._flush is None:
             self._flush = asyncio.create_task(self._flush_takes())
         record = await future
-        check_published(flight.url, flight.tag, record, self.newest() if self.newest else None)
+        check_published(flight.url, flight.tag, record)
         if self.check:
             check_served(flight, record)
         return record
@@ -173,7 +170,7 @@ class VersionRecords:
                 return None
             found.update(answer.versions)
         for flight in flights:
-            check_published(flight.url, flight.tag, found.get(flight.tag), self.newest() if self.newest else None)
+            check_published(flight.url, flight.tag, found.get(flight.tag))
         for flight in flights if self.check else ():
             check_served(flight, found.get(flight.tag))
         return found

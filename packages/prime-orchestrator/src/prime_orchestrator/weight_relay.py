@@ -23,8 +23,6 @@ class Policy:
         self.config = config
         self.run_dir = run_dir
         self.version = version
-        self.requested = version
-        """The newest step asked of inference: no token it samples can be newer (the version ledger's bound)."""
         self.num_updates = 0
         self.last_update_time = 0.0
         self.served_at = time.time()
@@ -39,7 +37,6 @@ class Policy:
         c = self.config.client
         weight_dir = self.run_dir.weight_step(step).resolve()
         t0 = time.perf_counter()
-        self.requested = max(self.requested, step)
         # A server that takes longer than one request's timeout is stuck: the watchdog does not wait for the retries.
         what = f"waiting for inference to load weights step {step} (client.update_weights_timeout)"
         with progress.activity(what, lane="relay", limit_s=c.update_weights_timeout, waits_for="inference"):
