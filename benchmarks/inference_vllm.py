@@ -8,6 +8,7 @@ Models: two random-init Qwen3-0.6B-shaped models with a word-level tokenizer of 
 Our server (`inference --engine vllm`, one subprocess): health, a chat call, /update_weights to the second model must
 change greedy output; then, all requests in flight and ``ignore_eos``, output tok/s of /inference/v1/generate for
 * ``logprobs`` / ``no_logprobs``: N prompts x T tokens with / without ``logprobs: 0`` (no seeds);
+* ``groups_no_logprobs``: the same seeded requests without log-probs (what seeds cost, apart from log-probs);
 * ``groups``: the orchestrator's pattern, N/G prompts x G rollouts, each request with its own seed and
   ``logprobs: 1`` (what renderers' client, the orchestrator's, always sends; vLLM's offline peer runs ``logprobs=0``);
 * ``turn2``: a multi-turn continuation of ``groups`` (prompt = turn-1 prompt + its completion + E env tokens);
@@ -114,6 +115,7 @@ def request_sets(vocab: int, args: argparse.Namespace) -> dict[str, list[dict]]:
         "logprobs": [{**r, "logprobs": 0} for r in plain],
         "no_logprobs": [{**r, "logprobs": None} for r in plain],
         "groups": [{**r, "logprobs": 1} for r in groups],
+        "groups_no_logprobs": [{**r, "logprobs": None} for r in groups],
     }
 
 
@@ -208,7 +210,7 @@ def server_phases(base: Path, other: Path, sets: dict, work: Path, out_dir: Path
     try:
         check_server(url, sets["logprobs"][0]["prompt"], other, result)
         run_server_phase(url, sets["logprobs"][:16])  # warm-up
-        for name in ("logprobs", "no_logprobs", "groups"):
+        for name in ("logprobs", "no_logprobs", "groups_no_logprobs", "groups"):
             phases[name], choices = run_server_phase(url, sets[name])
         sets["turn2"] = continuation(sets["groups"], [c["token_ids"] for c in choices], result["vocab_size"], args)
         sets["groups_served"] = [{"token_ids": c["token_ids"], "logprobs": served_logprobs(c)} for c in choices]
@@ -409,7 +411,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--teacher", type=int, default=64, help="sequences checked against vLLM's prompt log-probs (0: none)"
     )
-    parser.add_argument("--profile-phase", default="logprobs", choices=("logprobs", "no_logprobs"))
+    parser.add_argument(
+        "--profile-phase", default="logprobs", choices=("logprobs", "no_logprobs", "groups", "groups_no_logprobs")
+    )
     parser.add_argument("--vllm-server", action="store_true", help="also measure `vllm serve` (the HTTP peer)")
     tap_off = "also our server with vLLM's own log-prob path (--no-vllm.fast-token-logprobs)"
     parser.add_argument("--vllm-logprobs", action="store_true", help=tap_off)
