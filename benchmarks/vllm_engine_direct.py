@@ -7,8 +7,10 @@ The model: ``--model DIR``, else a random-init Qwen3-0.6B shape with a word-leve
 as `inference_vllm.py` builds it.
 
 Phases as `inference_vllm.py` names them: ``no_logprobs``, ``groups_no_logprobs`` (seeded, no log-probs),
-``logprobs`` (the tap, no seeds), ``groups`` (seeded + the tap: the orchestrator's pattern). Each phase runs
-twice (first is warm-up for that shape); the second is reported, with when its first and last request finished.
+``logprobs`` (the tap, no seeds), ``groups_unseeded`` (the groups' prompts and log-probs, no seeds), ``groups``
+(seeded + the tap: the orchestrator's pattern). After a warm-up run of each, the phases repeat ``--repeats`` times
+interleaved; the median is reported. ``--profile S``: py-spy of the engine core per phase.
+``--no-tap-phases``: those phases again on an engine with vLLM's own log-prob path.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def engine_config(args: argparse.Namespace):
     from prime_core.config import parse_cli
     from prime_core.config.inference import InferenceConfig
 
-    argv = ["--engine", "vllm", "--model.name", args.model, "--model.dtype", "bfloat16",
+    argv = ["--engine", args.engine, "--model.name", args.model, "--model.dtype", "bfloat16",
             "--output-dir", args.work, "--max-model-len", str(args.max_model_len),
             "--vllm.max-num-seqs", str(args.prompts), "--vllm.gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--vllm.extra-args", json.dumps(["--max-num-batched-tokens", str(args.max_num_batched_tokens)])]  # fmt: skip
@@ -66,26 +68,79 @@ async def run_phase(engine, requests: list[dict]) -> dict:
             "output_tok_per_s": tokens / elapsed, "finished_s": {"first": finished[0], "last": finished[-1]}}  # fmt: skip
 
 
-async def main_async(args: argparse.Namespace) -> dict:
-    from prime_inference.engines.vllm_engine import VllmEngine
+async def profiled(engine, requests: list[dict], seconds: float) -> dict:
+    """py-spy over this process's children (vLLM's engine core) while the phase repeats for ``seconds``: the engine
+    core's busy share says whether its host loop (scheduling, output handling, the tap) or the GPU bounds a step."""
+    import os
+    import tempfile
 
+    from pyspy_profile import summarize
+
+    raw = Path(tempfile.mkdtemp()) / "spy.txt"
+    cmd = ["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses", "--nonblocking", "--format", "raw",
+           "--rate", "100", "--duration", str(int(seconds)), "--output", str(raw)]  # fmt: skip
+    try:
+        spy = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+    except FileNotFoundError:
+        return {"error": "py-spy is not installed"}
+    await asyncio.sleep(1.0)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds - 1.5:
+        await run_phase(engine, requests)
+        runs += 1
+    work_s = time.perf_counter() - start
+    err = (await spy.communicate())[1]
+    if spy.returncode != 0 or not raw.exists():
+        return {"error": f"py-spy rc={spy.returncode}: {err.decode()[-500:]}"}
+    processes = summarize(raw, top=15)
+    return {"runs": runs, "work_s": work_s, "seconds": seconds,
+            "processes": {p: {"busy_share_of_work": v["samples"] / (100 * work_s), "own": v["own"]}
+                          for p, v in processes.items()}}  # fmt: skip
+
+
+async def measure(config, sets: dict, phases: list[str], repeats: int, profile_s: float) -> dict:
+    """Each phase ``repeats`` times, interleaved (phase after phase, round after round), after one warm-up run of
+    each: the engine's first run of a shape includes Triton JIT compiles, which a server pays once."""
+    from prime_inference.engines import build_engine
+
+    engine = build_engine(config)[0]
+    await engine.start()
+    runs: dict[str, list[float]] = {name: [] for name in phases}
+    result: dict = {}
+    try:
+        await run_phase(engine, sets["logprobs"][:16])
+        for name in phases:
+            await run_phase(engine, sets[name])
+        for _ in range(repeats):
+            for name in phases:
+                runs[name].append((await run_phase(engine, sets[name]))["elapsed_s"])
+        for name in phases:
+            times = sorted(runs[name])
+            result[name] = {"median_s": times[len(times) // 2], "runs_s": runs[name]}
+            print(f"  engine direct {name}: median {result[name]['median_s']:.3f} s of {runs[name]}", flush=True)
+        if profile_s:
+            for name in phases:
+                result[name]["profile"] = await profiled(engine, sets[name], profile_s)
+    finally:
+        await engine.shutdown()
+    return result
+
+
+async def main_async(args: argparse.Namespace) -> dict:
     if args.model is None:
         from inference_vllm import make_tokenizer, save_model
 
         args.model = str(Path(args.work) / "base")
         save_model(Path(args.model), 0, make_tokenizer(args), args)
-    engine = VllmEngine(engine_config(args))
-    await engine.start()
-    sets, result = sets_for(args), {}
-    try:
-        await run_phase(engine, sets["logprobs"][:16])
-        for name in args.phases.split(","):
-            await run_phase(engine, sets[name])
-            result[name] = await run_phase(engine, sets[name])
-            print(f"  engine direct {name}: {result[name]['elapsed_s']:.3f} s", flush=True)
-    finally:
-        await engine.shutdown()
-    return result
+    config, sets = engine_config(args), sets_for(args)
+    sets["groups_unseeded"] = [{**r, "seed": None} for r in sets["groups"]]
+    out = {"tap": await measure(config, sets, args.phases.split(","), args.repeats, args.profile)}
+    if args.no_tap_phases:
+        untapped = config.model_copy(update={"vllm": config.vllm.model_copy(update={"fast_token_logprobs": False})})
+        out["vllm_logprobs"] = await measure(untapped, sets, args.no_tap_phases.split(","), args.repeats, 0)
+    return out
 
 
 def main() -> None:
@@ -105,10 +160,20 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--phases", default="no_logprobs,groups_no_logprobs,logprobs,groups")
+    parser.add_argument("--phases", default="no_logprobs,groups_no_logprobs,logprobs,groups_unseeded,groups")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", type=float, default=0, help="seconds of py-spy per phase (0: none)")
+    parser.add_argument("--no-tap-phases", default="", help="phases again on an engine with vLLM's own log-probs")
+    parser.add_argument("--engine", default="vllm", help="torch: a CPU smoke test of this script")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = {"config": vars(args), "engine_direct": asyncio.run(main_async(args))}
+    import os
+
+    import torch
+    from provenance import tree_commit
+
+    result = {"benchmark": "vllm_engine_direct", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "commit": tree_commit(os.environ.get("PRIME_COMMIT")),
+              "vocab_size": args.vocab, "config": vars(args), "engine_direct": asyncio.run(main_async(args))}  # fmt: skip
     Path(args.out).write_text(json.dumps(result, indent=2))
 
 
