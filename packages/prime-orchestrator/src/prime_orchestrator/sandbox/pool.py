@@ -125,14 +125,16 @@ class SandboxPool:
             raise SandboxUnavailable(str(e)) from None
 
     def _make_cgroups(self) -> Cgroups | None:
-        what = "memory of an execution's processes and files together, and its process count, by cgroup"
+        what = "memory of an execution's processes and files together, its process count and CPU time, by cgroup"
         if not self.config.cgroups:
             self.unenforced.append(f"{what} (pool.cgroups = false)")
             return None
         cgroups, why = Cgroups.detect(self.tmp_dir.name)
         if cgroups is None:
-            self.unenforced.append(f"{what} ({why}); RLIMIT_AS per process and sized tmpfs still apply")
+            self.unenforced.append(f"{what} ({why}); RLIMIT_AS, RLIMIT_CPU per process and sized tmpfs still apply")
             return None
+        if not cgroups.counts_cpu:
+            self.unenforced.append("CPU time of an execution's processes together (no cgroup v1 cpuacct hierarchy)")
         # Every slot's and workspace's cgroup files stay open: under a soft limit of 1024 a pool of ~300 slots
         # failed its executions once enough slots had been used, well into a run.
         keys = self.config.max_concurrency + NUM_WORKSPACES
@@ -285,6 +287,7 @@ class SandboxPool:
                 "path": self._path,
                 "workspace": ws.name if ws else None,
                 "stdin": request.stdin is not None,
+                "cpu_usage": self._cgroups is not None and self._cgroups.counts_cpu,
             }
         ).encode()
 
@@ -335,6 +338,8 @@ class SandboxPool:
                 limits = job.limits
                 mb = limits.memory_mb + (job.lease.workspace.disk_mb if job.lease.workspace else limits.disk_mb)
                 cgroup_fds = self._cgroups.enter(job.lease.cgroup, mb, limits.processes)
+                if (cpu := self._cgroups.cpu_fd(job.lease.cgroup)) is not None:
+                    cgroup_fds = [*cgroup_fds, cpu]  # last: the supervisor's, never the runner's (see _body)
             while True:
                 try:
                     await zygote.send(b"x", fds + cgroup_fds, hang)
