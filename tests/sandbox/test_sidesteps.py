@@ -4,10 +4,13 @@ API and the test asserts what the host sees (the status, the CPU the trusted sup
 
 from __future__ import annotations
 
+import json
 import os
+from types import SimpleNamespace
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
+from prime_orchestrator.sandbox import TestCase
 
 from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, run
 
@@ -75,3 +78,59 @@ def test_limits_the_cpu_counter_of_either_cgroup_version_reads_as_seconds(tmp_pa
         assert (clock.used(), clock.budget) == (seconds, 2 + CpuClock.GRACE_S)
     finally:
         os.close(fd)
+
+
+# neighbours: one test line as long as the output limit allows, of elements the judge walked one by one
+LONG_TEST_LINE = """
+import os
+os.write(3, b'{{"i": 0, "value": [' + b"[]," * {n} + b'[]]}}\\n')
+os._exit(0)
+"""
+# what a long line must still bring back: floats matching ints (a float's repr is up to 24 characters), a long
+# expected list, and the harness's error of 500 characters that JSON escapes in 12 bytes each
+LONG_ANSWERS = """
+def near_zero(n):
+    return [-1.2345678901234567e-13] * n
+def count(n):
+    return list(range(n))
+def fail():
+    raise ValueError("\\U0001f389" * 600)
+"""
+
+
+def test_neighbours_a_long_test_line_is_not_parsed_by_the_pool(sandbox, monkeypatch):
+    # Before: the pool parsed the line (0.25 s of json.loads on this VM) and walked its 500,000 elements for their
+    # depth (0.6 to 2 s) on its event loop, where every neighbour's verdict waits, for a task expecting [1, 2].
+    from prime_orchestrator.sandbox import schemas
+
+    parsed = []
+    counting = SimpleNamespace(loads=lambda raw: parsed.append(len(raw)) or json.loads(raw), dumps=json.dumps)
+    monkeypatch.setattr(schemas, "json", counting)
+    limits = SandboxLimits(wall_s=20, cpu_s=20, output_bytes=1 << 20)
+    tests = [TestCase(expr="f()", expected=[1, 2])]
+    flood = run(sandbox, LONG_TEST_LINE.format(n=((1 << 20) - 64) // 3), tests=tests, limits=limits)
+    assert flood.status == "ok" and flood.pass_fraction == 0.0, flood
+    assert max(parsed, default=0) < 20_000, parsed  # the line of 1 MB went unparsed
+    parsed.clear()
+    answers = [
+        TestCase(expr="near_zero(1000)", expected=[0] * 1000),
+        TestCase(expr="count(20000)", expected=list(range(20000))),
+        TestCase(expr="fail()", expected=None),
+    ]
+    result = run(sandbox, LONG_ANSWERS, tests=answers, limits=limits)
+    assert [t.passed for t in result.tests] == [True, True, False], result.tests
+    assert result.tests[2].error.startswith("ValueError: \U0001f389") and len(parsed) == 3, (result.tests[2], parsed)
+
+
+def test_neighbours_the_depth_of_a_test_line_is_read_from_its_text():
+    from prime_orchestrator.sandbox.schemas import MAX_DEPTH, parse_test_lines
+
+    def line(depth: int, inner: str = "0") -> str:
+        return '{"i": 0, "value": ' + "[" * depth + inner + "]" * depth + "}"
+
+    assert parse_test_lines(line(MAX_DEPTH), 1) == [{"i": 0, "value": json.loads(line(MAX_DEPTH))["value"]}]
+    assert parse_test_lines(line(MAX_DEPTH + 1), 1) == []
+    assert parse_test_lines(line(MAX_DEPTH + 1, '"]]]"').replace("[", '{"k": ', 1), 1) == []
+    quoted = '{"i": 0, "value": "' + "[" * 500 + '\\"{{"}'  # brackets inside a string are no nesting
+    assert parse_test_lines(quoted, 1) == [{"i": 0, "value": "[" * 500 + '"{{'}]
+    assert parse_test_lines('{"i": 0, "value": ' + "[" * 200 + "}", 1) == []

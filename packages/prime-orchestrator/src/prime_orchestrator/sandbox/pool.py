@@ -32,7 +32,14 @@ from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY, Cgroups, lift_open_files
 from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
 from prime_orchestrator.sandbox.liveness import REAP_WAIT_S, PoolProgress
-from prime_orchestrator.sandbox.schemas import ExecRequest, ExecResult, SandboxHealth, judge, parse_test_lines
+from prime_orchestrator.sandbox.schemas import (
+    ExecRequest,
+    ExecResult,
+    SandboxHealth,
+    judge,
+    longest_line,
+    parse_test_lines,
+)
 from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Zygote
 
 __all__ = ["NUM_LEASES", "SandboxPool", "SandboxUnavailable"]
@@ -378,7 +385,8 @@ class SandboxPool:
         text = raw.pop("test_lines", "")
         result = ExecResult.model_validate(raw)
         if request.tests:
-            result.tests = judge(request.tests, parse_test_lines(text, len(request.tests)))
+            lines = parse_test_lines(text, len(request.tests), longest_line(request.tests))
+            result.tests = judge(request.tests, lines)
         return result
 
     async def run(
