@@ -4,8 +4,11 @@ API and the test asserts what the host sees (the status, the CPU the trusted sup
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -134,3 +137,56 @@ def test_neighbours_the_depth_of_a_test_line_is_read_from_its_text():
     quoted = '{"i": 0, "value": "' + "[" * 500 + '\\"{{"}'  # brackets inside a string are no nesting
     assert parse_test_lines(quoted, 1) == [{"i": 0, "value": "[" * 500 + '"{{'}]
     assert parse_test_lines('{"i": 0, "value": ' + "[" * 200 + "}", 1) == []
+
+
+def _host_listeners() -> dict[str, tuple[socket.socket, object]]:
+    """What a run serves on the host beside its TCP ports: the inference server over IPv6 loopback, a metrics or
+    zmq peer over UDP, a local service on an abstract unix socket (no file to hide: any process of the host's
+    network namespace reaches it)."""
+    tcp6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    tcp6.bind(("::1", 0))
+    tcp6.listen()
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"\0prime-host-{secrets.token_hex(4)}"
+    abstract.bind(name)
+    abstract.listen()
+    for s in (tcp6, udp, abstract):
+        s.setblocking(False)
+    return {"tcp6": (tcp6, tcp6.getsockname()[1]), "udp": (udp, udp.getsockname()[1]), "abstract": (abstract, name)}
+
+
+REACH_HOST = """
+import socket
+for kind, family, type_, address in {targets!r}:
+    s = socket.socket(family, type_)
+    s.settimeout(1)
+    try:
+        s.connect(address)
+        s.sendall(b"update_weights")
+        print(kind, "reached")
+    except OSError as e:
+        print(kind, e.errno)
+"""
+
+
+def test_network_no_host_service_over_ipv6_udp_or_an_abstract_socket(sandbox):
+    listeners = _host_listeners()
+    targets = [
+        ("tcp6", int(socket.AF_INET6), int(socket.SOCK_STREAM), ("::1", listeners["tcp6"][1])),
+        ("udp", int(socket.AF_INET), int(socket.SOCK_DGRAM), ("127.0.0.1", listeners["udp"][1])),
+        ("abstract", int(socket.AF_UNIX), int(socket.SOCK_STREAM), listeners["abstract"][1].encode()),
+    ]
+    try:
+        result = run(sandbox, REACH_HOST.format(targets=targets))
+        outcomes = dict(line.split() for line in result.stdout.splitlines())
+        refused = {"tcp6": errno.EADDRNOTAVAIL, "udp": errno.ENETUNREACH, "abstract": errno.ECONNREFUSED}
+        assert result.status == "ok" and outcomes == {k: str(v) for k, v in refused.items()}, result
+        for kind, (s, _) in listeners.items():
+            with pytest.raises(BlockingIOError):  # nothing connected, nothing arrived
+                s.recv(64) if kind == "udp" else s.accept()
+    finally:
+        for s, _ in listeners.values():
+            s.close()
+    assert_serving(sandbox)
