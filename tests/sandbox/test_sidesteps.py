@@ -4,18 +4,22 @@ API and the test asserts what the host sees (the status, the CPU the trusted sup
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
 import secrets
+import shutil
 import socket
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
-from prime_orchestrator.sandbox import TestCase
+from prime_orchestrator.sandbox import ExecRequest, TestCase
 
-from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, run
+from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, own_pool, run
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -190,3 +194,56 @@ def test_network_no_host_service_over_ipv6_udp_or_an_abstract_socket(sandbox):
         for s, _ in listeners.values():
             s.close()
     assert_serving(sandbox)
+
+
+def _dirty_pages(path: Path) -> int:
+    """Pages of ``path`` the host's page cache holds dirty (``cachestat``, Linux 6.5; the same number everywhere)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    span, stat = (ctypes.c_uint64 * 2)(0, 0), (ctypes.c_uint64 * 5)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.syscall(ctypes.c_long(451), fd, span, stat, 0) != 0:
+            pytest.skip(f"no cachestat here ({os.strerror(ctypes.get_errno())})")
+    finally:
+        os.close(fd)
+    return stat[1]
+
+
+# host files: every call that writes back a file, on a read-only descriptor of a bound host file; {path} is it
+SYNC_BOUND_FILE = """
+import ctypes, mmap, os
+fd = os.open({path!r}, os.O_RDONLY)
+libc = ctypes.CDLL(None, use_errno=True)
+calls = {{
+    "fsync": lambda: os.fsync(fd),
+    "fdatasync": lambda: os.fdatasync(fd),
+    "sync_file_range": lambda: libc.sync_file_range(fd, ctypes.c_long(0), ctypes.c_long(0), 7),  # wait, write, wait
+    "msync": lambda: mmap.mmap(fd, 0, prot=mmap.PROT_READ).flush(),
+}}
+for name, call in calls.items():
+    print(name, call())
+"""
+
+
+def test_host_files_syncing_a_bound_file_writes_back_nothing_of_the_host():
+    # Before: fsync on a read-only descriptor of a bound host file wrote back the host's dirty data of that file (all
+    # 65,536 dirty pages of a 256 MiB checkpoint being written, the execution waiting 0.16 s for it, uninterruptibly)
+    # and committed the host filesystem's journal; sync_file_range and msync(MS_SYNC) wrote its data back too.
+    folder = Path(tempfile.mkdtemp(prefix="prime-bound-", dir="/var/tmp"))  # a disk, not a tmpfs
+    try:
+        folder.chmod(0o755)
+        checkpoint = folder / "checkpoint.bin"
+        with open(checkpoint, "wb") as f:  # written, not synced: what a trainer's checkpoint is for a while
+            f.write(os.urandom(1 << 20) * 64)
+        before = _dirty_pages(checkpoint)
+        if before == 0:
+            pytest.skip(f"{folder} keeps no dirty pages (tmpfs, or written back already)")
+        with own_pool(uid_base=364_000, ro_paths=[str(folder)]) as client:
+            code = SYNC_BOUND_FILE.format(path=str(checkpoint))
+            result = client.execute_sync(ExecRequest(code=code, limits=SandboxLimits(wall_s=20)))
+        assert result.status == "ok", result
+        assert result.stdout.split() == ["fsync", "None", "fdatasync", "None", "sync_file_range", "0", "msync", "None"]
+        assert _dirty_pages(checkpoint) >= before * 0.9, before  # the host's flusher alone may have begun on it
+    finally:
+        shutil.rmtree(folder)
