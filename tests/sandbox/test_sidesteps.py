@@ -247,3 +247,47 @@ def test_host_files_syncing_a_bound_file_writes_back_nothing_of_the_host():
         assert _dirty_pages(checkpoint) >= before * 0.9, before  # the host's flusher alone may have begun on it
     finally:
         shutil.rmtree(folder)
+
+
+HUGE_PAGES = Path("/proc/sys/vm/nr_hugepages")
+# memory: anonymous huge pages from the host's reserve, 2 MiB each, until refused; how many it held
+HUGETLB_HOARD = """
+import mmap
+held = []
+for _ in range(64):
+    try:
+        held.append(mmap.mmap(-1, 2 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000))  # MAP_HUGETLB
+        held[-1][0:1] = b"x"
+    except OSError as e:
+        print("refused", e.errno)
+        break
+print("held", len(held))
+"""
+
+
+def _free_huge_pages() -> int:
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(fields["HugePages_Free"])
+
+
+@pytest.fixture
+def reserved_huge_pages():
+    """Huge pages reserved on the host for the test (what an inference or DPDK host keeps), restored after."""
+    before = HUGE_PAGES.read_text()
+    if int(before) == 0:
+        HUGE_PAGES.write_text("32")
+    try:
+        if _free_huge_pages() < 8:
+            pytest.skip("no huge pages could be reserved on this host")
+        yield
+    finally:
+        HUGE_PAGES.write_text(before)
+
+
+def test_memory_the_hosts_reserved_huge_pages_are_out_of_reach(sandbox, reserved_huge_pages):
+    # Before: the memory cgroup does not count hugetlb pages; an execution limited to 64 MiB held 22 of the host's
+    # 32 (RLIMIT_AS stopped it, per process: 16 processes of 512 MiB would take 4,096), its memory_peak_mb 1.5.
+    free = _free_huge_pages()
+    result = run(sandbox, HUGETLB_HOARD, limits=SandboxLimits(wall_s=20, memory_mb=64, disk_mb=16))
+    assert result.status == "ok" and result.stdout.split() == ["refused", str(errno.ENOMEM), "held", "0"], result
+    assert _free_huge_pages() == free
