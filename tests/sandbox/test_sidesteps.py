@@ -291,3 +291,13 @@ def test_memory_the_hosts_reserved_huge_pages_are_out_of_reach(sandbox, reserved
     result = run(sandbox, HUGETLB_HOARD, limits=SandboxLimits(wall_s=20, memory_mb=64, disk_mb=16))
     assert result.status == "ok" and result.stdout.split() == ["refused", str(errno.ENOMEM), "held", "0"], result
     assert _free_huge_pages() == free
+
+
+@pytest.mark.timeout(120)
+def test_neighbours_unclosed_strings_cost_the_depth_check_one_pass():
+    # Each quote of a text of unclosed strings started a scan to its end: 16 KB took the check 2.9 s (quadratic), and
+    # a line within a task's longest_line reaches it. Linear now: this 1.6 MB line, hours then, takes milliseconds.
+    from prime_orchestrator.sandbox.schemas import parse_test_lines
+
+    line = '{"i": 0, "value": ' + "[" * 200 + '"\\' * 800_000 + "\\"
+    assert parse_test_lines(line, 1) == []

@@ -172,7 +172,9 @@ def _numbers_close(got: int | float, expected: int | float, rel_tol: float, abs_
         return abs(g - e) <= max(Fraction(rel_tol) * max(abs(g), abs(e)), Fraction(abs_tol))
 
 
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
+# A string, to its closing quote or to the end: every quote that starts one consumes it, so a text of unclosed
+# strings (a quote, then escaped quotes, then a lone backslash) costs one pass, not one per quote.
+_STRINGS = re.compile(r'"(?:[^"\\]++|\\.?)*+(?:"|\Z)')
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _SQUARE = bytes.maketrans(b"{}", b"[]")
 
