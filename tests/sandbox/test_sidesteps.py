@@ -301,3 +301,14 @@ def test_neighbours_unclosed_strings_cost_the_depth_check_one_pass():
 
     line = '{"i": 0, "value": ' + "[" * 200 + '"\\' * 800_000 + "\\"
     assert parse_test_lines(line, 1) == []
+
+
+def test_limits_a_cpuacct_hierarchy_the_pool_cannot_use_leaves_memory_and_pids_enforced(tmp_path):
+    from prime_orchestrator.sandbox.cgroups import Cgroups
+
+    for controller in ("memory", "pids"):
+        (tmp_path / controller).mkdir()
+    parents = {c: tmp_path / c / "pool" for c in ("memory", "pids", "cpuacct")}  # no cpuacct hierarchy there
+    cgroups, why = Cgroups._make(1, parents)
+    assert cgroups is not None and set(cgroups.parents) == {"memory", "pids"} and not cgroups.counts_cpu, why
+    cgroups.close()

@@ -124,6 +124,11 @@ class Cgroups:
 
     @classmethod
     def _make(cls, version: int, parents: dict[str, Path]) -> tuple[Cgroups | None, str]:
+        if "cpuacct" in parents:  # optional: without it only the CPU total goes unenforced (the pool says so)
+            try:
+                parents["cpuacct"].mkdir(exist_ok=True)
+            except OSError:
+                parents = {c: p for c, p in parents.items() if c != "cpuacct"}
         try:
             for path in parents.values():
                 path.mkdir(exist_ok=True)

@@ -76,7 +76,8 @@ class CpuClock:
     chain of children, each stopping under it, ran an execution limited to 1 s for 6.4 s of CPU and ended ``ok``.
 
     Read when the budget could first be spent, every CPU running it flat out, so an execution cannot pass it by
-    more than :data:`MIN_CHECK_S` times the CPUs between two reads; a few reads per execution at most."""
+    more than :data:`MIN_CHECK_S` times the CPUs between two reads: none for an execution that ends before the
+    budget over the CPUs (a second for 10 s on 10 CPUs), then one per such span of what is left."""
 
     MIN_CHECK_S = 0.005
     GRACE_S = 0.05  # the runner's set-up before the code, and RLIMIT_CPU's own tick: a single process never trips it
