@@ -1,8 +1,9 @@
 """Memory and process cgroups per execution slot, on the host side: what RLIMITs cannot bound.
 
 RLIMIT_AS bounds each process's address space, but not what an execution holds outside it: pages of files in its
-tmpfs, pipe and socket buffers, several processes at once. A cgroup counts all of it. The pool makes one cgroup
-per execution slot (memory and pids controllers) under its own cgroup, where the host lets it:
+tmpfs, pipe and socket buffers, several processes at once; RLIMIT_CPU bounds each process's CPU time, not their sum.
+A cgroup counts all of it. The pool makes one cgroup per execution slot (memory and pids controllers, and v1's
+cpuacct where it is mounted; v2 counts CPU time in every cgroup) under its own cgroup, where the host lets it:
 
 - cgroup v2, when the pool's cgroup delegates ``memory`` and ``pids`` to its children (``cgroup.subtree_control``,
   as systemd's ``Delegate=yes``), or the pool runs in the root cgroup;
@@ -22,9 +23,10 @@ import resource
 from pathlib import Path
 
 MIB = 1 << 20
-FDS_PER_KEY = 3
+FDS_PER_KEY = 5
 """Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
-and v1's memory peak. Slots are reused first in, first out, so every slot's are open after a while."""
+(v1: memory, pids, cpuacct), v1's memory peak and the CPU usage counter. Slots are reused first in, first out, so
+every slot's are open after a while."""
 
 
 def lift_open_files(need: int) -> str | None:
@@ -59,7 +61,7 @@ def _mounts() -> dict[str, tuple[str, str]]:
         if fstype == "cgroup2":
             out.setdefault("", (root, point))
         elif fstype == "cgroup":
-            for c in ("memory", "pids"):
+            for c in ("memory", "pids", "cpuacct"):
                 if c in options:
                     out.setdefault(c, (root, point))
     return out
@@ -86,6 +88,13 @@ class Cgroups:
         # cgroup files is the costly part (about 0.1 ms each), and a slot serves one execution after another.
         self._procs: dict[str, list[int]] = {}
         self._peak: dict[str, int] = {}
+        self._cpu: dict[str, int] = {}
+
+    @property
+    def counts_cpu(self) -> bool:
+        """Whether :meth:`cpu_fd` gives a key's CPU time: always on v2 (``cpu.stat`` is a core file), on v1 with a
+        ``cpuacct`` hierarchy."""
+        return self.version == 2 or "cpuacct" in self.parents
 
     @classmethod
     def detect(cls, name: str) -> tuple[Cgroups | None, str]:
@@ -96,7 +105,9 @@ class Cgroups:
             return None, f"cannot read this process's cgroups ({e})"
         v1 = {c: _path(c, mounts, own) for c in ("memory", "pids")}
         if all(v1.values()):
-            return cls._make(1, {c: p / name for c, p in v1.items()})
+            # cpuacct when mounted: the CPU time of an execution's processes together (see cpu_fd)
+            cpu = {"cpuacct": path} if (path := _path("cpuacct", mounts, own)) else {}
+            return cls._make(1, {c: p / name for c, p in {**v1, **cpu}.items()})
         v2 = _path("", mounts, own)
         if v2 is None:
             return None, "no cgroup v2 mount and no writable cgroup v1 memory and pids hierarchies"
@@ -113,6 +124,11 @@ class Cgroups:
 
     @classmethod
     def _make(cls, version: int, parents: dict[str, Path]) -> tuple[Cgroups | None, str]:
+        if "cpuacct" in parents:  # optional: without it only the CPU total goes unenforced (the pool says so)
+            try:
+                parents["cpuacct"].mkdir(exist_ok=True)
+            except OSError:
+                parents = {c: p for c, p in parents.items() if c != "cpuacct"}
         try:
             for path in parents.values():
                 path.mkdir(exist_ok=True)
@@ -171,6 +187,18 @@ class Cgroups:
             os.write(self._peak[key], b"0")
         return self._procs[key]
 
+    def cpu_fd(self, key: str) -> int | None:
+        """A read-only descriptor of the key's CPU time counter (kept open here), for the execution's supervisor:
+        v1 ``cpuacct.usage`` (nanoseconds), v2 ``cpu.stat`` (``usage_usec``); None where there is none. RLIMIT_CPU
+        bounds each process, not their sum: a chain of children, each under it, ran a 1 s execution for 6 s."""
+        if not self.counts_cpu:
+            return None
+        if key not in self._cpu:
+            d = self._dirs(key)
+            path = d["cpuacct"] / "cpuacct.usage" if self.version == 1 else d[""] / "cpu.stat"
+            self._cpu[key] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return self._cpu[key]
+
     def _oom_count(self, key: str) -> int:
         d = self._dirs(key)
         path = d["memory"] / "memory.oom_control" if self.version == 1 else d[""] / "memory.events"
@@ -208,7 +236,7 @@ class Cgroups:
         return sorted(found)
 
     def _close_fds(self, key: str) -> None:
-        for fd in [*self._procs.pop(key, []), *([self._peak.pop(key)] if key in self._peak else [])]:
+        for fd in [*self._procs.pop(key, []), *(d.pop(key) for d in (self._peak, self._cpu) if key in d)]:
             os.close(fd)
 
     def remove(self, key: str) -> None:
@@ -221,7 +249,7 @@ class Cgroups:
 
     def close(self) -> None:
         """Remove the pool's cgroups (those still holding a process stay, and the next pool's start says so)."""
-        for key in list(self._procs):
+        for key in {*self._procs, *self._cpu}:
             self._close_fds(key)
         for parent in self.parents.values():
             children = [p for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []

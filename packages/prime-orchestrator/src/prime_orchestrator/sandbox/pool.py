@@ -32,7 +32,14 @@ from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY, Cgroups, lift_open_files
 from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
 from prime_orchestrator.sandbox.liveness import REAP_WAIT_S, PoolProgress
-from prime_orchestrator.sandbox.schemas import ExecRequest, ExecResult, SandboxHealth, judge, parse_test_lines
+from prime_orchestrator.sandbox.schemas import (
+    ExecRequest,
+    ExecResult,
+    SandboxHealth,
+    judge,
+    longest_line,
+    parse_test_lines,
+)
 from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Zygote
 
 __all__ = ["NUM_LEASES", "SandboxPool", "SandboxUnavailable"]
@@ -125,14 +132,16 @@ class SandboxPool:
             raise SandboxUnavailable(str(e)) from None
 
     def _make_cgroups(self) -> Cgroups | None:
-        what = "memory of an execution's processes and files together, and its process count, by cgroup"
+        what = "memory of an execution's processes and files together, its process count and CPU time, by cgroup"
         if not self.config.cgroups:
             self.unenforced.append(f"{what} (pool.cgroups = false)")
             return None
         cgroups, why = Cgroups.detect(self.tmp_dir.name)
         if cgroups is None:
-            self.unenforced.append(f"{what} ({why}); RLIMIT_AS per process and sized tmpfs still apply")
+            self.unenforced.append(f"{what} ({why}); RLIMIT_AS, RLIMIT_CPU per process and sized tmpfs still apply")
             return None
+        if not cgroups.counts_cpu:
+            self.unenforced.append("CPU time of an execution's processes together (no cgroup v1 cpuacct hierarchy)")
         # Every slot's and workspace's cgroup files stay open: under a soft limit of 1024 a pool of ~300 slots
         # failed its executions once enough slots had been used, well into a run.
         keys = self.config.max_concurrency + NUM_WORKSPACES
@@ -285,6 +294,7 @@ class SandboxPool:
                 "path": self._path,
                 "workspace": ws.name if ws else None,
                 "stdin": request.stdin is not None,
+                "cpu_usage": self._cgroups is not None and self._cgroups.counts_cpu,
             }
         ).encode()
 
@@ -335,6 +345,8 @@ class SandboxPool:
                 limits = job.limits
                 mb = limits.memory_mb + (job.lease.workspace.disk_mb if job.lease.workspace else limits.disk_mb)
                 cgroup_fds = self._cgroups.enter(job.lease.cgroup, mb, limits.processes)
+                if (cpu := self._cgroups.cpu_fd(job.lease.cgroup)) is not None:
+                    cgroup_fds = [*cgroup_fds, cpu]  # last: the supervisor's, never the runner's (see _body)
             while True:
                 try:
                     await zygote.send(b"x", fds + cgroup_fds, hang)
@@ -373,7 +385,8 @@ class SandboxPool:
         text = raw.pop("test_lines", "")
         result = ExecResult.model_validate(raw)
         if request.tests:
-            result.tests = judge(request.tests, parse_test_lines(text, len(request.tests)))
+            lines = parse_test_lines(text, len(request.tests), longest_line(request.tests))
+            result.tests = judge(request.tests, lines)
         return result
 
     async def run(

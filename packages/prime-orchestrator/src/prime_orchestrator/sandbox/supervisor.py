@@ -18,6 +18,7 @@ Stdlib only (imported by the zygote, see :mod:`zygote`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import select
@@ -44,7 +45,8 @@ def supervise(fds: list[int], ctl_fd: int, zygote_pid: int, seccomp) -> None:
         req = json.loads(os.pread(request_fd, os.fstat(request_fd).st_size, 0))
         os.close(request_fd)
         stdin_fd = extra.pop(0) if req.get("stdin") else None
-        verdict = _execute(req, stdin_fd, extra, seccomp)
+        cpu_fd = extra.pop() if req.get("cpu_usage") and extra else None  # the pool sends it last
+        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd)
     except Exception as e:  # a verdict, never a silent EOF: the pool reports it as a sandbox error
         verdict = {"status": "sandbox_error", "reason": f"supervisor: {type(e).__name__}: {e}"}
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -68,8 +70,40 @@ def _mount_work(req: dict) -> None:
         lx.mount("tmpfs", "/work", "tmpfs", flags, opts)
 
 
-def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp) -> dict:
+class CpuClock:
+    """The CPU time of every process of the execution together, from its cgroup's counter (a descriptor the pool
+    opened), against the budget ``cpu_s`` rounds up to (RLIMIT_CPU's own). RLIMIT_CPU bounds each process alone: a
+    chain of children, each stopping under it, ran an execution limited to 1 s for 6.4 s of CPU and ended ``ok``.
+
+    Read when the budget could first be spent, every CPU running it flat out, so an execution cannot pass it by
+    more than :data:`MIN_CHECK_S` times the CPUs between two reads: none for an execution that ends before the
+    budget over the CPUs (a second for 10 s on 10 CPUs), then one per such span of what is left."""
+
+    MIN_CHECK_S = 0.005
+    GRACE_S = 0.05  # the runner's set-up before the code, and RLIMIT_CPU's own tick: a single process never trips it
+
+    def __init__(self, fd: int, cpu_s: float) -> None:
+        self.fd = fd
+        self.budget = max(1, math.ceil(cpu_s)) + self.GRACE_S
+        self.cpus = max(1, len(os.sched_getaffinity(0)))
+        self.base = self._read()
+
+    def _read(self) -> float:
+        data = os.pread(self.fd, 4096, 0)
+        if data.startswith(b"usage_usec"):  # cgroup v2 cpu.stat
+            return int(data.split()[1]) / 1e6
+        return int(data) / 1e9  # cgroup v1 cpuacct.usage
+
+    def used(self) -> float:
+        return self._read() - self.base
+
+    def next_read(self, now: float, used: float) -> float:
+        return now + max(self.MIN_CHECK_S, (self.budget - used) / self.cpus)
+
+
+def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp, cpu_fd: int | None = None) -> dict:
     _mount_work(req)
+    cpu = CpuClock(cpu_fd, req["limits"]["cpu_s"]) if cpu_fd is not None else None
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     test_r, test_w = os.pipe()
@@ -89,14 +123,21 @@ def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp) ->
     for fd in (out_w, err_w, test_w, alive_r, setup_w, *cgroup_fds) + ((stdin_fd,) if stdin_fd is not None else ()):
         os.close(fd)
     names = {out_r: "stdout", err_r: "stderr", test_r: "tests", setup_r: "setup"}
-    streams, breach = _drain(pid, pidfd, names, req["limits"], start)
+    streams, breach = _drain(pid, pidfd, names, req["limits"], start, cpu)
     _, status, usage = os.wait4(pid, 0)
-    return _verdict(req["limits"], streams, breach, status, usage, time.monotonic() - start)
+    # What the runner reaped is in its rusage; what it left to the namespace's end (orphans) only in the cgroup's.
+    cpu_s = max(usage.ru_utime + usage.ru_stime, cpu.used() if cpu else 0.0)
+    if breach is None and cpu is not None and cpu_s > cpu.budget:  # spent between the last read and the end
+        breach = "cpu"
+    return _verdict(req["limits"], streams, breach, status, usage, time.monotonic() - start, cpu_s)
 
 
-def _drain(pid: int, pidfd: int, names: dict[int, str], limits: dict, start: float) -> tuple[dict, str | None]:
-    """Read the runner's pipes until it has exited and they are drained, or until the wall clock or the output cap
-    is hit (then kill it: PID 1 of its namespace, it takes every descendant with it)."""
+def _drain(
+    pid: int, pidfd: int, names: dict[int, str], limits: dict, start: float, cpu: CpuClock | None = None
+) -> tuple[dict, str | None]:
+    """Read the runner's pipes until it has exited and they are drained, or until the wall clock, the output cap or
+    the CPU budget of all its processes is hit (then kill it: PID 1 of its namespace, it takes every descendant
+    with it)."""
     bufs = {name: bytearray() for name in names.values()}
     cap, total = limits["output_bytes"], 0
     deadline = start + limits["wall_s"]
@@ -104,12 +145,20 @@ def _drain(pid: int, pidfd: int, names: dict[int, str], limits: dict, start: flo
     for fd in (*names, pidfd):
         poller.register(fd, select.POLLIN)
     open_fds, exited, breach = set(names), False, None
+    next_cpu = cpu.next_read(start, 0.0) if cpu else math.inf
     while open_fds or not exited:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             breach = "wall"
             break
-        for fd, _ in poller.poll(left * 1000):
+        if now >= next_cpu:
+            used = cpu.used()
+            if used > cpu.budget:
+                breach = "cpu"
+                break
+            next_cpu = cpu.next_read(now, used)
+        for fd, _ in poller.poll(min(left, next_cpu - now) * 1000):
             if fd == pidfd:
                 exited = True  # the whole PID namespace is gone: what is left in the pipes ends in EOF
                 poller.unregister(pidfd)
@@ -129,13 +178,12 @@ def _drain(pid: int, pidfd: int, names: dict[int, str], limits: dict, start: flo
     return {k: bytes(v) for k, v in bufs.items()}, breach
 
 
-def _verdict(limits: dict, streams: dict, breach: str | None, status: int, usage, wall: float) -> dict:
+def _verdict(limits: dict, streams: dict, breach: str | None, status: int, usage, wall: float, cpu: float) -> dict:
     if streams["setup"]:  # before the code ran: the sandbox's failure, whatever else the pipes hold
         return {
             "status": "sandbox_error",
             "reason": "runner set-up failed: " + streams["setup"].decode(errors="replace"),
         }
-    cpu = usage.ru_utime + usage.ru_stime
     stderr = streams["stderr"].decode(errors="replace")
     code = os.waitstatus_to_exitcode(status)
     cap = limits["output_bytes"]
@@ -179,6 +227,8 @@ def _json_size(text: str) -> int:
 def _classify(limits: dict, breach: str | None, code: int, cpu: float, stderr: str, tests: bytes) -> dict:
     if breach == "wall":
         return {"status": "timeout", "reason": f"wall time limit of {limits['wall_s']} s exceeded"}
+    if breach == "cpu":
+        return {"status": "timeout", "reason": f"CPU time limit of {limits['cpu_s']} s exceeded (all its processes)"}
     if breach == "output":
         return {"status": "output_limit", "reason": f"stdout+stderr over {limits['output_bytes']} bytes"}
     # RLIMIT_CPU ends it with SIGXCPU, or SIGKILL at the hard limit (PID 1 of a namespace ignores SIGXCPU). The
