@@ -41,20 +41,23 @@ def process_logits(
     params: SamplingParams,
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
-    banned: Sequence[int] | None = None,
+    banned: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The logits greedy decoding takes the argmax of: allowed ids, logit bias, bans, penalties."""
+    device, dtype = logits_V.device, logits_V.dtype
     if params.allowed_token_ids is not None:
         keep = torch.full_like(logits_V, float("-inf"))
-        ids = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits_V.device)
+        ids = params.derived(("allowed", device), lambda: torch.tensor(params.allowed_token_ids, device=device))
         logits_V = keep.index_copy(0, ids, logits_V[ids])
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits_V.device)
-        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits_V.dtype, device=logits_V.device)
+        ids, bias = params.derived(("bias", device, dtype), lambda: (
+            torch.tensor(list(params.logit_bias), dtype=torch.long, device=device),
+            torch.tensor(list(params.logit_bias.values()), dtype=dtype, device=device),
+        ))  # fmt: skip
         logits_V = logits_V.index_add(0, ids, bias)
-    if banned:
+    if banned is not None and len(banned):
         logits_V = logits_V.clone()
-        logits_V[list(banned)] = float("-inf")
+        logits_V[torch.as_tensor(banned, dtype=torch.long, device=device)] = float("-inf")
     if params.has_penalties:
         logits_V = apply_penalties(logits_V, params, prompt_ids, output_ids)
     return logits_V
@@ -85,7 +88,7 @@ def sample(
     mode: str,
     prompt_ids: Sequence[int] = (),
     output_ids: Sequence[int] = (),
-    banned: Sequence[int] | None = None,
+    banned: Sequence[int] | torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor | None]:
     """One token id, and the log-prob vector that ``mode`` names when ``params`` asks for log-probs."""
     want = params.logprobs is not None

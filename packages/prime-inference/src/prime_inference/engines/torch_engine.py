@@ -448,7 +448,9 @@ class TorchEngine(Engine):
         params = seq.request.params
         banned = None
         if len(seq.output_ids) < params.min_tokens:
-            banned = sorted((self.eos_ids if not params.ignore_eos else set()) | set(params.stop_token_ids))
+            banned = params.derived("banned", lambda: torch.tensor(
+                sorted((self.eos_ids if not params.ignore_eos else set()) | set(params.stop_token_ids)), dtype=torch.long
+            ))  # fmt: skip
         if seq.grammar is not None:
             logits_V = seq.grammar.mask(logits_V)
         mode = self.config.logprobs_mode
@@ -481,7 +483,7 @@ class TorchEngine(Engine):
         if n_out > params.min_tokens or n_out == params.min_tokens:
             if not params.ignore_eos and token in self.eos_ids:
                 return "stop", None
-            if token in params.stop_token_ids:
+            if token in params.derived("stop_ids", lambda: frozenset(params.stop_token_ids)):
                 return "stop", token
             if seq.grammar is not None and seq.grammar.stopped:
                 return "stop", None

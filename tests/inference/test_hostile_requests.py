@@ -1,0 +1,52 @@
+"""Requests that are valid JSON and in range, yet cost the server far more than their answer is worth: id lists of
+millions of repeats, detokenizing more tokens than any context holds, names megabytes long. Each is answered within
+the bounds its route documents (or refused in one line naming the field), and the server goes on serving."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from .helpers import start_server
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = start_server(model_dir)
+    yield s
+    s.stop()
+
+
+def engine(server):
+    return server.server.config.app.state.prime.engine
+
+
+def assert_serving(server) -> None:
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}}
+    r = httpx.post(f"{server.url}/v1/generate", json=body, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["running"] == health["waiting"] == 0
+
+
+def test_repeated_ids_reach_the_engine_once(server, monkeypatch):
+    """``allowed_token_ids`` and ``stop_token_ids`` are sets to vLLM; each repeat made every sampled token of every
+    one of ``n`` sequences slower in the engine thread, that all requests share: 5M copies of one id (15 MB) held
+    the batch two minutes for 8 x 20 tokens, other clients' 2-token requests taking 7-18 s meanwhile."""
+    seen = []
+    generate = engine(server).generate
+
+    def spy(request):
+        seen.append((len(request.params.allowed_token_ids or []), len(request.params.stop_token_ids)))
+        return generate(request)
+
+    monkeypatch.setattr(engine(server), "generate", spy)
+    sampling = {"max_tokens": 4, "n": 2, "allowed_token_ids": [5, 9] * 500_000, "stop_token_ids": [7] * 500_000}
+    r = httpx.post(f"{server.url}/v1/generate", json={"token_ids": [5, 6], "sampling_params": sampling}, timeout=300)
+    assert r.status_code == 200, r.text[:300]
+    assert all(set(c["token_ids"]) <= {5, 9} for c in r.json()["choices"])
+    assert seen == [(2, 1), (2, 1)]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "allowed_token_ids": [5] * 300_000}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200 and seen[-1] == (1, 0)
+    assert_serving(server)
