@@ -448,9 +448,7 @@ class TorchEngine(Engine):
         params = seq.request.params
         banned = None
         if len(seq.output_ids) < params.min_tokens:
-            banned = params.derived("banned", lambda: torch.tensor(
-                sorted((self.eos_ids if not params.ignore_eos else set()) | set(params.stop_token_ids)), dtype=torch.long
-            ))  # fmt: skip
+            banned = params.derived("banned", lambda: torch.tensor(sorted(self._bans(params))))
         if seq.grammar is not None:
             logits_V = seq.grammar.mask(logits_V)
         mode = self.config.logprobs_mode
@@ -477,6 +475,9 @@ class TorchEngine(Engine):
                 self._finish(seq)
         seq.emit(out)
 
+    def _bans(self, params: Any) -> set[int]:  # what min_tokens holds back
+        return (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
+
     def _finish_reason(self, seq: _Sequence, token: int) -> tuple[str | None, int | str | None]:
         params = seq.request.params
         n_out = len(seq.output_ids)
@@ -488,7 +489,7 @@ class TorchEngine(Engine):
             if seq.grammar is not None and seq.grammar.stopped:
                 return "stop", None
             if params.stop:
-                text = self._decode(seq.output_ids)
+                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
                 tail_start = max(0, len(text) - max(len(s) for s in params.stop) - 32)
                 for stop in params.stop:
                     if text.find(stop, tail_start) >= 0:
@@ -496,6 +497,3 @@ class TorchEngine(Engine):
         if n_out >= params.max_tokens or len(seq.request.prompt_ids) + n_out >= self.max_model_len:
             return "length", None
         return None, None
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
