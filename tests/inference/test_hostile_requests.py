@@ -50,3 +50,16 @@ def test_repeated_ids_reach_the_engine_once(server, monkeypatch):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200 and seen[-1] == (1, 0)
     assert_serving(server)
+
+
+def test_detokenizing_more_than_a_context_is_refused(server):
+    """``/detokenize`` decoded whatever it was given on the event loop: 5M tokens (15 MB) held every other client's
+    answers 4.4 s. No sequence the model serves is longer than its context; the tokenize route is bounded alike."""
+    max_len = server.config.max_model_len
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": [5] * 1_000_000}, timeout=120)
+    assert r.status_code == 400, r.text[:200]
+    error = r.json()["error"]
+    assert error["param"] == "tokens" and f"maximum context length of {max_len}" in error["message"]
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": [5] * max_len}, timeout=30)
+    assert r.status_code == 200 and r.json()["prompt"]
+    assert_serving(server)
