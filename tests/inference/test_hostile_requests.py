@@ -4,6 +4,8 @@ the bounds its route documents (or refused in one line naming the field), and th
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -63,3 +65,56 @@ def test_detokenizing_more_than_a_context_is_refused(server):
     r = httpx.post(f"{server.url}/detokenize", json={"tokens": [5] * max_len}, timeout=30)
     assert r.status_code == 200 and r.json()["prompt"]
     assert_serving(server)
+
+
+def test_one_requests_failure_in_the_engine_fails_it_alone(server, monkeypatch):
+    """A request's own work in the engine thread (its prompt log-probs: a full forward of the prompt, out of memory
+    on a long one) failing ended every running sequence: all clients' requests failed for one client's."""
+    import torch
+    from prime_inference.engines import torch_engine
+
+    def out_of_memory(model, prompt_ids, k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 19.80 GiB")
+
+    monkeypatch.setattr(torch_engine, "prompt_logprobs", out_of_memory)
+    victim = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 20, "ignore_eos": True}}
+    hostile = {"token_ids": [8, 9], "sampling_params": {"max_tokens": 2, "prompt_logprobs": 1}}
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            assert (await client.post("/pause")).status_code == 200
+            try:
+                sent = [asyncio.ensure_future(client.post("/v1/generate", json=b)) for b in (victim, hostile)]
+                while (await client.get("/health")).json()["waiting"] < 2:
+                    await asyncio.sleep(0.05)
+            finally:
+                await client.post("/resume")  # both start in the same engine step
+            return list(await asyncio.gather(*sent))
+
+    ok, failed = asyncio.run(both())
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 20
+    assert failed.status_code == 500 and failed.json()["error"]["message"] == "internal error: OutOfMemoryError"
+    assert_serving(server)
+
+
+def test_prompt_logprobs_are_computed_a_chunk_of_positions_at_a_time(monkeypatch):
+    """The same values, with no prompt x vocabulary intermediate beyond one chunk's."""
+    import torch
+    from prime_inference.engines import sampling
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(50, 50, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, ids):
+            return self.table[ids]
+
+    prompt = [i * 7 % 50 for i in range(40)]
+    whole = sampling.prompt_logprobs(Logits(), prompt, 3)
+    rows = []
+    log_softmax = torch.log_softmax
+    monkeypatch.setattr(sampling, "PROMPT_LOGPROBS_CHUNK", 6)
+    monkeypatch.setattr(torch, "log_softmax", lambda x, dim: rows.append(len(x)) or log_softmax(x, dim=dim))
+    assert sampling.prompt_logprobs(Logits(), prompt, 3) == whole
+    assert max(rows) == 6 and sum(rows) == len(prompt) - 1

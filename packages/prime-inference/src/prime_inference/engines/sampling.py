@@ -16,6 +16,9 @@ import torch
 
 from prime_inference.protocol import SamplingParams
 
+PROMPT_LOGPROBS_CHUNK = 512
+"""Prompt positions whose log-probs are computed together."""
+
 
 def apply_penalties(
     logits_V: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]
@@ -125,17 +128,21 @@ def prompt_logprobs(
     {token: (log-prob, rank)} of its token, then of the top k alternatives."""
     device = next(model.parameters()).device
     out = model(torch.tensor([list(prompt_ids)], device=device))
-    logits_SV = (out if isinstance(out, torch.Tensor) else out.logits)[0]
-    lps_SV = torch.log_softmax(logits_SV[:-1].float(), dim=-1)
-    targets = torch.tensor(list(prompt_ids[1:]), dtype=torch.long, device=lps_SV.device)
-    token_lps = lps_SV.gather(1, targets[:, None])[:, 0]
-    ranks = (lps_SV > token_lps[:, None]).sum(-1) + 1
-    out: list[dict[int, tuple[float, int]] | None] = [None]
-    top_v, top_i = torch.topk(lps_SV, k) if k > 0 else (None, None)
-    for pos, (token, lp, rank) in enumerate(zip(targets.tolist(), token_lps.tolist(), ranks.tolist(), strict=True)):
-        entry = {token: (lp, rank)}
-        if top_v is not None:
-            for r, (t, v) in enumerate(zip(top_i[pos].tolist(), top_v[pos].tolist(), strict=True)):
-                entry.setdefault(t, (v, r + 1))
-        out.append(entry)
-    return out
+    logits_SV = (out if isinstance(out, torch.Tensor) else out.logits)[0, :-1]
+    targets = torch.tensor(list(prompt_ids[1:]), dtype=torch.long, device=logits_SV.device)
+    entries: list[dict[int, tuple[float, int]] | None] = [None]
+    # Positions in chunks: over the whole prompt at once, the fp32 copy, the log-softmax and the rank comparison were
+    # three more prompt x vocabulary tensors (9 GB each for 16k positions of a 151k vocabulary).
+    for start in range(0, len(targets), PROMPT_LOGPROBS_CHUNK):
+        lps_CV = torch.log_softmax(logits_SV[start : start + PROMPT_LOGPROBS_CHUNK].float(), dim=-1)
+        chunk = targets[start : start + PROMPT_LOGPROBS_CHUNK]
+        token_lps = lps_CV.gather(1, chunk[:, None])[:, 0]
+        ranks = (lps_CV > token_lps[:, None]).sum(-1) + 1
+        top_v, top_i = torch.topk(lps_CV, k) if k > 0 else (None, None)
+        for pos, (token, lp, rank) in enumerate(zip(chunk.tolist(), token_lps.tolist(), ranks.tolist(), strict=True)):
+            entry = {token: (lp, rank)}
+            if top_v is not None:
+                for r, (t, v) in enumerate(zip(top_i[pos].tolist(), top_v[pos].tolist(), strict=True)):
+                    entry.setdefault(t, (v, r + 1))
+            entries.append(entry)
+    return entries
