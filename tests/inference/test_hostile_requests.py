@@ -118,3 +118,13 @@ def test_prompt_logprobs_are_computed_a_chunk_of_positions_at_a_time(monkeypatch
     monkeypatch.setattr(torch, "log_softmax", lambda x, dim: rows.append(len(x)) or log_softmax(x, dim=dim))
     assert sampling.prompt_logprobs(Logits(), prompt, 3) == whole
     assert max(rows) == 6 and sum(rows) == len(prompt) - 1
+
+
+def test_an_adapter_name_no_load_accepts_is_refused_in_one_line(server):
+    """Unloading a 1 MB name answered a 1 MB error (the name quoted back); no adapter of such a name can be loaded."""
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a" * 1_000_000}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name"
+    assert len(r.content) < 1000
+    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "absent"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+    assert_serving(server)
