@@ -128,3 +128,38 @@ def test_an_adapter_name_no_load_accepts_is_refused_in_one_line(server):
     r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "absent"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
     assert_serving(server)
+
+
+def _wait_for(predicate, what: str, bound_s: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + bound_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not within {bound_s} s"
+        time.sleep(0.05)
+
+
+def test_bodies_held_at_once_are_bounded_across_clients(server):
+    """Each body was bounded (64 MiB), their sum was not: 8 clients sending 60 MB bodies raised the server's RSS by
+    1 GB, and a few hundred sending slowly (each has ``timeout_keep_alive`` seconds) would hold tens of GB."""
+    import socket
+
+    budget = server.server.config.app.state.prime.body_budget
+    assert budget.limit == server.config.server.max_buffered_body_bytes == 1024**3
+    budget.limit = 300_000  # the two bodies below fill it
+    senders = []
+    try:
+        for _ in range(2):
+            sock = socket.create_connection(("127.0.0.1", server.config.server.port))
+            sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n" + b" " * 150_000)
+            senders.append(sock)
+        _wait_for(lambda: budget.held == 300_000, "both half-sent bodies held")
+        body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 2}}
+        r = httpx.post(f"{server.url}/v1/generate", json=body, timeout=30)
+        assert r.status_code == 503 and "server.max_buffered_body_bytes = 300000" in r.json()["error"]["message"]
+    finally:
+        for sock in senders:
+            sock.close()
+    _wait_for(lambda: budget.held == 0, "the bodies of the clients that left given back")
+    budget.limit = server.config.server.max_buffered_body_bytes
+    assert_serving(server)

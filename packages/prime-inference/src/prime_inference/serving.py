@@ -169,6 +169,26 @@ def sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+class BodyBudget:
+    """Bytes of request bodies held at once, all requests together (``server.max_buffered_body_bytes``): each body
+    counts from its first byte until it is parsed. One event loop takes and gives, so no lock."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.limit:
+            raise RequestError(
+                f"the server already holds {self.held} bytes of request bodies being received; this one would pass "
+                f"server.max_buffered_body_bytes = {self.limit}: retry later",
+                status_code=503,
+            )
+        self.held += size
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
 class ServerState:
     """The served model behind our own routes: engine, tokenizer and the checks every generation route makes."""
 
@@ -187,6 +207,7 @@ class ServerState:
             self.parser = OutputParser(tokenizer, config.tool_parser, config.reasoning_parser)
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.versions = VersionLedger()
+        self.body_budget = BodyBudget(config.server.max_buffered_body_bytes)
         self.weight_gate = WeightGate()
         # No token covers more characters than the longest entry of the vocabulary (byte-level BPE writes one
         # character per byte); twice that per token of context allows for normalizers that shrink the text (NFC).
