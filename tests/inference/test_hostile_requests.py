@@ -163,3 +163,19 @@ def test_bodies_held_at_once_are_bounded_across_clients(server):
     _wait_for(lambda: budget.held == 0, "the bodies of the clients that left given back")
     budget.limit = server.config.server.max_buffered_body_bytes
     assert_serving(server)
+
+
+def test_a_server_open_beyond_loopback_without_a_key_says_what_anyone_may_do(tmp_path):
+    """Bound beyond loopback without ``server.api_key`` (as the multi-node SLURM template starts it), any host that
+    reaches the port could pause the engine or reset the weights, and the log said nothing of it."""
+    from prime_core.config.inference import InferenceConfig
+    from prime_inference.entrypoints.inference import exposure_warning
+
+    def config(**server) -> InferenceConfig:
+        return InferenceConfig.model_validate({"server": {"weight_roots": [str(tmp_path)], **server}})
+
+    assert config().server.host == "127.0.0.1" and exposure_warning(config()) is None
+    assert exposure_warning(config(host="0.0.0.0", api_key="k")) is None
+    line = exposure_warning(config(host="0.0.0.0", port=8123))
+    assert line is not None and "\n" not in line
+    assert all(word in line for word in ("server.api_key", "8123", "/pause", "/reload_weights"))
