@@ -179,3 +179,16 @@ def test_a_server_open_beyond_loopback_without_a_key_says_what_anyone_may_do(tmp
     line = exposure_warning(config(host="0.0.0.0", port=8123))
     assert line is not None and "\n" not in line
     assert all(word in line for word in ("server.api_key", "8123", "/pause", "/reload_weights"))
+
+
+def test_min_tokens_past_max_tokens_is_refused_as_vllm_does(server):
+    """vLLM's ``SamplingParams`` refuses it; the torch engine answered 200, ignoring ``min_tokens``."""
+    for path, body in [
+        ("/v1/generate", {"token_ids": [5, 6], "sampling_params": {"max_tokens": 3, "min_tokens": 100}}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "min_tokens": 4}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "min_tokens": 4}),
+    ]:
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+        assert r.status_code == 400, (path, r.text[:200])
+        assert r.json()["error"]["param"] == "min_tokens" and "max_tokens=3" in r.json()["error"]["message"]
+    assert_serving(server)

@@ -271,6 +271,11 @@ class ServerState:
         self.check_tokens(params.stop_token_ids, "stop_token_ids")
         self.check_tokens(list(params.logit_bias), "logit_bias")
         self.check_tokens(params.allowed_token_ids or [], "allowed_token_ids")
+        if params.min_tokens > params.max_tokens:  # vLLM refuses it too (the torch engine ignored min_tokens then)
+            raise RequestError(
+                f"min_tokens must be less than or equal to max_tokens={params.max_tokens}, got {params.min_tokens}",
+                param="min_tokens",
+            )
         # Sets in effect (as vLLM reads them): a repeated id only made every token slower; 5M copies of one allowed
         # id (15 MB of JSON) held the whole batch for two minutes on 8 x 20 tokens.
         params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids))
