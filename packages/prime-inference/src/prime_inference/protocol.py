@@ -9,6 +9,7 @@ implement and that would change the output (``use_beam_search``, ``bad_words``, 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -79,6 +80,14 @@ class SamplingParams:
     structured_outputs: dict[str, Any] | None = None
     """The request's ``structured_outputs`` as vLLM reads it, once `grammar` compiled from it: the vLLM engine hands
     it to vLLM's own structured-output backend (its engine core compiles it), the torch engine follows `grammar`."""
+    _derived: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """What an engine derives from these fields (an id tensor, an id set), made on the first token and kept for
+        the others: rebuilding a vocabulary-sized ``allowed_token_ids`` tensor cost 46 ms per token on CPU."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     @property
     def has_penalties(self) -> bool:

@@ -8,6 +8,7 @@ response formatting; an `Engine` only turns prompt token ids into sampled token 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -168,6 +169,26 @@ def sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+class BodyBudget:
+    """Bytes of request bodies held at once, all requests together (``server.max_buffered_body_bytes``): each body
+    counts from its first byte until it is parsed. One event loop takes and gives, so no lock."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.limit:
+            raise RequestError(
+                f"the server already holds {self.held} bytes of request bodies being received; this one would pass "
+                f"server.max_buffered_body_bytes = {self.limit}: retry later",
+                status_code=503,
+            )
+        self.held += size
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
 class ServerState:
     """The served model behind our own routes: engine, tokenizer and the checks every generation route makes."""
 
@@ -186,6 +207,7 @@ class ServerState:
             self.parser = OutputParser(tokenizer, config.tool_parser, config.reasoning_parser)
         self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.versions = VersionLedger()
+        self.body_budget = BodyBudget(config.server.max_buffered_body_bytes)
         self.weight_gate = WeightGate()
         # No token covers more characters than the longest entry of the vocabulary (byte-level BPE writes one
         # character per byte); twice that per token of context allows for normalizers that shrink the text (NFC).
@@ -249,6 +271,16 @@ class ServerState:
         self.check_tokens(params.stop_token_ids, "stop_token_ids")
         self.check_tokens(list(params.logit_bias), "logit_bias")
         self.check_tokens(params.allowed_token_ids or [], "allowed_token_ids")
+        if params.min_tokens > params.max_tokens:  # vLLM refuses it too (the torch engine ignored min_tokens then)
+            raise RequestError(
+                f"min_tokens must be less than or equal to max_tokens={params.max_tokens}, got {params.min_tokens}",
+                param="min_tokens",
+            )
+        # Sets in effect (as vLLM reads them): a repeated id only made every token slower; 5M copies of one allowed
+        # id (15 MB of JSON) held the whole batch for two minutes on 8 x 20 tokens.
+        params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids))
+        if params.allowed_token_ids is not None:
+            params.allowed_token_ids = list(dict.fromkeys(params.allowed_token_ids))
         if params.prompt_logprobs is not None and not self.engine.supports_prompt_logprobs:
             raise RequestError(
                 f"prompt_logprobs is not supported by the {self.engine.name} engine", param="prompt_logprobs"
@@ -267,7 +299,7 @@ class ServerState:
             raise RequestError("prompt_logprobs is served for text prompts on the base model", param="prompt_logprobs")
         out = []
         for i in range(n):
-            p = SamplingParams(**vars(params))
+            p = dataclasses.replace(params)
             if p.seed is not None and n > 1:
                 p.seed = p.seed + i
             request_id = f"{uuid.uuid4().hex}-{first + i}"

@@ -47,6 +47,11 @@ class ServerConfig(BaseConfig):
     weight_wait_timeout: float = Field(default=1800.0, gt=0)
     """Seconds a token-in request that names the oldest weights it accepts (``extra_args.prime_min_weight_step``, the
     orchestrator's ``dispatch_ahead``) waits for them; then it answers 503 naming the step it waited for."""
+    max_buffered_body_bytes: int = Field(default=1024**3, ge=64 * 1024**2)
+    """Bytes of request bodies the server holds at once while receiving them, all clients together (each body is also
+    at most 64 MiB, a 413 past that). A request arriving past it is a 503 to retry: without it, a few hundred clients
+    sending large bodies slowly held gigabytes until the server was killed for memory. Bodies are held only until
+    parsed, so normal traffic stays far below; raise it for many concurrent requests with large images."""
     frozen: bool = False
     """Refuse every weight change (``/update_weights``, ``/reload_weights``, LoRA adapter loads) with 403: a
     distillation teacher keeps the weights it started with (``rl`` sets it for the teacher it starts)."""

@@ -64,7 +64,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    lora_name: str
-    """Name of the adapter to drop."""
+    lora_name: str = Field(pattern=f"^{ADAPTER_NAME_PATTERN}$")
+    """Name of the adapter to drop (no other name can be loaded)."""
     lora_int_id: int | None = None
     """Accepted for vLLM compatibility and ignored."""

@@ -16,6 +16,9 @@ import torch
 
 from prime_inference.protocol import SamplingParams
 
+PROMPT_LOGPROBS_CHUNK = 512
+"""Prompt positions whose log-probs are computed together."""
+
 
 def apply_penalties(
     logits_V: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]
@@ -41,20 +44,23 @@ def process_logits(
     params: SamplingParams,
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
-    banned: Sequence[int] | None = None,
+    banned: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The logits greedy decoding takes the argmax of: allowed ids, logit bias, bans, penalties."""
+    device, dtype = logits_V.device, logits_V.dtype
     if params.allowed_token_ids is not None:
         keep = torch.full_like(logits_V, float("-inf"))
-        ids = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits_V.device)
+        ids = params.derived(("allowed", device), lambda: torch.tensor(params.allowed_token_ids, device=device))
         logits_V = keep.index_copy(0, ids, logits_V[ids])
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits_V.device)
-        bias = torch.tensor(list(params.logit_bias.values()), dtype=logits_V.dtype, device=logits_V.device)
+        ids, bias = params.derived(("bias", device, dtype), lambda: (
+            torch.tensor(list(params.logit_bias), dtype=torch.long, device=device),
+            torch.tensor(list(params.logit_bias.values()), dtype=dtype, device=device),
+        ))  # fmt: skip
         logits_V = logits_V.index_add(0, ids, bias)
-    if banned:
+    if banned is not None and len(banned):
         logits_V = logits_V.clone()
-        logits_V[list(banned)] = float("-inf")
+        logits_V[torch.as_tensor(banned, dtype=torch.long, device=device)] = float("-inf")
     if params.has_penalties:
         logits_V = apply_penalties(logits_V, params, prompt_ids, output_ids)
     return logits_V
@@ -85,7 +91,7 @@ def sample(
     mode: str,
     prompt_ids: Sequence[int] = (),
     output_ids: Sequence[int] = (),
-    banned: Sequence[int] | None = None,
+    banned: Sequence[int] | torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor | None]:
     """One token id, and the log-prob vector that ``mode`` names when ``params`` asks for log-probs."""
     want = params.logprobs is not None
@@ -122,17 +128,21 @@ def prompt_logprobs(
     {token: (log-prob, rank)} of its token, then of the top k alternatives."""
     device = next(model.parameters()).device
     out = model(torch.tensor([list(prompt_ids)], device=device))
-    logits_SV = (out if isinstance(out, torch.Tensor) else out.logits)[0]
-    lps_SV = torch.log_softmax(logits_SV[:-1].float(), dim=-1)
-    targets = torch.tensor(list(prompt_ids[1:]), dtype=torch.long, device=lps_SV.device)
-    token_lps = lps_SV.gather(1, targets[:, None])[:, 0]
-    ranks = (lps_SV > token_lps[:, None]).sum(-1) + 1
-    out: list[dict[int, tuple[float, int]] | None] = [None]
-    top_v, top_i = torch.topk(lps_SV, k) if k > 0 else (None, None)
-    for pos, (token, lp, rank) in enumerate(zip(targets.tolist(), token_lps.tolist(), ranks.tolist(), strict=True)):
-        entry = {token: (lp, rank)}
-        if top_v is not None:
-            for r, (t, v) in enumerate(zip(top_i[pos].tolist(), top_v[pos].tolist(), strict=True)):
-                entry.setdefault(t, (v, r + 1))
-        out.append(entry)
-    return out
+    logits_SV = (out if isinstance(out, torch.Tensor) else out.logits)[0, :-1]
+    targets = torch.tensor(list(prompt_ids[1:]), dtype=torch.long, device=logits_SV.device)
+    entries: list[dict[int, tuple[float, int]] | None] = [None]
+    # Positions in chunks: over the whole prompt at once, the fp32 copy, the log-softmax and the rank comparison were
+    # three more prompt x vocabulary tensors (9 GB each for 16k positions of a 151k vocabulary).
+    for start in range(0, len(targets), PROMPT_LOGPROBS_CHUNK):
+        lps_CV = torch.log_softmax(logits_SV[start : start + PROMPT_LOGPROBS_CHUNK].float(), dim=-1)
+        chunk = targets[start : start + PROMPT_LOGPROBS_CHUNK]
+        token_lps = lps_CV.gather(1, chunk[:, None])[:, 0]
+        ranks = (lps_CV > token_lps[:, None]).sum(-1) + 1
+        top_v, top_i = torch.topk(lps_CV, k) if k > 0 else (None, None)
+        for pos, (token, lp, rank) in enumerate(zip(chunk.tolist(), token_lps.tolist(), ranks.tolist(), strict=True)):
+            entry = {token: (lp, rank)}
+            if top_v is not None:
+                for r, (t, v) in enumerate(zip(top_i[pos].tolist(), top_v[pos].tolist(), strict=True)):
+                    entry.setdefault(t, (v, r + 1))
+            entries.append(entry)
+    return entries

@@ -45,7 +45,8 @@ from prime_inference.engines.lora import AdapterOp, AdapterRouter, ServedAdapter
 from prime_inference.engines.model_runner import build_decoder, resolve_dtype
 from prime_inference.engines.sampling import prompt_logprobs, sample
 from prime_inference.engines.torch_load import load_fields
-from prime_inference.engines.torch_loading import check_compatible, load_model, receive_model, text_config
+from prime_inference.engines.torch_loading import check_compatible, eos_ids, load_model, receive_model, text_config
+from prime_inference.protocol import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class TorchEngine(Engine):
                 "max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len, max_pos
             )
         self.vocab_size = text_config(hf_config).vocab_size
-        self.eos_ids = self._eos_ids(hf_config)
+        self.eos_ids = eos_ids(hf_config, tokenizer)
         self.decoder = AdapterRouter(
             build_decoder(
                 model, hf_config, num_slots=config.max_batch_size, max_len=self.max_model_len, device=self.device
@@ -143,15 +144,6 @@ class TorchEngine(Engine):
         adapters_of = self.model if self._adapters else None  # new base weights keep serving the loaded adapters
         return load_model(path, self.config, dtype=self.dtype, device=self.device, adapters_of=adapters_of,
                           served_source=getattr(self, "source", None))  # fmt: skip
-
-    def _eos_ids(self, hf_config: Any) -> set[int]:
-        ids: set[int] = set()
-        for value in (getattr(hf_config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, list | tuple):
-                ids.update(int(v) for v in value)
-        return ids
 
     @property
     def info(self) -> EngineInfo:
@@ -244,8 +236,6 @@ class TorchEngine(Engine):
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
-            from prime_inference.protocol import RequestError
-
             raise RequestError(f"no LoRA adapter named {name!r} is loaded", status_code=404, param="lora_name")
         await self._adapter_op(AdapterOp(name, None))
 
@@ -374,8 +364,6 @@ class TorchEngine(Engine):
                     self.decoder.release()
 
     def _reject(self, seq: _Sequence) -> None:
-        from prime_inference.protocol import RequestError
-
         name = seq.request.lora_name
         seq.emit(RequestError(f"LoRA adapter {name!r} was unloaded", status_code=404, param="model"))
         seq.finished = True
@@ -430,7 +418,7 @@ class TorchEngine(Engine):
             for seq in copies:
                 self.decoder.copy_prompt(first.slot, seq.slot, len(seq.request.prompt_ids))
             for seq in (first, *copies):
-                self._sample_and_emit(seq, logits)
+                self._sample_or_fail(seq, logits)
         running = [s for s in self._running if not s.finished and s.next_input is not None]
         if running:
             slots = [s.slot for s in running]
@@ -438,17 +426,28 @@ class TorchEngine(Engine):
             positions = [len(s.request.prompt_ids) + len(s.output_ids) - 1 for s in running]
             logits = self.decoder.decode(slots, inputs, positions)
             for row, seq in enumerate(running):
-                self._sample_and_emit(seq, logits[row])
+                self._sample_or_fail(seq, logits[row])
         with self._cond:
             self._running = [s for s in self._running if not s.finished]
             if not self._running:
                 self.decoder.release()
 
+    def _sample_or_fail(self, seq: _Sequence, logits_V: torch.Tensor) -> None:
+        """What fails in one sequence's own work (its prompt log-probs out of memory, its grammar) ends that sequence
+        only: it ended every running one, all clients' requests failing for one client's."""
+        try:
+            self._sample_and_emit(seq, logits_V)
+        except Exception as e:
+            logger.exception("request %s failed", seq.request.request_id)
+            with self._cond:
+                self._finish(seq)
+            seq.emit(e)
+
     def _sample_and_emit(self, seq: _Sequence, logits_V: torch.Tensor) -> None:
         params = seq.request.params
         banned = None
         if len(seq.output_ids) < params.min_tokens:
-            banned = sorted((self.eos_ids if not params.ignore_eos else set()) | set(params.stop_token_ids))
+            banned = params.derived("banned", lambda: torch.tensor(sorted(self._bans(params))))
         if seq.grammar is not None:
             logits_V = seq.grammar.mask(logits_V)
         mode = self.config.logprobs_mode
@@ -475,18 +474,21 @@ class TorchEngine(Engine):
                 self._finish(seq)
         seq.emit(out)
 
+    def _bans(self, params: Any) -> set[int]:  # what min_tokens holds back
+        return (set() if params.ignore_eos else self.eos_ids) | set(params.stop_token_ids)
+
     def _finish_reason(self, seq: _Sequence, token: int) -> tuple[str | None, int | str | None]:
         params = seq.request.params
         n_out = len(seq.output_ids)
         if n_out > params.min_tokens or n_out == params.min_tokens:
             if not params.ignore_eos and token in self.eos_ids:
                 return "stop", None
-            if token in params.stop_token_ids:
+            if token in params.derived("stop_ids", lambda: frozenset(params.stop_token_ids)):
                 return "stop", token
             if seq.grammar is not None and seq.grammar.stopped:
                 return "stop", None
             if params.stop:
-                text = self._decode(seq.output_ids)
+                text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
                 tail_start = max(0, len(text) - max(len(s) for s in params.stop) - 32)
                 for stop in params.stop:
                     if text.find(stop, tail_start) >= 0:
@@ -494,6 +496,3 @@ class TorchEngine(Engine):
         if n_out >= params.max_tokens or len(seq.request.prompt_ids) + n_out >= self.max_model_len:
             return "length", None
         return None, None
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -19,6 +19,17 @@ def text_config(hf_config: Any) -> Any:
     return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
+def eos_ids(hf_config: Any, tokenizer: Any) -> set[int]:
+    """The ids that end a sequence: the model config's and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for value in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return ids
+
+
 def load_model(
     path: str,
     config: InferenceConfig,

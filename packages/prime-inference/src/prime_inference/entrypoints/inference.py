@@ -35,6 +35,8 @@ def serve(config: InferenceConfig) -> None:
     write_config(config, run_dir.config_file("inference"))
     app = build_app(config, lambda: build_engine(config))
     logger.info("listening on http://%s:%d", config.server.host, config.server.port)
+    if warning := exposure_warning(config):
+        logger.warning(warning)
     server = uvicorn.Server(
         uvicorn_config(
             app,
@@ -51,6 +53,20 @@ def serve(config: InferenceConfig) -> None:
     uvicorn_log.addFilter(CutRequestsInOneLine(config.server.shutdown_timeout))
     uvicorn_log.addFilter(ClientWarningsPerMinute())
     server.run()
+
+
+def exposure_warning(config: InferenceConfig) -> str | None:
+    """What any host that reaches a server bound beyond loopback without ``server.api_key`` may do (the multi-node
+    SLURM template binds 0.0.0.0): the admin routes are as open as generation."""
+    from prime_core.config.inference import is_loopback
+
+    if is_loopback(config.server.host) or config.server.api_key is not None:
+        return None
+    return (
+        f"server.host={config.server.host} without server.api_key: any host that reaches port {config.server.port} "
+        "may generate, /pause the engine, /reload_weights (back to the base model) and load weights or adapters "
+        "from server.weight_roots; set server.api_key unless the network is yours alone"
+    )
 
 
 class CutRequestsInOneLine(logging.Filter):

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from prime_inference.protocol import RequestError
-from prime_inference.serving import ServerState
+from prime_inference.serving import BodyBudget, ServerState
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 Model = TypeVar("Model", bound=BaseModel)
@@ -42,25 +42,34 @@ async def read_json(request: Request) -> dict[str, Any]:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise RequestError(f"request body larger than {MAX_BODY_BYTES} bytes", status_code=413)
-    raw = await _body(request)
+    served = getattr(getattr(request.scope.get("app"), "state", None), "prime", None)
+    budget = served.body_budget if served is not None else BodyBudget(MAX_BODY_BYTES)  # outside an app: its own
+    taken = [0]
     try:
-        data = json.loads(raw) if raw else None
-    except (ValueError, RecursionError) as e:  # besides syntax: bad UTF-8, deep nesting, a >4300-digit int
-        raise RequestError(f"request body is not valid JSON: {e}") from e
+        raw = await _body(request, budget, taken)
+        try:
+            data = json.loads(raw) if raw else None
+        except (ValueError, RecursionError) as e:  # besides syntax: bad UTF-8, deep nesting, a >4300-digit int
+            raise RequestError(f"request body is not valid JSON: {e}") from e
+    finally:
+        budget.give(taken[0])
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object")
     return data
 
 
-async def _body(request: Request) -> bytes:
+async def _body(request: Request, budget: BodyBudget, taken: list[int]) -> bytes:
     """The body, read until ``MAX_BODY_BYTES``: a chunked upload has no Content-Length to refuse up front, and
-    Starlette's ``request.body()`` would hold all of it (a 200 MB one raised the server's RSS by 390 MB)."""
+    Starlette's ``request.body()`` would hold all of it (a 200 MB one raised the server's RSS by 390 MB). Each chunk
+    is taken from ``budget`` (``taken[0]`` says how much, for the caller to give back)."""
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > MAX_BODY_BYTES:
                 raise RequestError(f"request body larger than {MAX_BODY_BYTES} bytes", status_code=413)
+            budget.take(len(chunk))
+            taken[0] += len(chunk)
             chunks.append(chunk)
     except ClientDisconnect:  # the client left (or was cut by the request deadline, `prime_inference.connections`)
         raise RequestError("the client disconnected before sending the whole body") from None

@@ -11,7 +11,7 @@ import prime_inference
 from prime_inference.chat_protocol import ChatCompletionRequest
 from prime_inference.completions_serving import completion
 from prime_inference.openai_serving import chat, chat_prompt
-from prime_inference.protocol import CompletionRequest, _Strict
+from prime_inference.protocol import CompletionRequest, RequestError, _Strict
 from prime_inference.routes.common import parse_body, read_json, state, validate
 
 router = APIRouter()
@@ -83,6 +83,12 @@ async def detokenize(request: Request) -> dict[str, Any]:
     s = state(request)
     body = await parse_body(request, DetokenizeRequest)
     s.adapter(body.model)
+    max_len = s.engine.info.max_model_len
+    if len(body.tokens) > max_len:  # 5M tokens held the event loop, every client's answers, 4.4 s
+        raise RequestError(
+            f"tokens holds {len(body.tokens)} tokens, more than this model's maximum context length of {max_len}",
+            param="tokens",
+        )
     s.check_tokens(body.tokens, "tokens")
     return {"prompt": s.tokenizer.decode(body.tokens)}
 
