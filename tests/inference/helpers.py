@@ -59,7 +59,8 @@ class RunningServer:
         self.server = uvicorn.Server(uvicorn_config(app, config, host="127.0.0.1", log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        headers = {"Authorization": f"Bearer {config.server.api_key}"} if config.server.api_key else {}
+        key = config.server.resolved_api_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         deadline = time.time() + startup_timeout
         while time.time() < deadline:
             if not self.thread.is_alive():  # uvicorn gave up on startup (the engine failed): its log says why

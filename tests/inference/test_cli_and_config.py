@@ -196,3 +196,26 @@ def test_log_probs_are_raw_standalone_and_processed_under_rl():
     for argv, mode in (([], "processed"), (["--inference.logprobs-mode", "raw"], "raw")):
         rl = load_config(RLConfig, ["--output-dir", "/data/exp", "--inference.engine", "torch", *argv])
         assert resolve(rl, facts).configs["inference"].logprobs_mode == mode
+
+
+def test_a_key_from_an_environment_variable_guards_every_route(model_dir, tmp_path, monkeypatch):
+    """``server.api_key_var``: the key stays out of the config the server writes into its run directory (a multi-node
+    SLURM job passes its per-launch key this way); a named variable that is unset stops the server in one line."""
+    from .helpers import start_server
+
+    monkeypatch.setenv("TEST_PRIME_KEY", "k-from-env")
+    server = start_server(model_dir, server={"api_key_var": "TEST_PRIME_KEY"}, output_dir=str(tmp_path))
+    try:
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 401
+        auth = {"Authorization": "Bearer k-from-env"}
+        assert httpx.get(f"{server.url}/health", headers=auth, timeout=5).status_code == 200
+    finally:
+        server.stop()
+    monkeypatch.delenv("TEST_PRIME_KEY")
+    out = subprocess.run(
+        [sys.executable, "-m", "prime_inference.entrypoints.inference", "--model.name", str(model_dir),
+         "--engine", "torch", "--server.api-key-var", "TEST_PRIME_KEY", "--output-dir", str(tmp_path / "b")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: server.api_key_var: the environment variable")

@@ -159,3 +159,12 @@ def test_continuous_rollouts_dispatch_as_far_ahead_as_the_bound_allows_unless_th
     assert chosen.orchestrator.async_level == 2
     with pytest.raises(ValueError, match="curriculum .* unset max_off_policy_steps"):
         rl("--max-off-policy-steps", "1", "--orchestrator.curriculum.dynamic-sampling", "true")
+
+
+def test_a_servers_key_variable_reaches_the_orchestrator_and_the_launchers_probes():
+    """``inference.server.api_key_var``: the orchestrator reads the same variable (no key in its config file), and
+    the launcher's own health probes and weight resets carry the key from the environment rl started in."""
+    resolved = resolve(rl("--inference.server.api-key-var", "RUN_KEY"), facts(0, 1, environ={"RUN_KEY": "k9"}))
+    client = resolved.configs["orchestrator"].client
+    assert client.api_key is None and client.api_key_var == "RUN_KEY"
+    assert resolved.api_key == "k9"

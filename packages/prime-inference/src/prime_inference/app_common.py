@@ -114,7 +114,7 @@ def add_common(app: FastAPI, config: InferenceConfig) -> None:
     """API-key check on every route, ``X-Weight-Step`` on generation responses, cancelling generation requests whose
     client left, and our error envelope on our routes."""
     app.add_middleware(CancelOnDisconnect)
-    app.add_middleware(AuthAndWeightStep, api_key=config.server.api_key)
+    app.add_middleware(AuthAndWeightStep, api_key=config.server.resolved_api_key())
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError):

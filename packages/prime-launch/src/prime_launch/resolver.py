@@ -232,6 +232,8 @@ def _client_of_own_server(
         changes["base_urls"] = [f"http://{connect}:{port}"]
     if inference.server.api_key and user_key is None:
         changes["api_key"] = inference.server.api_key
+    elif inference.server.api_key_var and user_key is None:
+        changes["api_key_var"] = inference.server.api_key_var  # the key stays out of the orchestrator's config file
     return client.derive(**changes)
 
 
@@ -250,7 +252,9 @@ def _user_key(client: ClientConfig, environ: Mapping[str, str]) -> str | None:
 
 def _api_key(client: ClientConfig, inference: InferenceConfig | None, environ: Mapping[str, str]) -> str | None:
     """The key the launcher's own requests (health, weight resets) carry."""
-    return (inference.server.api_key if inference is not None else None) or _user_key(client, environ)
+    server = inference.server if inference is not None else None
+    own = server.api_key or environ.get(server.api_key_var or "") if server is not None else None
+    return own or _user_key(client, environ)
 
 
 def _run_orchestrators(

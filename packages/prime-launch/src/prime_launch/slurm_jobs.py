@@ -58,7 +58,8 @@ def _prepare_rl(rl: RLConfig, slurm: SlurmConfig, template: str, dry_run: bool) 
     ctx = {"num_trainer_nodes": num_trainer_nodes, **base_context(slurm, template, output_dir, num_nodes)}
     (output_dir / "slurm").mkdir(parents=True, exist_ok=True)
     if slurm.rl_multi_node:
-        configs, process_logs = _resolve_nodes(rl, slurm, run_dir, dry_run)
+        configs, process_logs, key = _resolve_nodes(rl, slurm, run_dir, dry_run)
+        ctx.update(key)
         ctx["health_timeout"] = int(rl.health_timeout)
         if rl.orchestrator.transport.type == "zmq":
             ctx["transport_secret"] = secret_path(run_dir)
@@ -94,17 +95,50 @@ def _write_rl_toml(rl: RLConfig, run_dir: RunDir) -> tuple[dict[str, Path], list
 
 def _resolve_nodes(
     rl: RLConfig, slurm: SlurmConfig, run_dir: RunDir, dry_run: bool
-) -> tuple[dict[str, Path], list[Path]]:
-    """Each process's config resolved for the job's nodes, written under ``configs/``."""
+) -> tuple[dict[str, Path], list[Path], dict[str, Any]]:
+    """Each process's config resolved for the job's nodes, written under ``configs/``, and the template's API-key
+    variables (:func:`_api_key_by_variable`)."""
     resume = rl.resume and rl.trainer.ckpt.resume_step is None
     steps = resumable_steps(rl, run_dir.root) if resume else ()
     resolved = resolve(rl, ClusterFacts.of_job(slurm, run_dir.root, steps))
     if rl.overwrite and not dry_run:
         clear_run(run_dir)
-    configs = {name: write_config(cfg, run_dir.config_file(name)) for name, cfg in resolved.configs.items()}
+    processes, key = _api_key_by_variable(resolved.configs, slurm, run_dir)
+    configs = {name: write_config(cfg, run_dir.config_file(name)) for name, cfg in processes.items()}
     _mark(run_dir, dry_run)
     logs = [run_dir.logs / f"inference-node{i}.log" for i in range(slurm.num_inference_nodes)]
-    return configs, [*logs, run_dir.log_file("orchestrator"), run_dir.log_file("trainer")]
+    return configs, [*logs, run_dir.log_file("orchestrator"), run_dir.log_file("trainer")], key
+
+
+INFERENCE_KEY_VAR = "PRIME_INFERENCE_API_KEY"
+
+
+def _api_key_by_variable(
+    configs: dict[str, Any], slurm: SlurmConfig, run_dir: RunDir
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job's inference servers listen on every interface of their nodes, so they require a key: the user's
+    (``inference.server.api_key``, or the variable ``api_key_var`` names in the job's environment), else a fresh one
+    the job script writes at every launch into ``<output_dir>/inference.key`` (mode 0600). Every process reads it
+    from one environment variable, so no config file in the run directory holds it; before, any host reaching a
+    node's port could pause the engine or reset the weights, and a key the user set failed the job's health checks.
+    """
+    inference = configs.get("inference")
+    if slurm.num_inference_nodes == 0 or inference is None:
+        return configs, {}
+    server = inference.server
+    variable = server.api_key_var or INFERENCE_KEY_VAR
+    context: dict[str, Any] = {"inference_key_var": variable}
+    if server.api_key_var is None:
+        context["inference_key"] = run_dir.root / "inference.key"
+        context["inference_key_given"] = server.api_key is not None
+        if server.api_key is not None:  # a dry run's script too reads it from there
+            atomic_write_text(context["inference_key"], server.api_key)  # mkstemp: mode 0600
+    out = dict(configs)
+    out["inference"] = inference.derive(server=server.derive(api_key=None, api_key_var=variable))
+    for name, cfg in configs.items():
+        if name == "orchestrator" or name.startswith(orchestrator_name("")):
+            out[name] = cfg.derive(client=cfg.client.derive(api_key=None, api_key_var=variable))
+    return out, context
 
 
 def _prepare_sft(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: bool) -> SlurmJob:

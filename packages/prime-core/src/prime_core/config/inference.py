@@ -33,6 +33,10 @@ class ServerConfig(BaseConfig):
     """TCP port (0 picks a free one)."""
     api_key: str | None = None
     """When set, every route requires ``Authorization: Bearer <api_key>``."""
+    api_key_var: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of an environment variable holding the API key (used when ``api_key`` is unset): the key stays out of
+    the config files written into the run directory. A named variable that is unset or empty stops the server at
+    start, so a server meant to require a key never serves without one."""
     weight_roots: list[Path] = Field(default_factory=list)
     """Directories that ``/update_weights`` may read from (a ``weight_dir`` must resolve inside one). Empty
     allows any directory, which is only accepted on a loopback host."""
@@ -55,6 +59,16 @@ class ServerConfig(BaseConfig):
     frozen: bool = False
     """Refuse every weight change (``/update_weights``, ``/reload_weights``, LoRA adapter loads) with 403: a
     distillation teacher keeps the weights it started with (``rl`` sets it for the teacher it starts)."""
+
+    def resolved_api_key(self) -> str | None:
+        """``api_key``, else the value of the variable ``api_key_var`` names; ``ValueError`` when that is unset."""
+        import os
+
+        if self.api_key is not None or self.api_key_var is None:
+            return self.api_key
+        if not os.environ.get(self.api_key_var):
+            raise ValueError(f"server.api_key_var: the environment variable {self.api_key_var} is unset or empty")
+        return os.environ[self.api_key_var]
 
 
 class TorchEngineConfig(BaseConfig):

@@ -56,11 +56,11 @@ def serve(config: InferenceConfig) -> None:
 
 
 def exposure_warning(config: InferenceConfig) -> str | None:
-    """What any host that reaches a server bound beyond loopback without ``server.api_key`` may do (the multi-node
-    SLURM template binds 0.0.0.0): the admin routes are as open as generation."""
+    """What any host that reaches a server bound beyond loopback without ``server.api_key`` (or ``api_key_var``) may
+    do: the admin routes are as open as generation. (The multi-node SLURM job binds 0.0.0.0 and passes a key.)"""
     from prime_core.config.inference import is_loopback
 
-    if is_loopback(config.server.host) or config.server.api_key is not None:
+    if is_loopback(config.server.host) or config.server.api_key is not None or config.server.api_key_var:
         return None
     return (
         f"server.host={config.server.host} without server.api_key: any host that reaches port {config.server.port} "
@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.config.cli import fail
     from prime_core.preflight import port_in_use
 
+    try:  # a server meant to require a key must not serve without one
+        config.server.resolved_api_key()
+    except ValueError as e:
+        fail(str(e))
     # A busy port is one line now, not an error after the model has loaded.
     busy = None if config.vllm.headless else port_in_use(config.server.host, config.server.port)
     if busy:
