@@ -1,4 +1,6 @@
-"""One launch per output directory: ``rl`` holds an exclusive ``flock`` on ``<output-dir>/.rl.lock`` from before it
+"""One launch per output directory, which stays where it is while the launch runs.
+
+``rl`` holds an exclusive ``flock`` on ``<output-dir>/.rl.lock`` from before it
 checks the directory until it exits.
 
 Without it a second launch on the directory of a running one deleted that run's files (``--overwrite``, or a plain
@@ -6,7 +8,8 @@ launch before the first step, which takes them for a failed start's leftovers), 
 its configs over them (``--dry-run``), while the running processes went on writing there. The lock is the kernel's: it
 goes with the launcher however that ends (a kill -9 included), so a stale file never blocks a directory. The file
 stays (removing it would let a third launch lock a new file while the second still holds the old one); it holds the
-holder's pid and host for the refusal's message.
+holder's pid and host for the refusal's message. ``OutputDirWatch`` stops a launch whose directory was deleted or
+moved under it.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ import errno
 import fcntl
 import os
 import socket
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
+
+from prime_launch.process import ProcessFailed
 
 LOCK_NAME = ".rl.lock"
 
@@ -49,3 +55,49 @@ def lock_output_dir(root: Path) -> IO[str] | None:
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     return f
+
+
+class OutputDirGone(ProcessFailed):
+    """The run's output directory was deleted or moved under the running processes; ``cause`` is one line."""
+
+    def __init__(self, line: str):
+        super().__init__("output directory", None, Path("/dev/null"), reason=line)
+        self.line = line
+
+    @property
+    def cause(self) -> str:
+        return self.line
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return ""  # the logs went with the directory
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class OutputDirWatch:
+    """The launch's output directories (and the main one's ``configs/``, which nothing removes while a run runs) stay
+    the directories it started in. A deleted or moved one was not noticed: each process made the paths it writes
+    again (progress files, a checkpoint in an empty skeleton) or failed at its next write, while the run's logs and
+    files were gone or elsewhere; ``check`` raises ``OutputDirGone`` instead, so the launch stops at once."""
+
+    def __init__(self, root: Path, others: Iterable[Path] = ()):
+        paths = [root / "configs", *dict.fromkeys([root, *others])]
+        self._known = {path: _identity(path) for path in paths}
+        self._root = root
+
+    def check(self) -> None:
+        for path, known in self._known.items():
+            if known is None or (now := _identity(path)) == known:
+                continue
+            where = path.parent if path.name == "configs" and path.parent == self._root else path
+            what = f"its {path.name}/ is gone" if where != path else "it is gone" if now is None else "another is there"
+            raise OutputDirGone(
+                f"output directory {where} was deleted or moved while the run was running ({what}); stopped every "
+                f"process: a moved directory resumes where it is now (rl --resume --output-dir <there>)"
+            )

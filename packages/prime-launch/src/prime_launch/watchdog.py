@@ -405,17 +405,25 @@ def progress_files(plan: ResolvedRun) -> dict[str, list[Path]]:
 
 
 class RunWatchdog(Watchdog):
-    """The watchdog of one ``rl`` launch: knows each process's progress files and log."""
+    """The watchdog of one ``rl`` launch: knows each process's progress files and log, and that its output
+    directories stay in place (``OutputDirGone``, liveness enabled or not)."""
 
     def __init__(self, plan: ResolvedRun, config: LivenessConfig):
+        from prime_launch.run_lock import OutputDirWatch
+
         run_id = next((spec.env.get("PRIME_RUN_ID") for spec in plan.specs), None)
         super().__init__(config, run_id)
         self.files = progress_files(plan)
         self.logs = {spec.name: spec.log_file for spec in plan.specs}
         self.watch_helpers(plan.run_dir.progress)
+        self.dirs = OutputDirWatch(plan.run_dir.root, [d.root for d in plan.runs.values()])
 
     def started(self, name: str) -> None:
         self.watch(name, self.files.get(name, []), self.logs.get(name))
+
+    def check(self, finished: Iterable[str] = ()) -> None:
+        self.dirs.check()
+        super().check(finished)
 
 
 def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
