@@ -140,3 +140,22 @@ def test_an_activity_is_timed_on_the_monotonic_clock(tmp_path):
     beat(for_s=20.0)
     with pytest.raises(ProcessStuck, match=r"trainer rank 0 has been training step 3 for 20 s, past its bound of 5 s"):
         dog.check()
+
+
+def test_a_launcher_suspended_and_continued_keeps_its_healthy_run(tmp_path, rl_env):
+    """Ctrl-Z on `rl` (or SIGSTOP) stops only the launcher: its children, in their own sessions, go on. Continued past
+    the slack, the watchdog must not take its own sleep for their silence (before: 'inference is stuck: ... /health
+    has not answered for 8 s', the probe thread having slept with it)."""
+    proc, out, _ = start(tmp_path, rl_env)
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(SLACK_S + 5)
+        proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 2 * SLACK_S + 3
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        running = proc.poll() is None
+    finally:
+        stdout, stderr = stop(proc, out)
+    assert running, stderr
+    assert proc.returncode == 128 + signal.SIGTERM and stderr == "", stderr

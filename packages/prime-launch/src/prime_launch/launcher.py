@@ -171,7 +171,7 @@ def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None) -> int:
     _announce(plan, cleared, console)
     manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness))
     code, finished_ok = 0, False
-    with _signals_raise() as restore:
+    with _signals_raise() as restore, _on_continue(manager.liveness.resumed):
         try:
             _start(plan, rl, manager, console)
             finished_ok = _wait_for_trainer(plan, manager, console)
@@ -260,6 +260,17 @@ def _signals_raise() -> Iterator[Callable[..., None]]:
         yield restore
     finally:
         restore(ignore=False)
+
+
+@contextmanager
+def _on_continue(resumed: Callable[[], None]) -> Iterator[None]:
+    """``resumed()`` on SIGCONT: `rl` stopped (Ctrl-Z) and continued, while its children, in their own sessions, ran
+    on; its watchdog must not take its own sleep for their silence."""
+    previous = signal.signal(signal.SIGCONT, lambda signum, frame: resumed())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCONT, previous)
 
 
 def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _Console) -> None:

@@ -192,6 +192,7 @@ class Watchdog:
         self.probes: dict[str, HealthProbe] = {}
         self._server_of: dict[str, str | None] = {}
         self._last_check: float | None = None
+        self._awake_since: float | None = None
         self.helpers_dir: Path | None = None
         self._helpers_since = (0.0, 0.0)
 
@@ -213,6 +214,21 @@ class Watchdog:
     def close(self) -> None:
         for probe in self.probes.values():
             probe.stop()
+
+    def resumed(self) -> None:
+        """This process was stopped (Ctrl-Z, SIGSTOP) and continued (``SIGCONT``), its probe threads with it: silence
+        it slept through is not held against the processes, which ran on in their own sessions; each gets a fresh
+        ``slack_s`` from now. Called from a signal handler: it only sets a few floats."""
+        now = self.steady()
+        self._awake_since = now
+        for probe in self.probes.values():
+            probe.last_ok = max(probe.last_ok, time.monotonic())
+            if probe.engine_stalled_since is not None:
+                probe.engine_stalled_since = time.monotonic()
+
+    def _witnessed(self, seconds: float) -> float:
+        """``seconds`` of silence, less what fell before the watchdog last woke from a stop."""
+        return seconds if self._awake_since is None else min(seconds, self.steady() - self._awake_since)
 
     def check(self, finished: Iterable[str] = ()) -> None:
         """Raise ``ProcessStuck`` for the first stuck process, at most once a second; ``finished`` processes exited
@@ -299,13 +315,13 @@ class Watchdog:
         slack = self.config.slack_s
         record = self._fresh(path, watched)
         if record is None:
-            running = self.steady() - watched.started_steady
+            running = self._witnessed(self.steady() - watched.started_steady)
             if running > self.config.startup_s:
                 line = f"it wrote no heartbeat to {path} in the {running:.0f} s since it started"
                 raise ProcessStuck(watched.name, line, watched.log_file)
             return
         label, pid = record.name, _pid_note(record.pid, record.host)
-        age = self._age(record)
+        age = self._witnessed(self._age(record))
         if record.exiting:
             if age > slack and (self.exits_known or process_state(record.pid, record.host) is not None):
                 line = f"{label} finished its work {age:.0f} s ago but has not exited ({pid})"
@@ -446,6 +462,7 @@ def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGCONT, lambda *_: dog.resumed())
     print(
         f"watching {', '.join(dog.processes)} and {len(dog.probes)} inference server(s) (slack {config.liveness.slack_s:g} s)",
         flush=True,
