@@ -4,7 +4,9 @@ Before, each kill left one for ever: a full copy of the weights (16 GB for an 8B
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
 
 from prime_core.io import mark_stable
 from prime_core.run_dir import RunDir
@@ -35,3 +37,26 @@ def test_resume_removes_what_a_killed_writer_left_under_a_temporary_name(tmp_pat
     assert all(p.exists() for p in kept)
     assert "the stopped run's 4 unfinished writes (4.0 MiB: checkpoints/step_4/.orchestrator.a1b2c3.tmp, " in \
         resumed.stdout, resumed.stdout  # fmt: skip
+
+
+def test_rewind_moves_the_stopped_runs_metrics_of_the_redone_steps_aside(tmp_path):
+    """The steps a resume makes again were logged by the stopped run too: metrics.jsonl held two records of each (the
+    kill test's orchestrator step 2, with different rewards), a torn line between. They go to metrics.stopped.jsonl
+    (kept, not lost); metrics.jsonl then has each step once."""
+    run = RunDir(tmp_path)
+    for path in (run.trainer_checkpoint(2), run.orchestrator_checkpoint(2), run.weight_step(2)):
+        path.mkdir(parents=True)
+        mark_stable(path)
+    mark_stable(run.checkpoint_step(2))
+    lines = [json.dumps({"step": s, "process": p, "time": 1.0, "values": {"x": s}}) for s in range(4)
+             for p in ("orchestrator", "trainer")]  # fmt: skip
+    torn = '{"step": 4, "process": "orchestr'
+    run.metrics.write_text("\n".join([*lines, torn]))  # killed mid-append
+    done = subprocess.run([sys.executable, "-m", "prime_launch.entrypoints.cli", "rewind", "--output-dir",
+                           str(tmp_path), "--step", "2"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert run.metrics.read_text() == "\n".join(lines[:4]) + "\n"
+    assert (tmp_path / "metrics.stopped.jsonl").read_text() == "\n".join([*lines[4:], torn]) + "\n"
+    assert "moved the stopped run's 5 metrics records of steps >= 2 to metrics.stopped.jsonl" in done.stdout, (
+        done.stdout
+    )

@@ -166,7 +166,7 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
 
 
 def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None) -> int:
-    cleared = _prepare(rl, plan)
+    plan, cleared = _prepare(rl, plan)
     console = _Console(rl, plan, out or sys.stdout)
     _announce(plan, cleared, console)
     manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness))
@@ -212,9 +212,10 @@ def _locked(plan: ResolvedRun) -> Iterator[None]:
         yield
 
 
-def _prepare(rl: RLConfig, plan: ResolvedRun) -> list[RunDir]:
-    """Check the run's directories and port, clear leftovers (returned: those of a failed start), write the
-    configs."""
+def _prepare(rl: RLConfig, plan: ResolvedRun | None = None) -> tuple[ResolvedRun, list[RunDir]]:
+    """Resolve the run (unless ``plan`` is given), check its directories and port, clear leftovers (returned: those of
+    a failed start), write the configs."""
+    plan = plan or resolve_here(rl)
     check_output_dirs(plan, rl)
     check_port_free(plan.configs.get("inference"), plan.configs.get("teacher"))
     resume = rl.resume or plan.resume_step is not None
@@ -224,7 +225,7 @@ def _prepare(rl: RLConfig, plan: ResolvedRun) -> list[RunDir]:
     for run_dir in (plan.run_dir, *plan.runs.values()) if rl.overwrite else failed_starts:
         clear_run(run_dir)
     write_configs(plan, dry_run=False)
-    return [] if rl.overwrite else failed_starts
+    return plan, [] if rl.overwrite else failed_starts
 
 
 def _announce(plan: ResolvedRun, cleared: list[RunDir], console: _Console) -> None:

@@ -10,12 +10,14 @@ until the resumed run writes them again.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
 
-from prime_core.io import remove_published
+from prime_core.io import atomic_write_bytes, remove_published
 from prime_core.run_dir import RunDir
+from prime_core.schemas.metrics import MetricsRecord
 
 _STEP = re.compile(r"^step_(\d+)$")
 # What a writer builds under a temporary name before it renames it into place (``prime_core.io.atomic_dir``'s
@@ -44,9 +46,12 @@ def rewind(run_dir: RunDir, step: int) -> str | None:
         parts.append(f"weights of steps {_span(weights)}")
     if unfinished := _remove_unfinished(run_dir):
         parts.append(unfinished)
-    if not parts:
+    moved = _set_metrics_aside(run_dir, step)
+    notes = [f"removed the stopped run's {' and '.join(parts)} in {run_dir.root}"] if parts else []
+    notes += [f"moved the stopped run's {moved}"] if moved else []
+    if not notes:
         return None
-    return f"removed the stopped run's {' and '.join(parts)} in {run_dir.root} (resuming from step {step} makes them again)"
+    return f"{'; '.join(notes)} (resuming from step {step} makes them again)"
 
 
 def _span(found: list[tuple[int, Path]]) -> str:
@@ -66,3 +71,35 @@ def _remove_unfinished(run_dir: RunDir) -> str | None:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink()
     names = ", ".join(str(p.relative_to(run_dir.root)) for p in found[:3]) + (", ..." if len(found) > 3 else "")
     return f"{len(found)} unfinished writes ({size / 2**20:.1f} MiB: {names})"
+
+
+STOPPED_METRICS = "metrics.stopped.jsonl"
+_REDONE = ("trainer", "orchestrator")
+
+
+def _set_metrics_aside(run_dir: RunDir, step: int) -> str | None:
+    """Move the stopped run's trainer and orchestrator records of steps >= ``step`` (the resumed run logs them again,
+    for other rollouts) and lines a kill cut short out of ``metrics.jsonl``, appended to ``metrics.stopped.jsonl``:
+    every step is in ``metrics.jsonl`` once, and nothing is lost."""
+    try:
+        data = run_dir.metrics.read_bytes()
+    except FileNotFoundError:
+        return None
+    keep, aside = [], []
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = MetricsRecord.model_validate_json(line)
+        except ValueError:
+            aside.append(line)  # torn
+            continue
+        (aside if record.process in _REDONE and record.step >= step else keep).append(line)
+    if not aside:
+        return None
+    with open(run_dir.root / STOPPED_METRICS, "ab") as f:
+        f.write(b"".join(line + b"\n" for line in aside))
+        f.flush()
+        os.fsync(f.fileno())
+    atomic_write_bytes(run_dir.metrics, b"".join(line + b"\n" for line in keep))
+    return f"{len(aside)} metrics records of steps >= {step} to {STOPPED_METRICS}"
