@@ -53,8 +53,8 @@ def test_touch_restarts_the_clock_of_a_lane(tmp_path):
 def test_a_long_activity_is_logged_with_what_it_waits_for(tmp_path, caplog, monkeypatch):
     reporter = ProgressReporter(tmp_path / "p.json", "orchestrator")
     reporter.begin("waiting for the trainer's weights step 3", lane="policy", waits_for="trainer")
-    later = time.time() + 3600
-    monkeypatch.setattr(progress.time, "time", lambda: later)
+    later = time.monotonic() + 3600
+    monkeypatch.setattr(progress.time, "monotonic", lambda: later)
     with caplog.at_level(logging.INFO, logger="prime.progress"):
         reporter._notice()
         reporter._notice()  # once per NOTICE_EVERY_S, not on every beat

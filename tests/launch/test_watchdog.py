@@ -252,7 +252,8 @@ def test_prime_launch_watch_names_the_stuck_process_and_exits_1(tmp_path):
 def test_prime_launch_watch_ends_cleanly_on_sigterm_and_rewind_cli(tmp_path):
     proc = subprocess.Popen([*CLI, "watch", "--output-dir", str(tmp_path), "--trainer-ranks", "0", "--orchestrator",
                              "false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(2.0)
+    # Its first line comes once it handles SIGTERM (a fixed 2 s sleep lost the race on a loaded host: exit -15).
+    assert proc.stdout.readline().startswith("watching ")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     run = RunDir(tmp_path)

@@ -21,6 +21,7 @@ workers and the sandbox pool each one may hold) report beside it: ``helper_repor
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -43,6 +44,15 @@ PROGRESS_DIR_VAR = "PRIME_PROGRESS_DIR"
 CounterSource = Callable[[], dict[str, float]]
 
 
+@functools.cache
+def boot_id() -> str:
+    """This host's boot id (``Progress.boot_id``), empty where the kernel has none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 class ProgressReporter:
     """The state behind one progress file; thread-safe (asyncio tasks and threads report, a thread writes)."""
 
@@ -53,6 +63,8 @@ class ProgressReporter:
             process=process, rank=rank, pid=os.getpid(), host=socket.gethostname(), run_id=run_id, started=now, time=now
         )
         self._activities: dict[str, Activity] = {}
+        # Durations on the monotonic clock, by lane: a step of the wall clock moves every ``since``, not these.
+        self._began: dict[str, float] = {}
         self._noticed: dict[str, float] = {}
         self._sources: list[CounterSource] = []
         self._lock = threading.Lock()
@@ -84,6 +96,7 @@ class ProgressReporter:
         activity = Activity(lane=lane, what=what, kind=kind, since=time.time(), limit_s=limit_s, waits_for=waits_for)
         with self._lock:
             self._activities[lane] = activity
+            self._began[lane] = time.monotonic()
             self._noticed.pop(lane, None)
 
     def touch(self, lane: str = "main", what: str | None = None, limit_s: float | None = None) -> None:
@@ -94,6 +107,7 @@ class ProgressReporter:
                 update = {"since": time.time(), **({"what": what} if what is not None else {})}
                 update |= {"limit_s": limit_s} if limit_s is not None else {}
                 self._activities[lane] = current.model_copy(update=update)
+                self._began[lane] = time.monotonic()
                 self._noticed.pop(lane, None)
 
     def describe(self, lane: str, what: str, limit_s: float | None = None) -> None:
@@ -109,8 +123,9 @@ class ProgressReporter:
         """``lane`` is idle; a kind's duration is remembered for the watchdog's learned bound."""
         with self._lock:
             done = self._activities.pop(lane, None)
-            if done is not None and done.kind:
-                took = time.time() - done.since
+            began = self._began.pop(lane, None)
+            if done is not None and done.kind and began is not None:
+                took = time.monotonic() - began
                 slowest = self._progress.slowest_s
                 slowest[done.kind] = max(slowest.get(done.kind, 0.0), took)
 
@@ -143,10 +158,17 @@ class ProgressReporter:
             except Exception:  # a counter must never stop the heartbeat
                 logger.debug("progress counter source failed", exc_info=True)
         with self._lock:
+            mono = time.monotonic()
+            activities = [
+                a.model_copy(update={"for_s": mono - self._began[lane]}) if lane in self._began else a
+                for lane, a in self._activities.items()
+            ]
             return self._progress.model_copy(
                 update={
                     "time": time.time(),
-                    "activities": list(self._activities.values()),
+                    "monotonic": mono,
+                    "boot_id": boot_id(),
+                    "activities": activities,
                     "counters": {**self._progress.counters, **counters},
                     "slowest_s": dict(self._progress.slowest_s),
                 },
@@ -170,6 +192,7 @@ class ProgressReporter:
         with self._lock:
             self._progress.exiting = True
             self._activities.clear()
+            self._began.clear()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -185,18 +208,20 @@ class ProgressReporter:
             self._notice()
 
     def _notice(self) -> None:
-        now = time.time()
+        now = time.monotonic()
         with self._lock:
             due = [
-                a
-                for a in self._activities.values()
-                if now - a.since >= NOTICE_EVERY_S and now - self._noticed.get(a.lane, a.since) >= NOTICE_EVERY_S
+                (a, now - began)
+                for lane, a in self._activities.items()
+                if (began := self._began.get(lane)) is not None
+                and now - began >= NOTICE_EVERY_S
+                and now - self._noticed.get(lane, began) >= NOTICE_EVERY_S
             ]
-            for a in due:
+            for a, _ in due:
                 self._noticed[a.lane] = now
-        for a in due:
+        for a, lasted in due:
             bound = f" (limit {a.limit_s:.0f} s)" if a.limit_s is not None else ""
-            logger.info("%s: still %s after %.0f s%s", self._progress.name, a.what, now - a.since, bound)
+            logger.info("%s: still %s after %.0f s%s", self._progress.name, a.what, lasted, bound)
 
 
 _current = ProgressReporter(None, "process")
@@ -261,6 +286,15 @@ def stop_reporting() -> None:
     global _current
     _current.close()
     _current = ProgressReporter(None, "process")
+
+
+def lasted(record: Progress, activity: Activity) -> float:
+    """How long ``activity`` of ``record`` (written on this host) has lasted by now: on the monotonic clock when the
+    writer says, so that a step of the wall clock moves nothing; else since its wall-clock ``since``."""
+    if activity.for_s is not None and record.on_clock_of(boot_id()):
+        assert record.monotonic is not None
+        return activity.for_s + max(0.0, time.monotonic() - record.monotonic)
+    return time.time() - activity.since
 
 
 def read_progress(path: str | os.PathLike) -> Progress | None:

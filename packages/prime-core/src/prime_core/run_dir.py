@@ -12,7 +12,17 @@ from prime_core.io import is_stable
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 # Run artifacts of a launch; anything else in the output directory is left alone.
-RUN_ARTIFACTS = ("configs", "logs", "rollouts", "weights", "checkpoints", "metrics.jsonl", "samples", "eval")
+RUN_ARTIFACTS = (
+    "configs",
+    "logs",
+    "rollouts",
+    "weights",
+    "checkpoints",
+    "metrics.jsonl",
+    "metrics.stopped.jsonl",  # a resumed run's records of the steps it made again (prime_launch.resume)
+    "samples",
+    "eval",
+)
 DRY_RUN_MARKER = ".dry-run"
 _RUN_CONFIG_RE = re.compile(r"^(rl|sft|trainer|inference|teacher|orchestrator(-[A-Za-z0-9_.-]+)?)\.toml$")
 

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -23,6 +23,7 @@ from prime_launch.plan import DRY_RUN_MARKER, check_output_dir, command_line, ex
 from prime_launch.process import ProcessFailed, ProcessManager, full_disk_note, tail_lines
 from prime_launch.resolver import ResolvedRun, resolve
 from prime_launch.resume import rewind
+from prime_launch.run_lock import lock_output_dir
 from prime_launch.servers import StartupFailed, check_port_free, check_served_model, reset_to_base, wait_healthy
 from prime_launch.watchdog import RunWatchdog
 
@@ -68,8 +69,9 @@ def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
     commands ``rl`` would run (to stdout by default)."""
     out = out or sys.stdout
     plan = resolve_here(rl)
-    check_output_dirs(plan, rl)
-    paths = write_configs(plan, dry_run=True)
+    with _locked(plan):  # a running launch's configs are not a dry run's to replace
+        check_output_dirs(plan, rl)
+        paths = write_configs(plan, dry_run=True)
     check_orchestrators(plan.specs)
     print(f"rl dry run: resolved configs written to {plan.run_dir.configs}", file=out)
     for name, path in paths.items():
@@ -156,13 +158,20 @@ class _Console:
 
 
 def run(rl: RLConfig, out: TextIO | None = None) -> int:
-    """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal)."""
-    plan, cleared = _prepare(rl)
+    """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal). The output
+    directories are locked before they are checked and until every process stopped (``prime_launch.run_lock``)."""
+    plan = resolve_here(rl)
+    with _locked(plan):
+        return _run(rl, plan, out)
+
+
+def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None) -> int:
+    plan, cleared = _prepare(rl, plan)
     console = _Console(rl, plan, out or sys.stdout)
     _announce(plan, cleared, console)
     manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness))
     code, finished_ok = 0, False
-    with _signals_raise() as restore:
+    with _signals_raise() as restore, _on_continue(manager.liveness.resumed):
         try:
             _start(plan, rl, manager, console)
             finished_ok = _wait_for_trainer(plan, manager, console)
@@ -193,10 +202,20 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
     return code
 
 
-def _prepare(rl: RLConfig) -> tuple[ResolvedRun, list[RunDir]]:
-    """Resolve the run, check its directories and port, clear leftovers (returned: those of a failed start), write
-    the configs."""
-    plan = resolve_here(rl)
+@contextmanager
+def _locked(plan: ResolvedRun) -> Iterator[None]:
+    """Hold the lock of the run's output directory and of each run's under ``[[runs]]``."""
+    with ExitStack() as held:
+        for root in dict.fromkeys(d.root for d in (plan.run_dir, *plan.runs.values())):
+            if (lock := lock_output_dir(root)) is not None:
+                held.callback(lock.close)
+        yield
+
+
+def _prepare(rl: RLConfig, plan: ResolvedRun | None = None) -> tuple[ResolvedRun, list[RunDir]]:
+    """Resolve the run (unless ``plan`` is given), check its directories and port, clear leftovers (returned: those of
+    a failed start), write the configs."""
+    plan = plan or resolve_here(rl)
     check_output_dirs(plan, rl)
     check_port_free(plan.configs.get("inference"), plan.configs.get("teacher"))
     resume = rl.resume or plan.resume_step is not None
@@ -242,6 +261,17 @@ def _signals_raise() -> Iterator[Callable[..., None]]:
         yield restore
     finally:
         restore(ignore=False)
+
+
+@contextmanager
+def _on_continue(resumed: Callable[[], None]) -> Iterator[None]:
+    """``resumed()`` on SIGCONT: `rl` stopped (Ctrl-Z) and continued, while its children, in their own sessions, ran
+    on; its watchdog must not take its own sleep for their silence."""
+    previous = signal.signal(signal.SIGCONT, lambda signum, frame: resumed())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCONT, previous)
 
 
 def _start(plan: ResolvedRun, rl: RLConfig, manager: ProcessManager, console: _Console) -> None:

@@ -10,13 +10,19 @@ until the resumed run writes them again.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
-from prime_core.io import remove_published
+from prime_core.io import atomic_write_bytes, remove_published
 from prime_core.run_dir import RunDir
+from prime_core.schemas.metrics import MetricsRecord
 
 _STEP = re.compile(r"^step_(\d+)$")
+# What a writer builds under a temporary name before it renames it into place (``prime_core.io.atomic_dir``'s
+# ``.step_N.<random>.tmp`` and ``.orchestrator.<random>.tmp``, the trainer's ``checkpoints/step_N/.trainer.tmp``).
+_UNFINISHED = re.compile(r"^\.(step_\d+|trainer|orchestrator)(\.[A-Za-z0-9_]+)?\.tmp$")
 
 
 def _steps(parent: Path) -> list[tuple[int, Path]]:
@@ -26,8 +32,9 @@ def _steps(parent: Path) -> list[tuple[int, Path]]:
 
 
 def rewind(run_dir: RunDir, step: int) -> str | None:
-    """Remove the rollouts of steps >= ``step`` and the weights of steps > ``step``; a line saying what went (None when
-    nothing did)."""
+    """Remove the rollouts of steps >= ``step``, the weights of steps > ``step`` and what a killed writer left under a
+    temporary name (none of the run's processes runs now: ``rl`` holds the directory's lock); a line saying what went
+    (None when nothing did)."""
     rollouts = [(s, p) for s, p in _steps(run_dir.rollouts) if s >= step]
     weights = [(s, p) for s, p in _steps(run_dir.weights) if s > step]
     for _, path in rollouts + weights:
@@ -37,11 +44,62 @@ def rewind(run_dir: RunDir, step: int) -> str | None:
         parts.append(f"rollouts of steps {_span(rollouts)}")
     if weights:
         parts.append(f"weights of steps {_span(weights)}")
-    if not parts:
+    if unfinished := _remove_unfinished(run_dir):
+        parts.append(unfinished)
+    moved = _set_metrics_aside(run_dir, step)
+    notes = [f"removed the stopped run's {' and '.join(parts)} in {run_dir.root}"] if parts else []
+    notes += [f"moved the stopped run's {moved}"] if moved else []
+    if not notes:
         return None
-    return f"removed the stopped run's {' and '.join(parts)} in {run_dir.root} (resuming from step {step} makes them again)"
+    return f"{'; '.join(notes)} (resuming from step {step} makes them again)"
 
 
 def _span(found: list[tuple[int, Path]]) -> str:
     steps = [s for s, _ in found]
     return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
+
+
+def _remove_unfinished(run_dir: RunDir) -> str | None:
+    """Remove the temporary directories of writes a kill cut short (weights being published, rollouts being shipped,
+    a checkpoint part being saved): each is as large as what it was writing, and nothing else ever removes it."""
+    parents = [run_dir.rollouts, run_dir.weights, run_dir.checkpoints, *(p for _, p in _steps(run_dir.checkpoints))]
+    found = sorted(p for parent in parents if parent.is_dir() for p in parent.iterdir() if _UNFINISHED.match(p.name))
+    if not found:
+        return None
+    size = sum(f.stat().st_size for p in found for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink()
+    names = ", ".join(str(p.relative_to(run_dir.root)) for p in found[:3]) + (", ..." if len(found) > 3 else "")
+    return f"{len(found)} unfinished writes ({size / 2**20:.1f} MiB: {names})"
+
+
+STOPPED_METRICS = "metrics.stopped.jsonl"
+_REDONE = ("trainer", "orchestrator")
+
+
+def _set_metrics_aside(run_dir: RunDir, step: int) -> str | None:
+    """Move the stopped run's trainer and orchestrator records of steps >= ``step`` (the resumed run logs them again,
+    for other rollouts) and lines a kill cut short out of ``metrics.jsonl``, appended to ``metrics.stopped.jsonl``:
+    every step is in ``metrics.jsonl`` once, and nothing is lost."""
+    try:
+        data = run_dir.metrics.read_bytes()
+    except FileNotFoundError:
+        return None
+    keep, aside = [], []
+    for line in data.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = MetricsRecord.model_validate_json(line)
+        except ValueError:
+            aside.append(line)  # torn
+            continue
+        (aside if record.process in _REDONE and record.step >= step else keep).append(line)
+    if not aside:
+        return None
+    with open(run_dir.root / STOPPED_METRICS, "ab") as f:
+        f.write(b"".join(line + b"\n" for line in aside))
+        f.flush()
+        os.fsync(f.fileno())
+    atomic_write_bytes(run_dir.metrics, b"".join(line + b"\n" for line in keep))
+    return f"{len(aside)} metrics records of steps >= {step} to {STOPPED_METRICS}"

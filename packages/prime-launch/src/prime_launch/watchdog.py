@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prime_core.config.liveness import LivenessConfig, WatchConfig
-from prime_core.progress import read_progress
+from prime_core.progress import boot_id, read_progress
 from prime_core.schemas.health import HealthResponse, parse_health
 from prime_core.schemas.progress import Activity, Progress
 
@@ -98,11 +98,13 @@ def _pid_note(pid: int | None, host: str = "") -> str:
 
 @dataclass
 class _Watched:
-    """A process the watchdog reads: its progress files (one per trainer rank) and since when it runs."""
+    """A process the watchdog reads: its progress files (one per trainer rank) and since when it runs (wall clock, to
+    tell an earlier launch's file of another boot; the watchdog's steady clock, for its startup allowance)."""
 
     name: str
     files: list[Path]
     started: float
+    started_steady: float
     log_file: Path | None = None
 
 
@@ -173,27 +175,34 @@ class Watchdog:
         run_id: str | None = None,
         clock: Callable[[], float] = time.time,
         exits_known: bool = True,
+        steady: Callable[[], float] | None = None,
     ):
         self.config = config
         self.run_id = run_id
         self.clock = clock
+        """The wall clock, for records that carry no monotonic time of this boot (another host's)."""
+        self.steady = steady or (time.monotonic if clock is time.time else clock)
+        """The watchdog's own clock for every interval: a step of the wall clock must neither kill a healthy run nor
+        hide a stuck process (a test's fake ``clock`` serves as both)."""
+        self.boot_id = boot_id() if self.steady is time.monotonic else ""
         self.exits_known = exits_known
         """Whether ``check`` hears of every process that exited (``rl``); else (``prime-launch watch``) a process that
         announced its exit counts as gone unless it is still alive on this host."""
         self.processes: dict[str, _Watched] = {}
         self.probes: dict[str, HealthProbe] = {}
         self._server_of: dict[str, str | None] = {}
-        self._last_check = 0.0
+        self._last_check: float | None = None
+        self._awake_since: float | None = None
         self.helpers_dir: Path | None = None
-        self._helpers_since = 0.0
+        self._helpers_since = (0.0, 0.0)
 
     def watch_helpers(self, progress_dir: Path) -> None:
         """Read the progress files of helpers (sandbox pools) that processes of the run start under ``progress_dir``."""
-        self.helpers_dir, self._helpers_since = progress_dir, self.clock()
+        self.helpers_dir, self._helpers_since = progress_dir, (self.clock(), self.steady())
 
     def watch(self, name: str, files: Iterable[Path], log_file: Path | None = None) -> None:
         """``name`` was just started; it writes ``files`` (a trainer: one per rank)."""
-        self.processes[name] = _Watched(name, list(files), self.clock(), log_file)
+        self.processes[name] = _Watched(name, list(files), self.clock(), self.steady(), log_file)
 
     def probe(self, urls: Iterable[str], api_key: str | None, server: str | None = None) -> None:
         """Probe each ``/health`` URL from now on; ``server`` names the process serving them (None: external)."""
@@ -206,15 +215,30 @@ class Watchdog:
         for probe in self.probes.values():
             probe.stop()
 
+    def resumed(self) -> None:
+        """This process was stopped (Ctrl-Z, SIGSTOP) and continued (``SIGCONT``), its probe threads with it: silence
+        it slept through is not held against the processes, which ran on in their own sessions; each gets a fresh
+        ``slack_s`` from now. Called from a signal handler: it only sets a few floats."""
+        now = self.steady()
+        self._awake_since = now
+        for probe in self.probes.values():
+            probe.last_ok = max(probe.last_ok, time.monotonic())
+            if probe.engine_stalled_since is not None:
+                probe.engine_stalled_since = time.monotonic()
+
+    def _witnessed(self, seconds: float) -> float:
+        """``seconds`` of silence, less what fell before the watchdog last woke from a stop."""
+        return seconds if self._awake_since is None else min(seconds, self.steady() - self._awake_since)
+
     def check(self, finished: Iterable[str] = ()) -> None:
         """Raise ``ProcessStuck`` for the first stuck process, at most once a second; ``finished`` processes exited
         normally and are no longer watched."""
         if not self.config.enabled:
             return
-        now = self.clock()
-        if now - self._last_check < 1.0:
+        steady = self.steady()
+        if self._last_check is not None and steady - self._last_check < 1.0:
             return
-        self._last_check = now
+        self._last_check = steady
         done = set(finished)
         for url, probe in self.probes.items():
             server = self._server_of.get(url)
@@ -223,8 +247,29 @@ class Watchdog:
         for watched in self.processes.values():
             if watched.name not in done:
                 for path in watched.files:
-                    self._check_file(watched, path, now)
-        self._check_helpers(now)
+                    self._check_file(watched, path)
+        self._check_helpers()
+
+    def _age(self, record: Progress) -> float:
+        """Seconds since ``record``'s heartbeat: on the monotonic clock when the writer is on this boot, else (another
+        host) on the wall clock."""
+        if record.on_clock_of(self.boot_id):
+            assert record.monotonic is not None
+            return self.steady() - record.monotonic
+        return self.clock() - record.time
+
+    def _since_start(self, record: Progress, wall: float, steady: float) -> bool:
+        """Whether ``record`` was written after the moment (``wall``, ``steady``) less 2 s: by this launch's process,
+        not left by an earlier one."""
+        if record.on_clock_of(self.boot_id):
+            return self._age(record) <= self.steady() - steady + 2.0
+        return record.time >= wall - 2.0
+
+    def _lasted(self, record: Progress, a: Activity) -> float:
+        """How long activity ``a`` of ``record`` has lasted by now."""
+        if a.for_s is not None:
+            return a.for_s + max(0.0, self._age(record))
+        return self.clock() - a.since
 
     # ----- servers -----
     def _check_probe(self, url: str, probe: HealthProbe, server: str | None) -> None:
@@ -260,22 +305,23 @@ class Watchdog:
     def _fresh(self, path: Path, watched: _Watched) -> Progress | None:
         """The record of this launch (a file left by an earlier launch, or another run's, is ignored)."""
         record = read_progress(path)
-        if record is None or record.time < watched.started - 2.0:
+        if record is None or not self._since_start(record, watched.started, watched.started_steady):
             return None
         if self.run_id is not None and record.run_id is not None and record.run_id != self.run_id:
             return None
         return record
 
-    def _check_file(self, watched: _Watched, path: Path, now: float) -> None:
+    def _check_file(self, watched: _Watched, path: Path) -> None:
         slack = self.config.slack_s
         record = self._fresh(path, watched)
         if record is None:
-            if now - watched.started > self.config.startup_s:
-                line = f"it wrote no heartbeat to {path} in the {now - watched.started:.0f} s since it started"
+            running = self._witnessed(self.steady() - watched.started_steady)
+            if running > self.config.startup_s:
+                line = f"it wrote no heartbeat to {path} in the {running:.0f} s since it started"
                 raise ProcessStuck(watched.name, line, watched.log_file)
             return
         label, pid = record.name, _pid_note(record.pid, record.host)
-        age = now - record.time
+        age = self._witnessed(self._age(record))
         if record.exiting:
             if age > slack and (self.exits_known or process_state(record.pid, record.host) is not None):
                 line = f"{label} finished its work {age:.0f} s ago but has not exited ({pid})"
@@ -287,7 +333,7 @@ class Watchdog:
             raise ProcessStuck(watched.name, line, watched.log_file)
         for activity in record.activities:
             bound = self.bound(record, activity)
-            elapsed = now - activity.since
+            elapsed = self._lasted(record, activity)
             if bound is not None and elapsed > bound + slack:
                 self._overdue(watched, record, activity, elapsed, bound)
 
@@ -300,7 +346,7 @@ class Watchdog:
         log = self.processes[blamed].log_file if blamed in self.processes else watched.log_file
         raise ProcessStuck(blamed, line, log)
 
-    def _check_helpers(self, now: float) -> None:
+    def _check_helpers(self) -> None:
         if self.helpers_dir is None:
             return
         slack = self.config.slack_s
@@ -308,16 +354,21 @@ class Watchdog:
             record = read_progress(path)
             # Another launch's, or a process that is gone (a replaced env server) or frozen (the orchestrator's env
             # watch kills that one): only a live pool's overdue work is a fault here.
-            if record is None or record.exiting or now - record.time > slack or record.time < self._helpers_since - 2:
+            if (
+                record is None
+                or record.exiting
+                or self._age(record) > slack
+                or not self._since_start(record, *self._helpers_since)
+            ):
                 continue
             if self.run_id is not None and record.run_id is not None and record.run_id != self.run_id:
                 continue
             for a in record.activities:
-                if a.limit_s is not None and now - a.since > a.limit_s + slack:
+                if a.limit_s is not None and (lasted := self._lasted(record, a)) > a.limit_s + slack:
                     c = record.counters
                     line = (
                         f"the sandbox pool ({_pid_note(record.pid, record.host)}) has been {a.what} for "
-                        f"{now - a.since:.0f} s without one finishing, past its bound of {a.limit_s:.0f} s + {slack:.0f} s "
+                        f"{lasted:.0f} s without one finishing, past its bound of {a.limit_s:.0f} s + {slack:.0f} s "
                         f"slack ({c.get('executions_completed', 0):.0f} executions completed, "
                         f"{c.get('zygotes_replaced', 0):.0f} zygotes replaced)"
                     )
@@ -370,17 +421,25 @@ def progress_files(plan: ResolvedRun) -> dict[str, list[Path]]:
 
 
 class RunWatchdog(Watchdog):
-    """The watchdog of one ``rl`` launch: knows each process's progress files and log."""
+    """The watchdog of one ``rl`` launch: knows each process's progress files and log, and that its output
+    directories stay in place (``OutputDirGone``, liveness enabled or not)."""
 
     def __init__(self, plan: ResolvedRun, config: LivenessConfig):
+        from prime_launch.run_lock import OutputDirWatch
+
         run_id = next((spec.env.get("PRIME_RUN_ID") for spec in plan.specs), None)
         super().__init__(config, run_id)
         self.files = progress_files(plan)
         self.logs = {spec.name: spec.log_file for spec in plan.specs}
         self.watch_helpers(plan.run_dir.progress)
+        self.dirs = OutputDirWatch(plan.run_dir.root, [d.root for d in plan.runs.values()])
 
     def started(self, name: str) -> None:
         self.watch(name, self.files.get(name, []), self.logs.get(name))
+
+    def check(self, finished: Iterable[str] = ()) -> None:
+        self.dirs.check()
+        super().check(finished)
 
 
 def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
@@ -403,6 +462,7 @@ def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGCONT, lambda *_: dog.resumed())
     print(
         f"watching {', '.join(dog.processes)} and {len(dog.probes)} inference server(s) (slack {config.liveness.slack_s:g} s)",
         flush=True,

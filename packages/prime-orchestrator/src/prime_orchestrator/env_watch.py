@@ -29,7 +29,7 @@ import signal
 import time
 from typing import Any
 
-from prime_core.progress import helper_file, read_progress
+from prime_core.progress import helper_file, lasted, read_progress
 
 from prime_orchestrator.proc_tree import command, family, listening_paths, process_tree
 from prime_orchestrator.stacks import blocked_in
@@ -98,16 +98,15 @@ class HangWatch:
 
     def stuck_pool(self, tree: Any = None) -> str | None:
         """Name a sandbox pool of the tree whose executions ran past their bound without one finishing."""
-        now = time.time()
         for pid in process_tree(self.proc.pid) if tree is None else tree:
             path = helper_file("sandbox_pool", pid)
             record = read_progress(path) if path is not None and path.exists() else None
             if record is None or record.pid != pid or record.exiting:
                 continue
             for a in record.activities:
-                if a.limit_s is not None and now - a.since > a.limit_s:
+                if a.limit_s is not None and (took := lasted(record, a)) > a.limit_s:
                     return (
-                        f"the sandbox pool in pid {pid} ({command(pid)}) has been {a.what} for {now - a.since:.0f} s "
+                        f"the sandbox pool in pid {pid} ({command(pid)}) has been {a.what} for {took:.0f} s "
                         f"without one finishing, past its bound of {a.limit_s:.0f} s"
                     )
         return None

@@ -29,6 +29,9 @@ class Activity(BaseModel):
     """A kind of work whose duration the watchdog learns (``step``, ``publish``, ``checkpoint``); empty otherwise."""
     since: float
     """Unix time the activity began (or last made progress: a rollout finished)."""
+    for_s: float | None = None
+    """Seconds it had lasted at this heartbeat, on the process's monotonic clock: a step of the wall clock (NTP, a
+    resumed VM) does not move it, as it moves ``since``. None from a writer that does not say."""
     limit_s: float | None = None
     """Longest it may take, from the process's own config (a rollout timeout, a weight-update timeout). None: the
     watchdog learns a bound for its ``kind``, or, for a wait on another process (``waits_for``), watches that one."""
@@ -57,6 +60,12 @@ class Progress(BaseModel):
     """Unix time the process started reporting."""
     time: float
     """Unix time of this heartbeat."""
+    monotonic: float | None = None
+    """``time.monotonic()`` of this heartbeat: CLOCK_MONOTONIC, one clock for every process of a host's boot
+    (``boot_id``) that a wall-clock step does not move; a watchdog on the same boot measures the heartbeat's age on it."""
+    boot_id: str = ""
+    """The host's boot id (``/proc/sys/kernel/random/boot_id``; empty where there is none): ``monotonic`` compares only
+    within one boot of one host."""
     step: int | None = None
     """The step the process works on (trainer: the step it trains next; orchestrator: the step it generates)."""
     activities: list[Activity] = Field(default_factory=list)
@@ -72,6 +81,10 @@ class Progress(BaseModel):
     def name(self) -> str:
         """``trainer rank 1`` for a rank, else the process name."""
         return f"{self.process} rank {self.rank}" if self.rank is not None else self.process
+
+    def on_clock_of(self, boot_id: str) -> bool:
+        """Whether ``monotonic`` compares with the ``time.monotonic()`` of a reader on boot ``boot_id``."""
+        return self.monotonic is not None and bool(self.boot_id) and self.boot_id == boot_id
 
     def doing(self) -> str:
         """Every activity as one phrase (``idle`` without any)."""
