@@ -288,8 +288,9 @@ _ADAPTER = re.compile(r"\.(lora_[AB])\.([^.]+)\.")
 def _model_difference(saved: dict[str, Any], model_sd: dict[str, Any]) -> str | None:
     """How the trainable weights a checkpoint holds differ from the model's, in words (a LoRA setting that changed
     since a checkpoint that predates its record in progress.json), or None. DCP would say "Missing key" at the end."""
-    ckpt = {k.removeprefix("model."): tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
-    model = {k: tuple(t.shape) for k, t in model_sd.items()}
+    # Non-tensor entries (a module's extra state) carry no shape: their keys still count.
+    ckpt = {k.removeprefix("model."): tuple(getattr(v, "size", ())) for k, v in saved.items() if k.startswith("model.")}
+    model = {k: tuple(getattr(t, "shape", ())) for k, t in model_sd.items()}
     in_ckpt, in_model = any(_ADAPTER.search(k) for k in ckpt), any(_ADAPTER.search(k) for k in model)
     if in_model and not in_ckpt:
         return "holds no LoRA adapters (trained without model.lora) but this run sets model.lora"
@@ -302,14 +303,16 @@ def _model_difference(saved: dict[str, Any], model_sd: dict[str, Any]) -> str | 
 
     (ckpt_mods, ckpt_names), (model_mods, model_names) = by_module(ckpt), by_module(model)
     if missing := sorted(set(model_mods) - set(ckpt_mods)):
-        return f"has no {missing[0]} ({len(missing)} such weights: model.lora.target_modules changed?)"
-    if extra := sorted(set(ckpt_mods) - set(model_mods)):
+        why = "model.lora.target_modules changed?" if ".lora_" in missing[0] else "other trainable parameters?"
+        return f"has no {missing[0]} ({len(missing)} such weights: {why})"
+    # DCP loads the keys the model asks for: other weights of a checkpoint (a vision tower since frozen) are no error.
+    if extra := sorted(k for k in set(ckpt_mods) - set(model_mods) if ".lora_" in k):
         return f"holds {extra[0]}, which this model has not ({len(extra)} such: model.lora.target_modules changed?)"
     for key, shape in model_mods.items():
         if ckpt_mods[key] != shape:
-            what = " (model.lora.rank changed?)" if _ADAPTER.search(key) or "lora_" in key else ""
+            what = " (model.lora.rank changed?)" if ".lora_" in key else ""
             return f"holds {key} of shape {list(ckpt_mods[key])}, this model {list(shape)}{what}"
-    if ckpt_names != model_names:
+    if model_names - ckpt_names:  # fewer (a tenant dropped) loads: DCP reads what the model asks for
         return (f"holds the adapters {sorted(ckpt_names)}, this run {sorted(model_names)} (model.lora.name, runs, or "
                 "the default name r<rank>-a<alpha>)")  # fmt: skip
     return None
