@@ -70,7 +70,14 @@ class Bounded(httpx.AsyncBaseTransport):
         except TimeoutError:
             raise _timed_out(request, limit_s) from None
         response.stream = _BoundedStream(response.stream, request, deadline, limit_s)
-        if request.method == "POST" and request.url.path.endswith(GENERATE_PATH) and response.status_code == 200:
+        # A streamed answer (server-sent events) says null in every chunk but its last: only whole answers are read.
+        whole = response.headers.get("content-type", "").startswith("application/json")
+        if (
+            request.method == "POST"
+            and request.url.path.endswith(GENERATE_PATH)
+            and response.status_code == 200
+            and whole
+        ):
             return await _checked_finish(request, response)
         return response
 
@@ -106,8 +113,10 @@ class _BoundedStream(httpx.AsyncByteStream):
 
 async def _checked_finish(request: httpx.Request, response: httpx.Response) -> httpx.Response:
     """``response`` read whole (within its bounds), or a 502 naming the first finish reason no turn may end with."""
-    body = b"".join([chunk async for chunk in response.stream])
-    await response.aclose()
+    try:  # a cut answer's connection is closed at once, as httpx does for the answers it reads itself
+        body = b"".join([chunk async for chunk in response.stream])
+    finally:
+        await response.aclose()
     encoded = response.headers.get("content-encoding", "identity") != "identity"
     bad = None if encoded else next((m for m in _FINISH.findall(body) if m[1:-1].decode() not in FINISH_REASONS), None)
     if bad is None:
