@@ -478,3 +478,19 @@ def test_a_trickling_health_neither_holds_the_start_up_nor_the_load_poll():
     url, error, waited, answers, polled = asyncio.run(main())
     assert error == f"inference server {url} not healthy after 2s" and waited < 15
     assert answers == [None] and polled < 5
+
+
+# ----- finish reasons -----
+@pytest.mark.parametrize("finish", ["content_filter", "abort", "banana", None])
+def test_a_finish_reason_no_turn_ends_with_fails_the_rollout_naming_the_server_and_the_value(tmp_path, finish):
+    """verifiers' train client maps a finish reason it does not know to None, and the turn trained as if the policy
+    had ended it: an aborted request's partial completion, a proxy's filtered one, a server's invented one."""
+    url, results, _, _ = run_step(tmp_path, lambda b: answer([5, 6], finish=finish))
+    failed = assert_clean_step(tmp_path, results)
+    assert f"inference server {url} answered finish_reason {finish!r}" in failed.error, failed.error
+
+
+@pytest.mark.parametrize("finish", ["stop", "length", "tool_calls"])
+def test_the_finish_reasons_a_turn_ends_with_train(tmp_path, finish):
+    _, results, _, _ = run_step(tmp_path, lambda b: answer([5, 6], finish=finish))
+    assert not any(r.failed for r in results), [r.error for r in results]

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 from prime_core.config import ConfigError
-from prime_core.config.trainer import (
+from prime_core.config.losses import (
     CISPOLossConfig,
     CustomLossConfig,
     DPPOLossConfig,

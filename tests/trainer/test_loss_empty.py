@@ -6,7 +6,7 @@ one of two ranks holds only such micro-batches."""
 import numpy as np
 import pytest
 import torch
-from prime_core.config.trainer import (
+from prime_core.config.losses import (
     CISPOLossConfig,
     CustomLossConfig,
     DPPOLossConfig,

@@ -266,16 +266,41 @@ def check_output_dir(path: Path) -> str | None:
     return None
 
 
-def check_resume_step(output_dir: Path, step: int, process: str = "trainer") -> str | None:
-    """Why ``process`` (``trainer`` or ``sft``) cannot resume from checkpoint ``step`` of ``output_dir``, or None."""
+def lora_record(lora: Any) -> dict[str, Any] | None:
+    """What a trainer checkpoint records of ``model.lora`` (a ``LoRAConfig`` or None): the settings its adapter
+    weights and their optimizer state were made with."""
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": sorted(lora.target_modules)}
+
+
+def lora_difference(saved: dict[str, Any] | None, lora: Any) -> str | None:
+    """The ``model.lora`` setting of this run that differs from a checkpoint's record, and what the checkpoint has,
+    in words; None when they agree."""
+    now = lora_record(lora)
+    if saved == now:
+        return None
+    if saved is None:
+        return "was trained without model.lora (full weights, no adapters) but this run sets model.lora"
+    if now is None:
+        settings = ", ".join(f"{k} = {saved.get(k)!r}" for k in ("rank", "alpha", "target_modules"))
+        return f"was trained with model.lora ({settings}) but this run sets none"
+    key = next(k for k in ("rank", "alpha", "target_modules") if saved.get(k) != now[k])
+    return f"was trained with model.lora.{key} = {saved.get(key)!r} but this run sets {now[key]!r}"
+
+
+def check_resume_step(output_dir: Path, step: int, process: str = "trainer", lora: Any = None) -> str | None:
+    """Why ``process`` (``trainer`` or ``sft``) with ``model.lora`` = ``lora`` cannot resume from checkpoint ``step``
+    of ``output_dir``, or None."""
     from prime_core.io import is_stable
     from prime_core.run_dir import RunDir
 
     run_dir = RunDir(output_dir)
     path = run_dir.trainer_checkpoint(step)
     if is_stable(path):
-        try:  # checkpoints saved before the process was recorded name none
-            saved = json.loads((path / "progress.json").read_text()).get("process", process)
+        try:  # checkpoints saved before the process (or LoRA) was recorded name none
+            progress = json.loads((path / "progress.json").read_text())
+            saved = progress.get("process", process)
         except (OSError, ValueError, AttributeError):
             return None  # an unreadable progress file is the trainer's to name, with the checkpoint to use instead
         if saved != process:
@@ -283,6 +308,12 @@ def check_resume_step(output_dir: Path, step: int, process: str = "trainer") -> 
                 f"checkpoint step {step} in {output_dir} was written by {saved}, and {process} does not resume another "
                 f"kind of run: start afresh in another --output-dir from its weights (--model.name "
                 f"{run_dir.weight_step(step)})"
+            )
+        # The adapters' keys and shapes would only fail DCP's load, after the model is built (~17 s on the tiny one).
+        if "lora" in progress and (diff := lora_difference(progress["lora"], lora)):
+            return (
+                f"checkpoint step {step} in {output_dir} {diff}: resume with the checkpoint's LoRA settings, or start "
+                f"afresh in another --output-dir"
             )
         return None
     have = ", ".join(map(str, run_dir.checkpoint_steps())) or "none"
@@ -377,7 +408,8 @@ def _file_problems(path: tuple[str, ...], section: BaseModel) -> Iterator[tuple[
     resume_step = getattr(getattr(section, "ckpt", None), "resume_step", None)
     trainer = isinstance(getattr(section, "init", None), ModelInitConfig) and isinstance(output_dir, Path)
     process = "sft" if isinstance(section, SFTConfig) else "trainer"
-    if trainer and resume_step is not None and (reason := check_resume_step(output_dir, resume_step, process)):
+    lora = section.model.lora if trainer else None
+    if trainer and resume_step is not None and (reason := check_resume_step(output_dir, resume_step, process, lora)):
         yield (*path, "ckpt", "resume_step"), reason
     # Only a trainer started on its own: rl checks (or clears, with --overwrite) the run directory itself.
     fresh = trainer and not path and resume_step is None and not section.bench and not getattr(section, "overwrite", 0)

@@ -12,12 +12,20 @@ trickles a byte a second held a rollout until its rollout timeout, and one that 
 env worker's memory. A response past its request's read timeout or past ``MAX_RESPONSE_BYTES`` is cut, and a
 warning names the server and the bound (the OpenAI SDK turns the error into "Request timed out." / "Connection
 error.", which name neither).
+
+A token-in answer (``/inference/v1/generate``) whose ``finish_reason`` is not ``stop``, ``length`` or ``tool_calls``
+(vLLM's ``abort``, a proxy's ``content_filter``, anything else) is answered to the caller as a 502 naming the server
+and the value: the train client maps an unknown reason to None and verifiers trained the turn as if it ended, though
+an aborted or filtered completion is cut at a point the policy never chose. The 502 fails the rollout (verifiers'
+clients do not retry), with the reason in its error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -33,6 +41,13 @@ logger = logging.getLogger("prime.orchestrator.http")
 
 MAX_RESPONSE_BYTES = 256 * 2**20
 """Largest response body read: ~15x a 128k-token completion's ``/inference/v1/generate`` answer with log-probs."""
+
+
+GENERATE_PATH = "/inference/v1/generate"
+FINISH_REASONS = ("stop", "length", "tool_calls")
+"""What a turn may end with; verifiers' ``FinishReason``. Anything else fails the rollout."""
+# A key of the answer's JSON, never text inside one of its strings (there every quote is escaped).
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*(null|"(?:[^"\\]|\\.)*")')
 
 
 class ResponseTooLarge(httpx.ReadError):
@@ -55,6 +70,15 @@ class Bounded(httpx.AsyncBaseTransport):
         except TimeoutError:
             raise _timed_out(request, limit_s) from None
         response.stream = _BoundedStream(response.stream, request, deadline, limit_s)
+        # A streamed answer (server-sent events) says null in every chunk but its last: only whole answers are read.
+        whole = response.headers.get("content-type", "").startswith("application/json")
+        if (
+            request.method == "POST"
+            and request.url.path.endswith(GENERATE_PATH)
+            and response.status_code == 200
+            and whole
+        ):
+            return await _checked_finish(request, response)
         return response
 
     async def aclose(self) -> None:
@@ -85,6 +109,25 @@ class _BoundedStream(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+async def _checked_finish(request: httpx.Request, response: httpx.Response) -> httpx.Response:
+    """``response`` read whole (within its bounds), or a 502 naming the first finish reason no turn may end with."""
+    try:  # a cut answer's connection is closed at once, as httpx does for the answers it reads itself
+        body = b"".join([chunk async for chunk in response.stream])
+    finally:
+        await response.aclose()
+    encoded = response.headers.get("content-encoding", "identity") != "identity"
+    bad = None if encoded else next((m for m in _FINISH.findall(body) if m[1:-1].decode() not in FINISH_REASONS), None)
+    if bad is None:
+        return httpx.Response(200, headers=response.headers, content=body, extensions=response.extensions)
+    value = json.loads(bad)
+    message = (
+        f"inference server {request.url.scheme}://{request.url.netloc.decode()} answered finish_reason {value!r} "
+        f"(a turn ends with {', '.join(FINISH_REASONS)}): its completion is not trained"
+    )
+    logger.warning(message)
+    return httpx.Response(502, json={"error": {"message": message, "type": "bad_finish_reason"}})
 
 
 def _server(request: httpx.Request) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from prime_core.config import ConfigError
 from prime_core.config.shared import CheckpointConfig
 from prime_core.io import (
     STABLE_MARKER,
@@ -203,6 +205,8 @@ class CheckpointManager:
         self._check_sizes(step, path, metadata)
         self._check_sums(step, path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
+        if reason := _model_difference(metadata.state_dict_metadata, model_sd):
+            raise ConfigError(f"checkpoint step {step} in {self.run_dir.root} {reason}")
         state = {"model": model_sd, "optim": optim_sd}
         with self._unreadable(step, path, "*.distcp"):
             dcp.load(state, checkpoint_id=str(path))
@@ -275,6 +279,43 @@ class CheckpointManager:
         if mkdir:
             (root / "rng").mkdir(parents=True, exist_ok=True)
         return root / "rng" / f"rank_{rank}.pt"
+
+
+_ADAPTER = re.compile(r"\.(lora_[AB])\.([^.]+)\.")
+"""An adapter weight's key names its adapter: ``...q_proj.lora_A.<name>.weight``."""
+
+
+def _model_difference(saved: dict[str, Any], model_sd: dict[str, Any]) -> str | None:
+    """How the trainable weights a checkpoint holds differ from the model's, in words (a LoRA setting that changed
+    since a checkpoint that predates its record in progress.json), or None. DCP would say "Missing key" at the end."""
+    # Non-tensor entries (a module's extra state) carry no shape: their keys still count.
+    ckpt = {k.removeprefix("model."): tuple(getattr(v, "size", ())) for k, v in saved.items() if k.startswith("model.")}
+    model = {k: tuple(getattr(t, "shape", ())) for k, t in model_sd.items()}
+    in_ckpt, in_model = any(_ADAPTER.search(k) for k in ckpt), any(_ADAPTER.search(k) for k in model)
+    if in_model and not in_ckpt:
+        return "holds no LoRA adapters (trained without model.lora) but this run sets model.lora"
+    if in_ckpt and not in_model:
+        return "holds LoRA adapters (trained with model.lora) but this run sets none"
+
+    def by_module(weights: dict[str, tuple]) -> tuple[dict[str, tuple], set[str]]:
+        names = {m.group(2) for k in weights if (m := _ADAPTER.search(k))}
+        return {_ADAPTER.sub(r".\1.", k, count=1): v for k, v in weights.items()}, names
+
+    (ckpt_mods, ckpt_names), (model_mods, model_names) = by_module(ckpt), by_module(model)
+    if missing := sorted(set(model_mods) - set(ckpt_mods)):
+        why = "model.lora.target_modules changed?" if ".lora_" in missing[0] else "other trainable parameters?"
+        return f"has no {missing[0]} ({len(missing)} such weights: {why})"
+    # DCP loads the keys the model asks for: other weights of a checkpoint (a vision tower since frozen) are no error.
+    if extra := sorted(k for k in set(ckpt_mods) - set(model_mods) if ".lora_" in k):
+        return f"holds {extra[0]}, which this model has not ({len(extra)} such: model.lora.target_modules changed?)"
+    for key, shape in model_mods.items():
+        if ckpt_mods[key] != shape:
+            what = " (model.lora.rank changed?)" if ".lora_" in key else ""
+            return f"holds {key} of shape {list(ckpt_mods[key])}, this model {list(shape)}{what}"
+    if model_names - ckpt_names:  # fewer (a tenant dropped) loads: DCP reads what the model asks for
+        return (f"holds the adapters {sorted(ckpt_names)}, this run {sorted(model_names)} (model.lora.name, runs, or "
+                "the default name r<rank>-a<alpha>)")  # fmt: skip
+    return None
 
 
 def _root_cause(e: BaseException) -> BaseException:

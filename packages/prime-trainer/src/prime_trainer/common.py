@@ -16,6 +16,7 @@ from prime_core.config.trainer import SFTConfig, TrainerConfig
 from prime_core.io import atomic_write_json, is_stable
 from prime_core.logging import setup_logging
 from prime_core.monitor import Monitor, build_monitor
+from prime_core.preflight import lora_record
 from prime_core.run_dir import RunDir
 from prime_models import flops_per_token
 from prime_models.parallel.context_parallel import ContextParallel
@@ -193,7 +194,8 @@ def save_checkpoint(c: Components, step: int, extra_state: dict[str, Any]) -> di
     t0 = time.perf_counter()
     c.ckpt.poll()
     if not c.config.bench and c.ckpt.due(step, c.config.max_steps):
-        c.ckpt.save(step, c.model, c.optimizer, extra_state)
+        # The LoRA settings let a resume with other ones fail at parse (prime_core.preflight), before the model loads.
+        c.ckpt.save(step, c.model, c.optimizer, {**extra_state, "lora": lora_record(c.config.model.lora)})
     return {"time/checkpoint": time.perf_counter() - t0}
 
 

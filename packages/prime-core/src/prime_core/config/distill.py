@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.inference import TorchEngineConfig, VllmConfig
-from prime_core.config.shared import HttpUrl, ModelConfig
+from prime_core.config.shared import MAX_BATCH, MAX_COEF, MAX_RETRIES, MAX_SEQ_LEN, HttpUrl, ModelConfig
 
 
 class TeacherConfig(BaseConfig):
@@ -29,7 +29,7 @@ class TeacherConfig(BaseConfig):
     """Environment variable holding the server's API key (unset: no key)."""
     timeout: float = Field(default=120.0, gt=0)
     """Seconds one scoring request may take; after ``max_retries`` the run stops, naming the teacher."""
-    max_retries: int = Field(default=3, ge=0)
+    max_retries: int = Field(default=3, ge=0, le=MAX_RETRIES)
     """Retries of a scoring request on connection errors and 5xx."""
     max_concurrent: int = Field(default=32, ge=1)
     """Scoring requests in flight to this teacher."""
@@ -50,9 +50,9 @@ class DistillConfig(BaseConfig):
 
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     """The teacher model (default: the one ``rl`` starts from ``[teacher]``)."""
-    kl_weight: float = Field(default=1.0, ge=0)
+    kl_weight: float = Field(default=1.0, ge=0, le=MAX_COEF)
     """Weight of the per-token distillation signal (the negative reverse KL on the sampled token)."""
-    reward_weight: float = Field(default=0.0, ge=0)
+    reward_weight: float = Field(default=0.0, ge=0, le=MAX_COEF)
     """Weight of the environment's group advantage (0: pure distillation; the reward is still logged)."""
     privileged_prompt: str | None = None
     """Text the teacher reads before the student's tokens and the student never sees (self-distillation, ``opsd``:
@@ -79,9 +79,9 @@ class TeacherServerConfig(BaseConfig):
     gpu_ids: list[int] | None = None
     """GPU run: the teacher's GPUs by id instead. They may be GPUs of the other processes: then set
     ``vllm.gpu_memory_utilization`` to the share of each GPU's memory the teacher may take."""
-    max_model_len: int | None = Field(default=None, ge=2)
+    max_model_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """Longest sequence it scores (prompt + completion); unset uses the model's ``max_position_embeddings``."""
-    max_batch_size: int = Field(default=32, ge=1)
+    max_batch_size: int = Field(default=32, ge=1, le=MAX_BATCH)
     """Torch engine: sequences prefilled together."""
     torch: TorchEngineConfig = Field(default_factory=TorchEngineConfig)
     """PyTorch engine settings (CPU threads: ``num_threads`` or ``devices.cpu_threads.teacher``)."""

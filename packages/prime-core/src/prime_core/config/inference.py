@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
-from prime_core.config.shared import MAX_SEQ_LEN, LogConfig, ModelConfig, Seed
+from prime_core.config.shared import MAX_BATCH, MAX_SEQ_LEN, LogConfig, ModelConfig, Seed
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
@@ -181,7 +181,7 @@ class InferenceConfig(BaseConfig):
     """HTTP server settings."""
     max_model_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """Longest prompt + completion in tokens; unset uses the model's ``max_position_embeddings``."""
-    max_batch_size: int = Field(default=32, ge=1)
+    max_batch_size: int = Field(default=32, ge=1, le=MAX_BATCH)
     """Torch engine: sequences decoded together (the running batch); more requests wait in a queue."""
     logprobs_mode: Literal["processed", "raw"] = "raw"
     """Which logits returned log-probs come from (vLLM's raw_logprobs / processed_logprobs): raw, vLLM's default, is

@@ -31,7 +31,7 @@ class LivenessConfig(BaseConfig):
     """Longest a trainer step, weight publish or checkpoint may take. Unset: learned, ``learned_factor`` times the
     slowest one so far and at least ``learned_floor_s``; one of a kind never seen (the first step's compilation, the
     first checkpoint) gets ``first_timeout_s``."""
-    learned_factor: float = Field(default=4.0, ge=1)
+    learned_factor: float = Field(default=4.0, ge=1, le=1000)
     """Learned bound of a step, publish or checkpoint: this many times the slowest one so far."""
     learned_floor_s: float = Field(default=60.0, gt=0)
     """Learned bounds are at least this long (a step time jumps when a longer batch or a checkpoint lands)."""

@@ -11,7 +11,11 @@ from prime_core.config.base import BaseConfig
 from prime_core.config.distill import DistillConfig
 from prime_core.config.liveness import RecoveryConfig
 from prime_core.config.shared import (
+    MAX_BATCH,
+    MAX_RETRIES,
     MAX_SEQ_LEN,
+    MAX_TEMPERATURE,
+    MAX_WORKERS,
     CheckpointConfig,
     HttpUrl,
     LogConfig,
@@ -35,7 +39,7 @@ class ClientConfig(BaseConfig):
     """Name of an environment variable holding the API key (used when ``api_key`` is unset)."""
     timeout: float = Field(default=600.0, gt=0)
     """Seconds before a single generation request fails."""
-    max_retries: int = Field(default=3, ge=0)
+    max_retries: int = Field(default=3, ge=0, le=MAX_RETRIES)
     """Retries of a failed generation or admin request (connection errors, 5xx)."""
     renderer: str = "auto"
     """Chat renderer of token-in rollouts, a ``renderers`` name (``qwen3``, ``llama-3``, ``qwen3-vl``, ``default``
@@ -144,7 +148,7 @@ class EnvConfig(BaseConfig):
     """Runtime config fields (e.g. a docker image)."""
     max_turns: int | None = Field(default=8, ge=1)
     """Upper bound on model turns per episode (None: no limit)."""
-    num_workers: int = Field(default=1, ge=1)
+    num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """Worker processes of the env server (1: one server process; more: verifiers' broker over a worker pool)."""
     elastic: bool = False
     """Start the pool with one worker and grow it with the load up to num_workers (static when off)."""
@@ -161,10 +165,10 @@ class EnvConfig(BaseConfig):
 class SamplingConfig(BaseConfig):
     """Sampling parameters of training rollouts."""
 
-    temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature (also sent to the trainer to scale its logits)."""
+    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
+    """Sampling temperature (also sent to the trainer to scale its logits); 0 is greedy, at most 10."""
     max_tokens: int = Field(default=128, ge=1)
-    """Maximum new tokens per model turn."""
+    """Maximum new tokens per model turn (at most the orchestrator's ``seq_len``)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
 
@@ -172,8 +176,10 @@ class SamplingConfig(BaseConfig):
 class EvalSamplingConfig(SamplingConfig):
     """Sampling of eval rollouts (greedy by default)."""
 
-    temperature: float = Field(default=0.0, ge=0)
-    """Sampling temperature (0: greedy)."""
+    temperature: float = Field(default=0.0, ge=0, le=MAX_TEMPERATURE)
+    """Sampling temperature (0: greedy; at most 10)."""
+    max_tokens: int = Field(default=128, ge=1, le=MAX_SEQ_LEN)
+    """Maximum new tokens per model turn."""
 
 
 class LengthPenaltyConfig(BaseConfig):
@@ -244,8 +250,8 @@ class CurriculumConfig(BaseConfig):
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: after a step's groups finish, draw more groups until the step has ``batch_size /
     rollouts_per_example`` admitted groups or the draw cap is reached; surplus admitted groups are not trained."""
-    max_draws_factor: float = Field(default=3.0, ge=1)
-    """Cap of dynamic sampling: at most this many times the step's groups are drawn in all."""
+    max_draws_factor: float = Field(default=3.0, ge=1, le=100)
+    """Cap of dynamic sampling: at most this many times the step's groups are drawn in all (at most 100)."""
 
     @model_validator(mode="after")
     def _check_curriculum(self) -> CurriculumConfig:
@@ -267,9 +273,9 @@ class EvalEnvsConfig(BaseConfig):
     """Eval environments (separate from the training mix)."""
     interval: int = Field(default=100, ge=1)
     """Evaluate every N steps (on the weights loaded at that moment)."""
-    num_examples: int = Field(default=32, ge=1)
+    num_examples: int = Field(default=32, ge=1, le=MAX_BATCH)
     """Examples per eval environment."""
-    rollouts_per_example: int = Field(default=1, ge=1)
+    rollouts_per_example: int = Field(default=1, ge=1, le=MAX_BATCH)
     """Rollouts per example (pass@k for k up to this)."""
     eval_base: bool = True
     """Evaluate the base weights at step 0, before the first rollout (so no weight update lands mid-eval)."""
@@ -283,8 +289,8 @@ class EvalEnvsConfig(BaseConfig):
     @field_validator("temperatures")
     @classmethod
     def _non_negative(cls, v: list[float] | None) -> list[float] | None:
-        if v is not None and (not v or any(t < 0 for t in v)):
-            raise ValueError("eval temperatures must be a non-empty list of values >= 0")
+        if v is not None and (not v or any(not 0 <= t <= MAX_TEMPERATURE for t in v)):
+            raise ValueError(f"eval temperatures must be a non-empty list of values in [0, {MAX_TEMPERATURE:g}]")
         return v
 
 
@@ -302,9 +308,9 @@ class LogExtrasConfig(BaseConfig):
 class BenchConfig(BaseConfig):
     """``orchestrator --bench``: inference throughput in isolation (no trainer, no weights)."""
 
-    num_requests: int = Field(default=64, ge=1)
+    num_requests: int = Field(default=64, ge=1, le=MAX_BATCH)
     """Generation requests sent."""
-    max_tokens: int = Field(default=64, ge=1)
+    max_tokens: int = Field(default=64, ge=1, le=MAX_SEQ_LEN)
     """New tokens per request."""
 
 
@@ -332,11 +338,11 @@ class OrchestratorConfig(BaseConfig):
     sampled with weights >= n - async_level; ``client.max_concurrent`` must leave room for the held rollouts beside
     the running ones, and the time a rollout is held counts toward its env's ``rollout_timeout``. Not with LoRA
     (adapters carry their own steps) or ``max_off_policy_steps``."""
-    batch_size: int = Field(default=128, ge=1)
+    batch_size: int = Field(default=128, ge=1, le=MAX_BATCH)
     """Samples per step (groups of rollouts_per_example)."""
-    rollouts_per_example: int = Field(default=8, ge=1)
+    rollouts_per_example: int = Field(default=8, ge=1, le=MAX_BATCH)
     """Group size: rollouts of one prompt whose rewards share a baseline."""
-    micro_batch_rows: int = Field(default=1, ge=1)
+    micro_batch_rows: int = Field(default=1, ge=1, le=MAX_BATCH)
     """Packed rows per micro-batch (one trainer forward/backward). On a GPU each forward has a fixed host-side cost
     (FSDP hooks, kernel launches: ~0.2 s for the Qwen3-0.6B shape on an H100 host), so short rows want several per
     micro-batch, about 16k tokens in all (the GPU configs: 8 x 2048); activations grow with it (docs/scaling.md)."""
@@ -376,7 +382,7 @@ class OrchestratorConfig(BaseConfig):
     """The trainer sends each step once (``trainer.weights.broadcast.type`` nccl or cuda_ipc; ``rl`` sets this): each
     transfer blocks the trainer until inference takes it, so the orchestrator relays every step up to
     ``max_steps - 1`` before exiting, even those no rollout will use."""
-    max_rollout_retries: int = Field(default=3, ge=0)
+    max_rollout_retries: int = Field(default=3, ge=0, le=MAX_RETRIES)
     """Times a rollout is re-run after its env server crashed under it (a crash loses no rollout)."""
     failed_rollouts: Literal["zero_reward", "drop"] = "zero_reward"
     """A rollout that raised or timed out: kept in its group with reward 0 (no tokens trained), or dropped."""
@@ -437,15 +443,15 @@ class EvalConfig(BaseConfig):
     """Inference server (the first base URL is used for weight loading)."""
     judge: JudgeEndpointConfig = Field(default_factory=JudgeEndpointConfig)
     """Where the environments' judges send their requests (default: the evaluated model's server)."""
-    num_examples: int = Field(default=32, ge=1)
+    num_examples: int = Field(default=32, ge=1, le=MAX_BATCH)
     """Examples per environment."""
-    rollouts_per_example: int = Field(default=1, ge=1)
+    rollouts_per_example: int = Field(default=1, ge=1, le=MAX_BATCH)
     """Rollouts per example; pass@k is reported for k = 1, 2, 4, ... up to this."""
     sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
     """Sampling of eval rollouts."""
     max_turns: int = Field(default=8, ge=1)
     """Upper bound on model turns per episode."""
-    num_workers: int = Field(default=1, ge=1)
+    num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """Env workers per environment."""
     use_chat: bool = False
     """Talk to /v1/chat/completions through verifiers' eval client (any OpenAI server, no token ids); off: token-in

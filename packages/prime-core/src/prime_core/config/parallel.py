@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_core.config.base import BaseConfig
 
@@ -13,8 +13,9 @@ from prime_core.config.base import BaseConfig
 class ParallelConfig(BaseConfig):
     """FSDP2 data parallelism and memory savers."""
 
-    dp_shard: int = -1
-    """FSDP shard degree; -1 uses every rank. Must divide the world size (the rest replicates: HSDP)."""
+    dp_shard: int = Field(default=-1, ge=-1)
+    """FSDP shard degree; -1 uses every rank (0 is refused). Must divide the world size (the rest replicates:
+    HSDP)."""
     ac: Literal["auto", "none", "full", "selective"] = "auto"
     """Activation checkpointing: ``full`` recomputes every decoder layer in backward; ``selective`` keeps more (see
     ``ac_every``). ``auto`` chooses at the first step, from a micro-batch's tokens and the GPU memory left once
@@ -59,6 +60,13 @@ class ParallelConfig(BaseConfig):
     master weights or ``ac_offload_attention``. Off by default."""
     timeout_s: int = Field(default=3600, ge=1)
     """Timeout of collective operations, in seconds."""
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _dp_shard_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("0 shards over no rank: use -1 (every rank) or a divisor of the world size")
+        return value
 
     @model_validator(mode="after")
     def _cuda_graphs_on_the_one_rank_path(self) -> ParallelConfig:

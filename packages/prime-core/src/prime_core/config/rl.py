@@ -21,7 +21,16 @@ from prime_core.config.distill import TeacherServerConfig
 from prime_core.config.inference import InferenceConfig
 from prime_core.config.liveness import LivenessConfig
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, Seed, WandbConfig
+from prime_core.config.shared import (
+    MAX_LR,
+    MAX_SEQ_LEN,
+    MAX_WORKERS,
+    CheckpointConfig,
+    LogConfig,
+    ModelConfig,
+    Seed,
+    WandbConfig,
+)
 from prime_core.config.trainer import TrainerConfig
 from prime_core.transport import RolloutTransportConfig
 
@@ -51,7 +60,7 @@ class DevicesConfig(BaseConfig):
     """GPUs of the inference server (vLLM data parallelism over them: DP = GPUs / tensor parallel)."""
     num_trainer_gpus: int = Field(default=1, ge=1)
     """GPUs of the trainer; more than one runs it under ``torchrun --nproc-per-node``."""
-    num_cpu_trainer_procs: int = Field(default=1, ge=1)
+    num_cpu_trainer_procs: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """CPU only: trainer ranks (more than one runs ``torchrun`` over gloo)."""
     cpu_threads: dict[Literal["inference", "trainer", "orchestrator", "teacher"], PositiveInt] = Field(
         default_factory=dict
@@ -103,7 +112,7 @@ class RLRunConfig(BaseConfig):
     output_dir: Path | None = None
     """The run's directory (its rollouts, adapter ``weights/step_N``, orchestrator checkpoints and
     ``metrics.jsonl``); default ``<output_dir>/runs/<name>``."""
-    lr: float | None = Field(default=None, gt=0)
+    lr: float | None = Field(default=None, gt=0, le=MAX_LR)
     """Peak learning rate of the run's adapter; unset uses ``trainer.optim.lr``."""
     seed: Seed | None = None
     """Seed of the run's orchestrator (example order, sampling); unset uses ``orchestrator.seed``."""

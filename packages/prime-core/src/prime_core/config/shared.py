@@ -13,6 +13,21 @@ from prime_core.config.base import BaseConfig
 # Packed rows are allocated whole (orchestrator and trainer), so a seq_len of 10**12 fails on its first step with a
 # 7 TiB allocation; 16M tokens is beyond any model's context and still refused at once.
 MAX_SEQ_LEN = 1 << 24
+# Upper bounds of values that cannot be right and that a run would otherwise find only late (an optimizer step of
+# inf, a loss that overflows float32, a step that never fills): one line at parse instead.
+MAX_LR = 1.0
+"""Learning rates: AdamW moves every weight by about lr per step, so above 1 the first step destroys the model."""
+MAX_COEF = 100.0
+"""Loss coefficients and clip ranges: past this the term swamps the loss (1e39 is float32's inf, a NaN step)."""
+MAX_BATCH = 1 << 20
+"""Samples, rows or rollouts of one step: a million is past any run, 10**12 an allocation or a step that never
+ends."""
+MAX_TEMPERATURE = 10.0
+"""Sampling temperatures: at 10 a model's distribution is close to uniform over its vocabulary (noise)."""
+MAX_RETRIES = 100
+"""Retries of one request: more is an unbounded wait in disguise."""
+MAX_WORKERS = 1024
+"""Processes or workers started for one part of a run."""
 # numpy's and vLLM's seeding take 0 .. 2**32 - 1; a larger seed overflowed in torch's generator with a traceback.
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -40,10 +55,10 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 class LoRAConfig(BaseConfig):
     """Low-rank adapters: the base weights stay frozen; only the adapters train, publish and get served."""
 
-    rank: int = Field(default=16, ge=1)
-    """Rank r of every adapter (A is [r, in], B is [out, r])."""
-    alpha: float = Field(default=32.0, gt=0)
-    """Scaling numerator: the update is (alpha / rank) * B @ A."""
+    rank: int = Field(default=16, ge=1, le=4096)
+    """Rank r of every adapter (A is [r, in], B is [out, r]); at most 4096."""
+    alpha: float = Field(default=32.0, gt=0, le=1e5)
+    """Scaling numerator: the update is (alpha / rank) * B @ A; at most 1e5."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the adapter's input during training (the base path never sees it)."""
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGET_MODULES))

@@ -12,8 +12,18 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
+from prime_core.config.losses import GRPOLossConfig, LossConfig
 from prime_core.config.parallel import ParallelConfig
-from prime_core.config.shared import MAX_SEQ_LEN, CheckpointConfig, LogConfig, ModelConfig, MonitorConfig, Seed
+from prime_core.config.shared import (
+    MAX_BATCH,
+    MAX_LR,
+    MAX_SEQ_LEN,
+    CheckpointConfig,
+    LogConfig,
+    ModelConfig,
+    MonitorConfig,
+    Seed,
+)
 from prime_core.transport import RolloutTransportConfig
 
 # ---------------------------------------------------------------- model, parallelism, performance
@@ -40,7 +50,7 @@ class ModelInitConfig(BaseConfig):
 class PerfConfig(BaseConfig):
     """Throughput and MFU accounting."""
 
-    peak_tflops: float | None = None
+    peak_tflops: float | None = Field(default=None, gt=0)
     """Peak bf16 TFLOP/s of one device for MFU; unset uses the GPU table (MFU is null on CPU)."""
 
 
@@ -49,20 +59,21 @@ class AdamWConfig(BaseConfig):
 
     type: Literal["adamw"] = "adamw"
     """Optimizer type."""
-    lr: float = Field(default=1e-6, gt=0)
-    """Peak learning rate."""
-    weight_decay: float = Field(default=0.01, ge=0)
-    """Decoupled weight decay (not applied to norms and biases)."""
+    lr: float = Field(default=1e-6, gt=0, le=MAX_LR)
+    """Peak learning rate (at most 1: AdamW moves every weight by about lr per step)."""
+    weight_decay: float = Field(default=0.01, ge=0, le=1)
+    """Decoupled weight decay (not applied to norms and biases); at most 1 (each step scales the weights by
+    1 - lr * weight_decay)."""
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     """Adam betas, each in [0, 1)."""
-    eps: float = Field(default=1e-8, ge=0)
-    """Adam epsilon."""
+    eps: float = Field(default=1e-8, ge=0, le=1)
+    """Adam epsilon, at most 1."""
     max_norm: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; unset disables clipping (the norm is still logged)."""
-    max_skipped_steps: int = Field(default=3, ge=0)
+    max_skipped_steps: int = Field(default=3, ge=0, le=1000)
     """Optimizer steps in a row that may be skipped for a NaN or infinite gradient norm (the weights and AdamW's
     moments stay as they were; the step is logged with ``optim/skipped``) before the trainer stops with an error.
-    0 stops at the first."""
+    0 stops at the first; at most 1000."""
 
 
 class ConstantSchedulerConfig(BaseConfig):
@@ -81,116 +92,11 @@ class CosineSchedulerConfig(BaseConfig):
     """Scheduler type."""
     warmup_steps: int = Field(default=0, ge=0)
     """Steps of linear warmup from 0 to ``optim.lr``."""
-    min_lr: float = Field(default=0.0, ge=0)
-    """Learning rate reached at the last step."""
+    min_lr: float = Field(default=0.0, ge=0, le=MAX_LR)
+    """Learning rate reached at the last step (at most ``optim.lr``)."""
 
 
 SchedulerConfig = Annotated[ConstantSchedulerConfig | CosineSchedulerConfig, Field(discriminator="type")]
-
-
-# ---------------------------------------------------------------- RL losses
-
-
-class _LossOptions(BaseConfig):
-    """Options shared by every RL objective."""
-
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of the KL penalty between the trainer policy and the inference (sampling) policy."""
-    kl_type: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator of KL(inference || trainer) on sampled tokens: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
-    entropy_coef: float = Field(default=0.0, ge=0)
-    """Entropy bonus: subtract this times the token entropy of the trainer policy from the loss."""
-    normalization: Literal["token", "sequence"] = "token"
-    """token: sum over every loss token of the step divided by the global token count; sequence: mean over each
-    sample's tokens, then mean over the step's samples."""
-
-
-class GRPOLossConfig(_LossOptions):
-    """Token-level importance ratio r = pi_theta / pi_inference with PPO-style asymmetric clipping and/or masking."""
-
-    type: Literal["grpo"] = "grpo"
-    """Objective type."""
-    clip_low: float | None = Field(default=0.2, ge=0, le=1)
-    """Clip r below at 1 - clip_low (PPO epsilon); unset disables clipping from below."""
-    clip_high: float | None = Field(default=0.28, ge=0)
-    """Clip r above at 1 + clip_high (DAPO's clip-higher); unset disables clipping from above."""
-    mask_low: float | None = Field(default=None, ge=0)
-    """Drop (zero loss and gradient) tokens whose ratio is below this value, e.g. 0.125; unset keeps them."""
-    mask_high: float | None = Field(default=None, gt=0)
-    """Drop tokens whose ratio is above this value, e.g. 8; unset keeps them."""
-
-
-class GSPOLossConfig(_LossOptions):
-    """Sequence-level ratio s = geometric mean of the token ratios of a sample, clipped PPO-style."""
-
-    type: Literal["gspo"] = "gspo"
-    """Objective type."""
-    clip_low: float = Field(default=3e-4, ge=0, le=1)
-    """Clip s below at 1 - clip_low (GSPO uses much smaller ranges than token-level PPO)."""
-    clip_high: float = Field(default=4e-4, ge=0)
-    """Clip s above at 1 + clip_high."""
-    normalization: Literal["token", "sequence"] = "sequence"
-    """Normalization; GSPO defines its objective per sequence."""
-
-
-class CISPOLossConfig(_LossOptions):
-    """Clipped stop-gradient importance weight times the log-prob: -sg(clip(r)) * A * log pi_theta."""
-
-    type: Literal["cispo"] = "cispo"
-    """Objective type."""
-    clip_low: float | None = Field(default=None, ge=0, le=1)
-    """Clip the weight below at 1 - clip_low; unset leaves it unbounded below (as in MiniMax-M1)."""
-    clip_high: float | None = Field(default=0.28, ge=0)
-    """Clip the weight above at 1 + clip_high."""
-
-
-class DPPOLossConfig(_LossOptions):
-    """DPPO-Binary-TV trust-region mask on the probability difference (conditioned on the advantage's sign) with a
-    squared-log-ratio KL regularizer (Kimi K2.5): prime-rl's default RL loss. No ratio clipping: the mask replaces
-    it."""
-
-    type: Literal["dppo"] = "dppo"
-    """Objective type."""
-    dppo_mask_low: float = Field(default=0.2, ge=0)
-    """Drop a token with A <= 0 whose probability fell by more than this: p_theta - p_inference < -dppo_mask_low."""
-    dppo_mask_high: float = Field(default=0.2, ge=0)
-    """Drop a token with A > 0 whose probability rose by more than this: p_theta - p_inference > dppo_mask_high."""
-    adv_tau: float = Field(default=1.0, ge=0)
-    """Scale of the advantage (policy-gradient) term; 0 leaves only the KL regularizer."""
-    kl_tau: float = Field(default=1e-3, ge=0)
-    """Weight of the squared log-ratio (log r)^2 on every loss token, dropped or not; 0 disables it."""
-
-
-class IPOLossConfig(_LossOptions):
-    """IPO (INTELLECT Policy Optimization): as ``dppo`` but the trust region is symmetric and ignores the sign of A."""
-
-    type: Literal["ipo"] = "ipo"
-    """Objective type."""
-    ipo_threshold: float = Field(default=0.1, ge=0)
-    """Drop a token whose probability moved by more than this either way: |p_theta - p_inference| > ipo_threshold."""
-    adv_tau: float = Field(default=1.0, ge=0)
-    """Scale of the advantage (policy-gradient) term; 0 leaves only the KL regularizer."""
-    kl_tau: float = Field(default=1e-3, ge=0)
-    """Weight of the squared log-ratio (log r)^2 on every loss token, dropped or not; 0 disables it."""
-
-
-class CustomLossConfig(_LossOptions):
-    """A user-supplied objective, found by import path; the shared options (KL, entropy, normalization) apply to it."""
-
-    type: Literal["custom"] = "custom"
-    """Objective type."""
-    import_path: str = Field(pattern=r"^[A-Za-z_][\w.]*[.:][A-Za-z_]\w*$")
-    """``package.module:Name`` (or ``package.module.Name``) of a callable that, called with ``kwargs``, returns the
-    objective: a callable from ``prime_trainer.rl.loss.LossInputs`` to ``PolicyTerm`` (a class with ``__call__``
-    fits). It is imported when the trainer starts, in every rank."""
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of that callable."""
-
-
-LossConfig = Annotated[
-    GRPOLossConfig | GSPOLossConfig | CISPOLossConfig | DPPOLossConfig | IPOLossConfig | CustomLossConfig,
-    Field(discriminator="type"),
-]
 
 
 # ---------------------------------------------------------------- data
@@ -199,15 +105,15 @@ LossConfig = Annotated[
 class FakeDataConfig(BaseConfig):
     """Synthetic data for benchmarks and smoke tests (no orchestrator, no dataset)."""
 
-    batch_size: int = Field(default=8, ge=1)
+    batch_size: int = Field(default=8, ge=1, le=MAX_BATCH)
     """Rows per optimizer step over all ranks."""
-    micro_batch_size: int = Field(default=1, ge=1)
+    micro_batch_size: int = Field(default=1, ge=1, le=MAX_BATCH)
     """Rows per forward/backward pass."""
     seq_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """Row length; unset uses the top-level ``seq_len``."""
     variable_lengths: bool = False
     """Pack random-length samples into each row (position ids restart) instead of one full-length sample."""
-    max_sample_len: int | None = Field(default=None, ge=2)
+    max_sample_len: int | None = Field(default=None, ge=2, le=MAX_SEQ_LEN)
     """With ``variable_lengths``: sample lengths are drawn from 2 .. this (e.g. 400 for the one-GPU RL loop's rows of
     about ten rollouts); unset draws up to the row length."""
 
@@ -251,9 +157,9 @@ class WeightBroadcastConfig(BaseConfig):
     (one per torch-engine server). ``rl`` fills it from the inference config."""
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds to wait for the workers to join or for one transfer before failing with an error naming them."""
-    bucket_mb: int = Field(default=1024, ge=1)
+    bucket_mb: int = Field(default=1024, ge=1, le=65536)
     """Tensors are sent in flat buckets of about this many MiB (fewer, larger collectives; cuda_ipc holds at most
-    two buckets on the GPU at a time)."""
+    two buckets on the GPU at a time); at most 65536 (64 GiB)."""
 
     @property
     def one_time(self) -> bool:
@@ -295,9 +201,9 @@ class SFTDataConfig(BaseConfig):
     """Split to read from a ``datasets`` DatasetDict directory."""
     fake: FakeDataConfig | None = None
     """Train on random tokens instead of a dataset (set by ``--bench``)."""
-    batch_size: int = Field(default=32, ge=1)
+    batch_size: int = Field(default=32, ge=1, le=MAX_BATCH)
     """Packed rows per optimizer step over all ranks."""
-    micro_batch_size: int = Field(default=1, ge=1)
+    micro_batch_size: int = Field(default=1, ge=1, le=MAX_BATCH)
     """Packed rows per forward/backward pass."""
     shuffle: bool = True
     """Shuffle samples every epoch (with ``seed + epoch``)."""
@@ -382,6 +288,18 @@ class _TrainerBase(BaseConfig):
         return self
 
     @model_validator(mode="after")
+    def _schedule_fits_the_run(self) -> _TrainerBase:
+        # Both used to be taken: a warmup past the last step never reaches optim.lr, and a cosine "decay" to a
+        # min_lr above optim.lr raises the rate step after step.
+        if self.scheduler.warmup_steps > self.max_steps:
+            raise ValueError(f"scheduler.warmup_steps ({self.scheduler.warmup_steps}) > max_steps ({self.max_steps}): "
+                             "the learning rate would never reach optim.lr")  # fmt: skip
+        if isinstance(self.scheduler, CosineSchedulerConfig) and self.scheduler.min_lr > self.optim.lr:
+            raise ValueError(f"scheduler.min_lr ({self.scheduler.min_lr:g}) > optim.lr ({self.optim.lr:g}): "
+                             "the cosine schedule decays from optim.lr down to min_lr")  # fmt: skip
+        return self
+
+    @model_validator(mode="after")
     def _resume_before_the_end(self) -> _TrainerBase:
         if (step := self.ckpt.resume_step) is not None and step >= self.max_steps:
             raise ValueError(f"ckpt.resume_step ({step}) >= max_steps ({self.max_steps}): nothing is left to train "
@@ -424,7 +342,7 @@ class LoRARunConfig(BaseConfig):
     output_dir: Path
     """The run's directory (its orchestrator's ``output_dir``): rollouts are read from it, adapters published to
     its ``weights/step_N`` and its metrics appended to its ``metrics.jsonl``."""
-    lr: float | None = Field(default=None, gt=0)
+    lr: float | None = Field(default=None, gt=0, le=MAX_LR)
     """Peak learning rate of this run's adapter; unset uses ``optim.lr``."""
 
 

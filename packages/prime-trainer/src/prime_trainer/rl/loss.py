@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 from prime_core.config import ConfigError
-from prime_core.config.trainer import (
+from prime_core.config.losses import (
     CISPOLossConfig,
     CustomLossConfig,
     DPPOLossConfig,
