@@ -222,7 +222,9 @@ def test_every_long_wait_written_in_the_code_is_covered():
 
 def test_the_slurm_jobs_wait_for_inference_says_what_it_waits_for_every_minute():
     template = (SRC / "prime-launch/src/prime_launch/templates/multi_node_rl.sbatch.j2").read_text()
-    loop = template[template.index('until curl -sf --max-time 5 "http://$host') :]
+    # Each probe is bounded (``healthy`` is one curl with --max-time, carrying the servers' key).
+    assert all("curl -sf --max-time 5" in line for line in template.splitlines() if line.startswith("healthy() {"))
+    loop = template[template.index('until healthy "http://$host') :]
     loop = loop[: loop.index("done")]
     assert "job: still waiting for inference on $host to answer /health after" in loop
     assert "note=$((SECONDS + 60))" in loop and "(( SECONDS > deadline ))" in loop
