@@ -200,3 +200,31 @@ def test_reverse_text_perfect_reply_scores_one_for_every_prompt():
     examples = generate_examples(1000, seed=0)
     assert any(e["prompt"].endswith(" ") for e in examples)
     assert [lcs_ratio(e["completion"], e["answer"]) for e in examples] == [1.0] * len(examples)
+
+
+def test_hedged_replies_score_zero_in_every_environment():
+    """Several candidates in one reply (the refusals docs/environments.md lists): only one answer counts, and a
+    list or an alternative as the answer is no answer. Measured on the current parsers, which already refuse them."""
+    from arithmetic import score_answer as arithmetic
+    from color_shapes import score_answer as shapes
+    from guess_number import parse_guess
+    from reverse_text import lcs_ratio
+    from tool_use.data import parse_answer
+
+    for reply in (
+        "\\boxed{12, 13}",
+        "\\boxed{12 \\text{ or } 13}",
+        "\\boxed{\\{12, 13\\}}",
+        "\\boxed{13}\\boxed{12,13}",
+    ):
+        assert arithmetic(reply, "13") == 0.0, reply
+    assert arithmetic("\\boxed{12}\\boxed{13}", "12") == 0.0  # the last box is the answer
+    for reply in (
+        "<answer>red, blue</answer>",
+        "<answer>red or blue</answer>",
+        "<answer>red</answer><answer>blue</answer>",
+    ):
+        assert shapes(reply, "red") == 0.0, reply
+    assert parse_guess("".join(f"<guess>{n}</guess>" for n in range(1, 17))) == 16  # one guess, the last
+    assert parse_answer("<answer>12</answer> or <answer>13</answer>") == 13
+    assert lcs_ratio("<reversed>xyz</reversed><reversed>cat</reversed>", "cat") == 0.0  # the first tag counts
