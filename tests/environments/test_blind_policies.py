@@ -131,3 +131,27 @@ def test_code_tasks_no_blind_function_beats_one_test(args):
     by_family = {family: sum(got) / len(got) for family, got in constant.items()}
     chance = {"balanced": 1 / 2}
     assert all(got <= max(1 / n, chance.get(f, 0)) + MARGIN for f, got in by_family.items()), (n, by_family)
+
+
+def test_reverse_text_pays_for_reversing_not_for_the_letters():
+    """The LCS ratio paid for the text's letters in any order: the prompt copied back earned 0.23 on average, its
+    letters sorted 0.40, the prompt followed by its reversal (a hedge) 0.67. A tagged answer at least as close to the
+    prompt as to its reversal scores 0; a reversal, whole or with a slip, keeps its ratio (a fragment too short to
+    tell, ``or`` of ``or god``, scores 0)."""
+    import difflib
+
+    from reverse_text import generate_examples, lcs_ratio
+
+    examples = generate_examples(1000, seed=0)
+
+    def mean(policy) -> float:
+        return sum(lcs_ratio(f"<reversed>{policy(e['prompt'])}</reversed>", e["answer"]) for e in examples) / 1000
+
+    assert mean(lambda p: p) == mean(lambda p: p + p[::-1]) == 0.0
+    assert mean(lambda p: "".join(sorted(p))) <= 0.25
+    assert mean(lambda p: " ".join(p.split()[::-1])) <= MARGIN  # the words' order reversed, not their letters
+    for e in examples:
+        target = e["answer"].strip()
+        for slip in (target, target[1:], target[:-1] + "x", target[:2] + target[3:]):  # scored as before
+            want = difflib.SequenceMatcher(None, slip.strip(), target).ratio()
+            assert lcs_ratio(f"<reversed>{slip}</reversed>", e["answer"]) == want, (e["prompt"], slip)

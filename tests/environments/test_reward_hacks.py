@@ -46,7 +46,7 @@ def test_arithmetic_power_tower_scores_zero_without_blocking_the_event_loop():
             return ArithmeticTask(ArithmeticData(prompt="p", answer=answer))
 
         async def main():
-            assert await task("7").correct(Trace("so \\\\boxed{7}")) == 1.0  # starts the child
+            assert await task("7").correct(Trace("so \\\\boxed{\\\\frac{14}{2}}")) == 1.0  # starts the child
             gaps, last = [], time.monotonic()
             async def beat():
                 nonlocal last
@@ -72,6 +72,61 @@ def test_arithmetic_power_tower_scores_zero_without_blocking_the_event_loop():
     assert float(took) < 30  # two replies at 3 s each, plus restarting the child
     assert float(gap) < 2.0  # the event loop served other coroutines throughout
     assert float(after) == 1.0  # the restarted child scores right answers
+
+
+def test_arithmetic_right_answers_are_not_queued_behind_power_towers():
+    """The scoring child takes one reply at a time, so while it spent its bound on a power tower (10 s, then a
+    restart) every right answer of the worker waited: 50 boxed integers scored only after the tower had timed out.
+    A boxed plain integer is scored without the child, while the tower is still being computed."""
+    out = _run(
+        """
+        import asyncio
+        from arithmetic.taskset import ArithmeticData, ArithmeticTask
+        from arithmetic import verify
+
+        verify._scorer = verify.Scorer(timeout_s=60.0)
+
+        class Trace:
+            def __init__(self, reply): self.last_reply = reply
+
+        def task(answer):
+            return ArithmeticTask(ArithmeticData(prompt="p", answer=answer))
+
+        async def main():
+            assert await task("7").correct(Trace("\\\\boxed{\\\\frac{14}{2}}")) == 1.0  # starts the child
+            tower = asyncio.create_task(task("7").correct(Trace("\\\\boxed{9^{9^{9^{9}}}}")))
+            await asyncio.sleep(0)  # the tower holds the child
+            right = [task(str(n)).correct(Trace(f"so \\\\boxed{{{n}}}")) for n in range(50)]
+            wrong = [task(str(n)).correct(Trace(f"\\\\boxed{{ {n + 1} }}")) for n in range(50)]
+            scores = await asyncio.gather(*right, *wrong)
+            print(sum(scores[:50]), sum(scores[50:]), tower.done())
+            tower.cancel()
+
+        asyncio.run(main())
+        """,
+        timeout=120,
+    )
+    assert out.split() == ["50.0", "0.0", "False"]
+
+
+def test_arithmetic_integers_scored_without_the_child_score_as_math_verify_scores_them():
+    """The parent's plain-integer path gives math-verify's score on every reply it takes; other replies go to it."""
+    from arithmetic.data import plain_integer_score, score_answer
+
+    replies = [
+        "\\boxed{12}",
+        "\\boxed{ 012 }",
+        "\\boxed{+12}",
+        "\\boxed{-12}",
+        "\\boxed{-0}",
+        "\\boxed{13}",
+        "\\boxed{1}\\boxed{12}",
+    ]
+    for reply in replies:
+        for answer in ("12", "-12", "0", "13"):
+            assert plain_integer_score(reply, answer) == score_answer(reply, answer), (reply, answer)
+    for reply in ("\\boxed{1,500}", "\\boxed{12.0}", "\\boxed{\\frac{24}{2}}", "\\boxed{１２}", "12", "\\boxed{- 5}"):
+        assert plain_integer_score(reply, "12") is None, reply
 
 
 def _reward(coro) -> float:
@@ -145,3 +200,31 @@ def test_reverse_text_perfect_reply_scores_one_for_every_prompt():
     examples = generate_examples(1000, seed=0)
     assert any(e["prompt"].endswith(" ") for e in examples)
     assert [lcs_ratio(e["completion"], e["answer"]) for e in examples] == [1.0] * len(examples)
+
+
+def test_hedged_replies_score_zero_in_every_environment():
+    """Several candidates in one reply (the refusals docs/environments.md lists): only one answer counts, and a
+    list or an alternative as the answer is no answer. Measured on the current parsers, which already refuse them."""
+    from arithmetic import score_answer as arithmetic
+    from color_shapes import score_answer as shapes
+    from guess_number import parse_guess
+    from reverse_text import lcs_ratio
+    from tool_use.data import parse_answer
+
+    for reply in (
+        "\\boxed{12, 13}",
+        "\\boxed{12 \\text{ or } 13}",
+        "\\boxed{\\{12, 13\\}}",
+        "\\boxed{13}\\boxed{12,13}",
+    ):
+        assert arithmetic(reply, "13") == 0.0, reply
+    assert arithmetic("\\boxed{12}\\boxed{13}", "12") == 0.0  # the last box is the answer
+    for reply in (
+        "<answer>red, blue</answer>",
+        "<answer>red or blue</answer>",
+        "<answer>red</answer><answer>blue</answer>",
+    ):
+        assert shapes(reply, "red") == 0.0, reply
+    assert parse_guess("".join(f"<guess>{n}</guess>" for n in range(1, 17))) == 16  # one guess, the last
+    assert parse_answer("<answer>12</answer> or <answer>13</answer>") == 13
+    assert lcs_ratio("<reversed>xyz</reversed><reversed>cat</reversed>", "cat") == 0.0  # the first tag counts

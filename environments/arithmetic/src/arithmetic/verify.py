@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 
+from arithmetic.data import plain_integer_score
+
 SCORE_TIMEOUT_S = 10.0
 """Most seconds one reply may take (a right answer takes milliseconds; the margin is for a loaded host)."""
 START_TIMEOUT_S = 120.0
@@ -98,7 +100,14 @@ _scorer: Scorer | None = None
 
 
 async def bounded_score(reply: str, answer: str) -> float:
-    """``score_answer`` of this process's scoring child: 0 for a reply it cannot score within its bound."""
+    """``score_answer`` of this process's scoring child: 0 for a reply it cannot score within its bound.
+
+    A boxed plain integer is scored here: the child scores one reply at a time, so behind replies that each take
+    the whole bound (a power tower: ``SCORE_TIMEOUT_S`` and a restart of the child) every right answer of the
+    worker waited its turn."""
+    plain = plain_integer_score(reply, answer)
+    if plain is not None:
+        return plain
     global _scorer
     if _scorer is None:
         _scorer = Scorer()

@@ -88,10 +88,21 @@ def parse_answer(reply: str) -> str | None:
 
 
 def lcs_ratio(reply: str, answer: str) -> float:
-    """LCS ratio ``2 M / (len(a) + len(b))`` between the tagged answer and ``answer`` (both stripped), in [0, 1]."""
+    """LCS ratio ``2 M / (len(a) + len(b))`` between the tagged answer and ``answer`` (both stripped), in [0, 1];
+    0 for a tagged answer at least as close to the text it reverses (``answer[::-1]``) as to ``answer``.
+
+    The ratio alone paid for any of the text's letters in any order: the prompt copied back scored 0.23 on average,
+    the prompt's letters sorted 0.40, a fixed string of common letters 0.26, and the prompt followed by its reversal
+    (a hedge) 0.67, none of it reversing anything. A reply that reverses even part of the text is closer to the
+    reversal than to the text, and keeps its ratio."""
     parsed = parse_answer(reply)
     if parsed is None:
         return 0.0
     # The tagged answer is stripped, so the target is too: a prompt cut after a space ("lake ") made the perfect
     # reply score 0.89.
-    return difflib.SequenceMatcher(None, parsed, answer.strip()).ratio()
+    target = answer.strip()
+    ratio = difflib.SequenceMatcher(None, parsed, target).ratio()
+    unreversed = target[::-1]
+    if unreversed != target and difflib.SequenceMatcher(None, parsed, unreversed).ratio() >= ratio:
+        return 0.0
+    return ratio
