@@ -68,6 +68,20 @@ def test_limits_cpu_time_counts_every_process_together(sandbox, width, wait):
     assert_serving(sandbox)
 
 
+def test_limits_no_process_meets_its_own_cpu_limit_under_the_budget(sandbox):
+    # Before: RLIMIT_CPU was the budget itself (1 s), which the kernel compares with utime+stime sampled at its ticks,
+    # not the precise time the budget counts: on a loaded VM the sample ran ahead, and the "within" child above,
+    # burning 0.8 s of process_time, ended at 0.77 s of CPU without writing; its parent waited for the wall limit.
+    from prime_orchestrator.sandbox.supervisor import CpuClock
+
+    if sandbox.pool._cgroups is None or not getattr(sandbox.pool._cgroups, "counts_cpu", True):
+        pytest.skip("no cgroup CPU counter on this host: RLIMIT_CPU is the only limit (the pool says so)")
+    code = "import resource; print(*resource.getrlimit(resource.RLIMIT_CPU))"
+    result = run(sandbox, code, limits=SandboxLimits(wall_s=60, cpu_s=1))
+    soft, hard = map(int, result.stdout.split())
+    assert soft == hard >= CpuClock.BACKSTOP * (1 + CpuClock.GRACE_S), result
+
+
 @pytest.mark.parametrize(
     ("counter", "seconds"),
     [(b"usage_usec 1500000\nuser_usec 1000000\n", 1.5), (b"2000000000\n", 2.0)],
