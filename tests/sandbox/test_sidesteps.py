@@ -33,20 +33,23 @@ def burn():
     t = time.process_time()
     while time.process_time() - t < 0.8:
         pass
-spent, (r, w) = 0.0, os.pipe()
+spent = 0.0
 for _ in range(8):
     pids = []
     for _ in range({width}):
+        r, w = os.pipe()  # one per child, held by it alone: a child that dies before writing is an EOF, not a hang
         pid = os.fork()
         if pid == 0:
             burn()
             os.write(w, b"x")
             os._exit(0)
-        pids.append(pid)
-    for pid in pids:
+        os.close(w)
+        pids.append((pid, r))
+    for pid, r in pids:
         spent += 0.8 * len(os.read(r, 1))
-        if {wait}:
-            os.waitpid(pid, 0)
+        os.close(r)
+        if {wait} and (status := os.waitpid(pid, 0)[1]):
+            print("child", os.waitstatus_to_exitcode(status))
 print("spent", spent)
 """
 
