@@ -33,20 +33,23 @@ def burn():
     t = time.process_time()
     while time.process_time() - t < 0.8:
         pass
-spent, (r, w) = 0.0, os.pipe()
+spent = 0.0
 for _ in range(8):
     pids = []
     for _ in range({width}):
+        r, w = os.pipe()  # one per child, held by it alone: a child that dies before writing is an EOF, not a hang
         pid = os.fork()
         if pid == 0:
             burn()
             os.write(w, b"x")
             os._exit(0)
-        pids.append(pid)
-    for pid in pids:
+        os.close(w)
+        pids.append((pid, r))
+    for pid, r in pids:
         spent += 0.8 * len(os.read(r, 1))
-        if {wait}:
-            os.waitpid(pid, 0)
+        os.close(r)
+        if {wait} and (status := os.waitpid(pid, 0)[1]):
+            print("child", os.waitstatus_to_exitcode(status))
 print("spent", spent)
 """
 
@@ -66,6 +69,20 @@ def test_limits_cpu_time_counts_every_process_together(sandbox, width, wait):
     within = run(sandbox, CPU_HANDOFF.replace("range(8)", "range(1)").format(width=1, wait=True), limits=limits)
     assert (within.status, within.stdout) == ("ok", "spent 0.8\n"), within  # under the budget: untouched
     assert_serving(sandbox)
+
+
+def test_limits_no_process_meets_its_own_cpu_limit_under_the_budget(sandbox):
+    # Before: RLIMIT_CPU was the budget itself (1 s), which the kernel compares with utime+stime sampled at its ticks,
+    # not the precise time the budget counts: on a loaded VM the sample ran ahead, and the "within" child above,
+    # burning 0.8 s of process_time, ended at 0.77 s of CPU without writing; its parent waited for the wall limit.
+    from prime_orchestrator.sandbox.supervisor import CpuClock
+
+    if sandbox.pool._cgroups is None or not getattr(sandbox.pool._cgroups, "counts_cpu", True):
+        pytest.skip("no cgroup CPU counter on this host: RLIMIT_CPU is the only limit (the pool says so)")
+    code = "import resource; print(*resource.getrlimit(resource.RLIMIT_CPU))"
+    result = run(sandbox, code, limits=SandboxLimits(wall_s=60, cpu_s=1))
+    soft, hard = map(int, result.stdout.split())
+    assert soft == hard >= CpuClock.BACKSTOP * (1 + CpuClock.GRACE_S), result
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,9 @@ class SandboxLimits(BaseConfig):
     wall_s: float = Field(default=10.0, gt=0, le=3600)
     """Wall-clock seconds before the execution and every process it started are killed."""
     cpu_s: float = Field(default=10.0, gt=0, le=3600)
-    """CPU seconds per process (RLIMIT_CPU, rounded up to whole seconds) and, where the pool has cgroups, of all the
-    execution's processes together."""
+    """CPU seconds (rounded up to whole seconds) of all the execution's processes together where the pool counts
+    them in a cgroup (each process's RLIMIT_CPU is then a backstop at twice that); elsewhere of each process
+    (RLIMIT_CPU)."""
     memory_mb: int = Field(default=512, ge=32, le=1 << 20)
     """Memory in MiB: the address space of each process (RLIMIT_AS; the interpreter itself takes about 20 MiB of
     it) and, where the pool has a memory cgroup, all the execution's processes and its /work files together

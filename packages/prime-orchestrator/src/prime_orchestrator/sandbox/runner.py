@@ -29,10 +29,11 @@ TEST_FD = 3
 SETUP_FD = 5  # after the test channel (3) and the supervisor's liveness pipe (4)
 
 
-def _limit_and_drop(uid: int, limits: dict) -> None:
+def _limit_and_drop(uid: int, limits: dict, rlimit_cpu: int | None = None) -> None:
     for rlim, value in (
         (resource.RLIMIT_AS, limits["memory_mb"] << 20),
-        (resource.RLIMIT_CPU, max(1, math.ceil(limits["cpu_s"]))),
+        # the limit itself, or a backstop above it where the supervisor's clock stops the total (CpuClock.rlimit)
+        (resource.RLIMIT_CPU, rlimit_cpu or max(1, math.ceil(limits["cpu_s"]))),
         (resource.RLIMIT_NPROC, limits["processes"]),
         (resource.RLIMIT_FSIZE, limits["disk_mb"] << 20),
         (resource.RLIMIT_NOFILE, limits["open_files"]),
@@ -105,7 +106,7 @@ def _set_up(req: dict, stdin_fd, pipes: tuple[int, ...], setup: list[int], cgrou
     setup[0] = os.dup2(setup[0], SETUP_FD, inheritable=False)
     os.closerange(SETUP_FD + 1, 1 << 16)
     os.chdir("/work")
-    _limit_and_drop(req["uid"], req["limits"])
+    _limit_and_drop(req["uid"], req["limits"], req.get("rlimit_cpu"))
     # A supervisor that died before the prctl sends no signal; as PID 1 of its namespace the runner cannot
     # ask getppid(), so it looks at the pipe only the supervisor holds open.
     if select.select([alive_r], [], [], 0)[0]:

@@ -81,6 +81,12 @@ class CpuClock:
 
     MIN_CHECK_S = 0.005
     GRACE_S = 0.05  # the runner's set-up before the code, and RLIMIT_CPU's own tick: a single process never trips it
+    # RLIMIT_CPU, per process, then only bounds what the clock cannot stop (a supervisor starved of CPU). It must not
+    # stop a process under the budget: the kernel compares it with utime+stime sampled at its ticks, not with the
+    # precise time both this counter and time.process_time() read, and on a loaded VM the sample runs ahead: a child
+    # burning 0.8 s of process_time under a 1 s RLIMIT_CPU ended at 0.77 s without writing its byte, and its parent,
+    # blocked on their pipe, ran into the wall limit.
+    BACKSTOP = 2
 
     def __init__(self, fd: int, cpu_s: float) -> None:
         self.fd = fd
@@ -93,6 +99,11 @@ class CpuClock:
         if data.startswith(b"usage_usec"):  # cgroup v2 cpu.stat
             return int(data.split()[1]) / 1e6
         return int(data) / 1e9  # cgroup v1 cpuacct.usage
+
+    @property
+    def rlimit(self) -> int:
+        """RLIMIT_CPU of each process while this clock watches the total: :data:`BACKSTOP` times the budget."""
+        return math.ceil(self.BACKSTOP * self.budget)
 
     def used(self) -> float:
         return self._read() - self.base
@@ -109,6 +120,7 @@ def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp, cp
     test_r, test_w = os.pipe()
     alive_r, alive_w = os.pipe()  # held open by this process alone: the runner sees EOF once it is gone
     setup_r, setup_w = os.pipe()  # the runner's set-up errors; closed before the code runs
+    req["rlimit_cpu"] = cpu.rlimit if cpu is not None else None
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
