@@ -81,19 +81,27 @@ def stop(proc: subprocess.Popen, out: Path) -> tuple[str, str]:
     return stdout, stderr
 
 
+def still_running_past_the_slack(proc: subprocess.Popen) -> bool:
+    """Whether a healthy run is still going after the liveness slack has passed twice (several watchdog checks)."""
+    deadline = time.monotonic() + 2 * SLACK_S + 3
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return proc.poll() is None
+
+
+def assert_kept_and_stopped_cleanly(proc: subprocess.Popen, running: bool, stderr: str) -> None:
+    assert running, stderr
+    assert proc.returncode == 128 + signal.SIGTERM and stderr == "", stderr
+
+
 def test_a_clock_step_forward_kills_no_healthy_run(tmp_path, rl_env):
     proc, out, clocks = start(tmp_path, rl_env)
     try:
         step_clock(clocks, 3600, children_after_s=2.0)
-        # Past the slack and several checks on the stepped clock: a healthy run keeps going.
-        deadline = time.monotonic() + 2 * SLACK_S + 3
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        running = proc.poll() is None
+        running = still_running_past_the_slack(proc)  # several checks on the stepped clock
     finally:
         stdout, stderr = stop(proc, out)
-    assert running, stderr
-    assert proc.returncode == 128 + signal.SIGTERM and stderr == "", stderr
+    assert_kept_and_stopped_cleanly(proc, running, stderr)
 
 
 def test_a_clock_step_back_hides_no_stopped_process(tmp_path, rl_env):
@@ -151,11 +159,7 @@ def test_a_launcher_suspended_and_continued_keeps_its_healthy_run(tmp_path, rl_e
         proc.send_signal(signal.SIGSTOP)
         time.sleep(SLACK_S + 5)
         proc.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + 2 * SLACK_S + 3
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        running = proc.poll() is None
+        running = still_running_past_the_slack(proc)
     finally:
         stdout, stderr = stop(proc, out)
-    assert running, stderr
-    assert proc.returncode == 128 + signal.SIGTERM and stderr == "", stderr
+    assert_kept_and_stopped_cleanly(proc, running, stderr)
