@@ -21,22 +21,20 @@ each activity with its bound. The inference servers are probed at ``/health`` on
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prime_core.config.liveness import LivenessConfig, WatchConfig
 from prime_core.progress import boot_id, read_progress
-from prime_core.schemas.health import HealthResponse, parse_health
+from prime_core.schemas.health import HealthResponse
 from prime_core.schemas.progress import Activity, Progress
 
+from prime_launch.health_probe import HealthProbe
 from prime_launch.process import ProcessFailed
 
 if TYPE_CHECKING:
@@ -108,64 +106,6 @@ class _Watched:
     log_file: Path | None = None
 
 
-@dataclass
-class HealthProbe:
-    """Probes one server's ``/health`` every second in a thread; each request is bounded by ``timeout_s``."""
-
-    url: str
-    api_key: str | None
-    timeout_s: float
-    last_ok: float = field(default_factory=time.monotonic)
-    answer: HealthResponse | None = None
-    error: str = "no answer yet"
-    engine_stalled_since: float | None = None
-    asked_at: float | None = None
-    """When the request in flight was sent (None between requests)."""
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def start(self) -> HealthProbe:
-        threading.Thread(target=self._loop, name=f"probe {self.url}", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            self.once()
-            self._stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
-
-    def once(self) -> None:
-        request = urllib.request.Request(self.url)
-        if self.api_key:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
-        self.asked_at = time.monotonic()
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                data = json.loads(response.read() or b"{}")
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            self.error = _describe(e, self.timeout_s)
-            return
-        finally:
-            self.asked_at = None
-        answer = parse_health(data)
-        now = time.monotonic()
-        before = self.answer
-        # Only an engine that counts its steps, is not paused and holds requests can be seen stalling.
-        idle = answer.running == 0 or answer.engine_steps is None or answer.paused
-        if idle or before is None or answer.engine_steps != before.engine_steps or self.engine_stalled_since is None:
-            self.engine_stalled_since = None if idle else now
-        self.answer, self.last_ok = answer, now
-
-
-def _describe(error: Exception, timeout_s: float) -> str:
-    if isinstance(error, TimeoutError) or "timed out" in str(error):
-        return f"each request timed out after {timeout_s:g} s"
-    reason = getattr(error, "reason", error)
-    return f"{type(reason).__name__}: {reason}".splitlines()[0][:200]
-
-
 class Watchdog:
     """Reads progress files and probes servers; ``check`` raises ``ProcessStuck`` for the first stuck process."""
 
@@ -193,6 +133,10 @@ class Watchdog:
         self._server_of: dict[str, str | None] = {}
         self._last_check: float | None = None
         self._awake_since: float | None = None
+        self._offsets: dict[str, float] = {}
+        """Per boot id of another node: its monotonic clock's offset to ``steady`` (``_remote_age``)."""
+        self._first_seen: dict[tuple[str, int, float], float] = {}
+        """Per writer on another node (boot, pid, start): the monotonic time of its first record read."""
         self.helpers_dir: Path | None = None
         self._helpers_since = (0.0, 0.0)
 
@@ -251,18 +195,36 @@ class Watchdog:
         self._check_helpers()
 
     def _age(self, record: Progress) -> float:
-        """Seconds since ``record``'s heartbeat: on the monotonic clock when the writer is on this boot, else (another
-        host) on the wall clock."""
+        """Seconds since ``record``'s heartbeat, never on a wall clock where the writer says its monotonic time: this
+        boot's, or another node's (``_remote_age``); a wall-clock step or skew on either node moves neither."""
         if record.on_clock_of(self.boot_id):
             assert record.monotonic is not None
             return self.steady() - record.monotonic
+        if record.monotonic is not None and record.boot_id:
+            return self._remote_age(record.boot_id, record.monotonic)
         return self.clock() - record.time
+
+    def _remote_age(self, boot: str, monotonic: float) -> float:
+        """Age of a record written at ``monotonic`` on boot ``boot`` (another node), in this watchdog's clock. The two
+        monotonic clocks differ by a fixed offset; every read bounds it (a record read now was written no later than
+        now), and the tightest bound over all reads of that boot's records is kept. Heartbeats come every second, so
+        ages are right to about a second; a record first read long after it was written counts from that read, so a
+        process already stopped when watching began is named one ``slack_s`` later."""
+        now = self.steady()
+        offset = min(self._offsets.get(boot, now - monotonic), now - monotonic)
+        self._offsets[boot] = offset
+        return now - monotonic - offset
 
     def _since_start(self, record: Progress, wall: float, steady: float) -> bool:
         """Whether ``record`` was written after the moment (``wall``, ``steady``) less 2 s: by this launch's process,
-        not left by an earlier one."""
+        not left by an earlier one. Another node's record counts once its writer has written again since the first
+        read (a live writer, whatever that node's wall clock says), else by the wall clock."""
         if record.on_clock_of(self.boot_id):
             return self._age(record) <= self.steady() - steady + 2.0
+        if record.monotonic is not None and record.boot_id:
+            first = self._first_seen.setdefault((record.boot_id, record.pid, record.started), record.monotonic)
+            if record.monotonic > first:
+                return True
         return record.time >= wall - 2.0
 
     def _lasted(self, record: Progress, a: Activity) -> float:
