@@ -96,6 +96,21 @@ def test_stop_strings_and_stop_token_ids(server, tokenizer):
         assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_completion_prompt_of_token_ids_is_one_prompt_however_long(server):
+    """``prompt: [ids]`` is one prompt (vLLM's reading): 100 token ids generate one choice whose prompt is all of them
+    (before: a 400, "number of prompts times n must be at most 64"), and ``[[ids], [ids]]`` is two prompts."""
+    ids = [5 + i % 50 for i in range(100)]
+    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert len(choice["logprobs"]["tokens"]) == len(ids) + 3 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": [ids[:70], ids[:5]]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert r.json()["usage"]["prompt_tokens"] == 75
+
+
 def test_generate_logprobs_equal_model_logprobs(server, model_dir):
     """Token-in log-probs equal the trainer model's (prime_models, else transformers) within 1e-4 in fp32."""
     try:

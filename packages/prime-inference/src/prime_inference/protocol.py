@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_validator
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -105,6 +105,33 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
 MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0)]
+
+
+def _prompt_shape(value: Any) -> str | None:
+    """Which of a completion prompt's four shapes ``value`` has, from its first element: one shape is validated, not
+    all four (pydantic tried each, and a list of 5M token ids failed as a list of strings 5M times first: 8 s)."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    if isinstance(first, str):
+        return "texts"
+    return "token_id_lists" if isinstance(first, list) else "token_ids"
+
+
+CompletionPrompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Tag("texts")]
+    | Annotated[list[TokenId], Tag("token_ids")]
+    | Annotated[list[list[TokenId]], Tag("token_id_lists")],
+    Discriminator(
+        _prompt_shape,
+        custom_error_type="prompt_shape",
+        custom_error_message="prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+    ),
+]
+"""Text, texts, one prompt's token ids, or several prompts' (the OpenAI completions API's four shapes)."""
 
 
 def _check_top_k(v: int) -> int:
@@ -289,7 +316,7 @@ class _OpenAISampling(BaseModel):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: CompletionPrompt
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Bool = False
     """Prepend the prompt to the text (and, with ``logprobs``, its tokens' log-probs), as vLLM does."""
@@ -302,9 +329,10 @@ class CompletionRequest(_OpenAISampling):
     def _completion_checks(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported by this server (nor by vLLM)")
-        prompts = self.prompt if isinstance(self.prompt, list) else [self.prompt]
-        if not prompts:
+        if not self.prompt:
             raise ValueError("prompt must not be empty")
+        # A list of token ids is one prompt (vLLM's reading), however long.
+        prompts = self.prompt if _prompt_shape(self.prompt) in ("texts", "token_id_lists") else [self.prompt]
         if len(prompts) * self.n > MAX_N:
             raise ValueError(f"number of prompts times n must be at most {MAX_N}")
         return self
