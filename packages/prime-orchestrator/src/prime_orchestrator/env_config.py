@@ -17,7 +17,7 @@ from typing import Any
 from prime_core.config.orchestrator import EnvConfig
 
 from prime_orchestrator.env_server import PROJECT_RUNTIMES
-from prime_orchestrator.judges import JudgeEndpoint, point_judges
+from prime_orchestrator.judges import JudgeEndpoint, harden_judges, point_judges
 
 CHAT_HARNESS = "prime-chat"
 LOCAL_RUNTIME = "subprocess"
@@ -59,7 +59,8 @@ def resolve(data: dict[str, Any]) -> Any:
 
 def env_config_data(env: EnvConfig, judge: JudgeEndpoint | None = None) -> dict[str, Any]:
     """The verifiers EnvConfig (as JSON data) of one environment; ``env_args`` holds other EnvConfig fields and
-    per-seat tables that win over the settings above; ``judge`` is where every judge of it is pointed."""
+    per-seat tables that win over the settings above; ``judge`` is where every judge of it is pointed. verifiers'
+    built-in judges are played by prime's hardened plugins (``judges.harden_judges``)."""
     if module := PROJECT_RUNTIMES.get(env.runtime):
         importlib.import_module(module)
     from verifiers.v1.configs.agent import agent_config_fields
@@ -76,6 +77,7 @@ def env_config_data(env: EnvConfig, judge: JudgeEndpoint | None = None) -> dict[
         if getattr(getattr(config, role).runtime, "type", None) == LOCAL_RUNTIME and plays_null_loop(harness.id):
             data[role]["harness"] = {**harness.model_dump(mode="json"), "id": CHAT_HARNESS}
     full = resolve(data).model_dump(mode="json")
+    harden_judges(resolve(full), full)
     if judge is not None:
         point_judges(resolve(full), full, judge)
     return resolve(full).model_dump(mode="json")
