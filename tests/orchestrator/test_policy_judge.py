@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_orchestrator.env_config import env_config_data, resolve
+from prime_orchestrator.env_config import env_config_data, policy_judge_problem, resolve
 from prime_orchestrator.judge_guard import UnparsedVerdict, neutralise, strict_choice
-from prime_orchestrator.judges import policy_judge_problem
 
 from tests.fixtures.vf import use_vf_envs
 

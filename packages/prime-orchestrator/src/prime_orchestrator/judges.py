@@ -49,40 +49,6 @@ def judge_endpoint(config: JudgeEndpointConfig, client: ClientConfig, served_mod
     return JudgeEndpoint(client.base_urls[0] + "/v1", config.model or served_model, var, config.timeout)
 
 
-def policy_judge_problem(config: Any) -> str | None:
-    """Why an RL run's training environments would be judged by the policy being trained (one line naming
-    ``orchestrator.judge.base_url``), or None: a fixed judge endpoint, a LoRA run's base model, the opt-in
-    ``judge.allow_policy_judge``, or no judge in any training environment."""
-    from prime_orchestrator.env_config import env_config_data
-
-    j = config.judge
-    if not j.enabled or j.allow_policy_judge:
-        return None
-    policy_urls = {u.rstrip("/").removesuffix("/v1") for u in config.client.base_urls}
-    if j.base_url is not None and str(j.base_url).rstrip("/").removesuffix("/v1") not in policy_urls:
-        return None
-    if config.model.lora is not None and (j.model or config.model.name) == config.model.name:
-        return None  # the base model's name is served without the adapter: a frozen judge
-    for env in config.env:
-        if found := env_judges(env_config_data(env)):
-            return (
-                f"orchestrator.judge.base_url: env {env.resolved_name} is judged ({found[0][0]}) by the policy being "
-                "trained, which would be optimised against its own verdicts; point judge.base_url and judge.model "
-                "at a fixed judge model, or set judge.allow_policy_judge = true"
-            )
-    return None
-
-
-def check_policy_judge(config: Any) -> None:
-    """Exit 2 with one line when ``policy_judge_problem`` finds one (the ``orchestrator`` entry point and its
-    dry run, before anything starts)."""
-    import sys
-
-    if problem := policy_judge_problem(config):
-        print(f"error: {problem}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-
-
 def judge_paths(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """(path, config) of every ``vf.JudgeConfig`` in a resolved verifiers config tree."""
     from pydantic import BaseModel
