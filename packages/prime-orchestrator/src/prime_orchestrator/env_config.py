@@ -17,7 +17,7 @@ from typing import Any
 from prime_core.config.orchestrator import EnvConfig
 
 from prime_orchestrator.env_server import PROJECT_RUNTIMES
-from prime_orchestrator.judges import JudgeEndpoint, point_judges
+from prime_orchestrator.judges import JudgeEndpoint, env_judges, harden_judges, point_judges
 
 CHAT_HARNESS = "prime-chat"
 LOCAL_RUNTIME = "subprocess"
@@ -59,7 +59,8 @@ def resolve(data: dict[str, Any]) -> Any:
 
 def env_config_data(env: EnvConfig, judge: JudgeEndpoint | None = None) -> dict[str, Any]:
     """The verifiers EnvConfig (as JSON data) of one environment; ``env_args`` holds other EnvConfig fields and
-    per-seat tables that win over the settings above; ``judge`` is where every judge of it is pointed."""
+    per-seat tables that win over the settings above; ``judge`` is where every judge of it is pointed. verifiers'
+    built-in judges are played by prime's hardened plugins (``judges.harden_judges``)."""
     if module := PROJECT_RUNTIMES.get(env.runtime):
         importlib.import_module(module)
     from verifiers.v1.configs.agent import agent_config_fields
@@ -76,6 +77,7 @@ def env_config_data(env: EnvConfig, judge: JudgeEndpoint | None = None) -> dict[
         if getattr(getattr(config, role).runtime, "type", None) == LOCAL_RUNTIME and plays_null_loop(harness.id):
             data[role]["harness"] = {**harness.model_dump(mode="json"), "id": CHAT_HARNESS}
     full = resolve(data).model_dump(mode="json")
+    harden_judges(resolve(full), full)
     if judge is not None:
         point_judges(resolve(full), full, judge)
     return resolve(full).model_dump(mode="json")
@@ -116,3 +118,35 @@ def check_envs(named: dict[str, list[EnvConfig]]) -> None:
             if problem := env_config_problem(env):
                 print(f"error: {key}.{i} ({env.id}): {problem}", file=sys.stderr, flush=True)
                 raise SystemExit(2)
+
+
+def policy_judge_problem(config: Any) -> str | None:
+    """Why an RL run's training environments would be judged by the policy being trained (one line naming
+    ``orchestrator.judge.base_url``), or None: a fixed judge endpoint, a LoRA run's base model, the opt-in
+    ``judge.allow_policy_judge``, or no judge in any training environment."""
+    j = config.judge
+    if not j.enabled or j.allow_policy_judge:
+        return None
+    policy_urls = {u.rstrip("/").removesuffix("/v1") for u in config.client.base_urls}
+    if j.base_url is not None and str(j.base_url).rstrip("/").removesuffix("/v1") not in policy_urls:
+        return None
+    if config.model.lora is not None and (j.model or config.model.name) == config.model.name:
+        return None  # the base model's name is served without the adapter: a frozen judge
+    for env in config.env:
+        if found := env_judges(env_config_data(env)):
+            return (
+                f"orchestrator.judge.base_url: env {env.resolved_name} is judged ({found[0][0]}) by the policy being "
+                "trained, which would be optimised against its own verdicts; point judge.base_url and judge.model "
+                "at a fixed judge model, or set judge.allow_policy_judge = true"
+            )
+    return None
+
+
+def check_policy_judge(config: Any) -> None:
+    """Exit 2 with one line when ``policy_judge_problem`` finds one (the ``orchestrator`` entry point and its
+    dry run, before anything starts)."""
+    import sys
+
+    if problem := policy_judge_problem(config):
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)

@@ -91,6 +91,25 @@ def point_judges(config: Any, data: dict[str, Any], endpoint: JudgeEndpoint) -> 
     return count
 
 
+# verifiers' built-in judges and the prime plugins that hold the response in its place and read the verdict strictly.
+HARDENED = {"reference": "prime-reference-judge", "rubric": "prime-rubric-judge"}
+
+
+def harden_judges(config: Any, data: dict[str, Any]) -> int:
+    """Plug, in ``data`` (the full JSON dump of the resolved ``config``), the prime version of every built-in judge
+    (``HARDENED``); the reward keeps its name (``name`` set to the old id when unset) and every other setting,
+    an author's ``prompt`` file included. Returns how many."""
+    count = 0
+    for path, _ in judge_paths(config):
+        judge = _at(data, path)
+        if judge is None or judge.get("id") not in HARDENED:
+            continue
+        judge["name"] = judge.get("name") or judge["id"]
+        judge["id"] = HARDENED[judge["id"]]
+        count += 1
+    return count
+
+
 def env_judges(env_config: dict[str, Any]) -> list[tuple[str, str, str, str | None]]:
     """(where, base_url, model, api_key_var) of every judge an env server's config holds."""
     import copy

@@ -110,6 +110,11 @@ class JudgeEndpointConfig(BaseConfig):
     a one-line error naming the environment when one does not answer or does not serve the judge's model."""
     check_timeout: float = Field(default=30.0, gt=0)
     """Seconds that start-up check waits for each endpoint."""
+    allow_policy_judge: bool = False
+    """RL only: let the judges of training environments grade with the policy being trained (``base_url`` unset in
+    a full fine-tune, or set to the policy's own server). Off, such a run stops at start with a one-line error
+    naming ``orchestrator.judge.base_url``: the policy would be optimised against its own verdicts. A LoRA run's
+    default judge is the base model, which the server serves without the adapter, so it needs no opt-in."""
 
     @model_validator(mode="after")
     def _model_with_url(self) -> JudgeEndpointConfig:
