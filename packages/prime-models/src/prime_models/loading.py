@@ -87,15 +87,42 @@ def resolve_config(path_or_config: Any) -> tuple[Any, Path | None]:
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
-    """Safetensors files of an HF dir: the index's shards, else model.safetensors, else every *.safetensors."""
+    """Safetensors files of an HF dir: the index's shards, else model.safetensors, else every *.safetensors.
+
+    A downloaded or shared directory is someone else's: the index may only name files beside it (a name such as
+    ``../../other/model.safetensors`` would load weights from outside the directory), and each must be a regular
+    file (a FIFO or device under a shard's name would block the loader for ever, or feed it without end)."""
     index = ckpt_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [ckpt_dir / name for name in sorted(set(weight_map.values()))]
-    single = ckpt_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    return sorted(ckpt_dir.glob("*.safetensors"))
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map is not an object of tensor name -> file name")
+        for name in sorted(set(weight_map.values())):
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise ValueError(f"{index}: weight_map names {name!r}, not a file in {ckpt_dir}")
+        files = [ckpt_dir / name for name in sorted(set(weight_map.values()))]
+    elif (ckpt_dir / "model.safetensors").exists():
+        files = [ckpt_dir / "model.safetensors"]
+    else:
+        files = sorted(ckpt_dir.glob("*.safetensors"))
+    for f in files:
+        if not f.is_file():  # follows a symlink (a hub cache's snapshot links to its blobs): its target must be a file
+            why = "missing" if not f.exists() else "not a regular file"
+            raise ValueError(f"{f}: {why}")
+    return files
+
+
+def read_checkpoint(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files``; a name held by two of them is refused: which copy won would depend on the order the
+    files are read in, and a shard added to a downloaded model could silently replace any weight."""
+    state: dict[str, torch.Tensor] = {}
+    owner: dict[str, Path] = {}
+    for f in files:
+        for name, tensor in load_file(f, device=str(device)).items():
+            if name in owner:
+                raise ValueError(f"{f}: holds {name}, which {owner[name].name} holds too")
+            state[name], owner[name] = tensor, f
+    return state
 
 
 def load_model(
@@ -133,10 +160,7 @@ def load_model(
 
     files = checkpoint_files(ckpt_dir) if ckpt_dir is not None else []
     if files:
-        hf_state: dict[str, torch.Tensor] = {}
-        for f in files:
-            hf_state.update(load_file(f, device=str(device)))
-        load_hf_state(model, hf_state, source=str(ckpt_dir))
+        load_hf_state(model, read_checkpoint(files, device), source=str(ckpt_dir))
         gen_cfg = ckpt_dir / "generation_config.json"
         if gen_cfg.is_file():
             model.generation_config_dict = json.loads(gen_cfg.read_text())
