@@ -11,7 +11,7 @@ from prime_models import load_model, save_hf
 from prime_models.loading import INDEX_FILE, checkpoint_files
 from safetensors.torch import load_file, save_file
 
-from tests.models.conftest import save_tiny_hf
+from tests.models.conftest import save_tiny_hf, tiny_config
 
 
 @pytest.fixture
@@ -54,3 +54,14 @@ def test_a_tensor_in_two_shards_is_refused_not_silently_replaced(sharded):
     save_file(last, str(files[-1]), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"^{files[-1]}: holds {name}, which {files[0].name} holds too$"):
         load_model(sharded)
+
+
+def test_a_config_too_large_for_the_device_is_refused_before_anything_is_allocated(tmp_path):
+    """``vocab_size: 10**12`` in a downloaded config.json: a 128 TB embedding the allocator was asked for (a traceback
+    from it, or on a host that overcommits, pages touched until the OOM killer came)."""
+    config = tiny_config("qwen3", vocab_size=10**12).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: the weights need [0-9,.]+ GiB, more than the "):
+        load_model(tmp_path)
+    with pytest.raises(ValueError, match=r"\(vocab_size=1000000000000, hidden_size=32, intermediate_size=64, "):
+        load_model(config)
