@@ -117,3 +117,22 @@ def test_the_rng_state_round_trips_through_a_checkpoint(victim):
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     manager.load(2, model, optimizer)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_a_checkpoint_step_planted_as_a_link_is_saved_inside_the_run_and_the_target_untouched(tmp_path, one_rank_group):
+    victim = tmp_path / "elsewhere"  # looks like a complete checkpoint: cleanup takes it for an old step
+    (victim / "trainer").mkdir(parents=True)
+    (victim / "STABLE").write_text("theirs\n")
+    (victim / "trainer" / "STABLE").write_text("theirs\n")
+    manager = _manager(tmp_path / "run")
+    manager.config = CheckpointConfig(interval=1, keep=1)
+    model, optimizer = _model()
+    manager.run_dir.checkpoints.mkdir(parents=True)
+    manager.run_dir.checkpoint_step(1).symlink_to(victim)
+    manager.save(1, model, optimizer, {"data_step": 1})
+    assert not manager.run_dir.checkpoint_step(1).is_symlink() and manager.saved_steps() == [1]
+    manager.run_dir.checkpoint_step(1).rename(tmp_path / "step_1_saved")
+    manager.run_dir.checkpoint_step(1).symlink_to(victim)  # planted again, now as an old step to delete
+    manager.save(2, model, optimizer, {"data_step": 2})
+    assert manager.saved_steps() == [2] and not manager.run_dir.checkpoint_step(1).exists()
+    assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == ["STABLE", "trainer", "trainer/STABLE"]

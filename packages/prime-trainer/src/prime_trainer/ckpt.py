@@ -80,6 +80,10 @@ class CheckpointManager:
         final = self.run_dir.trainer_checkpoint(step)
         tmp = final.parent / ".trainer.tmp"
         if self.world.is_master:
+            # A link at the step's directory (planted, or copied with a run) would take the checkpoint outside the run.
+            for link in (final.parent, tmp):
+                if link.is_symlink():
+                    link.unlink()
             shutil.rmtree(tmp, ignore_errors=True)
             with writing(f"checkpoint step {step}", final):
                 tmp.mkdir(parents=True)
@@ -155,10 +159,12 @@ class CheckpointManager:
         for old in steps[: -self.config.keep]:
             step_dir = self.run_dir.checkpoint_step(old)
             # Markers first: a stop halfway leaves a step that reads as incomplete, never one that reads as resumable.
+            # A linked step directory goes alone: its target is outside the run (remove_published).
             for marker in (step_dir / STABLE_MARKER, step_dir / "trainer" / STABLE_MARKER):
-                marker.unlink(missing_ok=True)
+                if not step_dir.is_symlink():
+                    marker.unlink(missing_ok=True)
             for run_dir in [self.run_dir, *self.run_dirs]:
-                shutil.rmtree(run_dir.checkpoint_step(old), ignore_errors=True)
+                remove_published(run_dir.checkpoint_step(old))
 
     def protected_steps(self) -> list[int]:
         """Complete checkpoints plus one still being written in the background (weights they need are kept)."""
