@@ -65,3 +65,20 @@ def test_a_config_too_large_for_the_device_is_refused_before_anything_is_allocat
         load_model(tmp_path)
     with pytest.raises(ValueError, match=r"\(vocab_size=1000000000000, hidden_size=32, intermediate_size=64, "):
         load_model(config)
+
+
+def test_an_adapter_holding_nan_is_refused_and_the_model_keeps_serving_without_it(tmp_path):
+    from prime_models import lora as L
+
+    model = load_model(tiny_config("qwen3").to_dict(), seed=0)
+    L.apply_lora(model, L.LoRASpec(rank=4, alpha=8.0), adapters=["a"])
+    L.save_adapter(model, "a", tmp_path / "adapter", base_model="tiny")
+    tensors = load_file(tmp_path / "adapter" / L.ADAPTER_WEIGHTS)
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "adapter" / L.ADAPTER_WEIGHTS))
+    served = load_model(tiny_config("qwen3").to_dict(), seed=0)
+    line = f"adapter {tmp_path}/adapter: model.layers.1.mlp.down_proj lora_B holds NaN or infinite values"
+    with pytest.raises(ValueError, match=rf"^{line}$"):
+        L.load_adapter(served, "downloaded", tmp_path / "adapter")
+    assert "downloaded" not in L.selection(served).specs and not L.lora_layers(served)
