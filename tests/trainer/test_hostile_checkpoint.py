@@ -3,6 +3,7 @@ pickles in it (DCP's index, the optimizer's scalars, the RNG state) must not run
 payload below would create a marker file when unpickled the permissive way; the load refuses it in one line naming
 the file, and the marker is never made. Checkpoints saved before the RNG state was stored as tensors still resume."""
 
+import json
 import pickle
 import random
 
@@ -136,3 +137,15 @@ def test_a_checkpoint_step_planted_as_a_link_is_saved_inside_the_run_and_the_tar
     manager.save(2, model, optimizer, {"data_step": 2})
     assert manager.saved_steps() == [2] and not manager.run_dir.checkpoint_step(1).exists()
     assert sorted(str(p.relative_to(victim)) for p in victim.rglob("*")) == ["STABLE", "trainer", "trainer/STABLE"]
+
+
+def test_a_checkpoint_whose_progress_records_another_step_is_refused(victim):
+    """A step directory copied or renamed over another: the trainer would resume at the step its progress.json says,
+    the orchestrator at the directory's."""
+    manager, ckpt, marker = victim
+    progress = json.loads((ckpt / "progress.json").read_text())
+    (ckpt / "progress.json").write_text(json.dumps({**progress, "step": 7}))
+    line = _refused(manager, ckpt, marker, "progress.json")
+    assert line.endswith(
+        "progress.json: ValueError: records step 7, not the step of its directory (no earlier checkpoint)"
+    )

@@ -189,6 +189,9 @@ class CheckpointManager:
         with self._unreadable(step, path, PROGRESS_FILE):
             progress = json.loads((path / PROGRESS_FILE).read_text())
             progress["step"], progress["world_size"] = int(progress["step"]), int(progress["world_size"])
+            # A directory renamed or copied over another step's: resuming would train from a step no process expects.
+            if progress["step"] != step:
+                raise ValueError(f"records step {progress['step']}, not the step of its directory")
         with self._unreadable(step, path, ".metadata"):
             metadata = SafeReader(str(path)).read_metadata()
         self._check_sizes(step, path, metadata)
