@@ -3,6 +3,7 @@ orchestrator serving another model, a file written by another tool). One line na
 never the embedding's IndexError traceback (a device-side assert that takes the CUDA context down on a GPU)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -31,3 +32,22 @@ def test_a_token_id_past_the_vocabulary_is_one_line_naming_step_rank_and_micro_b
         "the model's vocabulary of 96 (rollouts of another model or tokenizer?)"
     ), last
     assert not RunDir(tmp_path).weight_step(2).exists()  # step 0 trained, step 1 never did
+
+
+def test_a_rollout_file_of_another_step_is_one_line_not_trained_as_this_one(tmp_path):
+    import pytest
+    import torch
+    from prime_core.config import load_config
+    from prime_core.config.trainer import TrainerConfig
+    from prime_core.io import UnreadableFile
+    from prime_trainer.rl.data import RolloutSource
+    from prime_trainer.world import World
+
+    write_rollouts(tmp_path, steps=2, num_ranks=1, micro_batches_per_step=2)
+    run = RunDir(tmp_path)
+    run.rollout_file(0, 0).replace(run.rollout_file(1, 0))  # step 0's file copied over step 1's
+    config = load_config(TrainerConfig, ["--output-dir", str(tmp_path), "--data.wait-timeout-s", "5"])
+    source = RolloutSource(config, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    line = "step 1: rollouts for rank 0 (rollouts/step_1/rank_0): the file is of step 0"
+    with pytest.raises(UnreadableFile, match=rf"^{re.escape(line)}$"):
+        source.get(1)

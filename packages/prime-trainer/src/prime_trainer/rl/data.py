@@ -151,6 +151,10 @@ class RolloutSource:
                 f"transport: {e}). Is the orchestrator running with the same --output-dir? "
                 f"Raise --data.wait-timeout-s to wait longer."
             ) from None
+        if received[0].step != step:  # a file copied or left over from another step would train as this one
+            raise UnreadableFile(
+                f"step {step}: rollouts for rank {self.rank} ({where}): the file is of step {received[0].step}"
+            )
         for i, mb in enumerate(received[1]):
             ids = mb.input_ids
             if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
