@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 
 import numpy as np
 import pytest
@@ -61,6 +62,27 @@ def test_microbatch_rejects_bad_shapes_and_versions(tmp_path):
     save_file({"x": np.zeros(1)}, str(path), metadata={"prime": json.dumps({"schema_version": 999})})
     with pytest.raises(ValueError, match="schema version 999"):
         read_microbatch_meta(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "dtype"), [("input_ids", np.float32), ("loss_mask", np.float32), ("inference_logprobs", np.int64)]
+)
+def test_a_micro_batch_file_with_a_field_of_another_dtype_is_refused_not_cast(tmp_path, field, dtype):
+    """Written by another tool (or edited): token ids as floats (1.7 would train as token 1), a loss mask of 0.5s (as
+    all ones), log-probs truncated to integers. The file is one line naming the field, never cast silently."""
+    from prime_core.io import UnreadableFile
+    from prime_core.schemas.microbatch import microbatch_tensors
+    from safetensors.numpy import save_file
+
+    meta = RolloutBatchMeta(step=0, rank=0, num_micro_batches=1, seq_len=8)
+    tensors = microbatch_tensors(0, make_microbatch(2, 8, 0))
+    tensors[f"0.{field}"] = (tensors[f"0.{field}"] + 0.7).astype(dtype)
+    path = tmp_path / "rank_0.safetensors"
+    save_file(tensors, str(path), metadata={"prime": meta.model_dump_json()})
+    stored = "uint8" if field == "loss_mask" else np.dtype(MICROBATCH_FIELDS[field]).name
+    line = f"{path}: unreadable micro-batch file (ValueError: micro-batch 0 field '{field}' is {np.dtype(dtype).name}, "
+    with pytest.raises(UnreadableFile, match=rf"^{re.escape(line)}written as {stored}\)$"):
+        read_microbatches(path)
 
 
 def test_empty_microbatch_has_no_loss_tokens():

@@ -67,7 +67,7 @@ def atomic_dir(path: str | os.PathLike, *, stable: bool = True) -> Iterator[Path
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        if path.exists():
+        if path.exists() or path.is_symlink():
             remove_published(path)
         os.replace(tmp, path)
         if stable:
@@ -79,7 +79,13 @@ def atomic_dir(path: str | os.PathLike, *, stable: bool = True) -> Iterator[Path
 
 def remove_published(directory: str | os.PathLike) -> None:
     """Delete a directory published with a STABLE marker, the marker first: a stop part-way through (a kill, a
-    full disk) never leaves a directory that says it is complete with files missing."""
+    full disk) never leaves a directory that says it is complete with files missing.
+
+    A symlink there (planted by someone who can write to a shared run directory, or copied with a run) goes alone:
+    what it points at is outside this run and is never touched (its marker was deleted through the link before)."""
+    if Path(directory).is_symlink():
+        Path(directory).unlink()
+        return
     (Path(directory) / STABLE_MARKER).unlink(missing_ok=True)
     shutil.rmtree(directory, ignore_errors=True)
 

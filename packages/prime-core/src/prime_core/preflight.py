@@ -282,10 +282,14 @@ def lora_difference(saved: dict[str, Any] | None, lora: Any) -> str | None:
         return None
     if saved is None:
         return "was trained without model.lora (full weights, no adapters) but this run sets model.lora"
+    if not isinstance(saved, dict):  # an edited or foreign progress.json
+        return f"records model.lora as {saved!r}, which is not a LoRA record (progress.json edited, or not prime's?)"
     if now is None:
         settings = ", ".join(f"{k} = {saved.get(k)!r}" for k in ("rank", "alpha", "target_modules"))
         return f"was trained with model.lora ({settings}) but this run sets none"
-    key = next(k for k in ("rank", "alpha", "target_modules") if saved.get(k) != now[k])
+    key = next((k for k in ("rank", "alpha", "target_modules") if saved.get(k) != now[k]), None)
+    if key is None:  # equal settings, other keys: a record this version does not write
+        return f"records model.lora as {saved!r}, this run {now!r}"
     return f"was trained with model.lora.{key} = {saved.get(key)!r} but this run sets {now[key]!r}"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from prime_core.schemas.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
 
 from prime_inference.protocol import RequestError
-from prime_inference.weights.base import confined_dir
+from prime_inference.weights.base import confined_dir, confined_files
 
 
 def check_adapter_dir(path_str: str, roots: list[Path], param: str = "lora_path") -> Path:
@@ -22,4 +22,5 @@ def check_adapter_dir(path_str: str, roots: list[Path], param: str = "lora_path"
     path = confined_dir(path_str, roots, param)
     if not is_adapter_dir(path):
         raise RequestError(f"{param} {path_str} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}", param=param)
+    confined_files(path, roots, param)
     return path

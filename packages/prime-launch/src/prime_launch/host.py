@@ -213,16 +213,26 @@ def model_dir(name: str, environ: Mapping[str, str]) -> Path | None:
     return snapshots[-1] if snapshots else None
 
 
+SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
+"""safetensors' own bound on a header: a file claiming more is not one (and would be read whole into memory)."""
+
+
 def safetensors_params(directory: Path) -> int | None:
-    """Parameters stored in the directory's safetensors files, from their headers; None without (readable) files."""
+    """Parameters stored in the directory's safetensors files, from their headers; None without (readable) files.
+
+    A downloaded directory may hold anything under these names: a length field of gigabytes, a FIFO (opening it
+    blocks the launcher for ever), a device. Only regular files are opened, and a header is read only up to the
+    bound safetensors itself sets."""
     files = sorted(directory.glob("*.safetensors"))
-    if not files:
+    if not files or not all(f.is_file() for f in files):
         return None
     total = 0
     try:
         for file in files:
             with open(file, "rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
+                if size > SAFETENSORS_MAX_HEADER:
+                    return None
                 header = json.loads(f.read(size))
             total += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
     except (OSError, ValueError, KeyError, TypeError, struct.error):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from prime_core.config import ConfigError
+from prime_core.io import UnreadableFile
 from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
@@ -20,6 +23,13 @@ logger = logging.getLogger(__name__)
 
 ATTN_CHOICES = ("sdpa", "flash_attn", "auto")
 INDEX_FILE = "model.safetensors.index.json"
+GIB = 1024**3
+
+
+class ModelTooLarge(ConfigError):
+    """A config whose weights alone exceed the memory of the device they are built on (``vocab_size: 10**12`` in a
+    downloaded config.json): refused before anything is allocated, not an allocator's traceback or the host's OOM
+    killer once the pages are touched."""
 
 
 _INITIALIZERS = frozenset(
@@ -87,15 +97,42 @@ def resolve_config(path_or_config: Any) -> tuple[Any, Path | None]:
 
 
 def checkpoint_files(ckpt_dir: Path) -> list[Path]:
-    """Safetensors files of an HF dir: the index's shards, else model.safetensors, else every *.safetensors."""
+    """Safetensors files of an HF dir: the index's shards, else model.safetensors, else every *.safetensors.
+
+    A downloaded or shared directory is someone else's: the index may only name files beside it (a name such as
+    ``../../other/model.safetensors`` would load weights from outside the directory), and each must be a regular
+    file (a FIFO or device under a shard's name would block the loader for ever, or feed it without end)."""
     index = ckpt_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [ckpt_dir / name for name in sorted(set(weight_map.values()))]
-    single = ckpt_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    return sorted(ckpt_dir.glob("*.safetensors"))
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UnreadableFile(f"{index}: weight_map is not an object of tensor name -> file name")
+        for name in sorted(set(weight_map.values())):
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise UnreadableFile(f"{index}: weight_map names {name!r}, not a file in {ckpt_dir}")
+        files = [ckpt_dir / name for name in sorted(set(weight_map.values()))]
+    elif (ckpt_dir / "model.safetensors").exists():
+        files = [ckpt_dir / "model.safetensors"]
+    else:
+        files = sorted(ckpt_dir.glob("*.safetensors"))
+    for f in files:
+        if not f.is_file():  # follows a symlink (a hub cache's snapshot links to its blobs): its target must be a file
+            why = "missing" if not f.exists() else "not a regular file"
+            raise UnreadableFile(f"{f}: {why}")
+    return files
+
+
+def read_checkpoint(files: list[Path], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``files``; a name held by two of them is refused: which copy won would depend on the order the
+    files are read in, and a shard added to a downloaded model could silently replace any weight."""
+    state: dict[str, torch.Tensor] = {}
+    owner: dict[str, Path] = {}
+    for f in files:
+        for name, tensor in load_file(f, device=str(device)).items():
+            if name in owner:
+                raise UnreadableFile(f"{f}: holds {name}, which {owner[name].name} holds too")
+            state[name], owner[name] = tensor, f
+    return state
 
 
 def load_model(
@@ -127,16 +164,14 @@ def load_model(
     model.to(dtype=dtype)
     if device.type == "meta":
         return model
+    check_fits(model, hf_config, device, str(ckpt_dir / "config.json") if ckpt_dir is not None else "model config")
     model.to_empty(device=device)
     # to_empty allocates per module, which unties a shared embedding/lm_head parameter.
     model.tie_weights()
 
     files = checkpoint_files(ckpt_dir) if ckpt_dir is not None else []
     if files:
-        hf_state: dict[str, torch.Tensor] = {}
-        for f in files:
-            hf_state.update(load_file(f, device=str(device)))
-        load_hf_state(model, hf_state, source=str(ckpt_dir))
+        load_hf_state(model, read_checkpoint(files, device), source=str(ckpt_dir))
         gen_cfg = ckpt_dir / "generation_config.json"
         if gen_cfg.is_file():
             model.generation_config_dict = json.loads(gen_cfg.read_text())
@@ -144,6 +179,31 @@ def load_model(
         generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         model.init_weights(generator)
     return model
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory ``device`` has in all (a CUDA device's total, the host's physical memory for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(model: torch.nn.Module, hf_config: Any, device: torch.device, where: str) -> None:
+    """Refuse a model (still on the meta device) whose parameters and buffers alone exceed ``device``'s memory."""
+    tensors = [*model.parameters(), *model.buffers()]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    have = device_memory(device)
+    if need > have:
+        text = getattr(hf_config, "text_config", None) or hf_config
+        sizes = ", ".join(
+            f"{k}={getattr(text, k)}"
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+            if getattr(text, k, None) is not None
+        )
+        raise ModelTooLarge(
+            f"{where}: the weights need {need / GIB:,.1f} GiB, more than the {have / GIB:,.1f} GiB of {device.type} "
+            f"memory ({sizes})"
+        )
 
 
 def load_hf_state(model: CausalLM, hf_state: dict[str, torch.Tensor], *, source: str = "state dict") -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import re
 import shutil
 from collections.abc import Iterator
@@ -22,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -41,11 +39,11 @@ from prime_core.io import (
 )
 from prime_core.run_dir import RunDir
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from prime_trainer.ckpt_safe import SafeLoadPlanner, SafeReader, load_rng_state, rng_state, set_rng_state
 from prime_trainer.ckpt_sums import CrcFileSystemWriter, file_crc32
 from prime_trainer.world import World
 
@@ -57,21 +55,6 @@ CHECKSUMS_FILE = "checksums.json"
 # `set_state_dict` accept a state without the frozen ones.
 _TRAINABLE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 class CheckpointManager:
@@ -97,6 +80,10 @@ class CheckpointManager:
         final = self.run_dir.trainer_checkpoint(step)
         tmp = final.parent / ".trainer.tmp"
         if self.world.is_master:
+            # A link at the step's directory (planted, or copied with a run) would take the checkpoint outside the run.
+            for link in (final.parent, tmp):
+                if link.is_symlink():
+                    link.unlink()
             shutil.rmtree(tmp, ignore_errors=True)
             with writing(f"checkpoint step {step}", final):
                 tmp.mkdir(parents=True)
@@ -172,10 +159,12 @@ class CheckpointManager:
         for old in steps[: -self.config.keep]:
             step_dir = self.run_dir.checkpoint_step(old)
             # Markers first: a stop halfway leaves a step that reads as incomplete, never one that reads as resumable.
+            # A linked step directory goes alone: its target is outside the run (remove_published).
             for marker in (step_dir / STABLE_MARKER, step_dir / "trainer" / STABLE_MARKER):
-                marker.unlink(missing_ok=True)
+                if not step_dir.is_symlink():
+                    marker.unlink(missing_ok=True)
             for run_dir in [self.run_dir, *self.run_dirs]:
-                shutil.rmtree(run_dir.checkpoint_step(old), ignore_errors=True)
+                remove_published(run_dir.checkpoint_step(old))
 
     def protected_steps(self) -> list[int]:
         """Complete checkpoints plus one still being written in the background (weights they need are kept)."""
@@ -200,8 +189,11 @@ class CheckpointManager:
         with self._unreadable(step, path, PROGRESS_FILE):
             progress = json.loads((path / PROGRESS_FILE).read_text())
             progress["step"], progress["world_size"] = int(progress["step"]), int(progress["world_size"])
+            # A directory renamed or copied over another step's: resuming would train from a step no process expects.
+            if progress["step"] != step:
+                raise ValueError(f"records step {progress['step']}, not the step of its directory")
         with self._unreadable(step, path, ".metadata"):
-            metadata = FileSystemReader(str(path)).read_metadata()
+            metadata = SafeReader(str(path)).read_metadata()
         self._check_sizes(step, path, metadata)
         self._check_sums(step, path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
@@ -209,14 +201,14 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint step {step} in {self.run_dir.root} {reason}")
         state = {"model": model_sd, "optim": optim_sd}
         with self._unreadable(step, path, "*.distcp"):
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_LOAD_OPTIONS
         )
         rng_file = self._rng_file(path, self.world.rank)
         if progress["world_size"] == self.world.world_size and rng_file.is_file():
             with self._unreadable(step, path, rng_file.relative_to(path)):
-                set_rng_state(torch.load(rng_file, weights_only=False))
+                set_rng_state(load_rng_state(rng_file))
         else:
             logger.warning("checkpoint %s was saved by %d ranks: RNG state not restored", path, progress["world_size"])
         logger.info("resumed from checkpoint %s (step %d)", path, step)

@@ -17,6 +17,7 @@ from prime_core.config.shared import Fp8Config, LoRAConfig, ModelConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
 from prime_models import get_model_spec, load_model
 from prime_models.layers.attention import RowPacking, use_row_packing
+from prime_models.loading import ModelTooLarge
 from prime_models.parallel.context_parallel import ContextParallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -98,7 +99,10 @@ def build_model(
         raise ConfigError(f"model.dtype={dtype!r} is not supported for training (use auto, float32 or bfloat16)")
     # CUDA graphs need SDPA (flash-attn's cu_seqlens vary per micro-batch): "auto" picks it for them.
     attn = "sdpa" if parallel.cuda_graphs and init.attn == "auto" else init.attn
-    model = load_model(target, dtype=torch_dtype, device=world.device, attn=attn, seed=seed)
+    try:
+        model = load_model(target, dtype=torch_dtype, device=world.device, attn=attn, seed=seed)
+    except ModelTooLarge as e:  # its config names no file when the weights are random (a dict is loaded)
+        raise ConfigError(f"model.name {name}: {e}") from None
     if lora is not None:
         from prime_models.lora import LoRASpec, apply_lora
 

@@ -244,7 +244,13 @@ def microbatch_tensors(index: int, mb: MicroBatch) -> dict[str, np.ndarray]:
 
 
 def microbatch_from_tensors(index: int, tensors: dict[str, np.ndarray]) -> MicroBatch:
-    """Inverse of ``microbatch_tensors``."""
+    """Inverse of ``microbatch_tensors``. Each field must have the dtype it is written with: `MicroBatch` would cast
+    any other, so token ids stored as floats (1.7) or log-probs as integers would train silently as something else."""
+    for name, dtype in {**MICROBATCH_FIELDS, **MULTIMODAL_FIELDS}.items():
+        stored = np.dtype(np.uint8) if dtype == np.bool_ else dtype
+        arr = tensors.get(f"{index}.{name}")
+        if arr is not None and arr.dtype != stored:
+            raise ValueError(f"micro-batch {index} field {name!r} is {arr.dtype}, written as {stored}")
     fields = {name: tensors[f"{index}.{name}"] for name in MICROBATCH_FIELDS}
     optional = {name: tensors.get(f"{index}.{name}") for name in MULTIMODAL_FIELDS}
     prefix = f"{index}.extra."

@@ -21,6 +21,8 @@ import logging
 from typing import Any
 
 import torch
+from prime_core.config import ConfigError
+from prime_core.io import UnreadableFile
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,8 @@ def load_causal_lm(
             model = load_model(path, dtype=dtype, device=device, attn="sdpa")
             return model.eval(), "prime_models"
         except (ValueError, NotImplementedError, KeyError) as e:
-            if not fallback:
+            # A file that is unsafe to read, or a config too large to build, is as much so for transformers.
+            if not fallback or isinstance(e, UnreadableFile | ConfigError):
                 raise
             logger.info("prime_models does not load %s (%s); using transformers", path, e)
     from transformers import AutoModelForCausalLM

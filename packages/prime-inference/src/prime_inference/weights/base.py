@@ -80,11 +80,27 @@ def confined_dir(path_str: str, roots: list[Path], param: str) -> Path:
     return resolved
 
 
+def confined_files(path: Path, roots: list[Path], param: str) -> None:
+    """Every file the engine may read in directory ``path`` (its entries, one level down too) must be a regular file
+    inside the weight roots. The directory itself being inside them is not enough: anyone who can write there (a
+    shared cluster filesystem) could link ``model.safetensors`` to another user's weights outside the roots, and the
+    server would load and serve them; or to a FIFO, whose opening blocks the loader for ever."""
+    allowed = [Path(r).expanduser().resolve() for r in roots]
+    entries = [e for d in (path, *(c for c in path.iterdir() if c.is_dir() and not c.is_symlink())) for e in d.iterdir()]
+    for entry in entries:
+        target = entry.resolve()
+        if allowed and not any(target.is_relative_to(r) for r in allowed):
+            raise RequestError(f"{param} {entry} leads outside the server's weight roots", status_code=403, param=param)
+        if entry.exists() and not (target.is_file() or target.is_dir()):
+            raise RequestError(f"{param} {entry} is not a regular file", param=param)
+
+
 def announced_dir(weight_dir: str, roots: list[Path]) -> Path:
     """``weight_dir`` resolved inside the weight roots, a directory with the trainer's STABLE marker."""
     path = confined_dir(weight_dir, roots, "weight_dir")
     if not path.is_dir():
         raise RequestError(f"weight_dir {weight_dir} is not a directory", param="weight_dir")
+    confined_files(path, roots, "weight_dir")
     if not is_stable(path):
         raise RequestError(
             f"weight_dir {weight_dir} has no STABLE marker (incomplete or not written by the trainer)",

@@ -137,6 +137,10 @@ def install_adapter(
                 f"adapter {source}: {module} has A {tuple(a.shape)} / B {tuple(b.shape)}, the model expects "
                 f"A ({spec.rank}, {target.in_features}) / B ({target.out_features}, {spec.rank})"
             )
+        # A downloaded adapter with one NaN serves NaN logits under its name, every request sampling token 0.
+        for ab_name, t in (("A", a), ("B", b)):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"adapter {source}: {module} lora_{ab_name} holds NaN or infinite values")
     targets = {m.rpartition(".")[2] for m in weights}
     spec = LoRASpec(spec.rank, spec.alpha, spec.dropout, tuple(sorted(targets)))
     if name in sel.specs:

@@ -130,7 +130,9 @@ class RolloutSource:
     def _on_wait(self, elapsed: float) -> None:
         logger.info("step %d: rank %d waiting for rollouts for %.0fs", self._step, self.rank, elapsed)
 
-    def get(self, step: int) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
+    def get(self, step: int, vocab_size: int | None = None) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
+        """This rank's micro-batches of ``step``; with ``vocab_size``, each token id must be one of the model's (an
+        id past the embedding is an IndexError traceback on the CPU and a device-side assert on a GPU)."""
         self._step = step
         where = (
             f"rollouts/step_{step}/rank_{self.rank}"
@@ -149,6 +151,18 @@ class RolloutSource:
                 f"transport: {e}). Is the orchestrator running with the same --output-dir? "
                 f"Raise --data.wait-timeout-s to wait longer."
             ) from None
+        if received[0].step != step:  # a file copied or left over from another step would train as this one
+            raise UnreadableFile(
+                f"step {step}: rollouts for rank {self.rank} ({where}): the file is of step {received[0].step}"
+            )
+        for i, mb in enumerate(received[1]):
+            ids = mb.input_ids
+            if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+                raise UnreadableFile(
+                    f"step {step}: rollouts for rank {self.rank} ({where}): micro-batch {i} holds token id {bad}, "
+                    f"outside the model's vocabulary of {vocab_size} (rollouts of another model or tokenizer?)"
+                )
         self._drop_consumed(step)
         return received
 

@@ -124,7 +124,7 @@ def next_micro_batches(
     if rollouts is None:
         meta, batches = fake_micro_batches(cfg.data.fake, cfg.seq_len, c.model_source.vocab_size, step, c.world, seed)
     else:
-        meta, batches = rollouts.get(step)
+        meta, batches = rollouts.get(step, vocab_size=c.model_source.vocab_size)
     batches = pool_cp_micro_batches(pad_to_common_count(batches, c.world.device), c.layout)
     return meta, [TensorMicroBatch.from_numpy(mb, c.world.device) for mb in batches]
 

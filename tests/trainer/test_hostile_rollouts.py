@@ -1,0 +1,53 @@
+"""Rollouts the trainer receives that no model of its own could have produced: a token id past its vocabulary (an
+orchestrator serving another model, a file written by another tool). One line naming the step, rank and micro-batch;
+never the embedding's IndexError traceback (a device-side assert that takes the CUDA context down on a GPU)."""
+
+import os
+import re
+import subprocess
+import sys
+
+from prime_core.run_dir import RunDir
+
+from tests.trainer.trainer_utils import make_step_batches, write_rollouts
+
+
+def test_a_token_id_past_the_vocabulary_is_one_line_naming_step_rank_and_micro_batch(tiny_model_dir, tmp_path):
+    def batches_of(step):
+        out = make_step_batches(step, 4, 2, 32, 96)
+        if step == 1:
+            out[2].input_ids[1, 5] = 96 + 1000  # the tiny model's vocabulary is 96
+        return out
+
+    write_rollouts(tmp_path, steps=2, num_ranks=1, batches_of=batches_of)
+    cmd = [sys.executable, "-m", "prime_trainer.entrypoints.trainer", "--model.name", str(tiny_model_dir),
+           "--output-dir", str(tmp_path), "--max-steps", "2", "--seq-len", "32", "--async-level", "1",
+           "--log.level", "warning"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        "error: step 1: rollouts for rank 0 (rollouts/step_1/rank_0): micro-batch 2 holds token id 1096, outside "
+        "the model's vocabulary of 96 (rollouts of another model or tokenizer?)"
+    ), last
+    assert not RunDir(tmp_path).weight_step(2).exists()  # step 0 trained, step 1 never did
+
+
+def test_a_rollout_file_of_another_step_is_one_line_not_trained_as_this_one(tmp_path):
+    import pytest
+    import torch
+    from prime_core.config import load_config
+    from prime_core.config.trainer import TrainerConfig
+    from prime_core.io import UnreadableFile
+    from prime_trainer.rl.data import RolloutSource
+    from prime_trainer.world import World
+
+    write_rollouts(tmp_path, steps=2, num_ranks=1, micro_batches_per_step=2)
+    run = RunDir(tmp_path)
+    run.rollout_file(0, 0).replace(run.rollout_file(1, 0))  # step 0's file copied over step 1's
+    config = load_config(TrainerConfig, ["--output-dir", str(tmp_path), "--data.wait-timeout-s", "5"])
+    source = RolloutSource(config, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    line = "step 1: rollouts for rank 0 (rollouts/step_1/rank_0): the file is of step 0"
+    with pytest.raises(UnreadableFile, match=rf"^{re.escape(line)}$"):
+        source.get(1)
