@@ -86,7 +86,9 @@ def confined_files(path: Path, roots: list[Path], param: str) -> None:
     shared cluster filesystem) could link ``model.safetensors`` to another user's weights outside the roots, and the
     server would load and serve them; or to a FIFO, whose opening blocks the loader for ever."""
     allowed = [Path(r).expanduser().resolve() for r in roots]
-    entries = [e for d in (path, *(c for c in path.iterdir() if c.is_dir() and not c.is_symlink())) for e in d.iterdir()]
+    entries = [
+        e for d in (path, *(c for c in path.iterdir() if c.is_dir() and not c.is_symlink())) for e in d.iterdir()
+    ]
     for entry in entries:
         target = entry.resolve()
         if allowed and not any(target.is_relative_to(r) for r in allowed):
