@@ -191,3 +191,40 @@ def test_a_sigterm_inside_a_request_task_is_not_logged_as_a_traceback():
     assert not ClientGone().filter(record(KeyboardInterrupt()))
     kept = record(ValueError("a real bug"))
     assert ClientGone().filter(kept) and kept.exc_info is not None
+
+
+def test_an_env_server_stopped_runs_its_exit_handlers_then_ends_without_finalizing(tmp_path, monkeypatch):
+    """After verifiers' teardown the server process ends at once (Python's teardown of verifiers, transformers and
+    torch took several seconds on 2 cores, and the orchestrator waits for it at the end of every run); the exit
+    handlers still run (multiprocessing's, which ends a pool's workers; logging's; temporary files'), and what the
+    process printed is flushed."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "atexit_ran"
+    code = (
+        "import atexit, pathlib, sys\n"
+        f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('ran'))\n"
+        "import prime_orchestrator.env_server as s\n"
+        "print('served', end='')\n"
+        "s.exit_after_teardown()\n"
+        "print('not reached')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "served"
+    assert marker.read_text() == "ran"
+
+    # The server's process entry ends so once verifiers' serve_env returned (after a SIGTERM it returns normally).
+    import types
+
+    import prime_orchestrator.env_server as env_server
+    import verifiers.v1.serve.pool
+
+    calls = []
+    spec = types.SimpleNamespace(num_workers=1, env_config={}, multiplex=1, elastic=False)
+    monkeypatch.setattr(env_server.EnvServerSpec, "model_validate", lambda data: spec)
+    monkeypatch.setattr(verifiers.v1.serve.pool, "serve_env", lambda **kwargs: calls.append("served"))
+    monkeypatch.setattr(env_server, "exit_after_teardown", lambda: calls.append("exit"))
+    env_server._serve({}, None, None)
+    assert calls == ["served", "exit"]

@@ -71,3 +71,32 @@ def test_vocab_size_of_text_and_vision_language_sources():
     assert "vocab_size" not in vl
     assert ModelSource(hf_config=vl, tokenizer="", random_init=True).vocab_size == 300
     assert ModelSource(hf_config={"vocab_size": 128}, tokenizer="", random_init=True).vocab_size == 128
+
+
+@pytest.mark.parametrize("world_size", [None, "2"])
+def test_a_clean_finish_exits_without_finalizing_on_any_number_of_ranks(monkeypatch, world_size):
+    """One rank too: `rl` waits for the trainer's exit, and Python's teardown of torch took 2 s of each run's end.
+    A train that fails still leaves through its error (no exit 0)."""
+    import prime_core.progress
+    import prime_trainer.entrypoints as entrypoints
+    import prime_trainer.world
+
+    calls = []
+    monkeypatch.setattr(entrypoints, "exit_without_finalizing", lambda: calls.append("exit"))
+    monkeypatch.setattr(prime_trainer.world, "shutdown_world", lambda wait_for_peers: calls.append(wait_for_peers))
+    monkeypatch.setattr(prime_core.progress, "stop_reporting", lambda: None)
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    entrypoints.run_training(lambda config: None, config=None)
+    assert calls == [True, "exit"]
+
+    calls.clear()
+
+    def fails(config):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        entrypoints.run_training(fails, config=None)
+    assert calls == [False]

@@ -123,6 +123,21 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> No
         elastic=spec.elastic,
         config_data=spec.env_config,
     )
+    exit_after_teardown()
+
+
+def exit_after_teardown() -> None:
+    """End the server once verifiers' own teardown ran (SIGTERM: its event loop's finallys, the env's ``serving``
+    context, the pool's workers): the exit handlers run (multiprocessing's, logging's, temporary files'), then the
+    process ends without Python's finalization. Tearing down the modules of verifiers, transformers and torch took
+    several seconds on 2 cores, and the orchestrator waits for its env servers before it exits (`rl`, for it)."""
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def pool_workers(broker_pid: int) -> set[int]:
