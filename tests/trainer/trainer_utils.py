@@ -176,3 +176,16 @@ def write_reverse_dataset(path: Path, n: int, seed: int = 0) -> Path:
         lines.append(json.dumps({"prompt": word, "completion": word[::-1]}))
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def train_two_steps_and_fail(model_dir: Path, out: Path) -> str:
+    """`trainer` on the rollouts written to ``out`` for two steps, expected to stop in one line at step 1: that
+    line (the process exited 1, printed no traceback and published no weights for step 1)."""
+    cmd = [sys.executable, "-m", "prime_trainer.entrypoints.trainer", "--model.name", str(model_dir),
+           "--output-dir", str(out), "--max-steps", "2", "--seq-len", "32", "--async-level", "1",
+           "--log.level", "warning"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not RunDir(out).weight_step(2).exists()  # step 0 trained, step 1 never did
+    return proc.stderr.strip().splitlines()[-1]
