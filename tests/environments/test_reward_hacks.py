@@ -30,14 +30,19 @@ def _run(script: str, timeout: float) -> str:
 
 def test_arithmetic_power_tower_scores_zero_without_blocking_the_event_loop():
     """``\\boxed{9^{9^{9^{9}}}}`` made sympy compute for ever inside the reward, blocking the worker's event loop
-    (every rollout it serves); it scores 0 within the scoring bound and the loop keeps running meanwhile."""
+    (every rollout it serves). Power towers are now refused as not numbers, but sympy still spends seconds parsing a
+    long reply: it scores 0 when the scorer's bound runs out, and the loop keeps running meanwhile."""
     out = _run(
         """
-        import asyncio, time
+        import asyncio, logging
         from arithmetic.taskset import ArithmeticData, ArithmeticTask
         from arithmetic import verify
 
         verify._scorer = verify.Scorer(timeout_s=3.0)
+        bounds_run_out = []
+        handler = logging.Handler()
+        handler.emit = lambda record: bounds_run_out.append("took over" in record.getMessage())
+        logging.getLogger(verify.__name__).addHandler(handler)
 
         class Trace:
             def __init__(self, reply): self.last_reply = reply
@@ -47,30 +52,23 @@ def test_arithmetic_power_tower_scores_zero_without_blocking_the_event_loop():
 
         async def main():
             assert await task("7").correct(Trace("so \\\\boxed{\\\\frac{14}{2}}")) == 1.0  # starts the child
-            gaps, last = [], time.monotonic()
-            async def beat():
-                nonlocal last
-                while True:
-                    await asyncio.sleep(0.05)
-                    gaps.append(time.monotonic() - last)
-                    last = time.monotonic()
-            beater = asyncio.create_task(beat())
-            t0 = time.monotonic()
-            bombs = [task("7").correct(Trace(r)) for r in ("\\\\boxed{9^{9^{9^{9}}}}", "\\\\boxed{(10^{6})!}")]
+            # sympy parses a 60 kB sum for over 10 s
+            replies = ["\\\\boxed{" + "+".join([digit] * 30000) + "}" for digit in "12"]
+            bombs = [asyncio.create_task(task("7").correct(Trace(r))) for r in replies]
+            await asyncio.sleep(0.5)  # wakes only once the loop is free again
+            pending_while_loop_ran = sum(not b.done() for b in bombs)
             scores = await asyncio.gather(*bombs)
-            took = time.monotonic() - t0
-            beater.cancel()
             after = await task("12").correct(Trace("\\\\boxed{\\\\frac{24}{2}}"))
-            print(scores, round(took, 1), round(max(gaps), 2), after)
+            print(scores, pending_while_loop_ran, sum(bounds_run_out), after)
 
         asyncio.run(main())
         """,
         timeout=90,
     )
-    scores, took, gap, after = out.rsplit("]", 1)[0] + "]", *out.rsplit("]", 1)[1].split()
+    scores, pending, bounds_run_out, after = out.rsplit("]", 1)[0] + "]", *out.rsplit("]", 1)[1].split()
     assert scores == "[0.0, 0.0]"
-    assert float(took) < 30  # two replies at 3 s each, plus restarting the child
-    assert float(gap) < 2.0  # the event loop served other coroutines throughout
+    assert int(pending) == 2  # the loop served another coroutine while both replies were being scored
+    assert int(bounds_run_out) == 2  # each scored 0 because the bound ran out, not because it parsed as wrong
     assert float(after) == 1.0  # the restarted child scores right answers
 
 
