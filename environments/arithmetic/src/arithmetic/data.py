@@ -64,7 +64,7 @@ def score_answer(reply: str, answer: str) -> float:
     A number, not an expression: sympy evaluates what it parses, so ``\\boxed{12 \\times 17}`` (the problem's operands
     copied, no arithmetic done) would match 204; copying the operands and the operator scored 1.0 on every problem.
 
-    Unbounded: sympy computes what the reply boxes (``9^{9^{9}}`` never returns). The environment scores through
+    Unbounded: sympy parses a long reply for seconds (a 60 kB sum: over 10 s). The environment scores through
     ``arithmetic.verify.bounded_score``, which runs this in a child process it kills at a time limit."""
     import logging
 

@@ -1,8 +1,9 @@
 """math-verify in a child process, so that scoring a reply has a bound.
 
-sympy computes the value of what the policy boxes: ``9^{9^{9}}``, ``(10^{6})!`` or ``\\binom{10^{7}}{10^{6}}`` is
-big-integer arithmetic in C that runs for minutes to forever (``2^{2^{40}}`` takes a GiB a few seconds in), and no
-signal interrupts it (math-verify's own timeouts are SIGALRM, which also needs the main thread). In the env worker
+sympy's parse and arithmetic have no bound: parsing a 60 kB sum (``1+1+...``) takes over 10 s, and a boxed
+``2^{2^{40}}`` or ``(10^{6})!``, were it ever evaluated, is big-integer arithmetic in C that runs for minutes to forever
+(``score_answer`` now refuses those as not numbers before evaluating them). No signal interrupts either
+(math-verify's own timeouts are SIGALRM, which also needs the main thread). In the env worker
 that call would block the event loop of every rollout it serves. Here one child per worker process scores the
 replies, one at a time; a reply it has not scored within ``SCORE_TIMEOUT_S`` scores 0 and the child is killed (and
 started again for the next reply). The child dies with its parent and may not take more than ``MEMORY_BYTES``.
