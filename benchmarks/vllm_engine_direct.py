@@ -11,6 +11,11 @@ Phases as `inference_vllm.py` names them: ``no_logprobs``, ``groups_no_logprobs`
 (seeded + the tap: the orchestrator's pattern). After a warm-up run of each, the phases repeat ``--repeats`` times
 interleaved; the median is reported. ``--profile S``: py-spy of the engine core per phase.
 ``--no-tap-phases``: those phases again on an engine with vLLM's own log-prob path.
+
+``--replicas 1,2``: engines on the same GPU, each in its own process with ``1/K`` of the memory and of every phase's
+requests, started one after the other (vLLM sizes its KV cache from the memory it sees in use) and then run in
+lockstep (a barrier before each run): whether one engine core's host loop bounds generation on one GPU. A run's time
+is the slowest replica's.
 """
 
 from __future__ import annotations
@@ -128,12 +133,64 @@ async def measure(config, sets: dict, phases: list[str], repeats: int, profile_s
     return result
 
 
+def _replica(args: argparse.Namespace, index: int, k: int, phases: list[str], ready, barrier, results) -> None:
+    """One of ``k`` engines: its slice of each phase, warmed up, then ``args.repeats`` rounds in lockstep."""
+
+    async def run() -> None:
+        from prime_inference.engines import build_engine
+
+        config = engine_config(args)
+        sets = {name: requests[index::k] for name, requests in sets_for(args).items()}
+        engine = build_engine(config)[0]
+        await engine.start()
+        try:
+            for name in phases:
+                await run_phase(engine, sets[name])
+            ready.put(index)
+            for round_ in range(args.repeats):
+                for name in phases:
+                    await asyncio.to_thread(barrier.wait, 600)
+                    results.put((round_, name, index, (await run_phase(engine, sets[name]))["elapsed_s"]))
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def replicated(args: argparse.Namespace, k: int, phases: list[str]) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ready, results, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(k)
+    share = argparse.Namespace(**{**vars(args), "gpu_memory_utilization": args.gpu_memory_utilization / k})
+    procs = []
+    for i in range(k):
+        procs.append(ctx.Process(target=_replica, args=(share, i, k, phases, ready, barrier, results)))
+        procs[-1].start()
+        ready.get(timeout=900)  # the next engine starts once this one holds its memory
+    runs: dict[str, dict[int, float]] = {name: {} for name in phases}
+    for _ in range(args.repeats * len(phases) * k):
+        round_, name, _, elapsed = results.get(timeout=900)
+        runs[name][round_] = max(runs[name].get(round_, 0.0), elapsed)
+    for p in procs:
+        p.join(timeout=120)
+    out = {}
+    for name in phases:
+        times = [runs[name][r] for r in sorted(runs[name])]
+        out[name] = {"median_s": sorted(times)[len(times) // 2], "runs_s": times}
+        print(f"  {k} engine(s) {name}: median {out[name]['median_s']:.3f} s of {times}", flush=True)
+    return out
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     if args.model is None:
         from inference_vllm import make_tokenizer, save_model
 
         args.model = str(Path(args.work) / "base")
         save_model(Path(args.model), 0, make_tokenizer(args), args)
+    if args.replicas:
+        phases = args.phases.split(",")
+        return {f"replicas_{k}": replicated(args, int(k), phases) for k in args.replicas.split(",")}
     config, sets = engine_config(args), sets_for(args)
     sets["groups_unseeded"] = [{**r, "seed": None} for r in sets["groups"]]
     out = {"tap": await measure(config, sets, args.phases.split(","), args.repeats, args.profile)}
@@ -164,6 +221,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", type=float, default=0, help="seconds of py-spy per phase (0: none)")
     parser.add_argument("--no-tap-phases", default="", help="phases again on an engine with vLLM's own log-probs")
+    parser.add_argument("--replicas", default="", help="e.g. 1,2: that many engines on one GPU (see the module doc)")
     parser.add_argument("--engine", default="vllm", help="torch: a CPU smoke test of this script")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
