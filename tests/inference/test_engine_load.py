@@ -93,7 +93,7 @@ def test_vllm_poller_refreshes_in_the_background_and_stops_on_a_missing_probe(mo
         poller = vllm_load.LoadPoller(interval_s=0.01)
         assert poller.fields(in_flight=5) == {"running": 5}  # before any answer: requests in flight only
         core = FakeCore(scheduler(3, 2, 0.4, 7))
-        poller.start(core)
+        poller.start([core])
         await asyncio.sleep(0.1)
         assert poller.fields(5) == {"running": 3, "waiting": 2, "kv_cache_usage": 0.4, "preemptions": 7}
         assert core.calls > 2
@@ -106,7 +106,7 @@ def test_vllm_poller_refreshes_in_the_background_and_stops_on_a_missing_probe(mo
                 raise Exception(f"Call to {method} method failed: 'EngineCoreProc' object has no attribute")
 
         poller = vllm_load.LoadPoller(interval_s=0.01)
-        poller.start(NoProbe())
+        poller.start([NoProbe()])
         await asyncio.sleep(0.05)
         assert poller._task.done() and poller.fields(2) == {"running": 2}
         await poller.stop()

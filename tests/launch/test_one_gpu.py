@@ -276,3 +276,15 @@ def test_gpu_memory_from_nvidia_smi(tmp_path):
     assert gpu_memory_of([0], memory) == 81559 * 1024**2
     assert gpu_memory_of([7], memory) == 24576 * 1024**2  # unknown id: the smallest GPU
     assert gpu_memory({"PATH": str(tmp_path / "none")}) == {} and gpu_memory_of([0], {}) is None
+
+
+def test_several_vllm_engines_on_one_gpu_take_the_weights_each_and_refuse_nccl(model_dir, tmp_path):
+    """``inference.vllm.engines = 2``: both engines' workers take each step's tensors (the trainer waits for two),
+    and an NCCL broadcast, which cannot hold two ranks on one GPU, is refused in one line."""
+    more = ["--devices.gpu-memory-gib", "80", "--inference.vllm.engines", "2"]
+    plan = resolve_here(rl_config(model_dir, tmp_path, *more, broadcast=None), ONE_GPU, cores=4)
+    trainer = plan.configs["trainer"]
+    assert trainer.weights.broadcast.type == "cuda_ipc" and trainer.weights.broadcast.inference_workers == 2
+    assert plan.configs["inference"].vllm.engines == 2
+    with pytest.raises(ValueError, match=r"engines = 2 puts several vLLM workers on one GPU.*cuda_ipc.*filesystem"):
+        resolve_here(rl_config(model_dir, tmp_path, *more, broadcast="nccl"), TWO_GPUS, cores=4)

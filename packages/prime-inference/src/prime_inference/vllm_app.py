@@ -62,11 +62,13 @@ async def _vllm_app(args: Namespace, shell: FastAPI) -> FastAPI:
     from vllm.entrypoints.openai import api_server
 
     engine = shell.state.prime.engine
+    # With several engines (vllm.engines), vLLM's own routes run on the first (prime_inference.engines.vllm_replicas).
+    llm = getattr(engine.llm, "primary", engine.llm)
     # The engine's own copy, which vLLM completed while building it (the reasoning parser lands there).
-    args.structured_outputs_config = engine.llm.vllm_config.structured_outputs_config
-    tasks = await engine.llm.get_supported_tasks()
-    app = api_server.build_app(args, tasks, engine.llm.model_config)
-    await api_server.init_app_state(engine.llm, app.state, args, tasks)
+    args.structured_outputs_config = llm.vllm_config.structured_outputs_config
+    tasks = await llm.get_supported_tasks()
+    app = api_server.build_app(args, tasks, llm.model_config)
+    await api_server.init_app_state(llm, app.state, args, tasks)
     app.state.openai_serving_models.lora_requests = EngineAdapters(engine)
     # vLLM's engine-error handler stops the HTTP server through this when the engine has died (`vllm serve` sets it).
     app.state.server = getattr(shell.state, "server", None)

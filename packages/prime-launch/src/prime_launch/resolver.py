@@ -155,6 +155,12 @@ def _trainer_config(
     broadcast = trainer.weights.broadcast
     if place.weights_transport is not None:  # a shared GPU (prime_launch.colocate.shared_gpu_transport)
         broadcast = broadcast.derive(type=place.weights_transport)
+    if broadcast.type == "nccl" and inference is not None and inference.engine == "vllm" and inference.vllm.engines > 1:
+        raise ValueError(
+            f"inference.vllm.engines = {inference.vllm.engines} puts several vLLM workers on one GPU, which an NCCL "
+            "weight broadcast cannot hold: use trainer.weights.broadcast.type cuda_ipc (a GPU shared with the "
+            "trainer) or filesystem"
+        )
     if broadcast.one_time and inference is not None:
         workers = _broadcast_workers(inference, place.num_inference_servers)
         if not rl.user_set("trainer.weights.broadcast.inference_workers"):
@@ -162,7 +168,7 @@ def _trainer_config(
         elif broadcast.inference_workers != workers:
             raise ValueError(
                 f"trainer.weights.broadcast.inference_workers ({broadcast.inference_workers}) != the inference "
-                f"servers' workers ({workers} = servers x tensor_parallel_size x data_parallel_size)"
+                f"servers' workers ({workers} = servers x tensor_parallel_size x data_parallel_size x engines)"
             )
     changes: dict = {"output_dir": run_dir.root, "weights": trainer.weights.derive(broadcast=broadcast)}
     if place.trainer_device is not None:
@@ -178,10 +184,11 @@ def _trainer_config(
 
 
 def _broadcast_workers(inference: InferenceConfig, num_servers: int) -> int:
-    """Inference workers that join a weight broadcast: one per vLLM GPU, one per torch-engine server."""
+    """Inference workers that join a weight broadcast: one per GPU of each vLLM engine, one per torch-engine server."""
     if inference.engine == "torch":
         return num_servers
-    return num_servers * inference.vllm.tensor_parallel_size * inference.vllm.data_parallel_size
+    v = inference.vllm
+    return num_servers * v.tensor_parallel_size * v.data_parallel_size * v.engines
 
 
 def _orchestrator_config(

@@ -98,6 +98,12 @@ class VllmConfig(BaseConfig):
     """Address of the data-parallel head node (multi-node DP)."""
     data_parallel_rpc_port: int | None = Field(default=None, ge=1, le=65535)
     """RPC port of the data-parallel head node (multi-node DP)."""
+    engines: int = Field(default=1, ge=1, le=8)
+    """vLLM engines this server runs on the same GPUs, each with ``1/engines`` of ``gpu_memory_utilization``, its own
+    copy of the weights and its share of the requests (the fewest in flight). For small models on one GPU, where one
+    engine's host loop, not the GPU, bounds generation: on one H200 two engines generated the RL loop's 512 rollouts
+    of Qwen3-0.6B 1.61x faster (docs/inference.md#several-engines-on-one-gpu). Each engine has its own prefix cache;
+    vLLM's own OpenAI routes use the first. Needs ``data_parallel_size = 1``."""
     headless: bool = False
     """Run engine cores only, without an API server (secondary DP nodes)."""
     enforce_eager: bool = False
@@ -124,6 +130,15 @@ class VllmConfig(BaseConfig):
     """Compute the LM head in fp32 (log-prob fidelity with the trainer); ignored when vLLM lacks the option."""
     extra_args: list[str] = Field(default_factory=list)
     """Further ``vllm serve`` flags, e.g. ``["--kv-cache-dtype", "fp8"]``; parsed by vLLM's own parser."""
+
+    @model_validator(mode="after")
+    def _check_engines(self) -> VllmConfig:
+        if self.engines > 1 and (self.data_parallel_size > 1 or self.headless):
+            raise ValueError(
+                f"engines={self.engines} runs several engines on the same GPUs: it needs data_parallel_size = 1 "
+                "and no headless nodes (vLLM's data parallelism puts each engine on GPUs of its own)"
+            )
+        return self
 
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)

@@ -154,7 +154,7 @@ class WeightBroadcastConfig(BaseConfig):
     """Port of the rendezvous store."""
     inference_workers: int = Field(default=1, ge=1)
     """Inference workers that join the broadcast: summed over servers, each tensor-parallel x data-parallel GPUs
-    (one per torch-engine server). ``rl`` fills it from the inference config."""
+    (one per torch-engine server), times ``vllm.engines``. ``rl`` fills it from the inference config."""
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds to wait for the workers to join or for one transfer before failing with an error naming them."""
     bucket_mb: int = Field(default=1024, ge=1, le=65536)

@@ -36,6 +36,7 @@ from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.vllm_load import LoadPoller
+from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap
 from prime_inference.engines.vllm_requests import refused_as_400, sampling_params
 from prime_inference.protocol import RequestError
 from prime_inference.token_logprobs import TapFetcher, align
@@ -115,9 +116,11 @@ def names_capture_sizes(extra_args: list[str]) -> bool:
     return "cudagraph_capture_size" in text or "cuda_graph_sizes" in text
 
 
-def engine_args(config: InferenceConfig) -> Any:
+def engine_args(config: InferenceConfig, engine: int = 0) -> Any:
     """Parse the argv with ``vllm serve``'s own parser, so ``extra_args`` accepts exactly what ``vllm serve`` does
-    (server flags such as ``--chat-template`` included; the engine takes its own fields from the namespace)."""
+    (server flags such as ``--chat-template`` included; the engine takes its own fields from the namespace).
+    ``engine``: which of ``vllm.engines`` engines on the same GPUs this is: it gets its share of the memory, and a seed
+    of its own (the same seed would give unseeded requests on two engines the same samples)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -127,6 +130,9 @@ def engine_args(config: InferenceConfig) -> Any:
     args = AsyncEngineArgs.from_cli_args(namespace)
     if config.vllm.enable_fp32_lm_head and hasattr(args, "enable_fp32_lm_head"):
         args.enable_fp32_lm_head = True
+    if config.vllm.engines > 1:
+        args.gpu_memory_utilization = config.vllm.gpu_memory_utilization / config.vllm.engines
+        args.seed = config.seed + engine
     return args
 
 
@@ -197,7 +203,10 @@ class VllmEngine(Engine):
         # `vllm serve`'s context, hence its batch defaults (on an H100: 1024 sequences and 8192 tokens per step);
         # vLLM's default engine context gives 128 and 2048: a server without vllm.max_num_seqs decoded only 128
         # rollouts at a time.
-        self.llm = AsyncLLM.from_engine_args(engine_args(config), usage_context=UsageContext.OPENAI_API_SERVER)
+        # Several engines start one after the other: vLLM sizes each KV cache from the memory it finds in use.
+        llms = [AsyncLLM.from_engine_args(engine_args(config, i), usage_context=UsageContext.OPENAI_API_SERVER)
+                for i in range(config.vllm.engines)]  # fmt: skip
+        self.llm = llms[0] if len(llms) == 1 else EngineReplicas(llms)
         self.tokenizer = self.llm.get_tokenizer()
         model_config = self.llm.vllm_config.model_config
         self.max_model_len = model_config.max_model_len
@@ -227,28 +236,43 @@ class VllmEngine(Engine):
             weight_dir=self.weight_dir,
             # A weight swap pauses vLLM's scheduler (requests queue, no step runs); its own bound is the relay's.
             paused=self._paused or self._swapping,
-            extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None},
+            extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None, "engines": self.engines},
             **self._load.fields(self._in_flight),  # running, waiting, KV-cache usage, preemptions (vllm_load.py)
-            steps=self._steps,
+            steps=self._engine_steps(),
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
         )
 
     def _count_engine_steps(self) -> None:
-        """Count the engine core's steps as their outputs arrive here. Every step that advanced a request sends one
-        batch (``EngineCoreOutputs``) to the output handler, which pulls it with ``engine_core.get_output_async()``
-        (looked up on each call), whatever the requests' output kind: a count that stops while requests are in flight
-        is an engine core that stopped (a hung worker, a collective that never returns) behind a front end that still
-        answers ``/health``."""
-        core = self.llm.engine_core
-        pull = core.get_output_async
+        """Count each engine core's steps as their outputs arrive: every step that advanced a request sends one batch
+        to the output handler, which pulls it with ``engine_core.get_output_async()`` (looked up on each call). A count
+        that stops while requests are in flight is an engine core that stopped behind a front end that still answers
+        ``/health``."""
+        for engine, core in enumerate(self._engine_cores()):
+            core.get_output_async = self._counting(core.get_output_async, engine)
+
+    def _counting(self, pull: Any, engine: int) -> Any:
+        replicas = self.llm if isinstance(self.llm, EngineReplicas) else None
 
         async def counted() -> Any:
             outputs = await pull()
             if outputs.outputs:
                 self._steps += 1
+                if replicas is not None:
+                    replicas.rounds.stepped(engine)
             return outputs
 
-        core.get_output_async = counted
+        return counted
+
+    def _engine_cores(self) -> list[Any]:
+        return self.llm.engine_cores if isinstance(self.llm, EngineReplicas) else [self.llm.engine_core]
+
+    @property
+    def engines(self) -> int:
+        return len(self.llm.llms) if isinstance(self.llm, EngineReplicas) else 1
+
+    def _engine_steps(self) -> int:
+        """Steps made; with several engines, rounds in which every engine holding requests stepped (`StepRounds`)."""
+        return self.llm.rounds.count if isinstance(self.llm, EngineReplicas) else self._steps
 
     def lora_requests(self) -> dict[str, Any]:
         """Served adapters as vLLM ``LoRARequest``s, by name (what vLLM's OpenAI routes resolve ``model`` with)."""
@@ -257,7 +281,9 @@ class VllmEngine(Engine):
     async def start(self) -> None:
         self._admin_lock = asyncio.Lock()
         self._count_engine_steps()
-        self._load.start(self.llm.engine_core)
+        replicas = self.llm if isinstance(self.llm, EngineReplicas) else None
+        on_read = None if replicas is None else replicas.read_loads
+        self._load.start(self._engine_cores(), on_read)
         # vLLM swallows plugin failures, so check that the worker extension really answers on every worker.
         replies = await self.llm.collective_rpc("prime_plugin_status")
         self._plugin = {"workers": len(replies), "loaded": all(r.get("general_plugin") for r in replies)}
@@ -278,10 +304,16 @@ class VllmEngine(Engine):
                            "speculative decoding); using vLLM's log-probs")  # fmt: skip
             return
 
-        async def take(request_ids: list[str]) -> list[dict[str, Any]]:
-            return await self.llm.collective_rpc("prime_take_token_logprobs", args=(request_ids,))
+        def rpc_of(llm: Any) -> Any:
+            async def take(request_ids: list[str]) -> list[dict[str, Any]]:
+                return await llm.collective_rpc("prime_take_token_logprobs", args=(request_ids,))
 
-        self._tap = TapFetcher(take)
+            return take
+
+        if isinstance(self.llm, EngineReplicas):
+            self._tap = RoutedTap(self.llm, rpc_of)  # type: ignore[assignment]
+        else:
+            self._tap = TapFetcher(rpc_of(self.llm))
 
     async def shutdown(self) -> None:
         await self._load.stop()

@@ -21,6 +21,7 @@ import asyncio
 import functools
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,11 @@ class EngineLoad:
             preemptions=sum(int(r["preemptions"]) for r in replies),
         )
 
+    @classmethod
+    def merge(cls, loads: list[EngineLoad]) -> EngineLoad:
+        """The load of several engines on one server (``vllm.engines``), as `combine` adds data-parallel ones."""
+        return cls.combine([vars(load) for load in loads])
+
 
 class LoadPoller:
     """The last load every engine core reported, refreshed every ``interval_s`` by a background task."""
@@ -112,8 +118,9 @@ class LoadPoller:
         self._task: asyncio.Task | None = None
         install_probe()  # this process too: a forked or in-process engine core inherits the patched classes
 
-    def start(self, engine_core: Any) -> None:
-        self._task = asyncio.create_task(self._run(engine_core), name="vllm-engine-load")
+    def start(self, engine_cores: list[Any], on_read: Callable[[list[EngineLoad]], None] | None = None) -> None:
+        """Poll these engine cores (one per engine of the server); ``on_read`` gets each reading, engine by engine."""
+        self._task = asyncio.create_task(self._run(engine_cores, on_read), name="vllm-engine-load")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -130,12 +137,15 @@ class LoadPoller:
             replies = [await engine_core.call_utility_async(PROBE)]
         return EngineLoad.combine(list(replies))
 
-    async def _run(self, engine_core: Any) -> None:
+    async def _run(self, engine_cores: list[Any], on_read: Callable[[list[EngineLoad]], None] | None) -> None:
         # No timeout: a probe waits for the engine core's current step (or a weight reload) to end; /health keeps the
         # last answer meanwhile, and one probe at a time never piles calls up behind a busy engine.
         while True:
             try:
-                self.latest = await self.read(engine_core)
+                loads = list(await asyncio.gather(*(self.read(core) for core in engine_cores)))
+                self.latest = loads[0] if len(loads) == 1 else EngineLoad.merge(loads)
+                if on_read is not None:
+                    on_read(loads)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # not installed in the engine core: it fails the same way every time

@@ -1,0 +1,165 @@
+"""Several vLLM engines on the same GPUs behind one server (``vllm.engines``).
+
+On one H200 the host loop of one engine (vLLM's engine core: its scheduler, KV-cache manager and output handling),
+not the GPU, bounded how fast 512 short rollouts were generated: two engines, each with half the memory and half the
+requests, generated the RL loop's batch 1.61x faster than one (``benchmarks/results/vllm_replicas_h200.json``; three
+1.58x, four 1.43x). vLLM's data parallelism puts each engine on GPUs of its own (``--device-ids`` refuses one GPU
+twice), so the server starts the engines itself, one after the other (vLLM sizes its KV cache from the memory it finds
+in use), and `EngineReplicas` stands where one ``AsyncLLM`` stood:
+
+* a request goes to the engine with the fewest requests of this server in flight (ties in turn). Each engine has its
+  own prefix cache: the samples of a group, or the next turn of a multi-turn rollout, may land on another engine and
+  prefill their prompt again;
+* what changes the engines' state (pauses, weight loads, LoRA adapters, cache resets) reaches every engine at once;
+  a worker RPC answers with the replies of all their workers;
+* the sampled-log-prob tap is fetched from the engine that ran the request (`RoutedTap`);
+* the step count that ``/health`` reports is `StepRounds`: it stops when any engine that holds requests stops.
+
+vLLM's own OpenAI routes (chat, completions) run on the first engine; the token-in route that the orchestrator's
+rollouts use spreads over all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from prime_inference.token_logprobs import Entries, TapFetcher
+
+
+class StepRounds:
+    """A step count for several engines that stops when one engine holding requests stops stepping: a round ends
+    once every engine that held requests when it began has stepped since, or let its requests go. One stuck engine
+    thus freezes the count however fast the others step, as one stuck engine freezes vLLM's own count."""
+
+    def __init__(self, engines: int, busy: Callable[[int], bool]):
+        self.count = 0
+        self._engines, self._busy = engines, busy
+        self._pending: set[int] = set()
+
+    def stepped(self, engine: int) -> None:
+        self._pending.discard(engine)
+        self._end_round()
+
+    def released(self, engine: int) -> None:
+        if not self._busy(engine):
+            self._pending.discard(engine)
+            self._end_round()
+
+    def _end_round(self) -> None:
+        if not self._pending:
+            self.count += 1
+            self._pending = {i for i in range(self._engines) if self._busy(i)}
+
+
+class EngineReplicas:
+    """vLLM ``AsyncLLM`` engines serving one model as one: what `VllmEngine` calls on its ``llm``."""
+
+    def __init__(self, llms: list[Any]):
+        self.llms = llms
+        self.in_flight = [0] * len(llms)
+        """Requests of this server's token-in route that each engine is generating for."""
+        self.running = [0] * len(llms)
+        """What each engine's scheduler last said it runs (its load probe; vLLM's routes' requests too)."""
+        self._next = 0
+        self._owner: dict[str, int] = {}
+        self.rounds = StepRounds(len(llms), lambda i: self.in_flight[i] > 0 or self.running[i] > 0)
+
+    @property
+    def primary(self) -> Any:
+        """The first engine: vLLM's own routes run on it, and its model, tokenizer and renderer are every engine's."""
+        return self.llms[0]
+
+    @property
+    def engine_cores(self) -> list[Any]:
+        return [llm.engine_core for llm in self.llms]
+
+    @property
+    def renderer(self) -> Any:
+        return self.primary.renderer
+
+    @property
+    def vllm_config(self) -> Any:
+        return self.primary.vllm_config
+
+    def get_tokenizer(self) -> Any:
+        return self.primary.get_tokenizer()
+
+    def read_loads(self, loads: list[Any]) -> None:
+        """Each engine's load as the server's poller read it (`prime_inference.engines.vllm_load`)."""
+        self.running = [load.running for load in loads]
+
+    def owner(self, request_id: str) -> int | None:
+        return self._owner.get(request_id)
+
+    def _pick(self) -> int:
+        least = min(self.in_flight)
+        n = len(self.llms)
+        chosen = next(i for i in ((self._next + k) % n for k in range(n)) if self.in_flight[i] == least)
+        self._next = (chosen + 1) % n
+        return chosen
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
+        engine = self._pick()
+        self._owner[request_id] = engine
+        self.in_flight[engine] += 1
+        try:
+            async for output in self.llms[engine].generate(prompt, params, request_id, **kwargs):
+                yield output
+        finally:
+            self.in_flight[engine] -= 1
+            self._owner.pop(request_id, None)
+            self.rounds.released(engine)
+
+    async def _each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return list(await asyncio.gather(*(getattr(llm, method)(*args, **kwargs) for llm in self.llms)))
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None) -> list:
+        """Every engine's workers run ``method``; the replies of all of them, engine after engine."""
+        replies = await self._each("collective_rpc", method, timeout=timeout, args=args, kwargs=kwargs)
+        return [reply for engine in replies for reply in engine]
+
+    async def pause_generation(self, **kwargs: Any) -> None:
+        await self._each("pause_generation", **kwargs)
+
+    async def resume_generation(self) -> None:
+        await self._each("resume_generation")
+
+    async def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> None:
+        await self._each("reset_prefix_cache", *args, **kwargs)
+
+    async def reset_encoder_cache(self) -> None:
+        await self._each("reset_encoder_cache")
+
+    async def add_lora(self, request: Any) -> bool:
+        return all(await self._each("add_lora", request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return all(await self._each("remove_lora", lora_id))
+
+    def shutdown(self) -> None:
+        for llm in self.llms:
+            llm.shutdown()
+
+
+class RoutedTap:
+    """The tap of each engine (`prime_inference.token_logprobs.TapFetcher`), asked for a request's values on the
+    engine that generated it: a take sent to every engine would make each drain its worker's pending copies."""
+
+    def __init__(self, replicas: EngineReplicas, rpc_of: Callable[[Any], Callable]):
+        self.replicas = replicas
+        self.taps = [TapFetcher(rpc_of(llm)) for llm in replicas.llms]
+
+    async def take(self, request_id: str) -> Entries | None:
+        engine = self.replicas.owner(request_id)
+        if engine is None:  # taken after its generation ended: not ours to route
+            raise RuntimeError(f"sampled log-probs of request {request_id} asked for after its generation ended")
+        return await self.taps[engine].take(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """An aborted request: its engine is no longer known once its generation closed, so every engine drops it."""
+        engine = self.replicas.owner(request_id)
+        for i, tap in enumerate(self.taps):
+            if engine is None or i == engine:
+                tap.forget(request_id)

@@ -1,0 +1,163 @@
+"""Several vLLM engines behind one server (``vllm.engines``), without a GPU: `VllmEngine` over stand-ins for vLLM's
+``AsyncLLM``. Requests spread over the engines, each request's sampled log-probs come from the engine that ran it,
+weight loads and pauses reach every engine, and the step count ``/health`` reports stops when one busy engine stops."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from prime_core.config import ConfigError, load_config
+from prime_core.config.inference import InferenceConfig
+from prime_inference.engines.base import EngineRequest
+from prime_inference.engines.vllm_engine import VllmEngine
+from prime_inference.engines.vllm_load import EngineLoad
+from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap, StepRounds
+from prime_inference.protocol import RequestError, SamplingParams
+
+
+class StandInLLM:
+    """One engine: ``generate`` holds each request until ``release`` (then one final output of token ``tag``), its
+    workers' tap knows the requests it generated, and every admin call is recorded."""
+
+    def __init__(self, tag: int):
+        self.tag, self.calls, self.generated = tag, [], []
+        self.release = asyncio.Event()
+        self.refuse: str | None = None
+        self.renderer = SimpleNamespace(render_cmpl_async=self._render)
+
+    @staticmethod
+    async def _render(prompts):
+        return [{"type": "token", **p} for p in prompts]
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        self.generated.append(request_id)
+        await self.release.wait()
+        out = SimpleNamespace(token_ids=[self.tag], logprobs=None, finish_reason="length", stop_reason=None)
+        yield SimpleNamespace(outputs=[out], finished=True)
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(method)
+        if method == "prime_take_token_logprobs":
+            (ids,) = args
+            return [{rid: ([2], [self.tag], [-0.1 * self.tag]) for rid in ids if rid in self.generated}]
+        return [self.refuse]
+
+    async def pause_generation(self, **kwargs):
+        self.calls.append("pause")
+
+    async def resume_generation(self):
+        self.calls.append("resume")
+
+    async def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    async def reset_encoder_cache(self):
+        self.calls.append("reset_encoder_cache")
+
+
+def engine_over(llms: list[StandInLLM]) -> VllmEngine:
+    engine = VllmEngine.__new__(VllmEngine)  # no vLLM here: the engine's state around stand-in engines
+    engine.llm = EngineReplicas(llms)
+    engine.weight_step, engine.weight_dir, engine._adapters = 3, None, {}
+    engine._in_flight, engine._unusable, engine._steps = 0, None, 0
+    engine._paused, engine._swapping = False, False
+    engine._admin_lock, engine.in_flight_updates = asyncio.Lock(), False
+    engine._sampling_params = lambda request, tapped: None
+
+    def rpc_of(llm):
+        async def take(ids):
+            return await llm.collective_rpc("prime_take_token_logprobs", args=(ids,))
+
+        return take
+
+    engine._tap = RoutedTap(engine.llm, rpc_of)
+    return engine
+
+
+async def outputs(engine: VllmEngine, request_id: str) -> list:
+    request = EngineRequest(request_id, [1, 2], SamplingParams(max_tokens=1, logprobs=0), stream=False)
+    return [o async for o in engine.generate(request)]
+
+
+def test_requests_spread_over_the_engines_and_take_log_probs_from_their_own():
+    async def scenario():
+        llms = [StandInLLM(10), StandInLLM(20)]
+        engine = engine_over(llms)
+        runs = [asyncio.create_task(outputs(engine, f"r{i}")) for i in range(6)]
+        await asyncio.sleep(0.01)
+        assert engine.llm.in_flight == [3, 3] and llms[0].generated == ["r0", "r2", "r4"]
+        llms[0].release.set()  # engine 0 finishes its three: the next requests go to it
+        await asyncio.gather(*runs[0::2])
+        later = [asyncio.create_task(outputs(engine, f"s{i}")) for i in range(2)]
+        await asyncio.sleep(0.01)
+        assert llms[0].generated[-2:] == ["s0", "s1"] and engine.llm.in_flight[1] == 3  # engine 1 still holds 3
+        llms[1].release.set()
+        done = [(await run)[0] for run in runs + later]
+        # Each request's token and log-prob come from the engine that generated it, asked of that engine only.
+        assert [(o.token_ids, o.logprobs) for o in done[:2]] == [([10], [-1.0]), ([20], [-2.0])]
+        assert llms[0].calls.count("prime_take_token_logprobs") >= 1
+        takes = [c for c in llms[1].calls if c == "prime_take_token_logprobs"]
+        assert len(takes) >= 1 and engine.llm.in_flight == [0, 0] and engine.llm._owner == {}
+
+    asyncio.run(scenario())
+
+
+def test_a_weight_load_reaches_every_engine_and_one_refusal_stops_the_server():
+    async def scenario():
+        llms = [StandInLLM(10), StandInLLM(20)]
+        engine = engine_over(llms)
+        await engine.update_weights("/w/step_4", 4)
+        for llm in llms:
+            assert llm.calls == ["pause", "prime_reload_weights", "reset_prefix_cache", "reset_encoder_cache", "resume"]
+        assert engine.weight_step == 4
+        llms[1].refuse = "the weights of step 5 hold NaN or infinite values (lm_head.weight)"
+        with pytest.raises(RequestError, match="lm_head.weight"):
+            await engine.update_weights("/w/step_5", 5)
+        assert engine.weight_step == 4 and all(llm.calls[-1] == "resume" for llm in llms)
+        with pytest.raises(RequestError) as unserved:  # neither engine serves half-loaded weights under step 4
+            await outputs(engine, "r0")
+        assert unserved.value.status_code == 503
+
+    asyncio.run(scenario())
+
+
+def test_the_step_count_stops_when_one_busy_engine_stops():
+    busy = [True, True]
+    rounds = StepRounds(2, lambda i: busy[i])
+    rounds.stepped(0)  # the first round began with nobody pending
+    start = rounds.count
+    for _ in range(50):  # engine 0 steps on; engine 1 holds requests and makes no step
+        rounds.stepped(0)
+    assert rounds.count == start
+    rounds.stepped(1)
+    assert rounds.count == start + 1
+    busy[1] = False  # engine 1 let its requests go (aborted): engine 0 alone counts again
+    rounds.stepped(1)
+    rounds.released(1)
+    before = rounds.count
+    rounds.stepped(0)
+    rounds.stepped(0)
+    assert rounds.count == before + 2
+
+
+def test_engine_steps_on_health_are_rounds_and_loads_add_up():
+    llms = [StandInLLM(10), StandInLLM(20)]
+    engine = engine_over(llms)
+    replicas = engine.llm
+    replicas.read_loads([EngineLoad(3, 0, 0.5, 1), EngineLoad(0, 0, 0.0, 0)])
+    assert replicas.running == [3, 0]  # what vLLM's routes run on the first engine counts it busy too
+    counted = [engine._counting(lambda: None, i) for i in range(2)]
+    assert counted and engine._engine_steps() == replicas.rounds.count
+    merged = EngineLoad.merge([EngineLoad(3, 1, 0.5, 1), EngineLoad(1, 0, 0.25, 2)])
+    assert merged == EngineLoad(4, 1, 0.375, 3)
+
+
+def test_engines_need_one_data_parallel_replica(tmp_path):
+    base = ["--model.name", "m", "--output-dir", str(tmp_path), "--engine", "vllm", "--vllm.engines", "2"]
+    assert load_config(InferenceConfig, base).vllm.engines == 2
+    with pytest.raises(ConfigError, match="data_parallel_size = 1"):
+        load_config(InferenceConfig, [*base, "--vllm.data-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="engines"):
+        load_config(InferenceConfig, [*base[:-1], "9"])
