@@ -27,6 +27,9 @@ else:  # inside the zygote (see zygote.py)
 
 TEST_FD = 3
 SETUP_FD = 5  # after the test channel (3) and the supervisor's liveness pipe (4)
+# Signals queued and POSIX timers held by the execution's uid at once (a program needs a few). Inherited from the pool,
+# it was the host's whole count (96,365 here), which the zygote's user namespace shares (see zygotes.sigpending_cap).
+SIGPENDING_PER_EXECUTION = 64
 
 
 def _limit_and_drop(uid: int, limits: dict, rlimit_cpu: int | None = None) -> None:
@@ -41,6 +44,7 @@ def _limit_and_drop(uid: int, limits: dict, rlimit_cpu: int | None = None) -> No
         # that 1 aborts the dump; so a crash never starts a host helper as root, nor writes a core file.
         (resource.RLIMIT_CORE, 1),
         (resource.RLIMIT_MSGQUEUE, 0),
+        (resource.RLIMIT_SIGPENDING, SIGPENDING_PER_EXECUTION),
         # Otherwise inherited from the pool's host: a real-time priority or a negative nice value would let the
         # code take the CPUs from its neighbours, the supervisors and the trainer on the same machine.
         (resource.RLIMIT_RTPRIO, 0),

@@ -1,0 +1,96 @@
+"""What the kernel counts per user across namespaces: an execution's uid is in the zygote's user namespace, and some
+counts of such a uid are also charged to the namespace's creator, host root (every process of the trainer, the
+inference server and the pool). Each test takes all it can from inside and asserts what the host still has."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from prime_core.config.sandbox import SandboxLimits
+
+from tests.sandbox.conftest import assert_serving, run, sandbox_pids
+
+pytestmark = pytest.mark.xdist_group("sandbox")
+
+# POSIX timers, each holding one of the signals its uid may have queued (RLIMIT_SIGPENDING), taken until the kernel
+# refuses; then SIGUSR2 blocked (the host's sign that it holds them: sigtimedwait unblocks the signal it waits for) and
+# SIGUSR1 waited for (the host sends it once it has looked).
+HOLD_TIMERS = """
+import ctypes, signal
+libc = ctypes.CDLL(None, use_errno=True)
+class SigEvent(ctypes.Structure):
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int), ("pad", ctypes.c_char * 48)]
+event, timer, held = SigEvent(notify=1), ctypes.c_void_p(), 0  # SIGEV_NONE
+while held < 200_000 and libc.timer_create(1, ctypes.byref(event), ctypes.byref(timer)) == 0:
+    held += 1
+print("timers", held, flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+signal.sigtimedwait({signal.SIGUSR1}, 60)
+"""
+
+
+class _SigEvent(ctypes.Structure):
+    _fields_ = [
+        ("value", ctypes.c_void_p),
+        ("signo", ctypes.c_int),
+        ("notify", ctypes.c_int),
+        ("pad", ctypes.c_char * 48),
+    ]
+
+
+def _host_timer() -> int:
+    """0 when a host root process can still create a POSIX timer, else the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    timer = ctypes.c_void_p()
+    if libc.timer_create(1, ctypes.byref(_SigEvent(notify=1)), ctypes.byref(timer)) != 0:
+        return ctypes.get_errno()
+    libc.timer_delete(timer)
+    return 0
+
+
+def _status(pid: int | str, field: str) -> str:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(field + ":")), "")
+
+
+def _waiting_runner() -> int | None:
+    """The runner of the one execution running, once it blocks SIGUSR2 (it holds its timers then)."""
+    for pid in sandbox_pids():
+        if int(_status(pid, "SigBlk") or "0", 16) & (1 << (signal.SIGUSR2 - 1)):
+            return pid
+    return None
+
+
+def test_timers_and_queued_signals_leave_host_root_its_own(sandbox):
+    # RLIMIT_SIGPENDING counts a uid's queued signals and POSIX timers, and the kernel charges those of a user
+    # namespace's uids to its creator too. The runner inherited the host's limit (96,365 here): one execution took
+    # 96,361 timers, all of host root's, and every root process on the host got EAGAIN from timer_create and
+    # sigqueue until the execution ended.
+    limit = resource.getrlimit(resource.RLIMIT_SIGPENDING)[0]
+    if limit == resource.RLIM_INFINITY:
+        pytest.skip("RLIMIT_SIGPENDING is not limited on this host")
+    before = int(_status("self", "SigQ").split("/")[0])
+    with ThreadPoolExecutor(1) as ex:
+        future = ex.submit(run, sandbox, HOLD_TIMERS, limits=SandboxLimits(wall_s=60, cpu_s=60))
+        while not future.done() and (runner := _waiting_runner()) is None:
+            time.sleep(0.01)
+        taken = int(_status("self", "SigQ").split("/")[0]) - before
+        host = _host_timer()
+        if not future.done():
+            os.kill(runner, signal.SIGUSR1)
+        result = future.result()
+    assert result.status == "ok" and result.stdout.startswith("timers "), result
+    held = int(result.stdout.split()[1])
+    assert host == 0, f"host root's timer_create failed with errno {host} while the execution held {held} timers"
+    assert 0 < held <= taken <= limit // 2, (held, taken, limit)
+    assert_serving(sandbox)
