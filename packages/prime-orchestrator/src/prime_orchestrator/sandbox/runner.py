@@ -35,6 +35,11 @@ SIGPENDING_PER_EXECUTION = 64
 MEMLOCK_BYTES = 64 << 10
 
 
+def _at_most_hard(rlim: int, value: int) -> int:
+    hard = resource.getrlimit(rlim)[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+
 def _limit_and_drop(uid: int, limits: dict, rlimit_cpu: int | None = None) -> None:
     for rlim, value in (
         (resource.RLIMIT_AS, limits["memory_mb"] << 20),
@@ -47,8 +52,9 @@ def _limit_and_drop(uid: int, limits: dict, rlimit_cpu: int | None = None) -> No
         # that 1 aborts the dump; so a crash never starts a host helper as root, nor writes a core file.
         (resource.RLIMIT_CORE, 1),
         (resource.RLIMIT_MSGQUEUE, 0),
-        (resource.RLIMIT_SIGPENDING, SIGPENDING_PER_EXECUTION),
-        (resource.RLIMIT_MEMLOCK, MEMLOCK_BYTES),
+        # At most the hard limit the pool's host set (raising it would fail the set-up of every execution).
+        (resource.RLIMIT_SIGPENDING, _at_most_hard(resource.RLIMIT_SIGPENDING, SIGPENDING_PER_EXECUTION)),
+        (resource.RLIMIT_MEMLOCK, _at_most_hard(resource.RLIMIT_MEMLOCK, MEMLOCK_BYTES)),
         # Otherwise inherited from the pool's host: a real-time priority or a negative nice value would let the
         # code take the CPUs from its neighbours, the supervisors and the trainer on the same machine.
         (resource.RLIMIT_RTPRIO, 0),

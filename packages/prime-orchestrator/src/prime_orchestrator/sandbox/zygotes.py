@@ -86,7 +86,7 @@ def sigpending_cap(zygotes: int) -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_SIGPENDING)
     if soft == resource.RLIM_INFINITY:
         return None
-    return max(SIGPENDING_PER_EXECUTION, soft // (2 * max(1, zygotes)))
+    return min(soft, max(SIGPENDING_PER_EXECUTION, soft // (2 * max(1, zygotes))))
 
 
 class Zygote:
