@@ -127,8 +127,9 @@ class Listener:
             try:
                 conn, _ = await loop.sock_accept(self.sock)
             except OSError as e:
-                if e.errno not in _OUT_OF_FDS:
-                    continue  # the client gave up (ECONNABORTED, ...)
+                if e.errno not in _OUT_OF_FDS:  # the client gave up (ECONNABORTED, ...): take the next one
+                    await asyncio.sleep(0.01)  # and never spin on an error that lasts
+                    continue
                 if not short:
                     logger.warning("sandbox node: cannot accept connections: %s", e.strerror)
                 short = True
