@@ -130,7 +130,7 @@ signal.sigtimedwait({signal.SIGUSR1}, 60)
 def test_host_file_pages_locked_in_memory_are_bounded():
     # RLIMIT_MEMLOCK was inherited from the pool's process: unlimited on a GPU host (`ulimit -l unlimited`, what
     # NCCL and InfiniBand want), and the code pinned host page cache that no memory cgroup of its own counts (8 MiB a
-    # process where the host keeps the kernel's default and the pool cannot raise it, as on the CI VM).
+    # process where the host keeps the kernel's default and the pool cannot raise it, as on the 2-core test VM).
     memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     with contextlib.suppress(ValueError, OSError):  # without CAP_SYS_RESOURCE: the host's own limit
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
