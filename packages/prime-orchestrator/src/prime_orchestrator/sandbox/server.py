@@ -102,22 +102,33 @@ def connection_cap(config: SandboxNodeConfig) -> int:
 
 
 class Listener:
-    """Accepts connections for ``runner`` while it holds fewer than ``cap``; above that they wait in the kernel's
-    queue (a client's connect then times out, which sends its request to another node)."""
+    """Accepts connections for ``runner`` on every address ``host`` names while it holds fewer than ``cap``; above
+    that they wait in the kernel's queue (a client's connect then times out, which sends its request to another
+    node)."""
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, cap: int) -> None:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        self.sock = socket.socket(family, kind, proto)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(address)
-        self.sock.listen(1024)
-        self.sock.setblocking(False)
-        self.port = self.sock.getsockname()[1]
+        self.socks: list[socket.socket] = []
+        try:
+            for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+                sock = socket.socket(family, kind, proto)
+                self.socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # as asyncio's servers: an IPv4 address has a socket of its own
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(1024)
+                sock.setblocking(False)
+                port = port or sock.getsockname()[1]  # port 0: the others take the port the first was given
+        except OSError:
+            for sock in self.socks:
+                sock.close()
+            raise
+        self.port = self.socks[0].getsockname()[1]
         self.cap = cap
         self._server = runner.server
-        self._task = asyncio.ensure_future(self._accept())
+        self._tasks = [asyncio.ensure_future(self._accept(sock)) for sock in self.socks]
 
-    async def _accept(self) -> None:
+    async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         short = False
         while True:
@@ -125,7 +136,7 @@ class Listener:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                conn, _ = await loop.sock_accept(self.sock)
+                conn, _ = await loop.sock_accept(sock)
             except OSError as e:
                 if e.errno not in _OUT_OF_FDS:  # the client gave up (ECONNABORTED, ...): take the next one
                     await asyncio.sleep(0.01)  # and never spin on an error that lasts
@@ -142,10 +153,13 @@ class Listener:
                 conn.close()
 
     async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.sock.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sock in self.socks:
+            sock.close()
 
 
 def build_app(config: SandboxNodeConfig) -> web.Application:
