@@ -148,3 +148,13 @@ def test_a_flood_of_silent_connections_leaves_the_pool_its_descriptors(tmp_path)
         proc.terminate()
         assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
         assert_no_sandbox_processes(span=uid_span(344_000, 4))
+
+
+def test_a_connection_that_never_completes_a_request_is_closed(node):
+    # aiohttp keeps a connection an hour by default, from its start: a slow client that sends part of a request line
+    # and nothing more held one of the node's descriptors that long (with no key asked: none was sent yet).
+    port = int(node.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHo")
+        s.settimeout(90)  # the node's bound (sandbox.server.IDLE_S, 30 s), then a minute of a loaded host's slack
+        assert s.recv(100) == b""
