@@ -94,7 +94,8 @@ def test_timers_and_queued_signals_leave_host_root_its_own(sandbox):
     assert result.status == "ok" and result.stdout.startswith("timers "), result
     held = int(result.stdout.split()[1])
     assert host == 0, f"host root's timer_create failed with errno {host} while the execution held {held} timers"
-    assert 0 < held <= taken <= limit // 2, (held, taken, limit)
+    # what host root lost to it (other root processes on the host move this count a little too)
+    assert held > 0 and taken <= limit // 2, (held, taken, limit)
     assert_serving(sandbox)
 
 
