@@ -27,23 +27,23 @@ def main(argv: list[str] | None = None) -> None:
         from aiohttp import web
 
         from prime_orchestrator.sandbox.pool import SandboxUnavailable
-        from prime_orchestrator.sandbox.server import build_app
+        from prime_orchestrator.sandbox.server import IDLE_S, Listener, build_app, connection_cap
 
         try:
-            runner = web.AppRunner(build_app(config))
+            runner = web.AppRunner(build_app(config), keepalive_timeout=IDLE_S)
             await runner.setup()
         except (SandboxUnavailable, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        listener = Listener(runner, config.host, config.port, connection_cap(config))
+        port = listener.port
         logger.info("sandbox node listening on http://%s:%d", config.host, port)
         print(f"sandbox node listening on http://{config.host}:{port}", flush=True)
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
+        await listener.close()
         await runner.cleanup()
 
     asyncio.run(serve())

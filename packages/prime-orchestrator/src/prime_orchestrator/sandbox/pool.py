@@ -192,7 +192,9 @@ class SandboxPool:
                     await self._retire(i, z, f"died (exit {z.proc.poll()})")
                 num_uids = self.config.max_concurrency + NUM_WORKSPACES
                 root = self.tmp_dir / "root"
-                z = await asyncio.to_thread(Zygote, self.config, self.uid_base, num_uids, root, self._seccomp)
+                z = await asyncio.to_thread(
+                    Zygote, self.config, self.uid_base, num_uids, root, self._seccomp, self._num_zygotes
+                )
                 self._zygotes[i] = z
                 self._counts["zygotes_started"] += 1
             return z

@@ -27,6 +27,17 @@ else:  # inside the zygote (see zygote.py)
 
 TEST_FD = 3
 SETUP_FD = 5  # after the test channel (3) and the supervisor's liveness pipe (4)
+# Signals queued and POSIX timers held by the execution's uid at once (a program needs a few). Inherited from the pool,
+# it was the host's whole count (96,365 here), which the zygote's user namespace shares (see zygotes.sigpending_cap).
+SIGPENDING_PER_EXECUTION = 64
+# Memory the code may lock. Inherited, it was the pool's: unlimited on GPU hosts (NCCL and InfiniBand want it), and
+# the code locked the host's page cache of bound files (/usr), which no memory cgroup of the execution counts.
+MEMLOCK_BYTES = 64 << 10
+
+
+def _at_most_hard(rlim: int, value: int) -> int:
+    hard = resource.getrlimit(rlim)[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard)
 
 
 def _limit_and_drop(uid: int, limits: dict, rlimit_cpu: int | None = None) -> None:
@@ -41,6 +52,9 @@ def _limit_and_drop(uid: int, limits: dict, rlimit_cpu: int | None = None) -> No
         # that 1 aborts the dump; so a crash never starts a host helper as root, nor writes a core file.
         (resource.RLIMIT_CORE, 1),
         (resource.RLIMIT_MSGQUEUE, 0),
+        # At most the hard limit the pool's host set (raising it would fail the set-up of every execution).
+        (resource.RLIMIT_SIGPENDING, _at_most_hard(resource.RLIMIT_SIGPENDING, SIGPENDING_PER_EXECUTION)),
+        (resource.RLIMIT_MEMLOCK, _at_most_hard(resource.RLIMIT_MEMLOCK, MEMLOCK_BYTES)),
         # Otherwise inherited from the pool's host: a real-time priority or a negative nice value would let the
         # code take the CPUs from its neighbours, the supervisors and the trainer on the same machine.
         (resource.RLIMIT_RTPRIO, 0),

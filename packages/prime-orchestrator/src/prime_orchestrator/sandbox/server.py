@@ -4,24 +4,40 @@ Routes: ``POST /execute`` (body :class:`ExecRequest`, reply :class:`ExecResult`)
 :class:`SandboxHealth`), ``POST /workspaces`` (optional body ``{"disk_mb": N}``) and ``DELETE /workspaces/{name}``
 (persistent /work for the verifiers runtime; names are random). With ``api_key_var`` set, every route wants
 ``Authorization: Bearer <key>``; without it the config only allows a loopback address. Bodies over
-``max_body_mb`` are refused (413) before they are read.
+``max_body_mb`` are refused (413) before they are read. The node holds at most :func:`connection_cap` connections
+(what its open-files limit leaves once the pool has what it may need) and closes one that sends no request for
+:data:`IDLE_S`: a flood of connections that send nothing cannot take the descriptors the pool needs for the executions
+it has accepted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import hmac
 import logging
 import os
+import resource
+import socket
 
 from aiohttp import web
 from prime_core.config.sandbox import SandboxNodeConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prime_orchestrator.sandbox.pool import SandboxPool
+from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY, lift_open_files
+from prime_orchestrator.sandbox.pool import OTHER_FDS, SandboxPool
 from prime_orchestrator.sandbox.schemas import ExecRequest
 
 logger = logging.getLogger(__name__)
 POOL = web.AppKey("pool", SandboxPool)
+# A connection that sends no request for this long is closed (clients drop theirs after 5 s idle: httpx's default).
+# aiohttp's default is an hour, from the connection's start: a connection that sent nothing held a descriptor that long.
+IDLE_S = 30.0
+# Descriptors the pool holds per running execution (request and stdin memfds, result pipe) with its connection.
+FDS_PER_EXECUTION = 8
+MAX_CONNECTIONS = 16384
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 async def execute(request: web.Request) -> web.Response:
@@ -70,6 +86,80 @@ def _auth(key: str | None):
         return await handler(request)
 
     return check
+
+
+def connection_cap(config: SandboxNodeConfig) -> int:
+    """Connections the node holds at once: its open-files limit (raised to its hard limit) less what the pool may
+    need. Without a cap, 1,500 connections that sent nothing took every descriptor of a node limited to 1,500, and
+    executions it had accepted ended as ``sandbox_error`` (the pool could not open their pipes)."""
+    mc = config.pool.max_concurrency
+    need = (FDS_PER_KEY + FDS_PER_EXECUTION) * mc + OTHER_FDS
+    lift_open_files(need + MAX_CONNECTIONS)
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(mc, min(MAX_CONNECTIONS, soft - need))
+
+
+class Listener:
+    """Accepts connections for ``runner`` on every address ``host`` names while it holds fewer than ``cap``; above
+    that they wait in the kernel's queue (a client's connect then times out, which sends its request to another
+    node)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, cap: int) -> None:
+        self.socks: list[socket.socket] = []
+        try:
+            for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+                sock = socket.socket(family, kind, proto)
+                self.socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # as asyncio's servers: an IPv4 address has a socket of its own
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(1024)
+                sock.setblocking(False)
+                port = port or sock.getsockname()[1]  # port 0: the others take the port the first was given
+        except OSError:
+            for sock in self.socks:
+                sock.close()
+            raise
+        self.port = self.socks[0].getsockname()[1]
+        self.cap = cap
+        self._server = runner.server
+        self._tasks = [asyncio.ensure_future(self._accept(sock)) for sock in self.socks]
+
+    async def _accept(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        short = False
+        while True:
+            if len(self._server.connections) >= self.cap:  # wait for one to close (idle ones do within IDLE_S)
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:
+                if e.errno not in _OUT_OF_FDS:  # the client gave up (ECONNABORTED, ...): take the next one
+                    await asyncio.sleep(0.01)  # and never spin on an error that lasts
+                    continue
+                if not short:
+                    logger.warning("sandbox node: cannot accept connections: %s", e.strerror)
+                short = True
+                await asyncio.sleep(0.5)
+                continue
+            short = False
+            try:
+                await loop.connect_accepted_socket(self._server, conn)
+            except OSError:
+                conn.close()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sock in self.socks:
+            sock.close()
 
 
 def build_app(config: SandboxNodeConfig) -> web.Application:

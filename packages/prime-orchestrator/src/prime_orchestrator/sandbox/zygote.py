@@ -29,6 +29,7 @@ import gc
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import sys
@@ -125,7 +126,9 @@ def build_root(root: str, ro_paths: list[str]) -> None:
     lx.mount(None, "/", None, lx.MS_REMOUNT | lx.MS_RDONLY | lx.MS_NOSUID | lx.MS_NODEV)
 
 
-def enter_namespaces(ctl: socket.socket) -> None:
+def enter_namespaces(ctl: socket.socket, sigpending: int | None = None) -> None:
+    if sigpending is not None:  # before the user namespace: the kernel keeps it as the namespace's cap (zygotes.py)
+        resource.setrlimit(resource.RLIMIT_SIGPENDING, (sigpending, sigpending))
     lx.unshare(lx.CLONE_NEWUSER | lx.CLONE_NEWNS | lx.CLONE_NEWNET | lx.CLONE_NEWIPC | lx.CLONE_NEWUTS)
     ctl.send(b"unshared")
     if ctl.recv(64) != b"mapped":
@@ -190,7 +193,7 @@ def main(ctl_fd: int, setup_json: str) -> None:
     try:
         lx.join_new_session_keyring()
         build_root(setup["root"], setup["ro_paths"])
-        enter_namespaces(ctl)
+        enter_namespaces(ctl, setup.get("sigpending"))
         program = base64.b64decode(setup["seccomp"]) if setup.get("seccomp") else b""
         seccomp = lx.SeccompProgram(program) if program else None
         for name in PRELOAD + setup.get("preload", []):

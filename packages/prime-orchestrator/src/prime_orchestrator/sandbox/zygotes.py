@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import time
 from pathlib import Path
 
 from prime_core.config.sandbox import SandboxPoolConfig, sandbox_owned
+
+from prime_orchestrator.sandbox.runner import SIGPENDING_PER_EXECUTION
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +76,38 @@ def interpreter_dirs(python: str) -> list[str]:
     return [str(d) for d in dirs if d.is_dir()]
 
 
+def sigpending_cap(zygotes: int) -> int | None:
+    """RLIMIT_SIGPENDING of a zygote when it creates its user namespace, which the kernel keeps as the cap on the
+    signals queued and POSIX timers held by all of that namespace's processes together. They count against the
+    namespace creator's own: host root's. Inherited whole, one execution's 96,361 ``timer_create`` calls left host
+    root none, and every root process on the host (the trainer, the inference server) got ``EAGAIN`` from
+    ``timer_create`` and ``sigqueue`` until it ended. The zygotes together take at most half of it; None where the
+    host does not limit it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_SIGPENDING)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return min(soft, max(SIGPENDING_PER_EXECUTION, soft // (2 * max(1, zygotes))))
+
+
 class Zygote:
     """One zygote process and its control socket (SOCK_SEQPACKET: one message per request, never split).
 
     ``last_progress`` is the last time it forked a request (or started): a zygote with requests waiting and no
     progress for ``hang_timeout_s`` is hung."""
 
-    def __init__(self, config: SandboxPoolConfig, uid_base: int, num_uids: int, root: Path, seccomp: bytes | None):
+    def __init__(
+        self,
+        config: SandboxPoolConfig,
+        uid_base: int,
+        num_uids: int,
+        root: Path,
+        seccomp: bytes | None,
+        zygotes: int = 1,
+    ):
         python = config.python or os.path.realpath(sys.executable)
         bytecode = bytecode_cache(python, config.preload)
         setup = {
+            "sigpending": sigpending_cap(zygotes),
             "root": str(root),
             "ro_paths": [*interpreter_dirs(python), *config.ro_paths, *([str(bytecode)] if bytecode else [])],
             "preload": config.preload,
