@@ -137,6 +137,10 @@ class Node:
 NODE_UID_BASE = 340_000
 
 
+NODE_IDLE_S = 8.0
+"""The test node closes a connection idle this long (30 s by default): tests that wait it out take seconds."""
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     """A ``sandbox-node`` on 127.0.0.1 with a random key (in its environment as NODE_KEY)."""
@@ -147,6 +151,7 @@ def node(tmp_path_factory):
     env = {**os.environ, "NODE_KEY": key, "TMPDIR": str(tmp)}
     argv = [sys.executable, "-m", "prime_orchestrator.entrypoints.sandbox_node", "--port", "0"]
     argv += ["--api-key-var", "NODE_KEY", "--pool.uid-base", str(NODE_UID_BASE), "--pool.max-concurrency", "16"]
+    argv += ["--idle-s", str(NODE_IDLE_S)]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     try:
         lines = [proc.stdout.readline()]

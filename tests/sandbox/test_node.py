@@ -20,7 +20,7 @@ from prime_orchestrator.sandbox import ExecRequest, SandboxClient
 from pydantic import ValidationError
 
 from tests.sandbox import attacks
-from tests.sandbox.conftest import assert_no_sandbox_processes, uid_span
+from tests.sandbox.conftest import NODE_IDLE_S, assert_no_sandbox_processes, uid_span
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -156,5 +156,5 @@ def test_a_connection_that_never_completes_a_request_is_closed(node):
     port = int(node.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHo")
-        s.settimeout(90)  # the node's bound (sandbox.server.IDLE_S, 30 s), then a minute of a loaded host's slack
+        s.settimeout(NODE_IDLE_S + 60)  # the node's bound (its idle_s), then a minute of a loaded host's slack
         assert s.recv(100) == b""

@@ -122,6 +122,10 @@ class SandboxNodeConfig(BaseConfig):
     node on a loopback address only)."""
     max_body_mb: int = Field(default=32, ge=1, le=1024)
     """Largest request body in MiB; a larger one is refused with HTTP 413 before it is read."""
+    idle_s: float = Field(default=30.0, gt=0, le=3600)
+    """A connection that sends no request for this many seconds is closed (clients drop theirs after 5 s idle,
+    httpx's default), so connections that send nothing cannot hold the node's descriptors (aiohttp's default: an
+    hour)."""
     pool: SandboxPoolConfig = Field(default_factory=SandboxPoolConfig)
     """The pool behind the server."""
     log: LogConfig = Field(default_factory=LogConfig)

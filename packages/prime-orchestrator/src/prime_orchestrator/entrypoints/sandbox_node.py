@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> None:
         from aiohttp import web
 
         from prime_orchestrator.sandbox.pool import SandboxUnavailable
-        from prime_orchestrator.sandbox.server import IDLE_S, Listener, build_app, connection_cap
+        from prime_orchestrator.sandbox.server import Listener, build_app, connection_cap
 
         try:
-            runner = web.AppRunner(build_app(config), keepalive_timeout=IDLE_S)
+            runner = web.AppRunner(build_app(config), keepalive_timeout=config.idle_s)
             await runner.setup()
         except (SandboxUnavailable, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)

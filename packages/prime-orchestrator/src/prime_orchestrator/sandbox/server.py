@@ -6,7 +6,7 @@ Routes: ``POST /execute`` (body :class:`ExecRequest`, reply :class:`ExecResult`)
 ``Authorization: Bearer <key>``; without it the config only allows a loopback address. Bodies over
 ``max_body_mb`` are refused (413) before they are read. The node holds at most :func:`connection_cap` connections
 (what its open-files limit leaves once the pool has what it may need) and closes one that sends no request for
-:data:`IDLE_S`: a flood of connections that send nothing cannot take the descriptors the pool needs for the executions
+``idle_s`` (config): a flood of connections that send nothing cannot take the descriptors the pool needs for the executions
 it has accepted.
 """
 
@@ -31,9 +31,6 @@ from prime_orchestrator.sandbox.schemas import ExecRequest
 
 logger = logging.getLogger(__name__)
 POOL = web.AppKey("pool", SandboxPool)
-# A connection that sends no request for this long is closed (clients drop theirs after 5 s idle: httpx's default).
-# aiohttp's default is an hour, from the connection's start: a connection that sent nothing held a descriptor that long.
-IDLE_S = 30.0
 # Descriptors the pool holds per running execution (request and stdin memfds, result pipe) with its connection.
 FDS_PER_EXECUTION = 8
 MAX_CONNECTIONS = 16384
@@ -132,7 +129,7 @@ class Listener:
         loop = asyncio.get_running_loop()
         short = False
         while True:
-            if len(self._server.connections) >= self.cap:  # wait for one to close (idle ones do within IDLE_S)
+            if len(self._server.connections) >= self.cap:  # wait for one to close (idle ones do within idle_s)
                 await asyncio.sleep(0.05)
                 continue
             try:
