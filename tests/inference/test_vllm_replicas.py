@@ -13,7 +13,7 @@ from prime_core.config.inference import InferenceConfig
 from prime_inference.engines.base import EngineRequest
 from prime_inference.engines.vllm_engine import VllmEngine
 from prime_inference.engines.vllm_load import EngineLoad
-from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap, StepRounds
+from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap, StepRounds, start_engines
 from prime_inference.protocol import RequestError, SamplingParams
 
 
@@ -161,3 +161,25 @@ def test_engines_need_one_data_parallel_replica(tmp_path):
         load_config(InferenceConfig, [*base, "--vllm.data-parallel-size", "2"])
     with pytest.raises(ConfigError, match="engines"):
         load_config(InferenceConfig, [*base[:-1], "9"])
+
+
+def test_engines_start_in_turn_and_a_failed_start_stops_those_up():
+    started, stopped = [], []
+
+    class Up:
+        def __init__(self, i):
+            self.i = i
+
+        def shutdown(self):
+            stopped.append(self.i)
+
+    def start(i):
+        if i == 2:
+            raise RuntimeError("CUDA out of memory")  # the third engine finds no room
+        started.append(i)
+        return Up(i)
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        start_engines(3, start)
+    assert started == [0, 1] and stopped == [0, 1]
+    assert isinstance(start_engines(2, Up), EngineReplicas) and isinstance(start_engines(1, Up), Up)

@@ -36,7 +36,7 @@ from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.vllm_load import LoadPoller
-from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap
+from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap, start_engines
 from prime_inference.engines.vllm_requests import refused_as_400, sampling_params
 from prime_inference.protocol import RequestError
 from prime_inference.token_logprobs import TapFetcher, align
@@ -203,10 +203,8 @@ class VllmEngine(Engine):
         # `vllm serve`'s context, hence its batch defaults (on an H100: 1024 sequences and 8192 tokens per step);
         # vLLM's default engine context gives 128 and 2048: a server without vllm.max_num_seqs decoded only 128
         # rollouts at a time.
-        # Several engines start one after the other: vLLM sizes each KV cache from the memory it finds in use.
-        llms = [AsyncLLM.from_engine_args(engine_args(config, i), usage_context=UsageContext.OPENAI_API_SERVER)
-                for i in range(config.vllm.engines)]  # fmt: skip
-        self.llm = llms[0] if len(llms) == 1 else EngineReplicas(llms)
+        self.llm = start_engines(config.vllm.engines, lambda i: AsyncLLM.from_engine_args(
+            engine_args(config, i), usage_context=UsageContext.OPENAI_API_SERVER))  # fmt: skip
         self.tokenizer = self.llm.get_tokenizer()
         model_config = self.llm.vllm_config.model_config
         self.max_model_len = model_config.max_model_len

@@ -28,6 +28,21 @@ from typing import Any
 from prime_inference.token_logprobs import Entries, TapFetcher
 
 
+def start_engines(count: int, start: Callable[[int], Any]) -> Any:
+    """``count`` engines (``start(i)`` each), one after the other: vLLM sizes each KV cache from the memory it finds in
+    use. The one engine itself, or `EngineReplicas` over them; when one fails to start, those already up (their
+    processes and GPU memory) are shut down before the error goes on."""
+    llms: list[Any] = []
+    try:
+        for i in range(count):
+            llms.append(start(i))
+    except BaseException:
+        for llm in llms:
+            llm.shutdown()
+        raise
+    return llms[0] if count == 1 else EngineReplicas(llms)
+
+
 class StepRounds:
     """A step count for several engines that stops when one engine holding requests stops stepping: a round ends
     once every engine that held requests when it began has stepped since, or let its requests go. One stuck engine
