@@ -426,3 +426,39 @@ def test_vllm_in_flight_update_keeps_running_requests_and_records_exact_versions
         assert any((v["first"], v["last"]) == (0, 1) for v in records.values())  # spans the update
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm extra not installed")
+def test_two_vllm_engines_share_requests_weights_and_seeds_of_their_own(model_dir, other_weights_dir):
+    """``vllm.engines = 2`` on one GPU: /health says two, a burst of requests all complete with tapped log-probs, an
+    update reaches both engines (every request after it samples the new weights), and the engines' seeds differ (an
+    unseeded prompt sampled on both does not repeat itself)."""
+    import asyncio
+
+    server = start_vllm_server(model_dir, vllm={"engines": 2, "gpu_memory_utilization": 0.4})
+
+    def body(seed: int | None, temperature: float = 1.0) -> dict:
+        sp = {"max_tokens": 16, "temperature": temperature, "seed": seed, "logprobs": 1, "ignore_eos": True}
+        return {"token_ids": [5, 6, 7, 8], "sampling_params": sp}
+
+    async def burst(bodies: list[dict]) -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            posts = [client.post(f"{server.url}/inference/v1/generate", json=b) for b in bodies]
+            return [r.json()["choices"][0] for r in await asyncio.gather(*posts)]
+
+    try:
+        health = httpx.get(f"{server.url}/health").json()
+        assert health["engines"] == 2 and health["vllm_plugin"]["workers"] == 2
+        choices = asyncio.run(burst([body(None) for _ in range(32)]))
+        assert all(len(c["logprobs"]["content"]) == len(c["token_ids"]) == 16 for c in choices)
+        assert len({tuple(c["token_ids"]) for c in choices}) == 32  # two engines, two seeds: no sample repeats
+        greedy = asyncio.run(burst([body(0, 0.0) for _ in range(8)]))
+        assert len({tuple(c["token_ids"]) for c in greedy}) == 1  # both engines hold the same weights
+        r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(other_weights_dir), "step": 1},
+                       timeout=600)  # fmt: skip
+        assert r.status_code == 200, r.text
+        updated = asyncio.run(burst([body(0, 0.0) for _ in range(8)]))
+        assert len({tuple(c["token_ids"]) for c in updated}) == 1 and updated[0]["token_ids"] != greedy[0]["token_ids"]
+    finally:
+        server.stop()
