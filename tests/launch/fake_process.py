@@ -26,6 +26,9 @@ out = Path(config["output_dir"])
 (out / "pids").mkdir(parents=True, exist_ok=True)
 grandchild = subprocess.Popen(["sleep", "1000"])
 (out / "pids" / name).write_text(f"{os.getpid()} {grandchild.pid}")
+if os.environ.get("FAKE_SETSID") == name:  # a descendant in its own session (a harness program started with setsid)
+    daemon = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    (out / f"{name}.setsid.pid").write_text(str(daemon.pid))
 print(f"{name} started with {' '.join(args)}", flush=True)
 # Heartbeats as the real processes write them (the launcher's watchdog reads them); FAKE_NO_HEARTBEAT=<name> skips it.
 if os.environ.get("FAKE_NO_HEARTBEAT") != name:

@@ -195,6 +195,31 @@ def test_launcher_killed_leaves_no_orphans(tmp_path, rl_env):
     print(f"orphans gone {time.monotonic() - start:.2f} s after kill -9 of the launcher")
 
 
+@pytest.mark.parametrize("killed", ["orchestrator", "launcher"])
+def test_a_descendant_in_its_own_session_goes_when_its_parent_or_the_launcher_is_killed(tmp_path, rl_env, killed):
+    """A harness program an env worker starts with ``setsid`` is in no child's process group; once its parent is gone
+    (the orchestrator killed by the OOM killer, or rl killed -9) it is in no child's tree either. Before, it outlived
+    the run (found alive after rl exited); the launch's tag in its environment ends it with the rest."""
+    out = tmp_path / "run"
+    proc = start_hanging_run(out, {**rl_env, "FAKE_SETSID": "orchestrator"})
+    daemon = int((out / "orchestrator.setsid.pid").read_text())
+    everything = [daemon, *(p for group in pids_of(out).values() for p in group)]
+    try:
+        if killed == "orchestrator":
+            os.kill(pids_of(out)["orchestrator"][0], signal.SIGKILL)
+            output, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 1 and "error: orchestrator was killed by SIGKILL" in output
+            assert not alive(daemon), "the orchestrator's setsid descendant outlived rl"
+        else:
+            proc.kill()
+            proc.wait()
+            wait_for(lambda: not any(alive(p) for p in everything), TEARDOWN_LIMIT_S, "every descendant to die")
+    finally:
+        for pid in everything:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def teacher_args() -> list[str]:
     env = '[{"id": "reverse-text", "distill": {}}]'
     return ["--orchestrator.env", env, "--teacher.model.name", "tiny-model", "--teacher.port", str(free_port())]

@@ -6,6 +6,11 @@ only the launcher), with ``PR_SET_PDEATHSIG`` so the kernel kills it if the laun
 every descendant found under ``/proc``. A watchdog process, started first, kills every group the launcher
 registered if the launcher disappears without saying goodbye (``kill -9``), which ``PDEATHSIG`` alone
 cannot do for grandchildren.
+
+A descendant in a session of its own (a harness program an env worker starts with ``setsid``) is in no child's group,
+and once its parent dies (an orchestrator killed by the OOM killer) it is in no child's tree either: every child carries
+``PRIME_LAUNCH_TAG`` in its environment, which its descendants inherit, and the stop and the watchdog also end every
+process whose environment holds this launch's tag (before, such a process outlived the run).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+LAUNCH_TAG = "PRIME_LAUNCH_TAG"
 
 
 @dataclass
@@ -139,6 +146,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def tagged(tag: str) -> set[int]:
+    """Live processes whose environment (as they were started) holds ``PRIME_LAUNCH_TAG=<tag>``: a launch's
+    descendants, wherever they were reparented and whichever session they made."""
+    marker = f"{LAUNCH_TAG}={tag}".encode()
+    found = set()
+    for pid, _, _, state in _proc_table():
+        if state == "Z" or pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.add(pid)
+    return found
+
+
 def _live_pids(pids: set[int], pgids: set[int]) -> list[int]:
     """Processes (not zombies) among ``pids`` or in one of the groups ``pgids``."""
     return [pid for pid, _, pgrp, state in _proc_table() if state != "Z" and (pid in pids or pgrp in pgids)]
@@ -157,10 +182,32 @@ def _signal_tree(pid: int, pgid: int, sig: int) -> None:
 
 
 # Runs as `python -c`: reads "add <pgid>", "del <pgid>" and "exit" lines; on EOF without "exit" (the launcher
-# died) it stops every registered group: SIGTERM, then SIGKILL after the grace period.
+# died) it stops every registered group and every process tagged with the launch's tag (argv[2]): SIGTERM, then
+# SIGKILL after the grace period.
 _WATCHDOG = r"""
 import os, signal, sys, time
 grace = float(sys.argv[1])
+marker = ("PRIME_LAUNCH_TAG=" + sys.argv[2]).encode()
+def tagged():
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open("/proc/" + entry + "/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+def kill(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            if sig == signal.SIGTERM:
+                os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
 groups = set()
 for line in sys.stdin:
     cmd, _, arg = line.strip().partition(" ")
@@ -183,14 +230,16 @@ for g in groups:
         os.killpg(g, signal.SIGTERM)
     except OSError:
         pass
+kill(tagged(), signal.SIGTERM)
 deadline = time.monotonic() + grace
-while time.monotonic() < deadline and any(alive(g) for g in groups):
+while time.monotonic() < deadline and (any(alive(g) for g in groups) or tagged()):
     time.sleep(0.1)
 for g in groups:
     try:
         os.killpg(g, signal.SIGKILL)
     except OSError:
         pass
+kill(tagged(), signal.SIGKILL)
 """
 
 
@@ -213,9 +262,11 @@ class ProcessManager:
         """Children that exited and were accepted (expected exit), name -> return code."""
         self._log_handles: list = []
         self._watchdog: subprocess.Popen | None = None
+        self.tag = secrets.token_hex(8)
+        """Set as ``PRIME_LAUNCH_TAG`` in every child's environment: finds descendants outside every tree and group."""
         if watchdog:
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-c", _WATCHDOG, str(grace_s)],
+                [sys.executable, "-c", _WATCHDOG, str(grace_s), self.tag],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -245,7 +296,7 @@ class ProcessManager:
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(spec.log_file, "ab" if append_log else "wb")  # noqa: SIM115 (closed in close())
         self._log_handles.append(log)
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **spec.env, LAUNCH_TAG: self.tag}
         proc = subprocess.Popen(
             spec.cmd,
             stdin=subprocess.DEVNULL,
@@ -296,11 +347,18 @@ class ProcessManager:
         if self.liveness is not None:
             self.liveness.close()
         pgids = {p.pid for p in self.procs.values()}
-        # Remember descendants before the parents die: orphans are reparented and would be lost to the walk.
+        # Remember descendants before the parents die: orphans are reparented and would be lost to the walk. The tag
+        # finds those already lost (their parent died before the stop) in sessions of their own.
         tree = {pid for p in self.procs.values() for pid in [p.pid, *descendants(p.pid)]}
+        strays = tagged(self.tag) - set(_live_pids(tree, pgids))
+        tree |= strays
         if _live_pids(tree, pgids):
             for p in reversed(list(self.procs.values())):
                 _signal_tree(p.pid, p.pid, signal.SIGTERM)
+            for pid in strays:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGTERM)
+                    os.kill(pid, signal.SIGCONT)
             deadline = start + self.grace_s
             while time.monotonic() < deadline:
                 for p in self.procs.values():
@@ -308,6 +366,7 @@ class ProcessManager:
                 if not _live_pids(tree, pgids):
                     break
                 time.sleep(0.05)
+            tree |= tagged(self.tag)  # started while the others stopped
             for pid in _live_pids(tree, pgids):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
