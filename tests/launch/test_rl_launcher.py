@@ -220,6 +220,44 @@ def test_a_descendant_in_its_own_session_goes_when_its_parent_or_the_launcher_is
                 os.kill(pid, signal.SIGKILL)
 
 
+# rl paused where it clears or rewinds a large output directory before any process starts (seconds on a real run).
+SITE_SLOW_PREPARE = """
+import os, time
+if os.environ.get("SLOW_PREPARE_MARK"):
+    import prime_launch.launcher as launcher
+    _prepare = launcher._prepare
+
+    def slow_prepare(*args, **kwargs):
+        open(os.environ["SLOW_PREPARE_MARK"], "w").close()
+        time.sleep(120)
+        return _prepare(*args, **kwargs)
+
+    launcher._prepare = slow_prepare
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_before_any_process_starts_is_one_line(tmp_path, rl_env, sig):
+    """Before: Ctrl-C while rl prepared the directory was a KeyboardInterrupt traceback, SIGTERM ended rl silently
+    (exit -15). Now both say so in one line and exit 128 + signal, having started nothing."""
+    site, mark, out = tmp_path / "site", tmp_path / "preparing", tmp_path / "run"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE_SLOW_PREPARE)
+    env = {**rl_env, "SLOW_PREPARE_MARK": str(mark), "PYTHONPATH": str(site)}
+    proc = subprocess.Popen(rl_cmd(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: mark.exists(), 60, "rl to prepare the output directory")
+        proc.send_signal(sig)
+        output, errors = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, (proc.returncode, output, errors)
+    assert "Traceback" not in output + errors, errors
+    assert f"rl: received {signal.Signals(sig).name}; no process of the run is running" in output
+    assert not (out / "pids").exists()
+
+
 def teacher_args() -> list[str]:
     env = '[{"id": "reverse-text", "distill": {}}]'
     return ["--orchestrator.env", env, "--teacher.model.name", "tiny-model", "--teacher.port", str(free_port())]

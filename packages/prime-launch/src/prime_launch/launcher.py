@@ -159,10 +159,19 @@ class _Console:
 
 def run(rl: RLConfig, out: TextIO | None = None) -> int:
     """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal). The output
-    directories are locked before they are checked and until every process stopped (``prime_launch.run_lock``)."""
-    plan = resolve_here(rl)
-    with _locked(plan):
-        return _run(rl, plan, out)
+    directories are locked before they are checked and until every process stopped (``prime_launch.run_lock``).
+
+    A signal while no process runs (resolving, clearing or rewinding the directory before the start, the summary after
+    the stop) ends the launch with one line too: before, Ctrl-C there was a ``KeyboardInterrupt`` traceback and
+    SIGTERM ended ``rl`` without a word."""
+    try:
+        with _signals_raise():
+            plan = resolve_here(rl)
+            with _locked(plan):
+                return _run(rl, plan, out)
+    except Interrupted as e:
+        print(f"rl: received {e}; no process of the run is running", file=out or sys.stdout, flush=True)
+        return 128 + e.signum
 
 
 def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None) -> int:
