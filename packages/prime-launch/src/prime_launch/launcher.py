@@ -13,6 +13,7 @@ from typing import TextIO
 
 from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
+from prime_core.io import open_regular
 from prime_core.run_dir import RunDir, clear_run
 from prime_core.transport import new_transport_secret
 
@@ -143,7 +144,7 @@ class _Console:
         for name, path in self._logs.items():
             offset = self._log_offsets.get(name, 0)
             try:
-                with open(path, "rb") as f:
+                with open_regular(path) as f:
                     f.seek(offset)
                     data = f.read()
             except OSError:

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prime_core.io import open_regular
+
 PR_SET_PDEATHSIG = 1
 LAUNCH_TAG = "PRIME_LAUNCH_TAG"
 
@@ -91,7 +93,7 @@ def last_error_line(path: Path, num_lines: int = 30) -> str | None:
 def tail_lines(path: Path, num_lines: int) -> list[str]:
     """The last ``num_lines`` lines of a (possibly large) text file; [] if it does not exist."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - 64 * 1024))
