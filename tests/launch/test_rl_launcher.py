@@ -258,6 +258,48 @@ def test_a_signal_before_any_process_starts_is_one_line(tmp_path, rl_env, sig):
     assert not (out / "pids").exists()
 
 
+def test_a_second_signal_waits_for_the_stop_of_the_first(tmp_path, rl_env):
+    """Ctrl-C, then SIGTERM (or Ctrl-C again) while rl handles it. Before: the second was raised inside the handling of
+    the first, cutting it short (its `stopping every process` line lost; before the launch caught it, a traceback).
+    Now the first stops the run and the second waits for the stop."""
+    out = tmp_path / "run"
+    proc = start_hanging_run(out, rl_env)
+    pids = pids_of(out)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)  # signals of two kinds do not merge into one, as two SIGINTs may
+    output, _ = proc.communicate(timeout=30)
+    assert "Traceback" not in output
+    assert "rl: received SIGINT; stopping every process" in output and "received SIGTERM" not in output, output
+    assert proc.returncode == 128 + signal.SIGINT
+    for group in pids.values():
+        for pid in group:
+            wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
+
+
+def test_a_hang_up_ignored_at_the_start_does_not_stop_the_run(tmp_path, rl_env):
+    """`nohup rl ...`: the terminal that closes sends SIGHUP, which the run asked to ignore. Before, rl took it as a stop
+    (`received SIGHUP`, exit 129, every process stopped); now the run goes on and SIGTERM still stops it."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        ["nohup", *rl_cmd(out)],
+        env={**rl_env, "FAKE_HANG": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log = out / "logs" / "trainer.log"
+    wait_for(lambda: log.exists() and "trainer ready" in log.read_text(), 60, "the fake trainer")
+    pids = pids_of(out)
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGTERM)  # handled after the hang-up (signals are handled in ascending order)
+    output, _ = proc.communicate(timeout=30)
+    assert "received SIGHUP" not in output
+    assert proc.returncode == 128 + signal.SIGTERM and "rl: received SIGTERM; stopping every process" in output
+    for group in pids.values():
+        for pid in group:
+            wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
+
+
 def teacher_args() -> list[str]:
     env = '[{"id": "reverse-text", "distill": {}}]'
     return ["--orchestrator.env", env, "--teacher.model.name", "tiny-model", "--teacher.port", str(free_port())]

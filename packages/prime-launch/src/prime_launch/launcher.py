@@ -254,18 +254,28 @@ def _announce(plan: ResolvedRun, cleared: list[RunDir], console: _Console) -> No
 
 @contextmanager
 def _signals_raise() -> Iterator[Callable[..., None]]:
-    """SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` inside the block; ``restore(ignore=True)`` ignores them
-    while the processes are stopped, ``restore(ignore=False)`` puts the previous handlers back."""
+    """SIGINT, SIGTERM and SIGHUP (unless ignored at the start) raise ``Interrupted`` inside the block;
+    ``restore(ignore=True)`` ignores them while the processes are stopped, ``restore(ignore=False)`` puts the previous
+    handlers back."""
 
     def on_signal(signum, frame):
+        # The first signal stops the run; more (Ctrl-C pressed twice, SIGTERM after SIGINT) wait until every process
+        # stopped: before, a second one raised inside the handling of the first and cut its message off.
+        restore(ignore=True)
         raise Interrupted(signum)
 
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # SIGHUP and SIGINT ignored when rl started (`nohup rl ...`, a background job of a script) stay ignored: a run left
+    # to go on after its terminal closed was stopped by the hang-up it had asked to ignore (exit 129). SIGTERM, how a
+    # scheduler or a user stops a run, always stops it.
+    handled = [s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN] + [signal.SIGTERM]
     previous = {s: signal.signal(s, on_signal) for s in handled}
+
+    def later(signum, frame):  # not SIG_IGN: Python reports a signal already caught but then ignored as an error
+        pass
 
     def restore(*, ignore: bool) -> None:
         for s in handled:
-            signal.signal(s, signal.SIG_IGN if ignore else previous[s])
+            signal.signal(s, later if ignore else previous[s])
 
     try:
         yield restore
