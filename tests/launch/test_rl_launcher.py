@@ -300,6 +300,21 @@ def test_a_hang_up_ignored_at_the_start_does_not_stop_the_run(tmp_path, rl_env):
             wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
 
 
+def test_a_console_whose_reader_went_away_does_not_stop_the_run(tmp_path, rl_env):
+    """`rl ... | tee run.log`, and tee is gone (killed at logout). Before: rl's next line raised BrokenPipeError, which
+    stopped every process of the healthy run with a traceback (exit 1, 0.3 s after). Now the run goes on to its end."""
+    out = tmp_path / "run"
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(rl_cmd(out), env=rl_env, stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        assert reader.readline().startswith(b"rl: run directory")
+    _, errors = proc.communicate(timeout=120)
+    assert proc.returncode == 0, errors
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
+    assert "trainer ready" in (out / "logs" / "trainer.log").read_text()
+
+
 def teacher_args() -> list[str]:
     env = '[{"id": "reverse-text", "distill": {}}]'
     return ["--orchestrator.env", env, "--teacher.model.name", "tiny-model", "--teacher.port", str(free_port())]

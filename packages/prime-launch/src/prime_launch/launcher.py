@@ -3,6 +3,8 @@ show progress, and stop everything when the trainer finishes, a process fails, o
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import time
@@ -89,13 +91,53 @@ def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
         print(f"  {command_line(spec)}", file=out)
 
 
+class _Unbreakable:
+    """A console stream whose reader may go away while the run goes on (`rl ... | tee run.log` and tee killed at logout,
+    the terminal gone under `nohup`): writes go nowhere once it broke. Before, the next line raised BrokenPipeError,
+    which stopped every process of a healthy run with a traceback (exit 1)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.broken = False
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self._break()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self._break()
+
+    def _break(self) -> None:
+        self.broken = True
+        # Python flushes sys.stdout at exit and would report the broken pipe again: its descriptor goes to /dev/null.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+
 class _Console:
     """The live status line (redrawn in place on a terminal, one line per new step otherwise) and log echo."""
 
     def __init__(self, rl: RLConfig, plan: ResolvedRun, out: TextIO):
         self.mode = rl.console
-        self.out = out
-        self.tty = out.isatty()
+        self.out = _Unbreakable(out)
+        self.err = _Unbreakable(sys.stderr)
+        self.tty = self.out.isatty()
         self.max_steps = rl.trainer.max_steps
         self.follower = MetricsFollower(plan.run_dir.metrics)
         self.run_followers = {name: MetricsFollower(run_dir.metrics) for name, run_dir in plan.runs.items()}
@@ -112,7 +154,7 @@ class _Console:
     def error(self, text: str) -> None:
         """The cause of a failed run: one line on stderr (the context, e.g. a log tail, goes to ``out``)."""
         self.clear()
-        print(f"error: {text}", file=sys.stderr, flush=True)
+        print(f"error: {text}", file=self.err, flush=True)
 
     def clear(self) -> None:
         if self._drawn:
@@ -171,7 +213,7 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
             with _locked(plan):
                 return _run(rl, plan, out)
     except Interrupted as e:
-        print(f"rl: received {e}; no process of the run is running", file=out or sys.stdout, flush=True)
+        print(f"rl: received {e}; no process of the run is running", file=_Unbreakable(out or sys.stdout), flush=True)
         return 128 + e.signum
 
 
