@@ -210,18 +210,18 @@ def run(rl: RLConfig, out: TextIO | None = None) -> int:
     try:
         with _signals_raise():
             plan = resolve_here(rl)
-            with _locked(plan):
-                return _run(rl, plan, out)
+            with _locked(plan) as locks:
+                return _run(rl, plan, out, locks)
     except Interrupted as e:
         print(f"rl: received {e}; no process of the run is running", file=_Unbreakable(out or sys.stdout), flush=True)
         return 128 + e.signum
 
 
-def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None) -> int:
+def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None, locks: list[int] | None = None) -> int:
     plan, cleared = _prepare(rl, plan)
     console = _Console(rl, plan, out or sys.stdout)
     _announce(plan, cleared, console)
-    manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness))
+    manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness), hold_fds=locks or [])
     code, finished_ok = 0, False
     with _signals_raise() as restore, _on_continue(manager.liveness.resumed):
         try:
@@ -255,13 +255,16 @@ def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None) -> int:
 
 
 @contextmanager
-def _locked(plan: ResolvedRun) -> Iterator[None]:
-    """Hold the lock of the run's output directory and of each run's under ``[[runs]]``."""
+def _locked(plan: ResolvedRun) -> Iterator[list[int]]:
+    """Hold the lock of the run's output directory and of each run's under ``[[runs]]``; yields the locks' descriptors
+    (the process manager's watchdog holds them too, until the processes it stops after a ``kill -9`` of rl are gone)."""
     with ExitStack() as held:
+        fds = []
         for root in dict.fromkeys(d.root for d in (plan.run_dir, *plan.runs.values())):
             if (lock := lock_output_dir(root)) is not None:
                 held.callback(lock.close)
-        yield
+                fds.append(lock.fileno())
+        yield fds
 
 
 def _prepare(rl: RLConfig, plan: ResolvedRun | None = None) -> tuple[ResolvedRun, list[RunDir]]:

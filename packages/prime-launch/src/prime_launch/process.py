@@ -220,13 +220,16 @@ for line in sys.stdin:
     elif cmd == "exit":
         sys.exit(0)
 def alive(g):
-    try:
-        os.killpg(g, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    # A member that is a zombie is gone: an init that does not reap orphans must not keep the lock held for the bound.
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/" + entry + "/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[2]) == g and rest[0] != "Z":
+            return True
+    return False
 for g in groups:
     try:
         os.killpg(g, signal.SIGTERM)
@@ -242,6 +245,9 @@ for g in groups:
     except OSError:
         pass
 kill(tagged(), signal.SIGKILL)
+gone_by = time.monotonic() + 2.0  # a SIGKILL is delivered, not done: the lock this holds goes when they are gone
+while time.monotonic() < gone_by and (any(alive(g) for g in groups) or tagged()):
+    time.sleep(0.05)
 """
 
 
@@ -254,7 +260,13 @@ class ProcessManager:
     fraction of a second.
     """
 
-    def __init__(self, grace_s: float = 5.0, watchdog: bool = True, liveness: Any = None):
+    def __init__(
+        self,
+        grace_s: float = 5.0,
+        watchdog: bool = True,
+        liveness: Any = None,
+        hold_fds: tuple[int, ...] | list[int] = (),
+    ):
         self.grace_s = grace_s
         self.liveness = liveness
         """``prime_launch.watchdog.RunWatchdog``: told of every start, checked on every ``poll`` (``ProcessStuck``)."""
@@ -269,6 +281,10 @@ class ProcessManager:
         if watchdog:
             self._watchdog = subprocess.Popen(
                 [sys.executable, "-c", _WATCHDOG, str(grace_s), self.tag],
+                # The output directory's lock (``hold_fds``) is held by the watchdog too: after a kill -9 of rl it is
+                # free only once the processes the watchdog stops are gone. Before, a relaunch (a supervisor's
+                # `rl --resume`) took it at once and rewound the directory while they still wrote there.
+                pass_fds=tuple(hold_fds),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
