@@ -26,6 +26,13 @@ out = Path(config["output_dir"])
 (out / "pids").mkdir(parents=True, exist_ok=True)
 grandchild = subprocess.Popen(["sleep", "1000"])
 (out / "pids" / name).write_text(f"{os.getpid()} {grandchild.pid}")
+if os.environ.get("FAKE_SETSID") == name:  # a descendant in its own session (a harness program started with setsid)
+    daemon = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    (out / f"{name}.setsid.pid").write_text(str(daemon.pid))
+if os.environ.get("FAKE_STUBBORN") == name:  # a descendant slow to stop: it ignores SIGTERM (only SIGKILL ends it)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1000)"
+    stubborn = subprocess.Popen([sys.executable, "-c", code])
+    (out / f"{name}.stubborn.pid").write_text(str(stubborn.pid))
 print(f"{name} started with {' '.join(args)}", flush=True)
 # Heartbeats as the real processes write them (the launcher's watchdog reads them); FAKE_NO_HEARTBEAT=<name> skips it.
 if os.environ.get("FAKE_NO_HEARTBEAT") != name:

@@ -195,6 +195,126 @@ def test_launcher_killed_leaves_no_orphans(tmp_path, rl_env):
     print(f"orphans gone {time.monotonic() - start:.2f} s after kill -9 of the launcher")
 
 
+@pytest.mark.parametrize("killed", ["orchestrator", "launcher"])
+def test_a_descendant_in_its_own_session_goes_when_its_parent_or_the_launcher_is_killed(tmp_path, rl_env, killed):
+    """A harness program an env worker starts with ``setsid`` is in no child's process group; once its parent is gone
+    (the orchestrator killed by the OOM killer, or rl killed -9) it is in no child's tree either. Before, it outlived
+    the run (found alive after rl exited); the launch's tag in its environment ends it with the rest."""
+    out = tmp_path / "run"
+    proc = start_hanging_run(out, {**rl_env, "FAKE_SETSID": "orchestrator"})
+    daemon = int((out / "orchestrator.setsid.pid").read_text())
+    everything = [daemon, *(p for group in pids_of(out).values() for p in group)]
+    try:
+        if killed == "orchestrator":
+            os.kill(pids_of(out)["orchestrator"][0], signal.SIGKILL)
+            output, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 1 and "error: orchestrator was killed by SIGKILL" in output
+            assert not alive(daemon), "the orchestrator's setsid descendant outlived rl"
+        else:
+            proc.kill()
+            proc.wait()
+            wait_for(lambda: not any(alive(p) for p in everything), TEARDOWN_LIMIT_S, "every descendant to die")
+    finally:
+        for pid in everything:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# rl paused where it clears or rewinds a large output directory before any process starts (seconds on a real run).
+SITE_SLOW_PREPARE = """
+import os, time
+if os.environ.get("SLOW_PREPARE_MARK"):
+    import prime_launch.launcher as launcher
+    _prepare = launcher._prepare
+
+    def slow_prepare(*args, **kwargs):
+        open(os.environ["SLOW_PREPARE_MARK"], "w").close()
+        time.sleep(120)
+        return _prepare(*args, **kwargs)
+
+    launcher._prepare = slow_prepare
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_before_any_process_starts_is_one_line(tmp_path, rl_env, sig):
+    """Before: Ctrl-C while rl prepared the directory was a KeyboardInterrupt traceback, SIGTERM ended rl silently
+    (exit -15). Now both say so in one line and exit 128 + signal, having started nothing."""
+    site, mark, out = tmp_path / "site", tmp_path / "preparing", tmp_path / "run"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE_SLOW_PREPARE)
+    env = {**rl_env, "SLOW_PREPARE_MARK": str(mark), "PYTHONPATH": str(site)}
+    proc = subprocess.Popen(rl_cmd(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: mark.exists(), 60, "rl to prepare the output directory")
+        proc.send_signal(sig)
+        output, errors = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, (proc.returncode, output, errors)
+    assert "Traceback" not in output + errors, errors
+    assert f"rl: received {signal.Signals(sig).name}; no process of the run is running" in output
+    assert not (out / "pids").exists()
+
+
+def test_a_second_signal_waits_for_the_stop_of_the_first(tmp_path, rl_env):
+    """Ctrl-C, then SIGTERM (or Ctrl-C again) while rl handles it. Before: the second was raised inside the handling of
+    the first, cutting it short (its `stopping every process` line lost; before the launch caught it, a traceback).
+    Now the first stops the run and the second waits for the stop."""
+    out = tmp_path / "run"
+    proc = start_hanging_run(out, rl_env)
+    pids = pids_of(out)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)  # signals of two kinds do not merge into one, as two SIGINTs may
+    output, _ = proc.communicate(timeout=30)
+    assert "Traceback" not in output
+    assert "rl: received SIGINT; stopping every process" in output and "received SIGTERM" not in output, output
+    assert proc.returncode == 128 + signal.SIGINT
+    for group in pids.values():
+        for pid in group:
+            wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
+
+
+def test_a_hang_up_ignored_at_the_start_does_not_stop_the_run(tmp_path, rl_env):
+    """`nohup rl ...`: the terminal that closes sends SIGHUP, which the run asked to ignore. Before, rl took it as a stop
+    (`received SIGHUP`, exit 129, every process stopped); now the run goes on and SIGTERM still stops it."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        ["nohup", *rl_cmd(out)],
+        env={**rl_env, "FAKE_HANG": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log = out / "logs" / "trainer.log"
+    wait_for(lambda: log.exists() and "trainer ready" in log.read_text(), 60, "the fake trainer")
+    pids = pids_of(out)
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGTERM)  # handled after the hang-up (signals are handled in ascending order)
+    output, _ = proc.communicate(timeout=30)
+    assert "received SIGHUP" not in output
+    assert proc.returncode == 128 + signal.SIGTERM and "rl: received SIGTERM; stopping every process" in output
+    for group in pids.values():
+        for pid in group:
+            wait_for(lambda pid=pid: not alive(pid), 5, f"pid {pid} to be gone")
+
+
+def test_a_console_whose_reader_went_away_does_not_stop_the_run(tmp_path, rl_env):
+    """`rl ... | tee run.log`, and tee is gone (killed at logout). Before: rl's next line raised BrokenPipeError, which
+    stopped every process of the healthy run with a traceback (exit 1, 0.3 s after). Now the run goes on to its end."""
+    out = tmp_path / "run"
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(rl_cmd(out), env=rl_env, stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        assert reader.readline().startswith(b"rl: run directory")
+    _, errors = proc.communicate(timeout=120)
+    assert proc.returncode == 0, errors
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
+    assert "trainer ready" in (out / "logs" / "trainer.log").read_text()
+
+
 def teacher_args() -> list[str]:
     env = '[{"id": "reverse-text", "distill": {}}]'
     return ["--orchestrator.env", env, "--teacher.model.name", "tiny-model", "--teacher.port", str(free_port())]

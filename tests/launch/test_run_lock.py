@@ -4,11 +4,13 @@ cleared them as a failed start's), and the running run goes on untouched. The lo
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
 
 import pytest
+from prime_launch.run_lock import DirectoryInUse, lock_output_dir
 
 from tests.launch.test_rl_launcher import alive, pids_of, rl_cmd, start_hanging_run, wait_for
 
@@ -46,6 +48,33 @@ def test_the_lock_goes_with_a_killed_launcher(tmp_path, rl_env):
     wait_for(lambda: not any(alive(p) for p in everything), 30, "its children to follow it")
     again = subprocess.run(rl_cmd(out, "--overwrite"), env=rl_env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr
+
+
+def test_after_a_kill_9_of_the_launcher_the_lock_is_free_only_once_its_processes_are_gone(tmp_path, rl_env):
+    """rl killed -9 while a descendant of the trainer is slow to stop (it ignores SIGTERM; the watchdog SIGKILLs it after
+    the grace). Before: the lock went with rl at once, so a relaunch (`rl --resume` from a supervisor) took the
+    directory and rewound it while the stopped run's processes still wrote there. Now the watchdog holds the lock until
+    they are gone."""
+    out = tmp_path / "run"
+    first = start_hanging_run(out, {**rl_env, "FAKE_STUBBORN": "trainer"})
+    stubborn = int((out / "trainer.stubborn.pid").read_text())
+    everything = [stubborn, *(p for group in pids_of(out).values() for p in group)]
+    try:
+        first.kill()
+        first.wait()
+        while True:  # bounded by the watchdog's grace (3 s) and the test's timeout
+            try:
+                lock = lock_output_dir(out)
+            except DirectoryInUse:
+                continue
+            break
+        left = [pid for pid in everything if alive(pid)]
+        lock.close()
+        assert left == [], f"the lock was free while {left} of the killed run still ran"
+    finally:
+        for pid in everything:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("how", ["deleted", "moved", "emptied"])

@@ -15,8 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prime_core.config.liveness import LivenessConfig
 from prime_core.io import atomic_dir, mark_stable
+from prime_core.progress import read_progress
 from prime_core.run_dir import RunDir
 from prime_core.schemas.progress import Activity, Progress
+from prime_launch.process import tail_lines
 from prime_launch.resume import rewind
 from prime_launch.watchdog import ProcessStuck, Watchdog
 
@@ -67,6 +69,36 @@ def test_files_of_an_earlier_launch_or_another_run_are_ignored(tmp_path):
     write(tmp_path / "o.json", process="orchestrator", time=1001.0, run_id="another")
     with pytest.raises(ProcessStuck, match="trainer is stuck: it wrote no heartbeat to .* in the 6 s since it started"):
         check(dog, clock, 1006.0)
+
+
+def test_a_fifo_or_an_enormous_file_where_a_heartbeat_goes_is_no_heartbeat(tmp_path):
+    """Before: the watchdog opened a FIFO at a process's progress path and waited in ``open`` for a writer forever (rl
+    hung; no process was watched any more). Now it reads no record there, and names the process by its startup
+    allowance; an enormous file is not read whole every second either."""
+    clock = Clock()
+    dog = watchdog(tmp_path, clock, startup_s=5)
+    os.mkfifo(tmp_path / "t.json")
+    with open(tmp_path / "o.json", "wb") as f:
+        f.truncate(1 << 40)  # sparse: 1 TiB of zeros
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            check(dog, clock, 1006.0)
+        except BaseException as e:  # noqa: BLE001 (handed to the test thread)
+            caught.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        with open(tmp_path / "t.json", "wb"):  # lets the blocked open return, so the thread ends
+            pass
+        raise AssertionError("the watchdog blocked on a FIFO at a progress path")
+    assert len(caught) == 1 and isinstance(caught[0], ProcessStuck), caught
+    assert "it wrote no heartbeat to" in str(caught[0]), caught[0]
+    assert read_progress(tmp_path / "o.json") is None
+    assert tail_lines(tmp_path / "t.json", 5) == []  # a log there: its tail is not waited for either
 
 
 def test_bounds_limit_learned_first_and_waits(tmp_path):

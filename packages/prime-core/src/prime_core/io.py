@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
@@ -88,6 +89,20 @@ def remove_published(directory: str | os.PathLike) -> None:
         return
     (Path(directory) / STABLE_MARKER).unlink(missing_ok=True)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def open_regular(path: str | os.PathLike):  # noqa: ANN201 (a binary file object)
+    """Open a regular file for reading; ``OSError`` for anything else at ``path``. A watcher that read a FIFO left where a
+    process's file goes (a heartbeat, a log) waited in ``open`` for a writer that never came, and a device never ends:
+    the watchdog itself hung, and nothing was watched any more."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def mark_stable(directory: str | os.PathLike) -> None:

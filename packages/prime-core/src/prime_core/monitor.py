@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prime_core.config.shared import MonitorConfig, WandbConfig
-from prime_core.io import writing
+from prime_core.io import open_regular, writing
 from prime_core.schemas.metrics import MetricsRecord
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class MetricsTail:
 
     def read(self) -> list[MetricsRecord]:
         try:
-            with open(self.path, "rb") as f:
+            with open_regular(self.path) as f:
                 f.seek(self._offset)
                 chunk = f.read()
                 self._offset = f.tell()

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from prime_core.io import atomic_write_text
+from prime_core.io import atomic_write_text, open_regular
 from prime_core.run_dir import RunDir
 from prime_core.schemas.progress import HEARTBEAT_INTERVAL_S, Activity, Progress
 
@@ -298,8 +298,17 @@ def lasted(record: Progress, activity: Activity) -> float:
 
 
 def read_progress(path: str | os.PathLike) -> Progress | None:
-    """A progress file, or None when it is missing or unreadable (being replaced, another version)."""
+    """A progress file, or None when it is missing or unreadable (being replaced, another version, not a regular file,
+    larger than a record can be)."""
     try:
-        return Progress.model_validate_json(Path(path).read_bytes())
+        with open_regular(path) as f:
+            data = f.read(_MAX_RECORD_BYTES + 1)
+        if len(data) > _MAX_RECORD_BYTES:
+            return None
+        return Progress.model_validate_json(data)
     except (OSError, ValueError):
         return None
+
+
+_MAX_RECORD_BYTES = 1 << 20
+"""A record is a few kB; what is larger was not written by a process of the run and is not read whole every second."""

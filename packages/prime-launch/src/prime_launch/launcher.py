@@ -3,6 +3,8 @@ show progress, and stop everything when the trainer finishes, a process fails, o
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import time
@@ -13,6 +15,7 @@ from typing import TextIO
 
 from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
+from prime_core.io import open_regular
 from prime_core.run_dir import RunDir, clear_run
 from prime_core.transport import new_transport_secret
 
@@ -88,13 +91,53 @@ def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
         print(f"  {command_line(spec)}", file=out)
 
 
+class _Unbreakable:
+    """A console stream whose reader may go away while the run goes on (`rl ... | tee run.log` and tee killed at logout,
+    the terminal gone under `nohup`): writes go nowhere once it broke. Before, the next line raised BrokenPipeError,
+    which stopped every process of a healthy run with a traceback (exit 1)."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.broken = False
+
+    def isatty(self) -> bool:
+        try:
+            return self.stream.isatty()
+        except (OSError, ValueError):
+            return False
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self._break()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self._break()
+
+    def _break(self) -> None:
+        self.broken = True
+        # Python flushes sys.stdout at exit and would report the broken pipe again: its descriptor goes to /dev/null.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+
+
 class _Console:
     """The live status line (redrawn in place on a terminal, one line per new step otherwise) and log echo."""
 
     def __init__(self, rl: RLConfig, plan: ResolvedRun, out: TextIO):
         self.mode = rl.console
-        self.out = out
-        self.tty = out.isatty()
+        self.out = _Unbreakable(out)
+        self.err = _Unbreakable(sys.stderr)
+        self.tty = self.out.isatty()
         self.max_steps = rl.trainer.max_steps
         self.follower = MetricsFollower(plan.run_dir.metrics)
         self.run_followers = {name: MetricsFollower(run_dir.metrics) for name, run_dir in plan.runs.items()}
@@ -111,7 +154,7 @@ class _Console:
     def error(self, text: str) -> None:
         """The cause of a failed run: one line on stderr (the context, e.g. a log tail, goes to ``out``)."""
         self.clear()
-        print(f"error: {text}", file=sys.stderr, flush=True)
+        print(f"error: {text}", file=self.err, flush=True)
 
     def clear(self) -> None:
         if self._drawn:
@@ -143,7 +186,7 @@ class _Console:
         for name, path in self._logs.items():
             offset = self._log_offsets.get(name, 0)
             try:
-                with open(path, "rb") as f:
+                with open_regular(path) as f:
                     f.seek(offset)
                     data = f.read()
             except OSError:
@@ -159,17 +202,26 @@ class _Console:
 
 def run(rl: RLConfig, out: TextIO | None = None) -> int:
     """Launch the run; return the exit code (0 after the trainer finished, 1 on failure, 128+signal). The output
-    directories are locked before they are checked and until every process stopped (``prime_launch.run_lock``)."""
-    plan = resolve_here(rl)
-    with _locked(plan):
-        return _run(rl, plan, out)
+    directories are locked before they are checked and until every process stopped (``prime_launch.run_lock``).
+
+    A signal while no process runs (resolving, clearing or rewinding the directory before the start, the summary after
+    the stop) ends the launch with one line too: before, Ctrl-C there was a ``KeyboardInterrupt`` traceback and
+    SIGTERM ended ``rl`` without a word."""
+    try:
+        with _signals_raise():
+            plan = resolve_here(rl)
+            with _locked(plan) as locks:
+                return _run(rl, plan, out, locks)
+    except Interrupted as e:
+        print(f"rl: received {e}; no process of the run is running", file=_Unbreakable(out or sys.stdout), flush=True)
+        return 128 + e.signum
 
 
-def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None) -> int:
+def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None, locks: list[int] | None = None) -> int:
     plan, cleared = _prepare(rl, plan)
     console = _Console(rl, plan, out or sys.stdout)
     _announce(plan, cleared, console)
-    manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness))
+    manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness), hold_fds=locks or [])
     code, finished_ok = 0, False
     with _signals_raise() as restore, _on_continue(manager.liveness.resumed):
         try:
@@ -203,13 +255,16 @@ def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None) -> int:
 
 
 @contextmanager
-def _locked(plan: ResolvedRun) -> Iterator[None]:
-    """Hold the lock of the run's output directory and of each run's under ``[[runs]]``."""
+def _locked(plan: ResolvedRun) -> Iterator[list[int]]:
+    """Hold the lock of the run's output directory and of each run's under ``[[runs]]``; yields the locks' descriptors
+    (the process manager's watchdog holds them too, until the processes it stops after a ``kill -9`` of rl are gone)."""
     with ExitStack() as held:
+        fds = []
         for root in dict.fromkeys(d.root for d in (plan.run_dir, *plan.runs.values())):
             if (lock := lock_output_dir(root)) is not None:
                 held.callback(lock.close)
-        yield
+                fds.append(lock.fileno())
+        yield fds
 
 
 def _prepare(rl: RLConfig, plan: ResolvedRun | None = None) -> tuple[ResolvedRun, list[RunDir]]:
@@ -244,18 +299,28 @@ def _announce(plan: ResolvedRun, cleared: list[RunDir], console: _Console) -> No
 
 @contextmanager
 def _signals_raise() -> Iterator[Callable[..., None]]:
-    """SIGINT, SIGTERM and SIGHUP raise ``Interrupted`` inside the block; ``restore(ignore=True)`` ignores them
-    while the processes are stopped, ``restore(ignore=False)`` puts the previous handlers back."""
+    """SIGINT, SIGTERM and SIGHUP (unless ignored at the start) raise ``Interrupted`` inside the block;
+    ``restore(ignore=True)`` ignores them while the processes are stopped, ``restore(ignore=False)`` puts the previous
+    handlers back."""
 
     def on_signal(signum, frame):
+        # The first signal stops the run; more (Ctrl-C pressed twice, SIGTERM after SIGINT) wait until every process
+        # stopped: before, a second one raised inside the handling of the first and cut its message off.
+        restore(ignore=True)
         raise Interrupted(signum)
 
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # SIGHUP and SIGINT ignored when rl started (`nohup rl ...`, a background job of a script) stay ignored: a run left
+    # to go on after its terminal closed was stopped by the hang-up it had asked to ignore (exit 129). SIGTERM, how a
+    # scheduler or a user stops a run, always stops it.
+    handled = [s for s in (signal.SIGINT, signal.SIGHUP) if signal.getsignal(s) != signal.SIG_IGN] + [signal.SIGTERM]
     previous = {s: signal.signal(s, on_signal) for s in handled}
+
+    def later(signum, frame):  # not SIG_IGN: Python reports a signal already caught but then ignored as an error
+        pass
 
     def restore(*, ignore: bool) -> None:
         for s in handled:
-            signal.signal(s, signal.SIG_IGN if ignore else previous[s])
+            signal.signal(s, later if ignore else previous[s])
 
     try:
         yield restore

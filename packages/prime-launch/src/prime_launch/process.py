@@ -6,6 +6,11 @@ only the launcher), with ``PR_SET_PDEATHSIG`` so the kernel kills it if the laun
 every descendant found under ``/proc``. A watchdog process, started first, kills every group the launcher
 registered if the launcher disappears without saying goodbye (``kill -9``), which ``PDEATHSIG`` alone
 cannot do for grandchildren.
+
+A descendant in a session of its own (a harness program an env worker starts with ``setsid``) is in no child's group,
+and once its parent dies (an orchestrator killed by the OOM killer) it is in no child's tree either: every child carries
+``PRIME_LAUNCH_TAG`` in its environment, which its descendants inherit, and the stop and the watchdog also end every
+process whose environment holds this launch's tag (before, such a process outlived the run).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -22,7 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prime_core.io import open_regular
+
 PR_SET_PDEATHSIG = 1
+LAUNCH_TAG = "PRIME_LAUNCH_TAG"
 
 
 @dataclass
@@ -84,7 +93,7 @@ def last_error_line(path: Path, num_lines: int = 30) -> str | None:
 def tail_lines(path: Path, num_lines: int) -> list[str]:
     """The last ``num_lines`` lines of a (possibly large) text file; [] if it does not exist."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - 64 * 1024))
@@ -139,6 +148,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def tagged(tag: str) -> set[int]:
+    """Live processes whose environment (as they were started) holds ``PRIME_LAUNCH_TAG=<tag>``: a launch's
+    descendants, wherever they were reparented and whichever session they made."""
+    marker = f"{LAUNCH_TAG}={tag}".encode()
+    found = set()
+    for pid, _, _, state in _proc_table():
+        if state == "Z" or pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.add(pid)
+    return found
+
+
 def _live_pids(pids: set[int], pgids: set[int]) -> list[int]:
     """Processes (not zombies) among ``pids`` or in one of the groups ``pgids``."""
     return [pid for pid, _, pgrp, state in _proc_table() if state != "Z" and (pid in pids or pgrp in pgids)]
@@ -157,10 +184,32 @@ def _signal_tree(pid: int, pgid: int, sig: int) -> None:
 
 
 # Runs as `python -c`: reads "add <pgid>", "del <pgid>" and "exit" lines; on EOF without "exit" (the launcher
-# died) it stops every registered group: SIGTERM, then SIGKILL after the grace period.
+# died) it stops every registered group and every process tagged with the launch's tag (argv[2]): SIGTERM, then
+# SIGKILL after the grace period.
 _WATCHDOG = r"""
 import os, signal, sys, time
 grace = float(sys.argv[1])
+marker = ("PRIME_LAUNCH_TAG=" + sys.argv[2]).encode()
+def tagged():
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open("/proc/" + entry + "/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+def kill(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            if sig == signal.SIGTERM:
+                os.kill(pid, signal.SIGCONT)
+        except OSError:
+            pass
 groups = set()
 for line in sys.stdin:
     cmd, _, arg = line.strip().partition(" ")
@@ -171,26 +220,34 @@ for line in sys.stdin:
     elif cmd == "exit":
         sys.exit(0)
 def alive(g):
-    try:
-        os.killpg(g, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    # A member that is a zombie is gone: an init that does not reap orphans must not keep the lock held for the bound.
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open("/proc/" + entry + "/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[2]) == g and rest[0] != "Z":
+            return True
+    return False
 for g in groups:
     try:
         os.killpg(g, signal.SIGTERM)
     except OSError:
         pass
+kill(tagged(), signal.SIGTERM)
 deadline = time.monotonic() + grace
-while time.monotonic() < deadline and any(alive(g) for g in groups):
+while time.monotonic() < deadline and (any(alive(g) for g in groups) or tagged()):
     time.sleep(0.1)
 for g in groups:
     try:
         os.killpg(g, signal.SIGKILL)
     except OSError:
         pass
+kill(tagged(), signal.SIGKILL)
+gone_by = time.monotonic() + 2.0  # a SIGKILL is delivered, not done: the lock this holds goes when they are gone
+while time.monotonic() < gone_by and (any(alive(g) for g in groups) or tagged()):
+    time.sleep(0.05)
 """
 
 
@@ -203,7 +260,13 @@ class ProcessManager:
     fraction of a second.
     """
 
-    def __init__(self, grace_s: float = 5.0, watchdog: bool = True, liveness: Any = None):
+    def __init__(
+        self,
+        grace_s: float = 5.0,
+        watchdog: bool = True,
+        liveness: Any = None,
+        hold_fds: tuple[int, ...] | list[int] = (),
+    ):
         self.grace_s = grace_s
         self.liveness = liveness
         """``prime_launch.watchdog.RunWatchdog``: told of every start, checked on every ``poll`` (``ProcessStuck``)."""
@@ -213,9 +276,15 @@ class ProcessManager:
         """Children that exited and were accepted (expected exit), name -> return code."""
         self._log_handles: list = []
         self._watchdog: subprocess.Popen | None = None
+        self.tag = secrets.token_hex(8)
+        """Set as ``PRIME_LAUNCH_TAG`` in every child's environment: finds descendants outside every tree and group."""
         if watchdog:
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-c", _WATCHDOG, str(grace_s)],
+                [sys.executable, "-c", _WATCHDOG, str(grace_s), self.tag],
+                # The output directory's lock (``hold_fds``) is held by the watchdog too: after a kill -9 of rl it is
+                # free only once the processes the watchdog stops are gone. Before, a relaunch (a supervisor's
+                # `rl --resume`) took it at once and rewound the directory while they still wrote there.
+                pass_fds=tuple(hold_fds),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -245,7 +314,7 @@ class ProcessManager:
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(spec.log_file, "ab" if append_log else "wb")  # noqa: SIM115 (closed in close())
         self._log_handles.append(log)
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **spec.env, LAUNCH_TAG: self.tag}
         proc = subprocess.Popen(
             spec.cmd,
             stdin=subprocess.DEVNULL,
@@ -296,11 +365,18 @@ class ProcessManager:
         if self.liveness is not None:
             self.liveness.close()
         pgids = {p.pid for p in self.procs.values()}
-        # Remember descendants before the parents die: orphans are reparented and would be lost to the walk.
+        # Remember descendants before the parents die: orphans are reparented and would be lost to the walk. The tag
+        # finds those already lost (their parent died before the stop) in sessions of their own.
         tree = {pid for p in self.procs.values() for pid in [p.pid, *descendants(p.pid)]}
+        strays = tagged(self.tag) - set(_live_pids(tree, pgids))
+        tree |= strays
         if _live_pids(tree, pgids):
             for p in reversed(list(self.procs.values())):
                 _signal_tree(p.pid, p.pid, signal.SIGTERM)
+            for pid in strays:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGTERM)
+                    os.kill(pid, signal.SIGCONT)
             deadline = start + self.grace_s
             while time.monotonic() < deadline:
                 for p in self.procs.values():
@@ -308,6 +384,7 @@ class ProcessManager:
                 if not _live_pids(tree, pgids):
                     break
                 time.sleep(0.05)
+            tree |= tagged(self.tag)  # started while the others stopped
             for pid in _live_pids(tree, pgids):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)

@@ -6,7 +6,8 @@ checks the directory until it exits.
 Without it a second launch on the directory of a running one deleted that run's files (``--overwrite``, or a plain
 launch before the first step, which takes them for a failed start's leftovers), rewound them (``--resume``) or wrote
 its configs over them (``--dry-run``), while the running processes went on writing there. The lock is the kernel's: it
-goes with the launcher however that ends (a kill -9 included), so a stale file never blocks a directory. The file
+goes with the launcher however that ends (a kill -9 included), so a stale file never blocks a directory; the process
+manager's watchdog shares it, so after a kill -9 it goes once the processes the watchdog stops are gone. The file
 stays (removing it would let a third launch lock a new file while the second still holds the old one); it holds the
 holder's pid and host for the refusal's message. ``OutputDirWatch`` stops a launch whose directory was deleted or
 moved under it.
