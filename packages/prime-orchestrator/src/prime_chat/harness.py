@@ -63,6 +63,12 @@ def chat_program() -> dict[str, Any]:
     return namespace
 
 
+def context_overflow(status: int, text: str) -> bool:
+    """Whether a model call was refused for the context window, as verifiers' chat program judges an
+    ``APIStatusError`` (``is_context_overflow``: a 400 or 413 naming the limit)."""
+    return status in (400, 413) and any(m in text.casefold() for m in chat_program()["CONTEXT_OVERFLOW_MARKERS"])
+
+
 def initial_messages(system_prompt: str | None, prompt: Any) -> list[dict]:
     messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     if isinstance(prompt, str):
@@ -111,6 +117,10 @@ class PrimeChatHarness(NullHarness, Harness[PrimeChatHarnessConfig]):  # Harness
         except httpx.TransportError as e:
             return ProgramResult(MODEL_TRANSPORT_ERROR_EXIT_CODE, "", f"{type(e).__name__}: {e}")
         if resp.status_code >= 400:
+            if context_overflow(resp.status_code, resp.text):
+                # verifiers' chat program ends its run here, as a budget limit and not a crash: the episode is scored
+                # on its turns so far. Failed instead, the turns that filled the context trained nothing.
+                return ProgramResult(0, "", "")
             return ProgramResult(1, "", f"model call failed ({resp.status_code}): {resp.text[:2000]}")
         message = resp.json()["choices"][0]["message"]
         return ProgramResult(0, json.dumps(message.get("content") or ""), "")
