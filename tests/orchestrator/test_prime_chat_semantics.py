@@ -1,8 +1,13 @@
-"""A policy whose replies fill the model's context in a multi-turn chat episode (``prime-chat``, the in-process
-``null`` loop): verifiers' own chat program ends its run on the overflow (a budget limit, not a crash) and the
-episode is scored on its turns so far. prime-chat's tool-less turn failed the rollout instead: the turns that filled
-the context trained nothing (rambling was never penalised) and enough such rollouts stopped the run
-(``recovery.min_ok_fraction``)."""
+"""``prime-chat`` (verifiers' ``null`` chat loop run in the env server) against a policy, as verifiers' own chat
+program plays the same episodes (what ``vf-eval`` shows is what trains):
+
+- replies that fill the model's context in a multi-turn episode: verifiers' program ends its run on the overflow (a
+  budget limit, not a crash) and the episode is scored on its turns so far. prime-chat's tool-less turn failed the
+  rollout instead: the turns that filled the context trained nothing (rambling was never penalised) and enough such
+  rollouts stopped the run (``recovery.min_ok_fraction``);
+- a reply that calls a tool in an episode without tools: verifiers' program answers ``error: unknown tool`` and asks
+  the model again; prime-chat ended the turn on the tool call and scored that reply.
+"""
 
 from __future__ import annotations
 
@@ -22,17 +27,21 @@ MAX_MODEL_LEN = 512
 FILLER = " and" * 300  # ~300 tokens a reply: the third turn's prompt (~700 tokens) is past the context
 
 
-def rambler(prompt: str) -> str | None:
-    """vf-multi-turn asks for a word each turn: echo it, then ramble."""
+def policy(prompt: str) -> str | None:
+    """vf-multi-turn asks for a word each turn: echo it, then ramble. vf-single-turn asks to repeat a word: call a
+    tool first, answer once told the tool is unknown."""
     if m := re.search(r"Say (\w+)\.<\|im_end\|>\n<\|im_start\|>assistant\n$", prompt):
         return m.group(1) + FILLER
+    if m := re.search(r"Repeat the word (\w+)\.", prompt):
+        told = "error: unknown tool 'grade'" in prompt.rsplit("<|im_start|>user\n", 1)[-1]
+        return f"<answer>{m.group(1)}</answer>" if told else '<tool_call>{"name": "grade", "arguments": {}}</tool_call>'
     return None
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = save_tiny_model(tmp_path_factory.mktemp("tool_model"), build_tool_tokenizer())
-    srv = ScriptedServer(model, rambler, max_model_len=MAX_MODEL_LEN)
+    srv = ScriptedServer(model, policy, max_model_len=MAX_MODEL_LEN)
     yield srv
     srv.stop()
 
@@ -64,6 +73,18 @@ def test_a_context_overflow_ends_the_chat_episode_scored_on_its_turns_so_far(ser
     tokenizer = AutoTokenizer.from_pretrained(server.config.model.name)
     sampled = tokenizer.decode([t for t, m in zip(seq.token_ids, seq.loss_mask, strict=True) if m])
     assert sampled == f"red{FILLER}<|im_end|>green{FILLER}<|im_end|>"  # both turns train, as sampled
+
+
+def test_a_tool_call_without_tools_is_answered_unknown_and_the_model_asked_again(server, monkeypatch):
+    use_vf_envs(monkeypatch)
+    env = EnvConfig.model_validate({"id": "vf-single-turn", "harness": "null", "rollout_timeout": 120})  # prime-chat
+    result = asyncio.run(_rollout(server, env))
+    assert not result.failed, result.error
+    # was: one turn, the tool call scored (reward 0)
+    assert result.num_turns == 2 and result.reward == 1.0
+    assert "[tool] error: unknown tool 'grade'" in result.completion
+    (trace,) = result.traces
+    assert len(trace.sequences) == 1  # both turns in one sample: the second extends the first
 
 
 @pytest.mark.parametrize(
