@@ -13,6 +13,7 @@ from importlib.metadata import version
 from typing import Any
 
 import httpx
+from openai.types.chat import ChatCompletion
 from prime_orchestrator.http_pool import pooled_client
 from pydantic import Field
 from verifiers.v1.clients import ModelContext
@@ -63,6 +64,29 @@ def chat_program() -> dict[str, Any]:
     return namespace
 
 
+def context_overflow(status: int, text: str) -> bool:
+    """Whether a model call was refused for the context window, as verifiers' chat program judges an
+    ``APIStatusError`` (``is_context_overflow``: a 400 or 413 naming the limit)."""
+    return status in (400, 413) and any(m in text.casefold() for m in chat_program()["CONTEXT_OVERFLOW_MARKERS"])
+
+
+class Answered:
+    """A chat program ``Compactor`` whose first ``complete`` is a completion already made (its loop starts with a
+    model call)."""
+
+    def __init__(self, compactor: Any, completion: Any):
+        self._compactor, self._first = compactor, completion
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compactor, name)
+
+    async def complete(self, messages: list[dict]) -> tuple[Any, list[dict]]:
+        if self._first is not None:
+            completion, self._first = self._first, None
+            return completion, messages
+        return await self._compactor.complete(messages)
+
+
 def initial_messages(system_prompt: str | None, prompt: Any) -> list[dict]:
     messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     if isinstance(prompt, str):
@@ -93,16 +117,19 @@ class PrimeChatHarness(NullHarness, Harness[PrimeChatHarnessConfig]):  # Harness
         system_prompt, prompt = self.resolve_prompt(data)
         messages = initial_messages(system_prompt, prompt)
         if not mcp_urls:
-            return await self.tool_less_turn(ctx, endpoint, secret, messages)
+            return await self.tool_less_turn(ctx, endpoint, secret, messages, tool_interception_url)
         if runtime.type != "subprocess":  # tool servers may only be reachable from inside the runtime
             await NullHarness.setup(self, runtime)
             return await super().launch(ctx, trace, runtime, endpoint, secret, mcp_urls, data, tool_interception_url)
         return await self.tool_loop(ctx, endpoint, secret, mcp_urls, messages, tool_interception_url)
 
     async def tool_less_turn(
-        self, ctx: ModelContext, endpoint: str, secret: str, messages: list[dict]
+        self, ctx: ModelContext, endpoint: str, secret: str, messages: list[dict], tool_interception_url: str | None
     ) -> ProgramResult:
-        """One model call, no tools: the whole episode turn (a multi-turn ``Env`` calls launch once per turn)."""
+        """One model call, no tools: the whole episode turn (a multi-turn ``Env`` calls launch once per turn). A reply
+        that calls tools anyway goes on in verifiers' chat loop, as its program does: each call is answered
+        ``error: unknown tool`` and the model is asked again (the turn ended there, scored on a reply that only called
+        a tool, where ``vf-eval`` lets the model answer)."""
         body = {"model": ctx.model, "messages": messages}
         try:
             resp = await interception_client().post(
@@ -111,8 +138,15 @@ class PrimeChatHarness(NullHarness, Harness[PrimeChatHarnessConfig]):  # Harness
         except httpx.TransportError as e:
             return ProgramResult(MODEL_TRANSPORT_ERROR_EXIT_CODE, "", f"{type(e).__name__}: {e}")
         if resp.status_code >= 400:
+            if context_overflow(resp.status_code, resp.text):
+                # verifiers' chat program ends its run here, as a budget limit and not a crash: the episode is scored
+                # on its turns so far. Failed instead, the turns that filled the context trained nothing.
+                return ProgramResult(0, "", "")
             return ProgramResult(1, "", f"model call failed ({resp.status_code}): {resp.text[:2000]}")
-        message = resp.json()["choices"][0]["message"]
+        answer = resp.json()
+        message = answer["choices"][0]["message"]
+        if message.get("tool_calls"):
+            return await self.tool_loop(ctx, endpoint, secret, {}, messages, tool_interception_url, answered=answer)
         return ProgramResult(0, json.dumps(message.get("content") or ""), "")
 
     async def tool_loop(
@@ -123,10 +157,12 @@ class PrimeChatHarness(NullHarness, Harness[PrimeChatHarnessConfig]):  # Harness
         mcp_urls: dict[str, str],
         messages: list[dict],
         tool_interception_url: str | None,
+        answered: dict | None = None,
     ) -> ProgramResult:
         """verifiers' chat loop with MCP tools, as its program's ``main`` runs it, in this process: a program per
         rollout cost a Python start and its imports (about a second of CPU), which bounded tool-use rollouts by
-        the host's cores rather than by the model."""
+        the host's cores rather than by the model. ``answered``: the chat completion of the conversation's first
+        model call, already made (a tool-less turn that called tools)."""
         program = chat_program()
         client = program["AsyncOpenAI"](
             base_url=endpoint,
@@ -142,8 +178,13 @@ class PrimeChatHarness(NullHarness, Harness[PrimeChatHarnessConfig]):  # Harness
                                      for name, url in mcp_urls.items()}}  # fmt: skip
         try:
             async with contextlib.AsyncExitStack() as stack:
-                tools, dispatch, servers = await asyncio.wait_for(program["connect_mcp"](mcp_config, stack), 60)
+                tools, dispatch, servers = [], {}, {}
+                if mcp_urls:
+                    connect = program["connect_mcp"](mcp_config, stack)
+                    tools, dispatch, servers = await asyncio.wait_for(connect, 60)
                 compactor = program["Compactor"](client, ctx.model, tools, False, None)
+                if answered is not None:
+                    compactor = Answered(compactor, ChatCompletion.model_validate(answered))
                 compactor.note_good(messages)
                 gate = interception_client() if tool_interception_url else None
                 await program["run_chat_loop"](args, compactor, messages, dispatch, servers, gate)

@@ -16,6 +16,7 @@ verifiers' ``reference`` and ``rubric`` judges (``judges.harden_judges``).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import secrets
@@ -85,6 +86,53 @@ def strict_choice(text: str, choices: Sequence[str]) -> str:
         what = "no verdict line" if not found else f"conflicting verdict lines {sorted(found)}"
         raise UnparsedVerdict(f"judge reply has {what}: {text[-200:]!r}")
     return by_upper[found.pop()]
+
+
+# A JSON object may start here: a brace, then a key (verifiers' scan tries every brace; a key-less one never parses).
+_OBJECT_START = re.compile(r'\{\s*"')
+
+
+def verdict_objects(text: str) -> list[dict]:
+    """Every JSON object of ``text`` that has a ``verdicts`` key (verifiers' rubric reads the first), in order."""
+    found: list[dict] = []
+    decoder = json.JSONDecoder()
+    at = 0
+    while m := _OBJECT_START.search(text, at):
+        try:
+            obj, end = decoder.raw_decode(text, m.start())
+        except (ValueError, RecursionError):  # RecursionError: a response nested past the parser's depth
+            at = m.start() + 1
+            continue
+        if isinstance(obj, dict) and "verdicts" in obj:
+            found.append(obj)
+            at = end
+        else:
+            at = m.start() + 1
+    return found
+
+
+def _choices(obj: dict) -> str:
+    verdicts = obj.get("verdicts")
+    if not isinstance(verdicts, list):
+        return json.dumps(verdicts, sort_keys=True)
+    return json.dumps(sorted((str(v.get("name")), str(v.get("verdict"))) if isinstance(v, dict) else (str(v), "")
+                             for v in verdicts))  # fmt: skip
+
+
+def own_verdicts(reply: str, response: str) -> dict | None:
+    """The judge's own verdicts object in its ``reply``: objects the graded ``response`` wrote (a quoting judge
+    repeats them) do not count, and the judge's must all give the same choices; raises ``UnparsedVerdict`` when none
+    is its own or they disagree. None when the reply holds no verdicts object at all (verifiers' judge failure)."""
+    found = verdict_objects(reply)
+    if not found:
+        return None
+    quoted = {json.dumps(o, sort_keys=True) for o in verdict_objects(response) + verdict_objects(neutralise(response))}
+    own = [o for o in found if json.dumps(o, sort_keys=True) not in quoted]
+    if not own:
+        raise UnparsedVerdict("the judge's reply holds only verdicts the response wrote")
+    if len({_choices(o) for o in own}) > 1:
+        raise UnparsedVerdict(f"judge reply has conflicting verdicts objects: {reply[-200:]!r}")
+    return own[0]
 
 
 def guarded_fields(fields: dict, untrusted: Sequence[str] = ("response",)) -> dict:
