@@ -74,7 +74,7 @@ def tests(session: nox.Session) -> None:
     # loadgroup: the tests whose training processes hold gloo collectives (several trainer ranks) share one worker
     # (xdist_group "multiprocess"), so they never oversubscribe the CPU together (those collectives slow down many
     # times over when they do); tests/scheduling.py says in which order the work starts.
-    args = session.posargs or ["-n", "auto", "--dist", "loadgroup", "--durations", "15", "-m", "not gpu and not slow"]
+    args = session.posargs or ["-n", "auto", "--dist", "loadgroup", "--durations", "40", "-m", "not gpu and not slow"]
     # Bytecode compiled once at install: CI's image sets PYTHONDONTWRITEBYTECODE, so otherwise every process a test
     # starts (four or five for each `rl` run) compiled the sources of torch, transformers and verifiers again, which
     # doubled its start-up. Not in pyproject: there it would recheck 17k files on every `uv run` of every user.
