@@ -13,7 +13,7 @@ from prime_core.config.inference import InferenceConfig
 from prime_inference.engines.base import EngineRequest
 from prime_inference.engines.vllm_engine import VllmEngine
 from prime_inference.engines.vllm_load import EngineLoad
-from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap, StepRounds, start_engines
+from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap, StepRounds, _prompt_hash, start_engines
 from prime_inference.protocol import RequestError, SamplingParams
 
 
@@ -76,30 +76,49 @@ def engine_over(llms: list[StandInLLM]) -> VllmEngine:
     return engine
 
 
-async def outputs(engine: VllmEngine, request_id: str) -> list:
-    request = EngineRequest(request_id, [1, 2], SamplingParams(max_tokens=1, logprobs=0), stream=False)
+async def outputs(engine: VllmEngine, request_id: str, prompt: list[int] | None = None) -> list:
+    request = EngineRequest(request_id, prompt or [1, 2], SamplingParams(max_tokens=1, logprobs=0), stream=False)
     return [o async for o in engine.generate(request)]
 
 
-def test_requests_spread_over_the_engines_and_take_log_probs_from_their_own():
+def prompt_of(engine: int) -> list[int]:
+    """A prompt that hashes to ``engine`` of two."""
+    return next([1, n] for n in range(100) if _prompt_hash([1, n]) % 2 == engine)
+
+
+def test_a_group_shares_an_engine_and_the_engines_stay_within_a_group():
     async def scenario():
         llms = [StandInLLM(10), StandInLLM(20)]
         engine = engine_over(llms)
-        runs = [asyncio.create_task(outputs(engine, f"r{i}")) for i in range(6)]
+        home = _prompt_hash([1, 2]) % 2
+        runs = [asyncio.create_task(outputs(engine, f"g{i}")) for i in range(12)]  # one prompt: 12 samples
+        await asyncio.sleep(0.01)
+        assert llms[home].generated[:8] == [f"g{i}" for i in range(8)]  # a group of 8 on one engine's cache
+        assert engine.llm.in_flight[home] - engine.llm.in_flight[1 - home] <= 8 + 1
+        assert sorted(engine.llm.in_flight) == [2, 10]
+        for llm in llms:
+            llm.release.set()
+        await asyncio.gather(*runs)
+        assert engine.llm.in_flight == [0, 0]
+
+    asyncio.run(scenario())
+
+
+def test_requests_take_log_probs_from_the_engine_that_ran_them():
+    async def scenario():
+        llms = [StandInLLM(10), StandInLLM(20)]
+        engine = engine_over(llms)
+        runs = [asyncio.create_task(outputs(engine, f"r{i}", prompt_of(i % 2))) for i in range(6)]
         await asyncio.sleep(0.01)
         assert engine.llm.in_flight == [3, 3] and llms[0].generated == ["r0", "r2", "r4"]
-        llms[0].release.set()  # engine 0 finishes its three: the next requests go to it
-        await asyncio.gather(*runs[0::2])
-        later = [asyncio.create_task(outputs(engine, f"s{i}")) for i in range(2)]
-        await asyncio.sleep(0.01)
-        assert llms[0].generated[-2:] == ["s0", "s1"] and engine.llm.in_flight[1] == 3  # engine 1 still holds 3
-        llms[1].release.set()
-        done = [(await run)[0] for run in runs + later]
+        for llm in llms:
+            llm.release.set()
+        done = [(await run)[0] for run in runs]
         # Each request's token and log-prob come from the engine that generated it, asked of that engine only.
         assert [(o.token_ids, o.logprobs) for o in done[:2]] == [([10], [-1.0]), ([20], [-2.0])]
-        assert llms[0].calls.count("prime_take_token_logprobs") >= 1
-        takes = [c for c in llms[1].calls if c == "prime_take_token_logprobs"]
-        assert len(takes) >= 1 and engine.llm.in_flight == [0, 0] and engine.llm._owner == {}
+        for llm, mine in zip(llms, (["r0", "r2", "r4"], ["r1", "r3", "r5"]), strict=True):
+            assert "prime_take_token_logprobs" in llm.calls and llm.generated == mine
+        assert engine.llm.in_flight == [0, 0] and engine.llm._owner == {}
 
     asyncio.run(scenario())
 

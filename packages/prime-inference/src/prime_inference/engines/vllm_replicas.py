@@ -7,9 +7,10 @@ requests, generated the RL loop's batch 1.61x faster than one (``benchmarks/resu
 twice), so the server starts the engines itself, one after the other (vLLM sizes its KV cache from the memory it finds
 in use), and `EngineReplicas` stands where one ``AsyncLLM`` stood:
 
-* a request goes to the engine with the fewest requests of this server in flight (ties in turn). Each engine has its
-  own prefix cache: the samples of a group, or the next turn of a multi-turn rollout, may land on another engine and
-  prefill their prompt again;
+* a request goes to the engine its prompt hashes to, so that the samples of a group share one engine's prefix cache,
+  unless that engine holds `GROUP_SLACK` more of this server's requests than the least busy one, which then takes it
+  (ties in turn). Each engine has its own prefix cache: the next turn of a multi-turn rollout (another prompt) may
+  land on another engine and prefill its history again;
 * what changes the engines' state (pauses, weight loads, LoRA adapters, cache resets) reaches every engine at once;
   a worker RPC answers with the replies of all their workers;
 * the sampled-log-prob tap is fetched from the engine that ran the request (`RoutedTap`);
@@ -27,6 +28,10 @@ from typing import Any
 
 from prime_inference.token_logprobs import Entries, TapFetcher
 
+GROUP_SLACK = 8
+"""How many more requests in flight than the least busy engine the engine a prompt hashes to may hold and still take
+it: a group of 8 samples of one prompt stays on one engine, and engines stay within a group of each other."""
+
 
 def start_engines(count: int, start: Callable[[int], Any]) -> Any:
     """``count`` engines (``start(i)`` each), one after the other: vLLM sizes each KV cache from the memory it finds in
@@ -41,6 +46,12 @@ def start_engines(count: int, start: Callable[[int], Any]) -> Any:
             llm.shutdown()
         raise
     return llms[0] if count == 1 else EngineReplicas(llms)
+
+
+def _prompt_hash(ids: Any) -> int:
+    """Equal for equal prompts; from the length and both ends only, so a 100k-token prompt costs no more than a short
+    one (two prompts that share them only share an engine)."""
+    return hash((len(ids), tuple(ids[:256]), tuple(ids[-256:])))
 
 
 class StepRounds:
@@ -108,15 +119,19 @@ class EngineReplicas:
     def owner(self, request_id: str) -> int | None:
         return self._owner.get(request_id)
 
-    def _pick(self) -> int:
-        least = min(self.in_flight)
-        n = len(self.llms)
+    def _pick(self, prompt: Any) -> int:
+        least, n = min(self.in_flight), len(self.llms)
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if ids:
+            home = _prompt_hash(ids) % n
+            if self.in_flight[home] - least <= GROUP_SLACK:
+                return home
         chosen = next(i for i in ((self._next + k) % n for k in range(n)) if self.in_flight[i] == least)
         self._next = (chosen + 1) % n
         return chosen
 
     async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
-        engine = self._pick()
+        engine = self._pick(prompt)
         self._owner[request_id] = engine
         self.in_flight[engine] += 1
         try:
