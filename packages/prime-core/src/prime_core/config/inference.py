@@ -100,10 +100,10 @@ class VllmConfig(BaseConfig):
     """RPC port of the data-parallel head node (multi-node DP)."""
     engines: int = Field(default=1, ge=1, le=8)
     """vLLM engines this server runs on the same GPUs, each with ``1/engines`` of ``gpu_memory_utilization``, its own
-    copy of the weights and its share of the requests (a group's samples on one engine). For small models on one GPU, where one
-    engine's host loop, not the GPU, bounds generation: on one H200 two engines generated the RL loop's 512 rollouts
-    of Qwen3-0.6B 1.61x faster (docs/inference.md#several-engines-on-one-gpu). Each engine has its own prefix cache;
-    vLLM's own OpenAI routes use the first. Needs ``data_parallel_size = 1``."""
+    copy of the weights and its share of the requests (a group's samples on one engine). For small models on one GPU,
+    where one engine's host loop, not the GPU, bounds generation: on one H200 two engines generated the RL loop's 512
+    rollouts of Qwen3-0.6B 1.61x faster (docs/inference.md#several-engines-on-one-gpu). Each engine has its own prefix
+    cache; vLLM's own OpenAI routes use the first. Needs ``data_parallel_size = 1``."""
     headless: bool = False
     """Run engine cores only, without an API server (secondary DP nodes)."""
     enforce_eager: bool = False
