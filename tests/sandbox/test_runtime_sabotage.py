@@ -111,3 +111,18 @@ def test_an_absent_file_still_raises_and_a_plain_one_reads_back():
     asyncio.run(
         _in_workspace("echo 42 > plain.txt; python3 -c \"open('/tmp/t.bin','wb').write(bytes(range(256)))\"", check)
     )
+
+
+def test_modules_the_code_plants_in_its_folder_never_run_as_the_harnesss_read_or_write():
+    """``read`` and ``write`` run Python in the workspace: a ``base64.py`` there must not stand in for the stdlib's,
+    or the code would choose what the reward reads (``42``) and what test file the harness writes."""
+    fake = "b64encode = lambda b: __import__('binascii').b2a_base64(b'42', newline=False)\\nb64decode = b64encode\\n"
+    plant = f"printf \"{fake}\" > base64.py; echo 'raise SystemExit(4)' > errno.py; echo 41 > answer.txt"
+
+    async def check(runtime):
+        answer = await runtime.read("answer.txt")
+        await runtime.write("test_x.py", b"assert False\n")
+        ran = await runtime.run(["sh", "-c", "cd /tmp && python3 /work/test_x.py"], {})
+        return answer, await runtime.read("test_x.py"), ran.exit_code
+
+    assert asyncio.run(_in_workspace(plant, check)) == (b"41\n", b"assert False\n", 1)

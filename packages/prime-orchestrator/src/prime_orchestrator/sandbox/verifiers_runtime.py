@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 # a socket, a device or a symlink to one, a loop, a directory, a file or folder it chmod-ed to 000) must not turn
 # the rollout into a failure: a failed rollout trains nothing, so a policy would learn to sabotage the paths the
 # reward reads instead of being scored on them. Only an absent path still raises, as on every runtime.
+# Isolated (-I): with plain ``-c`` the working folder comes first on sys.path, and a ``base64.py`` or ``errno.py``
+# the code left there would run as the harness's own read or write (failing it, or faking what it reads or writes).
+_PYTHON = ("python3", "-I", "-c")
 _READ = r"""
 import base64, errno, os, stat, sys
 limit, path, data = int(sys.argv[1]), sys.argv[2], b""
@@ -170,7 +173,7 @@ class SandboxPoolRuntime(Runtime):
         # Read inside the box: a symlink the code planted resolves there, not on the host. Anything but a regular
         # file it can open (a FIFO, a device, a directory, a locked file, a loop) reads as empty; an absent one raises.
         limit = max_bytes if max_bytes is not None else self.config.limits.output_bytes // 2
-        result = await self._exec(["python3", "-c", _READ, str(limit), path], {}, None)
+        result = await self._exec([*_PYTHON, _READ, str(limit), path], {}, None)
         if result.exit_code != 0:
             raise SandboxError(f"read {path!r}: {result.stderr.strip()[-500:]}")
         return base64.b64decode(result.stdout)
@@ -178,7 +181,7 @@ class SandboxPoolRuntime(Runtime):
     async def write(self, path: str, data: bytes) -> None:
         # Replaces whatever the code left at ``path`` (a symlink to /dev/full, a FIFO, a directory, a locked file
         # or folder): the harness's file lands where it asked, and the code's tricks cannot fail the rollout.
-        result = await self._exec(["python3", "-c", _WRITE, path], {}, base64.b64encode(data).decode())
+        result = await self._exec([*_PYTHON, _WRITE, path], {}, base64.b64encode(data).decode())
         if result.exit_code != 0 and result.stderr.startswith(_FULL):
             # The code filled its workspace: the file is not written, and whatever reads it next finds it absent
             # (a test that fails, a zero). Logged, as an env whose own files outgrow ``disk_mb`` lands here too.
