@@ -126,3 +126,39 @@ def test_modules_the_code_plants_in_its_folder_never_run_as_the_harnesss_read_or
         return answer, await runtime.read("test_x.py"), ran.exit_code
 
     assert asyncio.run(_in_workspace(plant, check)) == (b"41\n", b"assert False\n", 1)
+
+
+SURROGATE_CODE = "# \udcff\ndef f(x):\n    return x\n"  # "\\udcff" in a tool call's JSON arguments parses to this
+
+
+def test_a_lone_surrogate_in_a_command_is_an_error_the_tool_call_returns():
+    async def check(runtime):
+        return [await runtime.run(argv, env) for argv, env in ((["echo", "a\udcffb"], {}), (["true"], {"X": "\ud800"}))]
+
+    results = asyncio.run(_in_workspace("true", check))
+    assert [(r.exit_code, "not valid text" in r.stderr) for r in results] == [(1, True), (1, True)], results
+
+
+def test_a_lone_surrogate_in_graded_code_scores_zero_in_a_local_pool():
+    from prime_core.config.sandbox import SandboxLimits
+    from prime_orchestrator.sandbox import TestCase, arun
+
+    _runtime_config()  # skips where no pool runs
+    tests = [TestCase(expr="f(2)", expected=2)]
+    result = asyncio.run(arun(SURROGATE_CODE, tests=tests, limits=SandboxLimits(**LIMITS)))
+    assert (result.status, result.pass_fraction, "not valid text" in result.reason) == ("error", 0.0, True), result
+
+
+def test_a_lone_surrogate_scores_zero_through_a_node_and_the_node_serves_on(node, monkeypatch):
+    from prime_core.config.sandbox import SandboxClientConfig
+    from prime_orchestrator.sandbox import ExecRequest, SandboxClient, TestCase
+
+    monkeypatch.setenv("NODE_KEY", node.key)
+    client = SandboxClient(SandboxClientConfig(urls=[node.url], api_key_var="NODE_KEY"))
+    try:
+        sent = client.execute_sync(ExecRequest(code=SURROGATE_CODE, tests=[TestCase(expr="f(2)", expected=2)]))
+        after = client.execute_sync(ExecRequest(code="print(6 * 7)"))
+    finally:
+        client.close()
+    assert (sent.status, sent.pass_fraction) == ("error", 0.0), sent
+    assert (after.status, after.stdout) == ("ok", "42\n"), after

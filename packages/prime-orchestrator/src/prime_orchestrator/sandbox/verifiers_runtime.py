@@ -155,7 +155,10 @@ class SandboxPoolRuntime(Runtime):
         result = await self._client.execute(request)
         if result.status == "sandbox_error":
             raise SandboxError(f"{self.name}: {result.reason}")
-        stderr = result.stderr if result.status in ("ok", "error") else f"{result.stderr}\n{result.reason}".strip()
+        # A request refused before it ran (invalid text, over the pool's size limits) has no exit code: its reason
+        # is all the model learns of it, as the error its tool call returns.
+        ran = result.status in ("ok", "error") and result.exit_code is not None
+        stderr = result.stderr if ran else f"{result.stderr}\n{result.reason}".strip()
         exit_code = result.exit_code if result.exit_code is not None else 1
         return ProgramResult(
             exit_code=exit_code if exit_code >= 0 else 128 - exit_code, stdout=result.stdout, stderr=stderr
