@@ -162,3 +162,14 @@ def test_a_lone_surrogate_scores_zero_through_a_node_and_the_node_serves_on(node
         client.close()
     assert (sent.status, sent.pass_fraction) == ("error", 0.0), sent
     assert (after.status, after.stdout) == ("ok", "42\n"), after
+
+
+def test_a_command_over_the_pools_size_limit_returns_its_reason_to_the_model():
+    """Refused before it ran, it has no exit code of its own: the reason is the only error the tool call can return
+    (before: exit 1 with an empty stderr)."""
+
+    async def check(runtime):
+        return await runtime.run(["echo", "x" * 2_000_000], {})
+
+    result = asyncio.run(_in_workspace("true", check))
+    assert (result.exit_code, "max_code_bytes" in result.stderr) == (1, True), result.stderr[:300]
