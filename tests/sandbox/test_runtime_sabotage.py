@@ -173,3 +173,14 @@ def test_a_command_over_the_pools_size_limit_returns_its_reason_to_the_model():
 
     result = asyncio.run(_in_workspace("true", check))
     assert (result.exit_code, "max_code_bytes" in result.stderr) == (1, True), result.stderr[:300]
+
+
+def test_a_file_too_big_to_return_reads_as_nothing_whatever_max_bytes_allows():
+    """Before: ``read(path, max_bytes=10 MB)`` of a 5 MB file the code wrote hit the command's output limit, and
+    raised SandboxError."""
+
+    async def check(runtime):
+        return await runtime.read("big", max_bytes=10_000_000), await runtime.read("small", max_bytes=10_000_000)
+
+    plant = "head -c 5000000 /dev/urandom > big; echo 42 > small"
+    assert asyncio.run(_in_workspace(plant, check)) == (b"", b"42\n")

@@ -166,16 +166,21 @@ class SandboxPoolRuntime(Runtime):
 
     async def read(self, path: str, max_bytes: int | None = None) -> bytes:
         """verifiers' ``read``, except that a file over ``max_bytes`` reads as empty instead of raising: the code
-        wrote it, and the reward should score what it finds (nothing usable), not fail the rollout."""
+        wrote it, and the reward should score what it finds (nothing usable), not fail the rollout. So does a file
+        over what one command may return (half of ``limits.output_bytes``, its base64 fits)."""
         if max_bytes is None or max_bytes < 0:
             return await super().read(path, max_bytes)
-        data = await self._read(path, max_bytes + 1)
-        return b"" if len(data) > max_bytes else data
+        fits = min(max_bytes, self._transfer_cap())
+        data = await self._read(path, fits + 1)
+        return b"" if len(data) > fits else data
+
+    def _transfer_cap(self) -> int:
+        return self.config.limits.output_bytes // 2
 
     async def _read(self, path: str, max_bytes: int | None = None) -> bytes:
         # Read inside the box: a symlink the code planted resolves there, not on the host. Anything but a regular
         # file it can open (a FIFO, a device, a directory, a locked file, a loop) reads as empty; an absent one raises.
-        limit = max_bytes if max_bytes is not None else self.config.limits.output_bytes // 2
+        limit = min(max_bytes, self._transfer_cap() + 1) if max_bytes is not None else self._transfer_cap()
         result = await self._exec([*_PYTHON, _READ, str(limit), path], {}, None)
         if result.exit_code != 0:
             raise SandboxError(f"read {path!r}: {result.stderr.strip()[-500:]}")
