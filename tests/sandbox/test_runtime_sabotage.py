@@ -184,3 +184,13 @@ def test_a_file_too_big_to_return_reads_as_nothing_whatever_max_bytes_allows():
 
     plant = "head -c 5000000 /dev/urandom > big; echo 42 > small"
     assert asyncio.run(_in_workspace(plant, check)) == (b"", b"42\n")
+
+
+def test_a_nul_byte_in_a_command_is_an_error_the_tool_call_names():
+    """Before: exit code 71 and an empty stderr, so the model learned nothing of why its command did not run."""
+
+    async def check(runtime):
+        return [await runtime.run(argv, env) for argv, env in ((["echo", "a\x00b"], {}), (["true"], {"X": "\x00"}))]
+
+    results = asyncio.run(_in_workspace("true", check))
+    assert [(r.exit_code, "NUL byte" in r.stderr) for r in results] == [(1, True), (1, True)], results
