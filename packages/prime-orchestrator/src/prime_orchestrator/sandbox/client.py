@@ -72,6 +72,8 @@ class SandboxClient:
             self._http = httpx.AsyncClient(headers=headers, limits=httpx.Limits(max_connections=1024))
 
     async def _execute(self, request: ExecRequest) -> ExecResult:
+        if problem := request.not_text():  # before the JSON for a node, which cannot hold it
+            return ExecResult(status="error", reason=problem)
         if self._pool is not None:
             return await self._pool.execute(request)
         return await self._remote(request)

@@ -231,7 +231,7 @@ class SandboxPool:
         """Run one request; every failure of the code (and of the sandbox) is a result, never an exception."""
         if self.closed:
             raise RuntimeError("the sandbox pool is closed")
-        if problem := self._oversized(request):
+        if problem := request.not_text() or self._oversized(request):
             return ExecResult(status="error", reason=problem)
         workspace = None
         if request.workspace is not None:

@@ -52,6 +52,23 @@ class ExecRequest(BaseModel):
     workspace: str | None = None
     """A workspace opened on the pool (persistent /work across executions); None: a fresh empty tmpfs."""
 
+    def not_text(self) -> str:
+        """Why the request cannot be sent as UTF-8 ('' when it can): a lone surrogate in the code, argv, env, stdin
+        or a test's expression; a NUL byte in argv or env, which no exec takes. A model can write one (``"\\ud800"`` in a tool call's JSON parses to it); it is the
+        request's fault, a result like an over-size request, never an exception that would fail the rollout."""
+        fields = {"code": [self.code], "argv": self.argv or [], "stdin": [self.stdin or ""]}
+        fields["env"] = [*self.env, *self.env.values()]
+        fields["tests' expressions"] = [t.expr for t in self.tests]
+        for name, texts in fields.items():
+            for text in texts:
+                if "\0" in text and name in ("argv", "env"):  # a C string ends there: exec would refuse it unsaid
+                    return f"{name} holds a NUL byte (at {text.index(chr(0))} of {text[:40]!a})"
+                try:
+                    text.encode()
+                except UnicodeEncodeError as e:
+                    return f"{name} is not valid text: {e.reason} ({text[e.start : e.end]!a} at {e.start})"
+        return ""
+
 
 class TestOutcome(BaseModel):
     """How one test went."""

@@ -12,6 +12,7 @@ model from inside the box.
 from __future__ import annotations
 
 import base64
+import logging
 import types
 import typing
 from typing import Annotated, Literal
@@ -27,7 +28,85 @@ from prime_orchestrator.sandbox.client import SandboxClient, get_client
 from prime_orchestrator.sandbox.schemas import ExecRequest
 
 TYPE = "sandbox_pool"
-_WRITE = 'mkdir -p -- "$(dirname -- "$1")" && base64 -d > "$1"'
+logger = logging.getLogger(__name__)
+# ``read`` and ``write`` meet whatever the code left in its workspace. What the code can leave at a path (a FIFO,
+# a socket, a device or a symlink to one, a loop, a directory, a file or folder it chmod-ed to 000) must not turn
+# the rollout into a failure: a failed rollout trains nothing, so a policy would learn to sabotage the paths the
+# reward reads instead of being scored on them. Only an absent path still raises, as on every runtime.
+# Isolated (-I): with plain ``-c`` the working folder comes first on sys.path, and a ``base64.py`` or ``errno.py``
+# the code left there would run as the harness's own read or write (failing it, or faking what it reads or writes).
+_PYTHON = ("python3", "-I", "-c")
+_READ = r"""
+import base64, errno, os, stat, sys
+limit, path, data = int(sys.argv[1]), sys.argv[2], b""
+try:
+    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+except OSError as e:
+    if e.errno in (errno.ENOENT, errno.ENOTDIR) and not os.path.islink(path):
+        sys.exit(f"{path}: {e.strerror}")
+else:
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # of the file opened, so a swap after a check changes nothing
+            while len(data) < limit and (chunk := os.read(fd, min(1 << 20, limit - len(data)))):
+                data += chunk
+    except OSError:
+        data = b""
+    finally:
+        os.close(fd)
+sys.stdout.write(base64.b64encode(data).decode())
+"""
+_FULL = "workspace full"  # how _WRITE says the code filled the workspace
+_WRITE = r"""
+import base64, errno, os, stat, sys, tempfile
+# Absolute: the code may have locked its working folder itself, and "." then resolves for nobody.
+path, data = os.path.abspath(sys.argv[1]), base64.b64decode(sys.stdin.buffer.read())
+def usable(d):
+    return os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK)
+def unlock(d):  # a folder of ours the code chmod-ed: its owner bits back (anyone else's stays as it is)
+    st = os.lstat(d)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+        os.chmod(d, st.st_mode | 0o700)
+def make(d, replace_links):  # d as a folder, whatever the code left at each step of it
+    here = "/"
+    for part in [p for p in d.split("/") if p]:
+        if not usable(here):
+            unlock(here)
+        there = os.path.join(here, part)
+        if not os.path.isdir(there) or replace_links and os.path.islink(there):
+            if os.path.lexists(there):
+                os.unlink(there)
+            os.mkdir(there)
+        here = there
+    if not usable(here):
+        unlock(here)
+def write():
+    parent = os.path.dirname(path)
+    try:
+        make(parent, False)
+    except OSError:
+        pass
+    if not usable(parent):  # a symlink of the code's on the way, to a folder nobody may write
+        make(parent, True)
+    if os.path.isdir(path) and not os.path.islink(path):
+        # Moved aside, not deleted: a rename in its own folder works however deep or locked what is inside it.
+        os.rename(path, tempfile.mkdtemp(dir=parent, prefix=".vf-moved-"))
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=".vf-write-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)  # replaces a symlink, FIFO or locked file itself, never what it points to
+    except BaseException:
+        os.unlink(tmp)
+        raise
+try:
+    write()
+except OSError as e:
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        raise
+    sys.exit(f"workspace full: {e.strerror}")
+"""
 
 
 class SandboxPoolRuntimeConfig(BaseConfig):
@@ -76,18 +155,46 @@ class SandboxPoolRuntime(Runtime):
         result = await self._client.execute(request)
         if result.status == "sandbox_error":
             raise SandboxError(f"{self.name}: {result.reason}")
-        stderr = result.stderr if result.status in ("ok", "error") else f"{result.stderr}\n{result.reason}".strip()
+        # A request refused before it ran (invalid text, over the pool's size limits) has no exit code: its reason
+        # is all the model learns of it, as the error its tool call returns.
+        ran = result.status in ("ok", "error") and result.exit_code is not None
+        stderr = result.stderr if ran else f"{result.stderr}\n{result.reason}".strip()
         exit_code = result.exit_code if result.exit_code is not None else 1
         return ProgramResult(
             exit_code=exit_code if exit_code >= 0 else 128 - exit_code, stdout=result.stdout, stderr=stderr
         )
 
+    async def read(self, path: str, max_bytes: int | None = None) -> bytes:
+        """verifiers' ``read``, except that a file over ``max_bytes`` reads as empty instead of raising: the code
+        wrote it, and the reward should score what it finds (nothing usable), not fail the rollout. So does a file
+        over what one command may return (half of ``limits.output_bytes``, its base64 fits)."""
+        if max_bytes is None or max_bytes < 0:
+            return await super().read(path, max_bytes)
+        fits = min(max_bytes, self._transfer_cap())
+        data = await self._read(path, fits + 1)
+        return b"" if len(data) > fits else data
+
+    def _transfer_cap(self) -> int:
+        return self.config.limits.output_bytes // 2
+
     async def _read(self, path: str, max_bytes: int | None = None) -> bytes:
-        # Read inside the box (``head | base64``): a symlink the code planted resolves there, not on the host.
-        return await super()._read(path, max_bytes if max_bytes is not None else self.config.limits.output_bytes // 2)
+        # Read inside the box: a symlink the code planted resolves there, not on the host. Anything but a regular
+        # file it can open (a FIFO, a device, a directory, a locked file, a loop) reads as empty; an absent one raises.
+        limit = min(max_bytes, self._transfer_cap() + 1) if max_bytes is not None else self._transfer_cap()
+        result = await self._exec([*_PYTHON, _READ, str(limit), path], {}, None)
+        if result.exit_code != 0:
+            raise SandboxError(f"read {path!r}: {result.stderr.strip()[-500:]}")
+        return base64.b64decode(result.stdout)
 
     async def write(self, path: str, data: bytes) -> None:
-        result = await self._exec(["sh", "-c", _WRITE, "sh", path], {}, base64.b64encode(data).decode())
+        # Replaces whatever the code left at ``path`` (a symlink to /dev/full, a FIFO, a directory, a locked file
+        # or folder): the harness's file lands where it asked, and the code's tricks cannot fail the rollout.
+        result = await self._exec([*_PYTHON, _WRITE, path], {}, base64.b64encode(data).decode())
+        if result.exit_code != 0 and result.stderr.startswith(_FULL):
+            # The code filled its workspace: the file is not written, and whatever reads it next finds it absent
+            # (a test that fails, a zero). Logged, as an env whose own files outgrow ``disk_mb`` lands here too.
+            logger.warning("%s: write %r skipped: %s", self.name, path, result.stderr.strip()[-200:])
+            return
         if result.exit_code != 0:
             raise SandboxError(f"write {path!r}: {result.stderr.strip()[-500:]}")
 
