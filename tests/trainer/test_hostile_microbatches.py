@@ -133,6 +133,16 @@ def test_rows_of_another_length_than_the_header_says_are_refused(tmp_path):
         source(tmp_path).get(0, vocab_size=96)
 
 
+def test_rows_longer_than_the_trainers_seq_len_are_refused(tmp_path):
+    """The trainer plans its memory (and splits rows over context-parallel ranks) for its own seq_len."""
+    write_rollouts(tmp_path, steps=1, num_ranks=1, seq_len=64)
+    config = load_config(TrainerConfig, ["--output-dir", str(tmp_path), "--seq-len", "32"])
+    rollouts = RolloutSource(config, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    line = f"{WHERE}rows of 64 tokens, longer than this trainer's seq_len of 32 (the orchestrator's seq_len must not "
+    with pytest.raises(UnreadableFile, match=rf"^{re.escape(line)}"):
+        rollouts.get(0, vocab_size=96)
+
+
 def test_tensors_past_the_header_count_are_refused_not_dropped(tmp_path):
     """The header said one micro-batch, the file held two: the second's rows were dropped without a word."""
     path = write_meta(tmp_path, make_step_batches(0, 2, 2, 32, 96), num_micro_batches=1)
@@ -228,3 +238,25 @@ def test_a_written_file_reads_back(tmp_path):
 
     _, back = read_microbatches(path)
     assert all(np.array_equal(a.input_ids, b.input_ids) for a, b in zip(mbs, back, strict=True))
+
+
+def test_the_zmq_transport_checks_its_batches_the_same_way(tmp_path):
+    from prime_core.transport import make_sender
+
+    from tests.orchestrator.test_transport_zmq import free_base_port
+
+    port = free_base_port()
+    args = ["--output-dir", str(tmp_path), "--transport.type", "zmq", "--transport.base-port", str(port)]
+    rollouts = RolloutSource(load_config(TrainerConfig, args), World(0, 1, 0, torch.device("cpu")))
+    sender = make_sender(load_config(TrainerConfig, args).transport, RunDir(tmp_path), 1)
+    try:
+        mbs = make_step_batches(0, 2, 2, 32, 96)
+        mbs[1].loss_mask[0, 0] = True
+        sender.send(0, 0, RolloutBatchMeta(step=0, rank=0, num_micro_batches=2, seq_len=32), mbs)
+        line = "step 0: rollouts for rank 0 (zmq transport): micro-batch 1 loss_mask[0, 0] is set on a sample's first"
+        with pytest.raises(UnreadableFile, match=rf"^{re.escape(line)}"):
+            rollouts.get(0, vocab_size=96)
+    finally:
+        sender.drain_timeout = 0
+        sender.close()
+        rollouts.close()

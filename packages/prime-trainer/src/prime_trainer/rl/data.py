@@ -127,6 +127,7 @@ class RolloutSource:
     def __init__(self, config: TrainerConfig, world: World):
         self.rank = world.rank
         self.timeout = config.data.wait_timeout_s
+        self.seq_len = config.seq_len
         self.transport = config.transport.type
         self._step = 0
         self.run_dir = RunDir(config.output_dir)
@@ -163,6 +164,11 @@ class RolloutSource:
             raise UnreadableFile(
                 f"step {step}: rollouts for rank {self.rank} ({where}): the file is of "
                 + (f"step {meta.step}" if meta.step != step else f"rank {meta.rank}")
+            )
+        if meta.seq_len > self.seq_len:  # the memory plan and the context-parallel split are this trainer's seq_len's
+            raise UnreadableFile(
+                f"step {step}: rollouts for rank {self.rank} ({where}): rows of {meta.seq_len} tokens, longer than this "
+                f"trainer's seq_len of {self.seq_len} (the orchestrator's seq_len must not exceed it)"
             )
         for i, mb in enumerate(micro_batches):
             if (why := check_microbatch(mb, meta.seq_len, vocab_size)) is not None:
