@@ -62,6 +62,11 @@ def positive_logprob(b):
     b[1].inference_logprobs[first_loss_token(b[1])] = 50.0
 
 
+def negative_image_grid(b):
+    """(1, -2, -2) multiplies to the 4 patches there are: the shape check alone let it through to the vision tower."""
+    b[1].pixel_values, b[1].image_grid_thw = np.zeros((4, 8), np.float32), np.array([[1, -2, -2]])
+
+
 def no_rows(b):
     for name in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs", "sample_ids"):
         setattr(b[1], name, getattr(b[1], name)[:0])
@@ -78,6 +83,8 @@ CASES = {
     loss_on_padding: r"micro-batch 1 sample_ids\[0, \d+\] is -1 \(padding\) on a loss token",
     positive_logprob: r"micro-batch 1 inference_logprobs\[\d+, \d+\] is above 0 \(a log-prob\): 50\.0",
     no_rows: r"micro-batch 1 holds no rows",
+    negative_image_grid: r"micro-batch 1 image_grid_thw\[0\] is \[1, -2, -2\] \(an image's t, h, w patch counts are "
+    r">= 1\)",
 }
 
 

@@ -294,6 +294,11 @@ def check_microbatch(mb: MicroBatch, seq_len: int, vocab_size: int | None = None
             f"holds token id {bad}, outside the model's vocabulary of {vocab_size} (rollouts of another model or "
             "tokenizer?)"
         )
+    if mb.image_grid_thw is not None and (mb.image_grid_thw < 1).any():
+        i = int(np.argwhere(mb.image_grid_thw < 1)[0][0])
+        return f"image_grid_thw[{i}] is {mb.image_grid_thw[i].tolist()} (an image's t, h, w patch counts are >= 1)"
+    if mb.mrope_position_ids is not None and (mb.mrope_position_ids < 0).any():
+        return "mrope_position_ids holds a negative position"
     pos, sid = mb.position_ids, mb.sample_ids
     if (pos < 0).any():
         r, t = np.argwhere(pos < 0)[0]
@@ -328,10 +333,13 @@ def check_microbatch(mb: MicroBatch, seq_len: int, vocab_size: int | None = None
 
 
 def nonfinite_fields(mb: MicroBatch) -> dict[str, int]:
-    """Floating point fields of ``mb`` with NaN or infinite values on loss tokens: field -> how many."""
+    """Floating point fields of ``mb`` with NaN or infinite values on loss tokens (any of ``pixel_values``): field ->
+    how many."""
     arrays = {"advantages": mb.advantages, "inference_logprobs": mb.inference_logprobs}
     arrays.update({f"extra.{n}": a for n, a in mb.extra.items() if a.dtype.kind == "f"})
     counts = {name: int((~np.isfinite(a[mb.loss_mask])).sum()) for name, a in arrays.items()}
+    if mb.pixel_values is not None:
+        counts["pixel_values"] = int((~np.isfinite(mb.pixel_values)).sum())
     return {name: n for name, n in counts.items() if n}
 
 
