@@ -150,6 +150,15 @@ def test_rows_longer_than_the_trainers_seq_len_are_refused(tmp_path):
         rollouts.get(0, vocab_size=96)
 
 
+def test_rows_context_parallelism_cannot_split_are_refused(tmp_path):
+    write_rollouts(tmp_path, steps=1, num_ranks=1, seq_len=30)
+    config = load_config(TrainerConfig, ["--output-dir", str(tmp_path), "--seq-len", "32", "--model.cp", "2"])
+    rollouts = RolloutSource(config, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    line = f"{WHERE}rows of 30 tokens do not split into 2 * model.cp = 4 equal chunks (context parallelism)"
+    with pytest.raises(UnreadableFile, match=rf"^{re.escape(line)}$"):
+        rollouts.get(0, vocab_size=96)
+
+
 def test_tensors_past_the_header_count_are_refused_not_dropped(tmp_path):
     """The header said one micro-batch, the file held two: the second's rows were dropped without a word."""
     path = write_meta(tmp_path, make_step_batches(0, 2, 2, 32, 96), num_micro_batches=1)

@@ -128,6 +128,7 @@ class RolloutSource:
         self.rank = world.rank
         self.timeout = config.data.wait_timeout_s
         self.seq_len = config.seq_len
+        self.cp = config.model.cp
         self.transport = config.transport.type
         self._step = 0
         self.run_dir = RunDir(config.output_dir)
@@ -169,6 +170,11 @@ class RolloutSource:
             raise UnreadableFile(
                 f"step {step}: rollouts for rank {self.rank} ({where}): rows of {meta.seq_len} tokens, longer than this "
                 f"trainer's seq_len of {self.seq_len} (the orchestrator's seq_len must not exceed it)"
+            )
+        if self.cp > 1 and meta.seq_len % (2 * self.cp):  # else a ValueError traceback inside the forward
+            raise UnreadableFile(
+                f"step {step}: rollouts for rank {self.rank} ({where}): rows of {meta.seq_len} tokens do not split into "
+                f"2 * model.cp = {2 * self.cp} equal chunks (context parallelism)"
             )
         for i, mb in enumerate(micro_batches):
             if (why := check_microbatch(mb, meta.seq_len, vocab_size)) is not None:
