@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import threading
 import time
@@ -29,10 +28,9 @@ import numpy as np
 from prime_core.config.base import ConfigError
 from prime_core.io import UnreadableFile, first_line
 from prime_core.schemas.microbatch import (
-    MICROBATCH_SCHEMA_VERSION,
     MicroBatch,
     RolloutBatchMeta,
-    microbatch_from_tensors,
+    decode_microbatches,
     microbatch_tensors,
 )
 
@@ -59,19 +57,7 @@ def encode(meta: RolloutBatchMeta, micro_batches: list[MicroBatch]) -> bytes:
 
 
 def decode(payload: bytes) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
-    from safetensors import safe_open  # noqa: F401  (same dependency as the file reader)
-    from safetensors.numpy import load
-
-    header_len = int.from_bytes(payload[:8], "little")
-    header = json.loads(payload[8 : 8 + header_len])
-    data = json.loads(header["__metadata__"]["prime"])
-    if data.get("schema_version") != MICROBATCH_SCHEMA_VERSION:
-        raise ValueError(
-            f"micro-batch schema version {data.get('schema_version')}, expected {MICROBATCH_SCHEMA_VERSION}"
-        )
-    meta = RolloutBatchMeta.model_validate(data)
-    tensors = load(payload)
-    return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]
+    return decode_microbatches(payload)
 
 
 def mac(secret: bytes, kind: bytes, rank: int, raw_step: bytes, payload: bytes | memoryview = b"") -> bytes:

@@ -147,13 +147,15 @@ def set_grad_sync(model: nn.Module, index: int, count: int) -> None:
         model.set_requires_gradient_sync(index == count - 1)
 
 
-def optimizer_step(c: Components, step: int) -> tuple[float, float]:
-    """Clip, set the scheduled learning rate, step (unless the gradients are not finite), zero grads. Returns (grad
-    norm, lr)."""
+def optimizer_step(c: Components, step: int, no_loss_tokens: bool = False) -> tuple[float, float]:
+    """Clip, set the scheduled learning rate, step (unless the gradients are not finite or the step has no loss token
+    on any rank), zero grads. Returns (grad norm, lr)."""
     grad_norm = clip_grad_norm(c.model, c.config.optim.max_norm)
     lr = lr_at(step, c.config.optim.lr, c.config.scheduler, c.config.max_steps)
     set_lr(c.optimizer, lr)
-    if c.skipped_steps.admit(grad_norm, step):  # the norm is global: every rank decides the same
+    if c.skipped_steps.admit(
+        grad_norm, step, no_loss_tokens=no_loss_tokens
+    ):  # the norm is global: every rank decides the same
         c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr

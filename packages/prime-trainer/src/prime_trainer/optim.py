@@ -70,7 +70,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> float:
 
 
 class NonFiniteGradients(RuntimeError):
-    """More optimizer steps in a row had a NaN or infinite gradient norm than ``optim.max_skipped_steps`` allows."""
+    """More optimizer steps in a row had a NaN or infinite gradient norm (or no loss token) than
+    ``optim.max_skipped_steps`` allows."""
 
 
 class SkippedSteps:
@@ -84,17 +85,23 @@ class SkippedSteps:
         self.what = what
         self.in_a_row = 0
 
-    def admit(self, grad_norm: float, step: int) -> bool:
-        """Whether step ``step`` may apply its gradients; raises `NonFiniteGradients` past the limit."""
-        if math.isfinite(grad_norm):
+    def admit(self, grad_norm: float, step: int, *, no_loss_tokens: bool = False) -> bool:
+        """Whether step ``step`` may apply its gradients; raises `NonFiniteGradients` past the limit. A step without a
+        loss token on any rank is skipped too: its gradient is zero, yet AdamW's moments and weight decay would still
+        move every weight on a step that held nothing to learn from."""
+        if math.isfinite(grad_norm) and not no_loss_tokens:
             self.in_a_row = 0
             return True
         self.in_a_row += 1
-        line = f"step {step}{self.what}: gradient norm is {grad_norm}"
+        if no_loss_tokens:
+            line = f"step {step}{self.what}: no loss token on any rank (every loss_mask of the step is 0)"
+            cause = "the rollouts hold nothing to train on every step"
+        else:
+            line = f"step {step}{self.what}: gradient norm is {grad_norm}"
+            cause = "the loss or the data is not finite every step, or the weights already are"
         if self.in_a_row > self.limit:
             raise NonFiniteGradients(
-                f"{line}, {self.in_a_row} steps in a row (optim.max_skipped_steps = {self.limit}): the loss or the "
-                "data is not finite every step, or the weights already are"
+                f"{line}, {self.in_a_row} steps in a row (optim.max_skipped_steps = {self.limit}): {cause}"
             )
         logger.warning("%s: optimizer step skipped, weights unchanged (%d in a row)", line, self.in_a_row)
         return False

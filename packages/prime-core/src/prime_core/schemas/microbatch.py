@@ -34,16 +34,16 @@ and whoever packs the micro-batch fills it (the orchestrator from ``Sample.extra
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from prime_core.io import UnreadableFile, atomic_path, reading
+from prime_core.io import UnreadableFile, atomic_path, open_regular, reading
 
 MICROBATCH_SCHEMA_VERSION = 1
 EXTRA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -73,16 +73,17 @@ class RolloutBatchMeta(BaseModel):
 
     schema_version: int = MICROBATCH_SCHEMA_VERSION
     """Version of this file format; readers refuse versions they do not know."""
-    step: int
+    step: int = Field(ge=0)
     """Training step these rollouts are for."""
-    rank: int
+    rank: int = Field(ge=0)
     """Trainer rank this file is for."""
-    num_micro_batches: int
+    num_micro_batches: int = Field(ge=0)
     """Number of micro-batches in the file (equal across ranks of one step)."""
-    seq_len: int
+    seq_len: int = Field(ge=1)
     """Row length in tokens."""
-    temperature: float = 1.0
-    """Sampling temperature used by inference; the trainer scales its logits by it."""
+    temperature: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    """Sampling temperature used by inference; the trainer scales its logits by it (0 would make them infinite, a
+    negative one would train toward the tokens the policy least prefers)."""
     global_loss_tokens: int = 0
     """Number of loss tokens in this step over all ranks (for global token-count normalization)."""
     global_num_samples: int = 0
@@ -243,6 +244,19 @@ def microbatch_tensors(index: int, mb: MicroBatch) -> dict[str, np.ndarray]:
     return tensors
 
 
+def microbatches_from_tensors(count: int, tensors: dict[str, np.ndarray]) -> list[MicroBatch]:
+    """The ``count`` micro-batches of a file's tensors. A tensor no micro-batch reads (a micro-batch past ``count``, a
+    field this reader does not know) is refused: it would be dropped silently, and with it rows of the step."""
+    known = set(MICROBATCH_FIELDS) | set(MULTIMODAL_FIELDS)
+    for key in sorted(tensors):
+        index, _, name = key.partition(".")
+        if not (index.isdigit() and int(index) < count and (name in known or name.startswith("extra."))):
+            raise ValueError(
+                f"tensor {key!r} is not a field of micro-batches 0..{count - 1} (meta num_micro_batches = {count})"
+            )
+    return [microbatch_from_tensors(i, tensors) for i in range(count)]
+
+
 def microbatch_from_tensors(index: int, tensors: dict[str, np.ndarray]) -> MicroBatch:
     """Inverse of ``microbatch_tensors``. Each field must have the dtype it is written with: `MicroBatch` would cast
     any other, so token ids stored as floats (1.7) or log-probs as integers would train silently as something else."""
@@ -258,6 +272,77 @@ def microbatch_from_tensors(index: int, tensors: dict[str, np.ndarray]) -> Micro
     return MicroBatch(**fields, **optional, extra=extra)
 
 
+# An inference log-prob above this (a probability past e^0.5) is not one: negated log-probs, probabilities, another
+# array. An engine rounds a near-certain token's log-prob to a hair above 0, never this far.
+MAX_INFERENCE_LOGPROB = 0.5
+
+
+def check_microbatch(mb: MicroBatch, seq_len: int, vocab_size: int | None = None) -> str | None:
+    """Why ``mb`` (of a file whose rows are ``seq_len`` long) cannot be trained on, naming the field and position, or
+    None. Each of these trained without an error before, on garbage, or crashed inside the forward (a token id past the
+    embedding is an IndexError on the CPU and a device-side assert that takes the CUDA context down on a GPU). Values
+    that are not finite are `nonfinite_fields`: the step they reach is skipped, not the run stopped."""
+    rows, width = mb.shape
+    if rows == 0:
+        return "holds no rows"
+    if width != seq_len:
+        return f"rows are {width} tokens long, the file's seq_len is {seq_len}"
+    ids = mb.input_ids
+    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        return (
+            f"holds token id {bad}, outside the model's vocabulary of {vocab_size} (rollouts of another model or "
+            "tokenizer?)"
+        )
+    if mb.image_grid_thw is not None and (mb.image_grid_thw < 1).any():
+        i = int(np.argwhere(mb.image_grid_thw < 1)[0][0])
+        return f"image_grid_thw[{i}] is {mb.image_grid_thw[i].tolist()} (an image's t, h, w patch counts are >= 1)"
+    if mb.mrope_position_ids is not None and (mb.mrope_position_ids < 0).any():
+        return "mrope_position_ids holds a negative position"
+    pos, sid = mb.position_ids, mb.sample_ids
+    if (pos < 0).any():
+        r, t = np.argwhere(pos < 0)[0]
+        return f"position_ids[{r}, {t}] is {pos[r, t]} (a position is >= 0)"
+    # A sample's positions count 0, 1, ... from its first token (where its sample id starts): the rows' packing (which
+    # tokens attend to which) and RoPE come from them, so other positions mix samples or rotate tokens wrongly.
+    start = np.ones_like(sid, dtype=np.bool_)
+    start[:, 1:] = sid[:, 1:] != sid[:, :-1]
+    expected = np.zeros_like(pos)
+    expected[:, 1:] = pos[:, :-1] + 1
+    expected[start] = 0
+    wrong = (sid >= 0) & (pos != expected)
+    if wrong.any():
+        r, t = np.argwhere(wrong)[0]
+        return (
+            f"position_ids[{r}, {t}] is {pos[r, t]}, expected {expected[r, t]} (sample {sid[r, t]}: positions count "
+            "0, 1, ... from the sample's first token)"
+        )
+    for name, bad, why in (
+        ("sample_ids", mb.loss_mask & (sid < 0), "is -1 (padding) on a loss token"),
+        ("loss_mask", mb.loss_mask & start, "is set on a sample's first token, which no earlier token predicts"),
+        (
+            "inference_logprobs",
+            mb.loss_mask & (mb.inference_logprobs > MAX_INFERENCE_LOGPROB),
+            "is above 0 (a log-prob)",
+        ),
+    ):
+        if bad.any():
+            r, t = np.argwhere(bad)[0]
+            return f"{name}[{r}, {t}] {why}" + (f": {getattr(mb, name)[r, t]}" if name == "inference_logprobs" else "")
+    return None
+
+
+def nonfinite_fields(mb: MicroBatch) -> dict[str, int]:
+    """Floating point fields of ``mb`` with NaN or infinite values on loss tokens (any of ``pixel_values``): field ->
+    how many."""
+    arrays = {"advantages": mb.advantages, "inference_logprobs": mb.inference_logprobs}
+    arrays.update({f"extra.{n}": a for n, a in mb.extra.items() if a.dtype.kind == "f"})
+    counts = {name: int((~np.isfinite(a[mb.loss_mask])).sum()) for name, a in arrays.items()}
+    if mb.pixel_values is not None:
+        counts["pixel_values"] = int((~np.isfinite(mb.pixel_values)).sum())
+    return {name: n for name, n in counts.items() if n}
+
+
 def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_batches: list[MicroBatch]) -> None:
     """Write one rank's micro-batches for one step, atomically."""
     from safetensors.numpy import save_file
@@ -271,28 +356,43 @@ def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_ba
         save_file(tensors, str(tmp), metadata={"prime": meta.model_dump_json()})
 
 
-def read_microbatch_meta(path: str | os.PathLike) -> RolloutBatchMeta:
-    from safetensors import safe_open
+def decode_microbatches(payload: bytes) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
+    """The bytes of a micro-batch file (``write_microbatches``; the zmq transport sends the same bytes)."""
+    from safetensors.numpy import load
 
-    with reading(path, "micro-batch file"):
-        with safe_open(str(path), framework="numpy") as f:
-            raw = (f.metadata() or {}).get("prime")
-        if raw is None:
-            raise UnreadableFile(f"{path}: not a prime micro-batch file (no 'prime' metadata)")
-        data = json.loads(raw)
-        version = data.get("schema_version")
-        if version != MICROBATCH_SCHEMA_VERSION:
-            raise UnreadableFile(
-                f"{path}: micro-batch schema version {version}, this reader knows {MICROBATCH_SCHEMA_VERSION}"
-            )
-        return RolloutBatchMeta.model_validate(data)
+    tensors = load(payload)  # checks the header against the data first: a header that lies is its error
+    header = json.loads(payload[8 : 8 + int.from_bytes(payload[:8], "little")])
+    raw = (header.get("__metadata__") or {}).get("prime")
+    if raw is None:
+        raise UnreadableFile("not a prime micro-batch file (no 'prime' metadata)")
+    data = json.loads(raw)
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != MICROBATCH_SCHEMA_VERSION:
+        raise UnreadableFile(f"micro-batch schema version {version}, this reader knows {MICROBATCH_SCHEMA_VERSION}")
+    try:
+        meta = RolloutBatchMeta.model_validate(data)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise UnreadableFile(f"meta field {where!r} is {error.get('input')!r}: {error['msg']}") from None
+    return meta, microbatches_from_tensors(meta.num_micro_batches, tensors)
 
 
 def read_microbatches(path: str | os.PathLike) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
-    """Read a file written by ``write_microbatches`` (numpy arrays)."""
-    from safetensors.numpy import load_file
-
-    meta = read_microbatch_meta(path)
+    """Read a file written by ``write_microbatches`` (numpy arrays). Only a regular file is opened: a FIFO left at the
+    path blocked the trainer in ``open`` for good, holding the GIL, so no watchdog thread of it ran either."""
     with reading(path, "micro-batch file"):
-        tensors = load_file(str(Path(path)))
-        return meta, [microbatch_from_tensors(i, tensors) for i in range(meta.num_micro_batches)]
+        try:
+            with open_regular(path) as f:
+                payload = f.read()
+            return decode_microbatches(payload)
+        except UnreadableFile as e:
+            raise UnreadableFile(f"{path}: {e}") from None
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            raise UnreadableFile(f"{path}: not a regular file (a micro-batch file is one)") from None
+
+
+def read_microbatch_meta(path: str | os.PathLike) -> RolloutBatchMeta:
+    return read_microbatches(path)[0]

@@ -14,7 +14,13 @@ from prime_core.config import ConfigError
 from prime_core.config.trainer import FakeDataConfig, TrainerConfig
 from prime_core.io import UnreadableFile
 from prime_core.run_dir import RunDir
-from prime_core.schemas.microbatch import MULTIMODAL_FIELDS, MicroBatch, RolloutBatchMeta
+from prime_core.schemas.microbatch import (
+    MULTIMODAL_FIELDS,
+    MicroBatch,
+    RolloutBatchMeta,
+    check_microbatch,
+    nonfinite_fields,
+)
 from prime_core.transport import make_receiver
 from prime_models.layers.attention import RowPacking, row_packing
 
@@ -121,6 +127,8 @@ class RolloutSource:
     def __init__(self, config: TrainerConfig, world: World):
         self.rank = world.rank
         self.timeout = config.data.wait_timeout_s
+        self.seq_len = config.seq_len
+        self.cp = config.model.cp
         self.transport = config.transport.type
         self._step = 0
         self.run_dir = RunDir(config.output_dir)
@@ -131,8 +139,9 @@ class RolloutSource:
         logger.info("step %d: rank %d waiting for rollouts for %.0fs", self._step, self.rank, elapsed)
 
     def get(self, step: int, vocab_size: int | None = None) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
-        """This rank's micro-batches of ``step``; with ``vocab_size``, each token id must be one of the model's (an
-        id past the embedding is an IndexError traceback on the CPU and a device-side assert on a GPU)."""
+        """This rank's micro-batches of ``step``, checked (`check_microbatch`; with ``vocab_size``, each token id must be
+        one of the model's): a batch unfit to train on stops the run in one line naming the step, file, micro-batch
+        and field."""
         self._step = step
         where = (
             f"rollouts/step_{step}/rank_{self.rank}"
@@ -151,18 +160,31 @@ class RolloutSource:
                 f"transport: {e}). Is the orchestrator running with the same --output-dir? "
                 f"Raise --data.wait-timeout-s to wait longer."
             ) from None
-        if received[0].step != step:  # a file copied or left over from another step would train as this one
+        meta, micro_batches = received
+        if (meta.step, meta.rank) != (step, self.rank):  # a file copied or left over would train as this one
             raise UnreadableFile(
-                f"step {step}: rollouts for rank {self.rank} ({where}): the file is of step {received[0].step}"
+                f"step {step}: rollouts for rank {self.rank} ({where}): the file is of "
+                + (f"step {meta.step}" if meta.step != step else f"rank {meta.rank}")
             )
-        for i, mb in enumerate(received[1]):
-            ids = mb.input_ids
-            if vocab_size is not None and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-                bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-                raise UnreadableFile(
-                    f"step {step}: rollouts for rank {self.rank} ({where}): micro-batch {i} holds token id {bad}, "
-                    f"outside the model's vocabulary of {vocab_size} (rollouts of another model or tokenizer?)"
-                )
+        if meta.seq_len > self.seq_len:  # the memory plan and the context-parallel split are this trainer's seq_len's
+            raise UnreadableFile(
+                f"step {step}: rollouts for rank {self.rank} ({where}): rows of {meta.seq_len} tokens, longer than this "
+                f"trainer's seq_len of {self.seq_len} (the orchestrator's seq_len must not exceed it)"
+            )
+        if self.cp > 1 and meta.seq_len % (2 * self.cp):  # else a ValueError traceback inside the forward
+            raise UnreadableFile(
+                f"step {step}: rollouts for rank {self.rank} ({where}): rows of {meta.seq_len} tokens do not split into "
+                f"2 * model.cp = {2 * self.cp} equal chunks (context parallelism)"
+            )
+        for i, mb in enumerate(micro_batches):
+            if (why := check_microbatch(mb, meta.seq_len, vocab_size)) is not None:
+                raise UnreadableFile(f"step {step}: rollouts for rank {self.rank} ({where}): micro-batch {i} {why}")
+            for name, count in nonfinite_fields(mb).items():
+                logger.warning(
+                    "step %d: rollouts for rank %d (%s): micro-batch %d: %s holds %d non-finite value(s) on loss "
+                    "tokens (a step whose gradient is not finite skips its optimizer step)",
+                    step, self.rank, where, i, name, count,
+                )  # fmt: skip
         self._drop_consumed(step)
         return received
 

@@ -111,7 +111,7 @@ def train_step(
 ) -> dict[str, Any]:
     """Forward/backward every micro-batch, then one optimizer step. Returns the step's metrics (global)."""
     totals, counts = forward_backward(c, objective, micro_batches, temperature)
-    grad_norm, lr = common.optimizer_step(c, step)
+    grad_norm, lr = common.optimizer_step(c, step, no_loss_tokens=counts[0] == 0)  # counts are global
     return {**step_metrics(totals, counts, grad_norm, lr), "optim/skipped": int(c.skipped_steps.in_a_row > 0)}
 
 
