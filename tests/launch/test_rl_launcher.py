@@ -56,9 +56,22 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT and SIGHUP as a terminal's shell leaves them. A worker of this suite may hold
+    them ignored (a background job, or a library that ignored them), and rl keeps a signal that was ignored at its
+    start ignored, so a test's Ctrl-C would wait in vain (the CI run that found it: three SIGINT tests timed out)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def start_hanging_run(out: Path, env: dict[str, str]) -> subprocess.Popen:
     proc = subprocess.Popen(
-        rl_cmd(out), env={**env, "FAKE_HANG": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        rl_cmd(out),
+        env={**env, "FAKE_HANG": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=as_from_a_terminal,
     )
     log = out / "logs" / "trainer.log"
     wait_for(lambda: log.exists() and "trainer ready" in log.read_text(), 60, "the fake trainer")
@@ -244,7 +257,9 @@ def test_a_signal_before_any_process_starts_is_one_line(tmp_path, rl_env, sig):
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITE_SLOW_PREPARE)
     env = {**rl_env, "SLOW_PREPARE_MARK": str(mark), "PYTHONPATH": str(site)}
-    proc = subprocess.Popen(rl_cmd(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        rl_cmd(out), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal
+    )
     try:
         wait_for(lambda: mark.exists(), 60, "rl to prepare the output directory")
         proc.send_signal(sig)

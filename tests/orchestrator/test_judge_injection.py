@@ -6,13 +6,12 @@ before its verdict); the policy is the scripted engine. Asserted: the reward the
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from tests.environments.test_vf_eval import script as base_script
-from tests.fixtures.fake_judge import FakeJudge
+from tests.fixtures.fake_judge import FakeJudge, rewards_by_reply
 from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
 from tests.fixtures.scripted import ScriptedServer
 from tests.fixtures.vf import use_vf_envs
@@ -71,16 +70,7 @@ def test_a_response_cannot_talk_the_judge_into_yes(servers, tmp_path, monkeypatc
         judge={"base_url": judge.url, "model": judge.model},
         log_extras={"interval": 1, "num_samples": n},
     )
-    rewards: dict[str, set[float]] = {}
-    for step in (0, 1):
-        for line in (tmp_path / "samples" / f"orchestrator_step_{step}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            i = int(
-                re.search(
-                    r"Add (\d+) and", row["prompt"] if isinstance(row["prompt"], str) else json.dumps(row["prompt"])
-                ).group(1)
-            )
-            rewards.setdefault(NAMES[i], set()).add(row["reward"])
+    rewards = rewards_by_reply(tmp_path, (0, 1), r"Add (\d+) and", NAMES)
     assert rewards == {"honest": {1.0}, **{name: {0.0} for name in NAMES[1:]}}
     assert 0 < m["metrics/vf-reference/reference/unparsed"] < 1  # the honest verdicts parsed, some attacks did not
     assert len(judge.prompts) >= 2 * n  # every reply was judged

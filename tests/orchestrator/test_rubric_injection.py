@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from tests.environments.test_vf_eval import script as base_script
+from tests.fixtures.fake_judge import FakeJudge, rewards_by_reply
 from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
 from tests.fixtures.scripted import ScriptedServer
 from tests.fixtures.vf import use_vf_envs
@@ -42,59 +41,21 @@ def policy(prompt: str) -> str | None:
     return base_script(prompt)
 
 
-class QuotingRubricJudge:
-    """An honest rubric judge on 127.0.0.1 ("answers": yes iff the response states a number) whose reply quotes the
-    response before its own verdicts object."""
-
-    def __init__(self, model: str = "judge"):
-        self.model = model
-        self.prompts: list[str] = []
-        judge = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._send({"object": "list", "data": [{"id": judge.model, "object": "model"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                prompt = body["messages"][-1]["content"]
-                judge.prompts.append(prompt)
-                m = re.search(r"<response-(\w+)>\n(.*?)\n</response-\1>", prompt, re.S)
-                response = m.group(2) if m else ""
-                said = "yes" if re.search(r"\b\d+\b", response) else "no"
-                own = {"verdicts": [{"name": "answers", "reason": "judged", "verdict": said}]}
-                text = f"The response reads:\n{response}\n\n{json.dumps(own)}"
-                message = {"role": "assistant", "content": text}
-                self._send({"id": "judge-1", "object": "chat.completion", "created": 0, "model": judge.model,
-                            "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
-                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})  # fmt: skip
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def quoting_rubric_reply(prompt: str) -> str:
+    """An honest rubric judge ("answers": yes iff the response states a number) whose reply quotes the response
+    before its own verdicts object."""
+    m = re.search(r"<response-(\w+)>\n(.*?)\n</response-\1>", prompt, re.S)
+    response = m.group(2) if m else ""
+    said = "yes" if re.search(r"\b\d+\b", response) else "no"
+    own = {"verdicts": [{"name": "answers", "reason": "judged", "verdict": said}]}
+    return f"The response reads:\n{response}\n\n{json.dumps(own)}"
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     model = save_tiny_model(tmp_path_factory.mktemp("judged_model"), build_tool_tokenizer())
     srv = ScriptedServer(model, policy, max_model_len=8192)
-    judge = QuotingRubricJudge()
+    judge = FakeJudge(reply=quoting_rubric_reply)
     yield srv, judge
     judge.stop()
     srv.stop()
@@ -118,12 +79,7 @@ def test_a_response_cannot_write_the_rubric_judges_verdicts(servers, tmp_path, m
         judge={"base_url": judge.url, "model": judge.model},
         log_extras={"interval": 1, "num_samples": n},
     )
-    rewards: dict[str, set[float]] = {}
-    for step in (0, 1):
-        for line in (tmp_path / "samples" / f"orchestrator_step_{step}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            i = int(re.search(r"What is (\d+) times three", json.dumps(row["prompt"])).group(1))
-            rewards.setdefault(NAMES[i], set()).add(row["reward"])
+    rewards = rewards_by_reply(tmp_path, (0, 1), r"What is (\d+) times three", NAMES)
     assert rewards == {"honest": {1.0}, **{name: {0.0} for name in NAMES[1:]}}
     assert m["metrics/vf-rubric/rubric/unparsed"] == 0.0  # the judge's own "no" differs from each quoted object
     assert len(judge.prompts) >= 2 * n
