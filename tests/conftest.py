@@ -1,5 +1,4 @@
 import os
-import signal
 
 import pytest
 
@@ -10,14 +9,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-# A suite started in the background (`cmd &` in a script) or under nohup inherits SIGINT or SIGHUP ignored, and so would
-# every process a test starts: `rl` then keeps them ignored, as a program started that way should, and the tests that
-# send it Ctrl-C would wait in vain. The processes tests start get them as from a terminal.
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="module")
