@@ -145,6 +145,18 @@ def guarded_fields(fields: dict, untrusted: Sequence[str] = ("response",)) -> di
     return out
 
 
+async def score_or_unparsed(scoring, trace, judge_name: str) -> float:
+    """The verdict ``await scoring`` gives, or 0 when the judge's reply could not be read; either way counted on the
+    trace (`record_unparsed`)."""
+    try:
+        value = await scoring
+    except UnparsedVerdict as e:
+        record_unparsed(trace, judge_name, e)
+        return 0.0
+    record_unparsed(trace, judge_name, None)
+    return value
+
+
 def record_unparsed(trace, judge_name: str, error: Exception | None) -> None:
     """Count an unparseable verdict on the trace (``<judge>/unparsed``: 1, else 0) and log it when it happened."""
     if trace is not None:

@@ -8,9 +8,8 @@ from typing import Any
 
 from prime_orchestrator.judge_guard import (
     REFERENCE_PROMPT,
-    UnparsedVerdict,
     guarded_fields,
-    record_unparsed,
+    score_or_unparsed,
     strict_choice,
 )
 from verifiers.v1.judge import JudgeResponse
@@ -27,13 +26,7 @@ class PrimeReferenceJudge(ReferenceJudge):
         return float(strict_choice(response.text, self.config.choices) == self.config.choices[0])
 
     async def score(self, task, trace) -> float:
-        try:
-            value = await super().score(task, trace)
-        except UnparsedVerdict as e:
-            record_unparsed(trace, self.reward_name, e)
-            return 0.0
-        record_unparsed(trace, self.reward_name, None)
-        return value
+        return await score_or_unparsed(super().score(task, trace), trace, self.reward_name)
 
 
 __all__ = ["PrimeReferenceJudge", "ReferenceJudgeConfig"]

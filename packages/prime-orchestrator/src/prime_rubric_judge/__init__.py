@@ -16,10 +16,9 @@ from typing import Any
 
 from prime_orchestrator.judge_guard import (
     RUBRIC_PROMPT,
-    UnparsedVerdict,
     guarded_fields,
     own_verdicts,
-    record_unparsed,
+    score_or_unparsed,
 )
 from verifiers.v1.judge import JudgeResponse, judge_response
 from verifiers.v1.judges.rubric import RubricJudge, RubricJudgeConfig
@@ -50,13 +49,7 @@ class PrimeRubricJudge(RubricJudge):
         return response if own is None else response.model_copy(update={"text": json.dumps(own)})
 
     async def score(self, task, trace) -> float:
-        try:
-            value = await super().score(task, trace)
-        except UnparsedVerdict as e:
-            record_unparsed(trace, self.reward_name, e)
-            return 0.0
-        record_unparsed(trace, self.reward_name, None)
-        return value
+        return await score_or_unparsed(super().score(task, trace), trace, self.reward_name)
 
 
 __all__ = ["PrimeRubricJudge", "RubricJudgeConfig"]
