@@ -434,6 +434,24 @@ def test_a_server_that_changes_under_the_run_stops_it_naming_the_server(before, 
     assert error == again and error.startswith(f"inference server {url} now ") and reason in error
 
 
+def test_the_orchestrator_entry_point_ends_on_a_changed_server_in_one_line(capsys, tmp_path):
+    """Before: `ServerChanged` was no fault the entry point knew, so the run ended in a traceback (seen when the poll
+    saw a restarted server before the weight relay did)."""
+    from prime_orchestrator.concurrency import ServerChanged
+    from prime_orchestrator.entrypoints.orchestrator import run
+
+    line = "inference server http://127.0.0.1:1 now serves weights step 0 after step 2 (it restarted)"
+
+    class Orch:
+        @staticmethod
+        async def run():
+            raise ServerChanged(line)
+
+    with pytest.raises(SystemExit) as exited:
+        run(Orch(), tmp_path)
+    assert exited.value.code == 1 and capsys.readouterr().err == f"error: {line}\n"
+
+
 def trickled(interval: float, count: int = 60):
     """A handler that sends a byte every ``interval`` s, ``count`` times: every read gets a byte within any read
     timeout longer than ``interval``."""

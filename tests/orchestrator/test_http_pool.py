@@ -96,3 +96,89 @@ def test_verifiers_engine_client_uses_the_pool(monkeypatch):
     assert isinstance(http._transport, Bounded) and isinstance(http._transport.inner, AiohttpTransport)
     assert http.timeout == httpx.Timeout(**config.timeout.model_dump())
     assert isinstance(engine_client(config)._transport.inner, AiohttpTransport)
+
+
+class KeepAliveServer:
+    """Raw HTTP/1.1 on 127.0.0.1 that answers ``answered`` requests on each connection (keep-alive), then closes the
+    connection as the next one arrives on it, unanswered: what a server does that closes an idle connection as the
+    client sends on it. Counts the connections it accepted."""
+
+    def __init__(self, answered: int = 10**6):
+        self.answered, self.connections = answered, 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/inference/v1/generate"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            for _ in range(self.answered):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(h.split(b":")[1]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length")
+                )
+                await reader.readexactly(length)
+                body = b'{"ok": true}'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+            await reader.read(1)  # the next request's first byte: gone without an answer
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+def test_a_request_the_server_drops_unanswered_names_the_server_not_a_timeout():
+    """Before: aiohttp's disconnect reached the OpenAI SDK as httpx's ConnectTimeout, "Request timed out."; a rollout
+    failed that way in CI when the test server closed a keep-alive connection as the next turn went out on it."""
+
+    async def main():
+        server = KeepAliveServer(answered=1)
+        url = await server.start()
+        client = pooled_client(httpx.Timeout(5.0), bounded=True)
+        try:
+            assert (await client.post(url, json={})).status_code == 200
+            with pytest.raises(httpx.TransportError) as dropped:
+                await client.post(url, json={})
+            with pytest.raises(httpx.TransportError) as refused:
+                await client.post("http://127.0.0.1:1/inference/v1/generate", json={})
+        finally:
+            await client.aclose()
+            await server.stop()
+        return url, dropped.value, refused.value
+
+    url, dropped, refused = asyncio.run(main())
+    server = url.removesuffix("/inference/v1/generate")
+    assert isinstance(dropped, httpx.RemoteProtocolError), repr(dropped)
+    assert str(dropped).startswith(f"server {server} (POST /inference/v1/generate): the connection was closed before")
+    assert isinstance(refused, httpx.ConnectError) and "cannot connect" in str(refused), repr(refused)
+
+
+def test_an_idle_connection_is_dropped_before_a_server_would_close_it(monkeypatch):
+    """uvicorn (``vllm serve``) closes an idle connection after 5 s; aiohttp kept one 15 s, so a turn sent on it
+    between the two could meet the close. Connections idle longer than ``KEEPALIVE_S`` are not reused."""
+    import prime_orchestrator.http_pool as http_pool
+
+    assert http_pool.KEEPALIVE_S < 5
+    monkeypatch.setattr(http_pool, "KEEPALIVE_S", 0.3)
+
+    async def main():
+        server = KeepAliveServer()
+        url = await server.start()
+        client = pooled_client(httpx.Timeout(5.0), bounded=True)
+        try:
+            for pause in (0.0, 0.0, 0.6, 0.0):
+                await asyncio.sleep(pause)
+                assert (await client.post(url, json={})).status_code == 200
+        finally:
+            await client.aclose()
+            await server.stop()
+        return server.connections
+
+    assert asyncio.run(main()) == 2  # reused twice, then a new one after the pause

@@ -38,6 +38,8 @@ import httpx
 from prime_core.config.orchestrator import ClientConfig
 from prime_core.schemas.health import HealthResponse, parse_health
 
+from prime_orchestrator.client import WeightUpdateError
+
 logger = logging.getLogger("prime.orchestrator.concurrency")
 
 LoadSource = Callable[[], Awaitable[list[HealthResponse | None]]]
@@ -122,9 +124,11 @@ class StalenessCap:
         return self.value
 
 
-class ServerChanged(RuntimeError):
+class ServerChanged(WeightUpdateError):
     """A server's /health says it is not the server the run loaded its weights into: another run's, or one whose
-    weight step went back (a restart or reload behind the relay's back). The message is one line naming it."""
+    weight step went back (a restart or reload behind the relay's back). The message is one line naming it; a
+    `WeightUpdateError`, so the entry point ends the run on that line (whichever of the poll and the relay's check
+    sees the server first)."""
 
 
 class HealthPoller:

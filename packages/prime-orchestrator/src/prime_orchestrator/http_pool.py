@@ -13,6 +13,11 @@ env worker's memory. A response past its request's read timeout or past ``MAX_RE
 warning names the server and the bound (the OpenAI SDK turns the error into "Request timed out." / "Connection
 error.", which name neither).
 
+An idle connection is kept `KEEPALIVE_S`, less than the servers that close theirs soonest: one the server closes as
+a request goes out on it fails that request (a POST is not retried), and the OpenAI SDK called that "Request timed
+out." (the transport maps aiohttp's disconnect to a connect timeout). A request the server drops unanswered now fails
+naming the server and what it did.
+
 A token-in answer (``/inference/v1/generate``) whose ``finish_reason`` is not ``stop``, ``length`` or ``tool_calls``
 (vLLM's ``abort``, a proxy's ``content_filter``, anything else) is answered to the caller as a 502 naming the server
 and the value: the train client maps an unknown reason to None and verifiers trained the turn as if it ended, though
@@ -42,6 +47,9 @@ logger = logging.getLogger("prime.orchestrator.http")
 MAX_RESPONSE_BYTES = 256 * 2**20
 """Largest response body read: ~15x a 128k-token completion's ``/inference/v1/generate`` answer with log-probs."""
 
+KEEPALIVE_S = 3.0
+"""How long an idle connection is kept for reuse: under the 5 s after which uvicorn (``vllm serve``, by default)
+closes one, with room for a loaded machine's late timers."""
 
 GENERATE_PATH = "/inference/v1/generate"
 FINISH_REASONS = ("stop", "length", "tool_calls")
@@ -69,6 +77,10 @@ class Bounded(httpx.AsyncBaseTransport):
                 response = await self.inner.handle_async_request(request)
         except TimeoutError:
             raise _timed_out(request, limit_s) from None
+        except httpx.ConnectTimeout as e:  # what the transport makes of every aiohttp connection error
+            if (named := _connection_error(request, e)) is None:
+                raise
+            raise named from e
         response.stream = _BoundedStream(response.stream, request, deadline, limit_s)
         # A streamed answer (server-sent events) says null in every chunk but its last: only whole answers are read.
         whole = response.headers.get("content-type", "").startswith("application/json")
@@ -134,6 +146,18 @@ def _server(request: httpx.Request) -> str:
     return f"server {request.url.scheme}://{request.url.netloc.decode()} ({request.method} {request.url.path})"
 
 
+def _connection_error(request: httpx.Request, error: httpx.ConnectTimeout) -> httpx.TransportError | None:
+    """The error the connection's failure is (None: a real connect timeout)."""
+    cause = error.__cause__
+    if isinstance(cause, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(f"{_server(request)}: cannot connect ({cause})", request=request)
+    if isinstance(cause, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        message = f"{_server(request)}: the connection was closed before an answer ({cause})"
+        logger.warning(message)
+        return httpx.RemoteProtocolError(message, request=request)
+    return None
+
+
 def _timed_out(request: httpx.Request, limit_s: float) -> httpx.ReadTimeout:
     message = f"{_server(request)}: response not complete after {limit_s:g}s (its read timeout, client.timeout)"
     logger.warning(message)
@@ -149,7 +173,9 @@ def pooled_client(
     up in a thread on every request, so it stays off without them)."""
 
     def session() -> aiohttp.ClientSession:  # built on the first request, inside the event loop that uses it
-        connector = aiohttp.TCPConnector(limit=max_connections or 0, ssl=httpx.create_ssl_context())
+        connector = aiohttp.TCPConnector(
+            limit=max_connections or 0, ssl=httpx.create_ssl_context(), keepalive_timeout=KEEPALIVE_S
+        )
         session = aiohttp.ClientSession(connector=connector, trust_env=bool(urllib.request.getproxies()))
         _keepers.add(asyncio.get_running_loop().create_task(_close_with_loop(session)))
         return session
