@@ -65,3 +65,19 @@ def test_an_orchestrator_check_that_dies_silently_is_named(tmp_path):
     spec = ProcessSpec(name="orchestrator", cmd=[sys.executable, "-c", "raise SystemExit(3)"], log_file=tmp_path / "l")
     with pytest.raises(ValueError, match=r"^orchestrator: its config check \(--dry-run\) exited with code 3 and wrote"):
         check_orchestrators([spec])
+
+
+def test_ctrl_c_during_the_checks_ends_the_dry_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """Before: a traceback from the wait on the orchestrators' checks."""
+    import prime_launch.launcher as launcher
+    from prime_launch.entrypoints.rl import main
+
+    def interrupted(specs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "check_orchestrators", interrupted)
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exited:
+        main(["@", "examples/reverse_text/rl.toml", "--output-dir", str(tmp_path / "run"), "--dry-run"])
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "rl: dry run interrupted; nothing was started\n"

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileExistsError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+        except KeyboardInterrupt:  # the checks it started are killed on the way out (dry_check)
+            print("rl: dry run interrupted; nothing was started", file=sys.stderr)
+            raise SystemExit(130) from None
 
     config = parse_cli(
         RLConfig, argv, prog="rl", description=DESCRIPTION, on_dry_run=on_dry_run, writes_output_dir=True
