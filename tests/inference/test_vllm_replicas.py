@@ -76,8 +76,9 @@ def engine_over(llms: list[StandInLLM]) -> VllmEngine:
     return engine
 
 
-async def outputs(engine: VllmEngine, request_id: str, prompt: list[int] | None = None) -> list:
-    request = EngineRequest(request_id, prompt or [1, 2], SamplingParams(max_tokens=1, logprobs=0), stream=False)
+async def outputs(engine: VllmEngine, request_id: str, prompt: list[int] | None = None, tag: str | None = None) -> list:
+    params = SamplingParams(max_tokens=1, logprobs=0)
+    request = EngineRequest(request_id, prompt or [1, 2], params, stream=False, session=tag)
     return [o async for o in engine.generate(request)]
 
 
@@ -100,6 +101,39 @@ def test_a_group_shares_an_engine_and_the_engines_stay_within_a_group():
             llm.release.set()
         await asyncio.gather(*runs)
         assert engine.llm.in_flight == [0, 0]
+
+    asyncio.run(scenario())
+
+
+def test_a_rollouts_next_turn_goes_to_the_engine_that_cached_its_history(monkeypatch):
+    """Before: each turn went where its prompt hashed, so with two engines half of a multi-turn rollout's turns
+    prefilled its whole history again on the engine whose cache did not hold it."""
+    import prime_inference.engines.vllm_replicas as replicas
+
+    async def scenario():
+        llms = [StandInLLM(10), StandInLLM(20)]
+        engine = engine_over(llms)
+        for llm in llms:
+            llm.release.set()
+        await outputs(engine, "a-turn1", prompt_of(0), tag="rollout-a")
+        await outputs(engine, "a-turn2", prompt_of(1), tag="rollout-a")  # its longer prompt hashes to engine 1
+        await outputs(engine, "b-turn1", prompt_of(1))  # untagged: where its prompt hashes
+        assert llms[0].generated == ["a-turn1", "a-turn2"] and llms[1].generated == ["b-turn1"]
+
+        llms[0].release.clear()  # engine 0 busy with 9 more than engine 1: the turn goes to the least busy
+        busy = [asyncio.create_task(outputs(engine, f"g{i}", prompt_of(0))) for i in range(9)]
+        await asyncio.sleep(0.01)
+        await outputs(engine, "a-turn3", prompt_of(0), tag="rollout-a")
+        assert llms[1].generated[-1] == "a-turn3"
+        llms[0].release.set()
+        await asyncio.gather(*busy)
+        await outputs(engine, "a-turn4", prompt_of(0), tag="rollout-a")  # and stays there: its cache is there now
+        assert llms[1].generated[-1] == "a-turn4"
+
+        monkeypatch.setattr(replicas, "SESSIONS", 2)  # the least recently served rollouts are forgotten
+        for tag in ("c", "d", "e"):
+            await outputs(engine, f"{tag}-turn1", prompt_of(1), tag=tag)
+        assert list(engine.llm._sessions) == ["d", "e"]
 
     asyncio.run(scenario())
 
@@ -202,3 +236,28 @@ def test_engines_start_in_turn_and_a_failed_start_stops_those_up():
         start_engines(3, start)
     assert started == [0, 1] and stopped == [0, 1]
     assert isinstance(start_engines(2, Up), EngineReplicas) and isinstance(start_engines(1, Up), Up)
+
+
+def test_the_generate_route_hands_the_engine_the_rollout_each_request_is_a_turn_of(model_dir):
+    import httpx
+
+    from tests.fixtures.scripted import ScriptedServer
+
+    server = ScriptedServer(model_dir, lambda text: None)
+    sessions = []
+    inner = server.engine.inner
+    generate = inner.generate
+
+    def recorded(request):
+        sessions.append(request.session)
+        return generate(request)
+
+    inner.generate = recorded
+    try:
+        for extra in ({"prime_rollout": "rollout-7"}, None):
+            sp = {"max_tokens": 2, "n": 2, "extra_args": extra}
+            r = httpx.post(f"{server.url}/inference/v1/generate", json={"token_ids": [5, 6], "sampling_params": sp})
+            assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+    assert sessions == ["rollout-7", "rollout-7", None, None]

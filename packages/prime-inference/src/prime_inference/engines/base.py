@@ -30,6 +30,9 @@ class EngineRequest:
     whole sequence in one final output (vLLM then skips a Python wake-up per token and request)."""
     lora_name: str | None = None
     """LoRA adapter serving this request (the request's ``model``); None is the base model."""
+    session: str | None = None
+    """The rollout this request is a turn of (its ``prime_rollout`` tag): an engine of several may serve its turns
+    where the previous one left its prefix cached."""
 
 
 @dataclass

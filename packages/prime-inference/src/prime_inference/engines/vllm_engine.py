@@ -344,9 +344,11 @@ class VllmEngine(Engine):
             lora = self._adapters[request.lora_name][0]
         taken, delivered = False, 0
         self._in_flight += 1
+        # Several engines: a rollout's next turn goes where its previous turn's prefix is cached.
+        route = {"session": request.session} if self.engines > 1 else {}
         try:
             async for result in refused_as_400(
-                self.llm.generate(engine_input, params, request.request_id, lora_request=lora)
+                self.llm.generate(engine_input, params, request.request_id, lora_request=lora, **route)
             ):
                 if self._unusable is not None:  # a failed load under it (in flight): closing aborts it in vLLM
                     raise RequestError(self._unusable, status_code=503)

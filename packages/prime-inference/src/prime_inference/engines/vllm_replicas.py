@@ -9,8 +9,9 @@ in use), and `EngineReplicas` stands where one ``AsyncLLM`` stood:
 
 * a request goes to the engine its prompt hashes to, so that the samples of a group share one engine's prefix cache,
   unless that engine holds `GROUP_SLACK` more of this server's requests than the least busy one, which then takes it
-  (ties in turn). Each engine has its own prefix cache: the next turn of a multi-turn rollout (another prompt) may
-  land on another engine and prefill its history again;
+  (ties in turn). Each engine has its own prefix cache, so the next turn of a multi-turn rollout (its tag,
+  ``prime_rollout``, names it) goes to the engine of its previous turn, whose cache holds its history, within the
+  same slack; the last `SESSIONS` rollouts are remembered;
 * what changes the engines' state (pauses, weight loads, LoRA adapters, cache resets) reaches every engine at once;
   a worker RPC answers with the replies of all their workers;
 * the sampled-log-prob tap is fetched from the engine that ran the request (`RoutedTap`);
@@ -23,6 +24,7 @@ rollouts use spreads over all of them.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -31,6 +33,9 @@ from prime_inference.token_logprobs import Entries, TapFetcher
 GROUP_SLACK = 8
 """How many more requests in flight than the least busy engine the engine a prompt hashes to may hold and still take
 it: a group of 8 samples of one prompt stays on one engine, and engines stay within a group of each other."""
+
+SESSIONS = 1 << 16
+"""How many rollouts' engines are remembered (the least recently served forgotten first): 64k tags of 50-odd bytes."""
 
 
 def start_engines(count: int, start: Callable[[int], Any]) -> Any:
@@ -90,6 +95,8 @@ class EngineReplicas:
         """What each engine's scheduler last said it runs (its load probe; vLLM's routes' requests too)."""
         self._next = 0
         self._owner: dict[str, int] = {}
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        """The engine of each rollout's latest turn, by rollout tag."""
         self.rounds = StepRounds(len(llms), lambda i: self.in_flight[i] > 0 or self.running[i] > 0)
 
     @property
@@ -119,19 +126,32 @@ class EngineReplicas:
     def owner(self, request_id: str) -> int | None:
         return self._owner.get(request_id)
 
-    def _pick(self, prompt: Any) -> int:
+    def _pick(self, prompt: Any, session: str | None) -> int:
         least, n = min(self.in_flight), len(self.llms)
+        home = self._sessions.get(session) if session is not None else None
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        if ids:
+        if home is None and ids:
             home = _prompt_hash(ids) % n
-            if self.in_flight[home] - least <= GROUP_SLACK:
-                return home
+        if home is not None and self.in_flight[home] - least <= GROUP_SLACK:
+            return home
         chosen = next(i for i in ((self._next + k) % n for k in range(n)) if self.in_flight[i] == least)
         self._next = (chosen + 1) % n
         return chosen
 
-    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> AsyncIterator[Any]:
-        engine = self._pick(prompt)
+    def _remember(self, session: str | None, engine: int) -> None:
+        if session is None:
+            return
+        self._sessions[session] = engine
+        self._sessions.move_to_end(session)
+        if len(self._sessions) > SESSIONS:
+            self._sessions.popitem(last=False)
+
+    async def generate(
+        self, prompt: Any, params: Any, request_id: str, session: str | None = None, **kwargs: Any
+    ) -> AsyncIterator[Any]:
+        """``session``: the rollout the request is a turn of (its tag), if any."""
+        engine = self._pick(prompt, session)
+        self._remember(session, engine)
         self._owner[request_id] = engine
         self.in_flight[engine] += 1
         try:

@@ -70,6 +70,8 @@ async def generate(request: Request) -> Any:
     rid = f"generate-tokens-{req.request_id or uuid.uuid4().hex}"
     k = req.sampling_params.logprobs
     tag = rollout_tag(req.sampling_params.extra_args)
+    for engine_request in requests:
+        engine_request.session = tag
     oldest = min_weight_step(req.sampling_params.extra_args)
     await s.weight_gate.wait(s.engine, oldest, s.config.server.weight_wait_timeout)
     on_output = _recorder(s, tag)
