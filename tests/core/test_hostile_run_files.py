@@ -64,3 +64,26 @@ def test_a_fifo_at_metrics_jsonl_stops_the_monitor_with_one_line(tmp_path):
             print(e)
     """)
     assert out == f"{path}: not a regular file (metrics are appended to one): remove it"
+
+
+def test_a_fifo_at_the_transport_secret_is_one_line(tmp_path):
+    """Before, a FIFO (its mode 0600 passes the permission check) blocked each process of the run in ``open``. (A
+    link to /dev/zero was already refused: its mode 0666 fails that check.)"""
+    from prime_core.run_dir import RunDir
+    from prime_core.transport import secret_path
+
+    path = secret_path(RunDir(tmp_path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path, 0o600)
+    out = run_bounded(f"""
+        import os
+        os.environ.pop("PRIME_TRANSPORT_SECRET", None)
+        from prime_core.config import ConfigError
+        from prime_core.run_dir import RunDir
+        from prime_core.transport import transport_secret
+        try:
+            transport_secret(RunDir({str(tmp_path)!r}))
+        except ConfigError as e:
+            print(e)
+    """)
+    assert out == f"{path}: not a regular file (a transport secret is one) (delete it)"
