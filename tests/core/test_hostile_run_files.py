@@ -87,3 +87,13 @@ def test_a_fifo_at_the_transport_secret_is_one_line(tmp_path):
             print(e)
     """)
     assert out == f"{path}: not a regular file (a transport secret is one) (delete it)"
+
+
+def test_the_model_preflight_names_a_fifo_at_config_json(tmp_path):
+    """Before, the check said the directory "holds no config.json", with one there (a FIFO, on which the launcher's
+    sizing, the orchestrator and the servers each blocked in ``open``)."""
+    from prime_core.preflight import check_model_name
+
+    os.mkfifo(tmp_path / "config.json")
+    why = check_model_name(str(tmp_path), network=False)
+    assert why == f"{str(tmp_path / 'config.json')!r} is not a regular file: not a Hugging Face model config"

@@ -48,3 +48,22 @@ def test_overwrite_replaces_a_fifo_at_metrics_jsonl(tmp_path, rl_env):
     proc = _rl(rl_cmd(out, "--overwrite"), rl_env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
     assert RunDir(out).metrics.is_file()
+
+
+def test_a_fifo_at_the_models_config_json_does_not_block_the_launcher(tmp_path):
+    """A model directory (downloaded, shared) with a FIFO under ``config.json``: the launcher's sizing read of it
+    (``host.model_config``) waited in ``open`` for good. It now reads as no config (the preflight names the file)."""
+    import sys
+    import textwrap
+
+    os.mkfifo(tmp_path / "config.json")
+    code = textwrap.dedent(f"""
+        from types import SimpleNamespace as N
+        from prime_launch.host import model_config
+        print(model_config(N(model=N(name={str(tmp_path)!r}), init=N(config_overrides={{}})), {{}}))
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("model_config was still waiting after 60 s (killed)")
+    assert proc.stdout.strip() == "None", proc.stderr[-2000:]

@@ -108,6 +108,8 @@ def check_model_name(name: str, *, network: bool = True, environ: dict[str, str]
         return f"{name!r} is a file, not a model directory (one holding config.json)"
     if (path / "config.json").is_file():
         return _bad_model_config(path / "config.json")
+    if (path / "config.json").exists():  # a FIFO or device: the launcher, trainer and servers would wait on it
+        return f"{str(path / 'config.json')!r} is not a regular file: not a Hugging Face model config"
     if path.is_dir() and not _is_model_dir(path):
         inside = sorted(p.name for p in path.iterdir() if p.is_dir() and _is_model_dir(p))
         inside.sort(key=lambda sub: sub != "model")  # examples/<task>/model before the others
