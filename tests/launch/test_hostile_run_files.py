@@ -21,8 +21,14 @@ def _rl(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
         pytest.fail("rl was still running after 120 s (killed)")
 
 
-@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
-def test_a_fifo_at_metrics_jsonl_is_refused_in_one_line_before_anything_starts(tmp_path, rl_env, resume):
+@pytest.mark.parametrize(
+    ("name", "resume"),
+    [("metrics.jsonl", False), ("metrics.jsonl", True), ("metrics.stopped.jsonl", True)],
+    ids=["fresh", "resume", "stopped_resume"],
+)
+def test_a_fifo_at_metrics_jsonl_is_refused_in_one_line_before_anything_starts(tmp_path, rl_env, name, resume):
+    """``metrics.stopped.jsonl``: ``--resume`` appends the stopped run's redone records to it (an ``open`` for writing
+    of a FIFO waits for a reader)."""
     out = tmp_path / "run"
     first = _rl(rl_cmd(out), rl_env)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr
@@ -32,8 +38,8 @@ def test_a_fifo_at_metrics_jsonl_is_refused_in_one_line_before_anything_starts(t
             path.mkdir(parents=True)
             mark_stable(path)
         mark_stable(run.checkpoint_step(2))
-    metrics = run.metrics
-    metrics.unlink()
+    metrics = run.root / name
+    metrics.unlink(missing_ok=True)
     os.mkfifo(metrics)
     proc = _rl(rl_cmd(out, *(["--resume"] if resume else [])), rl_env)
     line = f"{metrics} is not a regular file (the run appends its metrics to one): remove it, or pass --overwrite"

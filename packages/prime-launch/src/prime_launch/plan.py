@@ -56,12 +56,12 @@ def trained(run_dir: RunDir) -> bool:
 def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool) -> None:
     """Refuse an output directory holding another run that trained, unless resuming or overwriting, and one whose
     ``logs/``, ``configs/``... no run wrote (a start clears a failed start's, and ``--overwrite`` a run's)."""
-    if not overwrite and os.path.lexists(run_dir.metrics) and not run_dir.metrics.is_file():
-        # A FIFO there: the launcher's own read, and the processes' appends, would wait in open for ever.
-        raise FileExistsError(
-            f"{run_dir.metrics} is not a regular file (the run appends its metrics to one): remove it, or pass "
-            "--overwrite"
-        )
+    for metrics in (run_dir.metrics, run_dir.root / "metrics.stopped.jsonl"):
+        if not overwrite and os.path.lexists(metrics) and not metrics.is_file():
+            # A FIFO there: the launcher's own read, and the appends (the processes', --resume's), wait in open for ever.
+            raise FileExistsError(
+                f"{metrics} is not a regular file (the run appends its metrics to one): remove it, or pass --overwrite"
+            )
     if not resume and (foreign := foreign_artifacts(run_dir)):
         raise FileExistsError(
             f"output directory {run_dir.root} holds {', '.join(foreign)} that no run wrote (no configs/<process>.toml, "
