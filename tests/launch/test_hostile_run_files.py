@@ -73,3 +73,13 @@ def test_a_fifo_at_the_models_config_json_does_not_block_the_launcher(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("model_config was still waiting after 60 s (killed)")
     assert proc.stdout.strip() == "None", proc.stderr[-2000:]
+
+
+def test_a_fifo_at_the_lock_file_is_named(tmp_path):
+    """Before: ``error: File or stream is not seekable.`` (truncating the FIFO), naming no file."""
+    from prime_launch.run_lock import LOCK_NAME, lock_output_dir
+
+    os.mkfifo(tmp_path / LOCK_NAME)
+    with pytest.raises(FileExistsError) as e:
+        lock_output_dir(tmp_path)
+    assert str(e.value) == f"{tmp_path / LOCK_NAME} is not a regular file (rl's lock file is one): remove it"
