@@ -201,6 +201,23 @@ def one_line(message: str) -> str:
     return lines[0][:500] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1][-300:]}"
 
 
+def read_regular(path: str | os.PathLike, what: str, limit: int | None = None) -> bytes:
+    """The bytes of the file ``what`` (``"a progress record"``) at ``path``, opened with `open_regular`: a FIFO there
+    blocked the reader in ``open`` for good, and a link to a device fed it without end. Those, a directory, and a file
+    over ``limit`` bytes (a small record the run wrote, replaced by something else) are an `UnreadableFile` naming the
+    path; a missing file or a failing disk stays an ``OSError``."""
+    try:
+        with open_regular(path) as f:
+            data = f.read() if limit is None else f.read(limit + 1)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EISDIR):
+            raise
+        raise UnreadableFile(f"{path}: not a regular file ({what} is one)") from None
+    if limit is not None and len(data) > limit:
+        raise UnreadableFile(f"{path}: over {limit} bytes, too large for {what}") from None
+    return data
+
+
 @contextmanager
 def reading(path: str | os.PathLike, what: str) -> Iterator[None]:
     """Parse ``path`` as ``what`` inside this block: a file cut short, corrupted or of another schema becomes an

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prime_core.config.shared import MonitorConfig, WandbConfig
-from prime_core.io import open_regular, writing
+from prime_core.io import UnreadableFile, open_regular, read_regular, writing
 from prime_core.schemas.metrics import MetricsRecord
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ class JsonlMonitor:
         self.path = Path(path)
         self.process = process
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.is_file():  # a FIFO: appending would wait in open for a reader
+            raise MonitorUnavailable(f"{self.path}: not a regular file (metrics are appended to one): remove it")
         # A line a full disk cut short (this run's, or the stopped run's this one resumes) stays a torn line of its
         # own: the next record starts on a new line. Checked here and after a short write of ours, not per line:
         # the other process's append may be in flight, and a spurious empty line is harmless, a glued record not.
@@ -66,7 +68,7 @@ class JsonlMonitor:
 
 def _ends_torn(path: Path) -> bool:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             f.seek(-1, os.SEEK_END)
             return f.read(1) != b"\n"
     except OSError:  # missing or empty
@@ -197,8 +199,8 @@ def build_monitor(
 def read_metrics(path: str | Path, process: str | None = None) -> list[MetricsRecord]:
     """Read metrics.jsonl, optionally only one process's records (skips a torn or foreign line)."""
     try:
-        data = Path(path).read_bytes()
-    except OSError:
+        data = read_regular(path, "a metrics file")
+    except (OSError, UnreadableFile):  # missing, or a FIFO or device in its place: no records
         return []
     records = [r for line in data.split(b"\n") if (r := _parse(line)) is not None]
     return [r for r in records if process is None or r.process == process]

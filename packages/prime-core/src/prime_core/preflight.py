@@ -108,6 +108,8 @@ def check_model_name(name: str, *, network: bool = True, environ: dict[str, str]
         return f"{name!r} is a file, not a model directory (one holding config.json)"
     if (path / "config.json").is_file():
         return _bad_model_config(path / "config.json")
+    if (path / "config.json").exists():  # a FIFO or device: the launcher, trainer and servers would wait on it
+        return f"{str(path / 'config.json')!r} is not a regular file: not a Hugging Face model config"
     if path.is_dir() and not _is_model_dir(path):
         inside = sorted(p.name for p in path.iterdir() if p.is_dir() and _is_model_dir(p))
         inside.sort(key=lambda sub: sub != "model")  # examples/<task>/model before the others
@@ -296,16 +298,16 @@ def lora_difference(saved: dict[str, Any] | None, lora: Any) -> str | None:
 def check_resume_step(output_dir: Path, step: int, process: str = "trainer", lora: Any = None) -> str | None:
     """Why ``process`` (``trainer`` or ``sft``) with ``model.lora`` = ``lora`` cannot resume from checkpoint ``step``
     of ``output_dir``, or None."""
-    from prime_core.io import is_stable
+    from prime_core.io import UnreadableFile, is_stable, read_regular
     from prime_core.run_dir import RunDir
 
     run_dir = RunDir(output_dir)
     path = run_dir.trainer_checkpoint(step)
     if is_stable(path):
         try:  # checkpoints saved before the process (or LoRA) was recorded name none
-            progress = json.loads((path / "progress.json").read_text())
+            progress = json.loads(read_regular(path / "progress.json", "a progress record"))
             saved = progress.get("process", process)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, UnreadableFile):
             return None  # an unreadable progress file is the trainer's to name, with the checkpoint to use instead
         if saved != process:
             return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import Sequence
@@ -148,10 +149,10 @@ def clear_run(run_dir: RunDir) -> None:
     """Delete the artifacts of a previous run (only the names a run writes; nothing else in the directory)."""
     for name in RUN_ARTIFACTS:
         path = run_dir.root / name
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
+        elif os.path.lexists(path):  # a file, a link, or a FIFO left under the name (a run would wait on it)
+            path.unlink()
 
 
 def trainer_outputs(run_dir: RunDir) -> str | None:

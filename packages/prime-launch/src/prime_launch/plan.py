@@ -4,8 +4,11 @@ worked out by ``prime_launch.resolver``."""
 
 from __future__ import annotations
 
+import io
+import os
 import shlex
 
+from prime_core.io import open_regular
 from prime_core.run_dir import DRY_RUN_MARKER, RUN_ARTIFACTS, RunDir, foreign_artifacts
 
 from prime_launch.cpu_threads import THREAD_ENV_VARS
@@ -44,7 +47,7 @@ def trained(run_dir: RunDir) -> bool:
     if run_dir.weights.is_dir() and any(p.name != "step_0" for p in run_dir.weights.iterdir()):
         return True
     try:
-        with open(run_dir.metrics, encoding="utf-8", errors="replace") as f:
+        with io.TextIOWrapper(open_regular(run_dir.metrics), encoding="utf-8", errors="replace") as f:
             return any(line.strip() for line in f)
     except OSError:
         return False
@@ -53,6 +56,12 @@ def trained(run_dir: RunDir) -> bool:
 def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool) -> None:
     """Refuse an output directory holding another run that trained, unless resuming or overwriting, and one whose
     ``logs/``, ``configs/``... no run wrote (a start clears a failed start's, and ``--overwrite`` a run's)."""
+    for metrics in (run_dir.metrics, run_dir.root / "metrics.stopped.jsonl"):
+        if not overwrite and os.path.lexists(metrics) and not metrics.is_file():
+            # A FIFO there: the launcher's own read, and the appends (the processes', --resume's), wait in open for ever.
+            raise FileExistsError(
+                f"{metrics} is not a regular file (the run appends its metrics to one): remove it, or pass --overwrite"
+            )
     if not resume and (foreign := foreign_artifacts(run_dir)):
         raise FileExistsError(
             f"output directory {run_dir.root} holds {', '.join(foreign)} that no run wrote (no configs/<process>.toml, "

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from prime_core.io import atomic_write_bytes, remove_published
+from prime_core.io import atomic_write_bytes, read_regular, remove_published
 from prime_core.run_dir import RunDir
 from prime_core.schemas.metrics import MetricsRecord
 
@@ -82,7 +82,7 @@ def _set_metrics_aside(run_dir: RunDir, step: int) -> str | None:
     for other rollouts) and lines a kill cut short out of ``metrics.jsonl``, appended to ``metrics.stopped.jsonl``:
     every step is in ``metrics.jsonl`` once, and nothing is lost."""
     try:
-        data = run_dir.metrics.read_bytes()
+        data = read_regular(run_dir.metrics, "a metrics file")
     except FileNotFoundError:
         return None
     keep, aside = [], []

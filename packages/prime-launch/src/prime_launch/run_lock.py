@@ -38,6 +38,8 @@ def lock_output_dir(root: Path) -> IO[str] | None:
     (the launch goes on unguarded)."""
     root.mkdir(parents=True, exist_ok=True)
     # Held past this call; opened close-on-exec, so the children never hold it.
+    if (root / LOCK_NAME).exists() and not (root / LOCK_NAME).is_file():  # a FIFO: open said only "not seekable"
+        raise FileExistsError(f"{root / LOCK_NAME} is not a regular file (rl's lock file is one): remove it")
     f = open(root / LOCK_NAME, "a+", encoding="utf-8")  # noqa: SIM115
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from prime_core import progress
 from prime_core.config.orchestrator import EnvConfig, OrchestratorConfig
-from prime_core.io import atomic_dir, atomic_write_json, is_stable, reading, writing
+from prime_core.io import UnreadableFile, atomic_dir, atomic_write_json, is_stable, reading, writing
 from prime_core.monitor import build_monitor
 from prime_core.run_dir import RunDir
 from prime_core.transport import make_sender
@@ -175,8 +175,8 @@ class Orchestrator:
 
     def _load_checkpoint(self, step: int) -> None:
         path = self.run_dir.orchestrator_checkpoint(step) / "progress.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no orchestrator checkpoint at {path}")
+        if not path.is_file():  # missing, or a FIFO: one line (exit 1), not a FileNotFoundError traceback
+            raise UnreadableFile(f"{path}: {'not a regular file' if path.exists() else 'missing'} (a checkpoint's)")
         with reading(path, "orchestrator checkpoint"):
             state = json.loads(path.read_text())
             step, cursors = int(state["step"]), {k: int(v) for k, v in state["cursors"].items() if k in self.cursors}

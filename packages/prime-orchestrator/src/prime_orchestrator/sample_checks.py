@@ -16,6 +16,7 @@ import json
 import math
 from pathlib import Path
 
+from prime_core.io import read_regular
 from prime_core.schemas.rollout import RolloutResult
 
 # A real log-softmax is <= 0; float32 rounding of a near-certain token can land a hair above it.
@@ -27,8 +28,8 @@ def vocab_size(model_dir: str) -> int | None:
     is not a local directory (a hub id: the server's tokenizer is all there is to go by)."""
     path = Path(model_dir) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
+        cfg = json.loads(read_regular(path, "a model config"))  # a FIFO there blocked the orchestrator in open
+    except (OSError, ValueError):  # UnreadableFile (a FIFO, a device) is a ValueError
         return None
     size = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
     return size if isinstance(size, int) and size > 0 else None

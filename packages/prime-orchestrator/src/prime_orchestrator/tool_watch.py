@@ -16,6 +16,8 @@ import contextlib
 import time
 from pathlib import Path
 
+from prime_core.io import read_regular
+
 from prime_orchestrator.proc_tree import command
 
 
@@ -32,7 +34,8 @@ def _port(env: dict[str, str]) -> int | None:
     if env.get("MCP_PORT", "").isdigit():
         return int(env["MCP_PORT"])
     with contextlib.suppress(OSError, ValueError):
-        return int(Path(env["MCP_PORT_FILE"]).read_text().strip())
+        # Only a small regular file: a FIFO under the name blocked the orchestrator's watch in open for good.
+        return int(read_regular(env["MCP_PORT_FILE"], "a port file", limit=64).strip())
     return None
 
 

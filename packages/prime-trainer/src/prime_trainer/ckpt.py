@@ -33,6 +33,7 @@ from prime_core.io import (
     first_line,
     is_stable,
     mark_stable,
+    read_regular,
     remove_published,
     storage_error,
     writing,
@@ -187,7 +188,7 @@ class CheckpointManager:
             have = ", ".join(map(str, self.saved_steps())) or "none"
             raise ValueError(f"no complete trainer checkpoint at {path} (complete checkpoints: {have})")
         with self._unreadable(step, path, PROGRESS_FILE):
-            progress = json.loads((path / PROGRESS_FILE).read_text())
+            progress = json.loads(read_regular(path / PROGRESS_FILE, "a progress record"))
             progress["step"], progress["world_size"] = int(progress["step"]), int(progress["world_size"])
             # A directory renamed or copied over another step's: resuming would train from a step no process expects.
             if progress["step"] != step:

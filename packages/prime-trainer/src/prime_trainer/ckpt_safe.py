@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
+from prime_core.io import open_regular
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -59,7 +60,8 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
+        # Only a regular file: a FIFO under the index's name blocked every rank in open for good.
+        with open_regular(path) as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not a checkpoint index")

@@ -62,6 +62,9 @@ def load_rows(path: str, split: str = "train") -> Rows:
         skipped = sorted(f.name for f in p.iterdir() if f.is_file() and f not in files and not f.name.startswith("."))
         if skipped:
             logger.warning("%s: reading %d data files; skipping %s", path, len(files), ", ".join(skipped[:5]))
+    for f in files:  # a FIFO blocked the trainer in open for good, a link to a device was read without end
+        if not f.is_file():
+            raise ConfigError(f"{f}: not a regular file (a data file is one)")
     rows = Rows()
     for f in files:
         start = len(rows)

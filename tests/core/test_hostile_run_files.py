@@ -1,0 +1,99 @@
+"""Small files of a run that another process, an earlier run or a user can replace with something that is not a
+file: a FIFO (``open`` for reading waits for a writer that never comes), a link to a device (read without end). The
+reader must answer at once, one line naming the path, never wait. Each reader runs in a subprocess: the bound is the
+test's, so a hang shows as a failure instead of stopping the suite."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from prime_core import io
+from prime_core.io import UnreadableFile
+
+
+def run_bounded(code: str) -> str:
+    """stdout of ``code`` run by a fresh interpreter, which must end by itself."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the reader was still waiting after 120 s (killed)")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_read_regular_names_what_is_there_instead(tmp_path, kind):
+    path = tmp_path / "progress.json"
+    {"fifo": os.mkfifo, "device": lambda p: p.symlink_to("/dev/zero"), "directory": os.mkdir}[kind](path)
+    with pytest.raises(UnreadableFile, match=rf"^{path}: not a regular file \(a progress record is one\)$"):
+        io.read_regular(path, "a progress record", limit=1 << 20)
+
+
+def test_read_regular_refuses_a_file_over_its_bound_without_reading_it_whole(tmp_path):
+    path = tmp_path / "progress.json"
+    with open(path, "wb") as f:
+        f.truncate(1 << 30)  # sparse: a 1 GiB record costs nothing to make
+    with pytest.raises(UnreadableFile, match=rf"^{path}: over 1048576 bytes, too large for a progress record$"):
+        io.read_regular(path, "a progress record", limit=1 << 20)
+
+
+def test_a_fifo_at_metrics_jsonl_reads_as_no_records(tmp_path):
+    """Before, ``read_metrics`` (the launcher's summary and report) waited in ``open`` for good."""
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    out = run_bounded(f"""
+        from prime_core.monitor import read_metrics
+        print(read_metrics({str(tmp_path / "metrics.jsonl")!r}))
+    """)
+    assert out == "[]"
+
+
+def test_a_fifo_at_metrics_jsonl_stops_the_monitor_with_one_line(tmp_path):
+    """Before, the trainer and the orchestrator hung creating their metrics sink (``open`` of the FIFO, to see whether
+    its last line was torn); the error is a `MonitorUnavailable`, which both print as one line, exit 1."""
+    path = tmp_path / "metrics.jsonl"
+    os.mkfifo(path)
+    out = run_bounded(f"""
+        from prime_core.monitor import JsonlMonitor, MonitorUnavailable
+        try:
+            JsonlMonitor({str(path)!r}, "trainer")
+        except MonitorUnavailable as e:
+            print(e)
+    """)
+    assert out == f"{path}: not a regular file (metrics are appended to one): remove it"
+
+
+def test_a_fifo_at_the_transport_secret_is_one_line(tmp_path):
+    """Before, a FIFO (its mode 0600 passes the permission check) blocked each process of the run in ``open``. (A
+    link to /dev/zero was already refused: its mode 0666 fails that check.)"""
+    from prime_core.run_dir import RunDir
+    from prime_core.transport import secret_path
+
+    path = secret_path(RunDir(tmp_path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path, 0o600)
+    out = run_bounded(f"""
+        import os
+        os.environ.pop("PRIME_TRANSPORT_SECRET", None)
+        from prime_core.config import ConfigError
+        from prime_core.run_dir import RunDir
+        from prime_core.transport import transport_secret
+        try:
+            transport_secret(RunDir({str(tmp_path)!r}))
+        except ConfigError as e:
+            print(e)
+    """)
+    assert out == f"{path}: not a regular file (a transport secret is one) (delete it)"
+
+
+def test_the_model_preflight_names_a_fifo_at_config_json(tmp_path):
+    """Before, the check said the directory "holds no config.json", with one there (a FIFO, on which the launcher's
+    sizing, the orchestrator and the servers each blocked in ``open``)."""
+    from prime_core.preflight import check_model_name
+
+    os.mkfifo(tmp_path / "config.json")
+    why = check_model_name(str(tmp_path), network=False)
+    assert why == f"{str(tmp_path / 'config.json')!r} is not a regular file: not a Hugging Face model config"
