@@ -88,13 +88,19 @@ def test_a_run_directory_deleted_or_moved_under_the_run_stops_it_with_one_line(t
     wait_for(lambda: log.exists() and "trainer ready" in log.read_text() and len(pids_of(out)) == 3, 60, "the fakes")
     pids = pids_of(out)
     try:
+        # The processes go on writing their files meanwhile: rmtree can meet one made after it listed a directory.
         if how == "deleted":
-            shutil.rmtree(out)
+            wait_for(lambda: shutil.rmtree(out, ignore_errors=True) or not out.exists(), 30, "the directory gone")
         elif how == "moved":
             out.rename(tmp_path / "elsewhere")
         else:
             for child in out.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
+                if child.is_dir():
+                    wait_for(
+                        lambda c=child: shutil.rmtree(c, ignore_errors=True) or not c.exists(), 30, f"{child} gone"
+                    )
+                else:
+                    child.unlink(missing_ok=True)
         _, err = first.communicate(timeout=60)
     finally:
         if first.poll() is None:
