@@ -148,7 +148,9 @@ def test_smoke_runs_the_benchmark_on_cpu(tmp_path):
         new = report["results"][f"continuous_k{k}"]
         assert "skipped" in new or (new["returncode"] == 0 and new["rollout_tokens_per_s"] > 0)
         assert "skipped" in new or len(new["steps_table"]) == 5
-    assert report["verdict"]["best_fixed_arm"] == "fixed_8" and report["device"].startswith("cpu")
+    # Which fixed arm is faster on a loaded CPU is a measurement, not this test's to assert: only that one is named.
+    best = report["verdict"]["best_fixed_arm"]
+    assert best.startswith("fixed_") and best in report["results"] and report["device"].startswith("cpu")
 
 
 def test_the_continuous_model_runs_the_real_scheduler_to_the_end():
