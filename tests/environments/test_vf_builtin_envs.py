@@ -8,10 +8,12 @@ known; what the authors meant each env to do is checked on the host side:
 - best-of-n: ``n`` attempts per episode, each scored by the task and trained; ``best`` and ``pass_at_n`` (against
   the env's ``threshold``) compare the siblings.
 - single-agent: named explicitly, the same as the taskset's default.
+- isolated-verifier: the solver plays in a ``sandbox_pool`` runtime; the task's reward runs in a fresh one.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 
@@ -36,6 +38,8 @@ def script(prompt: str) -> str | None:
             return USER_SIM_DONE
         word = re.search(r"Repeat the word (\w+)\.", prompt).group(1)
         return f"Please say {word} for me."
+    if m := re.search(r"Write (\d+) into answer.txt with one shell line\.", last_user):  # vf-isolated
+        return f"echo {m.group(1)} > answer.txt"
     if m := re.search(r"Please say (\w+) for me\.", last_user):  # the assistant, told by the user
         return f"<answer>{m.group(1)}</answer>"
     if m := re.search(r"Repeat the word (\w+)\.", last_user):  # vf-single-turn played directly
@@ -90,3 +94,18 @@ def test_single_agent_named_is_the_plain_run(server, tmp_path, monkeypatch):
     use_vf_envs(monkeypatch)
     summary, rows = our_eval(tmp_path, server, {"id": "vf-single-turn", "env_id": "single-agent", "harness": "null"})
     assert summary["reward/mean"] == 1.0 and [r["traces"] for r in rows] == [[["agent", 1.0]]] * 4
+
+
+def test_isolated_verifier_scores_in_a_fresh_sandbox_pool_runtime(server, tmp_path, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox pool needs root")
+    use_vf_envs(monkeypatch)
+    # Both runtimes named only under env_args, as a verifiers user writes them: the solver's seat (the in-process
+    # chat loop: the pool has no network for a harness program) and the verifier's fresh one.
+    pool = {"runtime": {"type": "sandbox_pool"}}
+    env = {"id": "vf-isolated", "env_id": "isolated-verifier", "harness": "prime-chat",
+           "env_args": {"agent": pool, "verifier": pool}}  # fmt: skip
+    summary, rows = our_eval(tmp_path, server, env)
+    assert [r["traces"] for r in rows] == [[["agent", 1.0]]] * 4  # the reply ran in the verifier's runtime
+    m = orchestrate(tmp_path / "run", server.config.model.name, server.url, env)
+    assert m["reward/mean"] == 1.0 and m["samples/trained"] == 4
