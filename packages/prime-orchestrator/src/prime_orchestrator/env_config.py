@@ -11,12 +11,11 @@ saves a Python process per turn and never fetches the program's dependencies.
 from __future__ import annotations
 
 import copy
-import importlib
 from typing import Any
 
 from prime_core.config.orchestrator import EnvConfig
 
-from prime_orchestrator.env_server import PROJECT_RUNTIMES
+from prime_orchestrator.env_server import register_project_runtimes
 from prime_orchestrator.judges import JudgeEndpoint, env_judges, harden_judges, point_judges
 
 CHAT_HARNESS = "prime-chat"
@@ -61,8 +60,9 @@ def env_config_data(env: EnvConfig, judge: JudgeEndpoint | None = None) -> dict[
     """The verifiers EnvConfig (as JSON data) of one environment; ``env_args`` holds other EnvConfig fields and
     per-seat tables that win over the settings above; ``judge`` is where every judge of it is pointed. verifiers'
     built-in judges are played by prime's hardened plugins (``judges.harden_judges``)."""
-    if module := PROJECT_RUNTIMES.get(env.runtime):
-        importlib.import_module(module)
+    # A project runtime may be named anywhere in the config (a seat's, an isolated verifier's under ``env_args``):
+    # verifiers validates every runtime field against its union, which knows the type only once registered.
+    register_project_runtimes([{"runtime": {"type": env.runtime}}, env.env_args, env.args])
     from verifiers.v1.configs.agent import agent_config_fields
 
     data: dict[str, Any] = {**env.env_args, "id": env.env_id, "taskset": {"id": env.id, **env.args}}

@@ -117,6 +117,9 @@ class SandboxPoolRuntimeConfig(BaseConfig):
     """Environment variable holding the nodes' bearer token."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Limits of each command run in the runtime."""
+    workdir: Literal["/work"] = "/work"
+    """The folder commands run in: the leased workspace, always ``/work``. verifiers reads it as every container
+    runtime's (its ``isolated-verifier`` places relative artifacts there)."""
 
     def client_config(self) -> SandboxClientConfig:
         return SandboxClientConfig(urls=self.urls, api_key_var=self.api_key_var)
@@ -253,24 +256,30 @@ def _rebuild_order(models: list[type[BaseModel]], changed: list[type[BaseModel]]
 
 
 def install() -> None:
-    """Make ``sandbox_pool`` a verifiers runtime type (idempotent)."""
+    """Make ``sandbox_pool`` a verifiers runtime type (idempotent): its config in verifiers' ``RuntimeConfig`` union
+    and its info in ``RuntimeInfo`` (what a trace records of the runtime a seat ran in, parsed back on the host)."""
     old = vr.RuntimeConfig
     members = typing.get_args(typing.get_args(old)[0])
     if SandboxPoolRuntimeConfig in members:
         return
-    new = Annotated[typing.Union[(*members, SandboxPoolRuntimeConfig)], Field(discriminator="type")]  # noqa: UP007
     original_cls = vr._runtime_cls
     vr._runtime_cls = lambda config: SandboxPoolRuntime if config.type == TYPE else original_cls(config)
-    vr.RuntimeConfig = new
+    swaps = []
+    for name, ours in (("RuntimeConfig", SandboxPoolRuntimeConfig), ("RuntimeInfo", SandboxPoolRuntimeInfo)):
+        members = typing.get_args(typing.get_args(getattr(vr, name))[0])
+        new = Annotated[typing.Union[(*members, ours)], Field(discriminator="type")]  # noqa: UP007
+        setattr(vr, name, new)
+        swaps.append((members, new))
     models = list(dict.fromkeys(m for m in _all_models(BaseModel) if m.__module__.startswith("verifiers.")))
     changed = []
     for model in models:
         for field in model.model_fields.values():
-            swapped = _swap(field.annotation, members, new)
-            if swapped is not None:
-                field.annotation = swapped
-                field.discriminator = None  # the new union carries it
-                changed.append(model)
+            for members, new in swaps:
+                swapped = _swap(field.annotation, members, new)
+                if swapped is not None:
+                    field.annotation = swapped
+                    field.discriminator = None  # the new union carries it
+                    changed.append(model)
     for model in _rebuild_order(models, list(dict.fromkeys(changed))):
         model.model_rebuild(force=True)
 
