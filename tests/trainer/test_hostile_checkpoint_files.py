@@ -9,13 +9,10 @@ import signal
 from contextlib import contextmanager
 
 import pytest
-import torch
-from prime_core.config.shared import CheckpointConfig
 from prime_core.io import UnreadableFile
 from prime_core.preflight import check_resume_step
-from prime_core.run_dir import RunDir
-from prime_trainer.ckpt import CheckpointManager
-from prime_trainer.world import World
+
+from tests.trainer.test_hostile_checkpoint import _manager, _model
 
 
 class StillWaiting(Exception):
@@ -38,19 +35,9 @@ def bounded(seconds: int = 60):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _model():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
-    optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 16)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 @pytest.fixture
 def saved(tmp_path, one_rank_group):
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    manager = CheckpointManager(CheckpointConfig(interval=1), RunDir(tmp_path / "run"), world)
+    manager = _manager(tmp_path / "run")
     manager.save(1, *_model(), {"data_step": 1})
     return manager, manager.run_dir.trainer_checkpoint(1)
 
