@@ -182,3 +182,49 @@ def test_an_idle_connection_is_dropped_before_a_server_would_close_it(monkeypatc
         return server.connections
 
     assert asyncio.run(main()) == 2  # reused twice, then a new one after the pause
+
+
+BROKEN_ANSWERS = {
+    # Content-Length promises 100 bytes; 7 come, then the connection closes.
+    "cut_body": b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"a": 1',
+    "cut_chunk": b'HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"a":\r\n',
+    "not_http": b"HELLO THERE\r\n\r\n",
+    "header_over_8k": b"HTTP/1.1 200 OK\r\nX-A: " + b"a" * 20000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+}
+
+
+@pytest.mark.parametrize("answer", sorted(BROKEN_ANSWERS))
+def test_an_answer_cut_short_or_not_http_names_the_server_in_one_line(answer, caplog):
+    """Before: a body cut short reached the caller as httpx's ReadError 'Response payload is not completed: ...' and
+    an answer aiohttp cannot parse as aiohttp's own ClientResponseError (not an httpx error at all); the OpenAI SDK
+    turns both into "Connection error.", and nothing named the server."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(h.split(b":")[1]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(BROKEN_ANSWERS[answer])
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = pooled_client(httpx.Timeout(5.0), bounded=True)
+        errors = []
+        try:
+            for path in ("/inference/v1/generate", "/v1/chat/completions"):  # read whole here / by the caller
+                with pytest.raises(httpx.TransportError) as failed:
+                    await (await client.post(base + path, json={})).aread()
+                errors.append((path, failed.value))
+        finally:
+            await client.aclose()
+            server.close()
+        return base, errors
+
+    with caplog.at_level(logging.WARNING, logger="prime.orchestrator.http"):
+        base, errors = asyncio.run(main())
+    for path, error in errors:
+        assert isinstance(error, httpx.RemoteProtocolError), repr(error)  # neither a timeout nor a raw aiohttp error
+        assert str(error).startswith(f"server {base} (POST {path}): ") and "\n" not in str(error)
+        assert str(error) in caplog.text

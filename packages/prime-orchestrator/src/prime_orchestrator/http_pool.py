@@ -16,7 +16,8 @@ error.", which name neither).
 An idle connection is kept `KEEPALIVE_S`, less than the servers that close theirs soonest: one the server closes as
 a request goes out on it fails that request (a POST is not retried), and the OpenAI SDK called that "Request timed
 out." (the transport maps aiohttp's disconnect to a connect timeout). A request the server drops unanswered now fails
-naming the server and what it did.
+naming the server and what it did, as does an answer cut short or reset part-way, or not HTTP at all (the OpenAI SDK
+says "Connection error." for each, naming neither). A POST is never sent again: the server may have run it.
 
 A token-in answer (``/inference/v1/generate``) whose ``finish_reason`` is not ``stop``, ``length`` or ``tool_calls``
 (vLLM's ``abort``, a proxy's ``content_filter``, anything else) is answered to the caller as a 502 naming the server
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
+from prime_core.io import one_line
 
 if TYPE_CHECKING:
     from verifiers.v1.configs.client import BaseClientConfig
@@ -81,6 +83,8 @@ class Bounded(httpx.AsyncBaseTransport):
             if (named := _connection_error(request, e)) is None:
                 raise
             raise named from e
+        except aiohttp.ClientResponseError as e:  # an answer aiohttp cannot parse, which the transport passes raw
+            raise _broken(request, f"answered what is not HTTP/1.1 ({e.message})") from e
         response.stream = _BoundedStream(response.stream, request, deadline, limit_s)
         # A streamed answer (server-sent events) says null in every chunk but its last: only whole answers are read.
         whole = response.headers.get("content-type", "").startswith("application/json")
@@ -112,6 +116,8 @@ class _BoundedStream(httpx.AsyncByteStream):
                 return
             except TimeoutError:
                 raise _timed_out(self.request, self.limit_s) from None
+            except (httpx.ReadError, httpx.ConnectTimeout) as e:  # the transport's names for a cut or reset body
+                raise _broken(self.request, f"the answer was cut after {size} bytes of its body ({e})") from e
             size += len(chunk)
             if size > MAX_RESPONSE_BYTES:
                 message = f"{_server(self.request)}: response larger than {MAX_RESPONSE_BYTES} bytes; cut"
@@ -156,6 +162,13 @@ def _connection_error(request: httpx.Request, error: httpx.ConnectTimeout) -> ht
         logger.warning(message)
         return httpx.RemoteProtocolError(message, request=request)
     return None
+
+
+def _broken(request: httpx.Request, what: str) -> httpx.RemoteProtocolError:
+    """The server broke off or garbled its answer: one line naming it (the OpenAI SDK's own is "Connection error.")."""
+    message = f"{_server(request)}: {one_line(what)}"
+    logger.warning(message)
+    return httpx.RemoteProtocolError(message, request=request)
 
 
 def _timed_out(request: httpx.Request, limit_s: float) -> httpx.ReadTimeout:
