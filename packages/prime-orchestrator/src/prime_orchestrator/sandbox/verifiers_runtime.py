@@ -15,6 +15,7 @@ import base64
 import logging
 import types
 import typing
+from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
 import verifiers.v1.runtimes as vr
@@ -28,6 +29,7 @@ from prime_orchestrator.sandbox.client import SandboxClient, get_client
 from prime_orchestrator.sandbox.schemas import ExecRequest
 
 TYPE = "sandbox_pool"
+WORKDIR = "/work"
 logger = logging.getLogger(__name__)
 # ``read`` and ``write`` meet whatever the code left in its workspace. What the code can leave at a path (a FIFO,
 # a socket, a device or a symlink to one, a loop, a directory, a file or folder it chmod-ed to 000) must not turn
@@ -117,9 +119,10 @@ class SandboxPoolRuntimeConfig(BaseConfig):
     """Environment variable holding the nodes' bearer token."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Limits of each command run in the runtime."""
-    workdir: Literal["/work"] = "/work"
+    workdir: Literal["/work"] = WORKDIR
     """The folder commands run in: the leased workspace, always ``/work``. verifiers reads it as every container
-    runtime's (its ``isolated-verifier`` places relative artifacts there)."""
+    runtime's (its ``isolated-verifier`` places relative artifacts there). A task that names another ``workdir`` (or
+    an ``image``) is refused in one line when its runtime is made."""
 
     def client_config(self) -> SandboxClientConfig:
         return SandboxClientConfig(urls=self.urls, api_key_var=self.api_key_var)
@@ -134,8 +137,9 @@ class SandboxPoolRuntime(Runtime):
 
     def __init__(self, config: SandboxPoolRuntimeConfig, name: str | None = None) -> None:
         super().__init__(name)
+        _check_task_placement(config)
         self.config = config
-        self.info = SandboxPoolRuntimeInfo(**config.model_dump())
+        self.info = SandboxPoolRuntimeInfo(**{**config.model_dump(), "workdir": WORKDIR})  # "/work/" is /work
         self._client: SandboxClient | None = None
         self.workspace: str | None = None
 
@@ -210,6 +214,27 @@ class SandboxPoolRuntime(Runtime):
         if self._client is not None and self.workspace is not None:
             self._client.call(self._client._close_workspace(self.workspace)).result(timeout=30)
             self.workspace = None
+
+
+def _check_task_placement(config: SandboxPoolRuntimeConfig) -> None:
+    """Refuse, in one line, a task this runtime would run elsewhere than it asks. verifiers puts a task's ``workdir``
+    and ``image`` into the runtime config without validating it (``resolve_runtime_config``'s ``model_copy``): a
+    ``workdir`` other than /work failed as a 4-line pydantic error naming neither the task nor the way out, and an
+    ``image`` was dropped, so its commands ran without the image's files and scored as if the policy had failed.
+    verifiers refuses an image on its subprocess runtime the same way."""
+    workdir = PurePosixPath(str(config.workdir))
+    if workdir != PurePosixPath(WORKDIR):
+        raise ValueError(
+            f"the task's workdir {str(workdir)!r} cannot be served by the sandbox_pool runtime, whose commands all run "
+            f"in {WORKDIR} (its leased workspace): place the task's files under {WORKDIR}, or use the docker or prime "
+            "runtime"
+        )
+    image = getattr(config, "image", None)
+    if image is not None:
+        raise ValueError(
+            f"the task requires image {image!r}, but the sandbox_pool runtime has no container (its commands see the "
+            "host's /usr and python3); use the docker or prime runtime"
+        )
 
 
 def _swap(annotation, members: tuple, new):
