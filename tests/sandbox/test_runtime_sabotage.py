@@ -194,3 +194,16 @@ def test_a_nul_byte_in_a_command_is_an_error_the_tool_call_names():
 
     results = asyncio.run(_in_workspace("true", check))
     assert [(r.exit_code, "NUL byte" in r.stderr) for r in results] == [(1, True), (1, True)], results
+
+
+def test_a_write_outside_the_workspace_fails_in_one_line():
+    """Before: SandboxError("write '/etc/evil': " + the last 500 characters of the write program's traceback)."""
+
+    async def harness(runtime):
+        with pytest.raises(SandboxError) as outside:
+            await runtime.write("/etc/evil", b"x")
+        return str(outside.value)
+
+    error = asyncio.run(_in_workspace("true", harness))
+    assert "\n" not in error and "Traceback" not in error and "File " not in error
+    assert error.startswith("write '/etc/evil': ") and "Read-only file system" in error

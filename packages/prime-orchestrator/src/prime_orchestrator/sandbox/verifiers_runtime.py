@@ -105,9 +105,10 @@ def write():
 try:
     write()
 except OSError as e:
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        raise
-    sys.exit(f"workspace full: {e.strerror}")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        sys.exit(f"workspace full: {e.strerror}")
+    # One line, not a traceback: a path outside the workspace (the rest of the box is read-only) lands here.
+    sys.exit(f"{e.strerror} at {e.filename or path} (only /work and /tmp are writable)")
 """
 
 
