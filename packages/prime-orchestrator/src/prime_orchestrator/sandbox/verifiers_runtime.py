@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 _PYTHON = ("python3", "-I", "-c")
 _READ = r"""
 import base64, errno, os, stat, sys
-limit, path, data = int(sys.argv[1]), sys.argv[2], b""
+limit, path, offset, data = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), b""
 try:
     # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
@@ -50,7 +50,7 @@ except OSError as e:
 else:
     try:
         if stat.S_ISREG(os.fstat(fd).st_mode):  # of the file opened, so a swap after a check changes nothing
-            while len(data) < limit and (chunk := os.read(fd, min(1 << 20, limit - len(data)))):
+            while len(data) < limit and (chunk := os.pread(fd, min(1 << 20, limit - len(data)), offset + len(data))):
                 data += chunk
     except OSError:
         data = b""
@@ -174,13 +174,11 @@ class SandboxPoolRuntime(Runtime):
 
     async def read(self, path: str, max_bytes: int | None = None) -> bytes:
         """verifiers' ``read``, except that a file over ``max_bytes`` reads as empty instead of raising: the code
-        wrote it, and the reward should score what it finds (nothing usable), not fail the rollout. So does a file
-        over what one command may return (half of ``limits.output_bytes``, its base64 fits)."""
+        wrote it, and the reward should score what it finds (nothing usable), not fail the rollout."""
         if max_bytes is None or max_bytes < 0:
             return await super().read(path, max_bytes)
-        fits = min(max_bytes, self._transfer_cap())
-        data = await self._read(path, fits + 1)
-        return b"" if len(data) > fits else data
+        data = await self._read(path, max_bytes + 1)
+        return b"" if len(data) > max_bytes else data
 
     def _transfer_cap(self) -> int:
         return self.config.limits.output_bytes // 2
@@ -188,11 +186,21 @@ class SandboxPoolRuntime(Runtime):
     async def _read(self, path: str, max_bytes: int | None = None) -> bytes:
         # Read inside the box: a symlink the code planted resolves there, not on the host. Anything but a regular
         # file it can open (a FIFO, a device, a directory, a locked file, a loop) reads as empty; an absent one raises.
-        limit = min(max_bytes, self._transfer_cap() + 1) if max_bytes is not None else self._transfer_cap()
-        result = await self._exec([*_PYTHON, _READ, str(limit), path], {}, None)
-        if result.exit_code != 0:
-            raise SandboxError(f"read {path!r}: {result.stderr.strip()[-500:]}")
-        return base64.b64decode(result.stdout)
+        # In pieces of what one command may return (half of ``limits.output_bytes``, its base64 fits): a file read
+        # as its first piece let code that padded its log past it hide the tail a reward looks at ("1 failed").
+        # No process outlives its command, so the file does not change between pieces.
+        data, cap = b"", self._transfer_cap()
+        while True:
+            want = cap if max_bytes is None else min(cap, max_bytes - len(data))
+            if want <= 0:
+                return data
+            result = await self._exec([*_PYTHON, _READ, str(want), path, str(len(data))], {}, None)
+            if result.exit_code != 0:
+                raise SandboxError(f"read {path!r}: {result.stderr.strip()[-500:]}")
+            piece = base64.b64decode(result.stdout)
+            data += piece
+            if len(piece) < want:
+                return data
 
     async def write(self, path: str, data: bytes) -> None:
         # Replaces whatever the code left at ``path`` (a symlink to /dev/full, a FIFO, a directory, a locked file
