@@ -119,3 +119,37 @@ def test_the_model_preflight_names_a_fifo_at_config_json(tmp_path):
     os.mkfifo(tmp_path / "config.json")
     why = check_model_name(str(tmp_path), network=False)
     assert why == f"{str(tmp_path / 'config.json')!r} is not a regular file: not a Hugging Face model config"
+
+
+def test_a_link_to_a_terminal_never_becomes_the_readers_controlling_terminal(tmp_path):
+    """Every process rl starts leads a session of its own, without a terminal. Before, reading a link to a terminal
+    (a model's config.json, a checkpoint's progress.json) made that terminal the reader's controlling one, and its
+    hang-up then killed the reader with SIGHUP (exit 129)."""
+    link = tmp_path / "progress.json"
+    out = run_bounded(f"""
+        import os, time
+        from prime_core import io
+        from prime_core.io import UnreadableFile
+        master, slave = os.openpty()
+        name = os.ttyname(slave)
+        os.close(slave)
+        os.setsid()  # as rl's processes: a session leader without a controlling terminal
+        os.symlink(name, {str(link)!r})
+        try:
+            io.read_regular({str(link)!r}, "a progress record")
+        except UnreadableFile as e:
+            print(e)
+        try:
+            os.close(os.open("/dev/tty", os.O_RDONLY))
+            print("a controlling terminal")
+        except OSError:
+            print("no controlling terminal")
+        os.close(master)  # the terminal hangs up
+        time.sleep(0.2)
+        print("alive")
+    """)
+    assert out.splitlines() == [
+        f"{link}: not a regular file (a progress record is one)",
+        "no controlling terminal",
+        "alive",
+    ]

@@ -94,8 +94,14 @@ def remove_published(directory: str | os.PathLike) -> None:
 def open_regular(path: str | os.PathLike):  # noqa: ANN201 (a binary file object)
     """Open a regular file for reading; ``OSError`` for anything else at ``path``. A watcher that read a FIFO left where a
     process's file goes (a heartbeat, a log) waited in ``open`` for a writer that never came, and a device never ends:
-    the watchdog itself hung, and nothing was watched any more."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    the watchdog itself hung, and nothing was watched any more.
+
+    Checked before opening too: opening a device runs its driver's open (a terminal, a watchdog timer). O_NOCTTY: a
+    link to a terminal opened by a session leader without one (every process rl starts) made it that process's
+    controlling terminal, and the terminal's hang-up then killed the process with SIGHUP."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
