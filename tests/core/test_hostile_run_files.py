@@ -25,10 +25,29 @@ def run_bounded(code: str) -> str:
     return proc.stdout.strip()
 
 
-@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def _socket(path) -> None:
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    sock.close()
+
+
+PLANTED = {
+    "fifo": os.mkfifo,
+    "device": lambda p: p.symlink_to("/dev/zero"),
+    "directory": os.mkdir,
+    # Before: OSError 'No such device or address' / 'Too many levels of symbolic links', which the entry points
+    # name as a failing disk (a socket at transport.secret), or the callers that read a missing file as none miss.
+    "socket": _socket,
+    "link_loop": lambda p: p.symlink_to(p.name),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
 def test_read_regular_names_what_is_there_instead(tmp_path, kind):
     path = tmp_path / "progress.json"
-    {"fifo": os.mkfifo, "device": lambda p: p.symlink_to("/dev/zero"), "directory": os.mkdir}[kind](path)
+    PLANTED[kind](path)
     with pytest.raises(UnreadableFile, match=rf"^{path}: not a regular file \(a progress record is one\)$"):
         io.read_regular(path, "a progress record", limit=1 << 20)
 
@@ -66,15 +85,18 @@ def test_a_fifo_at_metrics_jsonl_stops_the_monitor_with_one_line(tmp_path):
     assert out == f"{path}: not a regular file (metrics are appended to one): remove it"
 
 
-def test_a_fifo_at_the_transport_secret_is_one_line(tmp_path):
-    """Before, a FIFO (its mode 0600 passes the permission check) blocked each process of the run in ``open``. (A
-    link to /dev/zero was already refused: its mode 0666 fails that check.)"""
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+def test_a_fifo_at_the_transport_secret_is_one_line(tmp_path, kind):
+    """Before, a FIFO (its mode 0600 passes the permission check) blocked each process of the run in ``open``, and a
+    socket raised a bare OSError 'No such device or address' (ENXIO). (A link to /dev/zero was already refused: its
+    mode 0666 fails that check.)"""
     from prime_core.run_dir import RunDir
     from prime_core.transport import secret_path
 
     path = secret_path(RunDir(tmp_path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.mkfifo(path, 0o600)
+    PLANTED[kind](path)
+    path.chmod(0o600)
     out = run_bounded(f"""
         import os
         os.environ.pop("PRIME_TRANSPORT_SECRET", None)
@@ -97,3 +119,37 @@ def test_the_model_preflight_names_a_fifo_at_config_json(tmp_path):
     os.mkfifo(tmp_path / "config.json")
     why = check_model_name(str(tmp_path), network=False)
     assert why == f"{str(tmp_path / 'config.json')!r} is not a regular file: not a Hugging Face model config"
+
+
+def test_a_link_to_a_terminal_never_becomes_the_readers_controlling_terminal(tmp_path):
+    """Every process rl starts leads a session of its own, without a terminal. Before, reading a link to a terminal
+    (a model's config.json, a checkpoint's progress.json) made that terminal the reader's controlling one, and its
+    hang-up then killed the reader with SIGHUP (exit 129)."""
+    link = tmp_path / "progress.json"
+    out = run_bounded(f"""
+        import os, time
+        from prime_core import io
+        from prime_core.io import UnreadableFile
+        master, slave = os.openpty()
+        name = os.ttyname(slave)
+        os.close(slave)
+        os.setsid()  # as rl's processes: a session leader without a controlling terminal
+        os.symlink(name, {str(link)!r})
+        try:
+            io.read_regular({str(link)!r}, "a progress record")
+        except UnreadableFile as e:
+            print(e)
+        try:
+            os.close(os.open("/dev/tty", os.O_RDONLY))
+            print("a controlling terminal")
+        except OSError:
+            print("no controlling terminal")
+        os.close(master)  # the terminal hangs up
+        time.sleep(0.2)
+        print("alive")
+    """)
+    assert out.splitlines() == [
+        f"{link}: not a regular file (a progress record is one)",
+        "no controlling terminal",
+        "alive",
+    ]

@@ -261,3 +261,41 @@ def test_the_generate_route_hands_the_engine_the_rollout_each_request_is_a_turn_
     finally:
         server.stop()
     assert sessions == ["rollout-7", "rollout-7", None, None]
+
+
+class DeadLLM(StandInLLM):
+    """An engine whose core died: vLLM's ``errored``, and every request fails at once."""
+
+    errored = False
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        if self.errored:
+            self.generated.append(request_id)
+            raise RuntimeError("EngineDeadError")
+        async for output in super().generate(prompt, params, request_id, lora_request):
+            yield output
+
+
+def test_an_engine_that_died_takes_no_more_requests():
+    """Before: a dead engine fails each request at once, so it always held the fewest in flight and took every request
+    the least-busy rule placed, and the rollouts it had served stayed with it: with engine 1 of 2 dead, 31 of 40
+    concurrent and 40 of 40 sequential turns failed."""
+
+    async def scenario():
+        llms = [DeadLLM(10), DeadLLM(20)]
+        engine = engine_over(llms)
+        for llm in llms:
+            llm.release.set()
+        await outputs(engine, "a-turn1", prompt_of(1), tag="rollout-a")  # served by engine 1, which then dies
+        llms[1].errored = True
+        done = await asyncio.gather(
+            *(outputs(engine, f"r{i}", prompt_of(i % 2), tag=f"rollout-{'a' if i < 5 else i}") for i in range(40)),
+            return_exceptions=True,
+        )
+        assert [o for o in done if isinstance(o, BaseException)] == []
+        assert llms[1].generated == ["a-turn1"] and len(llms[0].generated) == 40
+        llms[0].errored = True  # both dead: a request still goes somewhere, and fails naming why
+        with pytest.raises(RuntimeError, match="EngineDeadError"):
+            await outputs(engine, "last", prompt_of(0))
+
+    asyncio.run(scenario())

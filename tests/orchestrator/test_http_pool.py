@@ -182,3 +182,101 @@ def test_an_idle_connection_is_dropped_before_a_server_would_close_it(monkeypatc
         return server.connections
 
     assert asyncio.run(main()) == 2  # reused twice, then a new one after the pause
+
+
+BROKEN_ANSWERS = {
+    # Content-Length promises 100 bytes; 7 come, then the connection closes.
+    "cut_body": b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"a": 1',
+    "cut_chunk": b'HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"a":\r\n',
+    "not_http": b"HELLO THERE\r\n\r\n",
+    "header_over_8k": b"HTTP/1.1 200 OK\r\nX-A: " + b"a" * 20000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+}
+
+
+@pytest.mark.parametrize("answer", sorted(BROKEN_ANSWERS))
+def test_an_answer_cut_short_or_not_http_names_the_server_in_one_line(answer, caplog):
+    """Before: a body cut short reached the caller as httpx's ReadError 'Response payload is not completed: ...' and
+    an answer aiohttp cannot parse as aiohttp's own ClientResponseError (not an httpx error at all); the OpenAI SDK
+    turns both into "Connection error.", and nothing named the server."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(h.split(b":")[1]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(BROKEN_ANSWERS[answer])
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = pooled_client(httpx.Timeout(5.0), bounded=True)
+        errors = []
+        try:
+            for path in ("/inference/v1/generate", "/v1/chat/completions"):  # read whole here / by the caller
+                with pytest.raises(httpx.TransportError) as failed:
+                    await (await client.post(base + path, json={})).aread()
+                errors.append((path, failed.value))
+        finally:
+            await client.aclose()
+            server.close()
+        return base, errors
+
+    with caplog.at_level(logging.WARNING, logger="prime.orchestrator.http"):
+        base, errors = asyncio.run(main())
+    for path, error in errors:
+        assert isinstance(error, httpx.RemoteProtocolError), repr(error)  # neither a timeout nor a raw aiohttp error
+        assert str(error).startswith(f"server {base} (POST {path}): ") and "\n" not in str(error)
+        assert str(error) in caplog.text
+
+
+def test_a_compressed_answer_is_bounded_and_checked_as_decoded(monkeypatch, caplog):
+    """Before: httpx decoded after the transport's count, so 1 MiB of gzip answered 1 GiB into the env worker's
+    memory (2.1 GB of RSS; a judge endpoint is a third party's server), and a gzip token-in answer skipped the
+    finish-reason check: its 'abort' was trained."""
+    import gzip
+
+    import prime_orchestrator.http_pool as http_pool
+
+    monkeypatch.setattr(http_pool, "MAX_RESPONSE_BYTES", 2**20)
+    answers = {
+        "/v1/chat/completions": gzip.compress(b"\0" * (4 * 2**20)),  # 4 KiB that decode past the 1 MiB bound
+        "/inference/v1/generate": gzip.compress(b'{"choices": [{"finish_reason": "abort", "token_ids": [1]}]}'),
+        "/v1/models": gzip.compress(b'{"data": []}'),  # a plain compressed answer reads as before
+        "/v1/broken": b"\x1f\x8b not gzip",
+    }
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(h.split(b":")[1]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length"))
+        await reader.readexactly(length)
+        body = answers[head.split(b" ")[1].decode()]
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
+        )
+        writer.write(b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = pooled_client(httpx.Timeout(5.0), bounded=True)
+        try:
+            with pytest.raises(http_pool.ResponseTooLarge) as bomb:
+                await (await client.post(base + "/v1/chat/completions", json={})).aread()
+            with pytest.raises(httpx.RemoteProtocolError) as broken:
+                await (await client.post(base + "/v1/broken", json={})).aread()
+            aborted = await client.post(base + "/inference/v1/generate", json={})
+            models = (await client.post(base + "/v1/models", json={})).json()
+        finally:
+            await client.aclose()
+            server.close()
+        return base, bomb.value, broken.value, aborted, models
+
+    with caplog.at_level(logging.WARNING, logger="prime.orchestrator.http"):
+        base, bomb, broken, aborted, models = asyncio.run(main())
+    assert str(bomb) == f"server {base} (POST /v1/chat/completions): response larger than 1048576 bytes; cut"
+    assert str(broken).startswith(f"server {base} (POST /v1/broken): its gzip body does not decode")
+    assert aborted.status_code == 502 and "answered finish_reason 'abort'" in aborted.json()["error"]["message"]
+    assert models == {"data": []}

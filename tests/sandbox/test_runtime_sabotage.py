@@ -11,6 +11,7 @@ nothing raises.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 
 import pytest
@@ -175,15 +176,33 @@ def test_a_command_over_the_pools_size_limit_returns_its_reason_to_the_model():
     assert (result.exit_code, "max_code_bytes" in result.stderr) == (1, True), result.stderr[:300]
 
 
-def test_a_file_too_big_to_return_reads_as_nothing_whatever_max_bytes_allows():
-    """Before: ``read(path, max_bytes=10 MB)`` of a 5 MB file the code wrote hit the command's output limit, and
-    raised SandboxError."""
+def test_a_file_bigger_than_one_commands_output_reads_whole_within_max_bytes():
+    """Before: ``read(path, max_bytes=10 MB)`` of a 5 MB (here 2 MB) file the code wrote hit the command's output limit, and
+    raised SandboxError; then it read as nothing. Now it reads whole, in pieces of half ``output_bytes``."""
 
     async def check(runtime):
-        return await runtime.read("big", max_bytes=10_000_000), await runtime.read("small", max_bytes=10_000_000)
+        return (
+            await runtime.read("big", max_bytes=10_000_000),
+            await runtime.read("small", max_bytes=10_000_000),
+            await runtime.read("big", max_bytes=1_999_999),  # over max_bytes: nothing usable, not a failed rollout
+            (await runtime.run(["sha256sum", "big"], {})).stdout.split()[0],
+        )
 
-    plant = "head -c 5000000 /dev/urandom > big; echo 42 > small"
-    assert asyncio.run(_in_workspace(plant, check)) == (b"", b"42\n")
+    plant = "head -c 2000000 /dev/urandom > big; echo 42 > small"
+    big, small, over, digest = asyncio.run(_in_workspace(plant, check))
+    assert (len(big), hashlib.sha256(big).hexdigest(), small, over) == (2_000_000, digest, b"42\n", b"")
+
+
+def test_a_log_padded_past_one_commands_output_reads_whole():
+    """Before: ``read(path)`` returned the first half of ``output_bytes`` (512 KiB) of a file and dropped the rest,
+    so code that printed 600 kB before its tests failed hid '1 failed' from a reward reading the log."""
+
+    async def check(runtime):
+        return await runtime.read("log.txt")
+
+    plant = "head -c 600000 /dev/zero | tr '\\0' ' ' > log.txt; echo '1 failed' >> log.txt"
+    log = asyncio.run(_in_workspace(plant, check))
+    assert len(log) == 600_009 and log.endswith(b"1 failed\n")
 
 
 def test_a_nul_byte_in_a_command_is_an_error_the_tool_call_names():
@@ -194,3 +213,16 @@ def test_a_nul_byte_in_a_command_is_an_error_the_tool_call_names():
 
     results = asyncio.run(_in_workspace("true", check))
     assert [(r.exit_code, "NUL byte" in r.stderr) for r in results] == [(1, True), (1, True)], results
+
+
+def test_a_write_outside_the_workspace_fails_in_one_line():
+    """Before: SandboxError("write '/etc/evil': " + the last 500 characters of the write program's traceback)."""
+
+    async def harness(runtime):
+        with pytest.raises(SandboxError) as outside:
+            await runtime.write("/etc/evil", b"x")
+        return str(outside.value)
+
+    error = asyncio.run(_in_workspace("true", harness))
+    assert "\n" not in error and "Traceback" not in error and "File " not in error
+    assert error.startswith("write '/etc/evil': ") and "Read-only file system" in error

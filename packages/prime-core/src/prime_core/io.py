@@ -94,8 +94,14 @@ def remove_published(directory: str | os.PathLike) -> None:
 def open_regular(path: str | os.PathLike):  # noqa: ANN201 (a binary file object)
     """Open a regular file for reading; ``OSError`` for anything else at ``path``. A watcher that read a FIFO left where a
     process's file goes (a heartbeat, a log) waited in ``open`` for a writer that never came, and a device never ends:
-    the watchdog itself hung, and nothing was watched any more."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    the watchdog itself hung, and nothing was watched any more.
+
+    Checked before opening too: opening a device runs its driver's open (a terminal, a watchdog timer). O_NOCTTY: a
+    link to a terminal opened by a session leader without one (every process rl starts) made it that process's
+    controlling terminal, and the terminal's hang-up then killed the process with SIGHUP."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -203,14 +209,16 @@ def one_line(message: str) -> str:
 
 def read_regular(path: str | os.PathLike, what: str, limit: int | None = None) -> bytes:
     """The bytes of the file ``what`` (``"a progress record"``) at ``path``, opened with `open_regular`: a FIFO there
-    blocked the reader in ``open`` for good, and a link to a device fed it without end. Those, a directory, and a file
-    over ``limit`` bytes (a small record the run wrote, replaced by something else) are an `UnreadableFile` naming the
+    blocked the reader in ``open`` for good, and a link to a device fed it without end. Those, a socket, a directory,
+    a loop of symlinks and a file over ``limit`` bytes (a small record the run wrote, replaced by something else) are an `UnreadableFile` naming the
     path; a missing file or a failing disk stays an ``OSError``."""
     try:
         with open_regular(path) as f:
             data = f.read() if limit is None else f.read(limit + 1)
     except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EISDIR):
+        # ENXIO: a socket (or a device without its driver), which open refuses; ELOOP: a loop of symlinks. Neither
+        # is a failing disk, which the entry points would call it.
+        if e.errno not in (errno.EINVAL, errno.EISDIR, errno.ENXIO, errno.ELOOP):
             raise
         raise UnreadableFile(f"{path}: not a regular file ({what} is one)") from None
     if limit is not None and len(data) > limit:

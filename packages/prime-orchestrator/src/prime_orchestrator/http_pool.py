@@ -9,14 +9,16 @@ also keeps only 100 idle connections, so past 100 rollouts in flight each turn o
 
 Each response is bounded as a whole (`Bounded`): httpx's read timeout restarts at every chunk, so a server that
 trickles a byte a second held a rollout until its rollout timeout, and one that answers 500 MB had it read into the
-env worker's memory. A response past its request's read timeout or past ``MAX_RESPONSE_BYTES`` is cut, and a
+env worker's memory. A response past its request's read timeout or past ``MAX_RESPONSE_BYTES`` (as decoded: a
+compressed answer is decoded here) is cut, and a
 warning names the server and the bound (the OpenAI SDK turns the error into "Request timed out." / "Connection
 error.", which name neither).
 
 An idle connection is kept `KEEPALIVE_S`, less than the servers that close theirs soonest: one the server closes as
 a request goes out on it fails that request (a POST is not retried), and the OpenAI SDK called that "Request timed
 out." (the transport maps aiohttp's disconnect to a connect timeout). A request the server drops unanswered now fails
-naming the server and what it did.
+naming the server and what it did, as does an answer cut short or reset part-way, or not HTTP at all (the OpenAI SDK
+says "Connection error." for each, naming neither). A POST is never sent again: the server may have run it.
 
 A token-in answer (``/inference/v1/generate``) whose ``finish_reason`` is not ``stop``, ``length`` or ``tool_calls``
 (vLLM's ``abort``, a proxy's ``content_filter``, anything else) is answered to the caller as a 502 naming the server
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
+from prime_core.io import one_line
 
 if TYPE_CHECKING:
     from verifiers.v1.configs.client import BaseClientConfig
@@ -81,7 +84,11 @@ class Bounded(httpx.AsyncBaseTransport):
             if (named := _connection_error(request, e)) is None:
                 raise
             raise named from e
+        except aiohttp.ClientResponseError as e:  # an answer aiohttp cannot parse, which the transport passes raw
+            raise _broken(request, f"answered what is not HTTP/1.1 ({e.message})") from e
         response.stream = _BoundedStream(response.stream, request, deadline, limit_s)
+        if response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+            response = _decoded(request, response)
         # A streamed answer (server-sent events) says null in every chunk but its last: only whole answers are read.
         whole = response.headers.get("content-type", "").startswith("application/json")
         if (
@@ -112,15 +119,58 @@ class _BoundedStream(httpx.AsyncByteStream):
                 return
             except TimeoutError:
                 raise _timed_out(self.request, self.limit_s) from None
+            except (httpx.ReadError, httpx.ConnectTimeout) as e:  # the transport's names for a cut or reset body
+                raise _broken(self.request, f"the answer was cut after {size} bytes of its body ({e})") from e
             size += len(chunk)
             if size > MAX_RESPONSE_BYTES:
-                message = f"{_server(self.request)}: response larger than {MAX_RESPONSE_BYTES} bytes; cut"
-                logger.warning(message)
-                raise ResponseTooLarge(message, request=self.request)
+                raise _too_large(self.request)
             yield chunk
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+def _too_large(request: httpx.Request) -> ResponseTooLarge:
+    message = f"{_server(request)}: response larger than {MAX_RESPONSE_BYTES} bytes; cut"
+    logger.warning(message)
+    return ResponseTooLarge(message, request=request)
+
+
+def _decoded(request: httpx.Request, response: httpx.Response) -> httpx.Response:
+    """``response`` with its body decoded here (gzip, deflate: what httpx asks for), bounded as decoded. httpx decodes
+    after the transport, past `_BoundedStream`'s count: a 1 MiB gzip answer of zeros was read as 1 GiB (2.1 GB of
+    RSS), and the finish-reason check skipped an encoded answer."""
+    raw = httpx.Response(response.status_code, headers=response.headers, stream=response.stream, request=request)
+    skip = (b"content-encoding", b"content-length")  # both describe the encoded body
+    headers = [(k, v) for k, v in response.headers.raw if k.lower() not in skip]
+    stream = _DecodedStream(raw, request)
+    return httpx.Response(
+        response.status_code, headers=headers, stream=stream, request=request, extensions=response.extensions
+    )
+
+
+class _DecodedStream(httpx.AsyncByteStream):
+    def __init__(self, raw: httpx.Response, request: httpx.Request):
+        self.raw, self.request = raw, request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        size = 0
+        chunks = self.raw.aiter_bytes()
+        while True:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+            except httpx.DecodingError as e:
+                encoding = self.raw.headers["content-encoding"]
+                raise _broken(self.request, f"its {encoding} body does not decode ({e})") from e
+            size += len(chunk)
+            if size > MAX_RESPONSE_BYTES:  # one chunk decodes to at most ~16 MiB (gzip's 1032x of 16 KiB)
+                raise _too_large(self.request)
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.raw.aclose()
 
 
 async def _checked_finish(request: httpx.Request, response: httpx.Response) -> httpx.Response:
@@ -129,8 +179,7 @@ async def _checked_finish(request: httpx.Request, response: httpx.Response) -> h
         body = b"".join([chunk async for chunk in response.stream])
     finally:
         await response.aclose()
-    encoded = response.headers.get("content-encoding", "identity") != "identity"
-    bad = None if encoded else next((m for m in _FINISH.findall(body) if m[1:-1].decode() not in FINISH_REASONS), None)
+    bad = next((m for m in _FINISH.findall(body) if m[1:-1].decode() not in FINISH_REASONS), None)  # decoded here
     if bad is None:
         return httpx.Response(200, headers=response.headers, content=body, extensions=response.extensions)
     value = json.loads(bad)
@@ -156,6 +205,13 @@ def _connection_error(request: httpx.Request, error: httpx.ConnectTimeout) -> ht
         logger.warning(message)
         return httpx.RemoteProtocolError(message, request=request)
     return None
+
+
+def _broken(request: httpx.Request, what: str) -> httpx.RemoteProtocolError:
+    """The server broke off or garbled its answer: one line naming it (the OpenAI SDK's own is "Connection error.")."""
+    message = f"{_server(request)}: {one_line(what)}"
+    logger.warning(message)
+    return httpx.RemoteProtocolError(message, request=request)
 
 
 def _timed_out(request: httpx.Request, limit_s: float) -> httpx.ReadTimeout:

@@ -11,7 +11,7 @@ in use), and `EngineReplicas` stands where one ``AsyncLLM`` stood:
   unless that engine holds `GROUP_SLACK` more of this server's requests than the least busy one, which then takes it
   (ties in turn). Each engine has its own prefix cache, so the next turn of a multi-turn rollout (its tag,
   ``prime_rollout``, names it) goes to the engine of its previous turn, whose cache holds its history, within the
-  same slack; the last `SESSIONS` rollouts are remembered;
+  same slack; the last `SESSIONS` rollouts are remembered. An engine that died takes none of them;
 * what changes the engines' state (pauses, weight loads, LoRA adapters, cache resets) reaches every engine at once;
   a worker RPC answers with the replies of all their workers;
 * the sampled-log-prob tap is fetched from the engine that ran the request (`RoutedTap`);
@@ -24,11 +24,14 @@ rollouts use spreads over all of them.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prime_inference.token_logprobs import Entries, TapFetcher
+
+logger = logging.getLogger(__name__)
 
 GROUP_SLACK = 8
 """How many more requests in flight than the least busy engine the engine a prompt hashes to may hold and still take
@@ -97,6 +100,8 @@ class EngineReplicas:
         self._owner: dict[str, int] = {}
         self._sessions: OrderedDict[str, int] = OrderedDict()
         """The engine of each rollout's latest turn, by rollout tag."""
+        self._dead: set[int] = set()
+        """Engines whose death was logged."""
         self.rounds = StepRounds(len(llms), lambda i: self.in_flight[i] > 0 or self.running[i] > 0)
 
     @property
@@ -126,15 +131,27 @@ class EngineReplicas:
     def owner(self, request_id: str) -> int | None:
         return self._owner.get(request_id)
 
+    def _live(self) -> list[bool]:
+        """Which engines still run: vLLM's ``errored`` once an engine core died. A dead one fails each request at
+        once, so it always looked the least busy, and the rollouts it had served stayed with it: every request went
+        to it. Its requests go to the others (none live: it takes them and fails them, naming the cause)."""
+        live = [not getattr(llm, "errored", False) for llm in self.llms]
+        for i, ok in enumerate(live):
+            if not ok and i not in self._dead:
+                self._dead.add(i)
+                logger.error("vLLM engine %d of %d died: its requests go to the other engines", i, len(live))
+        return live if any(live) else [True] * len(live)
+
     def _pick(self, prompt: Any, session: str | None) -> int:
-        least, n = min(self.in_flight), len(self.llms)
+        live, n = self._live(), len(self.llms)
+        least = min(load for load, ok in zip(self.in_flight, live, strict=True) if ok)
         home = self._sessions.get(session) if session is not None else None
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
-        if home is None and ids:
+        if (home is None or not live[home]) and ids:
             home = _prompt_hash(ids) % n
-        if home is not None and self.in_flight[home] - least <= GROUP_SLACK:
+        if home is not None and live[home] and self.in_flight[home] - least <= GROUP_SLACK:
             return home
-        chosen = next(i for i in ((self._next + k) % n for k in range(n)) if self.in_flight[i] == least)
+        chosen = next(i for i in ((self._next + k) % n for k in range(n)) if live[i] and self.in_flight[i] == least)
         self._next = (chosen + 1) % n
         return chosen
 

@@ -15,6 +15,7 @@ import base64
 import logging
 import types
 import typing
+from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
 import verifiers.v1.runtimes as vr
@@ -28,6 +29,7 @@ from prime_orchestrator.sandbox.client import SandboxClient, get_client
 from prime_orchestrator.sandbox.schemas import ExecRequest
 
 TYPE = "sandbox_pool"
+WORKDIR = "/work"
 logger = logging.getLogger(__name__)
 # ``read`` and ``write`` meet whatever the code left in its workspace. What the code can leave at a path (a FIFO,
 # a socket, a device or a symlink to one, a loop, a directory, a file or folder it chmod-ed to 000) must not turn
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 _PYTHON = ("python3", "-I", "-c")
 _READ = r"""
 import base64, errno, os, stat, sys
-limit, path, data = int(sys.argv[1]), sys.argv[2], b""
+limit, path, offset, data = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), b""
 try:
     # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
@@ -48,7 +50,7 @@ except OSError as e:
 else:
     try:
         if stat.S_ISREG(os.fstat(fd).st_mode):  # of the file opened, so a swap after a check changes nothing
-            while len(data) < limit and (chunk := os.read(fd, min(1 << 20, limit - len(data)))):
+            while len(data) < limit and (chunk := os.pread(fd, min(1 << 20, limit - len(data)), offset + len(data))):
                 data += chunk
     except OSError:
         data = b""
@@ -103,9 +105,10 @@ def write():
 try:
     write()
 except OSError as e:
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        raise
-    sys.exit(f"workspace full: {e.strerror}")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        sys.exit(f"workspace full: {e.strerror}")
+    # One line, not a traceback: a path outside the workspace (the rest of the box is read-only) lands here.
+    sys.exit(f"{e.strerror} at {e.filename or path} (only /work and /tmp are writable)")
 """
 
 
@@ -117,9 +120,10 @@ class SandboxPoolRuntimeConfig(BaseConfig):
     """Environment variable holding the nodes' bearer token."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Limits of each command run in the runtime."""
-    workdir: Literal["/work"] = "/work"
+    workdir: Literal["/work"] = WORKDIR
     """The folder commands run in: the leased workspace, always ``/work``. verifiers reads it as every container
-    runtime's (its ``isolated-verifier`` places relative artifacts there)."""
+    runtime's (its ``isolated-verifier`` places relative artifacts there). A task that names another ``workdir`` (or
+    an ``image``) is refused in one line when its runtime is made."""
 
     def client_config(self) -> SandboxClientConfig:
         return SandboxClientConfig(urls=self.urls, api_key_var=self.api_key_var)
@@ -134,8 +138,9 @@ class SandboxPoolRuntime(Runtime):
 
     def __init__(self, config: SandboxPoolRuntimeConfig, name: str | None = None) -> None:
         super().__init__(name)
+        _check_task_placement(config)
         self.config = config
-        self.info = SandboxPoolRuntimeInfo(**config.model_dump())
+        self.info = SandboxPoolRuntimeInfo(**{**config.model_dump(), "workdir": WORKDIR})  # "/work/" is /work
         self._client: SandboxClient | None = None
         self.workspace: str | None = None
 
@@ -169,13 +174,11 @@ class SandboxPoolRuntime(Runtime):
 
     async def read(self, path: str, max_bytes: int | None = None) -> bytes:
         """verifiers' ``read``, except that a file over ``max_bytes`` reads as empty instead of raising: the code
-        wrote it, and the reward should score what it finds (nothing usable), not fail the rollout. So does a file
-        over what one command may return (half of ``limits.output_bytes``, its base64 fits)."""
+        wrote it, and the reward should score what it finds (nothing usable), not fail the rollout."""
         if max_bytes is None or max_bytes < 0:
             return await super().read(path, max_bytes)
-        fits = min(max_bytes, self._transfer_cap())
-        data = await self._read(path, fits + 1)
-        return b"" if len(data) > fits else data
+        data = await self._read(path, max_bytes + 1)
+        return b"" if len(data) > max_bytes else data
 
     def _transfer_cap(self) -> int:
         return self.config.limits.output_bytes // 2
@@ -183,11 +186,21 @@ class SandboxPoolRuntime(Runtime):
     async def _read(self, path: str, max_bytes: int | None = None) -> bytes:
         # Read inside the box: a symlink the code planted resolves there, not on the host. Anything but a regular
         # file it can open (a FIFO, a device, a directory, a locked file, a loop) reads as empty; an absent one raises.
-        limit = min(max_bytes, self._transfer_cap() + 1) if max_bytes is not None else self._transfer_cap()
-        result = await self._exec([*_PYTHON, _READ, str(limit), path], {}, None)
-        if result.exit_code != 0:
-            raise SandboxError(f"read {path!r}: {result.stderr.strip()[-500:]}")
-        return base64.b64decode(result.stdout)
+        # In pieces of what one command may return (half of ``limits.output_bytes``, its base64 fits): a file read
+        # as its first piece let code that padded its log past it hide the tail a reward looks at ("1 failed").
+        # No process outlives its command, so the file does not change between pieces.
+        data, cap = b"", self._transfer_cap()
+        while True:
+            want = cap if max_bytes is None else min(cap, max_bytes - len(data))
+            if want <= 0:
+                return data
+            result = await self._exec([*_PYTHON, _READ, str(want), path, str(len(data))], {}, None)
+            if result.exit_code != 0:
+                raise SandboxError(f"read {path!r}: {result.stderr.strip()[-500:]}")
+            piece = base64.b64decode(result.stdout)
+            data += piece
+            if len(piece) < want:
+                return data
 
     async def write(self, path: str, data: bytes) -> None:
         # Replaces whatever the code left at ``path`` (a symlink to /dev/full, a FIFO, a directory, a locked file
@@ -210,6 +223,27 @@ class SandboxPoolRuntime(Runtime):
         if self._client is not None and self.workspace is not None:
             self._client.call(self._client._close_workspace(self.workspace)).result(timeout=30)
             self.workspace = None
+
+
+def _check_task_placement(config: SandboxPoolRuntimeConfig) -> None:
+    """Refuse, in one line, a task this runtime would run elsewhere than it asks. verifiers puts a task's ``workdir``
+    and ``image`` into the runtime config without validating it (``resolve_runtime_config``'s ``model_copy``): a
+    ``workdir`` other than /work failed as a 4-line pydantic error naming neither the task nor the way out, and an
+    ``image`` was dropped, so its commands ran without the image's files and scored as if the policy had failed.
+    verifiers refuses an image on its subprocess runtime the same way."""
+    workdir = PurePosixPath(str(config.workdir))
+    if workdir != PurePosixPath(WORKDIR):
+        raise ValueError(
+            f"the task's workdir {str(workdir)!r} cannot be served by the sandbox_pool runtime, whose commands all run "
+            f"in {WORKDIR} (its leased workspace): place the task's files under {WORKDIR}, or use the docker or prime "
+            "runtime"
+        )
+    image = getattr(config, "image", None)
+    if image is not None:
+        raise ValueError(
+            f"the task requires image {image!r}, but the sandbox_pool runtime has no container (its commands see the "
+            "host's /usr and python3); use the docker or prime runtime"
+        )
 
 
 def _swap(annotation, members: tuple, new):
