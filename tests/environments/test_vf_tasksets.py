@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -112,3 +113,25 @@ def test_textarena_engine_plays_the_user_scores_the_game_and_trains_the_moves(se
         assert (lps[mask] < 0).all() and (lps[~mask] == 0).all()
     step1 = (tmp_path / "run" / "samples" / "orchestrator_step_1.jsonl").read_text()
     assert sorted({int(x) for x in re.findall(r'"example": (\d+)', step1)}) == [2, 3]  # the next seeds
+
+
+def test_eval_of_a_taskset_whose_every_rollout_fails_ends_in_one_line(server, tmp_path, monkeypatch, capsys):
+    """verifiers' openenv taskset imports ``openenv`` in each rollout: without ``verifiers[openenv]`` every rollout
+    failed and ``eval`` printed a table of reward 0.0000 and exited 0. Now it still writes the results, then exits 1
+    with one line naming the env and an error."""
+    from prime_orchestrator.entrypoints import eval as eval_cli
+
+    missing = tmp_path / "missing" / "openenv"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'openenv'\", name='openenv')\n")
+    monkeypatch.setenv("PYTHONPATH", str(missing.parent))  # as if not installed, in the env server
+    env = {"id": "openenv", "args": {"base_url": "http://127.0.0.1:9", "resets": [{}, {}]}, "harness": "null"}
+    with pytest.raises(SystemExit) as exc:
+        eval_cli.main(["--model.name", server.config.model.name, "--client.base-url", server.url, "--env",
+                       json.dumps([env]), "--num-examples", "2", "--rollouts-per-example", "1",
+                       "--output-dir", str(tmp_path / "out"), "--sampling.max-tokens", "8"])  # fmt: skip
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: env openenv (base): all 2 rollouts failed, e.g. ") and "openenv" in err[40:], err
+    rows = json.loads((tmp_path / "out" / "eval" / "base" / "openenv.json").read_text())["rollouts"]
+    assert [r["failed"] for r in rows] == [True, True]  # the results are written first

@@ -23,6 +23,11 @@ from prime_orchestrator.judges import check_judges, judge_endpoint
 logger = logging.getLogger("prime.eval")
 
 
+class RolloutsFailed(RuntimeError):
+    """Every rollout of an environment failed: its reward of 0 measures nothing (an optional package the taskset
+    imports per rollout is missing, its server does not answer). Raised after the results are written."""
+
+
 def client_factory(config: EvalConfig) -> Any:
     """Per request index: verifiers' client config (train: token-in with the renderer; eval: OpenAI chat)."""
     from verifiers.v1.configs.client import EvalClientConfig
@@ -63,6 +68,7 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     labels: list[tuple[str, int | None]] = [("base", None)] if c.eval_base else []
     labels += [(f"step_{s}", s) for s in c.steps]
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    dead: dict[str, str] = {}
     out_dir = Path(c.output_dir) / "eval"
     semaphore = ConcurrencyLimiter.from_config(c.client)
     client_for = client_factory(c)
@@ -86,6 +92,10 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
                 )
                 results[label][name] = summary
                 atomic_write_json(out_dir / label / f"{name}.json", {"summary": summary, "rollouts": rows})
+                if rows and all(r["failed"] for r in rows):
+                    dead.setdefault(
+                        name, f"env {name} ({label}): all {len(rows)} rollouts failed, e.g. {rows[0]['error']}"
+                    )
                 logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
     finally:
         await asyncio.gather(*(r.close() for r in runners.values()), semaphore.aclose(), return_exceptions=True)
@@ -93,7 +103,9 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     table = format_table(results)
     atomic_write_text(out_dir / "results.txt", table + "\n")
     print(table, flush=True)
+    if dead:
+        raise RolloutsFailed(next(iter(dead.values())))
     return results
 
 
-__all__ = ["run_eval"]
+__all__ = ["RolloutsFailed", "run_eval"]

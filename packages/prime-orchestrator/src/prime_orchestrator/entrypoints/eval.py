@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from prime_orchestrator.client import ServerUnreachable
     from prime_orchestrator.envs import TasksetError
-    from prime_orchestrator.eval_runner import run_eval
+    from prime_orchestrator.eval_runner import RolloutsFailed, run_eval
     from prime_orchestrator.judges import JudgeUnreachable
 
     setup_logging("eval", level=config.log.level)
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     except TasksetError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except RolloutsFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
 
