@@ -6,6 +6,10 @@
   corpus the tests ship (``tests/fixtures/nltk_data``; ``nltk.download`` needs the internet). A scripted policy
   guesses the letters of ``LETTERS`` in order; the test replays each seed's game on the engine host-side, so every
   turn count, board and reward is the engine's own.
+- openenv, an OpenEnv server's environment: the tests serve one of their own (``tests/fixtures/openenv_word.py``,
+  openenv's server framework) and name it by ``base_url``. openenv is not in the dev group (it brings gradio and
+  pandas): ``uv run --with openenv==0.4.1 --with mcp==2.0.0 pytest -m slow tests/environments/test_vf_tasksets.py``
+  runs it (verifiers pins mcp 2.0.0; a newer openenv would pull mcp 1.x, and verifiers' tasksets stop importing).
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ HANGMAN = {"id": "textarena", "args": {"game": "Hangman-v0"}}
 
 
 def script(prompt: str) -> str | None:
+    last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
+    if "it has 4 letters" in last_user:  # the OpenEnv word game's hint after a miss
+        return "pear"
+    if "Say the secret word" in last_user:
+        return "apple"
     if "You are playing Hangman" not in prompt:
         return None
     return f"I guess [{LETTERS[prompt.count('<|im_start|>assistant') - 1]}]"
@@ -115,6 +124,7 @@ def test_textarena_engine_plays_the_user_scores_the_game_and_trains_the_moves(se
     assert sorted({int(x) for x in re.findall(r'"example": (\d+)', step1)}) == [2, 3]  # the next seeds
 
 
+@pytest.mark.slow  # CI holds the same with stand-ins (tests/orchestrator/test_eval_cli.py)
 def test_eval_of_a_taskset_whose_every_rollout_fails_ends_in_one_line(server, tmp_path, monkeypatch, capsys):
     """verifiers' openenv taskset imports ``openenv`` in each rollout: without ``verifiers[openenv]`` every rollout
     failed and ``eval`` printed a table of reward 0.0000 and exited 0. Now it still writes the results, then exits 1
@@ -135,3 +145,50 @@ def test_eval_of_a_taskset_whose_every_rollout_fails_ends_in_one_line(server, tm
     assert err.startswith("error: env openenv (base): all 2 rollouts failed, e.g. ") and "openenv" in err[40:], err
     rows = json.loads((tmp_path / "out" / "eval" / "base" / "openenv.json").read_text())["rollouts"]
     assert [r["failed"] for r in rows] == [True, True]  # the results are written first
+
+
+@pytest.mark.slow  # skipped without openenv, which the dev group leaves out
+def test_openenv_server_plays_the_user_its_rewards_summed_the_actions_trained(server, tmp_path):
+    pytest.importorskip("openenv")
+    from tests.fixtures.openenv_word import serve
+
+    url, openenv_server = serve()
+    try:
+        # pear: a miss ("apple") answered with the server's hint, then the hit; apple: a hit at once
+        env = {"id": "openenv", "args": {"base_url": url, "resets": [{"word": "pear"}, {"word": "apple"}]},
+               "harness": "null"}  # fmt: skip
+        summary, rows = our_eval(tmp_path, server, env)
+        turns = {r["example"]: (r["num_turns"], r["reward"], r["metrics"]) for r in rows}
+        assert turns == {0: (2, 1.0, {"reward/openenv_reward": 1.0}), 1: (1, 1.0, {"reward/openenv_reward": 1.0})}
+        first = json.loads(rows[0]["prompt"].removeprefix("[user] "))  # the observation and the action schema
+        assert first["observation"]["text"] == "Say the secret word. It starts with p."
+        assert first["action_schema"]["required"] == ["message"]
+        assert "[user] {" in next(r["completion"] for r in rows if r["example"] == 0)  # the hint as the user's turn
+        m = orchestrate(tmp_path / "run", server.config.model.name, server.url, env, seq_len=2048)
+        assert m["reward/mean"] == 1.0 and m["samples/trained"] == 4 and m["num_turns/mean"] == 1.5
+        trained = sorted(decode(server, ids[mask]) for ids, mask, _ in samples(tmp_path / "run"))
+        assert trained == ["apple<|im_end|>"] * 2 + ["apple<|im_end|>pear<|im_end|>"] * 2  # only the actions train
+    finally:
+        openenv_server.should_exit = True
+
+
+@pytest.mark.slow  # an env server process: verifiers imported in a fresh interpreter
+def test_an_env_whose_start_raises_is_one_line_naming_the_cause(tmp_path):
+    """verifiers' nemo_gym Env needs ``args.task.resources_url`` (a NeMo Gym resource server) unless a taskset
+    subclass names a server to launch; its ``start`` raises in the env server. That was two tracebacks and
+    ``RuntimeError: env server nemo_gym did not become healthy (exit code 1)`` out of ``eval``; now the cause is on the
+    one line ``eval`` and the orchestrator print (EnvServerFailed)."""
+    import asyncio
+
+    from prime_core.config.orchestrator import EnvConfig
+    from prime_orchestrator.env_server import EnvServer, EnvServerFailed
+    from prime_orchestrator.envs import server_spec
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"responses_create_params": {"input": [{"role": "user", "content": "Say hi."}]}}\n')
+    spec = server_spec(EnvConfig.model_validate({"id": "nemo_gym", "args": {"dataset": str(rows)}, "harness": "null"}))
+    with pytest.raises(EnvServerFailed) as e:
+        asyncio.run(EnvServer(spec).start())
+    assert str(e.value) == (
+        "env server nemo_gym exited with code 1 while starting: ValueError: set --env.taskset.task.resources-url"
+    )

@@ -19,13 +19,9 @@ from prime_orchestrator.concurrency import ConcurrencyLimiter
 from prime_orchestrator.envs import EnvRunner, server_spec, train_client
 from prime_orchestrator.evals import evaluate_env, format_table
 from prime_orchestrator.judges import check_judges, judge_endpoint
+from prime_orchestrator.liveness import RolloutsFailed
 
 logger = logging.getLogger("prime.eval")
-
-
-class RolloutsFailed(RuntimeError):
-    """Every rollout of an environment failed: its reward of 0 measures nothing (an optional package the taskset
-    imports per rollout is missing, its server does not answer). Raised after the results are written."""
 
 
 def client_factory(config: EvalConfig) -> Any:
@@ -103,9 +99,9 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     table = format_table(results)
     atomic_write_text(out_dir / "results.txt", table + "\n")
     print(table, flush=True)
-    if dead:
+    if dead:  # a reward of 0 that measures nothing (a package the taskset imports per rollout is missing)
         raise RolloutsFailed(next(iter(dead.values())))
     return results
 
 
-__all__ = ["RolloutsFailed", "run_eval"]
+__all__ = ["run_eval"]
