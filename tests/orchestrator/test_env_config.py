@@ -97,3 +97,24 @@ def test_misspelt_or_mistyped_env_args_end_orchestrator_and_eval_at_start_in_one
     with pytest.raises(SystemExit):
         eval_cli.main([*model, "--env", '[{"id": "reverse-text", "env_args": {"bogus": 1}}]'])
     assert capsys.readouterr().err == "error: env.0 (reverse-text): env_args.bogus: Extra inputs are not permitted\n"
+
+
+def test_a_taskset_whose_extra_is_not_installed_ends_eval_at_start_in_one_line(capsys, monkeypatch):
+    """verifiers' textarena taskset without ``verifiers[ta]`` raises ImportError on import; that used to be a
+    40-line traceback (exit 1) out of the settings check."""
+    import sys
+    from pathlib import Path
+
+    from prime_orchestrator.entrypoints import eval as eval_cli
+
+    for name in [m for m in sys.modules if m.startswith("verifiers.v1.tasksets.textarena")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "textarena", None)  # as if not installed
+    model = ["--model.name", str(Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "model")]
+    with pytest.raises(SystemExit) as exc:
+        eval_cli.main([*model, "--env", '[{"id": "textarena", "args": {"game": "Hangman-v0"}}]'])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: env.0 (textarena): ImportError: textarena requires nltk and textarena. "
+        "Install with: uv add 'verifiers[ta]'\n"
+    )

@@ -102,3 +102,45 @@ def test_a_judge_endpoint_that_does_not_answer_is_one_line_before_any_rollout(tm
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith(f"eval: judge endpoint {dead} (taskset.task.judges.0 of env vf-rubric) does not answer")
     assert not (tmp_path / "eval").exists()
+
+
+def test_an_env_whose_every_rollout_failed_is_one_line_exit_1_after_its_results(tmp_path, monkeypatch, capsys):
+    """Every rollout failed (verifiers' openenv taskset without ``openenv``: ModuleNotFoundError per rollout): eval
+    used to print reward 0.0000 and exit 0. The env servers and the inference server are stood in for; the
+    rollouts' outcome is what ``evaluate_env`` reports. (tests/environments/test_vf_tasksets.py runs it for real.)"""
+    import json
+
+    import pytest
+    from prime_orchestrator import eval_runner
+    from prime_orchestrator.entrypoints.eval import main
+
+    class Runner:
+        def __init__(self, env, spec, max_retries):
+            self.spec = spec
+
+        async def start(self):
+            pass
+
+        async def close(self):
+            pass
+
+    async def nothing(*args, **kwargs):
+        pass
+
+    async def evaluate(runner, **kwargs):
+        rows = [{"example": i, "failed": True, "reward": 0.0, "error": "OpenEnvEnv.run(): ModuleNotFoundError: No "
+                 "module named 'openenv'"} for i in range(2)]  # fmt: skip
+        return {"reward/mean": 0.0, "reward/std": 0.0, "num_examples": 2, "rollouts_per_example": 1, "failed": 2}, rows
+
+    monkeypatch.setattr(eval_runner, "EnvRunner", Runner)
+    monkeypatch.setattr(eval_runner, "evaluate_env", evaluate)
+    monkeypatch.setattr(eval_runner, "_load", nothing)
+    monkeypatch.setattr(eval_runner.inference, "wait_healthy", nothing)
+    with pytest.raises(SystemExit) as e:
+        main(["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path)])
+    assert e.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: env reverse-text (base): all 2 rollouts failed, e.g. OpenEnvEnv.run(): ModuleNotFoundError: No module "
+        "named 'openenv'"
+    )
+    assert json.loads((tmp_path / "eval" / "base" / "reverse-text.json").read_text())["summary"]["failed"] == 2

@@ -70,3 +70,16 @@ def test_entry_points_report_a_taskset_error_in_one_line(entry, monkeypatch, cap
     assert (
         capsys.readouterr().err.strip().splitlines()[-1] == "error: env x: task 3 failed to load (ValueError: bad row)"
     )
+
+
+def test_a_missing_nltk_corpus_is_named_in_the_reason(tmp_path):
+    """verifiers' textarena word games read NLTK's ``words`` corpus, which an offline host lacks (nltk.download
+    fails). nltk frames the LookupError's message in rows of '*': the one-line reason was
+    ``LookupError: ... ****...``, naming nothing."""
+    import nltk
+    from prime_orchestrator.envs import _reason
+
+    with pytest.raises(LookupError) as e:
+        nltk.data.find("corpora/words", paths=[str(tmp_path)])
+    reason = _reason(e.value)
+    assert reason.startswith("LookupError: Resource 'words' not found. ... ") and "*" not in reason

@@ -104,7 +104,9 @@ def env_config_problem(env: EnvConfig) -> str | None:
             close = difflib.get_close_matches(loc[1], list(taskset_config_type(env.id).model_fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
         return f"{key}: {first['msg']}{hint}"
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, ImportError) as e:
+        # ImportError: a taskset whose optional dependencies are missing (verifiers' textarena without
+        # ``verifiers[ta]``) fails its import with the install hint as the message's first line.
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return None
 

@@ -34,6 +34,11 @@ class EnvServerCrashed(RuntimeError):
     pass
 
 
+class EnvServerFailed(RuntimeError):
+    """The env server exited while it started (its Env's ``start`` raised: a setting it needs is missing, a server
+    it starts does not come up); the message is one line naming the cause."""
+
+
 # Runtimes this project adds to verifiers' closed runtime union; importing the module registers the type.
 PROJECT_RUNTIMES = {"sandbox_pool": "prime_orchestrator.sandbox.verifiers_runtime"}
 
@@ -113,17 +118,40 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> No
     from verifiers.v1.serve.pool import serve_env
 
     spec = EnvServerSpec.model_validate(spec_data)
-    serve_env(
-        max_workers=spec.num_workers,
-        address="tcp://127.0.0.1:0",
-        address_queue=address_queue,
-        death_pipe=death_pipe,
-        log_setup=functools.partial(prepare_env_process, spec.env_config),
-        multiplex=spec.multiplex,
-        elastic=spec.elastic,
-        config_data=spec.env_config,
-    )
+    try:
+        serve_env(
+            max_workers=spec.num_workers,
+            address="tcp://127.0.0.1:0",
+            address_queue=address_queue,
+            death_pipe=death_pipe,
+            log_setup=functools.partial(prepare_env_process, spec.env_config),
+            multiplex=spec.multiplex,
+            elastic=spec.elastic,
+            config_data=spec.env_config,
+        )
+    except Exception as e:
+        from prime_core.io import one_line
+
+        # verifiers logged the traceback; the parent's one line names the cause (``_failure``)
+        address_queue.put((FAILED, one_line(f"{type(e).__name__}: {e}")))
+        address_queue.close()
+        address_queue.join_thread()
+        sys.exit(1)
     exit_after_teardown()
+
+
+FAILED = "failed"
+
+
+def _failure(address_queue: Any) -> str:
+    """``: <cause>`` when the server process put why it failed on the queue (``_serve``), else nothing."""
+    try:
+        while True:
+            item = address_queue.get(True, 0.5)
+            if isinstance(item, tuple) and item[0] == FAILED:
+                return f": {item[1]}"
+    except (queue.Empty, OSError, EOFError, ValueError):
+        return ""
 
 
 def exit_after_teardown() -> None:
@@ -194,7 +222,11 @@ class EnvServer:
         client = EnvClient(address)
         deadline = time.monotonic() + self.spec.start_timeout
         while not await client.health(timeout=2.0):
-            if not proc.is_alive() or time.monotonic() > deadline:
+            if not proc.is_alive():
+                await client.close()
+                why = await asyncio.to_thread(_failure, address_queue)
+                raise EnvServerFailed(f"env server {self.name} exited with code {proc.exitcode} while starting{why}")
+            if time.monotonic() > deadline:
                 await client.close()
                 proc.kill()
                 raise RuntimeError(f"env server {self.name} did not become healthy (exit code {proc.exitcode})")
@@ -213,17 +245,23 @@ class EnvServer:
         deadline = time.monotonic() + self.spec.start_timeout
         while True:
             try:
-                return await asyncio.to_thread(address_queue.get, True, 0.5)
+                address = await asyncio.to_thread(address_queue.get, True, 0.5)
             except queue.Empty:
                 if not proc.is_alive():
-                    raise RuntimeError(
-                        f"env server {self.name} exited with code {proc.exitcode} while starting; see its log above"
+                    why = await asyncio.to_thread(_failure, address_queue) or "; see its log above"
+                    raise EnvServerFailed(
+                        f"env server {self.name} exited with code {proc.exitcode} while starting{why}"
                     ) from None
                 if time.monotonic() > deadline:
                     proc.kill()
                     raise TimeoutError(
                         f"env server {self.name} did not start in {self.spec.start_timeout:.0f}s"
                     ) from None
+                continue
+            if isinstance(address, tuple):  # it failed before it had an address
+                await asyncio.to_thread(proc.join, 5)
+                raise EnvServerFailed(f"env server {self.name} exited while starting: {address[1]}")
+            return address
 
     @staticmethod
     async def _watch(proc: Any, died: asyncio.Event, pooled: bool) -> None:

@@ -87,7 +87,9 @@ class TaskStream:
 
 
 def _reason(e: BaseException) -> str:
-    return one_line(f"{type(e).__name__}: {e}")[:300]
+    # Lines of only rules (nltk's LookupError frames its message in rows of '*') would stand in for the cause.
+    text = "\n".join(line.strip() for line in str(e).splitlines() if any(c.isalnum() for c in line))
+    return one_line(f"{type(e).__name__}: {text}")[:300]
 
 
 def train_client(client: ClientConfig, model_dir: str, base_url: str) -> Any:

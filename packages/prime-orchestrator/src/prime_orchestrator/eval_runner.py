@@ -19,6 +19,7 @@ from prime_orchestrator.concurrency import ConcurrencyLimiter
 from prime_orchestrator.envs import EnvRunner, server_spec, train_client
 from prime_orchestrator.evals import evaluate_env, format_table
 from prime_orchestrator.judges import check_judges, judge_endpoint
+from prime_orchestrator.liveness import RolloutsFailed
 
 logger = logging.getLogger("prime.eval")
 
@@ -63,6 +64,7 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     labels: list[tuple[str, int | None]] = [("base", None)] if c.eval_base else []
     labels += [(f"step_{s}", s) for s in c.steps]
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    dead: dict[str, str] = {}
     out_dir = Path(c.output_dir) / "eval"
     semaphore = ConcurrencyLimiter.from_config(c.client)
     client_for = client_factory(c)
@@ -86,6 +88,10 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
                 )
                 results[label][name] = summary
                 atomic_write_json(out_dir / label / f"{name}.json", {"summary": summary, "rollouts": rows})
+                if rows and all(r["failed"] for r in rows):
+                    dead.setdefault(
+                        name, f"env {name} ({label}): all {len(rows)} rollouts failed, e.g. {rows[0]['error']}"
+                    )
                 logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
     finally:
         await asyncio.gather(*(r.close() for r in runners.values()), semaphore.aclose(), return_exceptions=True)
@@ -93,6 +99,8 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     table = format_table(results)
     atomic_write_text(out_dir / "results.txt", table + "\n")
     print(table, flush=True)
+    if dead:  # a reward of 0 that measures nothing (a package the taskset imports per rollout is missing)
+        raise RolloutsFailed(next(iter(dead.values())))
     return results
 
 

@@ -24,9 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     from prime_core.logging import setup_logging
 
     from prime_orchestrator.client import ServerUnreachable
+    from prime_orchestrator.env_server import EnvServerFailed
     from prime_orchestrator.envs import TasksetError
     from prime_orchestrator.eval_runner import run_eval
     from prime_orchestrator.judges import JudgeUnreachable
+    from prime_orchestrator.liveness import RolloutsFailed
 
     setup_logging("eval", level=config.log.level)
     try:
@@ -38,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     except TasksetError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except (RolloutsFailed, EnvServerFailed) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
 

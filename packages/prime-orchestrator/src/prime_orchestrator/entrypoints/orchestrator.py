@@ -72,6 +72,7 @@ def run(orchestrator: Any, output_dir: Path) -> None:
 
     from prime_orchestrator.client import WeightUpdateError
     from prime_orchestrator.distill import TeacherError
+    from prime_orchestrator.env_server import EnvServerFailed
     from prime_orchestrator.envs import TasksetError
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.liveness import RolloutsFailed
@@ -85,7 +86,15 @@ def run(orchestrator: Any, output_dir: Path) -> None:
     except TasksetError as e:  # bad input, like a config error
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except (RolloutsFailed, WeightUpdateError, TimeoutError, TeacherError, UnreadableFile, MonitorUnavailable) as e:
+    except (
+        RolloutsFailed,
+        WeightUpdateError,
+        TimeoutError,
+        TeacherError,
+        UnreadableFile,
+        MonitorUnavailable,
+        EnvServerFailed,
+    ) as e:
         # A fault of the run, not a bug here: one line (rl repeats it as the run's cause).
         print(f"error: {e}".splitlines()[0], file=sys.stderr, flush=True)
         sys.exit(1)
