@@ -2,13 +2,14 @@ import os
 
 import pytest
 
-from tests.scheduling import compile_workspace_sources, restore_xdist_groups, start_rank
+from tests.scheduling import children_write_bytecode, compile_workspace_sources, restore_xdist_groups, start_rank
 
 # Tests must never reach a hub; everything is built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+children_write_bytecode()
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass, field
 
@@ -76,3 +78,11 @@ def test_an_xdist_group_runs_on_one_worker(tmp_path):
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert len({(tmp_path / f"ran_{i}").read_text() for i in range(6)}) == 1
+
+
+def test_the_processes_tests_start_keep_their_bytecode():
+    """CI's image sets PYTHONDONTWRITEBYTECODE; a process a test starts must still cache what it compiles."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; print(sys.dont_write_bytecode)"], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == "False", result.stdout + result.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -226,5 +227,8 @@ def test_an_env_server_stopped_runs_its_exit_handlers_then_ends_without_finalizi
     monkeypatch.setattr(env_server.EnvServerSpec, "model_validate", lambda data: spec)
     monkeypatch.setattr(verifiers.v1.serve.pool, "serve_env", lambda **kwargs: calls.append("served"))
     monkeypatch.setattr(env_server, "exit_after_teardown", lambda: calls.append("exit"))
-    env_server._serve({}, None, None)
+    # The environment is the orchestrator's of the moment the server started, not its forkserver's (an older one).
+    monkeypatch.setenv("PRIME_TEST_ENVIRON", "forkserver's")
+    env_server._serve({}, None, None, {**os.environ, "PRIME_TEST_ENVIRON": "orchestrator's"})
     assert calls == ["served", "exit"]
+    assert os.environ["PRIME_TEST_ENVIRON"] == "orchestrator's"

@@ -241,10 +241,12 @@ def with_env_workers(tmp_path: Path, num_workers: int) -> Path:
 
 
 def env_workers(tree: dict[int, list[str]]) -> list[int]:
-    """Workers of an env server's pool: spawned children of the broker, itself spawned by the orchestrator."""
+    """Workers of an env server's pool: spawned children of the broker, which the orchestrator's forkserver forked
+    (the broker's command line is the forkserver's)."""
+    forked = {pid for pid, cmd in tree.items() if any("multiprocessing.forkserver" in c for c in cmd)}
     spawned = {pid for pid, cmd in tree.items() if any("spawn_main" in c for c in cmd)}
     parents = {pid: int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in spawned}
-    return sorted(pid for pid in spawned if parents[pid] in spawned)
+    return sorted(pid for pid in spawned if parents[pid] in forked)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])

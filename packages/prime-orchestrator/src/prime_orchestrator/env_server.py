@@ -16,6 +16,7 @@ import functools
 import importlib
 import logging
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -113,10 +114,14 @@ def _quiet_interrupts(unraisable: Any) -> None:
         sys.__unraisablehook__(unraisable)
 
 
-def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any) -> None:
+def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, environ: dict[str, str]) -> None:
     """Subprocess entry: serve the env until the parent goes away."""
     from verifiers.v1.serve.pool import serve_env
 
+    # A forkserver's child has the forkserver's environment, taken when the first server started: the tool servers
+    # and programs this server starts get the parent's environment as it is now, as a spawned server's did.
+    os.environ.clear()
+    os.environ.update(environ)
     spec = EnvServerSpec.model_validate(spec_data)
     try:
         serve_env(
@@ -168,6 +173,22 @@ def exit_after_teardown() -> None:
     os._exit(0)
 
 
+PRELOAD = ["verifiers.v1", "transformers.models.auto.tokenization_auto"]
+"""What the env servers' forkserver imports once, for every server it forks, instead of each server a spawn started
+(restarts included): verifiers (5 s of CPU: anthropic's and openai's types, sympy) and what loading the renderer's
+tokenizer imports (3 s: transformers' tokenizer classes import its config classes, which import torch). A module
+that is not installed is skipped."""
+
+
+def server_context() -> Any:
+    """The multiprocessing context env servers start from: a forkserver (one per process, started with the first
+    server) that imported ``PRELOAD``. A forkserver has no threads, so forking it is safe, where forking this
+    process (an event loop, its threads) is not."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def pool_workers(broker_pid: int) -> set[int]:
     """Live worker processes of a verifiers pool broker: its children started by multiprocessing's spawn."""
     workers = set()
@@ -212,10 +233,11 @@ class EnvServer:
     async def start(self) -> None:
         from verifiers.v1.serve.client import EnvClient
 
-        ctx = mp.get_context("spawn")
+        ctx = server_context()
         address_queue = ctx.Queue()
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(self.spec.model_dump(), address_queue, child), daemon=False)
+        args = (self.spec.model_dump(), address_queue, child, dict(os.environ))
+        proc = ctx.Process(target=_serve, args=args, daemon=False)
         proc.start()
         child.close()  # our end closing (even on SIGKILL) makes the server exit
         address = await self._address(proc, address_queue)
