@@ -122,6 +122,10 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, envir
     # and programs this server starts get the parent's environment as it is now, as a spawned server's did.
     os.environ.clear()
     os.environ.update(environ)
+    # Python reseeds ``random`` in a forked child, numpy does not: every server would draw the forkserver's numbers
+    # (an env that shuffles or samples with numpy's global generator repeated itself across servers and restarts).
+    if (numpy := sys.modules.get("numpy")) is not None:
+        numpy.random.seed()
     spec = EnvServerSpec.model_validate(spec_data)
     try:
         serve_env(
