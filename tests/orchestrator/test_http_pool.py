@@ -193,6 +193,14 @@ BROKEN_ANSWERS = {
 }
 
 
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """The head of one request, its body read past."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(h.split(b":")[1]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length"))
+    await reader.readexactly(length)
+    return head
+
+
 @pytest.mark.parametrize("answer", sorted(BROKEN_ANSWERS))
 def test_an_answer_cut_short_or_not_http_names_the_server_in_one_line(answer, caplog):
     """Before: a body cut short reached the caller as httpx's ReadError 'Response payload is not completed: ...' and
@@ -200,9 +208,7 @@ def test_an_answer_cut_short_or_not_http_names_the_server_in_one_line(answer, ca
     turns both into "Connection error.", and nothing named the server."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(h.split(b":")[1]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length"))
-        await reader.readexactly(length)
+        await read_request(reader)
         writer.write(BROKEN_ANSWERS[answer])
         await writer.drain()
         writer.close()
@@ -247,9 +253,7 @@ def test_a_compressed_answer_is_bounded_and_checked_as_decoded(monkeypatch, capl
     }
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(h.split(b":")[1]) for h in head.lower().split(b"\r\n") if h.startswith(b"content-length"))
-        await reader.readexactly(length)
+        head = await read_request(reader)
         body = answers[head.split(b" ")[1].decode()]
         writer.write(
             b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\n"
