@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 
@@ -201,6 +202,18 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return head
 
 
+@contextlib.asynccontextmanager
+async def raw_server(serve):
+    """A socket server answering with ``serve`` and a bounded pooled client: ``(base URL, client)``."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    client = pooled_client(httpx.Timeout(5.0), bounded=True)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", client
+    finally:
+        await client.aclose()
+        server.close()
+
+
 @pytest.mark.parametrize("answer", sorted(BROKEN_ANSWERS))
 def test_an_answer_cut_short_or_not_http_names_the_server_in_one_line(answer, caplog):
     """Before: a body cut short reached the caller as httpx's ReadError 'Response payload is not completed: ...' and
@@ -214,18 +227,12 @@ def test_an_answer_cut_short_or_not_http_names_the_server_in_one_line(answer, ca
         writer.close()
 
     async def main():
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        client = pooled_client(httpx.Timeout(5.0), bounded=True)
         errors = []
-        try:
+        async with raw_server(serve) as (base, client):
             for path in ("/inference/v1/generate", "/v1/chat/completions"):  # read whole here / by the caller
                 with pytest.raises(httpx.TransportError) as failed:
                     await (await client.post(base + path, json={})).aread()
                 errors.append((path, failed.value))
-        finally:
-            await client.aclose()
-            server.close()
         return base, errors
 
     with caplog.at_level(logging.WARNING, logger="prime.orchestrator.http"):
@@ -263,19 +270,13 @@ def test_a_compressed_answer_is_bounded_and_checked_as_decoded(monkeypatch, capl
         writer.close()
 
     async def main():
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        client = pooled_client(httpx.Timeout(5.0), bounded=True)
-        try:
+        async with raw_server(serve) as (base, client):
             with pytest.raises(http_pool.ResponseTooLarge) as bomb:
                 await (await client.post(base + "/v1/chat/completions", json={})).aread()
             with pytest.raises(httpx.RemoteProtocolError) as broken:
                 await (await client.post(base + "/v1/broken", json={})).aread()
             aborted = await client.post(base + "/inference/v1/generate", json={})
             models = (await client.post(base + "/v1/models", json={})).json()
-        finally:
-            await client.aclose()
-            server.close()
         return base, bomb.value, broken.value, aborted, models
 
     with caplog.at_level(logging.WARNING, logger="prime.orchestrator.http"):

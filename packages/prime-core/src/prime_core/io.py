@@ -210,8 +210,8 @@ def one_line(message: str) -> str:
 def read_regular(path: str | os.PathLike, what: str, limit: int | None = None) -> bytes:
     """The bytes of the file ``what`` (``"a progress record"``) at ``path``, opened with `open_regular`: a FIFO there
     blocked the reader in ``open`` for good, and a link to a device fed it without end. Those, a socket, a directory,
-    a loop of symlinks and a file over ``limit`` bytes (a small record the run wrote, replaced by something else) are an `UnreadableFile` naming the
-    path; a missing file or a failing disk stays an ``OSError``."""
+    a loop of symlinks and a file over ``limit`` bytes (a small record the run wrote, replaced by something else) are
+    an `UnreadableFile` naming the path; a missing file or a failing disk stays an ``OSError``."""
     try:
         with open_regular(path) as f:
             data = f.read() if limit is None else f.read(limit + 1)
