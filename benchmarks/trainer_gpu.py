@@ -97,6 +97,8 @@ def _trainer_flags(flags: set[str], host: Host) -> list[str]:
             extra += ["--parallel.compile-layers", "true"]
         elif f == "cudagraphs":
             extra += ["--parallel.cuda-graphs", "true"]
+        elif f == "fa4":
+            extra += ["--init.attn", "flash_attn4"]
         elif f.startswith("cap") and host.gpu_total_gib:
             extra += ["--gpu-memory-fraction", f"{float(f[3:]) / host.gpu_total_gib:.6f}"]
     return extra
@@ -108,7 +110,7 @@ def _flag_int(flags: set[str], letter: str, default: int) -> int:
 
 def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str], dict[str, str]]:
     """Command and extra env of a named job. Names: rl<K>k[_noac|_sel|_auto][_cudnn|_flash][_c<chunk>][_keepattn[N]]
-    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_nocompile][_nomaingrad][_compilelayers][_cudagraphs][_fsdp][_cap<GiB>]
+    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_fa4][_nocompile][_nomaingrad][_compilelayers][_cudagraphs][_fsdp][_cap<GiB>]
     [_b<rows>][_m<rows>][_s<steps>][_var|_var<N>][_mask][_fullhead], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[...], micro.
     `_b<N>` trains N rows of <K>k tokens per step in micro-batches of `_m<M>` rows (default one row of each), and `_var`
     packs random-length samples into each row (`_var<N>`: of at most N tokens): `rl2k_auto_b64_m8_var400` is the
@@ -121,7 +123,7 @@ def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str],
     backward (`--parallel.ac-offload-attention`). `_fsdp` wraps one rank in FSDP2 (`--parallel.fsdp-one-rank`, the path
     before issue 43); `_compilelayers` compiles each decoder layer (`--parallel.compile-layers`); `_cudagraphs` replays
     the decoder stack from CUDA graphs (`--parallel.cuda-graphs`); `_cap<G>` gives the trainer G GiB of the GPU
-    (`--gpu-memory-fraction`); `_nomaingrad` keeps weight gradients in bf16 until the hooks add them to the fp32 ones
+    (`--gpu-memory-fraction`); `_fa4` attends with FlashAttention-4 (`--init.attn flash_attn4`); `_nomaingrad` keeps weight gradients in bf16 until the hooks add them to the fp32 ones
     (`PRIME_MAIN_GRAD=0`, the path before fp32 sums inside the matmuls); `_s<N>` runs N steps (the first is warmup)."""
     host = host or Host()
     out = tmp / f"{name}.json"
@@ -235,6 +237,20 @@ def _time_cuda(fn, iters: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _fa4_attend(seq: int, dim: int):
+    """FlashAttention-4 through prime-models' op, called like SDPA on one `[1, N, S, D]` row."""
+    import torch
+    from prime_models.layers.flash_attn4 import flash_attn4_varlen
+
+    cu = torch.tensor([0, seq], dtype=torch.int32, device="cuda")
+
+    def attend(q, k, v, is_causal):
+        flat = [t[0].transpose(0, 1) for t in (q, k, v)]  # [S, N, D]
+        return flash_attn4_varlen(*flat, cu, seq, dim**-0.5)[0].transpose(0, 1)[None]
+
+    return attend
+
+
 def micro(out: Path) -> None:
     """Per-layer attention fwd / fwd+bwd per SDPA backend, and the fused head fwd+bwd, at Qwen3-0.6B shapes."""
     import torch
@@ -251,18 +267,19 @@ def micro(out: Path) -> None:
         # Causal attention FLOPs (fwd): 2 matmuls x 2 flops x S^2/2 x D per head.
         fwd_flops = 2 * 2 * seq * seq / 2 * dim * heads
         for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:  # fmt: skip
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("fa4", None)]:  # fmt: skip
             qkv = [torch.randn(1, heads, seq, dim, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv"]
             grad = torch.randn(1, heads, seq, dim, device=dev, dtype=torch.bfloat16)
             try:
-                with sdpa_kernel([backend]):
+                attend = _fa4_attend(seq, dim) if backend is None else F.scaled_dot_product_attention
+                with sdpa_kernel([backend or SDPBackend.MATH]):
 
-                    def fwd(qkv=qkv):
+                    def fwd(qkv=qkv, attend=attend):
                         with torch.no_grad():
-                            F.scaled_dot_product_attention(*qkv, is_causal=True)
+                            attend(*qkv, is_causal=True)
 
-                    def fwd_bwd(qkv=qkv, grad=grad):
-                        o = F.scaled_dot_product_attention(*qkv, is_causal=True)
+                    def fwd_bwd(qkv=qkv, grad=grad, attend=attend):
+                        o = attend(*qkv, is_causal=True)
                         torch.autograd.grad(o, qkv, grad)
 
                     tf, tfb = _time_cuda(fwd), _time_cuda(fwd_bwd)

@@ -1,6 +1,7 @@
 """Optional kernels, each with a pure-PyTorch fallback and a flag.
 
-`HAS_FLASH_ATTN` is True when the `flash-attn` extra is importable; `HAS_GROUPED_MM` when this torch build ships
+`HAS_FLASH_ATTN` is True when the `flash-attn` extra (FlashAttention-2) is importable, `HAS_FLASH_ATTN4` when the
+`flash-attn-4` distribution (`flash_attn.cute`) is; `HAS_GROUPED_MM` when this torch build ships
 `torch._grouped_mm`. Tests may flip `FORCE_GROUPED_MM_FALLBACK` to exercise the fallback path.
 """
 
@@ -10,14 +11,29 @@ import contextlib
 import functools
 import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
-HAS_FLASH_ATTN: bool = importlib.util.find_spec("flash_attn") is not None
+
+def _flash_attn_installed() -> tuple[bool, bool]:
+    """(FlashAttention-2, FlashAttention-4) without importing either: flash-attn-4 alone installs `flash_attn` as a
+    namespace package holding only `cute`, so `flash_attn` being found says nothing about FlashAttention-2."""
+    spec = importlib.util.find_spec("flash_attn")
+    if spec is None:
+        return False, False
+    dirs = [Path(d) for d in spec.submodule_search_locations or ()]
+    fa2 = spec.origin is not None and spec.origin.endswith("__init__.py")
+    return fa2, any((d / "cute" / "interface.py").is_file() for d in dirs)
+
+
+HAS_FLASH_ATTN, HAS_FLASH_ATTN4 = _flash_attn_installed()
 HAS_GROUPED_MM: bool = hasattr(torch, "_grouped_mm")
 FORCE_GROUPED_MM_FALLBACK: bool = False
 
 FLASH_ATTN_INSTALL_HINT = "pip install prime-models[flash-attn]"
+# Not an extra: flash-attn-4 is on PyPI but not on every index a lock file is made against.
+FLASH_ATTN4_INSTALL_HINT = "pip install flash-attn-4 (FlashAttention-4: Hopper and Blackwell GPUs)"
 
 # SDPA backend priority on CUDA, e.g. "cudnn,flash,efficient" (names of `torch.nn.attention.SDPBackend` members, lower
 # case). Empty keeps torch's own order. Read once from PRIME_SDPA_BACKENDS; benchmarks and tests may set it directly.

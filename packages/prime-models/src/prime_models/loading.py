@@ -21,7 +21,7 @@ from prime_models.registry import get_model_spec
 
 logger = logging.getLogger(__name__)
 
-ATTN_CHOICES = ("sdpa", "flash_attn", "auto")
+ATTN_CHOICES = ("sdpa", "flash_attn", "flash_attn4", "auto")
 INDEX_FILE = "model.safetensors.index.json"
 GIB = 1024**3
 
@@ -55,19 +55,25 @@ class _SkipInitializers(TorchFunctionMode):
 
 
 def resolve_attn(attn: str, device: torch.device) -> str:
-    """Map the user's choice to a backend; "auto" prefers flash-attn on CUDA and says so when it falls back."""
+    """Map the user's choice to a backend; "auto" prefers FlashAttention-4 on Hopper and newer, then flash-attn
+    (FlashAttention-2) on CUDA, and says so when it falls back to SDPA."""
     if attn not in ATTN_CHOICES:
         raise ValueError(f"unknown attn {attn!r}; choose one of {ATTN_CHOICES}")
     if attn == "sdpa":
         return "sdpa"
-    if attn == "flash_attn":
-        if not kernels.HAS_FLASH_ATTN:
-            raise ValueError(f"attn='flash_attn' needs the flash-attn extra: {kernels.FLASH_ATTN_INSTALL_HINT}")
+    installed = {"flash_attn": kernels.HAS_FLASH_ATTN, "flash_attn4": kernels.HAS_FLASH_ATTN4}
+    hints = {"flash_attn": kernels.FLASH_ATTN_INSTALL_HINT, "flash_attn4": kernels.FLASH_ATTN4_INSTALL_HINT}
+    if attn in installed:
+        if not installed[attn]:
+            raise ValueError(f"attn={attn!r} needs a package that is not installed: {hints[attn]}")
         if device.type != "cuda":
-            raise ValueError(f"attn='flash_attn' needs a CUDA device, got {device}")
-        return "flash_attn"
-    if kernels.HAS_FLASH_ATTN and device.type == "cuda":
-        return "flash_attn"
+            raise ValueError(f"attn={attn!r} needs a CUDA device, got {device}")
+        return attn
+    if device.type == "cuda":
+        if kernels.HAS_FLASH_ATTN4 and torch.cuda.get_device_capability(device)[0] >= 9:
+            return "flash_attn4"
+        if kernels.HAS_FLASH_ATTN:
+            return "flash_attn"
     reason = "not installed" if not kernels.HAS_FLASH_ATTN else f"unavailable on {device.type}"
     logger.warning("attn='auto': flash-attn %s, falling back to SDPA (%s)", reason, kernels.FLASH_ATTN_INSTALL_HINT)
     return "sdpa"
@@ -150,7 +156,8 @@ def load_model(
             Without safetensors files the weights are random (HF-style init).
         dtype: parameter dtype; default float32 (training master weights).
         device: target device; default CPU. "meta" returns an uninitialized model (e.g. to shard before loading).
-        attn: "sdpa", "flash_attn" (needs the flash-attn extra and CUDA) or "auto".
+        attn: "sdpa", "flash_attn" (needs the flash-attn extra and CUDA), "flash_attn4" (needs flash-attn-4 and
+            CUDA) or "auto".
         seed: seeds the random init (ignored when weights are loaded).
     """
     hf_config, ckpt_dir = resolve_config(path_or_config)

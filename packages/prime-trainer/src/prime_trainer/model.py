@@ -17,7 +17,7 @@ from prime_core.config.shared import Fp8Config, LoRAConfig, ModelConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
 from prime_models import get_model_spec, load_model
 from prime_models.layers.attention import RowPacking, use_row_packing
-from prime_models.loading import ModelTooLarge
+from prime_models.loading import ModelTooLarge, resolve_attn
 from prime_models.parallel.context_parallel import ContextParallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -99,6 +99,10 @@ def build_model(
         raise ConfigError(f"model.dtype={dtype!r} is not supported for training (use auto, float32 or bfloat16)")
     # CUDA graphs need SDPA (flash-attn's cu_seqlens vary per micro-batch): "auto" picks it for them.
     attn = "sdpa" if parallel.cuda_graphs and init.attn == "auto" else init.attn
+    try:
+        attn = resolve_attn(attn, world.device)
+    except ValueError as e:  # a kernel that is not installed, or needs a GPU
+        raise ConfigError(f"init.attn: {e}") from None
     try:
         model = load_model(target, dtype=torch_dtype, device=world.device, attn=attn, seed=seed)
     except ModelTooLarge as e:  # its config names no file when the weights are random (a dict is loaded)

@@ -38,8 +38,10 @@ class ModelInitConfig(BaseConfig):
     """HF config fields to override before building (e.g. ``{"num_hidden_layers": 2}``); implies nothing else."""
     tokenizer: str | None = None
     """Tokenizer directory or hub id when it is not next to the weights (default: ``model.name``)."""
-    attn: Literal["auto", "sdpa", "flash_attn"] = "auto"
-    """Attention kernel; ``auto`` picks flash-attn on GPU when installed, else SDPA."""
+    attn: Literal["auto", "sdpa", "flash_attn", "flash_attn4"] = "auto"
+    """Attention kernel: ``flash_attn`` is FlashAttention-2 (the flash-attn extra), ``flash_attn4`` FlashAttention-4
+    (``pip install flash-attn-4``; Hopper, Blackwell); ``auto`` picks FlashAttention-4 on Hopper or newer, then
+    FlashAttention-2 on a GPU when installed, else SDPA."""
     logprob_chunk_size: int = Field(default=2048, ge=1)
     """Tokens per chunk of the fused log-prob head (bounds the memory of the [tokens, vocab] logits)."""
     freeze_vision: bool = False
@@ -318,7 +320,8 @@ class _TrainerBase(BaseConfig):
             (m.lora is not None, "model.lora (adapter selection is host logic a graph would freeze)"),
             (m.fp8.recipe != "none", "model.fp8"),
             (m.dtype in ("bfloat16", "float16"), f"model.dtype = {m.dtype!r} (they need fp32 masters: auto or float32)"),
-            (self.init.attn == "flash_attn", "init.attn = 'flash_attn' (its cu_seqlens vary per micro-batch; use sdpa)"),
+            (self.init.attn in ("flash_attn", "flash_attn4"),
+             f"init.attn = {self.init.attn!r} (its cu_seqlens vary per micro-batch; use sdpa)"),
         ) if bad), None)  # fmt: skip
         if clash is not None:
             raise ValueError(f"parallel.cuda_graphs does not serve {clash}")

@@ -10,8 +10,10 @@ boundary. Two backends:
   `kernels.SDPA_VARLEN` off, fp32 activations) SDPA with a block-diagonal causal boolean mask `[B, 1, S, S]` (S^2
   bytes per row, e.g. 64 MiB at 8k tokens, and the whole causal triangle computed). CUDA graphs replay the same
   choice (`prime_models.parallel.cuda_graphs`).
-* ``flash_attn``: `flash_attn_varlen_func` over the flattened `[B*S]` tokens with `cu_seqlens` derived from
-  `position_ids` (no mask at all).
+* ``flash_attn``: FlashAttention-2's `flash_attn_varlen_func` over the flattened `[B*S]` tokens with `cu_seqlens`
+  derived from `position_ids` (no mask at all).
+* ``flash_attn4``: FlashAttention-4 (`flash-attn-4`, Hopper and Blackwell) the same way, through the custom op of
+  `prime_models.layers.flash_attn4` so that activation checkpointing can keep its output.
 
 Sampling passes a `prime_models.layers.kv_cache.KVCacheStep` instead: each layer stores its new K/V in the cache and
 attends over it (the torch inference engine serves with this same forward).
@@ -41,9 +43,12 @@ from torch import nn
 
 from prime_models import kernels
 from prime_models.layers.common import RMSNorm, apply_rotary
+from prime_models.layers.flash_attn4 import flash_attn4_varlen
 from prime_models.layers.kv_cache import KVCacheStep
 
-ATTN_BACKENDS = ("sdpa", "flash_attn")
+ATTN_BACKENDS = ("sdpa", "flash_attn", "flash_attn4")
+FLASH_BACKENDS = ("flash_attn", "flash_attn4")
+"""Backends that attend over the flattened samples of ``cu_seqlens`` and never take a mask."""
 
 # The active context-parallel split of the current forward (set by `CPShard.__enter__`), else None.
 CONTEXT_PARALLEL: ContextVar[Any] = ContextVar("prime_context_parallel", default=None)
@@ -55,7 +60,7 @@ class AttentionMetadata:
 
     backend: str
     mask_B1SS: torch.Tensor | None = None  # sdpa, packed rows only
-    cu_seqlens: torch.Tensor | None = None  # flash_attn, sdpa's packed rows on CUDA: int32 [num_samples + 1]
+    cu_seqlens: torch.Tensor | None = None  # FLASH_BACKENDS, sdpa's packed rows on CUDA: int32 [num_samples + 1]
     max_seqlen: int = 0
     context_parallel: Any = None  # a CPShard: ring attention over the context-parallel group
     kv_cache: KVCacheStep | None = None  # sampling: attend over a KV cache instead of the rows
@@ -150,7 +155,7 @@ def build_attention_metadata(
     known = ROW_PACKING.get()
     if known is not None and known.shape != tuple(position_ids_BS.shape):
         known = None
-    if backend == "flash_attn":
+    if backend in FLASH_BACKENDS:
         if known is not None:
             return AttentionMetadata(backend, cu_seqlens=known.cu_seqlens, max_seqlen=known.max_seqlen)
         cu, max_seqlen = cu_seqlens_from_position_ids(position_ids_BS)
@@ -220,7 +225,7 @@ class Attention(nn.Module):
             out = meta.kv_cache.attend(self.layer_idx, q, k, v, self.scale)
         elif meta.context_parallel is not None:
             out = meta.context_parallel.attention(q, k, v, self.scale)
-        elif meta.backend == "flash_attn" or (meta.cu_seqlens is not None and varlen_takes(q.dtype, self.head_dim)):
+        elif meta.backend in FLASH_BACKENDS or (meta.cu_seqlens is not None and varlen_takes(q.dtype, self.head_dim)):
             out = self._varlen(q, k, v, meta)
         else:
             out = self._sdpa(q, k, v, meta)
@@ -245,17 +250,23 @@ class Attention(nn.Module):
         return out.transpose(1, 2)
 
     def _varlen(self, q_BSND, k_BSKD, v_BSKD, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention over the flattened rows' samples (`meta.cu_seqlens`): flash-attn's varlen kernel for the
-        ``flash_attn`` backend, torch's own for SDPA's packed rows."""
+        """Attention over the flattened rows' samples (`meta.cu_seqlens`): FlashAttention-2's or -4's varlen kernel
+        for their backends, torch's own for SDPA's packed rows."""
+        B, S = q_BSND.shape[:2]
+        q_TND = q_BSND.reshape(B * S, self.num_heads, self.head_dim)
+        k_TKD = k_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim)
+        v_TKD = v_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim)
+        if meta.backend == "flash_attn4":
+            out, _ = flash_attn4_varlen(q_TND, k_TKD, v_TKD, meta.cu_seqlens, meta.max_seqlen, self.scale)
+            return out.view(B, S, self.num_heads, self.head_dim)
         if meta.backend == "flash_attn":
             fn, causal = kernels.flash_attn_varlen_func(), dict(softmax_scale=self.scale, causal=True)
         else:
             fn, causal = kernels.torch_varlen_attn(), dict(scale=self.scale, window_size=(-1, 0))
-        B, S = q_BSND.shape[:2]
         out = fn(
-            q_BSND.reshape(B * S, self.num_heads, self.head_dim),
-            k_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
-            v_BSKD.reshape(B * S, self.num_kv_heads, self.head_dim),
+            q_TND,
+            k_TKD,
+            v_TKD,
             meta.cu_seqlens,
             meta.cu_seqlens,
             meta.max_seqlen,

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import (
 
 from prime_models import kernels
 from prime_models.layers.chunked_mlp import chunk_mlp, skip_chunked_mlp_in_recompute
+from prime_models.layers.flash_attn4 import flash_attn4_varlen  # noqa: F401 (registers the op ATTENTION_OPS names)
 from prime_models.layers.moe import MoE
 from prime_models.parallel.attention_offload import AttentionOffload
 
@@ -53,7 +54,7 @@ def _ops(names: tuple[str, ...]) -> frozenset:
 ATTENTION_OPS = _ops(("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
                       "_scaled_dot_product_efficient_attention", "_flash_attention_forward",
                       "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu")
-                     ) | kernels.varlen_attention_ops()  # fmt: skip
+                     ) | kernels.varlen_attention_ops() | {torch.ops.prime_models.flash_attn4_varlen.default}  # fmt: skip
 """Attention kernels whose outputs `keep_attention` keeps (and `offload_attention` moves to host memory)."""
 MATMUL_OPS = _ops(("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm"))
 

@@ -1,0 +1,193 @@
+"""FlashAttention-4 (`flash-attn-4`) as the ``flash_attn4`` attention backend.
+
+FA4's kernels need a Hopper or Blackwell GPU, so on CPU a stand-in of its interface module (each sample's causal
+attention with SDPA, the same call signature and return values) serves the op; the kernel itself is checked against
+SDPA on a GPU (`gpu` marker)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from prime_models import apply_activation_checkpointing, kernels, load_model
+from prime_models.layers import flash_attn4
+from prime_models.layers.attention import row_packing, use_row_packing
+from prime_models.loading import resolve_attn
+from prime_models.parallel.activation_checkpoint import ATTENTION_OPS
+
+from tests.models.conftest import VOCAB, tiny_config
+
+QWEN3_06B = Path(__file__).resolve().parents[2] / "benchmarks/models/qwen3-0.6b"  # its config: the trainer's checks
+LENGTHS = [5, 9, 2, 7]  # one row of four samples, and a second row of one
+SEQ = sum(LENGTHS)
+
+
+def _per_sample(q, k, v, cu, scale):
+    out = torch.empty_like(q)
+    for start, end in zip(cu.tolist()[:-1], cu.tolist()[1:], strict=True):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        out[start:end] = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    return out
+
+
+class _StandInInterface(types.ModuleType):
+    """`flash_attn.cute.interface`'s `_flash_attn_fwd` / `_flash_attn_bwd` on CPU; counts the calls of each."""
+
+    def __init__(self):
+        super().__init__("flash_attn.cute.interface")
+        self.forwards = self.backwards = 0
+
+    def _flash_attn_fwd(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                        causal, return_lse):  # fmt: skip
+        assert causal and return_lse and cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
+        assert cu_seqlens_q.dtype == torch.int32 and k.shape[1] < q.shape[1]  # GQA goes in unexpanded
+        self.forwards += 1
+        lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
+        return _per_sample(q, k, v, cu_seqlens_q, softmax_scale), lse, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale, causal, *, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k):  # fmt: skip
+        assert causal and dout.is_contiguous() and lse.shape == (q.shape[1], q.shape[0])
+        self.backwards += 1
+        with torch.enable_grad():
+            qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+            again = _per_sample(*qkv, cu_seqlens_q, softmax_scale)
+            return torch.autograd.grad(again, qkv, dout)
+
+
+@pytest.fixture
+def stand_in(monkeypatch) -> _StandInInterface:
+    fake = _StandInInterface()
+    monkeypatch.setattr(flash_attn4, "_fa4", lambda: fake)
+    return fake
+
+
+def _rows() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    positions = torch.stack([torch.cat([torch.arange(n) for n in LENGTHS]), torch.arange(SEQ)])
+    return ids, positions
+
+
+def _step(model, ids, positions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    with use_row_packing(row_packing(positions[:, :-1])):
+        lp, _ = model(ids[:, :-1], positions[:, :-1], targets=ids[:, 1:])
+    lp.sum().backward()
+    return lp.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _model(backend: str, ac: str = "none"):
+    model = load_model(tiny_config("qwen3"), seed=0)
+    model.attn_backend = backend  # resolve_attn refuses flash_attn4 off a GPU; the stand-in serves it here
+    if ac != "none":
+        apply_activation_checkpointing(model.model.layers, "full", keep_attention=-1 if ac == "keep" else 0)
+    return model
+
+
+def test_flash_attn4_trains_like_sdpas_mask(stand_in):
+    ids, positions = _rows()
+    lp_fa4, grads_fa4 = _step(_model("flash_attn4"), ids, positions)
+    lp_sdpa, grads_sdpa = _step(_model("sdpa"), ids, positions)
+    layers = 2
+    assert (stand_in.forwards, stand_in.backwards) == (layers, layers)
+    torch.testing.assert_close(lp_fa4, lp_sdpa, atol=1e-5, rtol=1e-5)
+    assert grads_fa4.keys() == grads_sdpa.keys()
+    for name, grad in grads_sdpa.items():
+        torch.testing.assert_close(grads_fa4[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("ac", "forwards"), [("full", 4), ("keep", 2)])
+def test_kept_attention_keeps_flash_attn4s_output_instead_of_running_it_again(stand_in, ac, forwards):
+    ids, positions = _rows()
+    lp, grads = _step(_model("flash_attn4", ac), ids, positions)
+    assert torch.ops.prime_models.flash_attn4_varlen.default in ATTENTION_OPS
+    assert (stand_in.forwards, stand_in.backwards) == (forwards, 2)  # 2 layers; full AC runs each forward again
+    lp_plain, grads_plain = _step(_model("sdpa"), ids, positions)
+    torch.testing.assert_close(lp, lp_plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads["model.layers.0.self_attn.q_proj.weight"],
+                               grads_plain["model.layers.0.self_attn.q_proj.weight"], atol=1e-5, rtol=1e-4)  # fmt: skip
+
+
+def _package(root, *, fa2: bool, fa4: bool) -> None:
+    pkg = root / "flash_attn"
+    (pkg / "cute").mkdir(parents=True)
+    if fa2:
+        (pkg / "__init__.py").write_text("")
+    if fa4:
+        (pkg / "cute" / "interface.py").write_text("")
+
+
+@pytest.mark.parametrize(("fa2", "fa4"), [(False, True), (True, False), (True, True)])
+def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(tmp_path, monkeypatch, fa2, fa4):
+    _package(tmp_path, fa2=fa2, fa4=fa4)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    assert kernels._flash_attn_installed() == (fa2, fa4)
+
+
+def test_flash_attn4_without_the_package_or_a_gpu_is_one_line(monkeypatch):
+    monkeypatch.setattr(kernels, "HAS_FLASH_ATTN4", False)
+    with pytest.raises(ValueError, match=r"^attn='flash_attn4' needs a package that is not installed: pip install "
+                       r"flash-attn-4 \(FlashAttention-4: Hopper and Blackwell GPUs\)$"):  # fmt: skip
+        resolve_attn("flash_attn4", torch.device("cpu"))
+    monkeypatch.setattr(kernels, "HAS_FLASH_ATTN4", True)
+    with pytest.raises(ValueError, match=r"^attn='flash_attn4' needs a CUDA device, got cpu$"):
+        resolve_attn("flash_attn4", torch.device("cpu"))
+    assert resolve_attn("auto", torch.device("cpu")) == "sdpa"
+
+
+def test_the_trainer_names_init_attn_in_one_line(monkeypatch):
+    from prime_core.config import ConfigError
+    from prime_core.config.parallel import ParallelConfig
+    from prime_core.config.trainer import ModelInitConfig
+    from prime_trainer.model import build_model
+    from prime_trainer.world import World
+
+    monkeypatch.setattr(kernels, "HAS_FLASH_ATTN4", False)
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    init = ModelInitConfig(random=True, attn="flash_attn4")
+    with pytest.raises(ConfigError, match=r"^init.attn: attn='flash_attn4' needs a package that is not installed: "):
+        build_model(str(QWEN3_06B), "auto", init, ParallelConfig(), world, seed=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_FLASH_ATTN4), reason="needs a GPU and flash-attn-4")
+@pytest.mark.parametrize("ac", ["none", "keep_attention", "offload_attention"])
+def test_gpu_flash_attn4_trains_like_sdpa(ac):
+    """bf16 Qwen3-shaped layers (GQA 16/8 heads of 128), rows of many short samples: FA4's log-probs and gradients
+    against SDPA (torch's varlen kernel) on the same rows, with and without checkpointing that keeps its outputs."""
+    cfg = tiny_config("qwen3", hidden_size=512, intermediate_size=1024, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)  # fmt: skip
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    rows, seq = 4, 2048
+    ids = torch.randint(0, VOCAB, (rows, seq + 1), generator=g)
+    positions = torch.zeros(rows, seq + 1, dtype=torch.long)
+    for r in range(rows):
+        pos = 0
+        while pos < seq + 1:
+            n = min(int(torch.randint(16, 400, (1,), generator=g)), seq + 1 - pos)
+            positions[r, pos : pos + n] = torch.arange(n)
+            pos += n
+    results = {}
+    for attn in ("flash_attn4", "sdpa"):
+        model = load_model(cfg, dtype=torch.bfloat16, device=device, seed=0, attn=attn)
+        assert model.attn_backend == attn
+        if ac != "none":
+            apply_activation_checkpointing(
+                model.model.layers, "full", keep_attention=-1, offload_attention=ac == "offload_attention"
+            )
+        with use_row_packing(row_packing(positions[:, :-1], device)):
+            lp, _ = model(ids[:, :-1].to(device), positions[:, :-1].to(device), targets=ids[:, 1:].to(device))
+            lp.float().mean().backward()
+        results[attn] = lp.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+    (lp_f, g_f), (lp_s, g_s) = results["flash_attn4"], results["sdpa"]
+    assert (lp_f - lp_s).abs().max().item() < 0.05
+    for n, grad in g_s.items():
+        rel = (g_f[n] - grad).norm() / grad.norm().clamp_min(1e-12)
+        assert rel.item() < 0.02, (n, rel.item())
