@@ -55,8 +55,9 @@ class _SkipInitializers(TorchFunctionMode):
 
 
 def resolve_attn(attn: str, device: torch.device) -> str:
-    """Map the user's choice to a backend; "auto" prefers FlashAttention-4 on Hopper and newer, then flash-attn
-    (FlashAttention-2) on CUDA, and says so when it falls back to SDPA."""
+    """Map the user's choice to a backend; "auto" prefers flash-attn (FlashAttention-2) on CUDA and says so when it
+    falls back to SDPA. FlashAttention-4 is never chosen for the user: on an H200 it is faster than SDPA's cuDNN
+    kernel for one 64k row and slower for one 16k row (docs/benchmarks.md)."""
     if attn not in ATTN_CHOICES:
         raise ValueError(f"unknown attn {attn!r}; choose one of {ATTN_CHOICES}")
     if attn == "sdpa":
@@ -69,11 +70,8 @@ def resolve_attn(attn: str, device: torch.device) -> str:
         if device.type != "cuda":
             raise ValueError(f"attn={attn!r} needs a CUDA device, got {device}")
         return attn
-    if device.type == "cuda":
-        if kernels.HAS_FLASH_ATTN4 and torch.cuda.get_device_capability(device)[0] >= 9:
-            return "flash_attn4"
-        if kernels.HAS_FLASH_ATTN:
-            return "flash_attn"
+    if kernels.HAS_FLASH_ATTN and device.type == "cuda":
+        return "flash_attn"
     reason = "not installed" if not kernels.HAS_FLASH_ATTN else f"unavailable on {device.type}"
     logger.warning("attn='auto': flash-attn %s, falling back to SDPA (%s)", reason, kernels.FLASH_ATTN_INSTALL_HINT)
     return "sdpa"
