@@ -23,14 +23,6 @@ class World:
         return self.rank == 0
 
 
-def allocate_in_expandable_segments(environ: dict[str, str] = os.environ) -> None:
-    """Grow CUDA memory in expandable segments unless the user configured the allocator: with fixed segments a step
-    whose tensors change size (recomputed layers, chunked heads, one 64k row) strands gigabytes as reserved but
-    unallocated, and under a memory cap (`gpu_memory_fraction`) it runs out of memory with 4-5 GiB of them free.
-    Read when CUDA initializes, so it is set before the first CUDA call (`rl` sets the same for its trainer)."""
-    environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
-
 def init_world(device: str = "auto", timeout_s: int = 3600, gpu_memory_fraction: float | None = None) -> World:
     """Initialize torch.distributed from torchrun's env vars, or a one-process group when run directly."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
@@ -39,7 +31,6 @@ def init_world(device: str = "auto", timeout_s: int = 3600, gpu_memory_fraction:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
-        allocate_in_expandable_segments()
         torch.cuda.set_device(local_rank)
         if gpu_memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, local_rank)
