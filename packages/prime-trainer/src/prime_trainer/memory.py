@@ -44,11 +44,15 @@ ATTENTION_FLOPS_PER_S = 600e12
 MARGIN_BYTES = GIB // 2
 """Kept free beyond every estimate: allocator fragmentation, cuBLAS workspaces, compiled kernels' scratch."""
 MARGIN_FRACTION = 0.05
-RECOMPUTE_ALIVE = 0.55
-"""Share of a layer's activations alive while it is recomputed in backward (fit: full checkpointing's peak grows by
-88 KB a token from 16k to 64k tokens on an H100, of which 57 KB are the kept layer inputs)."""
 """Plus this share of the activation estimate."""
+RECOMPUTE_ALIVE = 0.8
+"""Share of a layer's activations alive while it is recomputed in backward. Fit to the one-rank path's 64k peaks on an
+H200 (full checkpointing 15.18 GiB, keeping and offloading attention 15.43 GiB), which 0.55 (fit to FSDP2's growth
+from 16k to 64k on an H100) put 0.2-1.1 GiB low: under a 16 GiB cap the offload plan was chosen and ran out of
+memory. Below ~32k tokens the head's backward buffers are the larger term, so shorter rows plan as before."""
 LAST_RESORT_MLP_CHUNKS = 8
+MLP_CHUNKS_ALIVE = 0.55
+"""The recomputed MLP's share that sequence chunks cut (fit on an H100: 0.36-0.60 GiB less at 64k)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ def activation_bytes(
     recompute = layer * RECOMPUTE_ALIVE
     if plan.mlp_chunks:
         # The chunks cut the MLP's share of the recomputed layer; measured at 64k: about half of what that predicts.
-        mlp = 2 * 5 * shape.mlp_width * RECOMPUTE_ALIVE
+        mlp = 2 * 5 * shape.mlp_width * MLP_CHUNKS_ALIVE
         recompute -= mlp * (plan.mlp_chunks - 1) / (2 * plan.mlp_chunks)
     kept_layers = shape.layers if plan.keep_attention < 0 else plan.keep_attention
     on_gpu = min(kept_layers, 2) if plan.offload_attention else kept_layers
