@@ -23,6 +23,15 @@ class World:
         return self.rank == 0
 
 
+def allocate_in_expandable_segments(environ: dict[str, str] = os.environ) -> None:
+    """Under a memory cap (`gpu_memory_fraction`), grow CUDA memory in expandable segments unless the user configured
+    the allocator. With fixed segments the tensors that change size in a step (a 64k row's recomputed layers) strand
+    1.7 GiB as reserved but unallocated: under a 16 GiB cap a plan peaking at 15.2 GiB ran out of memory, and ran at
+    14.6k tok/s with them. Uncapped, fixed segments stay (measured ~4% faster at 16k). `rl` sets the same for its
+    trainer. Read when CUDA initializes, so this runs before the first CUDA call."""
+    environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def init_world(device: str = "auto", timeout_s: int = 3600, gpu_memory_fraction: float | None = None) -> World:
     """Initialize torch.distributed from torchrun's env vars, or a one-process group when run directly."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
@@ -31,6 +40,8 @@ def init_world(device: str = "auto", timeout_s: int = 3600, gpu_memory_fraction:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
+        if gpu_memory_fraction is not None:
+            allocate_in_expandable_segments()
         torch.cuda.set_device(local_rank)
         if gpu_memory_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(gpu_memory_fraction, local_rank)
