@@ -9,9 +9,10 @@ device in the same call.
 
 Model: benchmarks/models/qwen3-0.6b (config only: Qwen3-0.6B shape, random init). Each job is a fresh process
 (clean peak memory); jobs run in the order given until `--budget-s` is spent. Besides the end-to-end jobs:
-`micro` times SDPA backends (flash, cudnn, efficient) forward+backward at 16k/65k and the fused log-prob head,
-`profile<S>` runs the trainer's own setup and `train_step` in-process: timed steps (tokens/s, peak memory, the
-memory plan) and then one step under torch.profiler, CUDA kernel time grouped by kind. Everything lands in one
+`micro` times SDPA backends (flash, cudnn, efficient) and FlashAttention-4 (`fa4`, where installed)
+forward+backward at 16k/65k and the fused log-prob head, `profile<S>` runs the trainer's own setup and `train_step`
+in-process: timed steps (tokens/s, peak memory, the memory plan) and then one step under torch.profiler, CUDA kernel
+time grouped by kind. Everything lands in one
 `results.json` under `--out` (plus `profile_*.txt`); `--report` turns that into benchmarks/results/trainer_gpu_*.json
 records, each with its ratio to the matching baseline; `--suite` runs a fixed job list and writes its records under
 `$OUT/records` (benchmarks/trainer_gpu_suite.py). liger-kernel is not on the GPU hosts: `--wheels DIR` installs a
@@ -123,8 +124,9 @@ def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str],
     backward (`--parallel.ac-offload-attention`). `_fsdp` wraps one rank in FSDP2 (`--parallel.fsdp-one-rank`, the path
     before issue 43); `_compilelayers` compiles each decoder layer (`--parallel.compile-layers`); `_cudagraphs` replays
     the decoder stack from CUDA graphs (`--parallel.cuda-graphs`); `_cap<G>` gives the trainer G GiB of the GPU
-    (`--gpu-memory-fraction`); `_fa4` attends with FlashAttention-4 (`--init.attn flash_attn4`); `_nomaingrad` keeps weight gradients in bf16 until the hooks add them to the fp32 ones
-    (`PRIME_MAIN_GRAD=0`, the path before fp32 sums inside the matmuls); `_s<N>` runs N steps (the first is warmup)."""
+    (`--gpu-memory-fraction`); `_fa4` attends with FlashAttention-4 (`--init.attn flash_attn4`); `_nomaingrad` keeps
+    weight gradients in bf16 until the hooks add them to the fp32 ones (`PRIME_MAIN_GRAD=0`, the path before fp32 sums
+    inside the matmuls); `_s<N>` runs N steps (the first is warmup)."""
     host = host or Host()
     out = tmp / f"{name}.json"
     env: dict[str, str] = {}

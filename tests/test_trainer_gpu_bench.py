@@ -73,6 +73,8 @@ def test_every_suite_job_parses_and_asks_for_what_its_name_says(bench, suite, tm
     both = configs["rl2k_auto_b64_m1_var_s3_cudagraphs_compilelayers"].parallel
     assert both.cuda_graphs and both.compile_layers
     assert configs["rl16k_s4"].parallel.ac == "full" and configs["rl16k_s4"].max_steps == 4
+    fa4 = load_config(TrainerConfig, trainer_argv(bench.job_spec("rl64k_auto_cap16_fa4", tmp_path, host)[0]))
+    assert fa4.init.attn == "flash_attn4" and fa4.gpu_memory_fraction == pytest.approx(16 / 80, abs=1e-6)
     # The CPU smoke: tiny rows, baselines without liger-kernel.
     tiny = bench.Host(model=suite.tiny_model(tmp_path), device="cpu", tokens_per_k=4)
     jobs = [job for job, _ in suite.suite_jobs("onegpu", tiny=True)]
