@@ -36,7 +36,15 @@ from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.vllm_load import LoadPoller
-from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap, start_engines
+from prime_inference.engines.vllm_outputs import prompt_logprobs_of, split_logprobs
+from prime_inference.engines.vllm_replicas import (
+    EngineReplicas,
+    EnginesDied,
+    RoutedTap,
+    died_message,
+    is_dead,
+    start_engines,
+)
 from prime_inference.engines.vllm_requests import refused_as_400, sampling_params
 from prime_inference.protocol import RequestError
 from prime_inference.token_logprobs import TapFetcher, align
@@ -144,50 +152,6 @@ def run_headless(config: InferenceConfig) -> None:
     vllm_main()
 
 
-def split_logprobs(token_ids: Any, entries: Any, k: int) -> tuple[list[float], list[dict[int, float]] | None]:
-    """(sampled tokens' log-probs, top-k alternatives per token or None for k = 0) from vLLM's sample log-probs.
-
-    ``entries`` is vLLM's `FlatLogprobs` (what ``flat_logprobs=True`` returns): flat lists where position i owns
-    ``[start_indices[i], end_indices[i])``, the sampled token first, then the top k by rank. With k = 0 every
-    position holds one entry, so the log-prob list is handed over as is: no Python object per token (RL asks for
-    exactly this, and a whole batch of rollouts lands on the event loop at once when it finishes together).
-    A plain list of ``{token id: Logprob}`` dicts (vLLM without flat log-probs) is read the slow way.
-    """
-    if isinstance(entries, list):
-        lps = [entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)]
-        if k <= 0:
-            return lps, None
-        top = []
-        for tid, entry in zip(token_ids, entries, strict=True):
-            ranked = sorted(((t, lp) for t, lp in entry.items() if t != tid), key=lambda x: x[1].rank or 0)
-            top.append({t: lp.logprob for t, lp in ranked[:k]})
-        return lps, top
-    starts, values = entries.start_indices, entries.logprobs
-    if len(starts) != len(token_ids):
-        raise RuntimeError(f"vLLM returned log-probs for {len(starts)} positions, {len(token_ids)} tokens")
-    lps = values if len(values) == len(starts) else [values[s] for s in starts]
-    if k <= 0:
-        return lps, None
-    ids, ends = entries.token_ids, entries.end_indices
-    top = [
-        dict([(ids[i], values[i]) for i in range(s + 1, e) if ids[i] != tid][:k])
-        for tid, s, e in zip(token_ids, starts, ends, strict=True)
-    ]
-    return lps, top
-
-
-def prompt_logprobs_of(entries: Any) -> list[dict[int, tuple[float, int]] | None]:
-    """vLLM's prompt log-probs as the engine interface holds them: per position None (the first) or {token id:
-    (log-prob, rank)}, from a list of ``{token id: Logprob}`` dicts or a `FlatLogprobs`."""
-    if isinstance(entries, list):
-        return [None if e is None else {t: (lp.logprob, lp.rank or 0) for t, lp in e.items()} for e in entries]
-    ids, values, ranks = entries.token_ids, entries.logprobs, entries.ranks
-    out: list[dict[int, tuple[float, int]] | None] = []
-    for s, e in zip(entries.start_indices, entries.end_indices, strict=True):
-        out.append({ids[i]: (values[i], ranks[i] or 0) for i in range(s, e)} or None)
-    return out
-
-
 class VllmEngine(Engine):
     name = "vllm"
     live_versions = False  # non-streamed requests deliver their tokens at the end
@@ -234,7 +198,12 @@ class VllmEngine(Engine):
             weight_dir=self.weight_dir,
             # A weight swap pauses vLLM's scheduler (requests queue, no step runs); its own bound is the relay's.
             paused=self._paused or self._swapping,
-            extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None, "engines": self.engines},
+            extra={
+                "vllm_plugin": self._plugin,
+                "fast_token_logprobs": self._tap is not None,
+                "engines": self.engines,
+                "dead_engines": self._dead_engines(),
+            },
             **self._load.fields(self._in_flight),  # running, waiting, KV-cache usage, preemptions (vllm_load.py)
             steps=self._engine_steps(),
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
@@ -267,6 +236,17 @@ class VllmEngine(Engine):
     @property
     def engines(self) -> int:
         return len(self.llm.llms) if isinstance(self.llm, EngineReplicas) else 1
+
+    def _dead_engines(self) -> list[int]:
+        return self.llm.dead if isinstance(self.llm, EngineReplicas) else [0] if is_dead(self.llm) else []
+
+    def _died(self, error: BaseException) -> str | None:
+        """One line naming the dead engines when ``error`` means no engine is left (None: it does not)."""
+        if isinstance(self.llm, EngineReplicas):
+            return str(error) if isinstance(error, EnginesDied) else None
+        if is_dead(self.llm) or type(error).__name__ == "EngineDeadError":
+            return f"{died_message([0], 1)} ({type(error).__name__})"
+        return None
 
     def _engine_steps(self) -> int:
         """Steps made; with several engines, rounds in which every engine holding requests stepped (`StepRounds`)."""
@@ -397,6 +377,7 @@ class VllmEngine(Engine):
         was_paused = self._paused
         self._swapping = True
         try:
+            # The pause inside: on a dead engine it is the first call that fails (before, an unnamed 500).
             if not was_paused:
                 mode = "keep" if self.in_flight_updates else "wait"
                 await self.llm.pause_generation(mode=mode, clear_cache=False)
@@ -405,6 +386,8 @@ class VllmEngine(Engine):
                     answers = await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
                     refusal = next((a for a in answers or () if isinstance(a, str)), None)  # a worker's NaN check
                 except Exception as e:
+                    if self._died(e) is not None:
+                        raise
                     refusal, cause = str(e) or type(e).__name__, e
                 else:
                     cause = None
@@ -426,8 +409,18 @@ class VllmEngine(Engine):
             finally:
                 if not was_paused:
                     await self.llm.resume_generation()
+        except Exception as e:
+            died = self._died(e)
+            if died is None:
+                raise
+            # A dead engine core never comes back (vLLM does not restart it): only a new server serves again.
+            self._unusable = f"{died}: weights step {step} not loaded; this server serves nothing until restarted"
+            raise RequestError(self._unusable, status_code=503) from e
         finally:
             self._swapping = False
+        if dead := self._dead_engines():
+            logger.warning("weights step %d loaded on %d of %d engines: %s", step, self.engines - len(dead),
+                           self.engines, died_message(dead, self.engines))  # fmt: skip
 
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
         assert self._admin_lock is not None
