@@ -329,9 +329,11 @@ def test_an_engine_that_died_takes_no_more_requests():
         )
         assert [o for o in done if isinstance(o, BaseException)] == []
         assert llms[1].generated == ["a-turn1"] and len(llms[0].generated) == 40
-        llms[0].errored = True  # both dead: a request still goes somewhere, and fails naming why
-        with pytest.raises(RuntimeError, match="EngineDeadError"):
+        llms[0].errored = True  # both dead: the request fails naming them (before, vLLM's EngineDeadError: a 500)
+        with pytest.raises(RequestError) as unserved:
             await outputs(engine, "last", prompt_of(0))
+        assert unserved.value.status_code == 503
+        assert unserved.value.message == "vLLM engines 0, 1 of 2 died: this server serves nothing until restarted"
 
     asyncio.run(scenario())
 

@@ -134,6 +134,9 @@ def test_a_load_after_the_engine_died_fails_in_one_line_naming_it(paused):
     async def scenario():
         engine = stand_in_engine()
         engine.llm, engine._paused = DeadLLM(), paused
+        with pytest.raises(RequestError) as unserved:  # generation names it too (before: an unnamed 500)
+            await first_output(engine)
+        assert unserved.value.message == "vLLM engine 0 of 1 died: this server serves nothing until restarted"
         with pytest.raises(RequestError) as refused:
             await engine.update_weights("/w/step_3", 3)
         assert refused.value.status_code == 503 and engine.weight_step == 2

@@ -240,6 +240,12 @@ class VllmEngine(Engine):
     def _dead_engines(self) -> list[int]:
         return self.llm.dead if isinstance(self.llm, EngineReplicas) else [0] if is_dead(self.llm) else []
 
+    def _none_left(self) -> str | None:
+        """Why nothing is served once every engine died (before, vLLM's EngineDeadError: an unnamed 500)."""
+        if len(dead := self._dead_engines()) < self.engines:
+            return None
+        return f"{died_message(dead, self.engines)}: this server serves nothing until restarted"
+
     def _died(self, error: BaseException) -> str | None:
         """One line naming the dead engines when ``error`` means no engine is left (None: it does not)."""
         if isinstance(self.llm, EngineReplicas):
@@ -301,8 +307,8 @@ class VllmEngine(Engine):
         return sampling_params(request, tapped)  # a method: CPU tests replace it, having no vllm to build one
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        if self._unusable is not None:
-            raise RequestError(self._unusable, status_code=503)
+        if (unusable := self._unusable or self._none_left()) is not None:
+            raise RequestError(unusable, status_code=503)
         k = request.params.logprobs
         # The tap serves what RL sends: the sampled tokens' log-probs, in one response per request. renderers' client
         # asks for logprobs=1, which on this route means the same: its top_logprobs hold the first max(k, 1) entries.
