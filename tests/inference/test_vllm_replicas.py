@@ -354,7 +354,7 @@ def test_a_weight_load_skips_dead_engines_and_fails_in_one_line_once_none_is_lef
         await engine.update_weights("/w/step_4", 4)
         loaded = ["pause", "prime_reload_weights", "reset_prefix_cache", "reset_encoder_cache", "resume"]
         assert engine.weight_step == 4 and llms[0].calls == loaded
-        assert llms[1].calls == [] and llms[2].calls == ["pause"] and engine._dead_engines() == [1, 2]
+        assert llms[1].calls == [] and llms[2].calls == ["pause"] and engine.llm.dead == [1, 2]
         llms[2].errored = False  # even were it to answer again: it missed step 4
         await asyncio.gather(*(outputs(engine, f"r{i}", prompt_of(i % 2), tag=f"t{i}") for i in range(9)))
         assert len(llms[0].generated) == 9 and llms[1].generated == llms[2].generated == []

@@ -122,7 +122,7 @@ class DeadLLM(StandInLLM):
     async def pause_generation(self, *args, **kwargs):
         raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
 
-    resume_generation = collective_rpc = pause_generation
+    resume_generation = collective_rpc = add_lora = pause_generation
 
 
 @pytest.mark.parametrize("paused", [False, True])
@@ -147,6 +147,31 @@ def test_a_load_after_the_engine_died_fails_in_one_line_naming_it(paused):
         assert unserved.value.status_code == 503 and unserved.value.message == refused.value.message
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("call", ["pause", "resume", "load_adapter"])
+def test_admin_calls_on_a_dead_engine_are_one_line_naming_it(monkeypatch, call):
+    """Before: vLLM's EngineDeadError out of /pause, /resume or a LoRA adapter load (a LoRA run's weight update): HTTP
+    500 "internal error: EngineDeadError"."""
+    import sys
+
+    lora = SimpleNamespace(LoRARequest=lambda **fields: SimpleNamespace(**fields))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)  # no vllm here
+
+    async def scenario():
+        engine = stand_in_engine()
+        engine.llm, engine.config = DeadLLM(), SimpleNamespace(lora_enabled=True)
+        engine._adapters, engine._next_lora_id = {}, 1
+        args = ("policy", "/w/adapter_3", 3) if call == "load_adapter" else ()
+        with pytest.raises(RequestError) as refused:
+            await getattr(engine, call)(*args)
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    what = {"pause": "not paused", "resume": "not resumed", "load_adapter": "LoRA adapter 'policy' not loaded"}[call]
+    assert refused.status_code == 503
+    assert refused.message == f"vLLM engine 0 of 1 died (EngineDeadError): {what}; this server serves nothing until " \
+                              "restarted"  # fmt: skip
 
 
 def test_the_relay_names_the_dead_engine_in_one_line(model_dir, other_weights_dir):

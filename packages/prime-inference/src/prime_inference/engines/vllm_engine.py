@@ -25,6 +25,7 @@ an untapped request reports bounds (its first token no older than the step at it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -39,10 +40,10 @@ from prime_inference.engines.vllm_load import LoadPoller
 from prime_inference.engines.vllm_outputs import prompt_logprobs_of, split_logprobs
 from prime_inference.engines.vllm_replicas import (
     EngineReplicas,
-    EnginesDied,
     RoutedTap,
+    dead_engines,
     died_message,
-    is_dead,
+    none_left,
     start_engines,
 )
 from prime_inference.engines.vllm_requests import refused_as_400, sampling_params
@@ -202,7 +203,7 @@ class VllmEngine(Engine):
                 "vllm_plugin": self._plugin,
                 "fast_token_logprobs": self._tap is not None,
                 "engines": self.engines,
-                "dead_engines": self._dead_engines(),
+                "dead_engines": dead_engines(self.llm),
             },
             **self._load.fields(self._in_flight),  # running, waiting, KV-cache usage, preemptions (vllm_load.py)
             steps=self._engine_steps(),
@@ -237,22 +238,17 @@ class VllmEngine(Engine):
     def engines(self) -> int:
         return len(self.llm.llms) if isinstance(self.llm, EngineReplicas) else 1
 
-    def _dead_engines(self) -> list[int]:
-        return self.llm.dead if isinstance(self.llm, EngineReplicas) else [0] if is_dead(self.llm) else []
-
-    def _none_left(self) -> str | None:
-        """Why nothing is served once every engine died (before, vLLM's EngineDeadError: an unnamed 500)."""
-        if len(dead := self._dead_engines()) < self.engines:
-            return None
-        return f"{died_message(dead, self.engines)}: this server serves nothing until restarted"
-
-    def _died(self, error: BaseException) -> str | None:
-        """One line naming the dead engines when ``error`` means no engine is left (None: it does not)."""
-        if isinstance(self.llm, EngineReplicas):
-            return str(error) if isinstance(error, EnginesDied) else None
-        if is_dead(self.llm) or type(error).__name__ == "EngineDeadError":
-            return f"{died_message([0], 1)} ({type(error).__name__})"
-        return None
+    @contextlib.asynccontextmanager
+    async def _naming_death(self, what: str) -> AsyncIterator[None]:
+        """An error that means every engine died (vLLM never restarts a dead engine core) as a 503 naming them, and
+        nothing served from then on (before, vLLM's EngineDeadError: HTTP 500 "internal error: EngineDeadError")."""
+        try:
+            yield
+        except Exception as e:
+            if (died := none_left(self.llm, e)) is None:
+                raise
+            self._unusable = f"{died}: {what}; this server serves nothing until restarted"
+            raise RequestError(self._unusable, status_code=503) from e
 
     def _engine_steps(self) -> int:
         """Steps made; with several engines, rounds in which every engine holding requests stepped (`StepRounds`)."""
@@ -307,8 +303,10 @@ class VllmEngine(Engine):
         return sampling_params(request, tapped)  # a method: CPU tests replace it, having no vllm to build one
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        if (unusable := self._unusable or self._none_left()) is not None:
-            raise RequestError(unusable, status_code=503)
+        if self._unusable is None and (died := none_left(self.llm)) is not None:
+            self._unusable = f"{died}: this server serves nothing until restarted"
+        if self._unusable is not None:
+            raise RequestError(self._unusable, status_code=503)
         k = request.params.logprobs
         # The tap serves what RL sends: the sampled tokens' log-probs, in one response per request. renderers' client
         # asks for logprobs=1, which on this route means the same: its top_logprobs hold the first max(k, 1) entries.
@@ -383,48 +381,42 @@ class VllmEngine(Engine):
         was_paused = self._paused
         self._swapping = True
         try:
-            # The pause inside: on a dead engine it is the first call that fails (before, an unnamed 500).
-            if not was_paused:
-                mode = "keep" if self.in_flight_updates else "wait"
-                await self.llm.pause_generation(mode=mode, clear_cache=False)
-            try:
-                try:
-                    answers = await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
-                    refusal = next((a for a in answers or () if isinstance(a, str)), None)  # a worker's NaN check
-                except Exception as e:
-                    if self._died(e) is not None:
-                        raise
-                    refusal, cause = str(e) or type(e).__name__, e
-                else:
-                    cause = None
-                if refusal is not None:
-                    # vLLM loads in place: a load that failed part-way (or loaded NaNs) left weights of no step, which
-                    # must not be sampled under the old step's name. A later complete load serves again.
-                    self._unusable = (
-                        f"loading the weights of step {step} failed ({one_line(refusal)}): this "
-                        "server serves nothing until weights load completely"
-                    )
-                    raise RequestError(self._unusable, status_code=400, param="weight_dir") from cause
-                self._unusable = None
-                if self.in_flight_updates:
-                    await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
-                else:
-                    await self._forget_old_weights()
-                # Before resuming: a request that starts from here on samples with these weights only.
-                self.weight_step, self.weight_dir = step, weight_dir
-            finally:
+            # The pause inside: on a dead engine it is the first call that fails.
+            async with self._naming_death(f"weights step {step} not loaded"):
                 if not was_paused:
-                    await self.llm.resume_generation()
-        except Exception as e:
-            died = self._died(e)
-            if died is None:
-                raise
-            # A dead engine core never comes back (vLLM does not restart it): only a new server serves again.
-            self._unusable = f"{died}: weights step {step} not loaded; this server serves nothing until restarted"
-            raise RequestError(self._unusable, status_code=503) from e
+                    mode = "keep" if self.in_flight_updates else "wait"
+                    await self.llm.pause_generation(mode=mode, clear_cache=False)
+                try:
+                    try:
+                        answers = await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
+                        refusal = next((a for a in answers or () if isinstance(a, str)), None)  # a worker's NaN check
+                    except Exception as e:
+                        if none_left(self.llm, e) is not None:
+                            raise
+                        refusal, cause = str(e) or type(e).__name__, e
+                    else:
+                        cause = None
+                    if refusal is not None:
+                        # vLLM loads in place: a load that failed part-way (or loaded NaNs) left weights of no
+                        # step, which must not be sampled under the old step's name. A later complete load serves.
+                        self._unusable = (
+                            f"loading the weights of step {step} failed ({one_line(refusal)}): this "
+                            "server serves nothing until weights load completely"
+                        )
+                        raise RequestError(self._unusable, status_code=400, param="weight_dir") from cause
+                    self._unusable = None
+                    if self.in_flight_updates:
+                        await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
+                    else:
+                        await self._forget_old_weights()
+                    # Before resuming: a request that starts from here on samples with these weights only.
+                    self.weight_step, self.weight_dir = step, weight_dir
+                finally:
+                    if not was_paused:
+                        await self.llm.resume_generation()
         finally:
             self._swapping = False
-        if dead := self._dead_engines():
+        if dead := dead_engines(self.llm):
             logger.warning("weights step %d loaded on %d of %d engines: %s", step, self.engines - len(dead),
                            self.engines, died_message(dead, self.engines))  # fmt: skip
 
@@ -462,7 +454,7 @@ class VllmEngine(Engine):
         if not self.config.lora_enabled:
             raise RequestError("LoRA is not enabled: start the server with model.lora or lora.enable", status_code=400)
         assert self._admin_lock is not None
-        async with self._admin_lock:
+        async with self._admin_lock, self._naming_death(f"LoRA adapter {name!r} not loaded"):
             old = self._adapters.get(name)
             lora_id = old[0].lora_int_id if old is not None else self._next_lora_id
             if manifest is not None:
@@ -487,9 +479,11 @@ class VllmEngine(Engine):
             await self.llm.remove_lora(request.lora_int_id)
 
     async def pause(self) -> None:
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        async with self._naming_death("not paused"):
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
         self._paused = True
 
     async def resume(self) -> None:
-        await self.llm.resume_generation()
+        async with self._naming_death("not resumed"):
+            await self.llm.resume_generation()
         self._paused = False

@@ -73,6 +73,26 @@ def died_message(engines: list[int], count: int) -> str:
     return f"vLLM engine{'s' if len(engines) > 1 else ''} {names} of {count} died"
 
 
+def dead_engines(llm: Any) -> list[int]:
+    """Which engines of ``llm`` (one ``AsyncLLM``, or `EngineReplicas`) died, by index."""
+    if isinstance(llm, EngineReplicas):
+        return llm.dead
+    return [0] if is_dead(llm) else []
+
+
+def none_left(llm: Any, error: BaseException | None = None) -> str | None:
+    """One line naming the dead engines once every engine of ``llm`` died (``error``: what a call to it raised, vLLM's
+    ``EngineDeadError`` from one engine whose death it saw first); None while one is alive."""
+    count = len(llm.llms) if isinstance(llm, EngineReplicas) else 1
+    dead = dead_engines(llm)
+    if count == 1 and type(error).__name__ == "EngineDeadError":
+        dead = [0]
+    if len(dead) < count:
+        return None
+    named = error is not None and not isinstance(error, EnginesDied)
+    return died_message(dead, count) + (f" ({type(error).__name__})" if named else "")
+
+
 def _prompt_hash(ids: Any) -> int:
     """Equal for equal prompts; from the length and both ends only, so a 100k-token prompt costs no more than a short
     one (two prompts that share them only share an engine)."""
