@@ -118,7 +118,7 @@ class Bounded(httpx.AsyncBaseTransport):
         except TimeoutError:
             raise _timed_out(request, limit_s, phase) from None
         except httpx.ConnectTimeout as e:  # what the transport makes of every aiohttp connection error
-            if (named := _connection_error(request, e)) is None:
+            if (named := _connection_error(request, e, phase)) is None:
                 raise
             raise named from e
         except aiohttp.ClientResponseError as e:  # an answer aiohttp cannot parse, which the transport passes raw
@@ -234,9 +234,16 @@ def _server(request: httpx.Request) -> str:
     return f"server {request.url.scheme}://{request.url.netloc.decode()} ({request.method} {request.url.path})"
 
 
-def _connection_error(request: httpx.Request, error: httpx.ConnectTimeout) -> httpx.TransportError | None:
-    """The error the connection's failure is (None: a real connect timeout)."""
+def _connection_error(request: httpx.Request, error: httpx.ConnectTimeout, phase: Phase) -> httpx.TransportError | None:
+    """The error the connection's failure is (None: another connect timeout). aiohttp says "Connection timeout to
+    host" also when its pool timeout (httpx's ``pool``) ran out with no connection free."""
     cause = error.__cause__
+    if isinstance(cause, aiohttp.ServerTimeoutError) and (phase.queued or phase.connecting):
+        which = "pool" if phase.queued else "connect"
+        limit = request.extensions.get("timeout", {}).get(which)
+        message = f"{_server(request)}: {_waited(phase, f'after {limit}s (its {which} timeout)')}"
+        logger.warning(message)
+        return (httpx.PoolTimeout if phase.queued else httpx.ConnectTimeout)(message, request=request)
     if isinstance(cause, aiohttp.ClientConnectorError):
         return httpx.ConnectError(f"{_server(request)}: cannot connect ({cause})", request=request)
     if isinstance(cause, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
@@ -256,16 +263,19 @@ def _broken(request: httpx.Request, what: str) -> httpx.RemoteProtocolError:
 def _timed_out(request: httpx.Request, limit_s: float, phase: Phase | None = None) -> httpx.ReadTimeout:
     """What the request waited for when its read timeout ran out, naming the server (before, always "response not
     complete", also for a request that never got a connection to send itself on)."""
-    bound = f"after {limit_s:g}s (its read timeout, client.timeout)"
-    if phase is not None and phase.queued:
-        what = f"no connection free in the pool (all {phase.pool} in use by other requests) {bound}; nothing sent"
-    elif phase is not None and phase.connecting:
-        what = f"not connected {bound}; nothing sent"
-    else:
-        what = f"response not complete {bound}"
-    message = f"{_server(request)}: {what}"
+    message = (
+        f"{_server(request)}: {_waited(phase or Phase(), f'after {limit_s:g}s (its read timeout, client.timeout)')}"
+    )
     logger.warning(message)
     return httpx.ReadTimeout(message, request=request)
+
+
+def _waited(phase: Phase, bound: str) -> str:
+    if phase.queued:
+        return f"no connection free in the pool (all {phase.pool} in use by other requests) {bound}; nothing sent"
+    if phase.connecting:
+        return f"not connected {bound}; nothing sent"
+    return f"response not complete {bound}"
 
 
 def pooled_client(
