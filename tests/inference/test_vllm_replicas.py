@@ -263,10 +263,45 @@ def test_the_generate_route_hands_the_engine_the_rollout_each_request_is_a_turn_
     assert sessions == ["rollout-7", "rollout-7", None, None]
 
 
+class EngineDeadError(Exception):
+    """vLLM's, as its engine-core client raises it for every call once the core died."""
+
+    def __init__(self):
+        super().__init__("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+
 class DeadLLM(StandInLLM):
-    """An engine whose core died: vLLM's ``errored``, and every request fails at once."""
+    """An engine whose core died: vLLM's ``errored``, and every request fails at once, every admin call too.
+    ``dies_in``: the admin call during which the core dies."""
 
     errored = False
+    dies_in: str | None = None
+
+    def _alive(self, call: str) -> None:
+        if call == self.dies_in:
+            self.errored = True
+        if self.errored:
+            raise EngineDeadError()
+
+    async def pause_generation(self, **kwargs):
+        self._alive("pause")
+        await super().pause_generation(**kwargs)
+
+    async def resume_generation(self):
+        self._alive("resume")
+        await super().resume_generation()
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self._alive(method)
+        return await super().collective_rpc(method, timeout, args, kwargs)
+
+    async def reset_prefix_cache(self):
+        self._alive("reset_prefix_cache")
+        await super().reset_prefix_cache()
+
+    async def reset_encoder_cache(self):
+        self._alive("reset_encoder_cache")
+        await super().reset_encoder_cache()
 
     async def generate(self, prompt, params, request_id, lora_request=None):
         if self.errored:
@@ -294,8 +329,45 @@ def test_an_engine_that_died_takes_no_more_requests():
         )
         assert [o for o in done if isinstance(o, BaseException)] == []
         assert llms[1].generated == ["a-turn1"] and len(llms[0].generated) == 40
-        llms[0].errored = True  # both dead: a request still goes somewhere, and fails naming why
-        with pytest.raises(RuntimeError, match="EngineDeadError"):
+        llms[0].errored = True  # both dead: the request fails naming them (before, vLLM's EngineDeadError: a 500)
+        with pytest.raises(RequestError) as unserved:
             await outputs(engine, "last", prompt_of(0))
+        assert unserved.value.status_code == 503
+        assert unserved.value.message == "vLLM engines 0, 1 of 2 died: this server serves nothing until restarted"
+
+    asyncio.run(scenario())
+
+
+def test_a_weight_load_skips_dead_engines_and_fails_in_one_line_once_none_is_left():
+    """Before: the load's pause reached the dead engine first, and vLLM's EngineDeadError went up unnamed: HTTP 500
+    "internal error: EngineDeadError", for this and every later load, while the live engines went on serving the old
+    step. Now the live engines load and serve; a dead engine (one that dies under the load too) missed the load and
+    never takes a request again; once none is left, the load fails in one line naming them, and generation too."""
+
+    async def scenario():
+        llms = [DeadLLM(10), DeadLLM(20), DeadLLM(30)]
+        engine = engine_over(llms)
+        for llm in llms:
+            llm.release.set()
+        llms[1].errored = True  # died before the load
+        llms[2].dies_in = "prime_reload_weights"  # dies under it
+        await engine.update_weights("/w/step_4", 4)
+        loaded = ["pause", "prime_reload_weights", "reset_prefix_cache", "reset_encoder_cache", "resume"]
+        assert engine.weight_step == 4 and llms[0].calls == loaded
+        assert llms[1].calls == [] and llms[2].calls == ["pause"] and engine.llm.dead == [1, 2]
+        llms[2].errored = False  # even were it to answer again: it missed step 4
+        await asyncio.gather(*(outputs(engine, f"r{i}", prompt_of(i % 2), tag=f"t{i}") for i in range(9)))
+        assert len(llms[0].generated) == 9 and llms[1].generated == llms[2].generated == []
+
+        llms[0].errored = True
+        with pytest.raises(RequestError) as refused:
+            await engine.update_weights("/w/step_5", 5)
+        message = refused.value.message
+        assert refused.value.status_code == 503 and engine.weight_step == 4
+        assert message == "vLLM engines 0, 1, 2 of 3 died: weights step 5 not loaded; this server serves nothing " \
+                          "until restarted"  # fmt: skip
+        with pytest.raises(RequestError) as unserved:
+            await outputs(engine, "last", prompt_of(0))
+        assert unserved.value.status_code == 503 and unserved.value.message == message
 
     asyncio.run(scenario())

@@ -110,6 +110,95 @@ def test_a_failed_load_stops_the_server_serving_until_a_complete_one(how):
     asyncio.run(scenario())
 
 
+class EngineDeadError(Exception):
+    """vLLM's, as its engine-core client raises it for every call once the core died."""
+
+
+class DeadLLM(StandInLLM):
+    """An engine whose core died: vLLM's ``errored``, and every call fails."""
+
+    errored = True
+
+    async def pause_generation(self, *args, **kwargs):
+        raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+    resume_generation = collective_rpc = add_lora = pause_generation
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_load_after_the_engine_died_fails_in_one_line_naming_it(paused):
+    """Before: the load's pause ran outside the code that names a failed load, so vLLM's EngineDeadError went up as
+    HTTP 500 "internal error: EngineDeadError"; paused, the RPC's error was taken for a refused load (400, "serves
+    nothing until weights load completely": they never will)."""
+
+    async def scenario():
+        engine = stand_in_engine()
+        engine.llm, engine._paused = DeadLLM(), paused
+        with pytest.raises(RequestError) as unserved:  # generation names it too (before: an unnamed 500)
+            await first_output(engine)
+        assert unserved.value.message == "vLLM engine 0 of 1 died: this server serves nothing until restarted"
+        with pytest.raises(RequestError) as refused:
+            await engine.update_weights("/w/step_3", 3)
+        assert refused.value.status_code == 503 and engine.weight_step == 2
+        assert refused.value.message == ("vLLM engine 0 of 1 died (EngineDeadError): weights step 3 not loaded; "
+                                         "this server serves nothing until restarted")  # fmt: skip
+        with pytest.raises(RequestError) as unserved:
+            await first_output(engine)
+        assert unserved.value.status_code == 503 and unserved.value.message == refused.value.message
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("call", ["pause", "resume", "load_adapter"])
+def test_admin_calls_on_a_dead_engine_are_one_line_naming_it(monkeypatch, call):
+    """Before: vLLM's EngineDeadError out of /pause, /resume or a LoRA adapter load (a LoRA run's weight update): HTTP
+    500 "internal error: EngineDeadError"."""
+    import sys
+
+    lora = SimpleNamespace(LoRARequest=lambda **fields: SimpleNamespace(**fields))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)  # no vllm here
+
+    async def scenario():
+        engine = stand_in_engine()
+        engine.llm, engine.config = DeadLLM(), SimpleNamespace(lora_enabled=True)
+        engine._adapters, engine._next_lora_id = {}, 1
+        args = ("policy", "/w/adapter_3", 3) if call == "load_adapter" else ()
+        with pytest.raises(RequestError) as refused:
+            await getattr(engine, call)(*args)
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    what = {"pause": "not paused", "resume": "not resumed", "load_adapter": "LoRA adapter 'policy' not loaded"}[call]
+    assert refused.status_code == 503
+    assert refused.message == f"vLLM engine 0 of 1 died (EngineDeadError): {what}; this server serves nothing until " \
+                              "restarted"  # fmt: skip
+
+
+def test_the_relay_names_the_dead_engine_in_one_line(model_dir, other_weights_dir):
+    """Through the route and the orchestrator's relay: before, the relay's error was "POST .../update_weights failed
+    after 2 attempts: HTTPStatusError('500: {"error":{"message":"internal error: EngineDeadError",...')", naming
+    no engine; now one line names the server, the step and the dead engine."""
+    from prime_orchestrator import client
+
+    from tests.fixtures.scripted import ScriptedServer
+
+    server = ScriptedServer(model_dir, lambda text: None)
+    dead = stand_in_engine()
+    dead.llm = DeadLLM()
+    server.engine.update_weights = dead.update_weights  # the route's engine, as a vLLM engine whose core died
+    try:
+        with pytest.raises(client.WeightUpdateError) as failed:
+            asyncio.run(client.update_weights([server.url], str(other_weights_dir), 3, api_key=None, timeout=30,
+                                              retries=1))  # fmt: skip
+    finally:
+        server.stop()
+    assert str(failed.value) == (
+        f"inference server {server.url} failed to load weights step 3 ({other_weights_dir}): POST {server.url}"
+        "/update_weights failed after 2 attempts: 503: vLLM engine 0 of 1 died (EngineDeadError): weights step 3 "
+        "not loaded; this server serves nothing until restarted"
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
 def test_vllm_refuses_nan_weights_and_serves_nothing_until_a_complete_load(model_dir, other_weights_dir, tmp_path):

@@ -6,6 +6,7 @@ engine under load."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -331,3 +332,16 @@ def test_torch_engine_reports_kv_cache_usage_under_load(torch_server):
     assert busiest.running == 32 and max(h.waiting for h in seen) > 0  # 40 requests, 32 slots
     assert all(h.preemptions == 0 for h in seen)
     assert idle.kv_cache_usage == 0 and idle.running == 0
+
+
+def test_a_server_whose_engine_died_is_a_warning_once(caplog):
+    """A server with several vLLM engines serves on when one dies (its weight loads skip it); before, nothing on the
+    orchestrator's side said so, and the run went on at part of its throughput unnoticed."""
+    poller = HealthPoller(ClientConfig(base_url="http://127.0.0.1:9"))
+    with caplog.at_level(logging.WARNING, logger="prime.orchestrator.concurrency"):
+        for dead in ([], [1], [1], [0, 1]):
+            poller._check("http://127.0.0.1:9", HealthResponse(weight_step=3, engines=2, dead_engines=dead))
+    assert [r.getMessage() for r in caplog.records] == [
+        "inference server http://127.0.0.1:9: vLLM engine(s) 1 of 2 died; it serves with the others (slower)",
+        "inference server http://127.0.0.1:9: vLLM engine(s) 0 of 2 died; it serves nothing",
+    ]

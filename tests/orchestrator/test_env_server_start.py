@@ -56,3 +56,50 @@ def test_a_forked_server_draws_numpy_numbers_of_its_own(monkeypatch):
     inherited = np.random.get_state()[1].copy()
     env_server._serve({}, None, None, dict(os.environ))
     assert (np.random.get_state()[1] != inherited).any()
+
+
+class _EnvClient:
+    """verifiers' ``EnvClient`` to a server that never answers (it died starting)."""
+
+    def __init__(self, address):
+        self.address = address
+
+    async def health(self, timeout):
+        return False
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("when", ["before its address", "after its address"])
+def test_a_server_that_exits_while_starting_is_one_line_naming_the_cause(monkeypatch, when):
+    """The fast form of tests/environments/test_vf_tasksets.py::test_an_env_whose_start_raises_is_one_line_naming_the_
+    cause (20 s: verifiers imported in a fresh interpreter, the nemo_gym Env): a real server process (forked from
+    this one, so that verifiers' ``serve_env`` is a stand-in that raises) exits while starting, before it put its
+    address or after (verifiers puts it before the Env starts). Before EnvServerFailed, that was a traceback and "env
+    server nemo_gym exited with code 1 while starting; see its log above", or "env server nemo_gym did not become
+    healthy (exit code 1)"; now one line names the cause."""
+    import multiprocessing as mp
+    import sys
+    import types
+
+    import prime_orchestrator.env_server as env_server
+    from prime_orchestrator.env_server import EnvServerFailed
+
+    def serve_env(address_queue, **kwargs):
+        if when == "after its address":
+            address_queue.put("tcp://127.0.0.1:1")
+        raise ValueError("set --env.taskset.task.resources-url\n(a NeMo Gym resource server)")
+
+    # Stand-ins by module name: neither this process nor the server imports verifiers (5 s of CPU).
+    monkeypatch.setitem(sys.modules, "verifiers.v1.serve.pool", types.SimpleNamespace(serve_env=serve_env))
+    monkeypatch.setitem(sys.modules, "verifiers.v1.serve.client", types.SimpleNamespace(EnvClient=_EnvClient))
+    monkeypatch.setattr(env_server, "server_context", lambda: mp.get_context("fork"))
+    spec = env_server.EnvServerSpec(name="nemo_gym", env_config={}, start_timeout=60)
+    with pytest.raises(EnvServerFailed) as failed:
+        asyncio.run(EnvServer(spec).start())
+    exited = "exited while starting" if when == "before its address" else "exited with code 1 while starting"
+    assert str(failed.value) == (
+        f"env server nemo_gym {exited}: ValueError: set --env.taskset.task.resources-url ... (a NeMo Gym resource "
+        "server)"
+    )

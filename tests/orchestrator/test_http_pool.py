@@ -64,6 +64,41 @@ def test_httpx_read_timeout_is_honoured():
     assert asyncio.run(main()) == 1
 
 
+def test_a_read_timeout_says_whether_it_waited_for_a_connection_or_for_the_answer():
+    """The read timeout bounds the wait for a free connection of the pool too. Before, a request that never got one
+    (all held by slow requests) failed "response not complete after 0.3s": the server looked slow, not the pool
+    full. Now the error says which it waited for, in one line naming the server."""
+
+    async def main():
+        runner, url = await _serve(_echo)
+        client = pooled_client(httpx.Timeout(None, read=0.3), max_connections=1, bounded=True)
+        try:
+            slow = asyncio.create_task(client.post(url, json={"n": 0, "delay": 2.0}, timeout=httpx.Timeout(None)))
+            await asyncio.sleep(0.1)  # it holds the pool's one connection
+            # aiohttp's own pool timeout (httpx's ``pool``) said "Connection timeout to host": it connected nowhere
+            queued, pooled = await asyncio.gather(
+                client.post(url, json={"n": 1}),
+                client.post(url, json={"n": 1}, timeout=httpx.Timeout(5.0, pool=0.2)),
+                return_exceptions=True,
+            )
+            assert isinstance(queued, httpx.ReadTimeout) and isinstance(pooled, httpx.PoolTimeout), (queued, pooled)
+            assert (await slow).json()["n"] == 0
+            with pytest.raises(httpx.ReadTimeout) as answered:  # the connection is free: the server is slow
+                await client.post(url, json={"n": 2, "delay": 1.0})
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+        return url, str(queued), str(pooled), str(answered.value)
+
+    url, queued, pooled, answered = asyncio.run(main())
+    server = f"server {url.removesuffix('/v1/echo')} (POST /v1/echo)"
+    assert queued == f"{server}: no connection free in the pool (all 1 in use by other requests) after 0.3s (its " \
+                     "read timeout, client.timeout); nothing sent"  # fmt: skip
+    assert pooled == f"{server}: no connection free in the pool (all 1 in use by other requests) after 0.2s (its " \
+                     "pool timeout); nothing sent"  # fmt: skip
+    assert answered == f"{server}: response not complete after 0.3s (its read timeout, client.timeout)"
+
+
 def test_a_client_never_closed_is_closed_with_its_loop(caplog):
     """One client per event loop lives as long as the process: nothing reports it unclosed when the loop ends."""
 

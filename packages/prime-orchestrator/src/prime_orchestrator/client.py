@@ -26,23 +26,24 @@ def headers(api_key: str | None) -> dict[str, str]:
 async def post_json(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout: float, retries: int
 ) -> dict[str, Any]:
-    """POST with retries on connection errors, timeouts and 5xx; 4xx raises at once."""
-    last: Exception | None = None
+    """POST with retries on connection errors, timeouts and 5xx; 4xx raises at once. Either names the server's
+    last answer in one line (its error message, as our servers send it)."""
+    last = ""
     for attempt in range(retries + 1):
         try:
             resp = await client.post(url, json=body, timeout=timeout)
             if resp.status_code >= 500:
-                raise httpx.HTTPStatusError(
-                    f"{resp.status_code}: {resp.text[:300]}", request=resp.request, response=resp
-                )
+                raise httpx.HTTPStatusError(f"{resp.status_code}: {_reason(resp)}", request=resp.request, response=resp)
             if resp.status_code >= 400:
                 raise RuntimeError(f"POST {url} -> {resp.status_code}: {_reason(resp)}")
             return resp.json()
-        except (*RETRYABLE, httpx.HTTPStatusError) as e:
-            last = e
-            if attempt < retries:
-                await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
-    raise RuntimeError(f"POST {url} failed after {retries + 1} attempts: {last!r}")
+        except httpx.HTTPStatusError as e:
+            last = str(e)
+        except RETRYABLE as e:
+            last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if attempt < retries:
+            await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
+    raise RuntimeError(f"POST {url} failed after {retries + 1} attempts: {last}")
 
 
 def _reason(resp: httpx.Response) -> str:

@@ -134,12 +134,14 @@ class ServerChanged(WeightUpdateError):
 class HealthPoller:
     """A `LoadSource` over HTTP: every server's /health at once, each request bounded by the poll interval. An answer
     with another run's ``run_id`` (``client.server_run_id``) or a weight step below one it reported before raises
-    `ServerChanged`: every rollout it samples from then on would be counted as the relay's policy."""
+    `ServerChanged`: every rollout it samples from then on would be counted as the relay's policy. A server whose
+    vLLM engines died in part (its ``dead_engines``; it serves on with the others) is a warning, once per engine."""
 
     def __init__(self, client: ClientConfig):
         self.urls = [u.rstrip("/") + "/health" for u in client.base_urls]
         self.run_id = client.server_run_id
         self.steps: dict[str, int] = {}
+        self.dead: dict[str, set[int]] = {}
         self.timeout = max(client.load_poll_interval, 0.5)
         key = client.resolved_api_key()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -165,6 +167,13 @@ class HealthPoller:
                                 "restarted or reloaded its weights); its rollouts' versions cannot be vouched for")  # fmt: skip
         if step is not None:
             self.steps[url] = max(step, before or 0)
+        dead = (health.model_extra or {}).get("dead_engines") or []
+        if new := set(dead) - self.dead.setdefault(url, set()):
+            self.dead[url] |= new
+            engines = (health.model_extra or {}).get("engines", "?")
+            rest = "it serves nothing" if engines == len(self.dead[url]) else "it serves with the others (slower)"
+            logger.warning("inference server %s: vLLM engine(s) %s of %s died; %s", url,
+                           ", ".join(map(str, sorted(new))), engines, rest)  # fmt: skip
 
     async def _one(self, http: httpx.AsyncClient, url: str) -> HealthResponse | None:
         try:

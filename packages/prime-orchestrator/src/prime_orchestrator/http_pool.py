@@ -12,7 +12,8 @@ trickles a byte a second held a rollout until its rollout timeout, and one that 
 env worker's memory. A response past its request's read timeout or past ``MAX_RESPONSE_BYTES`` (as decoded: a
 compressed answer is decoded here) is cut, and a
 warning names the server and the bound (the OpenAI SDK turns the error into "Request timed out." / "Connection
-error.", which name neither).
+error.", which name neither). The read timeout also bounds the wait for a free connection of the pool and for
+connecting; its error says which of the three it ran out in (`Phase`, from aiohttp's trace hooks).
 
 An idle connection is kept `KEEPALIVE_S`, less than the servers that close theirs soonest: one the server closes as
 a request goes out on it fails that request (a POST is not retried), and the OpenAI SDK called that "Request timed
@@ -30,6 +31,7 @@ clients do not retry), with the reason in its error.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import re
@@ -65,6 +67,39 @@ class ResponseTooLarge(httpx.ReadError):
     pass
 
 
+class Phase:
+    """Where a request of `Bounded` is before its answer's headers: queued for a free connection of the pool (all
+    ``pool`` in use), connecting, or (neither) sent and waiting for the answer."""
+
+    def __init__(self):
+        self.queued, self.connecting, self.pool = False, False, 0
+
+
+_PHASE: contextvars.ContextVar[Phase | None] = contextvars.ContextVar("prime_http_phase", default=None)
+"""The `Phase` of the request this task sends (aiohttp runs a request's hooks in the task that sends it)."""
+
+
+def _phase_hooks() -> aiohttp.TraceConfig:
+    """aiohttp's trace hooks that keep `_PHASE` current. A cancelled wait sends no end hook: the phase stays."""
+
+    def setting(**values):
+        async def hook(session: aiohttp.ClientSession, ctx, params) -> None:
+            if (phase := _PHASE.get()) is not None:
+                for name, value in values.items():
+                    setattr(phase, name, value)
+                if values.get("queued"):
+                    phase.pool = session.connector.limit if session.connector is not None else 0
+
+        return hook
+
+    hooks = aiohttp.TraceConfig()
+    hooks.on_connection_queued_start.append(setting(queued=True))
+    hooks.on_connection_queued_end.append(setting(queued=False))
+    hooks.on_connection_create_start.append(setting(connecting=True))
+    hooks.on_connection_create_end.append(setting(connecting=False))
+    return hooks
+
+
 class Bounded(httpx.AsyncBaseTransport):
     """``inner`` with each response done within its request's read timeout (headers and whole body, not per chunk)
     and no larger than ``MAX_RESPONSE_BYTES``."""
@@ -75,17 +110,21 @@ class Bounded(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         limit_s = request.extensions.get("timeout", {}).get("read")
         deadline = None if limit_s is None else asyncio.get_running_loop().time() + limit_s
+        phase = Phase()
+        token = _PHASE.set(phase)
         try:
             async with asyncio.timeout_at(deadline):
                 response = await self.inner.handle_async_request(request)
         except TimeoutError:
-            raise _timed_out(request, limit_s) from None
+            raise _timed_out(request, limit_s, phase) from None
         except httpx.ConnectTimeout as e:  # what the transport makes of every aiohttp connection error
-            if (named := _connection_error(request, e)) is None:
+            if (named := _connection_error(request, e, phase)) is None:
                 raise
             raise named from e
         except aiohttp.ClientResponseError as e:  # an answer aiohttp cannot parse, which the transport passes raw
             raise _broken(request, f"answered what is not HTTP/1.1 ({e.message})") from e
+        finally:
+            _PHASE.reset(token)
         response.stream = _BoundedStream(response.stream, request, deadline, limit_s)
         if response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
             response = _decoded(request, response)
@@ -195,9 +234,16 @@ def _server(request: httpx.Request) -> str:
     return f"server {request.url.scheme}://{request.url.netloc.decode()} ({request.method} {request.url.path})"
 
 
-def _connection_error(request: httpx.Request, error: httpx.ConnectTimeout) -> httpx.TransportError | None:
-    """The error the connection's failure is (None: a real connect timeout)."""
+def _connection_error(request: httpx.Request, error: httpx.ConnectTimeout, phase: Phase) -> httpx.TransportError | None:
+    """The error the connection's failure is (None: another connect timeout). aiohttp says "Connection timeout to
+    host" also when its pool timeout (httpx's ``pool``) ran out with no connection free."""
     cause = error.__cause__
+    if isinstance(cause, aiohttp.ServerTimeoutError) and (phase.queued or phase.connecting):
+        which = "pool" if phase.queued else "connect"
+        limit = request.extensions.get("timeout", {}).get(which)
+        message = f"{_server(request)}: {_waited(phase, f'after {limit}s (its {which} timeout)')}"
+        logger.warning(message)
+        return (httpx.PoolTimeout if phase.queued else httpx.ConnectTimeout)(message, request=request)
     if isinstance(cause, aiohttp.ClientConnectorError):
         return httpx.ConnectError(f"{_server(request)}: cannot connect ({cause})", request=request)
     if isinstance(cause, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
@@ -214,10 +260,22 @@ def _broken(request: httpx.Request, what: str) -> httpx.RemoteProtocolError:
     return httpx.RemoteProtocolError(message, request=request)
 
 
-def _timed_out(request: httpx.Request, limit_s: float) -> httpx.ReadTimeout:
-    message = f"{_server(request)}: response not complete after {limit_s:g}s (its read timeout, client.timeout)"
+def _timed_out(request: httpx.Request, limit_s: float, phase: Phase | None = None) -> httpx.ReadTimeout:
+    """What the request waited for when its read timeout ran out, naming the server (before, always "response not
+    complete", also for a request that never got a connection to send itself on)."""
+    message = (
+        f"{_server(request)}: {_waited(phase or Phase(), f'after {limit_s:g}s (its read timeout, client.timeout)')}"
+    )
     logger.warning(message)
     return httpx.ReadTimeout(message, request=request)
+
+
+def _waited(phase: Phase, bound: str) -> str:
+    if phase.queued:
+        return f"no connection free in the pool (all {phase.pool} in use by other requests) {bound}; nothing sent"
+    if phase.connecting:
+        return f"not connected {bound}; nothing sent"
+    return f"response not complete {bound}"
 
 
 def pooled_client(
@@ -232,7 +290,11 @@ def pooled_client(
         connector = aiohttp.TCPConnector(
             limit=max_connections or 0, ssl=httpx.create_ssl_context(), keepalive_timeout=KEEPALIVE_S
         )
-        session = aiohttp.ClientSession(connector=connector, trust_env=bool(urllib.request.getproxies()))
+        session = aiohttp.ClientSession(
+            connector=connector,
+            trust_env=bool(urllib.request.getproxies()),
+            trace_configs=[_phase_hooks()] if bounded else None,
+        )
         _keepers.add(asyncio.get_running_loop().create_task(_close_with_loop(session)))
         return session
 

@@ -25,6 +25,7 @@ an untapped request reports bounds (its first token no older than the step at it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -36,7 +37,15 @@ from prime_core.schemas.weights import Manifest
 
 from prime_inference.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest
 from prime_inference.engines.vllm_load import LoadPoller
-from prime_inference.engines.vllm_replicas import EngineReplicas, RoutedTap, start_engines
+from prime_inference.engines.vllm_outputs import prompt_logprobs_of, split_logprobs
+from prime_inference.engines.vllm_replicas import (
+    EngineReplicas,
+    RoutedTap,
+    dead_engines,
+    died_message,
+    none_left,
+    start_engines,
+)
 from prime_inference.engines.vllm_requests import refused_as_400, sampling_params
 from prime_inference.protocol import RequestError
 from prime_inference.token_logprobs import TapFetcher, align
@@ -144,50 +153,6 @@ def run_headless(config: InferenceConfig) -> None:
     vllm_main()
 
 
-def split_logprobs(token_ids: Any, entries: Any, k: int) -> tuple[list[float], list[dict[int, float]] | None]:
-    """(sampled tokens' log-probs, top-k alternatives per token or None for k = 0) from vLLM's sample log-probs.
-
-    ``entries`` is vLLM's `FlatLogprobs` (what ``flat_logprobs=True`` returns): flat lists where position i owns
-    ``[start_indices[i], end_indices[i])``, the sampled token first, then the top k by rank. With k = 0 every
-    position holds one entry, so the log-prob list is handed over as is: no Python object per token (RL asks for
-    exactly this, and a whole batch of rollouts lands on the event loop at once when it finishes together).
-    A plain list of ``{token id: Logprob}`` dicts (vLLM without flat log-probs) is read the slow way.
-    """
-    if isinstance(entries, list):
-        lps = [entry[tid].logprob for tid, entry in zip(token_ids, entries, strict=True)]
-        if k <= 0:
-            return lps, None
-        top = []
-        for tid, entry in zip(token_ids, entries, strict=True):
-            ranked = sorted(((t, lp) for t, lp in entry.items() if t != tid), key=lambda x: x[1].rank or 0)
-            top.append({t: lp.logprob for t, lp in ranked[:k]})
-        return lps, top
-    starts, values = entries.start_indices, entries.logprobs
-    if len(starts) != len(token_ids):
-        raise RuntimeError(f"vLLM returned log-probs for {len(starts)} positions, {len(token_ids)} tokens")
-    lps = values if len(values) == len(starts) else [values[s] for s in starts]
-    if k <= 0:
-        return lps, None
-    ids, ends = entries.token_ids, entries.end_indices
-    top = [
-        dict([(ids[i], values[i]) for i in range(s + 1, e) if ids[i] != tid][:k])
-        for tid, s, e in zip(token_ids, starts, ends, strict=True)
-    ]
-    return lps, top
-
-
-def prompt_logprobs_of(entries: Any) -> list[dict[int, tuple[float, int]] | None]:
-    """vLLM's prompt log-probs as the engine interface holds them: per position None (the first) or {token id:
-    (log-prob, rank)}, from a list of ``{token id: Logprob}`` dicts or a `FlatLogprobs`."""
-    if isinstance(entries, list):
-        return [None if e is None else {t: (lp.logprob, lp.rank or 0) for t, lp in e.items()} for e in entries]
-    ids, values, ranks = entries.token_ids, entries.logprobs, entries.ranks
-    out: list[dict[int, tuple[float, int]] | None] = []
-    for s, e in zip(entries.start_indices, entries.end_indices, strict=True):
-        out.append({ids[i]: (values[i], ranks[i] or 0) for i in range(s, e)} or None)
-    return out
-
-
 class VllmEngine(Engine):
     name = "vllm"
     live_versions = False  # non-streamed requests deliver their tokens at the end
@@ -234,7 +199,12 @@ class VllmEngine(Engine):
             weight_dir=self.weight_dir,
             # A weight swap pauses vLLM's scheduler (requests queue, no step runs); its own bound is the relay's.
             paused=self._paused or self._swapping,
-            extra={"vllm_plugin": self._plugin, "fast_token_logprobs": self._tap is not None, "engines": self.engines},
+            extra={
+                "vllm_plugin": self._plugin,
+                "fast_token_logprobs": self._tap is not None,
+                "engines": self.engines,
+                "dead_engines": dead_engines(self.llm),
+            },
             **self._load.fields(self._in_flight),  # running, waiting, KV-cache usage, preemptions (vllm_load.py)
             steps=self._engine_steps(),
             adapters={name: {"path": r.lora_path, "weight_step": s} for name, (r, s) in self._adapters.items()},
@@ -267,6 +237,18 @@ class VllmEngine(Engine):
     @property
     def engines(self) -> int:
         return len(self.llm.llms) if isinstance(self.llm, EngineReplicas) else 1
+
+    @contextlib.asynccontextmanager
+    async def _naming_death(self, what: str) -> AsyncIterator[None]:
+        """An error that means every engine died (vLLM never restarts a dead engine core) as a 503 naming them, and
+        nothing served from then on (before, vLLM's EngineDeadError: HTTP 500 "internal error: EngineDeadError")."""
+        try:
+            yield
+        except Exception as e:
+            if (died := none_left(self.llm, e)) is None:
+                raise
+            self._unusable = f"{died}: {what}; this server serves nothing until restarted"
+            raise RequestError(self._unusable, status_code=503) from e
 
     def _engine_steps(self) -> int:
         """Steps made; with several engines, rounds in which every engine holding requests stepped (`StepRounds`)."""
@@ -321,6 +303,8 @@ class VllmEngine(Engine):
         return sampling_params(request, tapped)  # a method: CPU tests replace it, having no vllm to build one
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._unusable is None and (died := none_left(self.llm)) is not None:
+            self._unusable = f"{died}: this server serves nothing until restarted"
         if self._unusable is not None:
             raise RequestError(self._unusable, status_code=503)
         k = request.params.logprobs
@@ -397,37 +381,44 @@ class VllmEngine(Engine):
         was_paused = self._paused
         self._swapping = True
         try:
-            if not was_paused:
-                mode = "keep" if self.in_flight_updates else "wait"
-                await self.llm.pause_generation(mode=mode, clear_cache=False)
-            try:
-                try:
-                    answers = await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
-                    refusal = next((a for a in answers or () if isinstance(a, str)), None)  # a worker's NaN check
-                except Exception as e:
-                    refusal, cause = str(e) or type(e).__name__, e
-                else:
-                    cause = None
-                if refusal is not None:
-                    # vLLM loads in place: a load that failed part-way (or loaded NaNs) left weights of no step, which
-                    # must not be sampled under the old step's name. A later complete load serves again.
-                    self._unusable = (
-                        f"loading the weights of step {step} failed ({one_line(refusal)}): this "
-                        "server serves nothing until weights load completely"
-                    )
-                    raise RequestError(self._unusable, status_code=400, param="weight_dir") from cause
-                self._unusable = None
-                if self.in_flight_updates:
-                    await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
-                else:
-                    await self._forget_old_weights()
-                # Before resuming: a request that starts from here on samples with these weights only.
-                self.weight_step, self.weight_dir = step, weight_dir
-            finally:
+            # The pause inside: on a dead engine it is the first call that fails.
+            async with self._naming_death(f"weights step {step} not loaded"):
                 if not was_paused:
-                    await self.llm.resume_generation()
+                    mode = "keep" if self.in_flight_updates else "wait"
+                    await self.llm.pause_generation(mode=mode, clear_cache=False)
+                try:
+                    try:
+                        answers = await self.llm.collective_rpc(method, kwargs={**kwargs, "version": step})
+                        refusal = next((a for a in answers or () if isinstance(a, str)), None)  # a worker's NaN check
+                    except Exception as e:
+                        if none_left(self.llm, e) is not None:
+                            raise
+                        refusal, cause = str(e) or type(e).__name__, e
+                    else:
+                        cause = None
+                    if refusal is not None:
+                        # vLLM loads in place: a load that failed part-way (or loaded NaNs) left weights of no
+                        # step, which must not be sampled under the old step's name. A later complete load serves.
+                        self._unusable = (
+                            f"loading the weights of step {step} failed ({one_line(refusal)}): this "
+                            "server serves nothing until weights load completely"
+                        )
+                        raise RequestError(self._unusable, status_code=400, param="weight_dir") from cause
+                    self._unusable = None
+                    if self.in_flight_updates:
+                        await self.llm.reset_encoder_cache()  # the reload cleared the workers' (prefixes are salted)
+                    else:
+                        await self._forget_old_weights()
+                    # Before resuming: a request that starts from here on samples with these weights only.
+                    self.weight_step, self.weight_dir = step, weight_dir
+                finally:
+                    if not was_paused:
+                        await self.llm.resume_generation()
         finally:
             self._swapping = False
+        if dead := dead_engines(self.llm):
+            logger.warning("weights step %d loaded on %d of %d engines: %s", step, self.engines - len(dead),
+                           self.engines, died_message(dead, self.engines))  # fmt: skip
 
     async def update_weights(self, weight_dir: str, step: int | None) -> None:
         assert self._admin_lock is not None
@@ -463,7 +454,7 @@ class VllmEngine(Engine):
         if not self.config.lora_enabled:
             raise RequestError("LoRA is not enabled: start the server with model.lora or lora.enable", status_code=400)
         assert self._admin_lock is not None
-        async with self._admin_lock:
+        async with self._admin_lock, self._naming_death(f"LoRA adapter {name!r} not loaded"):
             old = self._adapters.get(name)
             lora_id = old[0].lora_int_id if old is not None else self._next_lora_id
             if manifest is not None:
@@ -488,9 +479,11 @@ class VllmEngine(Engine):
             await self.llm.remove_lora(request.lora_int_id)
 
     async def pause(self) -> None:
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        async with self._naming_death("not paused"):
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
         self._paused = True
 
     async def resume(self) -> None:
-        await self.llm.resume_generation()
+        async with self._naming_death("not resumed"):
+            await self.llm.resume_generation()
         self._paused = False

@@ -12,8 +12,10 @@ in use), and `EngineReplicas` stands where one ``AsyncLLM`` stood:
   (ties in turn). Each engine has its own prefix cache, so the next turn of a multi-turn rollout (its tag,
   ``prime_rollout``, names it) goes to the engine of its previous turn, whose cache holds its history, within the
   same slack; the last `SESSIONS` rollouts are remembered. An engine that died takes none of them;
-* what changes the engines' state (pauses, weight loads, LoRA adapters, cache resets) reaches every engine at once;
-  a worker RPC answers with the replies of all their workers;
+* what changes the engines' state (pauses, weight loads, LoRA adapters, cache resets) reaches every live engine at
+  once; a worker RPC answers with the replies of all their workers. A dead engine is skipped: vLLM never restarts a
+  dead engine core, and once skipped an engine is never picked again, so it cannot serve weights it missed. When
+  none is left, the call fails with `EnginesDied`, naming them;
 * the sampled-log-prob tap is fetched from the engine that ran the request (`RoutedTap`);
 * the step count that ``/health`` reports is `StepRounds`: it stops when any engine that holds requests stops.
 
@@ -54,6 +56,41 @@ def start_engines(count: int, start: Callable[[int], Any]) -> Any:
             llm.shutdown()
         raise
     return llms[0] if count == 1 else EngineReplicas(llms)
+
+
+class EnginesDied(RuntimeError):
+    """Every engine of the server died: nothing is left to load weights into or to serve."""
+
+
+def is_dead(llm: Any) -> bool:
+    """vLLM's ``errored``: the engine core died (an ``AsyncLLM`` never restarts it)."""
+    return bool(getattr(llm, "errored", False))
+
+
+def died_message(engines: list[int], count: int) -> str:
+    """One line naming the dead engines, e.g. ``vLLM engine 1 of 2 died``."""
+    names = ", ".join(str(i) for i in engines)
+    return f"vLLM engine{'s' if len(engines) > 1 else ''} {names} of {count} died"
+
+
+def dead_engines(llm: Any) -> list[int]:
+    """Which engines of ``llm`` (one ``AsyncLLM``, or `EngineReplicas`) died, by index."""
+    if isinstance(llm, EngineReplicas):
+        return llm.dead
+    return [0] if is_dead(llm) else []
+
+
+def none_left(llm: Any, error: BaseException | None = None) -> str | None:
+    """One line naming the dead engines once every engine of ``llm`` died (``error``: what a call to it raised, vLLM's
+    ``EngineDeadError`` from one engine whose death it saw first); None while one is alive."""
+    count = len(llm.llms) if isinstance(llm, EngineReplicas) else 1
+    dead = dead_engines(llm)
+    if count == 1 and type(error).__name__ == "EngineDeadError":
+        dead = [0]
+    if len(dead) < count:
+        return None
+    named = error is not None and not isinstance(error, EnginesDied)
+    return died_message(dead, count) + (f" ({type(error).__name__})" if named else "")
 
 
 def _prompt_hash(ids: Any) -> int:
@@ -101,7 +138,7 @@ class EngineReplicas:
         self._sessions: OrderedDict[str, int] = OrderedDict()
         """The engine of each rollout's latest turn, by rollout tag."""
         self._dead: set[int] = set()
-        """Engines whose death was logged."""
+        """Engines found dead (logged once): never picked again, even by a call that found them alive."""
         self.rounds = StepRounds(len(llms), lambda i: self.in_flight[i] > 0 or self.running[i] > 0)
 
     @property
@@ -135,12 +172,25 @@ class EngineReplicas:
         """Which engines still run: vLLM's ``errored`` once an engine core died. A dead one fails each request at
         once, so it always looked the least busy, and the rollouts it had served stayed with it: every request went
         to it. Its requests go to the others (none live: it takes them and fails them, naming the cause)."""
-        live = [not getattr(llm, "errored", False) for llm in self.llms]
-        for i, ok in enumerate(live):
-            if not ok and i not in self._dead:
-                self._dead.add(i)
-                logger.error("vLLM engine %d of %d died: its requests go to the other engines", i, len(live))
+        for i, llm in enumerate(self.llms):
+            if is_dead(llm):
+                self._mark_dead(i)
+        live = [i not in self._dead for i in range(len(self.llms))]
         return live if any(live) else [True] * len(live)
+
+    def _mark_dead(self, engine: int, cause: BaseException | None = None) -> None:
+        if engine in self._dead:
+            return
+        self._dead.add(engine)
+        why = f" ({type(cause).__name__})" if cause is not None else ""
+        logger.error("%s%s: its requests go to the other engines, and weight loads skip it",
+                     died_message([engine], len(self.llms)), why)  # fmt: skip
+
+    @property
+    def dead(self) -> list[int]:
+        """The engines found dead, in order."""
+        self._live()
+        return sorted(self._dead)
 
     def _pick(self, prompt: Any, session: str | None) -> int:
         live, n = self._live(), len(self.llms)
@@ -180,7 +230,24 @@ class EngineReplicas:
             self.rounds.released(engine)
 
     async def _each(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return list(await asyncio.gather(*(getattr(llm, method)(*args, **kwargs) for llm in self.llms)))
+        """``method`` on every live engine at once; their answers, in order. An engine that fails the call and is
+        dead after it (it died under the call) is skipped from then on; another failure is raised as it is."""
+        self._live()
+        engines = [i for i in range(len(self.llms)) if i not in self._dead]
+        answers = await asyncio.gather(
+            *(getattr(self.llms[i], method)(*args, **kwargs) for i in engines), return_exceptions=True
+        )
+        kept = []
+        for i, answer in zip(engines, answers, strict=True):
+            if isinstance(answer, BaseException) and is_dead(self.llms[i]):
+                self._mark_dead(i, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                kept.append(answer)
+        if len(self._dead) == len(self.llms):
+            raise EnginesDied(died_message(self.dead, len(self.llms)))
+        return kept
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None) -> list:
         """Every engine's workers run ``method``; the replies of all of them, engine after engine."""
