@@ -35,6 +35,26 @@ def tiny_config(model_type: str, **overrides):
     return cfg
 
 
+def gpu_attention_config():
+    """Small Qwen3 layers with Qwen3-0.6B's attention (GQA, 16 query and 8 kv heads of 128) for the GPU kernel tests."""
+    return tiny_config("qwen3", hidden_size=512, intermediate_size=1024, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)  # fmt: skip
+
+
+def rows_of_short_samples(rows: int = 4, seq: int = 2048, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` rows of ``seq + 1`` tokens packed with samples of 16-400 tokens: (ids, position_ids), on the host."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (rows, seq + 1), generator=g)
+    positions = torch.zeros(rows, seq + 1, dtype=torch.long)
+    for r in range(rows):
+        pos = 0
+        while pos < seq + 1:
+            n = min(int(torch.randint(16, 400, (1,), generator=g)), seq + 1 - pos)
+            positions[r, pos : pos + n] = torch.arange(n)
+            pos += n
+    return ids, positions
+
+
 def save_tiny_hf(model_type: str, path, seed: int = 0, **overrides):
     """Random HF model saved with transformers itself; returns the HF model (fp32, eager attention)."""
     import transformers

@@ -19,7 +19,7 @@ from prime_models.layers.attention import row_packing, use_row_packing
 from prime_models.loading import resolve_attn
 from prime_models.parallel.activation_checkpoint import ATTENTION_OPS
 
-from tests.models.conftest import VOCAB, tiny_config
+from tests.models.conftest import VOCAB, gpu_attention_config, rows_of_short_samples, tiny_config
 
 QWEN3_06B = Path(__file__).resolve().parents[2] / "benchmarks/models/qwen3-0.6b"  # its config: the trainer's checks
 LENGTHS = [5, 9, 2, 7]  # one row of four samples, and a second row of one
@@ -161,19 +161,9 @@ def test_the_trainer_names_init_attn_in_one_line(monkeypatch):
 def test_gpu_flash_attn4_trains_like_sdpa(ac):
     """bf16 Qwen3-shaped layers (GQA 16/8 heads of 128), rows of many short samples: FA4's log-probs and gradients
     against SDPA (torch's varlen kernel) on the same rows, with and without checkpointing that keeps its outputs."""
-    cfg = tiny_config("qwen3", hidden_size=512, intermediate_size=1024, num_attention_heads=16,
-                      num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)  # fmt: skip
+    cfg = gpu_attention_config()
     device = torch.device("cuda")
-    g = torch.Generator().manual_seed(0)
-    rows, seq = 4, 2048
-    ids = torch.randint(0, VOCAB, (rows, seq + 1), generator=g)
-    positions = torch.zeros(rows, seq + 1, dtype=torch.long)
-    for r in range(rows):
-        pos = 0
-        while pos < seq + 1:
-            n = min(int(torch.randint(16, 400, (1,), generator=g)), seq + 1 - pos)
-            positions[r, pos : pos + n] = torch.arange(n)
-            pos += n
+    ids, positions = rows_of_short_samples()
     results = {}
     for attn in ("flash_attn4", "sdpa"):
         model = load_model(cfg, dtype=torch.bfloat16, device=device, seed=0, attn=attn)

@@ -15,7 +15,7 @@ from prime_models.parallel import cuda_graphs as G
 from prime_models.parallel.activation_checkpoint import ATTENTION_OPS
 from prime_models.parallel.cuda_graphs import cuda_graphs_of
 
-from tests.models.conftest import VOCAB, tiny_config
+from tests.models.conftest import VOCAB, gpu_attention_config, rows_of_short_samples, tiny_config
 from tests.models.cuda_graph_standin import graphs_on_cpu  # noqa: F401 (fixture)
 
 LENGTHS = [5, 9, 2, 7]  # one row of four samples, and a second row of one
@@ -191,19 +191,9 @@ def _gpu_step(model, ids, positions) -> tuple[torch.Tensor, dict[str, torch.Tens
 def test_gpu_varlen_kernel_trains_like_the_mask(monkeypatch, ac):
     """bf16 Qwen3-shaped layers (GQA 16/8 heads of 128), rows of many short samples: log-probs and gradients of the
     varlen kernel against SDPA with the block-diagonal mask, with and without checkpointing that keeps its outputs."""
-    cfg = tiny_config("qwen3", hidden_size=512, intermediate_size=1024, num_attention_heads=16,
-                      num_key_value_heads=8, head_dim=128, max_position_embeddings=4096)  # fmt: skip
+    cfg = gpu_attention_config()
     device = torch.device("cuda")
-    g = torch.Generator().manual_seed(0)
-    rows, seq = 4, 2048
-    ids = torch.randint(0, VOCAB, (rows, seq + 1), generator=g)
-    positions = torch.zeros(rows, seq + 1, dtype=torch.long)
-    for r in range(rows):
-        pos = 0
-        while pos < seq + 1:
-            n = min(int(torch.randint(16, 400, (1,), generator=g)), seq + 1 - pos)
-            positions[r, pos : pos + n] = torch.arange(n)
-            pos += n
+    ids, positions = rows_of_short_samples()
     ids, positions = ids.to(device), positions  # positions stay on the host for row_packing, as the trainer's
     results = {}
     for name, on in (("varlen", True), ("mask", False)):
