@@ -196,3 +196,18 @@ def test_a_transport_secret_swapped_after_its_check_is_refused(tmp_path, monkeyp
         transport_secret(RunDir(tmp_path))
     assert str(e.value) == message
     assert swapped
+
+
+def test_a_fifo_swapped_in_at_a_weight_manifest_is_one_line(tmp_path):
+    """``read_manifest`` finds the manifest with a check by path; a FIFO renamed over it after that passed the size
+    check (0 bytes), and the inference server's read of it blocked in ``open`` for good, on its weight update."""
+    path = tmp_path / "broadcast.json"
+    os.mkfifo(path)
+    out = run_bounded(f"""
+        from prime_core.schemas.weights import BroadcastManifest, _read
+        try:
+            _read(__import__("pathlib").Path({str(path)!r}), BroadcastManifest)
+        except ValueError as e:
+            print(e)
+    """)
+    assert out == f"{path} is not a valid broadcast manifest: not a regular file (a weight manifest is one)"

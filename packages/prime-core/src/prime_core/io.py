@@ -253,6 +253,22 @@ def reading(path: str | os.PathLike, what: str) -> Iterator[None]:
         raise UnreadableFile(f"{path}: unreadable {what} ({first_line(e)})") from e
 
 
+# A model's small JSON files (config.json, generation_config.json, tokenizer_config.json, adapter_config.json, a
+# preprocessor config): the largest real ones are around 1 MiB (a tokenizer config listing its added tokens).
+SMALL_JSON_BYTES = 16 << 20
+# A model's large JSON files (tokenizer.json, a sharded checkpoint's index): tens of MiB for the biggest vocabularies.
+LARGE_JSON_BYTES = 256 << 20
+
+
+def read_json(path: str | os.PathLike, what: str, limit: int = SMALL_JSON_BYTES) -> Any:
+    """The JSON value of ``what`` (``"a model config"``) at ``path``, read by `read_regular` with ``limit``: a file
+    of gigabytes under the name was read whole into memory, a FIFO blocked the reader for good. Those, and a file that
+    is not JSON, are an `UnreadableFile` naming the path; a missing file or a failing disk stays an ``OSError``."""
+    data = read_regular(path, what, limit)
+    with reading(path, what):
+        return json.loads(data)
+
+
 class StorageError(OSError):
     """A write that failed for lack of storage; its message is one line naming the errno, what was being written
     (``what``, when known) and the path."""

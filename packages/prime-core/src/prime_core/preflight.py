@@ -69,8 +69,14 @@ def _is_model_dir(path: Path) -> bool:
 
 def _bad_model_config(path: Path) -> str | None:
     """Why an HF config.json cannot configure a model (transformers and our loader need ``model_type``), or None."""
+    from prime_core.io import SMALL_JSON_BYTES, UnreadableFile, read_regular
+
+    try:  # bounded, a regular file only: a config.json of gigabytes was read whole by each process before
+        data = read_regular(path, "a model config", SMALL_JSON_BYTES)
+    except UnreadableFile as e:
+        return str(e)
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(data)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return f"{str(path)!r} is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
