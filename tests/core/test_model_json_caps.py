@@ -80,3 +80,22 @@ def test_a_config_json_that_is_not_an_object_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(UnreadableFile, match=rf"^{re.escape(str(tmp_path / 'config.json'))}: not a model config"):
         resolve_config(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json"])
+@pytest.mark.parametrize("kind", ["oversized", "fifo"])
+def test_the_preflight_names_a_file_transformers_would_read_whole(tmp_path, name, kind):
+    """transformers and vLLM read these whole, without a bound, in every process (a FIFO blocked each in ``open``).
+    Before, the preflight passed the directory and each process hung or took the file's size in memory."""
+    import os
+
+    from prime_core.preflight import check_model_name
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    what = {"tokenizer_config.json": "a tokenizer config", "generation_config.json": "a generation config"}[name]
+    if kind == "fifo":
+        os.mkfifo(tmp_path / name)
+        line = f"{str(tmp_path / name)!r} is not a regular file: not {what}"
+    else:
+        line = _oversized(tmp_path / name) + what
+    assert check_model_name(str(tmp_path), network=False) == line
