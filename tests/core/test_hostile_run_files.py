@@ -153,3 +153,61 @@ def test_a_link_to_a_terminal_never_becomes_the_readers_controlling_terminal(tmp
         "no controlling terminal",
         "alive",
     ]
+
+
+@pytest.mark.parametrize("swap", ["link", "readable"])
+def test_a_transport_secret_swapped_after_its_check_is_refused(tmp_path, monkeypatch, swap):
+    """Another user who can write to a shared run directory replaces ``transport.secret`` between the check and the
+    read: with a link to a file of theirs, or with a file others can read. Before, the mode was checked by path, then
+    the path read again: the swapped-in secret (known to them, so their zmq batches train) was returned. The open
+    descriptor is what is checked now. The swap is made inside ``os.open`` of the secret: after any check by path."""
+    from prime_core.config import ConfigError
+    from prime_core.run_dir import RunDir
+    from prime_core.transport import SECRET_ENV, secret_path, transport_secret
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    path = secret_path(RunDir(tmp_path))
+    path.write_bytes(b"a" * 64)
+    path.chmod(0o600)
+    theirs = tmp_path / "theirs"
+    theirs.write_bytes(b"b" * 64)
+    theirs.chmod(0o644)
+    real_open, swapped = os.open, []
+
+    def open_after_swap(file, flags, *args, **kwargs):
+        if os.fspath(file) == str(path) and not swapped:
+            swapped.append(file)
+            planted = tmp_path / "planted"
+            if swap == "link":
+                planted.symlink_to(theirs)
+            else:
+                planted.write_bytes(b"b" * 64)
+                planted.chmod(0o644)
+            os.replace(planted, path)
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_after_swap)
+    message = (
+        f"{path}: not a regular file (a transport secret is one) (delete it)"
+        if swap == "link"
+        else f"{path} is readable by other users: chmod 600 it (or set ${SECRET_ENV})"
+    )
+    with pytest.raises(ConfigError) as e:
+        transport_secret(RunDir(tmp_path))
+    assert str(e.value) == message
+    assert swapped
+
+
+def test_a_fifo_swapped_in_at_a_weight_manifest_is_one_line(tmp_path):
+    """``read_manifest`` finds the manifest with a check by path; a FIFO renamed over it after that passed the size
+    check (0 bytes), and the inference server's read of it blocked in ``open`` for good, on its weight update."""
+    path = tmp_path / "broadcast.json"
+    os.mkfifo(path)
+    out = run_bounded(f"""
+        from prime_core.schemas.weights import BroadcastManifest, _read
+        try:
+            _read(__import__("pathlib").Path({str(path)!r}), BroadcastManifest)
+        except ValueError as e:
+            print(e)
+    """)
+    assert out == f"{path} is not a valid broadcast manifest: not a regular file (a weight manifest is one)"

@@ -95,3 +95,21 @@ def test_a_seat_whose_advantages_overflow_is_not_trained_and_the_step_still_is(c
     assert len(samples) == 4 + 4  # seat b of the huge group, seat a of the fine one (its b has no signal)
     assert all(np.isfinite(s.advantage) for s in samples) and np.isfinite(m["advantage/abs_mean"])
     assert "env duel: the advantages of seat 'a' overflow (rewards up to 1e+308)" in caplog.text
+
+
+def test_a_seat_whose_finite_advantages_exceed_max_abs_is_named_and_not_trained(caplog):
+    """A reward function returning 1e18: the advantages are finite, so before they trained. On the tiny test model
+    that step's gradient norm was 1.5e17, which clipping scaled to 1: the one sample set the step's direction and every
+    other sample's share became nothing (from about 1e19 the norm was infinite and the whole step skipped)."""
+    huge = [rollout(("a", r), ("b", b)) for r, b in ((1e18, 0.0), (0.0, 1.0), (0.0, 0.0), (0.0, 1.0))]
+    fine = [rollout(("a", r), ("b", 0.0)) for r in (0.0, 1.0, 1.0, 0.0)]
+    samples, m = step_samples([huge, fine], config())
+    assert m["filtered/overflowed_seat_groups"] == 1
+    assert max(abs(s.advantage) for s in samples) == 0.5 and len(samples) == 4 + 4
+    assert (
+        "env duel: the advantages of seat 'a' reach 7.5e+17, over advantage.max_abs = 1e+06 (rewards up to 1e+18): "
+        "that seat of the group is not trained" in caplog.text
+    )
+    # Unset, the bound is float32's: the seat trains as before (its rewards are the user's scale).
+    samples, m = step_samples([huge], config(advantage={"max_abs": None}))
+    assert m["filtered/overflowed_seat_groups"] == 0 and max(abs(s.advantage) for s in samples) == 7.5e17

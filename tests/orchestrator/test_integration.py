@@ -60,12 +60,14 @@ def run(config, during=None):
     return orch
 
 
-def test_one_step_end_to_end(tmp_path, tiny_model, torch_server):
+def test_one_step_end_to_end(tmp_path, tiny_model, torch_server, monkeypatch):
+    monkeypatch.setenv("PRIME_RUN_ID", "launch-a")
     run(make_config(tmp_path, tiny_model, torch_server))
     total = 0
     for rank in range(2):
         meta, mbs = read_microbatches(tmp_path / "rollouts" / "step_0" / f"rank_{rank}.safetensors")
         assert meta.step == 0 and meta.rank == rank and meta.global_num_samples == 4
+        assert meta.run_id == "launch-a"  # the trainer refuses a file of another launch
         assert meta.num_micro_batches == len(mbs) and meta.weight_steps == [0] * len(meta.weight_steps)
         for mb in mbs:
             assert mb.shape == (2, 256)

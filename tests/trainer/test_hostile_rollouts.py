@@ -41,3 +41,42 @@ def test_a_rollout_file_of_another_step_is_one_line_not_trained_as_this_one(tmp_
     line = "step 1: rollouts for rank 0 (rollouts/step_1/rank_0): the file is of step 0"
     with pytest.raises(UnreadableFile, match=rf"^{re.escape(line)}$"):
         source.get(1)
+
+
+def _source(tmp_path):
+    import torch
+    from prime_core.config import load_config
+    from prime_core.config.trainer import TrainerConfig
+    from prime_trainer.rl.data import RolloutSource
+    from prime_trainer.world import World
+
+    config = load_config(TrainerConfig, ["--output-dir", str(tmp_path), "--data.wait-timeout-s", "5"])
+    return RolloutSource(config, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+
+
+def test_a_rollout_file_of_another_launch_is_one_line_naming_both(tmp_path, monkeypatch):
+    """Two runs sharing an output directory (or a file an earlier launch left at a step's path): before, the trainer
+    trained on the other run's batch of the same step and rank. The orchestrator stamps its launch's ``PRIME_RUN_ID``
+    into the file; the trainer refuses another's, and takes its own (a resumed launch writes its steps again)."""
+    import pytest
+    from prime_core.io import UnreadableFile
+    from prime_core.schemas.microbatch import read_microbatches, write_microbatches
+
+    write_rollouts(tmp_path, steps=2, num_ranks=1, micro_batches_per_step=2)
+    path = RunDir(tmp_path).rollout_file(1, 0)
+    meta, mbs = read_microbatches(path)
+    write_microbatches(path, meta.model_copy(update={"run_id": "launch-a"}), mbs)
+
+    monkeypatch.setenv("PRIME_RUN_ID", "launch-b")
+    source = _source(tmp_path)
+    source.get(0)  # a file of no launch (a standalone orchestrator's, an older one's) is taken
+    line = (
+        f"step 1: rollouts for rank 0: {path} was written by launch 'launch-a', this trainer's launch is 'launch-b' "
+        "(another run writing to this output directory, or a file an earlier launch left)"
+    )
+    with pytest.raises(UnreadableFile, match=rf"^{re.escape(line)}$"):
+        source.get(1)
+
+    monkeypatch.setenv("PRIME_RUN_ID", "launch-a")
+    meta, got = _source(tmp_path).get(1)
+    assert meta.run_id == "launch-a" and len(got) == 2

@@ -91,17 +91,19 @@ def remove_published(directory: str | os.PathLike) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def open_regular(path: str | os.PathLike):  # noqa: ANN201 (a binary file object)
+def open_regular(path: str | os.PathLike, *, follow: bool = True):  # noqa: ANN201 (a binary file object)
     """Open a regular file for reading; ``OSError`` for anything else at ``path``. A watcher that read a FIFO left where a
     process's file goes (a heartbeat, a log) waited in ``open`` for a writer that never came, and a device never ends:
     the watchdog itself hung, and nothing was watched any more.
 
     Checked before opening too: opening a device runs its driver's open (a terminal, a watchdog timer). O_NOCTTY: a
     link to a terminal opened by a session leader without one (every process rl starts) made it that process's
-    controlling terminal, and the terminal's hang-up then killed the process with SIGHUP."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
+    controlling terminal, and the terminal's hang-up then killed the process with SIGHUP. ``follow=False``: a symlink
+    at ``path`` itself is refused (``ELOOP``), also one swapped in between the check and the open."""
+    if not stat.S_ISREG((os.stat if follow else os.lstat)(path).st_mode):
         raise OSError(errno.EINVAL, "not a regular file", str(path))
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
@@ -207,13 +209,23 @@ def one_line(message: str) -> str:
     return lines[0][:500] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1][-300:]}"
 
 
-def read_regular(path: str | os.PathLike, what: str, limit: int | None = None) -> bytes:
+class ExposedFile(UnreadableFile):
+    """A private file (a secret) that users other than its owner can read."""
+
+
+def read_regular(path: str | os.PathLike, what: str, limit: int | None = None, *, private: bool = False) -> bytes:
     """The bytes of the file ``what`` (``"a progress record"``) at ``path``, opened with `open_regular`: a FIFO there
     blocked the reader in ``open`` for good, and a link to a device fed it without end. Those, a socket, a directory,
     a loop of symlinks and a file over ``limit`` bytes (a small record the run wrote, replaced by something else) are
-    an `UnreadableFile` naming the path; a missing file or a failing disk stays an ``OSError``."""
+    an `UnreadableFile` naming the path; a missing file or a failing disk stays an ``OSError``.
+
+    ``private`` (a secret): a symlink at ``path`` is refused and the mode is checked on the open descriptor, so what is
+    read is what was checked; a file others can read is an `ExposedFile`. Checked by path first, then read, a file
+    renamed or linked into place in between (one others can read or write) was read as the secret."""
     try:
-        with open_regular(path) as f:
+        with open_regular(path, follow=not private) as f:
+            if private and os.fstat(f.fileno()).st_mode & 0o077:
+                raise ExposedFile(f"{path} is readable by other users")
             data = f.read() if limit is None else f.read(limit + 1)
     except OSError as e:
         # ENXIO: a socket (or a device without its driver), which open refuses; ELOOP: a loop of symlinks. Neither
@@ -239,6 +251,22 @@ def reading(path: str | os.PathLike, what: str) -> Iterator[None]:
         if storage_error(e) is not None:
             raise
         raise UnreadableFile(f"{path}: unreadable {what} ({first_line(e)})") from e
+
+
+# A model's small JSON files (config.json, generation_config.json, tokenizer_config.json, adapter_config.json, a
+# preprocessor config): the largest real ones are around 1 MiB (a tokenizer config listing its added tokens).
+SMALL_JSON_BYTES = 16 << 20
+# A model's large JSON files (tokenizer.json, a sharded checkpoint's index): tens of MiB for the biggest vocabularies.
+LARGE_JSON_BYTES = 256 << 20
+
+
+def read_json(path: str | os.PathLike, what: str, limit: int = SMALL_JSON_BYTES) -> Any:
+    """The JSON value of ``what`` (``"a model config"``) at ``path``, read by `read_regular` with ``limit``: a file
+    of gigabytes under the name was read whole into memory, a FIFO blocked the reader for good. Those, and a file that
+    is not JSON, are an `UnreadableFile` naming the path; a missing file or a failing disk stays an ``OSError``."""
+    data = read_regular(path, what, limit)
+    with reading(path, what):
+        return json.loads(data)
 
 
 class StorageError(OSError):

@@ -7,7 +7,8 @@ and milliseconds instead of a traceback after a model load or a minute of networ
 - environment ids: an installed package (or a verifiers built-in taskset) must provide each one.
 - ports: a server's port must be free before the server loads its model.
 - the output directory of a process that writes one must take files (not read-only, not full, permitted).
-- local files: a model directory's config.json must parse, a tokenizer path, an SFT dataset and the checkpoint
+- local files: a model directory's config.json must parse (and it and the JSON files transformers reads whole be
+  regular files within a bound), a tokenizer path, an SFT dataset and the checkpoint
   ``ckpt.resume_step`` names must exist, and ``output_dir`` must not be a file.
 
 Nothing here imports torch, transformers or verifiers.
@@ -22,6 +23,7 @@ import json
 import os
 import re
 import socket
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,12 +71,47 @@ def _is_model_dir(path: Path) -> bool:
 
 def _bad_model_config(path: Path) -> str | None:
     """Why an HF config.json cannot configure a model (transformers and our loader need ``model_type``), or None."""
+    from prime_core.io import SMALL_JSON_BYTES, UnreadableFile, read_regular
+
+    try:  # bounded, a regular file only: a config.json of gigabytes was read whole by each process before
+        data = read_regular(path, "a model config", SMALL_JSON_BYTES)
+    except UnreadableFile as e:
+        return str(e)
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(data)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return f"{str(path)!r} is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         return f"{str(path)!r} has no model_type: not a Hugging Face model config"
+    return None
+
+
+# A model directory's JSON files that transformers and vLLM read whole, unbounded, in every process (the trainer's
+# ranks, the orchestrator, the servers): checked here first. name -> what it is.
+_READ_WHOLE = {
+    "generation_config.json": "a generation config",
+    "tokenizer_config.json": "a tokenizer config",
+    "special_tokens_map.json": "a special tokens map",
+    "preprocessor_config.json": "a preprocessor config",
+    "tokenizer.json": "a tokenizer",
+}
+
+
+def _bad_model_file(path: Path) -> str | None:
+    """Why a file of `_READ_WHOLE` in model directory ``path`` would hang or exhaust its readers (not a regular
+    file: a FIFO blocks ``open``; over its bound: a 10 GiB file is read whole by each), or None."""
+    from prime_core.io import LARGE_JSON_BYTES, SMALL_JSON_BYTES
+
+    for name, what in _READ_WHOLE.items():
+        try:
+            st = os.stat(path / name)
+        except OSError:  # missing (optional), or a broken link: the readers treat it as missing too
+            continue
+        limit = LARGE_JSON_BYTES if name == "tokenizer.json" else SMALL_JSON_BYTES
+        if not stat.S_ISREG(st.st_mode):
+            return f"{str(path / name)!r} is not a regular file: not {what}"
+        if st.st_size > limit:
+            return f"{path / name}: over {limit} bytes, too large for {what}"
     return None
 
 
@@ -107,7 +144,7 @@ def check_model_name(name: str, *, network: bool = True, environ: dict[str, str]
     if path.is_file():
         return f"{name!r} is a file, not a model directory (one holding config.json)"
     if (path / "config.json").is_file():
-        return _bad_model_config(path / "config.json")
+        return _bad_model_config(path / "config.json") or _bad_model_file(path)
     if (path / "config.json").exists():  # a FIFO or device: the launcher, trainer and servers would wait on it
         return f"{str(path / 'config.json')!r} is not a regular file: not a Hugging Face model config"
     if path.is_dir() and not _is_model_dir(path):

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 from pydantic import Field, field_validator
 
 from prime_core.config.base import BaseConfig, ConfigError
-from prime_core.io import UnreadableFile, atomic_write_bytes, read_regular, wait_for_path, writing
+from prime_core.io import ExposedFile, UnreadableFile, atomic_write_bytes, read_regular, wait_for_path, writing
 from prime_core.run_dir import RunDir
 from prime_core.schemas.microbatch import MicroBatch, RolloutBatchMeta, read_microbatches, write_microbatches
 
@@ -126,10 +126,10 @@ def transport_secret(run_dir: RunDir) -> bytes:
                 os.link(tmp, path)
         finally:
             os.unlink(tmp)
-    if path.stat().st_mode & 0o077:
-        raise ConfigError(f"{path} is readable by other users: chmod 600 it (or set ${SECRET_ENV})")
-    try:  # a FIFO there (mode 0600 passes the check above) blocked every process of the run in open
-        value = read_regular(path, "a transport secret", limit=4096).strip()
+    try:  # a FIFO there (mode 0600) blocked every process of the run in open
+        value = read_regular(path, "a transport secret", limit=4096, private=True).strip()
+    except ExposedFile as e:
+        raise ConfigError(f"{e}: chmod 600 it (or set ${SECRET_ENV})") from None
     except UnreadableFile as e:
         raise ConfigError(f"{e} (delete it)") from None
     if len(value) < 16:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -30,11 +29,21 @@ from typing import Any
 
 import numpy as np
 
+from prime_core.io import UnreadableFile, read_json
+
 VISION_HINT = "image inputs need Pillow: pip install 'prime-core[vision]'"
 
 IMAGE_PAD = "<|image_pad|>"
 
 _DATA_URL = re.compile(r"^data:image/[\w.+-]+;base64,(.*)$", re.DOTALL)
+
+
+def _json_object(path: Path, what: str) -> dict[str, Any]:
+    """``what`` at ``path``, read by `read_json` (bounded, a regular file only), which must be a JSON object."""
+    value = read_json(path, what)
+    if not isinstance(value, dict):
+        raise UnreadableFile(f"{path}: not {what} (a JSON object; this is a {type(value).__name__})")
+    return value
 
 
 def _pil():
@@ -170,10 +179,10 @@ class ImageProcessor:
         path = Path(path)
         pre = path / "preprocessor_config.json"
         model_cfg = path / "config.json"
-        vision_config = json.loads(model_cfg.read_text()).get("vision_config") if model_cfg.is_file() else None
+        vision_config = _json_object(model_cfg, "a model config").get("vision_config") if model_cfg.is_file() else None
         if not pre.is_file() and vision_config is None:
             raise ValueError(f"{path}: no preprocessor_config.json and no vision_config in config.json")
-        return cls.from_dict(json.loads(pre.read_text()) if pre.is_file() else {}, vision_config)
+        return cls.from_dict(_json_object(pre, "a preprocessor config") if pre.is_file() else {}, vision_config)
 
     def to_dict(self) -> dict[str, Any]:
         """``preprocessor_config.json`` contents that transformers' Qwen2-VL image processor (and vLLM) read."""
@@ -246,7 +255,7 @@ class VisionSpec:
         cfg_file = Path(path) / "config.json"
         if not cfg_file.is_file():
             return None
-        cfg = json.loads(cfg_file.read_text())
+        cfg = _json_object(cfg_file, "a model config")
         if "vision_config" not in cfg or "image_token_id" not in cfg:
             return None
         return cls(

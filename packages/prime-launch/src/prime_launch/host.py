@@ -25,7 +25,7 @@ from typing import Any
 from prime_core.config.rl import RLConfig
 from prime_core.config.slurm import SlurmConfig
 from prime_core.config.trainer import TrainerConfig
-from prime_core.io import read_regular
+from prime_core.io import read_json
 from prime_core.preflight import hf_cache_dir
 from prime_core.run_dir import RunDir
 
@@ -246,7 +246,7 @@ def model_config(trainer: TrainerConfig, environ: Mapping[str, str]) -> dict[str
     directory = model_dir(trainer.model.name, environ)
     try:
         # Only a regular file: a FIFO under the name (a downloaded or shared directory) blocked the launcher in open.
-        config = json.loads(read_regular(directory / "config.json", "a model config")) if directory else None
+        config = read_json(directory / "config.json", "a model config") if directory else None
     except (OSError, ValueError):
         return None
     return {**config, **trainer.init.config_overrides} if isinstance(config, dict) else None

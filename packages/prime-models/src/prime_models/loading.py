@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import torch
 from prime_core.config import ConfigError
-from prime_core.io import UnreadableFile
+from prime_core.io import LARGE_JSON_BYTES, UnreadableFile, read_json
 from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
@@ -86,7 +85,9 @@ def resolve_config(path_or_config: Any) -> tuple[Any, Path | None]:
             ckpt_dir, path = path, path / "config.json"
         if not path.is_file():
             raise ValueError(f"no config.json at {path}")
-        config_dict = json.loads(path.read_text())
+        config_dict = read_json(path, "a model config")
+        if not isinstance(config_dict, dict):
+            raise UnreadableFile(f"{path}: not a model config (a JSON object)")
     elif isinstance(path_or_config, dict):
         config_dict = dict(path_or_config)
     elif hasattr(path_or_config, "model_type") and hasattr(path_or_config, "to_dict"):
@@ -108,7 +109,8 @@ def checkpoint_files(ckpt_dir: Path) -> list[Path]:
     file (a FIFO or device under a shard's name would block the loader for ever, or feed it without end)."""
     index = ckpt_dir / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = read_json(index, "a checkpoint index", LARGE_JSON_BYTES)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise UnreadableFile(f"{index}: weight_map is not an object of tensor name -> file name")
         for name in sorted(set(weight_map.values())):
@@ -179,7 +181,7 @@ def load_model(
         load_hf_state(model, read_checkpoint(files, device), source=str(ckpt_dir))
         gen_cfg = ckpt_dir / "generation_config.json"
         if gen_cfg.is_file():
-            model.generation_config_dict = json.loads(gen_cfg.read_text())
+            model.generation_config_dict = read_json(gen_cfg, "a generation config")
     else:
         generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         model.init_weights(generator)

@@ -76,14 +76,18 @@ def group_samples(
     advantages: list[float] = []
     for units in by_seat.values():
         adv = compute_advantages([u.reward for u in units], [u.length for u in units], config.advantage)
-        if not np.isfinite(adv.astype(np.float32)).all():
+        finite, bound = bool(np.isfinite(adv.astype(np.float32)).all()), config.advantage.max_abs
+        if not finite or (bound is not None and np.abs(adv).max() > bound):
             # Finite rewards (screened) can still be too large for their advantages: 8 rewards of 1e308 sum to inf,
             # and the trainer computes in float32. Trained, one such seat would make the whole step's gradient
-            # non-finite, and the trainer would skip every other group's update with it.
+            # non-finite, and the trainer would skip every other group's update with it; a finite but huge one
+            # (advantage.max_abs) alone set the step's direction once the gradient norm was clipped.
             overflowed += 1
             logger.warning(
-                "env %s: the advantages of seat %r overflow (rewards up to %.3g): that seat of the group is not trained",
-                units[0].env, units[0].seat, max(abs(u.reward) for u in units),
+                "env %s: the advantages of seat %r %s (rewards up to %.3g): that seat of the group is not trained",
+                units[0].env, units[0].seat,
+                f"reach {np.abs(adv).max():.3g}, over advantage.max_abs = {bound:g}" if finite else "overflow",
+                max(abs(u.reward) for u in units),
             )  # fmt: skip
             continue
         advantages += adv.tolist()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from typing import Any
@@ -346,6 +347,7 @@ class Orchestrator:
             long_samples=c.filters.long_samples,
             extras={f"batch/{k}": v for k, v in self._env_counts(batch).items()},
             vision=self.vision,
+            run_id=os.environ.get("PRIME_RUN_ID"),
         )
         for rank in range(c.num_trainer_ranks):
             await asyncio.to_thread(self.sender.send, batch.step, rank, packed.metas[rank], packed.micro_batches[rank])

@@ -221,8 +221,10 @@ def pack(
     long_samples: str = "truncate",
     extras: dict | None = None,
     vision: VisionSpec | None = None,
+    run_id: str | None = None,
 ) -> PackResult:
-    """Pack one step's samples for every trainer rank (see the module docstring)."""
+    """Pack one step's samples for every trainer rank (see the module docstring); ``run_id`` is the launch's, which
+    the trainer checks."""
     extra = extra_dtypes(samples)
     samples, num_truncated, num_dropped = fit_to_seq_len(samples, seq_len, long_samples, vision)
     per_rank = balance_across_ranks([len(s) for s in samples], num_ranks)
@@ -258,6 +260,7 @@ def pack(
             global_num_samples=len(samples),
             weight_steps=rank_weight_steps[r],
             extras=dict(extras or {}),
+            run_id=run_id,
         )
         for r in range(num_ranks)
     ]

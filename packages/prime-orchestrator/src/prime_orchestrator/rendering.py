@@ -10,9 +10,10 @@ parser cannot parse is content, never a failed rollout.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from prime_core.io import LARGE_JSON_BYTES, SMALL_JSON_BYTES, UnreadableFile, read_json
 
 # model_type -> (renderer, special tokens its template and parsers need)
 FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -23,14 +24,22 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+def _json_object(path: Path, what: str, limit: int = SMALL_JSON_BYTES) -> dict[str, Any]:
+    """``what`` at ``path``, read by `read_json` (bounded, a regular file only): an object, else an `UnreadableFile`."""
+    value = read_json(path, what, limit)
+    if not isinstance(value, dict):
+        raise UnreadableFile(f"{path}: not {what} (a JSON object)")
+    return value
+
+
 def _special_tokens(model_dir: Path) -> set[str]:
     tokens: set[str] = set()
     tok = model_dir / "tokenizer.json"
     if tok.is_file():
-        tokens |= {t["content"] for t in json.loads(tok.read_text()).get("added_tokens", [])}
+        tokens |= {t["content"] for t in _json_object(tok, "a tokenizer", LARGE_JSON_BYTES).get("added_tokens", [])}
     cfg = model_dir / "tokenizer_config.json"
     if cfg.is_file():
-        decoder = json.loads(cfg.read_text()).get("added_tokens_decoder", {})
+        decoder = _json_object(cfg, "a tokenizer config").get("added_tokens_decoder", {})
         tokens |= {t["content"] for t in decoder.values() if isinstance(t, dict) and "content" in t}
     return tokens
 
@@ -45,7 +54,7 @@ def detect_renderer(model: str) -> dict[str, Any]:
     config = path / "config.json"
     if not config.is_file():
         return {"name": "auto"}  # a hub id renderers does not list: renderers resolves it
-    model_type = json.loads(config.read_text()).get("model_type", "")
+    model_type = _json_object(config, "a model config").get("model_type", "")
     family = FAMILIES.get(model_type)
     tokens = _special_tokens(path)
     if family is not None and set(family[1]) <= tokens:

@@ -5,7 +5,6 @@ Shape legend: R rows of a micro-batch, S sequence length.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import torch
 from prime_core.config import ConfigError
 from prime_core.config.shared import Fp8Config, LoRAConfig, ModelConfig
 from prime_core.config.trainer import ModelInitConfig, ParallelConfig
+from prime_core.io import UnreadableFile, read_json
 from prime_models import get_model_spec, load_model
 from prime_models.layers.attention import RowPacking, use_row_packing
 from prime_models.loading import ModelTooLarge, resolve_attn
@@ -55,7 +55,10 @@ def resolve_source(name: str, init: ModelInitConfig) -> tuple[object, ModelSourc
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"model {name!r}: no config.json in {path}")
-    hf_config = {**json.loads(config_file.read_text()), **init.config_overrides}
+    hf_config = read_json(config_file, "a model config")
+    if not isinstance(hf_config, dict):
+        raise UnreadableFile(f"{config_file}: not a model config (a JSON object)")
+    hf_config = {**hf_config, **init.config_overrides}
     tokenizer = init.tokenizer or str(path)
     has_weights = any(path.glob("*.safetensors"))
     if init.config_overrides and has_weights and not init.random:

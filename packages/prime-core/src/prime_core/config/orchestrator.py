@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from prime_core.config.advantage import AdvantageConfig, LengthPenaltyConfig  # noqa: F401 (their home before)
 from prime_core.config.base import BaseConfig
 from prime_core.config.distill import DistillConfig
 from prime_core.config.liveness import RecoveryConfig
@@ -185,26 +186,6 @@ class EvalSamplingConfig(SamplingConfig):
     """Sampling temperature (0: greedy; at most 10)."""
     max_tokens: int = Field(default=128, ge=1, le=MAX_SEQ_LEN)
     """Maximum new tokens per model turn."""
-
-
-class LengthPenaltyConfig(BaseConfig):
-    """Linear length penalty on rewards before the baseline is taken."""
-
-    enabled: bool = False
-    """Subtract ``|mean reward| * weight * len / max(len)`` from each reward of a group, then center."""
-    weight: float = Field(default=0.25, ge=0)
-    """Weight of the completion-length term."""
-
-
-class AdvantageConfig(BaseConfig):
-    """How rewards of a group become per-sample advantages (see docs/algorithms.md ## Advantages)."""
-
-    type: Literal["grpo", "rloo", "opo"] = "grpo"
-    """grpo: r - mean(r); rloo: leave-one-out baseline; opo: length-weighted mean baseline."""
-    std_norm: bool = False
-    """Divide by the group's reward std (+eps); off is Dr.GRPO style."""
-    length_penalty: LengthPenaltyConfig = Field(default_factory=LengthPenaltyConfig)
-    """Optional length penalty."""
 
 
 class FilterConfig(BaseConfig):

@@ -92,6 +92,9 @@ class RolloutBatchMeta(BaseModel):
     """Weight step that generated each sample of this file, by local sample index (off-policy lag)."""
     extras: dict[str, float | int | str] = Field(default_factory=dict)
     """Free-form scalar annotations (e.g. environment mix); ignored by the trainer."""
+    run_id: str | None = None
+    """``PRIME_RUN_ID`` of the launch whose orchestrator wrote the file (None without one): the trainer refuses a file
+    of another launch at its path (two runs sharing an output directory, a file an earlier launch left)."""
 
 
 @dataclass

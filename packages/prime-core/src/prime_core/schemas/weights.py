@@ -38,7 +38,7 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from prime_core.io import atomic_write_text
+from prime_core.io import UnreadableFile, atomic_write_text, read_regular
 from prime_core.schemas.adapters import ADAPTER_INFO, ADAPTER_NAME_PATTERN, AdapterInfo, is_adapter_dir
 
 BROADCAST_FILE = "broadcast.json"
@@ -243,14 +243,14 @@ def held_files(manifest: Manifest) -> Manifest:
 
 
 def _read(path: Path, cls: type[BaseModel]) -> Manifest:
-    try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise ValueError(f"{size} bytes, more than {MAX_MANIFEST_BYTES}")
-        return cls.model_validate_json(path.read_bytes())
+    try:  # checked on the opened file: a FIFO (size 0) passed a check by path, then blocked the server in open
+        return cls.model_validate_json(read_regular(path, "a weight manifest", MAX_MANIFEST_BYTES))
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors())
         raise ValueError(f"{path} is not a valid {cls.model_fields['type'].default} manifest: {problems}") from None
+    except UnreadableFile as e:  # names the path already
+        raise ValueError(f"{path} is not a valid {cls.model_fields['type'].default} manifest: "
+                         f"{str(e).removeprefix(f'{path}: ')}") from None  # fmt: skip
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is not a valid {cls.model_fields['type'].default} manifest: {e}") from None
 

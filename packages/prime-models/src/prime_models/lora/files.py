@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from prime_core.io import read_json
 from prime_core.schemas.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, is_adapter_dir
 from torch import nn
 
@@ -83,7 +84,7 @@ def read_adapter(path: str | os.PathLike) -> tuple[LoRASpec, dict[str, torch.Ten
     p = Path(path)
     if not is_adapter_dir(p):
         raise ValueError(f"{p} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
-    spec = LoRASpec.from_peft_config(json.loads((p / ADAPTER_CONFIG).read_text()))
+    spec = LoRASpec.from_peft_config(read_json(p / ADAPTER_CONFIG, "an adapter config"))
     return spec, load_file(str(p / ADAPTER_WEIGHTS))
 
 

@@ -166,6 +166,14 @@ class RolloutSource:
                 f"step {step}: rollouts for rank {self.rank} ({where}): the file is of "
                 + (f"step {meta.step}" if meta.step != step else f"rank {meta.rank}")
             )
+        own = os.environ.get("PRIME_RUN_ID")
+        if meta.run_id is not None and own is not None and meta.run_id != own:
+            file = self.run_dir.rollout_file(step, self.rank) if self.transport == "filesystem" else where
+            raise UnreadableFile(
+                f"step {step}: rollouts for rank {self.rank}: {file} was written by launch {meta.run_id!r}, this "
+                f"trainer's launch is {own!r} (another run writing to this output directory, or a file an earlier "
+                "launch left)"
+            )
         if meta.seq_len > self.seq_len:  # the memory plan and the context-parallel split are this trainer's seq_len's
             raise UnreadableFile(
                 f"step {step}: rollouts for rank {self.rank} ({where}): rows of {meta.seq_len} tokens, longer than this "
