@@ -224,16 +224,19 @@ def read_regular(path: str | os.PathLike, what: str, limit: int | None = None, *
     renamed or linked into place in between (one others can read or write) was read as the secret."""
     try:
         with open_regular(path, follow=not private) as f:
-            if private and os.fstat(f.fileno()).st_mode & 0o077:
+            st = os.fstat(f.fileno())
+            if private and st.st_mode & 0o077:
                 raise ExposedFile(f"{path} is readable by other users")
-            data = f.read() if limit is None else f.read(limit + 1)
+            # By its size first, before any of it is read (reading up to the limit took as much memory as the limit);
+            # the bounded read still holds for a file that grows meanwhile (a /proc file says 0).
+            data = b"" if limit is not None and st.st_size > limit else f.read() if limit is None else f.read(limit + 1)
     except OSError as e:
         # ENXIO: a socket (or a device without its driver), which open refuses; ELOOP: a loop of symlinks. Neither
         # is a failing disk, which the entry points would call it.
         if e.errno not in (errno.EINVAL, errno.EISDIR, errno.ENXIO, errno.ELOOP):
             raise
         raise UnreadableFile(f"{path}: not a regular file ({what} is one)") from None
-    if limit is not None and len(data) > limit:
+    if limit is not None and max(len(data), st.st_size) > limit:
         raise UnreadableFile(f"{path}: over {limit} bytes, too large for {what}") from None
     return data
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import math
 import random
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from prime_core.config.orchestrator import OrchestratorConfig
-from prime_core.io import atomic_write_json, reading
+from prime_core.io import atomic_write_json, read_regular, reading
 from prime_core.run_dir import RunDir
 
 from prime_orchestrator.advantages import compute_advantages
@@ -36,6 +37,18 @@ from prime_orchestrator.credit import seat_groups
 logger = logging.getLogger("prime.orchestrator.curriculum")
 
 STATE_FILE = "curriculum.json"
+# Bounds on the orchestrator checkpoint's files, read back on resume: a file of gigabytes under the name (a sparse
+# one, another file copied over it) was read whole into memory before its first byte was parsed.
+PROGRESS_BYTES = 1 << 20
+"""progress.json: the step, the seed and one cursor per env, under a KiB in real runs."""
+STATE_BYTES = 1 << 30
+"""curriculum.json: about 90 bytes per scored (env, example, seat); 1 GiB is ten million of them."""
+
+
+def read_checkpoint_json(path: Path, what: str, limit: int) -> Any:
+    """The JSON value of the orchestrator checkpoint's file ``what`` (``"a curriculum checkpoint"``) at ``path``,
+    read by `read_regular` with ``limit``; callers parse it inside `reading`, which names the file."""
+    return json.loads(read_regular(path, what, limit))
 
 
 class _Result(Protocol):
@@ -263,14 +276,12 @@ class Curriculum:
             atomic_write_json(directory / STATE_FILE, self.state_dict(next_step))
 
     def load(self, directory: Path) -> None:
-        import json
-
         path = directory / STATE_FILE
-        if not path.is_file():
+        if not path.exists():  # a FIFO or a directory there is no reason to start from scratch: it is refused
             logger.warning("no %s in %s: the curriculum starts from scratch", STATE_FILE, directory)
             return
         with reading(path, "curriculum checkpoint"):
-            self.load_state_dict(json.loads(path.read_text()))
+            self.load_state_dict(read_checkpoint_json(path, "a curriculum checkpoint", STATE_BYTES))
 
 
 def sequential_plan(envs: list[str], cursors: dict[str, int]) -> list[tuple[str, int]]:

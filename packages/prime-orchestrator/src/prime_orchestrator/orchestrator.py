@@ -37,7 +37,7 @@ from prime_orchestrator.batch import Rollout, StepBatch, rollout_timeline
 from prime_orchestrator.concurrency import ConcurrencyLimiter
 from prime_orchestrator.continuous import Continuous
 from prime_orchestrator.credit import seat_step_metrics, step_samples
-from prime_orchestrator.curriculum import Curriculum
+from prime_orchestrator.curriculum import PROGRESS_BYTES, Curriculum, read_checkpoint_json
 from prime_orchestrator.distill import Teachers
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args, server_spec, train_client
 from prime_orchestrator.evals import evaluate_envs
@@ -179,7 +179,7 @@ class Orchestrator:
         if not path.is_file():  # missing, or a FIFO: one line (exit 1), not a FileNotFoundError traceback
             raise UnreadableFile(f"{path}: {'not a regular file' if path.exists() else 'missing'} (a checkpoint's)")
         with reading(path, "orchestrator checkpoint"):
-            state = json.loads(path.read_text())
+            state = read_checkpoint_json(path, "an orchestrator checkpoint", PROGRESS_BYTES)
             step, cursors = int(state["step"]), {k: int(v) for k, v in state["cursors"].items() if k in self.cursors}
         self.start_step = step
         self.cursors.update(cursors)
