@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from prime_core.io import atomic_write_bytes, read_regular, remove_published
+from prime_core.io import UnreadableFile, atomic_write_bytes, read_regular, remove_published
 from prime_core.run_dir import RunDir
 from prime_core.schemas.metrics import MetricsRecord
 
@@ -74,6 +74,10 @@ def _remove_unfinished(run_dir: RunDir) -> str | None:
 
 
 STOPPED_METRICS = "metrics.stopped.jsonl"
+METRICS_BYTES = 4 << 30
+"""metrics.jsonl, read whole on resume: a million steps of a run logging 4 KiB of records a step. A file of 10 GiB (a
+sparse one, another file copied over it) was read into memory, then copied into ``metrics.stopped.jsonl`` as one torn
+line."""
 _REDONE = ("trainer", "orchestrator")
 
 
@@ -82,9 +86,11 @@ def _set_metrics_aside(run_dir: RunDir, step: int) -> str | None:
     for other rollouts) and lines a kill cut short out of ``metrics.jsonl``, appended to ``metrics.stopped.jsonl``:
     every step is in ``metrics.jsonl`` once, and nothing is lost."""
     try:
-        data = read_regular(run_dir.metrics, "a metrics file")
+        data = read_regular(run_dir.metrics, "a metrics file", METRICS_BYTES)
     except FileNotFoundError:
         return None
+    except UnreadableFile as e:
+        raise UnreadableFile(f"{e} (move it out of {run_dir.root} to resume without it)") from None
     keep, aside = [], []
     for line in data.splitlines():
         if not line.strip():

@@ -156,7 +156,12 @@ def _rewind(argv: list[str]) -> int:
         have = ", ".join(map(str, steps)) or "none"
         return _fail(f"step: {config.step} is not a complete checkpoint of {run_dir.root} (complete checkpoint steps: "
                      f"{have}); rewind to the step the run resumes from")  # fmt: skip
-    print(rewind(run_dir, config.step) or f"nothing after step {config.step} to remove")
+    from prime_core.io import UnreadableFile
+
+    try:
+        print(rewind(run_dir, config.step) or f"nothing after step {config.step} to remove")
+    except UnreadableFile as e:  # a metrics.jsonl it cannot set the redone steps' records aside from
+        return _fail(str(e))
     return 0
 
 
