@@ -335,14 +335,14 @@ def lora_difference(saved: dict[str, Any] | None, lora: Any) -> str | None:
 def check_resume_step(output_dir: Path, step: int, process: str = "trainer", lora: Any = None) -> str | None:
     """Why ``process`` (``trainer`` or ``sft``) with ``model.lora`` = ``lora`` cannot resume from checkpoint ``step``
     of ``output_dir``, or None."""
-    from prime_core.io import UnreadableFile, is_stable, read_regular
+    from prime_core.io import SMALL_JSON_BYTES, UnreadableFile, is_stable, read_regular
     from prime_core.run_dir import RunDir
 
     run_dir = RunDir(output_dir)
     path = run_dir.trainer_checkpoint(step)
     if is_stable(path):
         try:  # checkpoints saved before the process (or LoRA) was recorded name none
-            progress = json.loads(read_regular(path / "progress.json", "a progress record"))
+            progress = json.loads(read_regular(path / "progress.json", "a progress record", SMALL_JSON_BYTES))
             saved = progress.get("process", process)
         except (OSError, ValueError, AttributeError, UnreadableFile):
             return None  # an unreadable progress file is the trainer's to name, with the checkpoint to use instead
