@@ -59,7 +59,7 @@ def test_a_fifo_in_a_checkpoint_is_one_line_not_a_hang(saved, name, kind):
         manager.load(1, *_model())
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"checkpoint step 1 does not load: {ckpt}/{name}: "), line
-    assert "not a regular file" in line, line
+    assert "not a regular file" in line and line.count(f"{ckpt}/{name}") == 1, line
 
 
 @pytest.mark.parametrize("kind", ["fifo"])
@@ -71,3 +71,15 @@ def test_the_resume_preflight_leaves_a_fifo_progress_record_to_the_trainer(saved
     _plant(ckpt / "progress.json", kind)
     with bounded():
         assert check_resume_step(manager.run_dir.root, 1, "trainer") is None
+
+
+def test_an_oversized_progress_record_is_one_line_and_not_read(saved):
+    """A sparse file of 16 MiB and one byte at ``progress.json``: refused by its size, before, read whole."""
+    manager, ckpt = saved
+    os.truncate(ckpt / "progress.json", (16 << 20) + 1)
+    with pytest.raises(UnreadableFile) as e:
+        manager.load(1, *_model())
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(
+        f"checkpoint step 1 does not load: {ckpt}/progress.json: over 16777216 bytes"
+    ), line

@@ -28,6 +28,7 @@ from prime_core.config import ConfigError
 from prime_core.config.shared import CheckpointConfig
 from prime_core.io import (
     LARGE_JSON_BYTES,
+    SMALL_JSON_BYTES,
     STABLE_MARKER,
     UnreadableFile,
     atomic_write_json,
@@ -189,7 +190,7 @@ class CheckpointManager:
             have = ", ".join(map(str, self.saved_steps())) or "none"
             raise ValueError(f"no complete trainer checkpoint at {path} (complete checkpoints: {have})")
         with self._unreadable(step, path, PROGRESS_FILE):
-            progress = json.loads(read_regular(path / PROGRESS_FILE, "a progress record"))
+            progress = json.loads(read_regular(path / PROGRESS_FILE, "a progress record", SMALL_JSON_BYTES))
             progress["step"], progress["world_size"] = int(progress["step"]), int(progress["world_size"])
             # A directory renamed or copied over another step's: resuming would train from a step no process expects.
             if progress["step"] != step:
@@ -230,7 +231,15 @@ class CheckpointManager:
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if storage_error(e) is not None:
                 raise
-            raise UnreadableFile(self._unreadable_line(step, path, what, first_line(_root_cause(e)))) from e
+            cause, named = _root_cause(e), f"{path}/{what}"
+            # Errors that name the file themselves (`read_regular`'s, an OSError's filename): the line names it once.
+            if isinstance(cause, UnreadableFile):
+                why = str(cause).removeprefix(f"{named}: ")
+            elif isinstance(cause, OSError) and cause.strerror and str(cause.filename) == named:
+                why = cause.strerror
+            else:
+                why = first_line(cause)
+            raise UnreadableFile(self._unreadable_line(step, path, what, why)) from e
 
     def _check_sizes(self, step: int, path: Path, metadata: Any) -> None:
         """Every data file the metadata points into must be at least as long as its last item: a file cut short
