@@ -78,7 +78,10 @@ def test_every_suite_job_parses_and_asks_for_what_its_name_says(bench, suite, tm
     # The CPU smoke: tiny rows, baselines without liger-kernel.
     tiny = bench.Host(model=suite.tiny_model(tmp_path), device="cpu", tokens_per_k=4)
     jobs = [job for job, _ in suite.suite_jobs("onegpu", tiny=True)]
-    assert "base16k_ac" in jobs and not any("liger" in j for j in jobs)
+    assert "base16k_ac" in jobs and not any("liger" in j or "fa4" in j for j in jobs)
+    capped = configs["profile64k_auto_cap16"]
+    assert capped.parallel.ac == "auto" and capped.gpu_memory_fraction == pytest.approx(16 / 80, abs=1e-6)
+    assert configs["rl64k_noac_fa4"].init.attn == "flash_attn4" and configs["rl64k_noac_fa4"].parallel.ac == "none"
     cfg = load_config(TrainerConfig, trainer_argv(bench.job_spec("profile64k_auto", tmp_path, tiny)[0]))
     assert cfg.device == "cpu" and cfg.data.fake.seq_len == 256 and cfg.gpu_memory_fraction is None
 
