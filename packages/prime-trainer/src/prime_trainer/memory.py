@@ -9,9 +9,10 @@ H100, Qwen3-0.6B shape, docs/benchmarks.md):
    layer's compute (long rows: 17.5k tok/s at 64k, as fast as keeping them on the GPU, in 7 GiB less);
 3. the same kept on the GPU;
 4. the same in host memory when the copies take at most a layer's forward (shorter rows);
-5. full checkpointing keeping the attention outputs of as many of the last layers as fit;
-6. full checkpointing (recomputes attention too: 14.4k tok/s at 64k);
-7. full checkpointing with each MLP recomputed in 8 sequence chunks (lowest peak; the last resort).
+5. the offload of 2 or 4 with each MLP recomputed in 8 sequence chunks (a lower backward peak at no extra compute);
+6. full checkpointing keeping the attention outputs of as many of the last layers as fit;
+7. full checkpointing (recomputes attention too: 14.4k tok/s at 64k);
+8. full checkpointing with each MLP recomputed in 8 sequence chunks (lowest peak; the last resort).
 
 Estimates, per token of a micro-batch on one rank, bf16 activations (h hidden, w the MLP's width, the routed width
 of an MoE layer; a = heads x head_dim; L layers): a layer without checkpointing keeps 2 x (12h + 5w) bytes (1.55 MB
@@ -69,6 +70,8 @@ class ModelShape:
     vocab: int
     layer_params: int
     """Matmul parameters of one layer a token passes through (for the layer's forward time)."""
+    dense_mlp: bool = True
+    """False for MoE layers, which `mlp_chunks` leaves whole (no saving to count)."""
 
     @classmethod
     def from_args(cls, args) -> ModelShape:
@@ -79,7 +82,8 @@ class ModelShape:
         else:
             width = args.intermediate_size
         attn = 2 * h * args.num_heads * d + 2 * h * args.num_kv_heads * d
-        return cls(h, args.num_layers, width, args.num_heads * d, args.num_heads, args.vocab_size, attn + 3 * h * width)
+        return cls(h, args.num_layers, width, args.num_heads * d, args.num_heads, args.vocab_size, attn + 3 * h * width,
+                   dense_mlp=not args.num_experts)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -155,12 +159,14 @@ def activation_bytes(
     if plan.ac != "full":  # `selective` is not chosen here; counted as keeping everything (an upper bound)
         return head + tokens * shape.layers * layer + mask_bytes(packed_rows, row_len, shape.layers)
     recompute = layer * RECOMPUTE_ALIVE
-    if plan.mlp_chunks:
+    if plan.mlp_chunks and shape.dense_mlp:
         # The chunks cut the MLP's share of the recomputed layer; measured at 64k: about half of what that predicts.
         mlp = 2 * 5 * shape.mlp_width * MLP_CHUNKS_ALIVE
         recompute -= mlp * (plan.mlp_chunks - 1) / (2 * plan.mlp_chunks)
     kept_layers = shape.layers if plan.keep_attention < 0 else plan.keep_attention
-    on_gpu = min(kept_layers, 2) if plan.offload_attention else kept_layers
+    # Offloaded: the recomputed layer's restored output stands in for the attention output its share above already
+    # counts; only the previous layer's, prefetched, is extra (measured at 64k on an H200: +0.25 GiB over full).
+    on_gpu = min(kept_layers, 1) if plan.offload_attention else kept_layers
     kept = tokens * (shape.layers * 2 * shape.hidden + on_gpu * kept_attention_bytes_per_token(shape))
     return int(kept + max(head, tokens * recompute) + mask_bytes(packed_rows, row_len, 1))
 
@@ -211,11 +217,15 @@ def choose_plan(
     offload = plan(ac="full", keep_attention=-1, offload_attention=True)
     offload_ok = offload.fits and offload.host_bytes <= host_budget_bytes
     ratio = offload_copy_ratio(shape, row_len)
+    chunked_offload = plan(ac="full", keep_attention=-1, offload_attention=True, mlp_chunks=LAST_RESORT_MLP_CHUNKS)
     ladder = [
         plan(ac="none"),
         offload if offload_ok and ratio <= 0.5 else None,
         keep_all,
         offload if offload_ok and ratio <= 1.0 else None,
+        # Chunking the MLP costs no compute and lowers the backward's peak: under a 16 GiB cap a 64k row fits this
+        # (15.07 GiB, 17.6k tok/s on an H200) where the offload alone ran out of memory and full recompute ran 14.6k.
+        chunked_offload if offload.host_bytes <= host_budget_bytes and ratio <= 1.0 else None,
     ]
     for candidate in ladder:
         if candidate is not None and candidate.fits:
