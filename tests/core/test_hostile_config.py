@@ -5,6 +5,7 @@ line naming the field and exit 2, never a traceback or a script that runs what a
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,27 @@ def test_a_trainer_started_afresh_does_not_overwrite_another_runs_checkpoints(ca
     mark_stable(fresh / "weights" / "step_0")
     assert parse_cli(TrainerConfig, ["--model.name", str(MODEL), "--output-dir", str(fresh)], prog="t")
     assert (run / "checkpoints" / "step_4" / "trainer").is_dir()  # nothing above deleted anything
+
+
+def test_the_refusal_names_the_other_runs_rollouts_too(capsys, tmp_path):
+    """The refusal says to delete what it names. Before, it named the checkpoints and weights only: a user who deleted
+    those kept the other run's last rollouts (steps 4 and 5 here), and the fresh trainer, which takes the file at its
+    step's path without asking who wrote it (no launch id by hand), trained on the other run's batch at step 4.
+    Rollouts alone still start a trainer: this run's orchestrator may have started first."""
+    run = tmp_path / "run"
+    _trained_run(run, 2, 4)
+    for step in (4, 5):
+        (run / "rollouts" / f"step_{step}").mkdir(parents=True)
+        (run / "rollouts" / f"step_{step}" / "rank_0.safetensors").write_bytes(b"")
+    err = error_line(capsys, TrainerConfig, "--model.name", str(MODEL), "--output-dir", str(run))
+    assert err == (
+        f"error: CLI --output-dir: output-dir: '{run}' holds another run's checkpoints (steps 2, 4), weights (steps 2, "
+        "4) and rollouts (steps 4, 5), which this run would overwrite: resume it with --ckpt.resume-step 4, delete "
+        "them, or choose another --output-dir"
+    )
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "weights")
+    assert parse_cli(TrainerConfig, ["--model.name", str(MODEL), "--output-dir", str(run)], prog="t")
 
 
 def test_a_dry_run_in_a_trained_runs_directory_keeps_that_runs_config(capsys, tmp_path):

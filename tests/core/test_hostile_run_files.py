@@ -60,14 +60,19 @@ def test_read_regular_refuses_a_file_over_its_bound_without_reading_it_whole(tmp
         io.read_regular(path, "a progress record", limit=1 << 20)
 
 
-def test_a_fifo_at_metrics_jsonl_reads_as_no_records(tmp_path):
-    """Before, ``read_metrics`` (the launcher's summary and report) waited in ``open`` for good."""
+def test_a_fifo_at_metrics_jsonl_is_refused_in_one_line(tmp_path):
+    """Before, ``read_metrics`` (the launcher's summary and report) waited in ``open`` for good; then it read as no
+    records, silently (``prime-launch report``: "no metrics in ..."); now one line names what is there."""
     os.mkfifo(tmp_path / "metrics.jsonl")
     out = run_bounded(f"""
+        from prime_core.io import UnreadableFile
         from prime_core.monitor import read_metrics
-        print(read_metrics({str(tmp_path / "metrics.jsonl")!r}))
+        try:
+            print(read_metrics({str(tmp_path / "metrics.jsonl")!r}))
+        except UnreadableFile as e:
+            print(e)
     """)
-    assert out == "[]"
+    assert out == f"{tmp_path / 'metrics.jsonl'}: not a regular file (a metrics file is one)"
 
 
 def test_a_fifo_at_metrics_jsonl_stops_the_monitor_with_one_line(tmp_path):

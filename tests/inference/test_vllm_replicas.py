@@ -332,7 +332,7 @@ def test_an_engine_that_died_takes_no_more_requests():
         llms[0].errored = True  # both dead: the request fails naming them (before, vLLM's EngineDeadError: a 500)
         with pytest.raises(RequestError) as unserved:
             await outputs(engine, "last", prompt_of(0))
-        assert unserved.value.status_code == 503
+        assert unserved.value.status_code == 503 and unserved.value.permanent  # a client does not retry it
         assert unserved.value.message == "vLLM engines 0, 1 of 2 died: this server serves nothing until restarted"
 
     asyncio.run(scenario())
@@ -369,5 +369,6 @@ def test_a_weight_load_skips_dead_engines_and_fails_in_one_line_once_none_is_lef
         with pytest.raises(RequestError) as unserved:
             await outputs(engine, "last", prompt_of(0))
         assert unserved.value.status_code == 503 and unserved.value.message == message
+        assert refused.value.permanent and unserved.value.permanent
 
     asyncio.run(scenario())

@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 from prime_inference.engines.vllm_engine import VllmEngine
@@ -102,6 +103,7 @@ def test_a_failed_load_stops_the_server_serving_until_a_complete_one(how):
         with pytest.raises(RequestError) as unserved:
             await first_output(engine)
         assert unserved.value.status_code == 503 and unserved.value.message == refused.value.message
+        assert not unserved.value.permanent  # a complete load ends it: clients may retry
 
         engine.llm.fail = engine.llm.refuse = None  # the next complete load serves again
         await engine.update_weights("/w/step_4", 4)
@@ -145,6 +147,7 @@ def test_a_load_after_the_engine_died_fails_in_one_line_naming_it(paused):
         with pytest.raises(RequestError) as unserved:
             await first_output(engine)
         assert unserved.value.status_code == 503 and unserved.value.message == refused.value.message
+        assert refused.value.permanent and unserved.value.permanent  # until restarted: not worth a retry
 
     asyncio.run(scenario())
 
@@ -174,10 +177,12 @@ def test_admin_calls_on_a_dead_engine_are_one_line_naming_it(monkeypatch, call):
                               "restarted"  # fmt: skip
 
 
-def test_the_relay_names_the_dead_engine_in_one_line(model_dir, other_weights_dir):
+def test_the_relay_names_the_dead_engine_in_one_line_and_does_not_retry_it(model_dir, other_weights_dir):
     """Through the route and the orchestrator's relay: before, the relay's error was "POST .../update_weights failed
     after 2 attempts: HTTPStatusError('500: {"error":{"message":"internal error: EngineDeadError",...')", naming
-    no engine; now one line names the server, the step and the dead engine."""
+    no engine; now one line names the server, the step and the dead engine. The 503 carries the permanent-fault
+    header, so the relay ends at the first answer: before, it asked 4 times over 3.5 s (client.max_retries = 3)."""
+    from prime_core.schemas.errors import is_permanent
     from prime_orchestrator import client
 
     from tests.fixtures.scripted import ScriptedServer
@@ -185,18 +190,27 @@ def test_the_relay_names_the_dead_engine_in_one_line(model_dir, other_weights_di
     server = ScriptedServer(model_dir, lambda text: None)
     dead = stand_in_engine()
     dead.llm = DeadLLM()
-    server.engine.update_weights = dead.update_weights  # the route's engine, as a vLLM engine whose core died
+    asked: list[int] = []
+
+    async def update_weights(*args, **kwargs):
+        asked.append(1)
+        return await dead.update_weights(*args, **kwargs)
+
+    server.engine.update_weights = update_weights  # the route's engine, as a vLLM engine whose core died
     try:
         with pytest.raises(client.WeightUpdateError) as failed:
             asyncio.run(client.update_weights([server.url], str(other_weights_dir), 3, api_key=None, timeout=30,
-                                              retries=1))  # fmt: skip
+                                              retries=3))  # fmt: skip
+        answer = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(other_weights_dir), "step": 3})
     finally:
         server.stop()
     assert str(failed.value) == (
         f"inference server {server.url} failed to load weights step 3 ({other_weights_dir}): POST {server.url}"
-        "/update_weights failed after 2 attempts: 503: vLLM engine 0 of 1 died (EngineDeadError): weights step 3 "
-        "not loaded; this server serves nothing until restarted"
+        "/update_weights -> 503: vLLM engine 0 of 1 died (EngineDeadError): weights step 3 not loaded; this server "
+        "serves nothing until restarted (permanent: not retried)"
     )
+    assert len(asked) == 2  # the relay's one, and the direct one
+    assert answer.status_code == 503 and is_permanent(answer.headers)
 
 
 @pytest.mark.gpu

@@ -61,6 +61,37 @@ def test_files_are_retried_and_a_broadcast_is_asked_for_once(tmp_path):
     assert len(seen) == 3 and {s["source"] for s in seen} == {"filesystem"}
 
 
+def test_a_permanent_fault_is_not_retried_and_a_busy_server_is(tmp_path):
+    """A 503 the server marks permanent (its engine died: nothing changes until a restart) ends the relay at the
+    first answer; a plain 503 (busy, not ready) is still retried. Before, both were asked 4 times over 3.5 s."""
+    from prime_core.schemas.errors import PERMANENT, PERMANENT_FAULT_HEADER
+
+    async def main(permanent: bool) -> tuple[list[dict], str]:
+        seen: list[dict] = []
+
+        async def update(request: web.Request) -> web.Response:
+            seen.append(await request.json())
+            if not permanent and len(seen) == 3:
+                return web.json_response({"status": "ok", "weight_step": 4})
+            headers = {PERMANENT_FAULT_HEADER: PERMANENT} if permanent else {}
+            return web.json_response({"error": {"message": "engine 0 died"}}, status=503, headers=headers)
+
+        runner, url = await _update_server(update)
+        try:
+            await client.update_weights([url], str(tmp_path), 4, api_key=None, timeout=5, retries=3)
+        except client.WeightUpdateError as e:
+            return seen, str(e)
+        finally:
+            await runner.cleanup()
+        return seen, ""
+
+    mark_stable(tmp_path)
+    seen, error = asyncio.run(main(permanent=True))
+    assert len(seen) == 1 and error.endswith("/update_weights -> 503: engine 0 died (permanent: not retried)")
+    seen, error = asyncio.run(main(permanent=False))
+    assert len(seen) == 3 and error == ""
+
+
 def test_a_bad_manifest_fails_before_any_request(tmp_path):
     (tmp_path / "broadcast.json").write_text("{")
     with pytest.raises(client.WeightUpdateError, match="weights step 4 .* cannot be relayed: .*broadcast.json"):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prime_core.config.shared import MonitorConfig, WandbConfig
-from prime_core.io import UnreadableFile, open_regular, read_regular, writing
+from prime_core.io import UnreadableFile, open_regular, writing
 from prime_core.schemas.metrics import MetricsRecord
 
 logger = logging.getLogger(__name__)
@@ -196,36 +196,84 @@ def build_monitor(
     return MultiMonitor(monitors)
 
 
+METRICS_BYTES = 4 << 30
+"""The most of metrics.jsonl read at once (`read_metrics`, and ``rl --resume`` setting records aside): a million steps
+of a run logging 4 KiB of records a step. A file of 10 GiB there (a sparse one, another file copied over it) was read
+whole into memory."""
+METRICS_LINE_BYTES = 1 << 20
+"""The longest line read as a record (a real one is a few KiB); a longer one is skipped like a torn line, without
+holding it: one line of 512 MiB (no newline) took 1 GiB of memory to read and try."""
+TAIL_READ_BYTES = 8 << 20
+"""The most one `MetricsTail.read` reads: the backlog of a resumed run's file is caught up over several polls instead
+of stalling the launcher's loop (which also watches the processes) for as long as reading all of it takes."""
+_NOT_REGULAR = (errno.EINVAL, errno.EISDIR, errno.ENXIO, errno.ELOOP)  # as `prime_core.io.read_regular` names them
+
+
 def read_metrics(path: str | Path, process: str | None = None) -> list[MetricsRecord]:
-    """Read metrics.jsonl, optionally only one process's records (skips a torn or foreign line)."""
+    """Read metrics.jsonl, optionally only one process's records; a torn, foreign or over-long line is skipped, a
+    missing file has none. A file over `METRICS_BYTES` (refused by its size, before any of it is read) or not a regular
+    file (a FIFO in its place, whose ``open`` waited for good) is an `UnreadableFile` naming it in one line."""
     try:
-        data = read_regular(path, "a metrics file")
-    except (OSError, UnreadableFile):  # missing, or a FIFO or device in its place: no records
-        return []
-    records = [r for line in data.split(b"\n") if (r := _parse(line)) is not None]
+        with open_regular(path) as f:
+            if (size := os.fstat(f.fileno()).st_size) > METRICS_BYTES:
+                raise UnreadableFile(f"{path}: over {METRICS_BYTES} bytes ({size}), too large for a metrics file")
+            records = [r for line in _lines(f, METRICS_BYTES) if (r := _parse(line)) is not None]
+    except OSError as e:
+        if e.errno in _NOT_REGULAR:
+            raise UnreadableFile(f"{path}: not a regular file (a metrics file is one)") from None
+        return []  # missing (not written yet), or a failing disk: no records
     return [r for r in records if process is None or r.process == process]
+
+
+def _lines(f: Any, budget: int) -> Any:
+    """The lines of ``f`` within ``budget`` bytes (a file that grows while read), each read with a bound: a line over
+    `METRICS_LINE_BYTES` is read past in pieces of that size, never held whole."""
+    skipping = False
+    while budget > 0 and (piece := f.readline(min(METRICS_LINE_BYTES + 1, budget))):
+        budget -= len(piece)
+        ended = piece.endswith(b"\n")
+        if not skipping and (ended or len(piece) <= METRICS_LINE_BYTES):
+            yield piece
+        skipping = not ended
 
 
 class MetricsTail:
     """Follows a metrics file: ``read()`` returns the complete records appended since the previous call (a line
-    still being written waits for its end)."""
+    still being written waits for its end). It never blocks and holds little: at most `TAIL_READ_BYTES` per call, a
+    partial line up to `METRICS_LINE_BYTES` (a longer one is skipped to its end); a FIFO in the file's place is
+    refused with one warning and read as no records; a file replaced or cut shorter is followed from its start."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._offset = 0
         self._partial = b""
+        self._skipping = False  # inside a line over the cap: what comes before its newline is dropped
+        self._file: tuple[int, int] | None = None
+        self._refused = False
 
     def read(self) -> list[MetricsRecord]:
         try:
             with open_regular(self.path) as f:
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != self._file or st.st_size < self._offset:
+                    self._file, self._offset, self._partial, self._skipping = (st.st_dev, st.st_ino), 0, b"", False
                 f.seek(self._offset)
-                chunk = f.read()
-                self._offset = f.tell()
-        except OSError:
+                chunk = f.read(TAIL_READ_BYTES)
+                self._offset += len(chunk)
+        except OSError as e:
+            if e.errno in _NOT_REGULAR and not self._refused:
+                logger.warning("%s: not a regular file (a metrics file is one); no metrics are shown", self.path)
+                self._refused = True
             return []
+        self._refused = False
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
-        return [r for line in lines if (r := _parse(line)) is not None]
+        if self._skipping and lines:  # the over-long line's end
+            lines.pop(0)
+            self._skipping = False
+        if self._skipping or len(self._partial) > METRICS_LINE_BYTES:
+            self._partial, self._skipping = b"", True
+        return [r for line in lines if len(line) <= METRICS_LINE_BYTES and (r := _parse(line)) is not None]
 
 
 def _parse(line: bytes) -> MetricsRecord | None:

@@ -157,13 +157,19 @@ def clear_run(run_dir: RunDir) -> None:
 
 def trainer_outputs(run_dir: RunDir) -> str | None:
     """What a trainer starting afresh in ``run_dir`` would overwrite: a previous run's complete checkpoints and the
-    weights it published after step 0 (described in words), or None."""
+    weights it published after step 0 (described in words), or None. With those, its rollouts are named too: the
+    message says to delete what it names, and a fresh trainer takes a rollout file at its step's path without asking
+    who wrote it (a stale one of step N, left after deleting only the checkpoints and weights, trained as step N).
+    Rollouts alone are no sign of another run: this run's orchestrator may have started first, and a trainer may be
+    fed rollouts recorded for it."""
     found = []
     if steps := [s for s in run_dir.checkpoint_steps() if is_stable(run_dir.trainer_checkpoint(s))]:
         found.append(f"checkpoints (steps {', '.join(map(str, steps))})")
     if steps := [s for s in run_dir.stable_weight_steps() if s > 0]:
         found.append(f"weights (steps {', '.join(map(str, steps))})")
-    return " and ".join(found) or None
+    if found and (steps := run_dir.rollout_steps()):
+        found.append(f"rollouts (steps {', '.join(map(str, steps))})")
+    return ", ".join(found[:-1]) + " and " + found[-1] if len(found) > 1 else (found[0] if found else None)
 
 
 def _steps(parent: Path) -> list[tuple[int, Path]]:

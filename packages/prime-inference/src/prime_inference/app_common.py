@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from prime_core import progress
 from prime_core.config.inference import InferenceConfig
+from prime_core.schemas.errors import PERMANENT, PERMANENT_FAULT_HEADER
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -28,8 +29,9 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", *genera
 EngineFactory = Callable[[], tuple[Engine, Any]]
 
 
-def error(message: str, status_code: int, param: str | None = None) -> FastJSONResponse:
-    return FastJSONResponse(error_body(message, status_code, param), status_code=status_code)
+def error(message: str, status_code: int, param: str | None = None, permanent: bool = False) -> FastJSONResponse:
+    headers = {PERMANENT_FAULT_HEADER: PERMANENT} if permanent else None
+    return FastJSONResponse(error_body(message, status_code, param), status_code=status_code, headers=headers)
 
 
 class AuthAndWeightStep:
@@ -118,7 +120,7 @@ def add_common(app: FastAPI, config: InferenceConfig) -> None:
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError):
-        return error(exc.message, exc.status_code, exc.param)
+        return error(exc.message, exc.status_code, exc.param, exc.permanent)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -24,11 +24,13 @@ logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
-    """A bad request: answered with an OpenAI-style JSON error and ``status_code``."""
+    """A bad request: answered with an OpenAI-style JSON error and ``status_code``. ``permanent``: retrying cannot
+    help until the server restarts (a dead engine); the answer carries ``prime_core.schemas.errors``' header."""
 
-    def __init__(self, message: str, status_code: int = 400, param: str | None = None):
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None, *, permanent: bool = False):
         super().__init__(message)
         self.message, self.status_code, self.param = message, status_code, param
+        self.permanent = permanent
 
 
 def error_body(message: str, status_code: int, param: str | None = None) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import TextIO
 
 from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
-from prime_core.io import open_regular
+from prime_core.io import UnreadableFile, open_regular
 from prime_core.run_dir import RunDir, clear_run
 from prime_core.transport import new_transport_secret
 
@@ -414,7 +414,11 @@ def _report(plan: ResolvedRun, console: _Console, succeeded: bool) -> None:
     a normal finish, where the final weights are."""
     results = {f"run {name}": run_dir for name, run_dir in plan.runs.items()} or {"": plan.run_dir}
     for label, run_dir in results.items():
-        summary = summarize(run_dir.metrics)
+        try:
+            summary = summarize(run_dir.metrics)
+        except UnreadableFile as e:  # a FIFO or a file of gigabytes at metrics.jsonl: the run's outcome stands
+            console.message(f"rl: no summary: {e}")
+            continue
         if summary["trainer_steps"] or summary["rollout_steps"]:
             console.message(format_summary(summary, title=label))
     if succeeded:

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from prime_core.io import UnreadableFile, atomic_write_bytes, read_regular, remove_published
+from prime_core.monitor import METRICS_BYTES  # read whole here: a file of 10 GiB was copied aside as one torn line
 from prime_core.run_dir import RunDir
 from prime_core.schemas.metrics import MetricsRecord
 
@@ -74,10 +75,6 @@ def _remove_unfinished(run_dir: RunDir) -> str | None:
 
 
 STOPPED_METRICS = "metrics.stopped.jsonl"
-METRICS_BYTES = 4 << 30
-"""metrics.jsonl, read whole on resume: a million steps of a run logging 4 KiB of records a step. A file of 10 GiB (a
-sparse one, another file copied over it) was read into memory, then copied into ``metrics.stopped.jsonl`` as one torn
-line."""
 _REDONE = ("trainer", "orchestrator")
 
 

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import httpx
+from prime_core.schemas.errors import is_permanent
 from prime_core.schemas.health import parse_health
 from prime_core.schemas.weights import WeightUpdateRequest, read_manifest
 
@@ -26,12 +27,15 @@ def headers(api_key: str | None) -> dict[str, str]:
 async def post_json(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout: float, retries: int
 ) -> dict[str, Any]:
-    """POST with retries on connection errors, timeouts and 5xx; 4xx raises at once. Either names the server's
-    last answer in one line (its error message, as our servers send it)."""
+    """POST with retries on connection errors, timeouts and 5xx; 4xx, and a 5xx the server marks permanent (a dead
+    engine: `prime_core.schemas.errors`), raise at once. Either names the server's last answer in one line (its error
+    message, as our servers send it)."""
     last = ""
     for attempt in range(retries + 1):
         try:
             resp = await client.post(url, json=body, timeout=timeout)
+            if resp.status_code >= 500 and is_permanent(resp.headers):
+                raise RuntimeError(f"POST {url} -> {resp.status_code}: {_reason(resp)} (permanent: not retried)")
             if resp.status_code >= 500:
                 raise httpx.HTTPStatusError(f"{resp.status_code}: {_reason(resp)}", request=resp.request, response=resp)
             if resp.status_code >= 400:

@@ -248,7 +248,11 @@ class VllmEngine(Engine):
             if (died := none_left(self.llm, e)) is None:
                 raise
             self._unusable = f"{died}: {what}; this server serves nothing until restarted"
-            raise RequestError(self._unusable, status_code=503) from e
+            raise RequestError(self._unusable, status_code=503, permanent=True) from e
+
+    def _unserved(self) -> RequestError:
+        """Why nothing is served: permanent once every engine died; a failed load ends at the next complete one."""
+        return RequestError(self._unusable or "", status_code=503, permanent=none_left(self.llm) is not None)
 
     def _engine_steps(self) -> int:
         """Steps made; with several engines, rounds in which every engine holding requests stepped (`StepRounds`)."""
@@ -306,7 +310,7 @@ class VllmEngine(Engine):
         if self._unusable is None and (died := none_left(self.llm)) is not None:
             self._unusable = f"{died}: this server serves nothing until restarted"
         if self._unusable is not None:
-            raise RequestError(self._unusable, status_code=503)
+            raise self._unserved()
         k = request.params.logprobs
         # The tap serves what RL sends: the sampled tokens' log-probs, in one response per request. renderers' client
         # asks for logprobs=1, which on this route means the same: its top_logprobs hold the first max(k, 1) entries.
@@ -335,7 +339,7 @@ class VllmEngine(Engine):
                 self.llm.generate(engine_input, params, request.request_id, lora_request=lora, **route)
             ):
                 if self._unusable is not None:  # a failed load under it (in flight): closing aborts it in vLLM
-                    raise RequestError(self._unusable, status_code=503)
+                    raise self._unserved()
                 out = result.outputs[0]
                 logprobs = top = steps = None
                 if tapped and result.finished:
