@@ -100,6 +100,8 @@ def _trainer_flags(flags: set[str], host: Host) -> list[str]:
             extra += ["--parallel.cuda-graphs", "true"]
         elif f == "fa4":
             extra += ["--init.attn", "flash_attn4"]
+        elif f == "sdpa":
+            extra += ["--init.attn", "sdpa"]
         elif f.startswith("cap") and host.gpu_total_gib:
             extra += ["--gpu-memory-fraction", f"{float(f[3:]) / host.gpu_total_gib:.6f}"]
     return extra
@@ -111,7 +113,7 @@ def _flag_int(flags: set[str], letter: str, default: int) -> int:
 
 def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str], dict[str, str]]:
     """Command and extra env of a named job. Names: rl<K>k[_noac|_sel|_auto][_cudnn|_flash][_c<chunk>][_keepattn[N]]
-    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_fa4][_nocompile][_nomaingrad][_compilelayers][_cudagraphs][_fsdp][_cap<GiB>]
+    [_offloadattn][_mlpchunk<N>][_gqa|_expandkv][_fa4|_sdpa][_nocompile][_nomaingrad][_compilelayers][_cudagraphs][_fsdp][_cap<GiB>]
     [_b<rows>][_m<rows>][_s<steps>][_var|_var<N>][_mask][_fullhead], sft<K>k..., base<K>k[_liger][_ac], profile<K>k[...], micro.
     `_b<N>` trains N rows of <K>k tokens per step in micro-batches of `_m<M>` rows (default one row of each), and `_var`
     packs random-length samples into each row (`_var<N>`: of at most N tokens): `rl2k_auto_b64_m8_var400` is the
@@ -124,7 +126,8 @@ def job_spec(name: str, tmp: Path, host: Host | None = None) -> tuple[list[str],
     backward (`--parallel.ac-offload-attention`). `_fsdp` wraps one rank in FSDP2 (`--parallel.fsdp-one-rank`, the path
     before issue 43); `_compilelayers` compiles each decoder layer (`--parallel.compile-layers`); `_cudagraphs` replays
     the decoder stack from CUDA graphs (`--parallel.cuda-graphs`); `_cap<G>` gives the trainer G GiB of the GPU
-    (`--gpu-memory-fraction`); `_fa4` attends with FlashAttention-4 (`--init.attn flash_attn4`); `_nomaingrad` keeps
+    (`--gpu-memory-fraction`); `_fa4` attends with FlashAttention-4 (`--init.attn flash_attn4`), `_sdpa` with SDPA (`--init.attn sdpa`: `auto` takes
+    FlashAttention-4 for rows of 32k tokens or more where it is installed); `_nomaingrad` keeps
     weight gradients in bf16 until the hooks add them to the fp32 ones (`PRIME_MAIN_GRAD=0`, the path before fp32 sums
     inside the matmuls); `_s<N>` runs N steps (the first is warmup)."""
     host = host or Host()

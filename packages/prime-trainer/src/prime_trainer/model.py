@@ -103,7 +103,7 @@ def build_model(
     # CUDA graphs need SDPA (flash-attn's cu_seqlens vary per micro-batch): "auto" picks it for them.
     attn = "sdpa" if parallel.cuda_graphs and init.attn == "auto" else init.attn
     try:
-        attn = resolve_attn(attn, world.device)
+        attn = resolve_attn(attn, world.device, row_len=seq_len // dims.cp if seq_len else None)
     except ValueError as e:  # a kernel that is not installed, or needs a GPU
         raise ConfigError(f"init.attn: {e}") from None
     try:

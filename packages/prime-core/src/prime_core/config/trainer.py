@@ -40,8 +40,9 @@ class ModelInitConfig(BaseConfig):
     """Tokenizer directory or hub id when it is not next to the weights (default: ``model.name``)."""
     attn: Literal["auto", "sdpa", "flash_attn", "flash_attn4"] = "auto"
     """Attention kernel: ``flash_attn`` is FlashAttention-2 (the flash-attn extra), ``flash_attn4`` FlashAttention-4
-    (``pip install flash-attn-4``; Hopper, Blackwell); ``auto`` picks FlashAttention-2 on a GPU when installed, else
-    SDPA."""
+    (``pip install flash-attn-4``; Hopper, Blackwell); ``auto`` picks FlashAttention-4 on a Hopper or newer GPU for rows
+    of 32k tokens or more where it is installed (faster there, slower for short rows), else FlashAttention-2 on a GPU
+    when installed, else SDPA."""
     logprob_chunk_size: int = Field(default=2048, ge=1)
     """Tokens per chunk of the fused log-prob head (bounds the memory of the [tokens, vocab] logits)."""
     freeze_vision: bool = False
