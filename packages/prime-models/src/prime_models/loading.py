@@ -55,9 +55,10 @@ class _SkipInitializers(TorchFunctionMode):
 
 FA4_AUTO_MIN_ROW = 32768
 """``auto`` picks FlashAttention-4 (where installed, on Hopper or newer) for rows at least this long. Measured on an
-H200 (docs/benchmarks.md): one 64k row trains 8-9% faster than with SDPA's cuDNN kernel (19.3k against 17.8k tok/s
-under a 16 GiB cap, 20.1k against 18.5k on the whole GPU), 32k rows 0-5% faster, 16k rows even, and 2048-token rows
-one a forward 24% slower (FA4's Python launch costs ~0.1-0.3 ms a call, which short rows do not hide)."""
+H200 (docs/benchmarks.md, trainer_gpu_h200_capped.json): one 64k row trains 8-9% faster than with SDPA's cuDNN
+kernel (19.3k against 17.8k tok/s under a 16 GiB cap, 20.1k against 18.5k on the whole GPU), one 32k row 7% faster
+(34.3k against 31.9k), one 16k row even, and 2048-token rows one a forward 24% slower (FA4's Python launch costs
+~0.1-0.3 ms a call, which short rows do not hide)."""
 
 
 def resolve_attn(attn: str, device: torch.device, row_len: int | None = None) -> str:
