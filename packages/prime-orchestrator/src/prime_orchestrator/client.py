@@ -26,8 +26,8 @@ def headers(api_key: str | None) -> dict[str, str]:
 async def post_json(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout: float, retries: int
 ) -> dict[str, Any]:
-    """POST with retries on connection errors, timeouts and 5xx; 4xx raises at once. Either names the server's
-    last answer in one line (its error message, as our servers send it)."""
+    """POST with retries on connection errors, timeouts and 5xx; 4xx and an answer that is not JSON raise at once.
+    Either names the server's last answer in one line (its error message, as our servers send it)."""
     last = ""
     for attempt in range(retries + 1):
         try:
@@ -36,7 +36,10 @@ async def post_json(
                 raise httpx.HTTPStatusError(f"{resp.status_code}: {_reason(resp)}", request=resp.request, response=resp)
             if resp.status_code >= 400:
                 raise RuntimeError(f"POST {url} -> {resp.status_code}: {_reason(resp)}")
-            return resp.json()
+            try:
+                return resp.json()
+            except ValueError:
+                raise RuntimeError(f"POST {url} -> {resp.status_code}: not JSON: {_reason(resp)[:200]}") from None
         except httpx.HTTPStatusError as e:
             last = str(e)
         except RETRYABLE as e:

@@ -1,0 +1,92 @@
+"""A broken or hostile distillation teacher: a fake one on 127.0.0.1 answers the scoring route
+``/inference/v1/generate`` the way ``prime_inference`` does (``prompt_logprobs``: None at position 0, then
+``{token id: {"logprob": ...}}``), but wrong. Every answer must end in a one-line `TeacherError` naming the teacher
+and what was wrong (the run's cause), never in a value that trains as the per-token signal or a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from prime_core.config.distill import DistillConfig, TeacherConfig
+from prime_orchestrator.distill import Teacher, TeacherError
+
+TOKENS = [3, 4, 5, 6]
+
+
+def scores(*logprobs, first=None) -> dict:
+    return {
+        "prompt_logprobs": [first] + [{str(t): {"logprob": lp}} for t, lp in zip(TOKENS[1:], logprobs, strict=True)]
+    }
+
+
+def raw(text: str, status: int = 200):
+    return lambda request: web.Response(status=status, text=text, content_type="application/json")
+
+
+async def score(handler, timeout: float = 30.0) -> list[float]:
+    async def generate(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        out = handler(request)
+        out = await out if asyncio.iscoroutine(out) else out
+        return out if isinstance(out, web.StreamResponse) else web.json_response(out)
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    config = TeacherConfig(base_url=f"http://127.0.0.1:{port}", model="teacher", timeout=timeout, max_retries=0)
+    teacher = Teacher("math", DistillConfig(teacher=config))
+    try:
+        return await teacher.logprobs(TOKENS)
+    finally:
+        await teacher.client.aclose()
+        await runner.cleanup()
+
+
+def test_an_honest_answer_is_read_as_the_log_probs_of_the_tokens():
+    assert asyncio.run(score(lambda r: scores(-0.5, -1.0, -2.0))) == [0.0, -0.5, -1.0, -2.0]
+
+
+BAD = {
+    "nan": (raw('{"prompt_logprobs": [null, {"4": {"logprob": NaN}}, {"5": {"logprob": -1}}, {"6": {"logprob": -1}}]}'),
+            "prompt_logprobs[1] = nan for token 4"),
+    "-inf": (raw('{"prompt_logprobs": [null, {"4": {"logprob": -1}}, {"5": {"logprob": -Infinity}}, {"6": {"logprob": -1}}]}'),
+             "prompt_logprobs[2] = -inf for token 5"),
+    "positive": (lambda r: scores(-0.5, 3.0, -0.5), "prompt_logprobs[2] = 3.0 for token 5"),
+    "null past the first": (lambda r: {"prompt_logprobs": [None, None, {"5": {"logprob": -1}}, {"6": {"logprob": -1}}]},
+                            "prompt_logprobs[1] without a log-prob of token 4"),
+    "another token": (lambda r: {"prompt_logprobs": [None, {"99": {"logprob": -1}}, {"5": {"logprob": -1}}, {"6": {"logprob": -1}}]},
+                      "prompt_logprobs[1] without a log-prob of token 4"),
+    "a string": (lambda r: scores("-0.5", -0.5, -0.5), "prompt_logprobs[1] without a log-prob of token 4"),
+    "entries not dicts": (lambda r: {"prompt_logprobs": [None, 1, 2, 3]}, "prompt_logprobs[1] without a log-prob"),
+    "too few": (lambda r: {"prompt_logprobs": [None, {"4": {"logprob": -1}}]}, "2 prompt_logprobs for 4 tokens"),
+    "not a list": (lambda r: {"prompt_logprobs": "abcd"}, "no prompt_logprobs list"),
+    "a list body": (lambda r: [1, 2], "no prompt_logprobs list"),
+    "truncated": (raw('{"prompt_logprobs": [null, {"4": {"lo'), "200: not JSON"),
+    "html": (lambda r: web.Response(text="<html>oops</html>", content_type="text/html"), "200: not JSON"),
+    "4xx": (raw('{"error": {"message": "prompt too long"}}', status=400), "400: prompt too long"),
+    "5xx": (raw("boom", status=503), "failed after 1 attempts: 503: boom"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_a_bad_answer_is_one_line_naming_the_teacher_and_the_field(case):
+    """Before, NaN, -inf, a positive log-prob and a null past position 0 (read as 0.0) came back as scores and trained
+    as the per-token advantage; a missing token, a non-number, a non-dict, a list body and a body that is not JSON
+    were a KeyError, ValueError, TypeError, AttributeError or JSONDecodeError traceback that named no teacher."""
+    handler, reason = BAD[case]
+    with pytest.raises(TeacherError) as e:
+        asyncio.run(score(handler))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("teacher of env 'math' at http://127.0.0.1:")
+    assert reason in message
+
+
+def test_the_edge_values_a_real_teacher_sends_are_accepted():
+    """-9999 is the server's clamp of -inf; a float32 log-softmax rounds a near-certain token a hair above 0."""
+    assert asyncio.run(score(lambda r: scores(-0.0, -9999.0, 0.0005))) == [0.0, -0.0, -9999.0, 0.0005]
