@@ -1,11 +1,13 @@
 """A broken or hostile distillation teacher: a fake one on 127.0.0.1 answers the scoring route
 ``/inference/v1/generate`` the way ``prime_inference`` does (``prompt_logprobs``: None at position 0, then
 ``{token id: {"logprob": ...}}``), but wrong. Every answer must end in a one-line `TeacherError` naming the teacher
-and what was wrong (the run's cause), never in a value that trains as the per-token signal or a traceback."""
+and what was wrong (the run's cause), never in a value that trains as the per-token signal, a traceback, or a wait
+past the teacher's ``timeout``."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from aiohttp import web
@@ -23,6 +25,22 @@ def scores(*logprobs, first=None) -> dict:
 
 def raw(text: str, status: int = 200):
     return lambda request: web.Response(status=status, text=text, content_type="application/json")
+
+
+async def trickled(request: web.Request) -> web.StreamResponse:
+    """An honest answer sent a byte every 0.2 s: every read gets bytes within httpx's read timeout (30 s in all)."""
+    data = json.dumps(scores(-0.5, -0.5, -0.5)).encode()
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.content_length = len(data)
+    await response.prepare(request)
+    try:
+        for i in range(len(data)):
+            await response.write(data[i : i + 1])
+            await asyncio.sleep(0.2)
+        await response.write_eof()
+    except ConnectionResetError:  # the client hung up
+        pass
+    return response
 
 
 async def score(handler, timeout: float = 30.0) -> list[float]:
@@ -85,6 +103,13 @@ def test_a_bad_answer_is_one_line_naming_the_teacher_and_the_field(case):
     message = str(e.value)
     assert "\n" not in message and message.startswith("teacher of env 'math' at http://127.0.0.1:")
     assert reason in message
+
+
+def test_a_trickled_answer_is_cut_at_the_teachers_timeout():
+    """httpx's read timeout restarts at every chunk: an answer trickled over 30 s came back with ``timeout = 1``
+    (a hostile teacher held the step for as long as it liked)."""
+    with pytest.raises(TeacherError, match="no complete answer after 1s"):
+        asyncio.run(score(trickled, timeout=1.0))
 
 
 def test_the_edge_values_a_real_teacher_sends_are_accepted():

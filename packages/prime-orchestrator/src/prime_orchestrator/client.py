@@ -27,11 +27,14 @@ async def post_json(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout: float, retries: int
 ) -> dict[str, Any]:
     """POST with retries on connection errors, timeouts and 5xx; 4xx and an answer that is not JSON raise at once.
-    Either names the server's last answer in one line (its error message, as our servers send it)."""
+    Either names the server's last answer in one line (its error message, as our servers send it). ``timeout``
+    bounds each attempt as a whole: httpx's restarts at every chunk, and an answer trickled a few bytes at a time
+    held its caller (a teacher's scoring, a weight update) for as long as the trickle lasted."""
     last = ""
     for attempt in range(retries + 1):
         try:
-            resp = await client.post(url, json=body, timeout=timeout)
+            async with asyncio.timeout(timeout):
+                resp = await client.post(url, json=body, timeout=timeout)
             if resp.status_code >= 500:
                 raise httpx.HTTPStatusError(f"{resp.status_code}: {_reason(resp)}", request=resp.request, response=resp)
             if resp.status_code >= 400:
@@ -42,6 +45,8 @@ async def post_json(
                 raise RuntimeError(f"POST {url} -> {resp.status_code}: not JSON: {_reason(resp)[:200]}") from None
         except httpx.HTTPStatusError as e:
             last = str(e)
+        except TimeoutError:
+            last = f"no complete answer after {timeout:g}s"
         except RETRYABLE as e:
             last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         if attempt < retries:
