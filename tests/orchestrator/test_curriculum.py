@@ -3,6 +3,7 @@ size or the cap, and a resumed run draws exactly what an uninterrupted one does,
 
 import asyncio
 import json
+import math
 import random
 
 import pytest
@@ -228,3 +229,28 @@ def test_checkpoint_without_seats_loads_as_the_single_seat():
     cur.load_state_dict(old)
     assert cur.difficulty == {("easy", 3, "agent"): (0.5, 1)}
     assert cur.pending[1]["scores"] == [["hard", 2, "agent", 0.0]]
+
+
+def scored(rewards: list[float] | None, step: int, example: int = 0) -> list[Rollout]:
+    """A group of ``easy`` example ``example`` with these rewards; None: every rollout failed."""
+    seq = TrainedSequence(token_ids=[5, 6], loss_mask=[False, True], logprobs=[0.0, -1.0])
+    if rewards is None:
+        results = [RolloutResult(env="easy", example=example, failed=True, error="env error")] * G
+    else:
+        results = [RolloutResult(env="easy", example=example, reward=r, traces=[TraceResult(reward=r, sequences=[seq])])
+                   for r in rewards]  # fmt: skip
+    return [Rollout("easy", example, 0, step, r) for r in results]
+
+
+def test_huge_rewards_leave_the_running_mean_finite_and_it_recovers():
+    """Rewards of 1e308 are finite (screening passes them): their mean summed to inf, and the next honest group's
+    ``inf + ema * (x - inf)`` made the example's running mean NaN for the rest of the run (the last pool, whatever
+    it scored later), written as NaN into the checkpoint."""
+    cur = Curriculum(config(sampler="difficulty_pool", async_level=0), NUM_EXAMPLES)
+    for step, rewards in enumerate([[1e308] * G, [-1e308] * G] + [[0.0, 0.0, 1.0, 1.0]] * 3):
+        asyncio.run(cur.fill(step, [scored(rewards, step)], None))
+        metrics = cur.metrics(step)
+    mean, n = cur.difficulty[("easy", 0, "agent")]
+    assert n == 5 and mean == 0.4375  # 1e308 and -1e308 average to 0 at ema 0.5; then 0.25, 0.375, 0.4375
+    assert all(math.isfinite(v) for v in metrics.values())
+    json.dumps(cur.state_dict(5), allow_nan=False)

@@ -106,7 +106,9 @@ class Curriculum:
     def _update(self, old: tuple[float, int] | None, mean: float) -> tuple[float, int]:
         if old is None:
             return mean, 1
-        return old[0] + self.c.reward_ema * (mean - old[0]), old[1] + 1
+        # A convex combination of two finite floats is finite; ``old + ema * (mean - old)`` overflowed on a
+        # difference of two huge rewards of opposite signs.
+        return (1 - self.c.reward_ema) * old[0] + self.c.reward_ema * mean, old[1] + 1
 
     def _fold(self, table: dict, through: int, start: int) -> None:
         for step in sorted(s for s in self.pending if start < s <= through):
@@ -169,12 +171,12 @@ class Curriculum:
         return False
 
     def _scores(self, group: Group) -> list[list]:
-        """[env, example, seat, mean reward of the seat's traces] per seat of the group."""
+        """[env, example, seat, mean reward of the seat's traces] per seat of the group. The mean of finite rewards
+        is finite (summed after dividing: four rewards of 1e308 summed to inf, and the example's running mean then
+        stayed inf, or NaN, in the last pool forever)."""
         env, example = group[0].env, group[0].example
-        return [
-            [env, example, seat, float(np.mean([u.reward for u in units]))]
-            for seat, units in self._seats(group).items()
-        ]
+        seats = self._seats(group)
+        return [[env, example, seat, float(sum(u.reward / len(units) for u in units))] for seat, units in seats.items()]
 
     async def fill(self, step: int, groups: list[Group], run_group: RunGroup) -> list[Group]:
         """Every group the step drew; those that do not train (rejected, or admitted beyond the batch's number of
