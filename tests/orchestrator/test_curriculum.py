@@ -254,3 +254,17 @@ def test_huge_rewards_leave_the_running_mean_finite_and_it_recovers():
     assert n == 5 and mean == 0.4375  # 1e308 and -1e308 average to 0 at ema 0.5; then 0.25, 0.375, 0.4375
     assert all(math.isfinite(v) for v in metrics.values())
     json.dumps(cur.state_dict(5), allow_nan=False)
+
+
+def test_a_task_whose_every_rollout_fails_and_is_dropped_is_scored_not_left_unseen():
+    """With ``failed_rollouts = "drop"`` such a group had no score: the example stayed unseen, drawn at
+    ``unseen_weight`` (as often as an example with signal) for the whole run while training nothing."""
+    c = config(sampler="difficulty_pool", async_level=0).model_copy(update={"failed_rollouts": "drop"})
+    cur = Curriculum(c, NUM_EXAMPLES)
+    for step in range(3):
+        groups = asyncio.run(cur.fill(step, [scored(None, step, example=1)], None))
+        assert not any(r.train for g in groups for r in g)
+        metrics = cur.metrics(step)
+    assert cur.difficulty[("easy", 1, "agent")] == (0.0, 3)
+    assert cur._weights("easy", {})[:3] == [1.0, 0.2, 1.0]  # the hard pool's weight; unseen ones keep 1.0
+    assert metrics["curriculum/pool/hard"] == 1 and metrics["curriculum/pool/unseen"] == 79

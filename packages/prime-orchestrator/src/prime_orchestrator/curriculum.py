@@ -32,7 +32,7 @@ from prime_core.io import atomic_write_json, read_regular, reading
 from prime_core.run_dir import RunDir
 
 from prime_orchestrator.advantages import compute_advantages
-from prime_orchestrator.credit import seat_groups
+from prime_orchestrator.credit import Unit, seat_groups
 
 logger = logging.getLogger("prime.orchestrator.curriculum")
 
@@ -173,9 +173,11 @@ class Curriculum:
     def _scores(self, group: Group) -> list[list]:
         """[env, example, seat, mean reward of the seat's traces] per seat of the group. The mean of finite rewards
         is finite (summed after dividing: four rewards of 1e308 summed to inf, and the example's running mean then
-        stayed inf, or NaN, in the last pool forever)."""
+        stayed inf, or NaN, in the last pool forever). A group whose every rollout failed and was dropped scores 0
+        for the seat ``agent``, as ``zero_reward`` scores it: unscored, a task that always errors stayed unseen
+        and was drawn at ``unseen_weight`` for the whole run, never training a token."""
         env, example = group[0].env, group[0].example
-        seats = self._seats(group)
+        seats = self._seats(group) or {"agent": [Unit("agent", 0.0, 0, 0, env)]}
         return [[env, example, seat, float(sum(u.reward / len(units) for u in units))] for seat, units in seats.items()]
 
     async def fill(self, step: int, groups: list[Group], run_group: RunGroup) -> list[Group]:
