@@ -268,3 +268,32 @@ def test_a_task_whose_every_rollout_fails_and_is_dropped_is_scored_not_left_unse
     assert cur.difficulty[("easy", 1, "agent")] == (0.0, 3)
     assert cur._weights("easy", {})[:3] == [1.0, 0.2, 1.0]  # the hard pool's weight; unseen ones keep 1.0
     assert metrics["curriculum/pool/hard"] == 1 and metrics["curriculum/pool/unseen"] == 79
+
+
+def test_a_curriculum_with_nothing_left_to_draw_ends_the_run_in_one_line(capsys, tmp_path):
+    """Pools of weight 0 for solved and hopeless examples (prime-rl's way to skip them): once a policy solved every
+    example, the next draw raised a ValueError the entry point did not know, and the run ended in a traceback."""
+    from prime_orchestrator.entrypoints.orchestrator import run
+
+    pools = {"hard": {"threshold": 0.25, "weight": 0}, "normal": {"threshold": 0.75, "weight": 1},
+             "easy": {"threshold": 1.0, "weight": 0}}  # fmt: skip
+    c = config(sampler="difficulty_pool", async_level=0, pools=pools)
+    cur = Curriculum(c, {"easy": 2, "hard": 2})
+    for step in range(2):
+        asyncio.run(cur.fill(step, [scored([1.0] * G, step, example=e) for e in (0, 1)], None))
+        cur.metrics(step)
+    assert cur.plan(2, ["hard"], {}) != []  # the other env still has unseen examples
+
+    class Orch:
+        @staticmethod
+        async def run():
+            cur.plan(2, ["hard", "easy"], {})
+
+    with pytest.raises(SystemExit) as exited:
+        run(Orch(), tmp_path)
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err.count("\n") == 1
+    assert err == (
+        "error: curriculum: nothing left to draw in env 'easy': every example weighs 0 "
+        "(curriculum.pools.hard.weight, curriculum.pools.easy.weight = 0)\n"
+    )

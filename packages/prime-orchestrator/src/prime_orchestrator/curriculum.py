@@ -51,6 +51,11 @@ def read_checkpoint_json(path: Path, what: str, limit: int) -> Any:
     return json.loads(read_regular(path, what, limit))
 
 
+class CurriculumExhausted(RuntimeError):
+    """Every example of an env weighs 0 (a policy that solved every example, with the easy pool's weight 0): the run
+    ends in one line naming the pools, where it ended in a traceback."""
+
+
 class _Result(Protocol):
     traces: list
     failed: bool
@@ -145,9 +150,15 @@ class Curriculum:
         plan = []
         for env in envs:
             if cum_weights[env][-1] <= 0:
-                raise ValueError(f"curriculum: every example of env {env!r} is in a pool of weight 0")
+                raise CurriculumExhausted(self._exhausted(env))
             plan.append((env, rng.choices(range(self.num_examples[env]), cum_weights=cum_weights[env])[0]))
         return plan
+
+    def _exhausted(self, env: str) -> str:
+        zero = [f"curriculum.pools.{name}.weight" for name, p in self.pools if p.weight == 0]
+        if self.c.unseen_weight == 0:
+            zero.append("curriculum.unseen_weight")
+        return f"curriculum: nothing left to draw in env {env!r}: every example weighs 0 ({', '.join(zero)} = 0)"
 
     def plan(self, step: int, envs: list[str], cursors: dict[str, int]) -> list[tuple[str, int]]:
         """(env, example) of each group of the step's first round; ``envs`` is the orchestrator's env mix."""
