@@ -115,3 +115,14 @@ def test_a_trickled_answer_is_cut_at_the_teachers_timeout():
 def test_the_edge_values_a_real_teacher_sends_are_accepted():
     """-9999 is the server's clamp of -inf; a float32 log-softmax rounds a near-certain token a hair above 0."""
     assert asyncio.run(score(lambda r: scores(-0.0, -9999.0, 0.0005))) == [0.0, -0.0, -9999.0, 0.0005]
+
+
+def test_an_answer_past_the_size_cap_is_cut_naming_the_teacher(monkeypatch):
+    """A teacher's answer was read whole into the orchestrator's memory, however large (the cap here is 1 MiB, the
+    answer 3 MiB)."""
+    from prime_orchestrator import client
+
+    monkeypatch.setattr(client, "MAX_ANSWER_BYTES", 2**20)
+    huge = {"prompt_logprobs": scores(-0.5, -0.5, -0.5)["prompt_logprobs"], "padding": "x" * 3 * 2**20}
+    with pytest.raises(TeacherError, match=r"at http://127\.0\.0\.1:\d+: POST .* -> 200: an answer over 1048576 bytes"):
+        asyncio.run(score(lambda r: huge))

@@ -23,18 +23,36 @@ def headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+MAX_ANSWER_BYTES = 256 * 2**20
+"""Largest answer body ``post_json`` reads (as decoded). A teacher's scores of a long sequence are tens of MiB at
+most; a server answering gigabytes had the orchestrator killed for memory, without a line naming it."""
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> httpx.Response:
+    """The answer, its body read up to ``MAX_ANSWER_BYTES`` (past it: a ``RuntimeError`` naming the server)."""
+    async with client.stream("POST", url, json=body, timeout=timeout) as resp:
+        data = bytearray()
+        async for chunk in resp.aiter_bytes():
+            data += chunk
+            if len(data) > MAX_ANSWER_BYTES:
+                raise RuntimeError(f"POST {url} -> {resp.status_code}: an answer over {MAX_ANSWER_BYTES} bytes; cut")
+    # Headers left out: the body is decoded already.
+    return httpx.Response(resp.status_code, content=bytes(data), request=resp.request)
+
+
 async def post_json(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout: float, retries: int
 ) -> dict[str, Any]:
-    """POST with retries on connection errors, timeouts and 5xx; 4xx and an answer that is not JSON raise at once.
-    Either names the server's last answer in one line (its error message, as our servers send it). ``timeout``
-    bounds each attempt as a whole: httpx's restarts at every chunk, and an answer trickled a few bytes at a time
-    held its caller (a teacher's scoring, a weight update) for as long as the trickle lasted."""
+    """POST with retries on connection errors, timeouts and 5xx; 4xx, an answer that is not JSON and one over
+    ``MAX_ANSWER_BYTES`` raise at once. Either names the server's last answer in one line (its error message, as our
+    servers send it). ``timeout`` bounds each attempt as a whole: httpx's restarts at every chunk, and an answer
+    trickled a few bytes at a time held its caller (a teacher's scoring, a weight update) for as long as the trickle
+    lasted."""
     last = ""
     for attempt in range(retries + 1):
         try:
             async with asyncio.timeout(timeout):
-                resp = await client.post(url, json=body, timeout=timeout)
+                resp = await _post(client, url, body, timeout)
             if resp.status_code >= 500:
                 raise httpx.HTTPStatusError(f"{resp.status_code}: {_reason(resp)}", request=resp.request, response=resp)
             if resp.status_code >= 400:
