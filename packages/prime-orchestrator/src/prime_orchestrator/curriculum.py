@@ -281,10 +281,27 @@ class Curriculum:
         self.difficulty = {
             (entry[0], int(entry[1]), entry[2] if len(entry) == 5 else "agent"): (float(entry[-2]), int(entry[-1]))
             for entry in state["difficulty"]
+            if self._known(entry[0], entry[1], entry[-2])
         }
         self.pending = {int(s): p for s, p in state["pending"].items()}
         for p in self.pending.values():
-            p["scores"] = [s if len(s) == 4 else [s[0], s[1], "agent", s[2]] for s in p["scores"]]
+            scores = [s if len(s) == 4 else [s[0], s[1], "agent", s[2]] for s in p["scores"]]
+            p["scores"] = [s for s in scores if self._known(s[0], s[1], s[3])]
+
+    def _known(self, env: Any, example: Any, mean: Any) -> bool:
+        """Whether a checkpoint's score applies to this run: an env it no longer draws from, or a mean that is not
+        finite (written before means were kept finite), is left out; an example past its env's taskset is refused
+        (the taskset changed: the scores are of other examples). Before, example -1 weighted the last example and
+        one past the end was an IndexError at the first draw, a traceback in the middle of the run."""
+        if env not in self.num_examples or not math.isfinite(float(mean)):
+            return False
+        n = self.num_examples[env]
+        if type(example) is not int or not 0 <= example < n:
+            raise ValueError(
+                f"example {example!r} of env {env!r} is not one of its {n} examples: the taskset changed since the "
+                f"checkpoint (remove {STATE_FILE} to start the curriculum from scratch)"
+            )
+        return True
 
     def save(self, directory: Path, next_step: int) -> None:
         if self.enabled:
