@@ -126,3 +126,46 @@ def test_an_answer_past_the_size_cap_is_cut_naming_the_teacher(monkeypatch):
     huge = {"prompt_logprobs": scores(-0.5, -0.5, -0.5)["prompt_logprobs"], "padding": "x" * 3 * 2**20}
     with pytest.raises(TeacherError, match=r"at http://127\.0\.0\.1:\d+: POST .* -> 200: an answer over 1048576 bytes"):
         asyncio.run(score(lambda r: huge))
+
+
+def test_a_group_with_images_is_one_line_not_scored_as_text():
+    """The scoring route serves text prompts only: a vision-language student's sequences went to the teacher as bare
+    token ids (each image a run of placeholder tokens read as text), and its log-probs of the student's tokens, given
+    no image, trained as the per-token signal."""
+    from prime_core.config.orchestrator import OrchestratorConfig
+    from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
+    from prime_orchestrator.distill import Teachers
+    from prime_orchestrator.orchestrator import Rollout
+
+    async def main(url: str):
+        distill = DistillConfig(teacher=TeacherConfig(base_url=url, model="teacher", max_retries=0)).model_dump()
+        teachers = Teachers(OrchestratorConfig(env=[{"id": "charts", "distill": distill}]))
+        q = TrainedSequence(token_ids=TOKENS, loss_mask=[False, False, True, True], logprobs=[0.0, 0.0, -0.5, -0.5],
+                            images=["data:image/png;base64,AAAA"])  # fmt: skip
+        result = RolloutResult(env="charts", example=0, traces=[TraceResult(sequences=[q])])
+        try:
+            await teachers.score(0, "charts", [Rollout("charts", 0, 0, 0, result)])
+        finally:
+            await teachers.close()
+        return q.teacher_logprobs
+
+    async def served() -> list[float] | None:
+        async def generate(request: web.Request) -> web.StreamResponse:
+            return web.json_response(scores(-0.5, -0.5, -0.5))
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            return await main(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(TeacherError) as e:
+        asyncio.run(served())
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("env 'charts' distils from http://127.0.0.1:")
+    assert "carry images (1 in this group)" in message

@@ -227,6 +227,13 @@ class Teachers:
             return rollouts
         t0 = time.perf_counter()
         seqs = [q for r in rollouts for q in r.result.sequences]
+        if with_images := sum(len(q.images) for q in seqs):
+            # The scoring route serves text prompts only: the teacher would read each image's placeholder tokens as
+            # text, and its log-probs of the student's tokens, conditioned on no image, trained as the signal.
+            raise TeacherError(
+                f"env {env!r} distils from {teacher.config.teacher.base_url}, but its rollouts carry images "
+                f"({with_images} in this group) and a teacher scores text prompts only: distil a text-only env"
+            )
         scores = await asyncio.gather(*(self.lane.track(teacher.logprobs(q.token_ids)) for q in seqs))
         for q, lps in zip(seqs, scores, strict=True):
             q.teacher_logprobs = lps
