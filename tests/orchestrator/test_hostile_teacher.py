@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
+import httpx
 import pytest
 from aiohttp import web
 from prime_core.config.distill import DistillConfig, TeacherConfig
@@ -169,3 +171,34 @@ def test_a_group_with_images_is_one_line_not_scored_as_text():
     message = str(e.value)
     assert "\n" not in message and message.startswith("env 'charts' distils from http://127.0.0.1:")
     assert "carry images (1 in this group)" in message
+
+
+def test_a_compressed_answer_is_read_and_its_other_headers_kept():
+    """The capped read hands on the decoded body: a gzip answer parses, and headers other than the body's (a server's
+    marks on its answer) reach the caller."""
+    import gzip
+
+    from prime_orchestrator.client import _post
+
+    async def main() -> tuple[Any, str]:
+        async def generate(request: web.Request) -> web.StreamResponse:
+            body = gzip.compress(json.dumps(scores(-0.5, -1.0, -2.0)).encode())
+            return web.Response(body=body, headers={"Content-Encoding": "gzip", "Content-Type": "application/json",
+                                                    "X-Mark": "1"})  # fmt: skip
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            async with httpx.AsyncClient() as client:
+                url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/inference/v1/generate"
+                resp = await _post(client, url, {}, 30.0)
+                return resp.json(), resp.headers.get("x-mark")
+        finally:
+            await runner.cleanup()
+
+    out, mark = asyncio.run(main())
+    assert out == scores(-0.5, -1.0, -2.0) and mark == "1"

@@ -28,6 +28,9 @@ MAX_ANSWER_BYTES = 256 * 2**20
 most; a server answering gigabytes had the orchestrator killed for memory, without a line naming it."""
 
 
+_BODY_HEADERS = {"content-encoding", "content-length", "transfer-encoding"}
+
+
 async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> httpx.Response:
     """The answer, its body read up to ``MAX_ANSWER_BYTES`` (past it: a ``RuntimeError`` naming the server)."""
     async with client.stream("POST", url, json=body, timeout=timeout) as resp:
@@ -36,8 +39,9 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeo
             data += chunk
             if len(data) > MAX_ANSWER_BYTES:
                 raise RuntimeError(f"POST {url} -> {resp.status_code}: an answer over {MAX_ANSWER_BYTES} bytes; cut")
-    # Headers left out: the body is decoded already.
-    return httpx.Response(resp.status_code, content=bytes(data), request=resp.request)
+    # The body is decoded already: its encoding and length headers go (the others, e.g. a fault's marks, stay).
+    kept = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _BODY_HEADERS]
+    return httpx.Response(resp.status_code, headers=kept, content=bytes(data), request=resp.request)
 
 
 async def post_json(
