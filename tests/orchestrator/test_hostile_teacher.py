@@ -202,3 +202,31 @@ def test_a_compressed_answer_is_read_and_its_other_headers_kept():
 
     out, mark = asyncio.run(main())
     assert out == scores(-0.5, -1.0, -2.0) and mark == "1"
+
+
+def test_a_teacher_that_never_gets_healthy_is_named_as_the_teacher():
+    """The wait ended as ``inference server <url> not healthy after 1s``: beside the policy's own wait at start, it
+    read as the policy's server, and named no setting to raise."""
+
+    async def main():
+        async def health(request: web.Request) -> web.StreamResponse:
+            return web.Response(status=503, text="loading")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        teacher = Teacher("math", DistillConfig(teacher=TeacherConfig(base_url=url, model="t", health_timeout=1)))
+        try:
+            await teacher.start("unused: the wait ends first")
+        finally:
+            await teacher.client.aclose()
+            await runner.cleanup()
+
+    with pytest.raises(TeacherError) as e:
+        asyncio.run(main())
+    assert str(e.value).endswith(": not healthy after 1s (distill.teacher.health_timeout)")
+    assert str(e.value).startswith("teacher of env 'math' at http://127.0.0.1:")

@@ -127,7 +127,14 @@ class Teacher:
         t = self.config.teacher
         if problem := unserved(self.env, t):
             raise TeacherError(problem)
-        await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
+        try:
+            await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
+        except TimeoutError:
+            # Said as "inference server <url> not healthy", it read as the policy's server, whose wait runs beside it.
+            raise TeacherError(
+                f"teacher of env {self.env!r} at {t.base_url}: not healthy after {t.health_timeout:g}s "
+                "(distill.teacher.health_timeout)"
+            ) from None
         await check_tokenizer(student_dir, t, self.client)
         if self.config.privileged_prompt:
             student = await asyncio.to_thread(_load_tokenizer, student_dir)
