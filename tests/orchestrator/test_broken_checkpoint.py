@@ -69,3 +69,41 @@ def test_a_start_that_fails_after_the_env_servers_are_up_stops_them(tmp_path, ti
         for child in set(multiprocessing.active_children()) - before:
             child.kill()  # what the fix does not stop would hold this test process at its exit
     assert left == set()
+
+
+def curriculum_resumed_from(tmp_path, difficulty: list) -> tuple[Curriculum | None, str]:
+    """A curriculum resumed from a checkpoint whose difficulty table is ``difficulty`` (the taskset of
+    ``NUM_EXAMPLES``), and the path of its state file."""
+    import json
+
+    c = config(tmp_path, sampler="difficulty_pool")
+    orch = Orchestrator(c)
+    orch.curriculum.start(NUM_EXAMPLES)
+    orch._save_checkpoint(1)
+    path = orch.run_dir.orchestrator_checkpoint(1) / "curriculum.json"
+    state = json.loads(path.read_text())
+    path.write_text(json.dumps({**state, "difficulty": difficulty}))
+    resumed = c.model_copy(update={"ckpt": c.ckpt.model_copy(update={"resume_step": 1})})
+    return Curriculum(resumed, NUM_EXAMPLES), str(path)
+
+
+@pytest.mark.parametrize("example", [40, -1])
+def test_a_curriculum_state_of_examples_past_the_taskset_is_one_line_naming_it(tmp_path, example):
+    """A taskset that shrank since the checkpoint (40 examples here): example 40 was an IndexError at the first draw,
+    a traceback mid-run; example -1 silently weighted the last example."""
+    path = tmp_path / "checkpoints" / "step_1" / "orchestrator" / "curriculum.json"
+    with pytest.raises(UnreadableFile) as e:
+        curriculum_resumed_from(tmp_path, [["easy", 3, "agent", 0.5, 1], ["easy", example, "agent", 0.5, 1]])
+    assert str(e.value) == (
+        f"{path}: unreadable curriculum checkpoint (ValueError: example {example} of env 'easy' is not one of its 40 "
+        "examples: the taskset changed since the checkpoint (remove curriculum.json to start the curriculum from "
+        "scratch))"
+    )
+
+
+def test_scores_of_envs_no_longer_drawn_and_non_finite_means_are_left_out_on_resume(tmp_path):
+    """A NaN mean (as runs before the finite means wrote) pinned its example to the last pool for the rest of the run;
+    an env dropped from the mix counted its examples as seen in ``curriculum/pool/unseen``."""
+    cur, _ = curriculum_resumed_from(tmp_path, [["easy", 3, "agent", 0.5, 2], ["easy", 4, "agent", float("nan"), 2],
+                                                ["gone", 99, "agent", 0.5, 1]])  # fmt: skip
+    assert cur.difficulty == {("easy", 3, "agent"): (0.5, 2)}

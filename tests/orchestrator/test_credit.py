@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
 from prime_orchestrator.credit import seat_step_metrics, step_samples
@@ -113,3 +114,29 @@ def test_a_seat_whose_finite_advantages_exceed_max_abs_is_named_and_not_trained(
     # Unset, the bound is float32's: the seat trains as before (its rewards are the user's scale).
     samples, m = step_samples([huge], config(advantage={"max_abs": None}))
     assert m["filtered/overflowed_seat_groups"] == 0 and max(abs(s.advantage) for s in samples) == 7.5e17
+
+
+def test_a_sequence_whose_distillation_advantages_pass_max_abs_is_named_and_not_trained(caplog):
+    """A distillation advantage is log p_teacher - log p_student per token: a student log-prob of -1e30 (finite, so the
+    sample checks let it through) trained as an advantage of 1e30 on one token, which alone set the step's direction
+    (the group advantages' ``advantage.max_abs`` did not look at the per-token signal)."""
+    from prime_core.config.distill import DistillConfig, TeacherConfig
+    from prime_orchestrator.distill import Teachers
+
+    distill = DistillConfig(teacher=TeacherConfig(base_url="http://127.0.0.1:1", model="t")).model_dump()
+    c = config(env=[{"id": "duel", "distill": distill}])
+
+    def scored(student: float) -> Rollout:
+        q = TrainedSequence(token_ids=[1, 2, 3], loss_mask=[False, True, True], logprobs=[0.0, -0.1, student],
+                            teacher_logprobs=[0.0, -0.2, -0.5])  # fmt: skip
+        return Rollout(
+            RolloutResult(env="duel", example=0, traces=[TraceResult(reward=1.0, sequences=[q])], reward=1.0)
+        )
+
+    samples, m = step_samples([[scored(-1e30), scored(-0.1), scored(-0.2), scored(-3e38)]], c, Teachers(c))
+    assert len(samples) == 2 and max(abs(a) for s in samples for a in s.advantage) == pytest.approx(0.4)
+    assert m["filtered/overflowed_sequences"] == 2
+    assert (
+        "env duel: the distillation advantages of a sequence of seat 'agent' reach 1e+30, over advantage.max_abs"
+        in caplog.text
+    )

@@ -3,6 +3,7 @@ size or the cap, and a resumed run draws exactly what an uninterrupted one does,
 
 import asyncio
 import json
+import math
 import random
 
 import pytest
@@ -228,3 +229,71 @@ def test_checkpoint_without_seats_loads_as_the_single_seat():
     cur.load_state_dict(old)
     assert cur.difficulty == {("easy", 3, "agent"): (0.5, 1)}
     assert cur.pending[1]["scores"] == [["hard", 2, "agent", 0.0]]
+
+
+def scored(rewards: list[float] | None, step: int, example: int = 0) -> list[Rollout]:
+    """A group of ``easy`` example ``example`` with these rewards; None: every rollout failed."""
+    seq = TrainedSequence(token_ids=[5, 6], loss_mask=[False, True], logprobs=[0.0, -1.0])
+    if rewards is None:
+        results = [RolloutResult(env="easy", example=example, failed=True, error="env error")] * G
+    else:
+        results = [RolloutResult(env="easy", example=example, reward=r, traces=[TraceResult(reward=r, sequences=[seq])])
+                   for r in rewards]  # fmt: skip
+    return [Rollout("easy", example, 0, step, r) for r in results]
+
+
+def test_huge_rewards_leave_the_running_mean_finite_and_it_recovers():
+    """Rewards of 1e308 are finite (screening passes them): their mean summed to inf, and the next honest group's
+    ``inf + ema * (x - inf)`` made the example's running mean NaN for the rest of the run (the last pool, whatever
+    it scored later), written as NaN into the checkpoint."""
+    cur = Curriculum(config(sampler="difficulty_pool", async_level=0), NUM_EXAMPLES)
+    for step, rewards in enumerate([[1e308] * G, [-1e308] * G] + [[0.0, 0.0, 1.0, 1.0]] * 3):
+        asyncio.run(cur.fill(step, [scored(rewards, step)], None))
+        metrics = cur.metrics(step)
+    mean, n = cur.difficulty[("easy", 0, "agent")]
+    assert n == 5 and mean == 0.4375  # 1e308 and -1e308 average to 0 at ema 0.5; then 0.25, 0.375, 0.4375
+    assert all(math.isfinite(v) for v in metrics.values())
+    json.dumps(cur.state_dict(5), allow_nan=False)
+
+
+def test_a_task_whose_every_rollout_fails_and_is_dropped_is_scored_not_left_unseen():
+    """With ``failed_rollouts = "drop"`` such a group had no score: the example stayed unseen, drawn at
+    ``unseen_weight`` (as often as an example with signal) for the whole run while training nothing."""
+    c = config(sampler="difficulty_pool", async_level=0).model_copy(update={"failed_rollouts": "drop"})
+    cur = Curriculum(c, NUM_EXAMPLES)
+    for step in range(3):
+        groups = asyncio.run(cur.fill(step, [scored(None, step, example=1)], None))
+        assert not any(r.train for g in groups for r in g)
+        metrics = cur.metrics(step)
+    assert cur.difficulty[("easy", 1, "agent")] == (0.0, 3)
+    assert cur._weights("easy", {})[:3] == [1.0, 0.2, 1.0]  # the hard pool's weight; unseen ones keep 1.0
+    assert metrics["curriculum/pool/hard"] == 1 and metrics["curriculum/pool/unseen"] == 79
+
+
+def test_a_curriculum_with_nothing_left_to_draw_ends_the_run_in_one_line(capsys, tmp_path):
+    """Pools of weight 0 for solved and hopeless examples (prime-rl's way to skip them): once a policy solved every
+    example, the next draw raised a ValueError the entry point did not know, and the run ended in a traceback."""
+    from prime_orchestrator.entrypoints.orchestrator import run
+
+    pools = {"hard": {"threshold": 0.25, "weight": 0}, "normal": {"threshold": 0.75, "weight": 1},
+             "easy": {"threshold": 1.0, "weight": 0}}  # fmt: skip
+    c = config(sampler="difficulty_pool", async_level=0, pools=pools)
+    cur = Curriculum(c, {"easy": 2, "hard": 2})
+    for step in range(2):
+        asyncio.run(cur.fill(step, [scored([1.0] * G, step, example=e) for e in (0, 1)], None))
+        cur.metrics(step)
+    assert cur.plan(2, ["hard"], {}) != []  # the other env still has unseen examples
+
+    class Orch:
+        @staticmethod
+        async def run():
+            cur.plan(2, ["hard", "easy"], {})
+
+    with pytest.raises(SystemExit) as exited:
+        run(Orch(), tmp_path)
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err.count("\n") == 1
+    assert err == (
+        "error: curriculum: nothing left to draw in env 'easy': every example weighs 0 "
+        "(curriculum.pools.hard.weight, curriculum.pools.easy.weight = 0)\n"
+    )

@@ -185,3 +185,19 @@ def test_teacher_scoring_time_is_the_wall_time_covered_by_concurrent_groups():
     # Three groups scored concurrently over [0, 2] and [1, 3], then one alone over [5, 6]: 4 s of wall time, 5 s summed.
     assert _covered([(1.0, 3.0), (0.0, 2.0), (5.0, 6.0), (1.5, 2.5)]) == pytest.approx(4.0)
     assert _covered([]) == 0.0
+
+
+def test_distillation_that_trains_nothing_is_a_one_line_config_error(capsys, tmp_path):
+    """``kl_weight = 0`` with the default ``reward_weight = 0`` gave every token an advantage of 0: the env ran its
+    rollouts and the teacher's scoring, and trained nothing, silently."""
+    from prime_core.config import parse_cli
+
+    (tmp_path / "o.toml").write_text('[[env]]\nid = "reverse-text"\n\n[env.distill]\nkl_weight = 0\n')
+    with pytest.raises(SystemExit) as exited:
+        parse_cli(OrchestratorConfig, ["@", str(tmp_path / "o.toml")], prog="orchestrator")
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: file {tmp_path}/o.toml: env.0.distill: kl_weight and reward_weight are both 0: every token's advantage "
+        "would be 0 (remove distill for RL on the env's reward)\n"
+    )
+    assert DistillConfig(kl_weight=0, reward_weight=1).kl_weight == 0  # the reward alone still trains

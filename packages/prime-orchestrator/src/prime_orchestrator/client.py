@@ -24,25 +24,54 @@ def headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+MAX_ANSWER_BYTES = 256 * 2**20
+"""Largest answer body ``post_json`` reads (as decoded). A teacher's scores of a long sequence are tens of MiB at
+most; a server answering gigabytes had the orchestrator killed for memory, without a line naming it."""
+
+
+_BODY_HEADERS = {"content-encoding", "content-length", "transfer-encoding"}
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> httpx.Response:
+    """The answer, its body read up to ``MAX_ANSWER_BYTES`` (past it: a ``RuntimeError`` naming the server)."""
+    async with client.stream("POST", url, json=body, timeout=timeout) as resp:
+        data = bytearray()
+        async for chunk in resp.aiter_bytes():
+            data += chunk
+            if len(data) > MAX_ANSWER_BYTES:
+                raise RuntimeError(f"POST {url} -> {resp.status_code}: an answer over {MAX_ANSWER_BYTES} bytes; cut")
+    # The body is decoded already: its encoding and length headers go (the others, e.g. a fault's marks, stay).
+    kept = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _BODY_HEADERS]
+    return httpx.Response(resp.status_code, headers=kept, content=bytes(data), request=resp.request)
+
+
 async def post_json(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout: float, retries: int
 ) -> dict[str, Any]:
-    """POST with retries on connection errors, timeouts and 5xx; 4xx, and a 5xx the server marks permanent (a dead
-    engine: `prime_core.schemas.errors`), raise at once. Either names the server's last answer in one line (its error
-    message, as our servers send it)."""
+    """POST with retries on connection errors, timeouts and 5xx; 4xx, a 5xx the server marks permanent (a dead engine:
+    `prime_core.schemas.errors`), an answer that is not JSON and one over ``MAX_ANSWER_BYTES`` raise at once. Either
+    names the server's last answer in one line (its error message, as our servers send it). ``timeout`` bounds each
+    attempt as a whole: httpx's restarts at every chunk, and an answer trickled a few bytes at a time held its caller
+    (a teacher's scoring, a weight update) for as long as the trickle lasted."""
     last = ""
     for attempt in range(retries + 1):
         try:
-            resp = await client.post(url, json=body, timeout=timeout)
+            async with asyncio.timeout(timeout):
+                resp = await _post(client, url, body, timeout)
             if resp.status_code >= 500 and is_permanent(resp.headers):
                 raise RuntimeError(f"POST {url} -> {resp.status_code}: {_reason(resp)} (permanent: not retried)")
             if resp.status_code >= 500:
                 raise httpx.HTTPStatusError(f"{resp.status_code}: {_reason(resp)}", request=resp.request, response=resp)
             if resp.status_code >= 400:
                 raise RuntimeError(f"POST {url} -> {resp.status_code}: {_reason(resp)}")
-            return resp.json()
+            try:
+                return resp.json()
+            except ValueError:
+                raise RuntimeError(f"POST {url} -> {resp.status_code}: not JSON: {_reason(resp)[:200]}") from None
         except httpx.HTTPStatusError as e:
             last = str(e)
+        except TimeoutError:
+            last = f"no complete answer after {timeout:g}s"
         except RETRYABLE as e:
             last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         if attempt < retries:

@@ -65,14 +65,15 @@ def seat_groups(group: Sequence[Any]) -> dict[str, list[Unit]]:
 
 def group_samples(
     group: Sequence[Any], config: OrchestratorConfig, teachers: Any = None
-) -> tuple[list[Sample], int, int, list[float]]:
-    """(samples, seat groups filtered, seat groups overflowed, their units' advantages) of one group: advantages per
-    seat, a seat whose advantages are all zero dropped when ``filters.zero_advantage_groups`` (unless its env distils:
-    the teacher's per-token signal remains). ``teachers`` (``prime_orchestrator.distill.Teachers``) turns a sequence's
-    advantage into its distillation advantages."""
+) -> tuple[list[Sample], int, int, list[float], int]:
+    """(samples, seat groups filtered, seat groups overflowed, their units' advantages, sequences overflowed) of one
+    group: advantages per seat, a seat whose advantages are all zero dropped when ``filters.zero_advantage_groups``
+    (unless its env distils: the teacher's per-token signal remains). ``teachers``
+    (``prime_orchestrator.distill.Teachers``) turns a sequence's advantage into its distillation advantages; a
+    sequence whose per-token advantages overflow or pass ``advantage.max_abs`` is not trained."""
     by_seat = seat_groups(group)
     samples: list[Sample] = []
-    filtered = overflowed = 0
+    filtered = overflowed = overflowed_sequences = 0
     advantages: list[float] = []
     for units in by_seat.values():
         adv = compute_advantages([u.reward for u in units], [u.length for u in units], config.advantage)
@@ -96,20 +97,31 @@ def group_samples(
             filtered += 1
             continue
         for u, a in zip(units, adv, strict=True):
-            samples += [
-                Sample(
-                    q.token_ids,
-                    q.loss_mask,
-                    q.logprobs,
-                    teachers.advantage(u.env, q, float(a)) if teachers is not None else float(a),
-                    u.weight_step,
-                    u.env,
-                    u.reward,
-                    images=q.images,
+            for q in u.sequences:
+                advantage = teachers.advantage(u.env, q, float(a)) if teachers is not None else float(a)
+                if isinstance(advantage, list) and (problem := _out_of_bounds(advantage, bound)):
+                    overflowed_sequences += 1
+                    logger.warning("env %s: the distillation advantages of a sequence of seat %r %s: that sequence is "
+                                   "not trained", u.env, u.seat, problem)  # fmt: skip
+                    continue
+                samples.append(
+                    Sample(
+                        q.token_ids, q.loss_mask, q.logprobs, advantage, u.weight_step, u.env, u.reward, images=q.images
+                    )
                 )
-                for q in u.sequences
-            ]
-    return samples, filtered, overflowed, advantages
+    return samples, filtered, overflowed, advantages, overflowed_sequences
+
+
+def _out_of_bounds(advantages: list[float], bound: float | None) -> str | None:
+    """Why a sequence's per-token advantages may not train, or None. A distillation signal is log p_teacher - log
+    p_student per token: a student log-prob of -1e30 (finite, so screened in) or the teacher's -9999 floor at a high
+    ``kl_weight`` made one token's advantage set the whole step's direction, as a huge group advantage does."""
+    peak = float(np.abs(np.asarray(advantages, np.float64)).max(initial=0.0))
+    if not np.isfinite(np.float32(peak)):
+        return f"overflow ({peak:.3g})"
+    if bound is not None and peak > bound:
+        return f"reach {peak:.3g}, over advantage.max_abs = {bound:g}"
+    return None
 
 
 def step_samples(
@@ -118,16 +130,17 @@ def step_samples(
     """Samples of a step's groups: the rollouts the curriculum marks as training (``train``); a failed rollout is a
     reward-0 unit (zero_reward) or dropped (drop)."""
     samples: list[Sample] = []
-    filtered_groups = filtered_seats = overflowed_seats = 0
+    filtered_groups = filtered_seats = overflowed_seats = overflowed_sequences = 0
     advantages: list[float] = []
     for group in groups:
         group = [r for r in group if getattr(r, "train", True)]
         if config.failed_rollouts == "drop":
             group = [r for r in group if not r.result.failed]
-        kept, filtered, overflowed, adv = group_samples(group, config, teachers) if group else ([], 0, 0, [])
+        kept, filtered, overflowed, adv, cut = group_samples(group, config, teachers) if group else ([], 0, 0, [], 0)
         samples += kept
         filtered_seats += filtered
         overflowed_seats += overflowed
+        overflowed_sequences += cut
         filtered_groups += not kept
         advantages += adv
     adv = np.abs(np.asarray(advantages or [0.0]))
@@ -135,6 +148,7 @@ def step_samples(
         "filtered/groups": filtered_groups,
         "filtered/seat_groups": filtered_seats,
         "filtered/overflowed_seat_groups": overflowed_seats,
+        "filtered/overflowed_sequences": overflowed_sequences,
         "advantage/abs_mean": float(adv.mean()),
         "advantage/nonzero_fraction": float((adv >= ZERO).mean()),
     }

@@ -32,7 +32,7 @@ from prime_core.io import atomic_write_json, read_regular, reading
 from prime_core.run_dir import RunDir
 
 from prime_orchestrator.advantages import compute_advantages
-from prime_orchestrator.credit import seat_groups
+from prime_orchestrator.credit import Unit, seat_groups
 
 logger = logging.getLogger("prime.orchestrator.curriculum")
 
@@ -49,6 +49,11 @@ def read_checkpoint_json(path: Path, what: str, limit: int) -> Any:
     """The JSON value of the orchestrator checkpoint's file ``what`` (``"a curriculum checkpoint"``) at ``path``,
     read by `read_regular` with ``limit``; callers parse it inside `reading`, which names the file."""
     return json.loads(read_regular(path, what, limit))
+
+
+class CurriculumExhausted(RuntimeError):
+    """Every example of an env weighs 0 (a policy that solved every example, with the easy pool's weight 0): the run
+    ends in one line naming the pools, where it ended in a traceback."""
 
 
 class _Result(Protocol):
@@ -106,7 +111,9 @@ class Curriculum:
     def _update(self, old: tuple[float, int] | None, mean: float) -> tuple[float, int]:
         if old is None:
             return mean, 1
-        return old[0] + self.c.reward_ema * (mean - old[0]), old[1] + 1
+        # A convex combination of two finite floats is finite; ``old + ema * (mean - old)`` overflowed on a
+        # difference of two huge rewards of opposite signs.
+        return (1 - self.c.reward_ema) * old[0] + self.c.reward_ema * mean, old[1] + 1
 
     def _fold(self, table: dict, through: int, start: int) -> None:
         for step in sorted(s for s in self.pending if start < s <= through):
@@ -143,9 +150,15 @@ class Curriculum:
         plan = []
         for env in envs:
             if cum_weights[env][-1] <= 0:
-                raise ValueError(f"curriculum: every example of env {env!r} is in a pool of weight 0")
+                raise CurriculumExhausted(self._exhausted(env))
             plan.append((env, rng.choices(range(self.num_examples[env]), cum_weights=cum_weights[env])[0]))
         return plan
+
+    def _exhausted(self, env: str) -> str:
+        zero = [f"curriculum.pools.{name}.weight" for name, p in self.pools if p.weight == 0]
+        if self.c.unseen_weight == 0:
+            zero.append("curriculum.unseen_weight")
+        return f"curriculum: nothing left to draw in env {env!r}: every example weighs 0 ({', '.join(zero)} = 0)"
 
     def plan(self, step: int, envs: list[str], cursors: dict[str, int]) -> list[tuple[str, int]]:
         """(env, example) of each group of the step's first round; ``envs`` is the orchestrator's env mix."""
@@ -169,12 +182,14 @@ class Curriculum:
         return False
 
     def _scores(self, group: Group) -> list[list]:
-        """[env, example, seat, mean reward of the seat's traces] per seat of the group."""
+        """[env, example, seat, mean reward of the seat's traces] per seat of the group. The mean of finite rewards
+        is finite (summed after dividing: four rewards of 1e308 summed to inf, and the example's running mean then
+        stayed inf, or NaN, in the last pool forever). A group whose every rollout failed and was dropped scores 0
+        for the seat ``agent``, as ``zero_reward`` scores it: unscored, a task that always errors stayed unseen
+        and was drawn at ``unseen_weight`` for the whole run, never training a token."""
         env, example = group[0].env, group[0].example
-        return [
-            [env, example, seat, float(np.mean([u.reward for u in units]))]
-            for seat, units in self._seats(group).items()
-        ]
+        seats = self._seats(group) or {"agent": [Unit("agent", 0.0, 0, 0, env)]}
+        return [[env, example, seat, float(sum(u.reward / len(units) for u in units))] for seat, units in seats.items()]
 
     async def fill(self, step: int, groups: list[Group], run_group: RunGroup) -> list[Group]:
         """Every group the step drew; those that do not train (rejected, or admitted beyond the batch's number of
@@ -266,10 +281,27 @@ class Curriculum:
         self.difficulty = {
             (entry[0], int(entry[1]), entry[2] if len(entry) == 5 else "agent"): (float(entry[-2]), int(entry[-1]))
             for entry in state["difficulty"]
+            if self._known(entry[0], entry[1], entry[-2])
         }
         self.pending = {int(s): p for s, p in state["pending"].items()}
         for p in self.pending.values():
-            p["scores"] = [s if len(s) == 4 else [s[0], s[1], "agent", s[2]] for s in p["scores"]]
+            scores = [s if len(s) == 4 else [s[0], s[1], "agent", s[2]] for s in p["scores"]]
+            p["scores"] = [s for s in scores if self._known(s[0], s[1], s[3])]
+
+    def _known(self, env: Any, example: Any, mean: Any) -> bool:
+        """Whether a checkpoint's score applies to this run: an env it no longer draws from, or a mean that is not
+        finite (written before means were kept finite), is left out; an example past its env's taskset is refused
+        (the taskset changed: the scores are of other examples). Before, example -1 weighted the last example and
+        one past the end was an IndexError at the first draw, a traceback in the middle of the run."""
+        if env not in self.num_examples or not math.isfinite(float(mean)):
+            return False
+        n = self.num_examples[env]
+        if type(example) is not int or not 0 <= example < n:
+            raise ValueError(
+                f"example {example!r} of env {env!r} is not one of its {n} examples: the taskset changed since the "
+                f"checkpoint (remove {STATE_FILE} to start the curriculum from scratch)"
+            )
+        return True
 
     def save(self, directory: Path, next_step: int) -> None:
         if self.enabled:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from prime_core.schemas.rollout import TrainedSequence
 
 from prime_orchestrator.client import headers, post_json, wait_healthy
 from prime_orchestrator.liveness import InflightLane
+from prime_orchestrator.sample_checks import MAX_LOGPROB
 
 logger = logging.getLogger("prime.orchestrator.distill")
 
@@ -125,7 +127,14 @@ class Teacher:
         t = self.config.teacher
         if problem := unserved(self.env, t):
             raise TeacherError(problem)
-        await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
+        try:
+            await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
+        except TimeoutError:
+            # Said as "inference server <url> not healthy", it read as the policy's server, whose wait runs beside it.
+            raise TeacherError(
+                f"teacher of env {self.env!r} at {t.base_url}: not healthy after {t.health_timeout:g}s "
+                "(distill.teacher.health_timeout)"
+            ) from None
         await check_tokenizer(student_dir, t, self.client)
         if self.config.privileged_prompt:
             student = await asyncio.to_thread(_load_tokenizer, student_dir)
@@ -148,14 +157,10 @@ class Teacher:
                 )
             except RuntimeError as e:
                 raise TeacherError(f"teacher of env {self.env!r} at {t.base_url}: {str(e).splitlines()[0]}") from None
-        entries = out.get("prompt_logprobs") or []
-        if len(entries) != len(self.prefix) + len(token_ids):
-            raise TeacherError(
-                f"teacher of env {self.env!r} at {t.base_url} returned {len(entries)} prompt log-probs for "
-                f"{len(self.prefix) + len(token_ids)} tokens (does it serve prompt_logprobs on {SCORE_ROUTE}?)"
-            )
-        entries = entries[len(self.prefix) :]
-        return [0.0 if not e else float(e[str(tid)]["logprob"]) for e, tid in zip(entries, token_ids, strict=True)]
+        problem, scores = read_scores(out, self.prefix + token_ids)
+        if problem is not None:
+            raise TeacherError(f"teacher of env {self.env!r} at {t.base_url} answered {problem}")
+        return scores[len(self.prefix) :]
 
     def advantages(self, seq: TrainedSequence, advantage: float) -> list[float]:
         """Per token: reward_weight * A + kl_weight * (log p_teacher - log p_student) on sampled tokens, else 0."""
@@ -163,6 +168,34 @@ class Teacher:
         mask = np.asarray(seq.loss_mask, np.bool_)
         signal = np.asarray(seq.teacher_logprobs, np.float64) - np.asarray(seq.logprobs, np.float64)
         return np.where(mask, c.reward_weight * advantage + c.kl_weight * signal, 0.0).tolist()
+
+
+def read_scores(out: Any, token_ids: list[int]) -> tuple[str | None, list[float]]:
+    """(None, the log-prob of each token) from a scoring answer, or (the first thing wrong with it, []). Only the
+    first position may have no entry (nothing precedes it: 0.0). Everything else a real teacher never sends is
+    named: it would otherwise train, as it came, as the per-token signal (a NaN poisoned the step's gradient, a
+    positive log-prob or a missing entry, read as 0.0, rewarded tokens the teacher never scored)."""
+    entries = out.get("prompt_logprobs") if isinstance(out, dict) else None
+    if not isinstance(entries, list):
+        return f"no prompt_logprobs list (does it serve prompt_logprobs on {SCORE_ROUTE}?)", []
+    if len(entries) != len(token_ids):
+        return (
+            f"{len(entries)} prompt_logprobs for {len(token_ids)} tokens (does it serve prompt_logprobs on "
+            f"{SCORE_ROUTE}?)"
+        ), []
+    scores = []
+    for i, (entry, token) in enumerate(zip(entries, token_ids, strict=True)):
+        if entry is None and i == 0:
+            scores.append(0.0)
+            continue
+        value = entry.get(str(token)) if isinstance(entry, dict) else None
+        logprob = value.get("logprob") if isinstance(value, dict) else None
+        if type(logprob) not in (int, float):
+            return f"prompt_logprobs[{i}] without a log-prob of token {token} (got {str(entry)[:80]})", []
+        if not math.isfinite(logprob) or logprob > MAX_LOGPROB:
+            return f"prompt_logprobs[{i}] = {logprob!r} for token {token} (a log-prob is finite and <= 0)", []
+        scores.append(float(logprob))
+    return None, scores
 
 
 def _covered(spans: list[tuple[float, float]]) -> float:
@@ -201,6 +234,13 @@ class Teachers:
             return rollouts
         t0 = time.perf_counter()
         seqs = [q for r in rollouts for q in r.result.sequences]
+        if with_images := sum(len(q.images) for q in seqs):
+            # The scoring route serves text prompts only: the teacher would read each image's placeholder tokens as
+            # text, and its log-probs of the student's tokens, conditioned on no image, trained as the signal.
+            raise TeacherError(
+                f"env {env!r} distils from {teacher.config.teacher.base_url}, but its rollouts carry images "
+                f"({with_images} in this group) and a teacher scores text prompts only: distil a text-only env"
+            )
         scores = await asyncio.gather(*(self.lane.track(teacher.logprobs(q.token_ids)) for q in seqs))
         for q, lps in zip(seqs, scores, strict=True):
             q.teacher_logprobs = lps

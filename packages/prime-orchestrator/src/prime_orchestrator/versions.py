@@ -75,10 +75,18 @@ def check_published(url: str, tag: str, record: PolicyVersions | None) -> None:
     raise ServerWentBack(f"inference server {url}: the version record of rollout {tag} names {problem}")
 
 
+class NoVersionRecord(WeightUpdateError):
+    """``dispatch_ahead`` against a server that keeps no version record: nothing vouches that it held the requests."""
+
+
 class VersionRecords:
-    def __init__(self, client: ClientConfig, check: bool = True):
+    def __init__(self, client: ClientConfig, check: bool = True, held: bool = False):
         self.client = client
         self.check = check
+        self.held = held
+        """Requests ask the server to hold them for their weights (``dispatch_ahead``): only a server's record says
+        it did. One without the route (plain vLLM) ignores the field and samples at once with older weights, and the
+        relay's bounds would count those tokens as sampled with the weights the request asked for."""
         """`check_served` on every record read. Off for LoRA runs: vLLM's records of adapter requests carry the base
         weights' step (0), not the adapter's; a restarted server has no adapter and fails their requests anyway."""
         self.prefix = uuid.uuid4().hex[:12]
@@ -135,6 +143,12 @@ class VersionRecords:
         if self._flush is None:
             self._flush = asyncio.create_task(self._flush_takes())
         record = await future
+        if record is None and self.held and flight.url in self.unsupported:
+            raise NoVersionRecord(
+                f"inference server {flight.url} keeps no version record (no /rollout_versions): dispatch_ahead needs "
+                "prime's inference server, which holds each request until the weights it names; set dispatch_ahead "
+                "= false for this server"
+            )
         check_published(flight.url, flight.tag, record)
         if self.check:
             check_served(flight, record)

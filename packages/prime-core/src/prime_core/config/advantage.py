@@ -34,5 +34,6 @@ class AdvantageConfig(BaseConfig):
     returning 1e18) is not trained, named in a warning with its env and largest reward, and counted in
     ``filtered/overflowed_seat_groups``. Trained, such a sample alone set the step's direction (clipping the gradient
     norm, 1.5e17 for one advantage of 1e18 on the tiny test model, scaled every other sample's share to nothing), and
-    from about 1e19 made the norm infinite, so the whole step was skipped. Unset: only advantages that overflow float32
-    (what the trainer computes in)."""
+    from about 1e19 made the norm infinite, so the whole step was skipped. A distilling env's sequence whose per-token
+    advantages go beyond it is not trained either (``filtered/overflowed_sequences``). Unset: only advantages that
+    overflow float32 (what the trainer computes in)."""

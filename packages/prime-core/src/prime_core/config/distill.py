@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_core.config.base import BaseConfig
 from prime_core.config.inference import TorchEngineConfig, VllmConfig
@@ -59,6 +59,17 @@ class DistillConfig(BaseConfig):
     a hint, a rubric, a style guide). Written in the model's own chat format, e.g. a ChatML system turn
     ``"<|im_start|>system\\n...<|im_end|>\\n"``; tokenized with the student's tokenizer, special tokens included.
     The teacher's log-probs of the student's tokens are then conditioned on it."""
+
+    @model_validator(mode="after")
+    def _trains_something(self) -> DistillConfig:
+        # Both 0 made every token's advantage 0: the env ran, scored and trained nothing, never saying so (its groups
+        # are kept for the teacher's signal, so the zero-advantage filter does not drop them either).
+        if self.kl_weight == 0 and self.reward_weight == 0:
+            raise ValueError(
+                "kl_weight and reward_weight are both 0: every token's advantage would be 0 (remove distill for RL on "
+                "the env's reward)"
+            )
+        return self
 
 
 class TeacherServerConfig(BaseConfig):

@@ -322,8 +322,9 @@ class OrchestratorConfig(BaseConfig):
     weights n - async_level (``server.weight_wait_timeout``): the env side of the rollouts (prompts, tokenizing,
     requests on the way) is done when those weights land, and generation starts at once. Every token is still
     sampled with weights >= n - async_level; ``client.max_concurrent`` must leave room for the held rollouts beside
-    the running ones, and the time a rollout is held counts toward its env's ``rollout_timeout``. Not with LoRA
-    (adapters carry their own steps) or ``max_off_policy_steps``."""
+    the running ones, and the time a rollout is held counts toward its env's ``rollout_timeout``. Needs prime's
+    inference server (a server without a version record, which cannot show it held a request, ends the run). Not
+    with LoRA (adapters carry their own steps) or ``max_off_policy_steps``."""
     batch_size: int = Field(default=128, ge=1, le=MAX_BATCH)
     """Samples per step (groups of rollouts_per_example)."""
     rollouts_per_example: int = Field(default=8, ge=1, le=MAX_BATCH)

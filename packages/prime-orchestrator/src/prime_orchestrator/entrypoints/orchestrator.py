@@ -71,6 +71,7 @@ def run(orchestrator: Any, output_dir: Path) -> None:
     from prime_core.monitor import MonitorUnavailable
 
     from prime_orchestrator.client import WeightUpdateError
+    from prime_orchestrator.curriculum import CurriculumExhausted
     from prime_orchestrator.distill import TeacherError
     from prime_orchestrator.env_server import EnvServerFailed
     from prime_orchestrator.envs import TasksetError
@@ -91,6 +92,7 @@ def run(orchestrator: Any, output_dir: Path) -> None:
         WeightUpdateError,
         TimeoutError,
         TeacherError,
+        CurriculumExhausted,
         UnreadableFile,
         MonitorUnavailable,
         EnvServerFailed,
