@@ -16,6 +16,8 @@ from aiohttp import web
 from prime_core.config.distill import DistillConfig, TeacherConfig
 from prime_orchestrator.distill import Teacher, TeacherError
 
+from tests.fixtures.fake_http import serving
+
 TOKENS = [3, 4, 5, 6]
 
 
@@ -54,18 +56,13 @@ async def score(handler, timeout: float = 30.0) -> list[float]:
 
     app = web.Application()
     app.router.add_post("/inference/v1/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    config = TeacherConfig(base_url=f"http://127.0.0.1:{port}", model="teacher", timeout=timeout, max_retries=0)
-    teacher = Teacher("math", DistillConfig(teacher=config))
-    try:
-        return await teacher.logprobs(TOKENS)
-    finally:
-        await teacher.client.aclose()
-        await runner.cleanup()
+    async with serving(app) as url:
+        config = TeacherConfig(base_url=url, model="teacher", timeout=timeout, max_retries=0)
+        teacher = Teacher("math", DistillConfig(teacher=config))
+        try:
+            return await teacher.logprobs(TOKENS)
+        finally:
+            await teacher.client.aclose()
 
 
 def test_an_honest_answer_is_read_as_the_log_probs_of_the_tokens():
@@ -157,14 +154,8 @@ def test_a_group_with_images_is_one_line_not_scored_as_text():
 
         app = web.Application()
         app.router.add_post("/inference/v1/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            return await main(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
-        finally:
-            await runner.cleanup()
+        async with serving(app) as url:
+            return await main(url)
 
     with pytest.raises(TeacherError) as e:
         asyncio.run(served())
@@ -188,17 +179,9 @@ def test_a_compressed_answer_is_read_and_its_other_headers_kept():
 
         app = web.Application()
         app.router.add_post("/inference/v1/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            async with httpx.AsyncClient() as client:
-                url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/inference/v1/generate"
-                resp = await _post(client, url, {}, 30.0)
-                return resp.json(), resp.headers.get("x-mark")
-        finally:
-            await runner.cleanup()
+        async with serving(app) as url, httpx.AsyncClient() as client:
+            resp = await _post(client, f"{url}/inference/v1/generate", {}, 30.0)
+            return resp.json(), resp.headers.get("x-mark")
 
     out, mark = asyncio.run(main())
     assert out == scores(-0.5, -1.0, -2.0) and mark == "1"
@@ -214,17 +197,12 @@ def test_a_teacher_that_never_gets_healthy_is_named_as_the_teacher():
 
         app = web.Application()
         app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        teacher = Teacher("math", DistillConfig(teacher=TeacherConfig(base_url=url, model="t", health_timeout=1)))
-        try:
-            await teacher.start("unused: the wait ends first")
-        finally:
-            await teacher.client.aclose()
-            await runner.cleanup()
+        async with serving(app) as url:
+            teacher = Teacher("math", DistillConfig(teacher=TeacherConfig(base_url=url, model="t", health_timeout=1)))
+            try:
+                await teacher.start("unused: the wait ends first")
+            finally:
+                await teacher.client.aclose()
 
     with pytest.raises(TeacherError) as e:
         asyncio.run(main())
