@@ -1,6 +1,6 @@
 """Activation checkpointing is applied to a model from outside: which layers each mode checkpoints, and what they
 keep. Gradients under each mode are checked in test_packing.py, the long-row knobs in test_chunked_mlp.py and
-test_activation_offload.py."""
+test_attention_offload.py."""
 
 from __future__ import annotations
 

@@ -141,36 +141,6 @@ def test_a_64k_row_under_a_16_gib_cap_chunks_the_mlp_of_the_offload_that_ran_out
     assert M.activation_bytes(moe, 65536, chunked) == M.activation_bytes(moe, 65536, M.MemoryPlan(ac="full"))
 
 
-def test_the_layers_inputs_go_to_host_memory_where_the_attention_offload_alone_does_not_fit():
-    # Full checkpointing keeps every layer's input: 2 x hidden bytes a token and layer, 3.5 GiB at 64k.
-    capped = plan(65536, 65536, free_gib=13)
-    assert knobs(capped) == ("full", -1, True, M.LAST_RESORT_MLP_CHUNKS) and capped.offload_inputs and capped.fits
-    assert capped.host_bytes == 65536 * 28 * (2 * 2048 + 4 * 16 + 2 * 1024)
-    assert capped.describe().startswith(
-        "full activation checkpointing, keeping the attention outputs of every layer in host memory, the layers' "
-        "inputs in host memory, MLP recomputed in 8 chunks, 10.6 GiB pinned (~2.8 GiB of activations"
-    )
-    # A 128k row under the 16 GiB cap keeps its attention too, where the inputs alone took 7 GiB of the GPU.
-    long = plan(131072, 131072, free_gib=15.93)
-    assert knobs(long) == ("full", -1, True, M.LAST_RESORT_MLP_CHUNKS) and long.offload_inputs and long.fits
-    # Where the GPU has the room the inputs stay (no copies to pay for).
-    assert not plan(65536, 65536, free_gib=15.93).offload_inputs and not plan(65536, 65536, free_gib=79).offload_inputs
-
-
-def test_when_nothing_else_fits_the_inputs_go_to_host_memory_before_the_mlp_is_chunked():
-    # Eight 4k rows a micro-batch: the attention offload's copies would outlast the layers' forwards, and full
-    # checkpointing (~3.0 GiB at 32k tokens, with its margin) does not fit; its inputs in host memory (~1.5) do.
-    inputs = plan(8 * 4096, 4096, free_gib=11)
-    assert knobs(inputs) == ("full", 0, False, 0) and inputs.offload_inputs and inputs.fits
-    # A 64k row with too little room for the attention offload: inputs in host memory and the MLP in chunks.
-    chunked = plan(65536, 65536, free_gib=12.2)
-    assert knobs(chunked) == ("full", 0, False, M.LAST_RESORT_MLP_CHUNKS) and chunked.offload_inputs and chunked.fits
-    # Without host memory for them: the last resort as before, which says it may not fit.
-    no_host = plan(8 * 4096, 4096, free_gib=11, host=0)
-    assert knobs(no_host) == ("full", 0, False, M.LAST_RESORT_MLP_CHUNKS) and not no_host.offload_inputs
-    assert not no_host.fits
-
-
 def test_state_and_budget_arithmetic():
     assert M.training_state_bytes(1000, 4, optimizer_allocated=False, grad_bytes=2) == 1000 * (8 + 2)
     assert M.training_state_bytes(1000, 4, optimizer_allocated=True, grad_bytes=4) == 4000  # resumed: moments exist
@@ -231,36 +201,11 @@ def test_the_trainer_applies_the_auto_plan_once_and_logs_it(monkeypatch, caplog)
 
 
 def test_knobs_without_full_checkpointing_are_one_line_errors():
-    for args in (["--parallel.ac-keep-attention", "-1"], ["--parallel.ac-mlp-chunks", "4"],
-                 ["--parallel.ac-offload-inputs", "true"]):  # fmt: skip
+    for args in (["--parallel.ac-keep-attention", "-1"], ["--parallel.ac-mlp-chunks", "4"]):
         with pytest.raises(ValueError, match=r"needs ac = 'full' \(got ac = 'auto'\)") as e:
             load_config(TrainerConfig, args)
         assert "\n" not in str(e.value).strip().splitlines()[-1]
     assert load_config(TrainerConfig, []).parallel.ac == "auto"
-    with pytest.raises(ValueError, match=r"cuda_graphs serves the one-rank path .*: unset ac_offload_inputs$"):
-        load_config(TrainerConfig, ["--parallel.ac", "full", "--parallel.ac-offload-inputs", "true",
-                                    "--parallel.cuda-graphs", "true"])  # fmt: skip
-
-
-def test_the_trainer_offloads_the_layers_inputs_when_told(tmp_path, caplog):
-    """`--parallel.ac full --parallel.ac-offload-inputs`: every decoder layer holds its input in host memory, and the
-    logged plan says so."""
-    import json
-
-    from prime_core.config.trainer import ModelInitConfig
-    from prime_models.parallel.activation_checkpoint import layer_checkpoint
-    from prime_trainer.model import build_model
-
-    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
-    config = load_config(TrainerConfig, ["--parallel.ac", "full", "--parallel.ac-offload-inputs", "true"])
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    model, _ = build_model(str(tmp_path), "auto", ModelInitConfig(random=True), config.parallel, world, seed=0)
-    offloads = {id(layer_checkpoint(layer).input_offload) for layer in model.model.layers}
-    assert len(offloads) == 1 and None not in {layer_checkpoint(layer).input_offload for layer in model.model.layers}
-    c = _components("--parallel.ac", "full", "--parallel.ac-offload-inputs", "true")
-    with caplog.at_level(logging.INFO, logger="prime.trainer"):
-        plan = M.plan_memory(c, [_micro_batch(2, 16)])
-    assert plan.offload_inputs and "the layers' inputs in host memory" in caplog.text
 
 
 def test_weight_gradients_go_into_matmuls_only_with_several_micro_batches_and_room(monkeypatch, caplog):

@@ -10,12 +10,9 @@ H100, Qwen3-0.6B shape, docs/benchmarks.md):
 3. the same kept on the GPU;
 4. the same in host memory when the copies take at most a layer's forward (shorter rows);
 5. the offload of 2 or 4 with each MLP recomputed in 8 sequence chunks (a lower backward peak at no extra compute);
-6. the same with every layer's input in host memory too (`offload_inputs`, when those copies also hide);
-7. full checkpointing keeping the attention outputs of as many of the last layers as fit;
-8. full checkpointing (recomputes attention too: 14.4k tok/s at 64k);
-9. full checkpointing with the layers' inputs in host memory, then also with each MLP in 8 sequence chunks (where
-   the host has the memory; slower where the copies outlast a layer's forward, but no out-of-memory);
-10. full checkpointing with each MLP recomputed in 8 sequence chunks (the last resort).
+6. full checkpointing keeping the attention outputs of as many of the last layers as fit;
+7. full checkpointing (recomputes attention too: 14.4k tok/s at 64k);
+8. full checkpointing with each MLP recomputed in 8 sequence chunks (lowest peak; the last resort).
 
 Estimates, per token of a micro-batch on one rank, bf16 activations (h hidden, w the MLP's width, the routed width
 of an MoE layer; a = heads x head_dim; L layers): a layer without checkpointing keeps 2 x (12h + 5w) bytes (1.55 MB
@@ -30,9 +27,7 @@ will still allocate (AdamW's moments, the gradients), and the host's available m
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,12 +95,10 @@ class MemoryPlan:
     """Layers (from the last) keeping their attention output under full checkpointing; -1 = all."""
     offload_attention: bool = False
     mlp_chunks: int = 0
-    offload_inputs: bool = False
-    """Each checkpointed layer's input in pinned host memory between forward and backward."""
     activation_bytes: int = 0
     """Estimated peak of the activations (and the head's buffers) on the GPU."""
     host_bytes: int = 0
-    """Pinned host memory the offloads hold."""
+    """Pinned host memory the offload holds."""
     budget_bytes: int | None = None
     """What was free for them; None when the plan was set by hand or nothing was measured (CPU)."""
     fits: bool = True
@@ -120,14 +113,10 @@ class MemoryPlan:
             what = "full activation checkpointing"
             if self.keep_attention:
                 layers = "every layer" if self.keep_attention < 0 else f"the last {self.keep_attention} layers"
-                where = " in host memory" if self.offload_attention else ""
+                where = f" in host memory ({self.host_bytes / GIB:.1f} GiB pinned)" if self.offload_attention else ""
                 what += f", keeping the attention outputs of {layers}{where}"
-            if self.offload_inputs:
-                what += ", the layers' inputs in host memory"
             if self.mlp_chunks:
                 what += f", MLP recomputed in {self.mlp_chunks} chunks"
-            if self.host_bytes:
-                what += f", {self.host_bytes / GIB:.1f} GiB pinned"
         if self.budget_bytes is None:
             return what
         est = f"~{self.activation_bytes / GIB:.1f} GiB of activations, {self.budget_bytes / GIB:.1f} GiB free for them"
@@ -178,24 +167,15 @@ def activation_bytes(
     # Offloaded: the recomputed layer's restored output stands in for the attention output its share above already
     # counts; only the previous layer's, prefetched, is extra (measured at 64k on an H200: +0.25 GiB over full).
     on_gpu = min(kept_layers, 1) if plan.offload_attention else kept_layers
-    # Offloaded inputs: the restored one of the recomputed layer and the prefetched previous one.
-    inputs = min(shape.layers, 2) if plan.offload_inputs else shape.layers
-    kept = tokens * (inputs * input_bytes_per_token(shape) + on_gpu * kept_attention_bytes_per_token(shape))
+    kept = tokens * (shape.layers * 2 * shape.hidden + on_gpu * kept_attention_bytes_per_token(shape))
     return int(kept + max(head, tokens * recompute) + mask_bytes(packed_rows, row_len, 1))
 
 
-def input_bytes_per_token(shape: ModelShape) -> int:
-    """A checkpointed layer's input (the residual stream, bf16)."""
-    return 2 * shape.hidden
-
-
-def offload_copy_ratio(shape: ModelShape, row_len: int, bytes_per_token: int | None = None) -> float:
-    """A layer's host copy time over its forward time, for rows of `row_len` tokens: its kept attention output, or
-    `bytes_per_token` of whatever it offloads.
+def offload_copy_ratio(shape: ModelShape, row_len: int) -> float:
+    """A kept attention output's host copy time over its layer's forward time, for rows of `row_len` tokens.
 
     The copy is linear in the row length, causal attention quadratic: long rows hide their copies."""
-    per_token = kept_attention_bytes_per_token(shape) if bytes_per_token is None else bytes_per_token
-    copy_s = per_token / PCIE_BYTES_PER_S
+    copy_s = kept_attention_bytes_per_token(shape) / PCIE_BYTES_PER_S
     forward_flops = 2 * row_len * shape.attn_width + 2 * shape.layer_params
     return copy_s / (forward_flops / ATTENTION_FLOPS_PER_S)
 
@@ -204,12 +184,9 @@ def _with_estimate(
     plan: MemoryPlan, shape: ModelShape, tokens: int, budget: int, chunk: int, packed_rows: int, row_len: int
 ) -> MemoryPlan:
     act = activation_bytes(shape, tokens, plan, chunk, packed_rows, row_len)
-    per_token = kept_attention_bytes_per_token(shape) if plan.offload_attention else 0
-    per_token += input_bytes_per_token(shape) if plan.offload_inputs else 0
+    host = tokens * shape.layers * kept_attention_bytes_per_token(shape) if plan.offload_attention else 0
     fits = act * (1 + MARGIN_FRACTION) + MARGIN_BYTES <= budget
-    return dataclasses.replace(
-        plan, activation_bytes=act, host_bytes=tokens * shape.layers * per_token, budget_bytes=budget, fits=fits
-    )
+    return MemoryPlan(plan.ac, plan.keep_attention, plan.offload_attention, plan.mlp_chunks, act, host, budget, fits)
 
 
 def choose_plan(
@@ -236,54 +213,32 @@ def choose_plan(
     def plan(**kw) -> MemoryPlan:
         return _with_estimate(MemoryPlan(**kw), shape, tokens, budget_bytes, chunk_size, packed_rows, row_len)
 
-    for candidate in _keeping_attention(plan, shape, row_len, host_budget_bytes):
-        if candidate is not None and candidate.fits:
-            return candidate
-    return _recomputing_attention(plan, shape, tokens, budget_bytes, host_budget_bytes)
-
-
-def _keeping_attention(plan: Callable[..., MemoryPlan], shape: ModelShape, row_len: int, host_budget: int) -> list:
-    """The plans that recompute no attention, fastest first (None where the host cannot hold or hide an offload)."""
+    keep_all = plan(ac="full", keep_attention=-1)
     offload = plan(ac="full", keep_attention=-1, offload_attention=True)
-    hosted = offload.host_bytes <= host_budget
+    offload_ok = offload.fits and offload.host_bytes <= host_budget_bytes
     ratio = offload_copy_ratio(shape, row_len)
-    chunks = LAST_RESORT_MLP_CHUNKS
-    offload_all = plan(ac="full", keep_attention=-1, offload_attention=True, mlp_chunks=chunks, offload_inputs=True)
-    both = kept_attention_bytes_per_token(shape) + input_bytes_per_token(shape)
-    return [
+    chunked_offload = plan(ac="full", keep_attention=-1, offload_attention=True, mlp_chunks=LAST_RESORT_MLP_CHUNKS)
+    ladder = [
         plan(ac="none"),
-        offload if hosted and ratio <= 0.5 else None,
-        plan(ac="full", keep_attention=-1),
-        offload if hosted and ratio <= 1.0 else None,
+        offload if offload_ok and ratio <= 0.5 else None,
+        keep_all,
+        offload if offload_ok and ratio <= 1.0 else None,
         # Chunking the MLP costs no compute and lowers the backward's peak: under a 16 GiB cap a 64k row fits this
         # (15.07 GiB, 17.6k tok/s on an H200) where the offload alone ran out of memory and full recompute ran 14.6k.
-        plan(ac="full", keep_attention=-1, offload_attention=True, mlp_chunks=chunks) if hosted and ratio <= 1.0
-        else None,
-        # The layers' inputs too: 2 x hidden bytes a token and layer more off the GPU (3.5 GiB at 64k for Qwen3-0.6B).
-        offload_all if offload_all.host_bytes <= host_budget and offload_copy_ratio(shape, row_len, both) <= 1.0
-        else None,
-    ]  # fmt: skip
-
-
-def _recomputing_attention(
-    plan: Callable[..., MemoryPlan], shape: ModelShape, tokens: int, budget: int, host_budget: int
-) -> MemoryPlan:
-    """Where no plan keeping every attention output fits: keep as many as fit, else recompute all of it."""
+        chunked_offload if offload.host_bytes <= host_budget_bytes and ratio <= 1.0 else None,
+    ]
+    for candidate in ladder:
+        if candidate is not None and candidate.fits:
+            return candidate
     full = plan(ac="full")
-    spare = budget - full.activation_bytes * (1 + MARGIN_FRACTION) - MARGIN_BYTES
+    spare = budget_bytes - full.activation_bytes * (1 + MARGIN_FRACTION) - MARGIN_BYTES
     per_layer = tokens * kept_attention_bytes_per_token(shape) * (1 + MARGIN_FRACTION)
     keep = min(int(spare // per_layer), shape.layers - 1) if spare > 0 else 0
     if keep > 0:
         return plan(ac="full", keep_attention=keep)
     if full.fits:
         return full
-    # The inputs go to host memory even where their copies outlast a layer's forward (slower, not out of memory),
-    # the MLP in chunks last.
-    chunks = LAST_RESORT_MLP_CHUNKS
-    for offloaded in (plan(ac="full", offload_inputs=True), plan(ac="full", offload_inputs=True, mlp_chunks=chunks)):
-        if offloaded.host_bytes <= host_budget and offloaded.fits:
-            return offloaded
-    return plan(ac="full", mlp_chunks=chunks)
+    return plan(ac="full", mlp_chunks=LAST_RESORT_MLP_CHUNKS)
 
 
 def training_state_bytes(trainable_numel: int, master_bytes: int, optimizer_allocated: bool, grad_bytes: int) -> int:
@@ -399,9 +354,8 @@ def plan_memory(c, micro_batches: list) -> MemoryPlan:
     tokens = rows * row_len
     if parallel.ac != "auto":
         plan = MemoryPlan(
-            parallel.ac, parallel.ac_keep_attention, parallel.ac_offload_attention, parallel.ac_mlp_chunks,
-            parallel.ac_offload_inputs,
-        )  # fmt: skip
+            parallel.ac, parallel.ac_keep_attention, parallel.ac_offload_attention, parallel.ac_mlp_chunks
+        )
         source = f"parallel.ac = {parallel.ac}"
     elif c.world.device.type != "cuda":
         plan, source = MemoryPlan(), "parallel.ac = auto, on CPU"
@@ -415,13 +369,7 @@ def plan_memory(c, micro_batches: list) -> MemoryPlan:
         source = "parallel.ac = auto"
         if plan.ac != "none":
             apply_activation_checkpointing(
-                c.model.model.layers,
-                plan.ac,
-                0,
-                plan.keep_attention,
-                plan.mlp_chunks,
-                plan.offload_attention,
-                plan.offload_inputs,
+                c.model.model.layers, plan.ac, 0, plan.keep_attention, plan.mlp_chunks, plan.offload_attention
             )
     note = _sum_gradients_in_matmuls_if_they_fit(c, plan, tokens, row_len, micro_batches)
     c.logger.info("memory: %s for %d tokens a micro-batch (%s)%s", plan.describe(), tokens, source, note)

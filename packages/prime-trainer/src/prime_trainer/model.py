@@ -141,7 +141,6 @@ def _parallelize(
         ac_keep_attention=parallel.ac_keep_attention,
         ac_mlp_chunks=parallel.ac_mlp_chunks,
         ac_offload_attention=parallel.ac_offload_attention,
-        ac_offload_inputs=parallel.ac_offload_inputs,
         cpu_offload=parallel.cpu_offload,
         reshard_after_forward=parallel.reshard_after_forward,
         fp8=fp8,

@@ -37,11 +37,6 @@ class ParallelConfig(BaseConfig):
     """Under ``ac = "full"`` with ``ac_keep_attention != 0``: hold the kept attention outputs in pinned host memory
     between forward and backward (copies on a side CUDA stream, overlapped with compute; the GPU holds at most two
     layers' worth instead of ``ac_keep_attention``). Bitwise the same results; costs PCIe traffic and host memory."""
-    ac_offload_inputs: bool = False
-    """Under ``ac = "full"``: hold each checkpointed layer's input (the residual stream its recompute starts from,
-    ``2 * hidden`` bytes per token and layer, which full checkpointing otherwise keeps on the GPU for every layer) in
-    pinned host memory between forward and backward, copied like ``ac_offload_attention``'s outputs; the GPU holds
-    at most two layers' inputs. Bitwise the same results; costs PCIe traffic and host memory."""
     cpu_offload: bool = False
     """Keep FSDP parameters, gradients and optimizer state on CPU (GPU only)."""
     reshard_after_forward: bool = True
@@ -62,7 +57,7 @@ class ParallelConfig(BaseConfig):
     the graphs keep the decoder's activations reserved between steps. Same kernels, same numerics. Serves one CUDA
     rank on the bf16-over-fp32-masters path with SDPA attention: not with FSDP2 (several ranks, ``fsdp_one_rank``,
     ``cpu_offload``), context or expert parallelism, LoRA, FP8, MoE or vision-language models, flash-attn, bf16
-    master weights, ``ac_offload_attention`` or ``ac_offload_inputs``. Off by default."""
+    master weights or ``ac_offload_attention``. Off by default."""
     timeout_s: int = Field(default=3600, ge=1)
     """Timeout of collective operations, in seconds."""
 
@@ -76,11 +71,7 @@ class ParallelConfig(BaseConfig):
     @model_validator(mode="after")
     def _cuda_graphs_on_the_one_rank_path(self) -> ParallelConfig:
         if self.cuda_graphs:
-            clash = [
-                f
-                for f in ("fsdp_one_rank", "cpu_offload", "ac_offload_attention", "ac_offload_inputs")
-                if getattr(self, f)
-            ]
+            clash = [f for f in ("fsdp_one_rank", "cpu_offload", "ac_offload_attention") if getattr(self, f)]
             if clash:
                 raise ValueError(f"cuda_graphs serves the one-rank path without FSDP2 or host copies: unset {clash[0]}")
         return self
@@ -101,12 +92,6 @@ class ParallelConfig(BaseConfig):
     def _mlp_chunks_need_full_ac(self) -> ParallelConfig:
         if self.ac_mlp_chunks and self.ac != "full":
             raise ValueError(f"ac_mlp_chunks needs ac = 'full' (got ac = {self.ac!r})")
-        return self
-
-    @model_validator(mode="after")
-    def _offload_inputs_need_full_ac(self) -> ParallelConfig:
-        if self.ac_offload_inputs and self.ac != "full":
-            raise ValueError(f"ac_offload_inputs needs ac = 'full' (got ac = {self.ac!r})")
         return self
 
     @model_validator(mode="after")

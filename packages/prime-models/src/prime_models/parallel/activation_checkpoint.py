@@ -14,10 +14,8 @@ Modes:
   sequence chunks (`prime_models.layers.chunked_mlp`): the backward peak holds one chunk's MLP intermediates instead
   of all of them, and the layer recompute skips the MLP, so no extra compute. MoE layers ignore it.
   `offload_attention=True` (with keep_attention) moves the kept attention outputs to pinned host memory between
-  forward and backward, copied on a side stream that overlaps compute (`prime_models.parallel.activation_offload`):
-  the GPU then holds at most two layers' kept outputs instead of N, bitwise the same results. `offload_inputs=True`
-  does the same for each layer's input (the residual stream its recompute starts from, which full checkpointing
-  keeps for every layer: `2 * hidden` bytes per token and layer).
+  forward and backward, copied on a side stream that overlaps compute (`prime_models.parallel.attention_offload`):
+  the GPU then holds at most two layers' kept outputs instead of N, bitwise the same results.
 * ``selective``: with `every=k >= 1`, recompute every k-th decoder layer fully (k=2 halves the kept activations);
   with `every=0`, checkpoint every layer under a save-ops policy that keeps the attention kernels' and matmuls'
   outputs and recomputes the cheap rest (norms, rotary embedding, activation functions, residual adds).
@@ -25,7 +23,6 @@ Modes:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from collections.abc import Callable
@@ -45,7 +42,7 @@ from prime_models import kernels
 from prime_models.layers.chunked_mlp import chunk_mlp, skip_chunked_mlp_in_recompute
 from prime_models.layers.flash_attn4 import flash_attn4_varlen  # noqa: F401 (registers the op ATTENTION_OPS names)
 from prime_models.layers.moe import MoE
-from prime_models.parallel.activation_offload import ActivationOffload
+from prime_models.parallel.attention_offload import AttentionOffload
 
 AC_MODES = ("none", "full", "selective")
 
@@ -75,10 +72,8 @@ class LayerCheckpoint:
 
     save_ops: frozenset = frozenset()
     """Ops whose outputs the layer keeps for backward instead of recomputing them."""
-    offload: ActivationOffload | None = None
+    offload: AttentionOffload | None = None
     """Holds the kept attention outputs in host memory (shared by the model's layers), or None."""
-    input_offload: ActivationOffload | None = None
-    """Holds the layer's input in host memory between forward and backward (shared by the model's layers), or None."""
     mlp_chunks: int = 0
     """> 0: the layer's dense MLP runs in this many sequence chunks and the layer's recompute skips it."""
 
@@ -111,11 +106,8 @@ class _Checkpointed:
         # Decoder layers draw random numbers only in LoRA dropout, which CUDA graphs do not serve: under a capture
         # the RNG state is not stashed (reading it there is illegal).
         preserve = not (args and isinstance(args[0], torch.Tensor) and kernels.capturing(args[0]))
-        offload = _APPLIED[self].input_offload
-        hooks = offload.saving_input(args[0]) if offload is not None and args else contextlib.nullcontext()
-        with hooks:
-            return checkpoint(super().forward, *args, use_reentrant=False, context_fn=context_fn,
-                              preserve_rng_state=preserve, **kwargs)  # fmt: skip
+        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=context_fn,
+                          preserve_rng_state=preserve, **kwargs)  # fmt: skip
 
 
 @functools.cache
@@ -134,9 +126,7 @@ def checkpoint_layer(layer: nn.Module, plan: LayerCheckpoint) -> None:
     _APPLIED[layer] = plan
 
 
-def _check(
-    mode: str, every: int, keep_attention: int, mlp_chunks: int, offload_attention: bool, offload_inputs: bool
-) -> None:
+def _check(mode: str, every: int, keep_attention: int, mlp_chunks: int, offload_attention: bool) -> None:
     if mode not in AC_MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; known: {AC_MODES}")
     if every < 0:
@@ -150,18 +140,10 @@ def _check(
             f"offload_attention needs mode 'full' and keep_attention != 0 (it moves the kept attention outputs), "
             f"got mode {mode!r}, keep_attention={keep_attention}"
         )
-    if offload_inputs and mode != "full":
-        raise ValueError(f"offload_inputs needs mode 'full' (it moves what a checkpointed layer keeps), got {mode!r}")
 
 
 def layer_plans(
-    num_layers: int,
-    mode: str,
-    every: int,
-    keep_attention: int,
-    mlp_chunks: int,
-    offload: ActivationOffload | None,
-    input_offload: ActivationOffload | None = None,
+    num_layers: int, mode: str, every: int, keep_attention: int, mlp_chunks: int, offload: AttentionOffload | None
 ) -> list[LayerCheckpoint | None]:
     """Per layer: how to checkpoint it, or None to keep all its activations."""
     if mode == "none":
@@ -178,7 +160,6 @@ def layer_plans(
                 save_ops=ATTENTION_OPS if keep else frozenset(),
                 offload=offload if keep else None,
                 mlp_chunks=mlp_chunks,
-                input_offload=input_offload,
             )
         )
     return plans
@@ -191,18 +172,15 @@ def apply_activation_checkpointing(
     keep_attention: int = 0,
     mlp_chunks: int = 0,
     offload_attention: bool = False,
-    offload_inputs: bool = False,
 ) -> None:
     """Checkpoint the decoder `layers` (a model's `model.model.layers`) in place; see the module docstring."""
-    _check(mode, every, keep_attention, mlp_chunks, offload_attention, offload_inputs)
-    offload = ActivationOffload() if offload_attention or offload_inputs else None
-    plans = layer_plans(
-        len(layers), mode, every, keep_attention, mlp_chunks, offload if offload_attention else None,
-        offload if offload_inputs else None,
-    )  # fmt: skip
-    for layer, plan in zip(layers, plans, strict=True):
+    _check(mode, every, keep_attention, mlp_chunks, offload_attention)
+    offload = AttentionOffload() if offload_attention else None
+    for layer, plan in zip(
+        layers, layer_plans(len(layers), mode, every, keep_attention, mlp_chunks, offload), strict=True
+    ):
         if plan is None:
             continue
         if plan.mlp_chunks and isinstance(getattr(layer, "mlp", None), MoE):
-            plan = LayerCheckpoint(plan.save_ops, plan.offload, input_offload=plan.input_offload)
+            plan = LayerCheckpoint(plan.save_ops, plan.offload)
         checkpoint_layer(layer, plan)

@@ -64,7 +64,6 @@ def parallelize_transformer(
     ac_keep_attention: int = 0,
     ac_mlp_chunks: int = 0,
     ac_offload_attention: bool = False,
-    ac_offload_inputs: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
@@ -83,7 +82,9 @@ def parallelize_transformer(
             must hold the same full weights.
         parallel_dims: validated axis sizes.
         mesh: device meshes from `parallel_dims.build_mesh`; built for the model's device when omitted.
-        ac, ac_*: activation checkpointing's mode and options (`apply_activation_checkpointing`'s of those names).
+        ac, ac_every, ac_keep_attention, ac_mlp_chunks, ac_offload_attention: activation checkpointing mode and its
+            options (`apply_activation_checkpointing`'s mode, every, keep_attention, mlp_chunks, offload_attention;
+            `prime_models.parallel.activation_checkpoint`).
         param_dtype / reduce_dtype: override the default mixed precision (bf16/fp32 on CUDA, fp32/fp32 on CPU).
         cpu_offload: keep sharded params, grads and optimizer state on CPU (`CPUOffloadPolicy`; FSDP2 on one GPU too).
         reshard_after_forward: free gathered params after each layer's forward (ZeRO-3); False keeps them (ZeRO-2).
@@ -102,8 +103,7 @@ def parallelize_transformer(
     if parallel_dims.ep_enabled:
         parallel_dims.validate_experts(getattr(model.args, "num_experts", 0))
         apply_expert_parallel(model, mesh.ep, dispatcher)
-    apply_activation_checkpointing(layers, ac, ac_every, ac_keep_attention, ac_mlp_chunks, ac_offload_attention,
-                                   ac_offload_inputs)  # fmt: skip
+    apply_activation_checkpointing(layers, ac, ac_every, ac_keep_attention, ac_mlp_chunks, ac_offload_attention)
     mp = _mp_policy(device_type, param_dtype, reduce_dtype)
     if not parallel_dims.fsdp_enabled and not (one_rank_fsdp or (cpu_offload and device_type == "cuda")):
         return _one_rank(model, mp.param_dtype, cuda_graphs)

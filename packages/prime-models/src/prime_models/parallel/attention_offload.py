@@ -1,31 +1,26 @@
-"""Host-memory offload of what fully checkpointed layers keep between forward and backward: the attention outputs of
-`keep_attention` layers and, optionally, each layer's input.
+"""Host-memory offload of the attention outputs that fully checkpointed layers keep (`keep_attention`).
 
 With `keep_attention`, a fully checkpointed decoder layer keeps its attention kernel's outputs so that backward's
 recompute skips attention. For SDPA those are the output `[B, N, S, D]` and its fp32 logsumexp: at 64k tokens and
 16 heads x 128 that is 256 MiB per layer, the largest thing a layer holds between its forward and its backward.
-Next is the layer's input, the residual stream its recompute starts from (`[B, S, hidden]`: 128 MiB per layer at 64k
-for Qwen3-0.6B, 3.5 GiB over its 28 layers). `ActivationOffload` moves exactly those tensors to host memory:
+`AttentionOffload` moves exactly those tensors to host memory in between:
 
 * Forward: right after the kernel, its floating-point outputs are copied into pinned host buffers on a side CUDA
   stream ordered after the kernel; the GPU tensors are freed once their copy is done (`record_stream`), while the
-  layer's forward goes on using them. A layer's input is copied when `torch.utils.checkpoint` saves it (a
-  `saved_tensors_hooks` pair around the checkpoint, which sees that one save: the layer's own saves go through the
-  checkpoint's hooks).
-* Backward: when a layer's recompute starts, its own outputs and input (unless already on the way) and those of the
-  layer saved before it (the next one backward reaches) are copied back on the side stream. The recompute waits for
-  its own copies only where it uses them, so the previous layer's copies overlap this layer's recompute and
-  backward, and at most two layers' worth is on the GPU at a time.
+  layer's forward goes on using them.
+* Backward: when a layer's recompute starts, its own outputs (unless already on the way) and those of the layer
+  saved before it (the next one backward reaches) are copied back on the side stream. The recompute waits for its
+  own copy only where it reaches the attention op, so the previous layer's copy overlaps this layer's recompute and
+  backward, and at most two layers' outputs are on the GPU at a time.
 
 Copies move bytes only (same shapes, strides and dtypes), so losses and gradients are bitwise those without
 offload. Host buffers are pooled by shape and reused across steps; one side stream carries both directions, which
 orders every reuse of a buffer after its previous copy without host synchronization. CPU tensors take the same path
 with plain copies into separate host buffers (how the tests exercise it).
 
-The attention hook is `torch.utils.checkpoint`'s `context_fn`: `checkpoint_contexts(ops)` returns the forward and
-recompute contexts, two `TorchDispatchMode`s that play the part of `create_selective_checkpoint_contexts` with
-`MUST_SAVE` for `ops` and `PREFER_RECOMPUTE` for everything else, but keep the saved outputs in host memory. The
-input hook is `saving_input(hidden)`.
+The hook is `torch.utils.checkpoint`'s `context_fn`: `checkpoint_contexts(ops)` returns the forward and recompute
+contexts, two `TorchDispatchMode`s that play the part of `create_selective_checkpoint_contexts` with `MUST_SAVE` for
+`ops` and `PREFER_RECOMPUTE` for everything else, but keep the saved outputs in host memory.
 """
 
 from __future__ import annotations
@@ -47,7 +42,7 @@ def _offloaded(x: Any) -> bool:
 class _Call:
     """The outputs of one call of a saved op: leaves kept as they are, plus host copies of the offloaded ones."""
 
-    def __init__(self, out: Any, offload: ActivationOffload):
+    def __init__(self, out: Any, offload: AttentionOffload):
         leaves, self.spec = tree_flatten(out)
         self.device: torch.device | None = None
         self.host: dict[int, torch.Tensor] = {}
@@ -62,7 +57,7 @@ class _Call:
         self.fetched: dict[int, torch.Tensor] | None = None
         self.ready: torch.cuda.Event | None = None
 
-    def fetch(self, offload: ActivationOffload) -> None:
+    def fetch(self, offload: AttentionOffload) -> None:
         if self.fetched is None:
             self.fetched, self.ready = offload.to_device(self.host, self.device)
             self.host = {}
@@ -77,7 +72,7 @@ class _Call:
 class _SavedRegion:
     """The offloaded op outputs of one checkpointed region (one layer's forward), in call order."""
 
-    def __init__(self, offload: ActivationOffload, previous: weakref.ref[_SavedRegion] | None):
+    def __init__(self, offload: AttentionOffload, previous: weakref.ref[_SavedRegion] | None):
         self.offload = offload
         self.previous = previous
         self.calls: list[_Call | None] = []
@@ -151,36 +146,8 @@ class _RestoringMode(_RegionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _SavedInput:
-    """One checkpointed layer's input in host memory, linked to the input saved before it (backward's next)."""
-
-    def __init__(self, hidden: torch.Tensor, offload: ActivationOffload, previous: weakref.ref[_SavedInput] | None):
-        self.call: _Call | None = _Call(hidden, offload)
-        self.offload, self.previous = offload, previous
-
-    def fetch(self) -> None:
-        if self.call is not None:
-            self.call.fetch(self.offload)
-
-    def restore(self) -> torch.Tensor:
-        if self.call is None:
-            raise RuntimeError("a checkpointed layer's offloaded input can be restored once (one backward per forward)")
-        call, self.call = self.call, None  # the restored tensor belongs to the recompute from now on
-        call.fetch(self.offload)
-        previous = self.previous() if self.previous is not None else None
-        if previous is not None:
-            previous.fetch()
-        return call.outputs()
-
-    def __del__(self) -> None:
-        # A forward whose backward never ran: its host buffer goes back to the pool.
-        if self.call is not None and self.call.host:
-            self.offload.release(self.call.host.values(), self.call.device)
-
-
-class ActivationOffload:
-    """Keeps the outputs of the saved ops of checkpointed layers, and their inputs, in host memory between forward
-    and backward.
+class AttentionOffload:
+    """Keeps the outputs of the saved ops of checkpointed layers in host memory between forward and backward.
 
     One instance is shared by all the layers of a model: it owns the host buffer pool and the side stream, and
     links each layer's saved region to the one saved before it, which backward reaches next (the prefetch target).
@@ -190,24 +157,6 @@ class ActivationOffload:
         self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._latest: weakref.ref[_SavedRegion] | None = None
-        self._latest_input: weakref.ref[_SavedInput] | None = None
-
-    def saving_input(self, hidden: torch.Tensor) -> torch.autograd.graph.saved_tensors_hooks:
-        """Hooks to hold around one `torch.utils.checkpoint` call: its save of ``hidden`` (the layer's input) goes to
-        host memory and comes back when the layer's recompute starts, with the previous layer's prefetched. Other
-        saves pass through (the rotary tables every layer shares, the checkpoint's placeholder)."""
-
-        def pack(t: torch.Tensor) -> Any:
-            if t is not hidden or not _offloaded(t):
-                return t
-            saved = _SavedInput(t, self, self._latest_input)
-            self._latest_input = weakref.ref(saved)
-            return saved
-
-        def unpack(saved: Any) -> torch.Tensor:
-            return saved.restore() if isinstance(saved, _SavedInput) else saved
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def checkpoint_contexts(self, ops: set) -> tuple[TorchDispatchMode, TorchDispatchMode]:
         """A `torch.utils.checkpoint` `context_fn` result: forward offloads the outputs of `ops`, the recompute

@@ -1,5 +1,4 @@
-"""Host offload of the kept attention outputs and of the layers' inputs under full activation checkpointing: bitwise
-the same training step."""
+"""Host offload of the kept attention outputs under full activation checkpointing: bitwise the same training step."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import torch
 from prime_core.config.trainer import ParallelConfig
 from prime_models import apply_activation_checkpointing, load_model
 from prime_models.parallel.activation_checkpoint import layer_checkpoint
-from prime_models.parallel.activation_offload import ActivationOffload
+from prime_models.parallel.attention_offload import AttentionOffload
 from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -50,30 +49,28 @@ def _step(model, ids, positions=None) -> tuple[torch.Tensor, dict[str, torch.Ten
     return loss.detach(), grads
 
 
-def _offload_of(model) -> ActivationOffload:
+def _offload_of(model) -> AttentionOffload:
     return next(layer_checkpoint(layer).offload for layer in model.model.layers if layer_checkpoint(layer).offload)
 
 
-def _pooled(offload: ActivationOffload) -> list[torch.Tensor]:
+def _pooled(offload: AttentionOffload) -> list[torch.Tensor]:
     return [buf for bufs in offload._pool.values() for buf in bufs]
 
 
 @pytest.mark.parametrize(
-    "model_type,keep_attention,mlp_chunks,packed,inputs",
-    [("qwen3", -1, 0, False, False), ("qwen3", 1, 0, False, False), ("qwen3", -1, 3, False, False),
-     ("qwen3", 2, 0, True, False), ("qwen3_moe", -1, 0, False, False), ("qwen3", -1, 0, False, True),
-     ("qwen3", 1, 3, True, True), ("qwen3", 0, 0, False, True), ("qwen3_moe", 0, 2, False, True)],
+    "model_type,keep_attention,mlp_chunks,packed",
+    [("qwen3", -1, 0, False), ("qwen3", 1, 0, False), ("qwen3", -1, 3, False), ("qwen3", 2, 0, True),
+     ("qwen3_moe", -1, 0, False)],
 )  # fmt: skip
-def test_offload_is_bitwise_identical(model_type, keep_attention, mlp_chunks, packed, inputs):
+def test_offload_is_bitwise_identical(model_type, keep_attention, mlp_chunks, packed):
     cfg = tiny_config(model_type, num_hidden_layers=3)
     ids, positions = _ids(), _packed_positions() if packed else None
     results, runs = {}, {}
     for offload in (False, True):
         model = load_model(cfg, seed=0)
         apply_activation_checkpointing(
-            model.model.layers, "full", keep_attention=keep_attention, mlp_chunks=mlp_chunks,
-            offload_attention=offload and keep_attention != 0, offload_inputs=offload and inputs,
-        )  # fmt: skip
+            model.model.layers, "full", keep_attention=keep_attention, mlp_chunks=mlp_chunks, offload_attention=offload
+        )
         with _CountAttention() as counter:
             results[offload] = _step(model, ids, positions)
         runs[offload] = counter.runs
@@ -126,70 +123,6 @@ def test_forward_without_backward_returns_buffers():
     assert len(_pooled(offload)) == 2 * 2
 
 
-def _input_offload_of(model) -> ActivationOffload:
-    return layer_checkpoint(model.model.layers[0]).input_offload
-
-
-def test_offloaded_inputs_live_on_host_between_forward_and_backward_and_reuse_buffers():
-    cfg = tiny_config("qwen3", num_hidden_layers=3)
-    model = load_model(cfg, seed=0)
-    apply_activation_checkpointing(model.model.layers, "full", keep_attention=-1, offload_attention=True,
-                                   offload_inputs=True)  # fmt: skip
-    offload = _input_offload_of(model)
-    assert all(layer_checkpoint(layer).input_offload is offload is layer_checkpoint(layer).offload
-               for layer in model.model.layers)  # fmt: skip
-    ids = _ids()
-
-    def saved_layer_inputs(model) -> tuple[int, int, torch.Tensor]:
-        """(layers run, layer inputs the autograd graph holds as they are, the step's log-probs)."""
-        inputs, saved = [], []
-        hooks = [
-            layer.register_forward_pre_hook(lambda m, args: inputs.append(args[0])) for layer in model.model.layers
-        ]
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            logprobs, _ = model(ids[:, :-1], targets=ids[:, 1:])
-        for hook in hooks:
-            hook.remove()
-        return len(inputs), sum(any(t is x for t in saved) for x in inputs), logprobs
-
-    # Checkpointing alone keeps every layer's input; with the offload none stays in the graph.
-    kept_model = load_model(cfg, seed=0)
-    apply_activation_checkpointing(kept_model.model.layers, "full", keep_attention=-1, offload_attention=True)
-    assert saved_layer_inputs(kept_model)[:2] == (3, 3)
-    layers, kept, logprobs = saved_layer_inputs(model)
-    assert (layers, kept) == (3, 0)
-    hidden = (BATCH, SEQ - 1, cfg.hidden_size)
-    assert _pooled(offload) == []
-    (-logprobs.mean()).backward()
-    buffers = _pooled(offload)
-    # Per layer: the kept attention output and logsumexp, and the input.
-    assert sorted(tuple(b.shape) for b in buffers).count(hidden) == cfg.num_hidden_layers
-    assert len(buffers) == 3 * cfg.num_hidden_layers
-    pointers = sorted(b.data_ptr() for b in buffers)
-    model.zero_grad(set_to_none=True)
-    _step(model, ids)
-    assert sorted(b.data_ptr() for b in _pooled(offload)) == pointers
-
-
-def test_offloaded_inputs_of_a_forward_without_backward_go_back_to_the_pool():
-    model = load_model(tiny_config("qwen3"), seed=0)
-    apply_activation_checkpointing(model.model.layers, "full", offload_inputs=True)
-    offload = _input_offload_of(model)
-    ids = _ids()
-    logprobs, entropy = model(ids[:, :-1], targets=ids[:, 1:])
-    assert _pooled(offload) == []
-    del logprobs, entropy
-    assert len(_pooled(offload)) == 2
-    _step(model, ids)
-    assert len(_pooled(offload)) == 2
-
-
-def test_offloaded_inputs_need_full_checkpointing():
-    model = load_model(tiny_config("qwen3"), seed=0)
-    with pytest.raises(ValueError, match="offload_inputs needs mode 'full'"):
-        apply_activation_checkpointing(model.model.layers, "selective", offload_inputs=True)
-
-
 def test_second_backward_is_an_error():
     model = load_model(tiny_config("qwen3"), seed=0)
     apply_activation_checkpointing(model.model.layers, "full", keep_attention=-1, offload_attention=True)
@@ -236,25 +169,17 @@ def _gpu_step_stats(model, ids, steps: int = 3) -> tuple[float, float, torch.Ten
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_offload_lowers_peak_with_the_same_step():
     """bf16, Qwen3-0.6B's layer shape, 8 layers of one 64k row, every layer keeping attention: the kept outputs (260
-    MiB per layer), then the layers' inputs too (128 MiB each), leave the GPU, and the step is bitwise the same as far
-    as the kernels are deterministic."""
+    MiB per layer) leave the GPU, and the step is bitwise the same as far as the kernels are deterministic."""
     seq, layers = 65536, 8
     cfg = tiny_config("qwen3", hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
                       head_dim=128, num_hidden_layers=layers, max_position_embeddings=seq + 1)  # fmt: skip
     ids = torch.randint(0, VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(0)).cuda()
     stats = {}
-    runs = (
-        ("kept", False, False),
-        ("kept again", False, False),
-        ("offloaded", True, False),
-        ("inputs too", True, True),
-    )
-    for name, offload, inputs in runs:
+    for name, offload in (("kept", False), ("kept again", False), ("offloaded", True)):
         model = load_model(cfg, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
         apply_activation_checkpointing(
-            model.model.layers, "full", keep_attention=-1, mlp_chunks=4, offload_attention=offload,
-            offload_inputs=inputs,
-        )  # fmt: skip
+            model.model.layers, "full", keep_attention=-1, mlp_chunks=4, offload_attention=offload
+        )
         stats[name] = _gpu_step_stats(model, ids)
         del model
         torch.cuda.empty_cache()
@@ -274,10 +199,3 @@ def test_gpu_offload_lowers_peak_with_the_same_step():
     assert diff <= 2 * noise  # 0 when the attention backward is deterministic
     # At most two layers' outputs are on the GPU at once (the one in backward and the prefetched one).
     assert peak - off_peak > 0.5 * (layers - 2) * per_layer
-    # The layers' inputs (128 MiB each) leave too, bitwise the same.
-    in_peak, in_seconds, in_loss, in_grads = stats["inputs too"]
-    per_input = seq * 1024 * 2 / 2**20
-    print(f"inputs offloaded too: peak {in_peak:.0f} MiB, step {in_seconds * 1e3:.0f} ms ({seq / in_seconds:.0f} "
-          f"tok/s); max grad diff {max_diff(grads, in_grads):.1e}")  # fmt: skip
-    assert torch.equal(loss, in_loss) and max_diff(grads, in_grads) <= 2 * noise
-    assert off_peak - in_peak > 0.5 * (layers - 2) * per_input
