@@ -7,8 +7,10 @@ import math
 from typing import Any
 
 import numpy as np
+from prime_core.schemas.rollout import RolloutResult
 
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args
+from prime_orchestrator.liveness import not_finite
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -55,7 +57,8 @@ async def evaluate_env(
     semaphore: asyncio.Semaphore | None = None,
     track: Any = None,
 ) -> tuple[dict[str, Any], list[dict]]:
-    """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0.
+    """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0, and so
+    does one whose reward or a metric is not finite (it counts as failed).
     ``track(rollout)`` awaits each one (the orchestrator's ``evals`` lane of its progress file)."""
     semaphore = semaphore or asyncio.Semaphore(64)
 
@@ -68,7 +71,7 @@ async def evaluate_env(
                 model=model,
                 sampling=sampling_args(sampling, seed=request_seed(seed, -2, index)),
             )
-            return await (track(rollout) if track is not None else rollout)
+            return _finite(await (track(rollout) if track is not None else rollout))
 
     count = min(num_examples, runner.num_examples) if runner.num_examples else num_examples
     examples = list(range(count))
@@ -86,6 +89,14 @@ async def evaluate_env(
     summary["failed"] = sum(r.failed for r in results)
     summary["num_turns/mean"] = float(np.mean([r.num_turns for r in results]))
     return summary, rows
+
+
+def _finite(result: RolloutResult) -> RolloutResult:
+    """A rollout whose reward or a metric is not finite fails (scores 0), as in training: one NaN made the whole
+    environment's mean NaN, and its rows non-standard JSON. Its text stays, to show what was scored."""
+    if result.failed or (error := not_finite(result)) is None:
+        return result
+    return result.model_copy(update={"failed": True, "error": error, "reward": 0.0, "metrics": {}, "traces": []})
 
 
 async def evaluate_envs(runners: dict[str, EnvRunner], **kwargs: Any) -> dict[str, dict[str, Any]]:
