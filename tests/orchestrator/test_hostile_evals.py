@@ -59,3 +59,60 @@ def test_a_non_finite_metric_fails_its_rollout_and_leaves_the_rows_standard_json
     assert summary["reward/mean"] == 0.5 and summary["failed"] == 1
     assert "acc = -inf" in rows[1]["error"]
     json.dumps({"summary": summary, "rollouts": rows}, allow_nan=False)
+
+
+def _stub_envs(monkeypatch, evaluate=None):
+    """The env servers and the inference server's health are stood in for; weight swaps go to the real client."""
+    from prime_orchestrator import eval_runner
+
+    class Runner:
+        def __init__(self, env, spec, max_retries):
+            self.spec = spec
+
+        async def start(self):
+            pass
+
+        async def close(self):
+            pass
+
+    async def nothing(*args, **kwargs):
+        pass
+
+    async def scored(runner, **kwargs):
+        summary = {"reward/mean": 0.5, "reward/std": 0.5, "num_examples": 2, "rollouts_per_example": 1, "failed": 0}
+        return summary, [{"example": i, "failed": False, "reward": float(i), "error": None} for i in range(2)]
+
+    monkeypatch.setattr(eval_runner, "EnvRunner", Runner)
+    monkeypatch.setattr(eval_runner, "evaluate_env", evaluate or scored)
+    monkeypatch.setattr(eval_runner.inference, "wait_healthy", nothing)
+    monkeypatch.setattr(eval_runner.inference, "reload_weights", nothing)
+
+
+def test_a_server_that_dies_before_a_checkpoint_loads_is_one_line_and_keeps_the_scores_so_far(
+    tmp_path, monkeypatch, capsys
+):
+    """The server answered for ``base``, then died: loading ``step_1`` fails. It was a traceback (WeightUpdateError),
+    and results.json/results.txt, written only at the end, never held the base scores."""
+    import pytest
+    from prime_orchestrator.entrypoints.eval import main
+
+    from tests.orchestrator.test_eval_cli import MODEL
+    from tests.tiny import free_port
+
+    _stub_envs(monkeypatch)
+    (tmp_path / "weights" / "step_1").mkdir(parents=True)
+    dead = f"http://127.0.0.1:{free_port()}"
+    args = ["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path / "out")]
+    args += ["--weights-dir", str(tmp_path / "weights"), "--steps", "1", "--client.base-url", dead]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--client.max-retries", "0"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: inference server {dead} failed to load weights step 1"), line
+    assert "step_1" in line and "base" in line  # what was not scored, and what was
+    out = tmp_path / "out" / "eval"
+    assert json.loads((out / "results.json").read_text()) == {"base": {"reverse-text": json.loads(
+        (out / "base" / "reverse-text.json").read_text())["summary"]}}  # fmt: skip
+    assert "step_1" not in (out / "results.txt").read_text() and "base" in (out / "results.txt").read_text()

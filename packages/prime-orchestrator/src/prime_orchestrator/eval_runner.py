@@ -42,7 +42,10 @@ async def _load(config: EvalConfig, label: str, step: int | None) -> None:
     c, key = config.client, config.client.resolved_api_key()
     timeout, retries = c.update_weights_timeout, c.max_retries
     if step is None:
-        await inference.reload_weights(c.base_urls, api_key=key, timeout=timeout, retries=retries)
+        try:
+            await inference.reload_weights(c.base_urls, api_key=key, timeout=timeout, retries=retries)
+        except RuntimeError as e:
+            raise inference.WeightUpdateError(f"restoring the base weights failed: {e}") from None
     else:
         weight_dir = str(Path(config.weights_dir) / f"step_{step}")
         # Saved weights: what the directory holds, never a broadcast it once announced to a training run's servers.
@@ -73,8 +76,13 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
         for label, step in labels:
             # An OpenAI server of someone else's (use_chat) has no admin routes unless checkpoints are swept.
             if step is not None or c.steps or not c.use_chat:
-                await _load(c, label, step)
-            results[label] = {}
+                try:
+                    await _load(c, label, step)
+                except inference.WeightUpdateError as e:  # the server died or refuses: what was scored is kept
+                    left = [name for name, _ in labels[labels.index((label, step)) :]]
+                    done = f"; scored: {', '.join(results)} ({out_dir / 'results.json'})" if results else ""
+                    raise inference.WeightUpdateError(f"{e}; not scored: {', '.join(left)}{done}") from None
+            scores: dict[str, dict[str, Any]] = {}
             for name, runner in runners.items():
                 summary, rows = await evaluate_env(
                     runner,
@@ -86,18 +94,20 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
                     seed=c.seed,
                     semaphore=semaphore,
                 )
-                results[label][name] = summary
+                scores[name] = summary
                 atomic_write_json(out_dir / label / f"{name}.json", {"summary": summary, "rollouts": rows})
                 if rows and all(r["failed"] for r in rows):
                     dead.setdefault(
                         name, f"env {name} ({label}): all {len(rows)} rollouts failed, e.g. {rows[0]['error']}"
                     )
                 logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
+            results[label] = scores  # only weights with every env scored: results.json never holds half of one
     finally:
         await asyncio.gather(*(r.close() for r in runners.values()), semaphore.aclose(), return_exceptions=True)
-    atomic_write_json(out_dir / "results.json", results)
-    table = format_table(results)
-    atomic_write_text(out_dir / "results.txt", table + "\n")
+        # Also when the eval stops early: the scores so far, never an earlier eval's results left in this directory.
+        atomic_write_json(out_dir / "results.json", results)
+        table = format_table(results)
+        atomic_write_text(out_dir / "results.txt", table + "\n")
     print(table, flush=True)
     if dead:  # a reward of 0 that measures nothing (a package the taskset imports per rollout is missing)
         raise RolloutsFailed(next(iter(dead.values())))

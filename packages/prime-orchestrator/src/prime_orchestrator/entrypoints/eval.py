@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from prime_core.logging import setup_logging
 
-    from prime_orchestrator.client import ServerUnreachable
+    from prime_orchestrator.client import ServerUnreachable, WeightUpdateError
     from prime_orchestrator.env_server import EnvServerFailed
     from prime_orchestrator.envs import TasksetError
     from prime_orchestrator.eval_runner import run_eval
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     except TasksetError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except (RolloutsFailed, EnvServerFailed) as e:
+    except (RolloutsFailed, EnvServerFailed, WeightUpdateError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
