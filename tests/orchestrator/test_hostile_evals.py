@@ -116,3 +116,27 @@ def test_a_server_that_dies_before_a_checkpoint_loads_is_one_line_and_keeps_the_
     assert json.loads((out / "results.json").read_text()) == {"base": {"reverse-text": json.loads(
         (out / "base" / "reverse-text.json").read_text())["summary"]}}  # fmt: skip
     assert "step_1" not in (out / "results.txt").read_text() and "base" in (out / "results.txt").read_text()
+
+
+def test_rollouts_that_failed_mid_eval_show_in_the_table_and_a_warning(tmp_path, monkeypatch, caplog):
+    """The server died halfway: half the rollouts failed and scored 0. The table showed only the halved mean."""
+    from prime_orchestrator.entrypoints.eval import main
+
+    from tests.orchestrator.test_eval_cli import MODEL
+
+    async def half_failed(runner, **kwargs):
+        rows = [{"example": 0, "failed": False, "reward": 1.0, "error": None},
+                {"example": 1, "failed": True, "reward": 0.0, "error": "ConnectError: All connection attempts failed"}]  # fmt: skip
+        summary = {"reward/mean": 0.5, "reward/std": 0.5, "num_examples": 2, "rollouts_per_example": 1, "failed": 1}
+        return summary, rows
+
+    _stub_envs(monkeypatch, half_failed)
+    main(["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path)])
+    header, _, row = (tmp_path / "eval" / "results.txt").read_text().splitlines()
+    assert header.split()[:4] == ["weights", "env", "n", "failed"] and row.split()[:4] == [
+        "base",
+        "reverse-text",
+        "2",
+        "1",
+    ]
+    assert "env reverse-text (base): 1 of 2 rollouts failed (scored 0), e.g. ConnectError" in caplog.text

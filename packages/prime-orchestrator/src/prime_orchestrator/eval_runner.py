@@ -96,9 +96,15 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
                 )
                 scores[name] = summary
                 atomic_write_json(out_dir / label / f"{name}.json", {"summary": summary, "rollouts": rows})
-                if rows and all(r["failed"] for r in rows):
+                failed = [r for r in rows if r["failed"]]
+                if rows and len(failed) == len(rows):
                     dead.setdefault(
                         name, f"env {name} ({label}): all {len(rows)} rollouts failed, e.g. {rows[0]['error']}"
+                    )
+                elif failed:
+                    logger.warning(
+                        "env %s (%s): %d of %d rollouts failed (scored 0), e.g. %s",
+                        *(name, label, len(failed), len(rows), failed[0]["error"]),
                     )
                 logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
             results[label] = scores  # only weights with every env scored: results.json never holds half of one

@@ -110,7 +110,8 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     for per_env in results.values():
         for s in per_env.values():
             keys += [k for k in s if k.startswith("pass@") and k not in keys]
-    header = ["weights", "env", "n", *keys]
+    # failed: rollouts that scored 0 without measuring the model (a server that died mid-eval), within the mean.
+    header = ["weights", "env", "n", "failed", *keys]
     lines = [header]
     for label, per_env in results.items():
         for env, s in per_env.items():
@@ -119,6 +120,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                     label,
                     env,
                     str(s["num_examples"] * s["rollouts_per_example"]),
+                    str(s.get("failed", "-")),
                     *[f"{s[k]:.4f}" if k in s else "-" for k in keys],
                 ]
             )
