@@ -87,8 +87,13 @@ class WandbMonitor:
     ):
         try:
             import wandb
-        except ImportError as e:
-            raise ImportError("W&B logging needs wandb: pip install 'prime-core[wandb]'") from e
+        except Exception as e:  # missing, or its own import failing (a protobuf or pydantic it does not support)
+            missing = isinstance(e, ModuleNotFoundError) and e.name == "wandb"
+            why = "is not installed" if missing else f"does not import ({type(e).__name__}: {_first_line(e)})"
+            raise MonitorUnavailable(
+                f"monitor.wandb.enabled is set but wandb {why}: pip install 'prime-core[wandb]', or set "
+                "monitor.wandb.enabled = false"
+            ) from None
         name = f"{config.name}-{process}" if config.name else None
         self._dir, self._failed = dir, False
         try:
