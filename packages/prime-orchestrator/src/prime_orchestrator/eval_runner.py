@@ -55,6 +55,20 @@ async def _load(config: EvalConfig, label: str, step: int | None) -> None:
     logger.info("scoring %s", label)
 
 
+def _check_failed(name: str, label: str, rows: list[dict]) -> str | None:
+    """Why an env measured nothing (every rollout failed), or None; some failed (a server that died mid-eval, their
+    zeros in the mean) is a warning naming the first error."""
+    failed = [r for r in rows if r["failed"]]
+    if rows and len(failed) == len(rows):
+        return f"env {name} ({label}): all {len(rows)} rollouts failed, e.g. {rows[0]['error']}"
+    if failed:
+        logger.warning(
+            "env %s (%s): %d of %d rollouts failed (scored 0), e.g. %s",
+            *(name, label, len(failed), len(rows), failed[0]["error"]),
+        )
+    return None
+
+
 async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     c = config
     key = c.client.resolved_api_key()
@@ -96,16 +110,8 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
                 )
                 scores[name] = summary
                 atomic_write_json(out_dir / label / f"{name}.json", {"summary": summary, "rollouts": rows})
-                failed = [r for r in rows if r["failed"]]
-                if rows and len(failed) == len(rows):
-                    dead.setdefault(
-                        name, f"env {name} ({label}): all {len(rows)} rollouts failed, e.g. {rows[0]['error']}"
-                    )
-                elif failed:
-                    logger.warning(
-                        "env %s (%s): %d of %d rollouts failed (scored 0), e.g. %s",
-                        *(name, label, len(failed), len(rows), failed[0]["error"]),
-                    )
+                if reason := _check_failed(name, label, rows):
+                    dead.setdefault(name, reason)
                 logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
             results[label] = scores  # only weights with every env scored: results.json never holds half of one
     finally:
