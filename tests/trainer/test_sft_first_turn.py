@@ -36,3 +36,10 @@ def test_an_opening_assistant_message_trains_its_text_only(tokenizer):
 def test_a_row_with_an_empty_prompt_trains_the_completion_only(tokenizer):
     (sample,) = build_samples([{"prompt": [], "completion": "olleh"}], tokenizer, LossMaskConfig(), 64)
     assert _trained(tokenizer, sample.input_ids.tolist(), sample.loss_mask.tolist()) == "olleh<|im_end|>\n"
+
+
+def test_a_role_named_like_a_config_method_is_never_trained(tokenizer):
+    """``getattr(loss_mask, role)`` found pydantic's methods: roles `json`, `copy`, `dict`, `schema` were trained."""
+    chat = [{"role": "user", "content": "abc"}, {"role": "json", "content": "x"}, {"role": "assistant", "content": "y"}]
+    ids, mask = tokenize_conversation(tokenizer, chat, None, LossMaskConfig())
+    assert _trained(tokenizer, ids, mask) == "y<|im_end|>\n"

@@ -126,6 +126,11 @@ def _opening_header_end(tokenizer, tools, text: str) -> int:
     return at + len(header) if at >= 0 else 0
 
 
+def _trains(roles: LossMaskConfig, role: str) -> bool:
+    # Only the config's role fields: getattr alone found pydantic's methods (roles `json`, `copy` were trained).
+    return role in TRAINABLE_ROLES and bool(getattr(roles, role))
+
+
 def tokenize_conversation(
     tokenizer,
     messages: list[dict],
@@ -169,7 +174,7 @@ def _tokenize(
             )
         role = message.get("role", "")
         # OpenAI's fine-tuning format: `weight: 0` keeps a message out of the loss.
-        trained = bool(getattr(roles, role, False)) and message.get("weight", 1) != 0
+        trained = _trains(roles, role) and message.get("weight", 1) != 0
         start = len(prev)
         if role == "assistant":
             start = _header_end(tokenizer, messages, k, tools, where, prev, text)
@@ -271,7 +276,7 @@ def build_samples(
         if len(mask):
             mask[0] = False
         if not mask.any():
-            has_trained_role = any(getattr(roles, m["role"], False) and m.get("weight", 1) != 0 for m in messages)
+            has_trained_role = any(_trains(roles, m["role"]) and m.get("weight", 1) != 0 for m in messages)
             dropped.setdefault(_drop_cause(trained_beyond, was_cut, has_trained_role, seq_len), [0, where])[0] += 1
             continue
         samples.append(with_images(Sample(ids, mask), images, grids, vision))
