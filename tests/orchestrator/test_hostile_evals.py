@@ -140,3 +140,30 @@ def test_rollouts_that_failed_mid_eval_show_in_the_table_and_a_warning(tmp_path,
         "1",
     ]
     assert "env reverse-text (base): 1 of 2 rollouts failed (scored 0), e.g. ConnectError" in caplog.text
+
+
+def test_a_full_disk_under_the_results_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """The output directory filled up mid-eval: a traceback (OSError from atomic_write_json)."""
+    import errno
+    import os
+
+    import pytest
+    from prime_orchestrator import eval_runner
+    from prime_orchestrator.entrypoints.eval import main
+
+    from tests.orchestrator.test_eval_cli import MODEL
+
+    def full(path, obj, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path) + ".tmp")
+
+    _stub_envs(monkeypatch)
+    monkeypatch.setattr(eval_runner, "atomic_write_json", full)
+    with pytest.raises(SystemExit) as e:
+        main(["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path)])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert (
+        line == f"error: No space left on device (errno 28 ENOSPC) writing {tmp_path}/eval/base/reverse-text.json.tmp"
+    )

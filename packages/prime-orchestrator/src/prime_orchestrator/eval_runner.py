@@ -55,6 +55,26 @@ async def _load(config: EvalConfig, label: str, step: int | None) -> None:
     logger.info("scoring %s", label)
 
 
+async def _load_or_stop(
+    c: EvalConfig, labels: list, this: tuple[str, int | None], results: dict, out_dir: Path
+) -> None:
+    """``_load``; weights that do not load (the server died or refuses them) stop the eval in one line naming the
+    weights not scored and those that were (kept in results.json)."""
+    try:
+        await _load(c, *this)
+    except inference.WeightUpdateError as e:
+        left = [name for name, _ in labels[labels.index(this) :]]
+        done = f"; scored: {', '.join(results)} ({out_dir / 'results.json'})" if results else ""
+        raise inference.WeightUpdateError(f"{e}; not scored: {', '.join(left)}{done}") from None
+
+
+def _write_results(out_dir: Path, results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    atomic_write_json(out_dir / "results.json", results)
+    table = format_table(results)
+    atomic_write_text(out_dir / "results.txt", table + "\n")
+    return table
+
+
 def _check_failed(name: str, label: str, rows: list[dict]) -> str | None:
     """Why an env measured nothing (every rollout failed), or None; some failed (a server that died mid-eval, their
     zeros in the mean) is a warning naming the first error."""
@@ -85,17 +105,13 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     out_dir = Path(c.output_dir) / "eval"
     semaphore = ConcurrencyLimiter.from_config(c.client)
     client_for = client_factory(c)
+    stopped: BaseException | None = None
     try:
         await asyncio.gather(*(r.start() for r in runners.values()))
         for label, step in labels:
             # An OpenAI server of someone else's (use_chat) has no admin routes unless checkpoints are swept.
             if step is not None or c.steps or not c.use_chat:
-                try:
-                    await _load(c, label, step)
-                except inference.WeightUpdateError as e:  # the server died or refuses: what was scored is kept
-                    left = [name for name, _ in labels[labels.index((label, step)) :]]
-                    done = f"; scored: {', '.join(results)} ({out_dir / 'results.json'})" if results else ""
-                    raise inference.WeightUpdateError(f"{e}; not scored: {', '.join(left)}{done}") from None
+                await _load_or_stop(c, labels, (label, step), results, out_dir)
             scores: dict[str, dict[str, Any]] = {}
             for name, runner in runners.items():
                 summary, rows = await evaluate_env(
@@ -114,12 +130,18 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
                     dead.setdefault(name, reason)
                 logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
             results[label] = scores  # only weights with every env scored: results.json never holds half of one
+    except BaseException as e:
+        stopped = e
+        raise
     finally:
         await asyncio.gather(*(r.close() for r in runners.values()), semaphore.aclose(), return_exceptions=True)
         # Also when the eval stops early: the scores so far, never an earlier eval's results left in this directory.
-        atomic_write_json(out_dir / "results.json", results)
-        table = format_table(results)
-        atomic_write_text(out_dir / "results.txt", table + "\n")
+        try:
+            table = _write_results(out_dir, results)
+        except OSError as e:
+            if stopped is None:
+                raise
+            logger.warning("results of the weights scored so far not written: %s", e)  # what stopped the eval wins
     print(table, flush=True)
     if dead:  # a reward of 0 that measures nothing (a package the taskset imports per rollout is missing)
         raise RolloutsFailed(next(iter(dead.values())))

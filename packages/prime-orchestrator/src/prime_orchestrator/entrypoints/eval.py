@@ -45,6 +45,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as e:
+        # A full disk under the results: one line naming errno and file instead of a traceback.
+        from prime_core.io import storage_error, storage_error_line
+
+        if (found := storage_error(e)) is None:
+            raise
+        print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def _check_env_settings(config: Any) -> None:
