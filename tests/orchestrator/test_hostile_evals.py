@@ -164,6 +164,34 @@ def test_a_full_disk_under_the_results_is_one_line_naming_the_file(tmp_path, mon
     err = capsys.readouterr().err
     assert "Traceback" not in err
     (line,) = err.strip().splitlines()
-    assert (
-        line == f"error: No space left on device (errno 28 ENOSPC) writing {tmp_path}/eval/base/reverse-text.json.tmp"
-    )
+    assert line == f"error: No space left on device (errno 28 ENOSPC) writing {tmp_path}/eval/base/weights.json.tmp"
+
+
+def test_an_eval_of_other_weights_into_the_same_directory_is_refused_before_it_overwrites(
+    tmp_path, monkeypatch, capsys
+):
+    """Two evals of different models with the default --output-dir: the second silently overwrote the first's
+    eval/base/<env>.json and results.json. It is one line naming the directory and both, exit 2, nothing touched; the
+    same weights again (a re-run) still overwrite."""
+    import shutil
+
+    import pytest
+    from prime_orchestrator.entrypoints.eval import main
+
+    from tests.orchestrator.test_eval_cli import MODEL
+
+    _stub_envs(monkeypatch)
+    other = tmp_path / "other-model"
+    shutil.copytree(MODEL, other)
+    out = tmp_path / "out"
+    args = ["--environment-ids", "reverse-text", "--output-dir", str(out)]
+    main(["--model.name", str(MODEL), *args])
+    first = (out / "eval" / "base" / "reverse-text.json").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["--model.name", str(other), *args])
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {out / 'eval' / 'base'} holds the eval of model {MODEL}, not model {other}"), line
+    assert "--output-dir" in line
+    assert (out / "eval" / "base" / "reverse-text.json").read_text() == first
+    main(["--model.name", str(MODEL), *args])  # the same weights again: a re-run

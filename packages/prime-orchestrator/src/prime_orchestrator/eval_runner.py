@@ -7,12 +7,14 @@ Each environment runs in verifiers' env server (as in training); the base weight
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from prime_core.config import ConfigError
 from prime_core.config.orchestrator import EvalConfig
-from prime_core.io import atomic_write_json, atomic_write_text
+from prime_core.io import SMALL_JSON_BYTES, UnreadableFile, atomic_write_json, atomic_write_text, read_regular
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.concurrency import ConcurrencyLimiter
@@ -53,6 +55,41 @@ async def _load(config: EvalConfig, label: str, step: int | None) -> None:
             c.base_urls, weight_dir, step, api_key=key, timeout=timeout, retries=retries, source="filesystem"
         )
     logger.info("scoring %s", label)
+
+
+WEIGHTS_FILE = "weights.json"
+"""``eval/<label>/weights.json``: the model and weights directory whose eval the label's files hold."""
+
+
+def _labels(c: EvalConfig) -> list[tuple[str, int | None]]:
+    return ([("base", None)] if c.eval_base else []) + [(f"step_{s}", s) for s in c.steps]
+
+
+def _weights_of(c: EvalConfig, step: int | None) -> dict[str, str | None]:
+    return {"model": c.model.name, "weights": str(Path(c.weights_dir) / f"step_{step}") if step is not None else None}
+
+
+def check_output_dir(c: EvalConfig) -> None:
+    """An eval of other weights into a directory that holds one (``--output-dir`` defaults to ``outputs``) would
+    overwrite its files under the same labels: a ``ConfigError`` naming the directory and both. The same weights
+    again (a re-run) overwrite; a label without a record (written before records existed) is not checked."""
+    out_dir = Path(c.output_dir) / "eval"
+    for label, step in _labels(c):
+        try:
+            held = json.loads(
+                read_regular(out_dir / label / WEIGHTS_FILE, "an eval's weights record", SMALL_JSON_BYTES)
+            )
+        except (OSError, UnreadableFile, ValueError):  # none, or not one to compare with
+            continue
+        if isinstance(held, dict) and held != (mine := _weights_of(c, step)):
+            raise ConfigError(
+                f"{out_dir / label} holds the eval of {_named(held)}, not {_named(mine)}: its files would be "
+                "overwritten; pass another --output-dir (or remove that directory)"
+            )
+
+
+def _named(weights: dict) -> str:
+    return f"model {weights.get('model')}" + (f" (weights {weights['weights']})" if weights.get("weights") else "")
 
 
 async def _load_or_stop(
@@ -98,8 +135,7 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     runners = {e.resolved_name: EnvRunner(e, server_spec(e, judge=judge), max_retries=1) for e in envs}
     if c.judge.check:
         await check_judges([r.spec for r in runners.values()], c.judge.check_timeout)
-    labels: list[tuple[str, int | None]] = [("base", None)] if c.eval_base else []
-    labels += [(f"step_{s}", s) for s in c.steps]
+    labels = _labels(c)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     dead: dict[str, str] = {}
     out_dir = Path(c.output_dir) / "eval"
@@ -112,6 +148,7 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
             # An OpenAI server of someone else's (use_chat) has no admin routes unless checkpoints are swept.
             if step is not None or c.steps or not c.use_chat:
                 await _load_or_stop(c, labels, (label, step), results, out_dir)
+            atomic_write_json(out_dir / label / WEIGHTS_FILE, _weights_of(c, step))
             scores: dict[str, dict[str, Any]] = {}
             for name, runner in runners.items():
                 summary, rows = await evaluate_env(

@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> None:
         writes_output_dir=True,
     )
     _check_env_settings(config)
+    _check_output_dir(config)
     import asyncio
 
     from prime_core.logging import setup_logging
@@ -60,6 +61,19 @@ def _check_env_settings(config: Any) -> None:
     from prime_orchestrator.env_config import check_envs
 
     check_envs({"env" if config.env else "environment_ids": config.resolved_envs()})
+
+
+def _check_output_dir(config: Any) -> None:
+    """Results of other weights under the labels this eval writes: one line, exit 2, before anything runs."""
+    from prime_core.config import ConfigError
+    from prime_core.config.cli import fail
+
+    from prime_orchestrator.eval_runner import check_output_dir
+
+    try:
+        check_output_dir(config)
+    except ConfigError as e:
+        fail(str(e))
 
 
 def dry_run(config: Any) -> None:
