@@ -17,6 +17,7 @@ templates that rewrite earlier turns (e.g. strip past reasoning) are refused wit
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -390,11 +391,27 @@ class PackedData:
             np.random.default_rng([self.seed, epoch]).shuffle(order)
         return plan_rows(self.samples, order, self.seq_len)
 
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "data": self._shape()}
 
-    def load_state(self, state: dict[str, int]) -> None:
+    def load_state(self, state: dict[str, Any]) -> None:
         self.epoch, self.cursor, self._rows = state["epoch"], state["cursor"], None
+        saved, now = state.get("data"), self._shape()
+        if isinstance(saved, dict) and (changed := [k for k in now if k in saved and saved[k] != now[k]]):
+            logger.warning(
+                "resuming with other data than the checkpoint's (%s): its data position (epoch %d, row %d) indexes "
+                "other packed rows, so the rows this run skips and repeats are not those of the run it continues",
+                ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in changed),
+                self.epoch,
+                self.cursor,
+            )
+
+    def _shape(self) -> dict[str, Any]:
+        """What the data position depends on: the samples (count, tokens, a digest of their lengths) and packing."""
+        lengths = np.asarray([len(s.input_ids) for s in self.samples], dtype=np.int64)
+        digest = hashlib.sha256(lengths.tobytes()).hexdigest()[:16]
+        return {"samples": len(lengths), "tokens": int(lengths.sum()), "lengths": digest, "seq_len": self.seq_len,
+                "shuffle": self.shuffle, "seed": self.seed}  # fmt: skip
 
     def next_batch(self, rank: int, world_size: int) -> list[MicroBatch]:
         per_rank, rest = divmod(self.batch_size, world_size)
