@@ -34,3 +34,27 @@ def _import_raising(name: str, error: Exception):
         return real(module, *args, **kwargs)
 
     return fake
+
+
+def test_numpy_and_tensor_scalars_reach_wandb_as_they_reach_metrics_jsonl(tmp_path):
+    """metrics.jsonl took a NumPy or torch scalar (``.item()``); W&B's filter (``int | float``) dropped them silently:
+    a metric such as ``np.float32`` loss or an ``np.int64`` count was in the file and missing from the dashboard."""
+    import numpy as np
+    import torch
+    from prime_core.monitor import JsonlMonitor, WandbMonitor, read_metrics
+
+    logged = []
+
+    class Run:
+        def log(self, values, step):
+            logged.append((step, values))
+
+    wandb = object.__new__(WandbMonitor)
+    wandb._run, wandb._failed = Run(), False
+    values = {"a": np.float32(0.5), "b": np.int64(3), "c": torch.tensor(2.0), "d": 1.5, "e": "text", "f": True}
+    wandb.log(7, values)
+    jsonl = JsonlMonitor(tmp_path / "metrics.jsonl", "trainer")
+    jsonl.log(7, values)
+    assert logged == [(7, {"a": 0.5, "b": 3, "c": 2.0, "d": 1.5, "f": True})]
+    numeric = {k: v for k, v in read_metrics(tmp_path / "metrics.jsonl")[0].values.items() if k != "e"}
+    assert numeric == logged[0][1]
