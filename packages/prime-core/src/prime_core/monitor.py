@@ -87,8 +87,13 @@ class WandbMonitor:
     ):
         try:
             import wandb
-        except ImportError as e:
-            raise ImportError("W&B logging needs wandb: pip install 'prime-core[wandb]'") from e
+        except Exception as e:  # missing, or its own import failing (a protobuf or pydantic it does not support)
+            missing = isinstance(e, ModuleNotFoundError) and e.name == "wandb"
+            why = "is not installed" if missing else f"does not import ({type(e).__name__}: {_first_line(e)})"
+            raise MonitorUnavailable(
+                f"monitor.wandb.enabled is set but wandb {why}: pip install 'prime-core[wandb]', or set "
+                "monitor.wandb.enabled = false"
+            ) from None
         name = f"{config.name}-{process}" if config.name else None
         self._dir, self._failed = dir, False
         try:
@@ -111,9 +116,9 @@ class WandbMonitor:
         WandbMonitor._open.add(self)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
-        self._call(
-            step, lambda run: run.log({k: v for k, v in values.items() if isinstance(v, int | float)}, step=step)
-        )
+        # Scalars as metrics.jsonl takes them (NumPy, torch: `.item()`): the filter alone dropped those silently.
+        numbers = {k: v for k, v in ((k, _scalar(v)) for k, v in values.items()) if isinstance(v, int | float)}
+        self._call(step, lambda run: run.log(numbers, step=step))
 
     def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
         import wandb
@@ -285,11 +290,18 @@ def _parse(line: bytes) -> MetricsRecord | None:
         return None
 
 
+def _scalar(value: Any) -> Any:
+    """A NumPy or torch scalar as its Python number; anything else (an array of several values too) as it is."""
+    if hasattr(value, "item") and not isinstance(value, int | float | str):
+        with contextlib.suppress(ValueError, RuntimeError, TypeError):  # not one value
+            return value.item()
+    return value
+
+
 def _jsonable(values: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in values.items():
-        if hasattr(v, "item"):
-            v = v.item()
+        v = _scalar(v)
         if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
             v = None
         out[k] = v if isinstance(v, int | float | str) or v is None else json.dumps(v)

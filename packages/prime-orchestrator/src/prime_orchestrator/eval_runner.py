@@ -7,12 +7,14 @@ Each environment runs in verifiers' env server (as in training); the base weight
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from prime_core.config import ConfigError
 from prime_core.config.orchestrator import EvalConfig
-from prime_core.io import atomic_write_json, atomic_write_text
+from prime_core.io import SMALL_JSON_BYTES, UnreadableFile, atomic_write_json, atomic_write_text, read_regular
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.concurrency import ConcurrencyLimiter
@@ -42,7 +44,10 @@ async def _load(config: EvalConfig, label: str, step: int | None) -> None:
     c, key = config.client, config.client.resolved_api_key()
     timeout, retries = c.update_weights_timeout, c.max_retries
     if step is None:
-        await inference.reload_weights(c.base_urls, api_key=key, timeout=timeout, retries=retries)
+        try:
+            await inference.reload_weights(c.base_urls, api_key=key, timeout=timeout, retries=retries)
+        except RuntimeError as e:
+            raise inference.WeightUpdateError(f"restoring the base weights failed: {e}") from None
     else:
         weight_dir = str(Path(config.weights_dir) / f"step_{step}")
         # Saved weights: what the directory holds, never a broadcast it once announced to a training run's servers.
@@ -50,6 +55,75 @@ async def _load(config: EvalConfig, label: str, step: int | None) -> None:
             c.base_urls, weight_dir, step, api_key=key, timeout=timeout, retries=retries, source="filesystem"
         )
     logger.info("scoring %s", label)
+
+
+WEIGHTS_FILE = "weights.json"
+"""``eval/<label>/weights.json``: the model and weights directory whose eval the label's files hold."""
+
+
+def _labels(c: EvalConfig) -> list[tuple[str, int | None]]:
+    return ([("base", None)] if c.eval_base else []) + [(f"step_{s}", s) for s in c.steps]
+
+
+def _weights_of(c: EvalConfig, step: int | None) -> dict[str, str | None]:
+    return {"model": c.model.name, "weights": str(Path(c.weights_dir) / f"step_{step}") if step is not None else None}
+
+
+def check_output_dir(c: EvalConfig) -> None:
+    """An eval of other weights into a directory that holds one (``--output-dir`` defaults to ``outputs``) would
+    overwrite its files under the same labels: a ``ConfigError`` naming the directory and both. The same weights
+    again (a re-run) overwrite; a label without a record (written before records existed) is not checked."""
+    out_dir = Path(c.output_dir) / "eval"
+    for label, step in _labels(c):
+        try:
+            held = json.loads(
+                read_regular(out_dir / label / WEIGHTS_FILE, "an eval's weights record", SMALL_JSON_BYTES)
+            )
+        except (OSError, UnreadableFile, ValueError):  # none, or not one to compare with
+            continue
+        if isinstance(held, dict) and held != (mine := _weights_of(c, step)):
+            raise ConfigError(
+                f"{out_dir / label} holds the eval of {_named(held)}, not {_named(mine)}: its files would be "
+                "overwritten; pass another --output-dir (or remove that directory)"
+            )
+
+
+def _named(weights: dict) -> str:
+    return f"model {weights.get('model')}" + (f" (weights {weights['weights']})" if weights.get("weights") else "")
+
+
+async def _load_or_stop(
+    c: EvalConfig, labels: list, this: tuple[str, int | None], results: dict, out_dir: Path
+) -> None:
+    """``_load``; weights that do not load (the server died or refuses them) stop the eval in one line naming the
+    weights not scored and those that were (kept in results.json)."""
+    try:
+        await _load(c, *this)
+    except inference.WeightUpdateError as e:
+        left = [name for name, _ in labels[labels.index(this) :]]
+        done = f"; scored: {', '.join(results)} ({out_dir / 'results.json'})" if results else ""
+        raise inference.WeightUpdateError(f"{e}; not scored: {', '.join(left)}{done}") from None
+
+
+def _write_results(out_dir: Path, results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    atomic_write_json(out_dir / "results.json", results)
+    table = format_table(results)
+    atomic_write_text(out_dir / "results.txt", table + "\n")
+    return table
+
+
+def _check_failed(name: str, label: str, rows: list[dict]) -> str | None:
+    """Why an env measured nothing (every rollout failed), or None; some failed (a server that died mid-eval, their
+    zeros in the mean) is a warning naming the first error."""
+    failed = [r for r in rows if r["failed"]]
+    if rows and len(failed) == len(rows):
+        return f"env {name} ({label}): all {len(rows)} rollouts failed, e.g. {rows[0]['error']}"
+    if failed:
+        logger.warning(
+            "env %s (%s): %d of %d rollouts failed (scored 0), e.g. %s",
+            *(name, label, len(failed), len(rows), failed[0]["error"]),
+        )
+    return None
 
 
 async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
@@ -61,20 +135,21 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     runners = {e.resolved_name: EnvRunner(e, server_spec(e, judge=judge), max_retries=1) for e in envs}
     if c.judge.check:
         await check_judges([r.spec for r in runners.values()], c.judge.check_timeout)
-    labels: list[tuple[str, int | None]] = [("base", None)] if c.eval_base else []
-    labels += [(f"step_{s}", s) for s in c.steps]
+    labels = _labels(c)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     dead: dict[str, str] = {}
     out_dir = Path(c.output_dir) / "eval"
     semaphore = ConcurrencyLimiter.from_config(c.client)
     client_for = client_factory(c)
+    stopped: BaseException | None = None
     try:
         await asyncio.gather(*(r.start() for r in runners.values()))
         for label, step in labels:
             # An OpenAI server of someone else's (use_chat) has no admin routes unless checkpoints are swept.
             if step is not None or c.steps or not c.use_chat:
-                await _load(c, label, step)
-            results[label] = {}
+                await _load_or_stop(c, labels, (label, step), results, out_dir)
+            atomic_write_json(out_dir / label / WEIGHTS_FILE, _weights_of(c, step))
+            scores: dict[str, dict[str, Any]] = {}
             for name, runner in runners.items():
                 summary, rows = await evaluate_env(
                     runner,
@@ -86,18 +161,24 @@ async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
                     seed=c.seed,
                     semaphore=semaphore,
                 )
-                results[label][name] = summary
+                scores[name] = summary
                 atomic_write_json(out_dir / label / f"{name}.json", {"summary": summary, "rollouts": rows})
-                if rows and all(r["failed"] for r in rows):
-                    dead.setdefault(
-                        name, f"env {name} ({label}): all {len(rows)} rollouts failed, e.g. {rows[0]['error']}"
-                    )
+                if reason := _check_failed(name, label, rows):
+                    dead.setdefault(name, reason)
                 logger.info("%s %s: reward %.4f", label, name, summary["reward/mean"])
+            results[label] = scores  # only weights with every env scored: results.json never holds half of one
+    except BaseException as e:
+        stopped = e
+        raise
     finally:
         await asyncio.gather(*(r.close() for r in runners.values()), semaphore.aclose(), return_exceptions=True)
-    atomic_write_json(out_dir / "results.json", results)
-    table = format_table(results)
-    atomic_write_text(out_dir / "results.txt", table + "\n")
+        # Also when the eval stops early: the scores so far, never an earlier eval's results left in this directory.
+        try:
+            table = _write_results(out_dir, results)
+        except OSError as e:
+            if stopped is None:
+                raise
+            logger.warning("results of the weights scored so far not written: %s", e)  # what stopped the eval wins
     print(table, flush=True)
     if dead:  # a reward of 0 that measures nothing (a package the taskset imports per rollout is missing)
         raise RolloutsFailed(next(iter(dead.values())))

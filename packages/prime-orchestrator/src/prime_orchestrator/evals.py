@@ -7,8 +7,10 @@ import math
 from typing import Any
 
 import numpy as np
+from prime_core.schemas.rollout import RolloutResult
 
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args
+from prime_orchestrator.liveness import not_finite
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -55,7 +57,8 @@ async def evaluate_env(
     semaphore: asyncio.Semaphore | None = None,
     track: Any = None,
 ) -> tuple[dict[str, Any], list[dict]]:
-    """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0.
+    """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0, and so
+    does one whose reward or a metric is not finite (it counts as failed).
     ``track(rollout)`` awaits each one (the orchestrator's ``evals`` lane of its progress file)."""
     semaphore = semaphore or asyncio.Semaphore(64)
 
@@ -68,7 +71,7 @@ async def evaluate_env(
                 model=model,
                 sampling=sampling_args(sampling, seed=request_seed(seed, -2, index)),
             )
-            return await (track(rollout) if track is not None else rollout)
+            return _finite(await (track(rollout) if track is not None else rollout))
 
     count = min(num_examples, runner.num_examples) if runner.num_examples else num_examples
     examples = list(range(count))
@@ -88,6 +91,14 @@ async def evaluate_env(
     return summary, rows
 
 
+def _finite(result: RolloutResult) -> RolloutResult:
+    """A rollout whose reward or a metric is not finite fails (scores 0), as in training: one NaN made the whole
+    environment's mean NaN, and its rows non-standard JSON. Its text stays, to show what was scored."""
+    if result.failed or (error := not_finite(result)) is None:
+        return result
+    return result.model_copy(update={"failed": True, "error": error, "reward": 0.0, "metrics": {}, "traces": []})
+
+
 async def evaluate_envs(runners: dict[str, EnvRunner], **kwargs: Any) -> dict[str, dict[str, Any]]:
     results = await asyncio.gather(*(evaluate_env(r, **kwargs) for r in runners.values()))
     return {name: summary for name, (summary, _) in zip(runners, results, strict=True)}
@@ -99,7 +110,8 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     for per_env in results.values():
         for s in per_env.values():
             keys += [k for k in s if k.startswith("pass@") and k not in keys]
-    header = ["weights", "env", "n", *keys]
+    # failed: rollouts that scored 0 without measuring the model (a server that died mid-eval), within the mean.
+    header = ["weights", "env", "n", "failed", *keys]
     lines = [header]
     for label, per_env in results.items():
         for env, s in per_env.items():
@@ -108,6 +120,7 @@ def format_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
                     label,
                     env,
                     str(s["num_examples"] * s["rollouts_per_example"]),
+                    str(s.get("failed", "-")),
                     *[f"{s[k]:.4f}" if k in s else "-" for k in keys],
                 ]
             )

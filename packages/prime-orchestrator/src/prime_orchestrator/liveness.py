@@ -128,17 +128,21 @@ def screen(result: RolloutResult, max_text_chars: int) -> RolloutResult:
     group's advantages); prompt and completion text, kept only for log tables, are cut to ``max_text_chars``."""
     if result.failed:
         return result
-    # A seat's reward is named only where it differs from the rollout's (a single-seat env's is the same value).
-    seats = {f"reward of seat {t.seat}": t.reward for t in result.traces if not _same(t.reward, result.reward)}
-    values = {"reward": result.reward, **seats, **result.metrics}
-    bad = [name for name, value in values.items() if not math.isfinite(value)]
-    if bad:
-        error = "not finite: " + ", ".join(f"{name} = {values[name]}" for name in bad[:4])
+    if (error := not_finite(result)) is not None:
         return RolloutResult(env=result.env, example=result.example, failed=True, error=error, latency=result.latency)
     if len(result.prompt) > max_text_chars or len(result.completion) > max_text_chars:
         cut = {k: _cut(getattr(result, k), max_text_chars) for k in ("prompt", "completion")}
         return result.model_copy(update=cut)
     return result
+
+
+def not_finite(result: RolloutResult) -> str | None:
+    """What of a rollout's reward, seats' rewards and metrics is not finite (``not finite: reward = nan``), or None."""
+    # A seat's reward is named only where it differs from the rollout's (a single-seat env's is the same value).
+    seats = {f"reward of seat {t.seat}": t.reward for t in result.traces if not _same(t.reward, result.reward)}
+    values = {"reward": result.reward, **seats, **result.metrics}
+    bad = [name for name, value in values.items() if not math.isfinite(value)]
+    return "not finite: " + ", ".join(f"{name} = {values[name]}" for name in bad[:4]) if bad else None
 
 
 def _same(a: float, b: float) -> bool:

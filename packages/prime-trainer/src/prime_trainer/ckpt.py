@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,7 +44,12 @@ from prime_core.run_dir import RunDir
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from prime_trainer.ckpt_safe import SafeLoadPlanner, SafeReader, load_rng_state, rng_state, set_rng_state
 from prime_trainer.ckpt_sums import CrcFileSystemWriter, file_crc32
@@ -200,7 +205,7 @@ class CheckpointManager:
         self._check_sizes(step, path, metadata)
         self._check_sums(step, path)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_TRAINABLE_OPTIONS)
-        if reason := _model_difference(metadata.state_dict_metadata, model_sd):
+        if reason := _model_difference(metadata.state_dict_metadata, model_sd, lambda: get_model_state_dict(model)):
             raise ConfigError(f"checkpoint step {step} in {self.run_dir.root} {reason}")
         state = {"model": model_sd, "optim": optim_sd}
         with self._unreadable(step, path, "*.distcp"):
@@ -289,9 +294,12 @@ _ADAPTER = re.compile(r"\.(lora_[AB])\.([^.]+)\.")
 """An adapter weight's key names its adapter: ``...q_proj.lora_A.<name>.weight``."""
 
 
-def _model_difference(saved: dict[str, Any], model_sd: dict[str, Any]) -> str | None:
+def _model_difference(
+    saved: dict[str, Any], model_sd: dict[str, Any], every_weight: Callable[[], dict[str, Any]]
+) -> str | None:
     """How the trainable weights a checkpoint holds differ from the model's, in words (a LoRA setting that changed
-    since a checkpoint that predates its record in progress.json), or None. DCP would say "Missing key" at the end."""
+    since a checkpoint that predates its record in progress.json, a model with fewer layers), or None. DCP would say
+    "Missing key" at the end, or nothing at all. ``every_weight()``: the model's state, frozen weights too."""
     # Non-tensor entries (a module's extra state) carry no shape: their keys still count.
     ckpt = {k.removeprefix("model."): tuple(getattr(v, "size", ())) for k, v in saved.items() if k.startswith("model.")}
     model = {k: tuple(getattr(t, "shape", ())) for k, t in model_sd.items()}
@@ -312,6 +320,11 @@ def _model_difference(saved: dict[str, Any], model_sd: dict[str, Any]) -> str | 
     # DCP loads the keys the model asks for: other weights of a checkpoint (a vision tower since frozen) are no error.
     if extra := sorted(k for k in set(ckpt_mods) - set(model_mods) if ".lora_" in k):
         return f"holds {extra[0]}, which this model has not ({len(extra)} such: model.lora.target_modules changed?)"
+    # ...but a weight the model has not even frozen is another model: a deeper one's checkpoint loaded the layers both
+    # have and dropped the rest without a word.
+    if (others := set(ckpt_mods) - set(model_mods)) and (unknown := sorted(others - set(every_weight()))):
+        return (f"holds {unknown[0]}, which this model has not ({len(unknown)} such weights: model.name or its "
+                "config (num_hidden_layers?) changed since?)")  # fmt: skip
     for key, shape in model_mods.items():
         if ckpt_mods[key] != shape:
             what = " (model.lora.rank changed?)" if ".lora_" in key else ""

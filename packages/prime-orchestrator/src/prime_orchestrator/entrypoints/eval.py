@@ -19,11 +19,12 @@ def main(argv: list[str] | None = None) -> None:
         writes_output_dir=True,
     )
     _check_env_settings(config)
+    _check_output_dir(config)
     import asyncio
 
     from prime_core.logging import setup_logging
 
-    from prime_orchestrator.client import ServerUnreachable
+    from prime_orchestrator.client import ServerUnreachable, WeightUpdateError
     from prime_orchestrator.env_server import EnvServerFailed
     from prime_orchestrator.envs import TasksetError
     from prime_orchestrator.eval_runner import run_eval
@@ -40,11 +41,19 @@ def main(argv: list[str] | None = None) -> None:
     except TasksetError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except (RolloutsFailed, EnvServerFailed) as e:
+    except (RolloutsFailed, EnvServerFailed, WeightUpdateError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as e:
+        # A full disk under the results: one line naming errno and file instead of a traceback.
+        from prime_core.io import storage_error, storage_error_line
+
+        if (found := storage_error(e)) is None:
+            raise
+        print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def _check_env_settings(config: Any) -> None:
@@ -52,6 +61,19 @@ def _check_env_settings(config: Any) -> None:
     from prime_orchestrator.env_config import check_envs
 
     check_envs({"env" if config.env else "environment_ids": config.resolved_envs()})
+
+
+def _check_output_dir(config: Any) -> None:
+    """Results of other weights under the labels this eval writes: one line, exit 2, before anything runs."""
+    from prime_core.config import ConfigError
+    from prime_core.config.cli import fail
+
+    from prime_orchestrator.eval_runner import check_output_dir
+
+    try:
+        check_output_dir(config)
+    except ConfigError as e:
+        fail(str(e))
 
 
 def dry_run(config: Any) -> None:

@@ -17,6 +17,7 @@ templates that rewrite earlier turns (e.g. strip past reasoning) are refused wit
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +26,9 @@ import numpy as np
 from prime_core.config import ConfigError
 from prime_core.config.trainer import LossMaskConfig
 from prime_core.schemas.microbatch import MicroBatch, stack_rows
-from prime_core.vision import VisionSpec, image_parts, load_image, mrope_positions
+from prime_core.vision import VisionSpec
 
+from prime_trainer.sft.images import expand_images, row_images, truncate_keeping_images, with_images
 from prime_trainer.sft.plain import content_spans, encode
 from prime_trainer.sft.rows import TRAINABLE_ROLES, to_messages, where_of
 from prime_trainer.sft.rows import load_rows as load_rows  # re-exported: the data API is this module
@@ -92,6 +94,8 @@ def _header_end(tokenizer, messages: list[dict], k: int, tools, where: str, prev
     ``text``; ``len(prev)`` when there is none, or when the turn does not start with it (warned once: the header is
     then trained with the turn)."""
     global _warned_header
+    if k == 0:
+        return _opening_header_end(tokenizer, tools, text)
     header = _render(tokenizer, messages[:k], tools, where, add_generation_prompt=True)
     if header.startswith(prev) and text.startswith(header):
         return len(header)
@@ -105,6 +109,27 @@ def _header_end(tokenizer, messages: list[dict], k: int, tools, where: str, prev
             text[len(prev) :][:60],
         )
     return len(prev)
+
+
+def _opening_header_end(tokenizer, tools, text: str) -> int:
+    """Where the text before an assistant message that opens the conversation ends: its role header, and a default
+    system prompt some templates add (Qwen2.5's) when no system message leads. No conversation renders the header
+    alone (a template may read ``messages[0]``), so it is the one the template adds after a user turn, found in
+    ``text``; 0 when there is none (the turn is then trained from its first character, as before)."""
+    user = [{"role": "user", "content": "."}]
+    try:
+        turn = render(tokenizer, user, tools)
+        header = render(tokenizer, user, tools, add_generation_prompt=True)
+    except Exception:  # a template that refuses a user turn without a system message: nothing to learn from it
+        return 0
+    header = header[len(turn) :] if header.startswith(turn) else ""
+    at = text.find(header) if header.strip() else -1
+    return at + len(header) if at >= 0 else 0
+
+
+def _trains(roles: LossMaskConfig, role: str) -> bool:
+    # Only the config's role fields: getattr alone found pydantic's methods (roles `json`, `copy` were trained).
+    return role in TRAINABLE_ROLES and bool(getattr(roles, role))
 
 
 def tokenize_conversation(
@@ -150,9 +175,9 @@ def _tokenize(
             )
         role = message.get("role", "")
         # OpenAI's fine-tuning format: `weight: 0` keeps a message out of the loss.
-        trained = bool(getattr(roles, role, False)) and message.get("weight", 1) != 0
+        trained = _trains(roles, role) and message.get("weight", 1) != 0
         start = len(prev)
-        if role == "assistant" and k > 0:
+        if role == "assistant":
             start = _header_end(tokenizer, messages, k, tools, where, prev, text)
             spans.append((len(prev), start, False))
         spans.append((start, len(text), trained))
@@ -205,98 +230,12 @@ class Sample:
     """[3, len] rotary positions of a sample with images."""
 
 
-def row_images(row: dict[str, Any], messages: list[dict[str, Any]], index: int | str) -> list[Any]:
-    """Image sources of a conversation in order; sourceless ``image`` parts take the row's ``images`` column."""
-    column = list(row.get("images") or [])
-    out = []
-    for message in messages:
-        for source in image_parts(message.get("content")):
-            if source is None:
-                if not column:
-                    raise ConfigError(f"{_where(index)}: an image part has no source and the row's `images` ran out")
-                source = column.pop(0)
-            out.append(source)
-    return out
-
-
-def expand_images(
-    ids: list[int],
-    mask: list[bool],
-    images: list[Any],
-    vision: VisionSpec | None,
-    index: int | str,
-    prefix: bool = False,
-) -> tuple[list[int], list[bool], np.ndarray | None]:
-    """Replace each rendered ``<|image_pad|>`` with the image's placeholder tokens; returns the grids too. ``prefix``:
-    ``ids`` are only the start of the conversation (``tokenize_conversation``'s ``max_tokens``), so later images
-    have no placeholder yet."""
-    if not images:
-        return ids, mask, None
-    if vision is None:
-        raise ConfigError(
-            f"{_where(index)} has images but the model has no vision config (vision_config in config.json)"
-        )
-    pads = [k for k, t in enumerate(ids) if t == vision.image_token_id]
-    if prefix and len(pads) < len(images):
-        images = images[: len(pads)]
-    if len(pads) != len(images):
-        raise ConfigError(
-            f"{_where(index)}: the chat template rendered {len(pads)} image placeholders for {len(images)} images "
-            "(does the template render image content parts?)"
-        )
-    grids = []
-    out_ids, out_mask, prev = [], [], 0
-    for k, source in zip(pads, images, strict=True):
-        image = load_image(source)
-        grid = vision.processor.grid_for_size(image.height, image.width)
-        grids.append(grid)
-        out_ids += ids[prev:k] + [vision.image_token_id] * vision.processor.num_tokens(grid)
-        out_mask += mask[prev:k] + [False] * vision.processor.num_tokens(grid)
-        prev = k + 1
-    return out_ids + ids[prev:], out_mask + mask[prev:], np.asarray(grids, np.int64)
-
-
-def truncate_keeping_images(ids: list[int], grids: np.ndarray | None, seq_len: int, vision: VisionSpec | None) -> int:
-    """Length to keep (<= seq_len) that never cuts an image block: an image that does not fit is dropped whole
-    (with its ``<|vision_start|>``), with everything after it. Returns the new length."""
-    if len(ids) <= seq_len or grids is None:
-        return min(len(ids), seq_len)
-    k = 0
-    for grid in grids.tolist():
-        while ids[k] != vision.image_token_id:
-            k += 1
-        end = k + vision.processor.num_tokens(grid)
-        if end > seq_len:
-            return k - 1 if k > 0 and ids[k - 1] == vision.vision_start_token_id else k
-        k = end
-    return seq_len
-
-
-def _where(index: int | str) -> str:
-    return f"row {index}" if isinstance(index, int) else index
-
-
 def _drop_cause(trained_beyond: bool, was_cut: bool, has_trained_role: bool, seq_len: int) -> str:
     if trained_beyond or (was_cut and has_trained_role):
         return f"their first trained token is past seq_len={seq_len}"
     if has_trained_role:
         return "the chat template renders no text for their trained messages (data.loss_mask roles)"
     return "they have no message of a trained role (data.loss_mask)"
-
-
-def _with_images(sample: Sample, images: list, grids: np.ndarray | None, vision: VisionSpec | None) -> Sample:
-    """Attach the images whose placeholder blocks survived truncation."""
-    if grids is None:
-        return sample
-    num_kept = int((sample.input_ids == vision.image_token_id).sum())
-    counts = np.cumsum([vision.processor.num_tokens(g) for g in grids])
-    n = int(np.searchsorted(counts, num_kept, side="right")) if num_kept else 0
-    if n:
-        sample.images, sample.image_grid_thw = images[:n], grids[:n]
-        sample.mrope_position_ids = mrope_positions(
-            sample.input_ids, vision.image_token_id, grids[:n], vision.processor.merge_size
-        )
-    return sample
 
 
 def build_samples(
@@ -338,10 +277,10 @@ def build_samples(
         if len(mask):
             mask[0] = False
         if not mask.any():
-            has_trained_role = any(getattr(roles, m["role"], False) and m.get("weight", 1) != 0 for m in messages)
+            has_trained_role = any(_trains(roles, m["role"]) and m.get("weight", 1) != 0 for m in messages)
             dropped.setdefault(_drop_cause(trained_beyond, was_cut, has_trained_role, seq_len), [0, where])[0] += 1
             continue
-        samples.append(_with_images(Sample(ids, mask), images, grids, vision))
+        samples.append(with_images(Sample(ids, mask), images, grids, vision))
     for role, where in unknown_roles.items():
         logger.warning(
             "%s: role %r is never trained (data.loss_mask trains %s)", where, role, "/".join(TRAINABLE_ROLES)
@@ -452,11 +391,27 @@ class PackedData:
             np.random.default_rng([self.seed, epoch]).shuffle(order)
         return plan_rows(self.samples, order, self.seq_len)
 
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "data": self._shape()}
 
-    def load_state(self, state: dict[str, int]) -> None:
+    def load_state(self, state: dict[str, Any]) -> None:
         self.epoch, self.cursor, self._rows = state["epoch"], state["cursor"], None
+        saved, now = state.get("data"), self._shape()
+        if isinstance(saved, dict) and (changed := [k for k in now if k in saved and saved[k] != now[k]]):
+            logger.warning(
+                "resuming with other data than the checkpoint's (%s): its data position (epoch %d, row %d) indexes "
+                "other packed rows, so the rows this run skips and repeats are not those of the run it continues",
+                ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in changed),
+                self.epoch,
+                self.cursor,
+            )
+
+    def _shape(self) -> dict[str, Any]:
+        """What the data position depends on: the samples (count, tokens, a digest of their lengths) and packing."""
+        lengths = np.asarray([len(s.input_ids) for s in self.samples], dtype=np.int64)
+        digest = hashlib.sha256(lengths.tobytes()).hexdigest()[:16]
+        return {"samples": len(lengths), "tokens": int(lengths.sum()), "lengths": digest, "seq_len": self.seq_len,
+                "shuffle": self.shuffle, "seed": self.seed}  # fmt: skip
 
     def next_batch(self, rank: int, world_size: int) -> list[MicroBatch]:
         per_rank, rest = divmod(self.batch_size, world_size)
