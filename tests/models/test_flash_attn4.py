@@ -64,7 +64,7 @@ class _StandInInterface(types.ModuleType):
 @pytest.fixture
 def stand_in(monkeypatch) -> _StandInInterface:
     fake = _StandInInterface()
-    monkeypatch.setattr(flash_attn4, "_fa4", lambda: fake)
+    monkeypatch.setattr(flash_attn4, "interface", lambda: fake)
     return fake
 
 
@@ -157,9 +157,33 @@ def test_auto_picks_flash_attn4_for_long_rows_on_hopper_where_installed(monkeypa
                                                                         chosen):  # fmt: skip
     monkeypatch.setattr(kernels, "HAS_FLASH_ATTN", fa2)
     monkeypatch.setattr(kernels, "HAS_FLASH_ATTN4", fa4)
+    monkeypatch.setattr(flash_attn4, "interface", lambda: types.SimpleNamespace())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert resolve_attn("auto", torch.device("cuda", 0), row_len=row_len) == chosen
     assert resolve_attn("auto", torch.device("cpu"), row_len=row_len) == "sdpa"
+
+
+def test_an_installed_flash_attn4_that_does_not_import_is_a_warning_under_auto_and_one_line_when_asked(
+    monkeypatch, caplog
+):
+    """flash-attn-4 found on disk whose import fails (its CuTe-DSL runtime, a separate wheel, missing): `auto` would
+    have picked it for long rows and the run failed at its first forward with a traceback."""
+
+    def broken():
+        raise ModuleNotFoundError("No module named 'cutlass'\n(more lines)")
+
+    monkeypatch.setattr(kernels, "HAS_FLASH_ATTN", False)
+    monkeypatch.setattr(kernels, "HAS_FLASH_ATTN4", True)
+    monkeypatch.setattr(flash_attn4, "interface", broken)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with caplog.at_level("WARNING", logger="prime_models.loading"):
+        assert resolve_attn("auto", torch.device("cuda", 0), row_len=65536) == "sdpa"
+    assert "flash-attn-4 is installed but does not import (ModuleNotFoundError: No module named 'cutlass'); not" in (
+        caplog.text
+    )
+    with pytest.raises(ValueError, match=r"^attn='flash_attn4': flash-attn-4 is installed but does not import "
+                       r"\(ModuleNotFoundError: No module named 'cutlass'\)$"):  # fmt: skip
+        resolve_attn("flash_attn4", torch.device("cuda", 0))
 
 
 def test_the_trainer_names_init_attn_in_one_line(monkeypatch):

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
 from prime_models import kernels
+from prime_models.layers import flash_attn4
 from prime_models.models.common_converting import EMBED, LM_HEAD
 from prime_models.models.transformer import CausalLM
 from prime_models.registry import get_model_spec
@@ -76,6 +77,8 @@ def resolve_attn(attn: str, device: torch.device, row_len: int | None = None) ->
             raise ValueError(f"attn={attn!r} needs a package that is not installed: {hints[attn]}")
         if device.type != "cuda":
             raise ValueError(f"attn={attn!r} needs a CUDA device, got {device}")
+        if attn == "flash_attn4" and (broken := _flash_attn4_import_error()):
+            raise ValueError(f"attn='flash_attn4': flash-attn-4 is installed but does not import ({broken})")
         return attn
     long_rows = (row_len or 0) >= FA4_AUTO_MIN_ROW
     if (
@@ -84,13 +87,26 @@ def resolve_attn(attn: str, device: torch.device, row_len: int | None = None) ->
         and long_rows
         and torch.cuda.get_device_capability(device)[0] >= 9
     ):
-        logger.info("attn='auto': FlashAttention-4 for rows of %d tokens", row_len)
-        return "flash_attn4"
+        # Installed is not importable (its CuTe-DSL runtime is a separate wheel): a broken install costs speed here,
+        # not the run, which would otherwise fail at its first forward.
+        if (broken := _flash_attn4_import_error()) is None:
+            logger.info("attn='auto': FlashAttention-4 for rows of %d tokens", row_len)
+            return "flash_attn4"
+        logger.warning("attn='auto': flash-attn-4 is installed but does not import (%s); not using it", broken)
     if kernels.HAS_FLASH_ATTN and device.type == "cuda":
         return "flash_attn"
     reason = "not installed" if not kernels.HAS_FLASH_ATTN else f"unavailable on {device.type}"
     logger.warning("attn='auto': flash-attn %s, falling back to SDPA (%s)", reason, kernels.FLASH_ATTN_INSTALL_HINT)
     return "sdpa"
+
+
+def _flash_attn4_import_error() -> str | None:
+    """None when FlashAttention-4's interface imports (cached: once a process), else why not, in one line."""
+    try:
+        flash_attn4.interface()
+    except Exception as e:  # ImportError, or whatever its own import raises (a CUDA or DSL version it rejects)
+        return f"{type(e).__name__}: {next(iter(str(e).splitlines()), '')}"
+    return None
 
 
 def resolve_config(path_or_config: Any) -> tuple[Any, Path | None]:

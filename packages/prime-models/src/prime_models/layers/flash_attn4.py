@@ -18,8 +18,9 @@ import torch
 
 
 @functools.cache
-def _fa4():
-    from flash_attn.cute import interface  # the flash-attn-4 distribution; resolve_attn checked it is installed
+def interface():
+    """FA4's `flash_attn.cute.interface` (the flash-attn-4 distribution; `resolve_attn` checked that it imports)."""
+    from flash_attn.cute import interface
 
     return interface
 
@@ -35,7 +36,7 @@ def flash_attn4_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each sample of ``cu_seqlens`` (int32 ``[samples + 1]``): ``(out_TND, lse_NT)``."""
     # return_lse: inside an op the inputs never require grad, and FA4 skips the log-sum-exp backward needs otherwise.
-    out, lse = _fa4()._flash_attn_fwd(
+    out, lse = interface()._flash_attn_fwd(
         q_TND, k_TKD, v_TKD, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
         max_seqlen_k=max_seqlen, softmax_scale=scale, causal=True, return_lse=True,
     )[:2]  # fmt: skip
@@ -57,7 +58,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dout_TND: torch.Tensor, _dlse: torch.Tensor | None):
     # The log-sum-exp is only ever read by this backward, so its gradient is always zero.
     q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
-    dq, dk, dv = _fa4()._flash_attn_bwd(
+    dq, dk, dv = interface()._flash_attn_bwd(
         q, k, v, out, dout_TND.contiguous(), lse, ctx.scale, True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
         max_seqlen_q=ctx.max_seqlen, max_seqlen_k=ctx.max_seqlen,
     )[:3]  # fmt: skip
