@@ -1,0 +1,38 @@
+"""One environment (tests/fixtures/vf_envs/vf_parity) under our ``eval`` and under verifiers' own eval against the
+same scripted server: the same rewards, turns and per-reward values, for what an author can declare beyond a plain
+reward: weighted rewards, a seat's own ``max_turns``, a whole-episode ``retries`` that recovers a flaky grader.
+
+The script says the word it is asked for, so each turn hits: ``said`` = turns / times, ``brief`` = 1 (weight 0.5).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.environments.test_vf_kinds import our_eval, script, vf_eval
+from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
+from tests.fixtures.scripted import ScriptedServer
+from tests.fixtures.vf import use_vf_envs
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = save_tiny_model(tmp_path_factory.mktemp("parity_model"), build_tool_tokenizer())
+    srv = ScriptedServer(model, script)
+    yield srv
+    srv.stop()
+
+
+def test_a_rollout_verifiers_retried_to_success_trains_as_a_success(server, tmp_path, monkeypatch):
+    # The grader raises once per task; the env's retries = 1 reruns the episode, which verifiers stamps ok (its
+    # earlier attempt's error kept in the history): vf-eval scores it, so must we.
+    use_vf_envs(monkeypatch)
+    args, env_args = {"flaky": True, "times": 2}, {"retries": {"max_retries": 1}}
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-parity", "args": args, "env_args": env_args})
+    traces = vf_eval(tmp_path, server, "vf-parity", taskset=args, env=env_args)
+    assert Counter(t.reward for t in traces) == Counter(r["reward"] for r in rows) == Counter({1.5: 4})
+    assert summary["failed"] == 0
