@@ -36,3 +36,18 @@ def test_a_rollout_verifiers_retried_to_success_trains_as_a_success(server, tmp_
     traces = vf_eval(tmp_path, server, "vf-parity", taskset=args, env=env_args)
     assert Counter(t.reward for t in traces) == Counter(r["reward"] for r in rows) == Counter({1.5: 4})
     assert summary["failed"] == 0
+
+
+def test_a_seat_keeps_the_max_turns_its_environment_declares(server, tmp_path, monkeypatch):
+    # The seat declares max_turns = 2 and the task asks for 3 words: vf-eval stops after 2 turns (said = 2/3).
+    use_vf_envs(monkeypatch)
+    _, rows = our_eval(tmp_path, server, {"id": "vf-parity"})
+    traces = vf_eval(tmp_path, server, "vf-parity")
+    assert Counter((t.num_turns, round(t.reward, 4)) for t in traces) == Counter({(2, 1.1667): 4})
+    assert Counter((r["num_turns"], round(r["reward"], 4)) for r in rows) == Counter({(2, 1.1667): 4})
+
+
+def test_a_max_turns_the_run_sets_wins_over_the_seats_own(server, tmp_path, monkeypatch):
+    use_vf_envs(monkeypatch)
+    _, rows = our_eval(tmp_path, server, {"id": "vf-parity", "max_turns": 1})
+    assert Counter((r["num_turns"], round(r["reward"], 4)) for r in rows) == Counter({(1, 0.8333): 4})
