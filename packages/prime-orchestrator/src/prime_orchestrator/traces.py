@@ -68,7 +68,8 @@ def _sequences(trace: Any) -> list[TrainedSequence]:
 
 def trace_result(trace: Any, trains: bool) -> TraceResult:
     metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
-    metrics.update({f"reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+    # Each reward function's own score, unweighted, as verifiers reports it (its weight counts in ``trace.reward``).
+    metrics.update({f"reward/{k}": float(r.score) for k, r in trace.rewards.items() if r is not None})
     return TraceResult(
         seat=trace.agent.name,
         trainable=trains,
