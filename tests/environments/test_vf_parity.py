@@ -55,12 +55,17 @@ def test_a_max_turns_the_run_sets_wins_over_the_seats_own(server, tmp_path, monk
 
 def test_each_reward_and_metric_is_reported_by_name_as_verifiers_reports_it(server, tmp_path, monkeypatch):
     # verifiers' run summary (prime_runs.metrics.from_episodes, what vf-eval pushes): each reward function's own
-    # score, unweighted (brief = 1.0 at weight 0.5), and each metric. Ours: reward/<name> and <name> per rollout.
+    # score, unweighted (brief = 1.0 at weight 0.5), and each metric. Ours: reward/<name> and <name> per rollout,
+    # and their means in the eval summary (metrics/<name>).
     from prime_runs.metrics import from_episodes
 
     use_vf_envs(monkeypatch)
-    _, rows = our_eval(tmp_path, server, {"id": "vf-parity"})
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-parity"})
     theirs = from_episodes([], vf_eval(tmp_path, server, "vf-parity"))["avg_metrics"]
     assert theirs == {"said": pytest.approx(2 / 3), "brief": 1.0, "turns": 2.0}
     ours = {k.removeprefix("reward/"): sum(r["metrics"][k] for r in rows) / len(rows) for k in rows[0]["metrics"]}
     assert ours == theirs
+    means = {
+        k.removeprefix("metrics/").removeprefix("reward/"): v for k, v in summary.items() if k.startswith("metrics/")
+    }
+    assert means == theirs
