@@ -15,6 +15,7 @@ from tests.environments.test_vf_kinds import our_eval, script, vf_eval
 from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
 from tests.fixtures.scripted import ScriptedServer
 from tests.fixtures.vf import use_vf_envs
+from tests.orchestrator.test_vf_envs import orchestrate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -69,3 +70,8 @@ def test_each_reward_and_metric_is_reported_by_name_as_verifiers_reports_it(serv
         k.removeprefix("metrics/").removeprefix("reward/"): v for k, v in summary.items() if k.startswith("metrics/")
     }
     assert means == theirs
+    # Training logs the same, per environment (metrics.jsonl, W&B), on the seat's own 2 turns.
+    m = orchestrate(tmp_path / "run", server.config.model.name, server.url, {"id": "vf-parity"})
+    logged = {k.removeprefix("metrics/vf-parity/").removeprefix("reward/"): v for k, v in m.items()
+              if k.startswith("metrics/vf-parity/")}  # fmt: skip
+    assert logged == theirs
