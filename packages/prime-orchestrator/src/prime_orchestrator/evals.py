@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -57,7 +56,6 @@ async def evaluate_env(
     track: Any = None,
 ) -> tuple[dict[str, Any], list[dict]]:
     """Rollouts of the first ``num_examples`` tasks (all of a smaller finite taskset); a failed rollout scores 0.
-    The summary holds ``metrics/<name>``: each metric's and reward function's (``reward/<name>``) mean.
     ``track(rollout)`` awaits each one (the orchestrator's ``evals`` lane of its progress file)."""
     semaphore = semaphore or asyncio.Semaphore(64)
 
@@ -86,10 +84,10 @@ async def evaluate_env(
     for seat in sorted(seats) if len(seats) > 1 else []:
         summary[f"reward/{seat}/mean"] = float(np.mean([t.reward for r in results for t in r.traces if t.seat == seat]))
     # Each reward function's score and each metric, averaged over the rollouts that report it: vf-eval's summary.
-    values: dict[str, list[float]] = defaultdict(list)
+    values: dict[str, list[float]] = {}
     for r in results:
         for k, v in r.metrics.items():
-            values[k].append(v)
+            values.setdefault(k, []).append(v)
     summary.update({f"metrics/{k}": float(np.mean(vs)) for k, vs in values.items()})
     summary["failed"] = sum(r.failed for r in results)
     summary["num_turns/mean"] = float(np.mean([r.num_turns for r in results]))
