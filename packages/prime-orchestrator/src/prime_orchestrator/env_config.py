@@ -3,7 +3,8 @@
 ``harness = "auto"`` and ``runtime = "auto"`` keep what the environment gives each seat, as ``vf-eval`` would run
 it: the seat's own pin (an Env's role declared ``vf.AgentConfig(harness=..., runtime=...)``), else the taskset's
 bundled harness, else verifiers' ``bash``; a runtime the environment does not declare is ``subprocess`` (verifiers'
-default is a hosted sandbox, which an offline host cannot reach). One substitution keeps semantics: a seat played
+default is a hosted sandbox, which an offline host cannot reach). ``max_turns = "auto"`` likewise keeps a seat's
+declared turn limit (8 where it declares none). One substitution keeps semantics: a seat played
 by verifiers' plain ``null`` chat loop on the local runtime runs that same loop in-process (``prime-chat``), which
 saves a Python process per turn and never fetches the program's dependencies.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from prime_core.config.orchestrator import EnvConfig
+from prime_core.config.orchestrator import DEFAULT_MAX_TURNS, EnvConfig
 
 from prime_orchestrator.env_server import register_project_runtimes
 from prime_orchestrator.judges import JudgeEndpoint, env_judges, harden_judges, point_judges
@@ -24,8 +25,12 @@ LOCAL_RUNTIME = "subprocess"
 
 def _seat(env: EnvConfig, declared: Any, role: str) -> dict[str, Any]:
     """The project-level settings of one seat, over what the environment declares for it."""
-    seat: dict[str, Any] = {"max_turns": env.max_turns}
+    seat: dict[str, Any] = {}
     authored = type(declared).model_fields[role].default
+    if env.max_turns != "auto":
+        seat["max_turns"] = env.max_turns
+    elif "max_turns" not in authored.model_fields_set:
+        seat["max_turns"] = DEFAULT_MAX_TURNS
     if env.harness != "auto":
         seat["harness"] = {"id": env.harness, **env.harness_args}
     elif env.harness_args:

@@ -86,6 +86,12 @@ async def evaluate_env(
     seats = {t.seat for r in results for t in r.traces}
     for seat in sorted(seats) if len(seats) > 1 else []:
         summary[f"reward/{seat}/mean"] = float(np.mean([t.reward for r in results for t in r.traces if t.seat == seat]))
+    # Each reward function's score and each metric, averaged over the rollouts that report it: vf-eval's summary.
+    values: dict[str, list[float]] = {}
+    for r in results:
+        for k, v in r.metrics.items():
+            values.setdefault(k, []).append(v)
+    summary.update({f"metrics/{k}": float(np.mean(vs)) for k, vs in values.items()})
     summary["failed"] = sum(r.failed for r in results)
     summary["num_turns/mean"] = float(np.mean([r.num_turns for r in results]))
     return summary, rows

@@ -68,7 +68,8 @@ def _sequences(trace: Any) -> list[TrainedSequence]:
 
 def trace_result(trace: Any, trains: bool) -> TraceResult:
     metrics = {k: float(v) for k, v in trace.metrics.items() if v is not None}
-    metrics.update({f"reward/{k}": float(r.value) for k, r in trace.rewards.items() if r is not None})
+    # Each reward function's own score, unweighted, as verifiers reports it (its weight counts in ``trace.reward``).
+    metrics.update({f"reward/{k}": float(r.score) for k, r in trace.rewards.items() if r is not None})
     return TraceResult(
         seat=trace.agent.name,
         trainable=trains,
@@ -96,9 +97,12 @@ def seat_metrics(traces: list[TraceResult]) -> dict[str, float]:
 def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutResult:
     """The trained view of an episode: one ``TraceResult`` per trainable trace (agent seats and attempts; a simulated
     user or judge trains nothing), with the tokens, mask and log-probs verifiers recorded. A failed episode (it
-    raised, or the env marked it not ok) is failed."""
+    raised, or the env marked it not ok) is failed; one that verifiers retried to success (``retries``) is not, though
+    it keeps the earlier attempts' errors: "success is the ``ok`` stamp, never errors-emptiness" (verifiers)."""
     done = [t for t in episode.traces if t.branches]
-    error = episode.last_error or next((t.last_error for t in episode.traces if t.last_error is not None), None)
+    error = None
+    if not episode.ok:
+        error = episode.last_error or next((t.last_error for t in episode.traces if not t.ok and t.errors), None)
     if not done or error is not None:
         message = error.message if error is not None else "the episode produced no trace"
         return RolloutResult(env=env, example=example, failed=True, error=one_line(f"{message}"))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from prime_core.config.advantage import AdvantageConfig, LengthPenaltyConfig  # noqa: F401 (their home before)
 from prime_core.config.base import BaseConfig
@@ -25,6 +25,18 @@ from prime_core.config.shared import (
     Seed,
 )
 from prime_core.transport import RolloutTransportConfig
+
+DEFAULT_MAX_TURNS = 8
+"""The turn limit ``max_turns = "auto"`` gives a seat whose environment declares none."""
+
+
+def _positive_turns(value: int | str | None) -> int | str | None:
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"must be at least 1, 'auto' or None, got {value}")
+    return value
+
+
+MaxTurns = Annotated[int | Literal["auto"] | None, AfterValidator(_positive_turns)]
 
 
 class ClientConfig(BaseConfig):
@@ -152,8 +164,9 @@ class EnvConfig(BaseConfig):
     local process; verifiers' own default is a hosted sandbox)."""
     runtime_args: dict[str, Any] = Field(default_factory=dict)
     """Runtime config fields (e.g. a docker image)."""
-    max_turns: int | None = Field(default=8, ge=1)
-    """Upper bound on model turns per episode (None: no limit)."""
+    max_turns: MaxTurns = "auto"
+    """Upper bound on model turns of every agent seat (None: no limit). ``auto``: the limit the environment declares
+    for the seat (``vf.AgentConfig(max_turns=...)``), as ``vf-eval`` would run it, else 8."""
     num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """Worker processes of the env server (1: one server process; more: verifiers' broker over a worker pool)."""
     elastic: bool = False
@@ -436,8 +449,9 @@ class EvalConfig(BaseConfig):
     """Rollouts per example; pass@k is reported for k = 1, 2, 4, ... up to this."""
     sampling: EvalSamplingConfig = Field(default_factory=EvalSamplingConfig)
     """Sampling of eval rollouts."""
-    max_turns: int = Field(default=8, ge=1)
-    """Upper bound on model turns per episode."""
+    max_turns: MaxTurns = "auto"
+    """Upper bound on model turns of every agent seat (None: no limit). ``auto``: the limit the environment declares
+    for the seat, else 8."""
     num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """Env workers per environment."""
     use_chat: bool = False

@@ -1,0 +1,77 @@
+"""One environment (tests/fixtures/vf_envs/vf_parity) under our ``eval`` and under verifiers' own eval against the
+same scripted server: the same rewards, turns and per-reward values, for what an author can declare beyond a plain
+reward: weighted rewards, a seat's own ``max_turns``, a whole-episode ``retries`` that recovers a flaky grader.
+
+The script says the word it is asked for, so each turn hits: ``said`` = turns / times, ``brief`` = 1 (weight 0.5).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.environments.test_vf_kinds import our_eval, script, vf_eval
+from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
+from tests.fixtures.scripted import ScriptedServer
+from tests.fixtures.vf import use_vf_envs
+from tests.orchestrator.test_vf_envs import orchestrate
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = save_tiny_model(tmp_path_factory.mktemp("parity_model"), build_tool_tokenizer())
+    srv = ScriptedServer(model, script)
+    yield srv
+    srv.stop()
+
+
+def test_a_rollout_verifiers_retried_to_success_trains_as_a_success(server, tmp_path, monkeypatch):
+    # The grader raises once per task; the env's retries = 1 reruns the episode, which verifiers stamps ok (its
+    # earlier attempt's error kept in the history): vf-eval scores it, so must we.
+    use_vf_envs(monkeypatch)
+    args, env_args = {"flaky": True, "times": 2}, {"retries": {"max_retries": 1}}
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-parity", "args": args, "env_args": env_args})
+    traces = vf_eval(tmp_path, server, "vf-parity", taskset=args, env=env_args)
+    assert Counter(t.reward for t in traces) == Counter(r["reward"] for r in rows) == Counter({1.5: 4})
+    assert summary["failed"] == 0
+
+
+def test_a_seat_keeps_the_max_turns_its_environment_declares(server, tmp_path, monkeypatch):
+    # The seat declares max_turns = 2 and the task asks for 3 words: vf-eval stops after 2 turns (said = 2/3).
+    use_vf_envs(monkeypatch)
+    _, rows = our_eval(tmp_path, server, {"id": "vf-parity"})
+    traces = vf_eval(tmp_path, server, "vf-parity")
+    assert Counter((t.num_turns, round(t.reward, 4)) for t in traces) == Counter({(2, 1.1667): 4})
+    assert Counter((r["num_turns"], round(r["reward"], 4)) for r in rows) == Counter({(2, 1.1667): 4})
+
+
+def test_a_max_turns_the_run_sets_wins_over_the_seats_own(server, tmp_path, monkeypatch):
+    use_vf_envs(monkeypatch)
+    _, rows = our_eval(tmp_path, server, {"id": "vf-parity", "max_turns": 1})
+    assert Counter((r["num_turns"], round(r["reward"], 4)) for r in rows) == Counter({(1, 0.8333): 4})
+
+
+def test_each_reward_and_metric_is_reported_by_name_as_verifiers_reports_it(server, tmp_path, monkeypatch):
+    # verifiers' run summary (prime_runs.metrics.from_episodes, what vf-eval pushes): each reward function's own
+    # score, unweighted (brief = 1.0 at weight 0.5), and each metric. Ours: reward/<name> and <name> per rollout,
+    # and their means in the eval summary (metrics/<name>).
+    from prime_runs.metrics import from_episodes
+
+    use_vf_envs(monkeypatch)
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-parity"})
+    theirs = from_episodes([], vf_eval(tmp_path, server, "vf-parity"))["avg_metrics"]
+    assert theirs == {"said": pytest.approx(2 / 3), "brief": 1.0, "turns": 2.0}
+    ours = {k.removeprefix("reward/"): sum(r["metrics"][k] for r in rows) / len(rows) for k in rows[0]["metrics"]}
+    assert ours == theirs
+    means = {
+        k.removeprefix("metrics/").removeprefix("reward/"): v for k, v in summary.items() if k.startswith("metrics/")
+    }
+    assert means == theirs
+    # Training logs the same, per environment (metrics.jsonl, W&B), on the seat's own 2 turns.
+    m = orchestrate(tmp_path / "run", server.config.model.name, server.url, {"id": "vf-parity"})
+    logged = {k.removeprefix("metrics/vf-parity/").removeprefix("reward/"): v for k, v in m.items()
+              if k.startswith("metrics/vf-parity/")}  # fmt: skip
+    assert logged == theirs
