@@ -29,7 +29,7 @@ def trace(nodes: list[MessageNode], reward: float, trainable: bool = True, name:
 def test_a_turn_that_does_not_extend_the_history_starts_a_second_trained_sequence():
     # turn 1: [1 2 | 3 4]; turn 2 was re-rendered (3 4 not a prefix): [1 2 5 | 6]
     nodes = [node(None, [1, 2]), node(0, [3, 4], True), node(None, [1, 2, 5]), node(2, [6], True)]
-    result = to_result(Episode(task=TASK, traces=[trace(nodes, 1.0)]), "env", 0, 1.0)
+    result = to_result(Episode(task=TASK, ok=True, traces=[trace(nodes, 1.0)]), "env", 0, 1.0)
     assert [s.token_ids for s in result.sequences] == [[1, 2, 3, 4], [1, 2, 5, 6]]
     assert [s.loss_mask for s in result.sequences] == [[False, False, True, True], [False, False, False, True]]
     assert result.sequences[1].logprobs == [0.0, 0.0, 0.0, -0.5]
@@ -39,19 +39,25 @@ def test_a_turn_that_does_not_extend_the_history_starts_a_second_trained_sequenc
 def test_untrainable_seats_train_nothing_and_do_not_score():
     user = trace([node(None, [7]), node(0, [8, 9], True)], 0.0, trainable=False, name="user")
     agent = trace([node(None, [1]), node(0, [2], True)], 0.75)
-    result = to_result(Episode(task=TASK, traces=[user, agent]), "env", 3, 1.0)
+    result = to_result(Episode(task=TASK, ok=True, traces=[user, agent]), "env", 3, 1.0)
     assert [s.token_ids for s in result.sequences] == [[1, 2]]
     assert result.reward == 0.75 and result.num_turns == 1 and result.metrics == {"reward/score": 0.75}
 
 
 def test_an_episode_without_a_trainable_seat_is_scored_over_all_seats_and_trains_nothing():
     pair = [trace([node(None, [1]), node(0, [2], True)], r, trainable=False) for r in (1.0, 0.0)]
-    result = to_result(Episode(task=TASK, traces=pair), "env", 0, 1.0)
+    result = to_result(Episode(task=TASK, ok=True, traces=pair), "env", 0, 1.0)
     assert result.reward == 0.5 and result.sequences == []
 
 
+def test_an_episode_the_env_did_not_mark_ok_is_a_failed_rollout_even_without_an_error():
+    # "success is the ok stamp": an episode verifiers left not ok trains nothing, whether or not it kept an error.
+    result = to_result(Episode(task=TASK, traces=[trace([node(None, [1]), node(0, [2], True)], 1.0)]), "env", 2, 1.0)
+    assert result.failed and not result.sequences and result.error == "the env marked the episode not ok (no error)"
+
+
 def test_an_episode_with_no_trace_is_a_failed_rollout():
-    result = to_result(Episode(task=TASK, traces=[]), "env", 5, 1.0)
+    result = to_result(Episode(task=TASK, ok=True, traces=[]), "env", 5, 1.0)
     assert result.failed and not result.sequences and "no trace" in result.error
 
 
@@ -59,7 +65,7 @@ def test_each_seat_of_a_two_player_episode_carries_its_own_reward_and_metrics():
     first = trace([node(None, [1]), node(0, [2, 3], True)], 1.0, name="first")
     second = trace([node(None, [4]), node(0, [5], True)], -1.0, name="second")
     first.metrics["moves"], second.metrics["moves"] = 1.0, 3.0
-    result = to_result(Episode(task=TASK, traces=[first, second]), "duel", 0, 1.0)
+    result = to_result(Episode(task=TASK, ok=True, traces=[first, second]), "duel", 0, 1.0)
     assert [(t.seat, t.reward, t.completion_len) for t in result.traces] == [("first", 1.0, 2), ("second", -1.0, 1)]
     assert result.seats == ["first", "second"] and result.reward == 0.0
     assert result.metrics == {"first/moves": 1.0, "first/reward/score": 1.0, "second/moves": 3.0,
@@ -68,7 +74,7 @@ def test_each_seat_of_a_two_player_episode_carries_its_own_reward_and_metrics():
 
 def test_attempts_of_one_seat_are_separate_traces_and_metrics_average_over_them():
     attempts = [trace([node(None, [1]), node(0, [2], True)], r) for r in (1.0, 0.0, 0.5)]
-    result = to_result(Episode(task=TASK, traces=attempts), "best-of", 0, 1.0)
+    result = to_result(Episode(task=TASK, ok=True, traces=attempts), "best-of", 0, 1.0)
     assert [t.reward for t in result.traces] == [1.0, 0.0, 0.5] and result.seats == ["agent"]
     assert result.metrics == {"reward/score": 0.5} and len(result.sequences) == 3
 
@@ -76,7 +82,7 @@ def test_attempts_of_one_seat_are_separate_traces_and_metrics_average_over_them(
 def test_a_sampled_node_shared_by_two_branches_trains_only_in_the_first():
     # prompt -> sampled reply (shared) -> two continuations, each a leaf: two branches through node 1
     nodes = [node(None, [1]), node(0, [2, 3], True), node(1, [4]), node(2, [5], True), node(1, [6]), node(4, [7], True)]
-    result = to_result(Episode(task=TASK, traces=[trace(nodes, 1.0)]), "env", 0, 1.0)
+    result = to_result(Episode(task=TASK, ok=True, traces=[trace(nodes, 1.0)]), "env", 0, 1.0)
     first, second = result.sequences
     assert first.token_ids == [1, 2, 3, 4, 5] and first.loss_mask == [False, True, True, False, True]
     assert second.token_ids == [1, 2, 3, 6, 7] and second.loss_mask == [False, False, False, False, True]

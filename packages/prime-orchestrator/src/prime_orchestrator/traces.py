@@ -100,12 +100,13 @@ def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutRe
     raised, or the env marked it not ok) is failed; one that verifiers retried to success (``retries``) is not, though
     it keeps the earlier attempts' errors: "success is the ``ok`` stamp, never errors-emptiness" (verifiers)."""
     done = [t for t in episode.traces if t.branches]
-    error = None
-    if not episode.ok:
+    if not episode.ok or not done:
         error = episode.last_error or next((t.last_error for t in episode.traces if not t.ok and t.errors), None)
-    if not done or error is not None:
-        message = error.message if error is not None else "the episode produced no trace"
-        return RolloutResult(env=env, example=example, failed=True, error=one_line(f"{message}"))
+        if error is not None:
+            message = error.message
+        else:
+            message = "the episode produced no trace" if not done else "the env marked the episode not ok (no error)"
+        return RolloutResult(env=env, example=example, failed=True, error=one_line(message))
     # An env where no seat trains (an eval of a fixed pair of agents) is scored over all of them, as vf-eval does.
     trainable = [t for t in done if t.agent.trainable]
     scored = trainable or done
