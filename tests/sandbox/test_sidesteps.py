@@ -329,3 +329,35 @@ def test_limits_a_cpuacct_hierarchy_the_pool_cannot_use_leaves_memory_and_pids_e
     cgroups, why = Cgroups._make(1, parents)
     assert cgroups is not None and set(cgroups.parents) == {"memory", "pids"} and not cgroups.counts_cpu, why
     cgroups.close()
+
+
+# host files: whether the host's page cache holds a bound host file, read without blocking (preadv2 with RWF_NOWAIT
+# answers EAGAIN for a page that is not cached), the probe mincore and cachestat were denied for; {paths} are bound
+# host files, one the host just read and one it evicted
+PAGE_CACHE_NOWAIT = """
+import os
+for path in {paths!r}:
+    fd = os.open(path, os.O_RDONLY)
+    for name, flags in (("nowait", os.RWF_NOWAIT), ("plain", 0)):
+        try:
+            print(name, os.preadv(fd, [bytearray(4096)], 0, flags))
+        except OSError as e:
+            print(name, -e.errno)
+"""
+
+
+def test_host_files_no_page_cache_probe_by_a_read_that_never_waits(sandbox):
+    # Before: preadv2(RWF_NOWAIT) read 4096 bytes of the stdlib module the host had just read and -EAGAIN of the one
+    # it had evicted: which host files the host and the neighbours use, as mincore told before it was denied.
+    stdlib = sorted(Path(os.__file__).resolve().parent.glob("*.py"), key=lambda p: p.stat().st_size)
+    hot, cold = stdlib[-1], stdlib[-2]
+    hot.read_bytes()
+    fd = os.open(cold, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    result = run(sandbox, PAGE_CACHE_NOWAIT.format(paths=[str(hot), str(cold)]))
+    assert result.status == "ok", result
+    no_wait = f"nowait {-errno.EOPNOTSUPP}"  # what a file that cannot be read without waiting answers
+    assert result.stdout.splitlines() == [no_wait, "plain 4096"] * 2, result.stdout
