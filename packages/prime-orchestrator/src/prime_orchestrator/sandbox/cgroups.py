@@ -61,7 +61,7 @@ def _mounts() -> dict[str, tuple[str, str]]:
         if fstype == "cgroup2":
             out.setdefault("", (root, point))
         elif fstype == "cgroup":
-            for c in ("memory", "pids", "cpuacct"):
+            for c in ("memory", "pids", "cpuacct", "cpu"):
                 if c in options:
                     out.setdefault(c, (root, point))
     return out
@@ -79,9 +79,11 @@ class Cgroups:
     """Memory+pids cgroups under the pool's own, one per key (``s<slot>`` for an execution slot, ``w<uid>`` for a
     workspace, whose files stay charged to it), created on first use."""
 
-    def __init__(self, version: int, parents: dict[str, Path]) -> None:
+    def __init__(self, version: int, parents: dict[str, Path], cpu_parent: Path | None = None) -> None:
         self.version = version
         self.parents = parents  # controller -> this pool's cgroup directory ("" for v2)
+        # This pool's directory in the CPU controller's hierarchy, where its zygotes run (see place_zygote)
+        self.cpu_parent = cpu_parent
         self._limits: dict[str, tuple[int, int]] = {}
         self._ooms: dict[str, int] = {}
         # Per key, kept open: its cgroup.procs descriptors (sent to each runner) and its peak counter (v1). Opening
@@ -107,7 +109,8 @@ class Cgroups:
         if all(v1.values()):
             # cpuacct when mounted: the CPU time of an execution's processes together (see cpu_fd)
             cpu = {"cpuacct": path} if (path := _path("cpuacct", mounts, own)) else {}
-            return cls._make(1, {c: p / name for c, p in {**v1, **cpu}.items()})
+            weight = _path("cpu", mounts, own)
+            return cls._make(1, {c: p / name for c, p in {**v1, **cpu}.items()}, weight and weight / name)
         v2 = _path("", mounts, own)
         if v2 is None:
             return None, "no cgroup v2 mount and no writable cgroup v1 memory and pids hierarchies"
@@ -123,7 +126,9 @@ class Cgroups:
         return cls._make(2, {"": v2 / name})
 
     @classmethod
-    def _make(cls, version: int, parents: dict[str, Path]) -> tuple[Cgroups | None, str]:
+    def _make(
+        cls, version: int, parents: dict[str, Path], cpu_parent: Path | None = None
+    ) -> tuple[Cgroups | None, str]:
         if "cpuacct" in parents:  # optional: without it only the CPU total goes unenforced (the pool says so)
             try:
                 parents["cpuacct"].mkdir(exist_ok=True)
@@ -134,10 +139,29 @@ class Cgroups:
                 path.mkdir(exist_ok=True)
             if version == 2:
                 (parents[""] / "cgroup.subtree_control").write_text("+memory +pids")
+                with contextlib.suppress(OSError):  # where the host delegates it (see place_zygote)
+                    (parents[""] / "cgroup.subtree_control").write_text("+cpu")
+                    cpu_parent = parents[""]
         except OSError as e:
             cls(version, parents).close()
             return None, f"cannot create {next(iter(parents.values()))} ({e.strerror})"
-        return cls(version, parents), ""
+        return cls(version, parents, cpu_parent), ""
+
+    def place_zygote(self, pid: int) -> str:
+        """Move a zygote, and so every supervisor and execution it forks, into this pool's ``zygotes`` CPU cgroup;
+        '' or why it stays where it is. In the root CPU cgroup the kernel's autogroups give each session the weight
+        of a whole host session: an execution whose 8 processes each called ``setsid`` took 7.6 times the CPU of a
+        host process (the trainer's, the inference server's) on the same core, and as much from every other
+        execution of the pool together (1.0 without ``setsid``). Autogroups apply in the root CPU cgroup only."""
+        if self.cpu_parent is None:
+            return "no cpu cgroup hierarchy"  # the pool lists it as not enforced
+        d = self.cpu_parent / "zygotes"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            self._write(d / "cgroup.procs", str(pid))
+        except OSError as e:
+            return f"cannot move a zygote into {d} ({e.strerror})"
+        return ""
 
     def _dirs(self, key: str) -> dict[str, Path]:
         return {c: p / key for c, p in self.parents.items()}
@@ -251,6 +275,10 @@ class Cgroups:
         """Remove the pool's cgroups (those still holding a process stay, and the next pool's start says so)."""
         for key in {*self._procs, *self._cpu}:
             self._close_fds(key)
+        if self.cpu_parent is not None and self.cpu_parent not in self.parents.values():
+            for d in (self.cpu_parent / "zygotes", self.cpu_parent):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
         for parent in self.parents.values():
             children = [p for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []
             for child in children:
