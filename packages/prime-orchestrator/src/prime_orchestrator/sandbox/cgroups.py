@@ -151,8 +151,8 @@ class Cgroups:
         """Move a zygote, and so every supervisor and execution it forks, into this pool's ``zygotes`` CPU cgroup;
         '' or why it stays where it is. In the root CPU cgroup the kernel's autogroups give each session the weight
         of a whole host session: an execution whose 8 processes each called ``setsid`` took 7.6 times the CPU of a
-        host process (the trainer's, the inference server's) on the same core, and as much from every other
-        execution of the pool together (1.0 without ``setsid``). Autogroups apply in the root CPU cgroup only."""
+        host process (the trainer's, the inference server's) on the same core (1.0 without ``setsid``). Autogroups
+        apply in the root CPU cgroup only."""
         if self.cpu_parent is None:
             return "no cpu cgroup hierarchy"  # the pool lists it as not enforced
         d = self.cpu_parent / "zygotes"
