@@ -202,7 +202,8 @@ class SandboxPool:
                 if (
                     self._cgroups is not None
                     and self._cgroups.cpu_parent
-                    and (why := self._cgroups.place_zygote(z.proc.pid))
+                    # off the loop: a v1 cgroup.procs write waits for an RCU grace period (ms on a loaded host)
+                    and (why := await asyncio.to_thread(self._cgroups.place_zygote, z.proc.pid))
                 ):
                     logger.warning("sandbox zygote: %s; sessions of the code get their own CPU weight", why)
                 self._zygotes[i] = z
