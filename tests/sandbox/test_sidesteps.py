@@ -4,6 +4,7 @@ API and the test asserts what the host sees (the status, the CPU the trusted sup
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import json
@@ -390,7 +391,7 @@ def test_neighbours_sessions_of_the_code_take_a_host_process_no_more_cpu_than_on
     # Before: in the root CPU cgroup each session is an autogroup weighing as much as a whole host session (the
     # trainer's, the inference server's, every other execution's together): the 8 sessions' execution took 2.74 s
     # of CPU to the host process's 0.36 s on their shared core (7.6 times; 1.0 without setsid).
-    if "one CPU weight" in " ".join(sandbox.pool.health().unenforced):
+    if "one CPU weight per execution" in " ".join(sandbox.pool.health().unenforced):
         pytest.skip("no cpu cgroup here")
     cpu = min(os.sched_getaffinity(0))
     host = subprocess.Popen(
@@ -400,3 +401,41 @@ def test_neighbours_sessions_of_the_code_take_a_host_process_no_more_cpu_than_on
     host_cpu = float(host.communicate(timeout=60)[0])
     assert result.status == "ok", result
     assert result.cpu_s < 3 * host_cpu, (result.cpu_s, host_cpu)
+
+
+# neighbours: 16 processes spinning on one CPU until the limits stop them, and a neighbour needing 1 s of CPU there
+SPIN_16 = """
+import os
+os.sched_setaffinity(0, {{{cpu}}})
+for _ in range(15):
+    if os.fork() == 0:
+        break
+while True:
+    pass
+"""
+ONE_SECOND = """
+import os, time
+os.sched_setaffinity(0, {{{cpu}}})
+start = time.process_time()
+while time.process_time() - start < 1.0:
+    pass
+print("done")
+"""
+
+
+def test_neighbours_an_execution_of_many_processes_leaves_each_neighbour_its_share(sandbox):
+    # Before: the CPU went per process, so two executions of 16 spinning processes left a neighbour 1/33 of their
+    # core: it spent 0.12 s of CPU in its 5 s and timed out (alone it took 1.1 s), a 0 for a correct answer.
+    if "one CPU weight per execution" in " ".join(sandbox.pool.health().unenforced):
+        pytest.skip("no cpu cgroup here")
+    cpu = min(os.sched_getaffinity(0))
+    limits = SandboxLimits(wall_s=10, cpu_s=10)
+
+    async def together():
+        spin = ExecRequest(code=SPIN_16.format(cpu=cpu), limits=limits)
+        work = ExecRequest(code=ONE_SECOND.format(cpu=cpu), limits=limits)
+        return await asyncio.gather(sandbox.execute(spin), sandbox.execute(spin), sandbox.execute(work))
+
+    *spinners, neighbour = sandbox.call(together()).result(timeout=120)
+    assert [s.status for s in spinners] == ["timeout", "timeout"], spinners
+    assert (neighbour.status, neighbour.stdout) == ("ok", "done\n"), neighbour

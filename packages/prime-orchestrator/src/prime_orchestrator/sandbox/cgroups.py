@@ -3,7 +3,9 @@
 RLIMIT_AS bounds each process's address space, but not what an execution holds outside it: pages of files in its
 tmpfs, pipe and socket buffers, several processes at once; RLIMIT_CPU bounds each process's CPU time, not their sum.
 A cgroup counts all of it. The pool makes one cgroup per execution slot (memory and pids controllers, and v1's
-cpuacct where it is mounted; v2 counts CPU time in every cgroup) under its own cgroup, where the host lets it:
+cpuacct where it is mounted; v2 counts CPU time in every cgroup; the cpu controller where it is mounted or delegated,
+which gives each execution one CPU weight however many processes it runs) under its own cgroup, where the host lets
+it:
 
 - cgroup v2, when the pool's cgroup delegates ``memory`` and ``pids`` to its children (``cgroup.subtree_control``,
   as systemd's ``Delegate=yes``), or the pool runs in the root cgroup;
@@ -23,9 +25,9 @@ import resource
 from pathlib import Path
 
 MIB = 1 << 20
-FDS_PER_KEY = 5
+FDS_PER_KEY = 6
 """Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
-(v1: memory, pids, cpuacct), v1's memory peak and the CPU usage counter. Slots are reused first in, first out, so
+(v1: memory, pids, cpuacct, cpu), v1's memory peak and the CPU usage counter. Slots are reused first in, first out, so
 every slot's are open after a while."""
 
 
@@ -109,7 +111,9 @@ class Cgroups:
         if all(v1.values()):
             # cpuacct when mounted: the CPU time of an execution's processes together (see cpu_fd)
             cpu = {"cpuacct": path} if (path := _path("cpuacct", mounts, own)) else {}
-            weight = _path("cpu", mounts, own)
+            # cpu: each execution's weight (see place_zygote); mounted with cpuacct, the cpuacct join moves it too
+            if (weight := _path("cpu", mounts, own)) is not None and weight != cpu.get("cpuacct"):
+                cpu["cpu"] = weight
             return cls._make(1, {c: p / name for c, p in {**v1, **cpu}.items()}, weight and weight / name)
         v2 = _path("", mounts, own)
         if v2 is None:
@@ -129,11 +133,13 @@ class Cgroups:
     def _make(
         cls, version: int, parents: dict[str, Path], cpu_parent: Path | None = None
     ) -> tuple[Cgroups | None, str]:
-        if "cpuacct" in parents:  # optional: without it only the CPU total goes unenforced (the pool says so)
-            try:
-                parents["cpuacct"].mkdir(exist_ok=True)
-            except OSError:
-                parents = {c: p for c, p in parents.items() if c != "cpuacct"}
+        for optional in ("cpuacct", "cpu"):  # without them only the CPU total or weight goes unenforced (said)
+            if optional in parents:
+                try:
+                    parents[optional].mkdir(exist_ok=True)
+                except OSError:
+                    parents = {c: p for c, p in parents.items() if c != optional}
+                    cpu_parent = None if optional == "cpu" else cpu_parent
         try:
             for path in parents.values():
                 path.mkdir(exist_ok=True)
@@ -148,11 +154,11 @@ class Cgroups:
         return cls(version, parents, cpu_parent), ""
 
     def place_zygote(self, pid: int) -> str:
-        """Move a zygote, and so every supervisor and execution it forks, into this pool's ``zygotes`` CPU cgroup;
-        '' or why it stays where it is. In the root CPU cgroup the kernel's autogroups give each session the weight
-        of a whole host session: an execution whose 8 processes each called ``setsid`` took 7.6 times the CPU of a
-        host process (the trainer's, the inference server's) on the same core (1.0 without ``setsid``). Autogroups
-        apply in the root CPU cgroup only."""
+        """Move a zygote, and so every supervisor it forks, into this pool's ``zygotes`` CPU cgroup (its executions
+        then join their slot's, beside it); '' or why it stays where it is. In the root CPU cgroup the kernel's
+        autogroups give each session the weight of a whole host session: an execution whose 8 processes each called
+        ``setsid`` took 7.8 times the CPU of a host process (the trainer's, the inference server's) on the same core
+        (1.0 without ``setsid``). Autogroups apply in the root CPU cgroup only."""
         if self.cpu_parent is None:
             return "no cpu cgroup hierarchy"  # the pool lists it as not enforced
         d = self.cpu_parent / "zygotes"

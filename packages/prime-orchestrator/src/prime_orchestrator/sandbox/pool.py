@@ -144,7 +144,8 @@ class SandboxPool:
             self.unenforced.append("CPU time of an execution's processes together (no cgroup v1 cpuacct hierarchy)")
         if cgroups.cpu_parent is None:
             self.unenforced.append(
-                "one CPU weight for the whole sandbox: sessions of the code get their own (no cpu cgroup)"
+                "one CPU weight per execution and for the whole sandbox: CPU goes per process, and sessions the code "
+                "makes weigh as much as a host session (no cpu cgroup)"
             )
         # Every slot's and workspace's cgroup files stay open: under a soft limit of 1024 a pool of ~300 slots
         # failed its executions once enough slots had been used, well into a run.
