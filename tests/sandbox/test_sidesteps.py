@@ -334,6 +334,22 @@ def test_limits_a_cpuacct_hierarchy_the_pool_cannot_use_leaves_memory_and_pids_e
     cgroups.close()
 
 
+@pytest.mark.parametrize("mounted_with_cpuacct", [True, False])
+def test_neighbours_a_cpu_hierarchy_the_pool_cannot_use_is_not_enforced_but_named(tmp_path, mounted_with_cpuacct):
+    from prime_orchestrator.sandbox.cgroups import Cgroups
+
+    for controller in ("memory", "pids"):
+        (tmp_path / controller).mkdir()
+    parents = {c: tmp_path / c / "pool" for c in ("memory", "pids", "cpuacct")}  # no cpu(acct) hierarchy there
+    cpu = parents["cpuacct"] if mounted_with_cpuacct else tmp_path / "cpu" / "pool"
+    if not mounted_with_cpuacct:
+        parents["cpu"] = cpu
+    cgroups, why = Cgroups._make(1, parents, cpu)
+    assert cgroups is not None and set(cgroups.parents) == {"memory", "pids"} and cgroups.cpu_parent is None, why
+    assert cgroups.place_zygote(os.getpid()) == "no cpu cgroup hierarchy"
+    cgroups.close()
+
+
 # host files: whether the host's page cache holds a bound host file, read without blocking (preadv2 with RWF_NOWAIT
 # answers EAGAIN for a page that is not cached), the probe mincore and cachestat were denied for; {paths} are bound
 # host files, one the host just read and one it evicted

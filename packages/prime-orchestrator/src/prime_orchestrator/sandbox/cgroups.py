@@ -139,7 +139,8 @@ class Cgroups:
                     parents[optional].mkdir(exist_ok=True)
                 except OSError:
                     parents = {c: p for c, p in parents.items() if c != optional}
-                    cpu_parent = None if optional == "cpu" else cpu_parent
+        if version == 1 and cpu_parent not in parents.values():  # its hierarchy (cpu, or cpu,cpuacct) is not usable
+            cpu_parent = None
         try:
             for path in parents.values():
                 path.mkdir(exist_ok=True)
