@@ -3,7 +3,9 @@
 RLIMIT_AS bounds each process's address space, but not what an execution holds outside it: pages of files in its
 tmpfs, pipe and socket buffers, several processes at once; RLIMIT_CPU bounds each process's CPU time, not their sum.
 A cgroup counts all of it. The pool makes one cgroup per execution slot (memory and pids controllers, and v1's
-cpuacct where it is mounted; v2 counts CPU time in every cgroup) under its own cgroup, where the host lets it:
+cpuacct where it is mounted; v2 counts CPU time in every cgroup; the cpu controller where it is mounted or delegated,
+which gives each execution one CPU weight however many processes it runs) under its own cgroup, where the host lets
+it:
 
 - cgroup v2, when the pool's cgroup delegates ``memory`` and ``pids`` to its children (``cgroup.subtree_control``,
   as systemd's ``Delegate=yes``), or the pool runs in the root cgroup;
@@ -23,9 +25,9 @@ import resource
 from pathlib import Path
 
 MIB = 1 << 20
-FDS_PER_KEY = 5
+FDS_PER_KEY = 6
 """Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
-(v1: memory, pids, cpuacct), v1's memory peak and the CPU usage counter. Slots are reused first in, first out, so
+(v1: memory, pids, cpuacct, cpu), v1's memory peak and the CPU usage counter. Slots are reused first in, first out, so
 every slot's are open after a while."""
 
 
@@ -61,7 +63,7 @@ def _mounts() -> dict[str, tuple[str, str]]:
         if fstype == "cgroup2":
             out.setdefault("", (root, point))
         elif fstype == "cgroup":
-            for c in ("memory", "pids", "cpuacct"):
+            for c in ("memory", "pids", "cpuacct", "cpu"):
                 if c in options:
                     out.setdefault(c, (root, point))
     return out
@@ -79,9 +81,11 @@ class Cgroups:
     """Memory+pids cgroups under the pool's own, one per key (``s<slot>`` for an execution slot, ``w<uid>`` for a
     workspace, whose files stay charged to it), created on first use."""
 
-    def __init__(self, version: int, parents: dict[str, Path]) -> None:
+    def __init__(self, version: int, parents: dict[str, Path], cpu_parent: Path | None = None) -> None:
         self.version = version
         self.parents = parents  # controller -> this pool's cgroup directory ("" for v2)
+        # This pool's directory in the CPU controller's hierarchy, where its zygotes run (see place_zygote)
+        self.cpu_parent = cpu_parent
         self._limits: dict[str, tuple[int, int]] = {}
         self._ooms: dict[str, int] = {}
         # Per key, kept open: its cgroup.procs descriptors (sent to each runner) and its peak counter (v1). Opening
@@ -107,7 +111,10 @@ class Cgroups:
         if all(v1.values()):
             # cpuacct when mounted: the CPU time of an execution's processes together (see cpu_fd)
             cpu = {"cpuacct": path} if (path := _path("cpuacct", mounts, own)) else {}
-            return cls._make(1, {c: p / name for c, p in {**v1, **cpu}.items()})
+            # cpu: each execution's weight (see place_zygote); mounted with cpuacct, the cpuacct join moves it too
+            if (weight := _path("cpu", mounts, own)) is not None and weight != cpu.get("cpuacct"):
+                cpu["cpu"] = weight
+            return cls._make(1, {c: p / name for c, p in {**v1, **cpu}.items()}, weight and weight / name)
         v2 = _path("", mounts, own)
         if v2 is None:
             return None, "no cgroup v2 mount and no writable cgroup v1 memory and pids hierarchies"
@@ -123,21 +130,45 @@ class Cgroups:
         return cls._make(2, {"": v2 / name})
 
     @classmethod
-    def _make(cls, version: int, parents: dict[str, Path]) -> tuple[Cgroups | None, str]:
-        if "cpuacct" in parents:  # optional: without it only the CPU total goes unenforced (the pool says so)
-            try:
-                parents["cpuacct"].mkdir(exist_ok=True)
-            except OSError:
-                parents = {c: p for c, p in parents.items() if c != "cpuacct"}
+    def _make(
+        cls, version: int, parents: dict[str, Path], cpu_parent: Path | None = None
+    ) -> tuple[Cgroups | None, str]:
+        for optional in ("cpuacct", "cpu"):  # without them only the CPU total or weight goes unenforced (said)
+            if optional in parents:
+                try:
+                    parents[optional].mkdir(exist_ok=True)
+                except OSError:
+                    parents = {c: p for c, p in parents.items() if c != optional}
+        if version == 1 and cpu_parent not in parents.values():  # its hierarchy (cpu, or cpu,cpuacct) is not usable
+            cpu_parent = None
         try:
             for path in parents.values():
                 path.mkdir(exist_ok=True)
             if version == 2:
                 (parents[""] / "cgroup.subtree_control").write_text("+memory +pids")
+                with contextlib.suppress(OSError):  # where the host delegates it (see place_zygote)
+                    (parents[""] / "cgroup.subtree_control").write_text("+cpu")
+                    cpu_parent = parents[""]
         except OSError as e:
             cls(version, parents).close()
             return None, f"cannot create {next(iter(parents.values()))} ({e.strerror})"
-        return cls(version, parents), ""
+        return cls(version, parents, cpu_parent), ""
+
+    def place_zygote(self, pid: int) -> str:
+        """Move a zygote, and so every supervisor it forks, into this pool's ``zygotes`` CPU cgroup (its executions
+        then join their slot's, beside it); '' or why it stays where it is. In the root CPU cgroup the kernel's
+        autogroups give each session the weight of a whole host session: an execution whose 8 processes each called
+        ``setsid`` took 7.8 times the CPU of a host process (the trainer's, the inference server's) on the same core
+        (1.0 without ``setsid``). Autogroups apply in the root CPU cgroup only."""
+        if self.cpu_parent is None:
+            return "no cpu cgroup hierarchy"  # the pool lists it as not enforced
+        d = self.cpu_parent / "zygotes"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            self._write(d / "cgroup.procs", str(pid))
+        except OSError as e:
+            return f"cannot move a zygote into {d} ({e.strerror})"
+        return ""
 
     def _dirs(self, key: str) -> dict[str, Path]:
         return {c: p / key for c, p in self.parents.items()}
@@ -251,6 +282,10 @@ class Cgroups:
         """Remove the pool's cgroups (those still holding a process stay, and the next pool's start says so)."""
         for key in {*self._procs, *self._cpu}:
             self._close_fds(key)
+        if self.cpu_parent is not None and self.cpu_parent not in self.parents.values():
+            for d in (self.cpu_parent / "zygotes", self.cpu_parent):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
         for parent in self.parents.values():
             children = [p for p in parent.iterdir() if p.is_dir()] if parent.is_dir() else []
             for child in children:

@@ -142,6 +142,11 @@ class SandboxPool:
             return None
         if not cgroups.counts_cpu:
             self.unenforced.append("CPU time of an execution's processes together (no cgroup v1 cpuacct hierarchy)")
+        if cgroups.cpu_parent is None:
+            self.unenforced.append(
+                "one CPU weight per execution and for the whole sandbox: CPU goes per process, and sessions the code "
+                "makes weigh as much as a host session (no cpu cgroup)"
+            )
         # Every slot's and workspace's cgroup files stay open: under a soft limit of 1024 a pool of ~300 slots
         # failed its executions once enough slots had been used, well into a run.
         keys = self.config.max_concurrency + NUM_WORKSPACES
@@ -195,6 +200,13 @@ class SandboxPool:
                 z = await asyncio.to_thread(
                     Zygote, self.config, self.uid_base, num_uids, root, self._seccomp, self._num_zygotes
                 )
+                if (
+                    self._cgroups is not None
+                    and self._cgroups.cpu_parent
+                    # off the loop: a v1 cgroup.procs write waits for an RCU grace period (ms on a loaded host)
+                    and (why := await asyncio.to_thread(self._cgroups.place_zygote, z.proc.pid))
+                ):
+                    logger.warning("sandbox zygote: %s; sessions of the code get their own CPU weight", why)
                 self._zygotes[i] = z
                 self._counts["zygotes_started"] += 1
             return z

@@ -22,6 +22,10 @@ The policy is an allowlist in the spirit of Docker's default profile, narrowed f
   the host's dirty data of that file, waiting for it uninterruptibly;
 - ``fcntl`` is allowed but for ``F_NOTIFY`` (``inotify``'s older form) and ``fadvise64`` but for
   ``POSIX_FADV_DONTNEED``, which drops a bound host file's pages from the host's page cache;
+- ``preadv2`` is allowed but with ``RWF_NOWAIT`` (``EOPNOTSUPP``, what a file that cannot be read without waiting
+  answers, so a caller reads it the usual way): it answered ``EAGAIN`` for a page the host's page cache does not
+  hold, the probe of which host files the host and the neighbours read that ``mincore`` and ``cachestat`` are
+  denied for;
 - ``mmap`` is allowed but with ``MAP_HUGETLB`` (``ENOMEM``): the host's reserved huge pages are not charged to the
   execution's memory cgroup;
 - ``clone`` is allowed without namespace flags; ``socket`` for ``AF_UNIX``, ``AF_INET`` and ``AF_INET6`` only
@@ -46,7 +50,7 @@ def _names(text: str) -> tuple[str, ...]:
 # architecture's, or newer than this host's libseccomp) are skipped.
 ALLOWED = _names(
     # files and descriptors
-    "read write readv writev pread64 pwrite64 preadv pwritev preadv2 pwritev2 open openat openat2 creat close "
+    "read write readv writev pread64 pwrite64 preadv pwritev pwritev2 open openat openat2 creat close "
     "close_range lseek dup dup2 dup3 ioctl truncate ftruncate fallocate readahead "
     "sendfile splice tee vmsplice copy_file_range pipe pipe2 "
     # metadata and directories
@@ -116,6 +120,7 @@ MS_SYNC = 4
 # The host's reserved huge pages are not charged to the memory cgroup: an execution limited to 64 MiB took 22 of
 # 32 (ENOMEM: what a host without reserved huge pages answers, so allocators fall back to ordinary pages).
 MAP_HUGETLB = 0x40000
+RWF_NOWAIT = 0x8  # preadv2's flags (its sixth argument on every architecture)
 F_NOTIFY = 1026
 POSIX_FADV_DONTNEED = 4
 NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
@@ -185,6 +190,8 @@ def _rules(lib, ctx) -> None:
         _add(lib, ctx, _errno(0), name)
     _add(lib, ctx, _ACT_ALLOW, "mmap", (3, _CMP_MASKED_EQ, MAP_HUGETLB, 0))
     _add(lib, ctx, _errno(errno.ENOMEM), "mmap", (3, _CMP_MASKED_EQ, MAP_HUGETLB, MAP_HUGETLB))
+    _add(lib, ctx, _ACT_ALLOW, "preadv2", (5, _CMP_MASKED_EQ, RWF_NOWAIT, 0))
+    _add(lib, ctx, _errno(errno.EOPNOTSUPP), "preadv2", (5, _CMP_MASKED_EQ, RWF_NOWAIT, RWF_NOWAIT))
     _add(lib, ctx, _ACT_ALLOW, "msync", (2, _CMP_MASKED_EQ, MS_SYNC, 0))
     _add(lib, ctx, _errno(0), "msync", (2, _CMP_MASKED_EQ, MS_SYNC, MS_SYNC))
     _add(lib, ctx, _ACT_ALLOW, "clone", (0, _CMP_MASKED_EQ, NAMESPACE_FLAGS, 0))
