@@ -111,8 +111,27 @@ def test_an_env_whose_every_rollout_failed_is_one_line_exit_1_after_its_results(
     import json
 
     import pytest
-    from prime_orchestrator import eval_runner
     from prime_orchestrator.entrypoints.eval import main
+
+    async def evaluate(runner, **kwargs):
+        rows = [{"example": i, "failed": True, "reward": 0.0, "error": "OpenEnvEnv.run(): ModuleNotFoundError: No "
+                 "module named 'openenv'"} for i in range(2)]  # fmt: skip
+        return {"reward/mean": 0.0, "reward/std": 0.0, "num_examples": 2, "rollouts_per_example": 1, "failed": 2}, rows
+
+    stub_envs(monkeypatch, evaluate)
+    with pytest.raises(SystemExit) as e:
+        main(["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path)])
+    assert e.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: env reverse-text (base): all 2 rollouts failed, e.g. OpenEnvEnv.run(): ModuleNotFoundError: No module "
+        "named 'openenv'"
+    )
+    assert json.loads((tmp_path / "eval" / "base" / "reverse-text.json").read_text())["summary"]["failed"] == 2
+
+
+def stub_envs(monkeypatch, evaluate=None):
+    """The env servers and the inference server's health are stood in for; weight swaps go to the real client."""
+    from prime_orchestrator import eval_runner
 
     class Runner:
         def __init__(self, env, spec, max_retries):
@@ -127,20 +146,11 @@ def test_an_env_whose_every_rollout_failed_is_one_line_exit_1_after_its_results(
     async def nothing(*args, **kwargs):
         pass
 
-    async def evaluate(runner, **kwargs):
-        rows = [{"example": i, "failed": True, "reward": 0.0, "error": "OpenEnvEnv.run(): ModuleNotFoundError: No "
-                 "module named 'openenv'"} for i in range(2)]  # fmt: skip
-        return {"reward/mean": 0.0, "reward/std": 0.0, "num_examples": 2, "rollouts_per_example": 1, "failed": 2}, rows
+    async def scored(runner, **kwargs):
+        summary = {"reward/mean": 0.5, "reward/std": 0.5, "num_examples": 2, "rollouts_per_example": 1, "failed": 0}
+        return summary, [{"example": i, "failed": False, "reward": float(i), "error": None} for i in range(2)]
 
     monkeypatch.setattr(eval_runner, "EnvRunner", Runner)
-    monkeypatch.setattr(eval_runner, "evaluate_env", evaluate)
-    monkeypatch.setattr(eval_runner, "_load", nothing)
+    monkeypatch.setattr(eval_runner, "evaluate_env", evaluate or scored)
     monkeypatch.setattr(eval_runner.inference, "wait_healthy", nothing)
-    with pytest.raises(SystemExit) as e:
-        main(["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path)])
-    assert e.value.code == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: env reverse-text (base): all 2 rollouts failed, e.g. OpenEnvEnv.run(): ModuleNotFoundError: No module "
-        "named 'openenv'"
-    )
-    assert json.loads((tmp_path / "eval" / "base" / "reverse-text.json").read_text())["summary"]["failed"] == 2
+    monkeypatch.setattr(eval_runner.inference, "reload_weights", nothing)

@@ -10,6 +10,8 @@ import math
 from prime_core.schemas.rollout import RolloutResult
 from prime_orchestrator.evals import evaluate_env
 
+from tests.orchestrator.test_eval_cli import stub_envs
+
 
 class FakeRunner:
     """Rollout ``i`` scores ``rewards[i]`` (``metrics[i]`` recorded with it)."""
@@ -61,33 +63,6 @@ def test_a_non_finite_metric_fails_its_rollout_and_leaves_the_rows_standard_json
     json.dumps({"summary": summary, "rollouts": rows}, allow_nan=False)
 
 
-def _stub_envs(monkeypatch, evaluate=None):
-    """The env servers and the inference server's health are stood in for; weight swaps go to the real client."""
-    from prime_orchestrator import eval_runner
-
-    class Runner:
-        def __init__(self, env, spec, max_retries):
-            self.spec = spec
-
-        async def start(self):
-            pass
-
-        async def close(self):
-            pass
-
-    async def nothing(*args, **kwargs):
-        pass
-
-    async def scored(runner, **kwargs):
-        summary = {"reward/mean": 0.5, "reward/std": 0.5, "num_examples": 2, "rollouts_per_example": 1, "failed": 0}
-        return summary, [{"example": i, "failed": False, "reward": float(i), "error": None} for i in range(2)]
-
-    monkeypatch.setattr(eval_runner, "EnvRunner", Runner)
-    monkeypatch.setattr(eval_runner, "evaluate_env", evaluate or scored)
-    monkeypatch.setattr(eval_runner.inference, "wait_healthy", nothing)
-    monkeypatch.setattr(eval_runner.inference, "reload_weights", nothing)
-
-
 def test_a_server_that_dies_before_a_checkpoint_loads_is_one_line_and_keeps_the_scores_so_far(
     tmp_path, monkeypatch, capsys
 ):
@@ -99,7 +74,7 @@ def test_a_server_that_dies_before_a_checkpoint_loads_is_one_line_and_keeps_the_
     from tests.orchestrator.test_eval_cli import MODEL
     from tests.tiny import free_port
 
-    _stub_envs(monkeypatch)
+    stub_envs(monkeypatch)
     (tmp_path / "weights" / "step_1").mkdir(parents=True)
     dead = f"http://127.0.0.1:{free_port()}"
     args = ["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path / "out")]
@@ -130,7 +105,7 @@ def test_rollouts_that_failed_mid_eval_show_in_the_table_and_a_warning(tmp_path,
         summary = {"reward/mean": 0.5, "reward/std": 0.5, "num_examples": 2, "rollouts_per_example": 1, "failed": 1}
         return summary, rows
 
-    _stub_envs(monkeypatch, half_failed)
+    stub_envs(monkeypatch, half_failed)
     main(["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path)])
     header, _, row = (tmp_path / "eval" / "results.txt").read_text().splitlines()
     assert header.split()[:4] == ["weights", "env", "n", "failed"] and row.split()[:4] == [
@@ -156,7 +131,7 @@ def test_a_full_disk_under_the_results_is_one_line_naming_the_file(tmp_path, mon
     def full(path, obj, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path) + ".tmp")
 
-    _stub_envs(monkeypatch)
+    stub_envs(monkeypatch)
     monkeypatch.setattr(eval_runner, "atomic_write_json", full)
     with pytest.raises(SystemExit) as e:
         main(["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path)])
@@ -180,7 +155,7 @@ def test_an_eval_of_other_weights_into_the_same_directory_is_refused_before_it_o
 
     from tests.orchestrator.test_eval_cli import MODEL
 
-    _stub_envs(monkeypatch)
+    stub_envs(monkeypatch)
     other = tmp_path / "other-model"
     shutil.copytree(MODEL, other)
     out = tmp_path / "out"
