@@ -6,6 +6,7 @@
   ``\\`key = value\\` (default)``, is that option's default (for a key that several sections share, one of theirs): a
   user who leaves it unset gets what the page says. A value that holds only in a context the sentence gives (bench
   mode, a test's setting, an unset option's fallback) is listed in ``CONTEXTUAL``.
+- Every option of every entry point's config is named somewhere in the docs.
 """
 
 from __future__ import annotations
@@ -203,3 +204,28 @@ def test_stated_defaults_are_the_defaults():
         if not _matches(stated, defaults[key]) and (where.split(":")[0], key, stated) not in CONTEXTUAL
     ]
     assert not wrong, "\n".join(wrong)
+
+
+# --- every option is documented ---------------------------------------------------------------------------------------
+
+
+def test_every_option_is_named_in_the_docs():
+    """Each config option appears by name (snake or kebab case, ``--no-`` of a flag too) somewhere in README.md or
+    docs/: ``--help`` lists every option, but a user reading the page about a section must learn the option exists."""
+    text = "\n".join(path.read_text() for path in doc_files())
+    words = set(re.findall(r"[a-z][a-z0-9_]*", text.replace("--no-", " ").replace("-", "_")))
+    missing, seen = [], set()
+
+    def walk(model: type[BaseModel], prefix: str, root: str, stack: tuple = ()) -> None:
+        for name, info in model.model_fields.items():
+            if (model, name) not in seen:
+                seen.add((model, name))
+                if name not in words:
+                    missing.append(f"{root}: {prefix}{name} ({model.__name__})")
+            for sub in _models(info.annotation):
+                if sub not in stack:
+                    walk(sub, f"{prefix}{name}.", root, (*stack, sub))
+
+    for root, model in ROOTS.items():
+        walk(model, "", root)
+    assert not missing, "options no page names:\n" + "\n".join(missing)
