@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from prime_core.config.inference import InferenceConfig
 from prime_core.config.introspect import _unwrap
+from prime_core.config.liveness import WatchConfig
 from prime_core.config.orchestrator import EvalConfig, OrchestratorConfig
 from prime_core.config.rl import RLConfig
 from prime_core.config.sandbox import SandboxClientConfig, SandboxNodeConfig
@@ -39,6 +40,7 @@ ROOTS: dict[str, type[BaseModel]] = {
     "sandbox-node": SandboxNodeConfig,
     "sandbox client": SandboxClientConfig,
     "slurm": SlurmConfig,
+    "prime-launch watch": WatchConfig,
 }
 TOML_BLOCK = re.compile(r"^```toml\n(.*?)^```", re.M | re.S)
 
