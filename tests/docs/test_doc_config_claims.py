@@ -7,6 +7,7 @@
   user who leaves it unset gets what the page says. A value that holds only in a context the sentence gives (bench
   mode, a test's setting, an unset option's fallback) is listed in ``CONTEXTUAL``.
 - Every option of every entry point's config is named somewhere in the docs.
+- Every metric name in the docs is one a process logs.
 """
 
 from __future__ import annotations
@@ -231,3 +232,44 @@ def test_every_option_is_named_in_the_docs():
     for root, model in ROOTS.items():
         walk(model, "", root)
     assert not missing, "options no page names:\n" + "\n".join(missing)
+
+
+# --- metric names ---------------------------------------------------------------------------------------------------
+
+METRIC = re.compile(r"`([a-z][a-z0-9_]*(?:/(?:[a-z0-9_@]+|<[a-z]+>))+)`")
+# First path parts of what the docs name that are files and directories (of the repository or a run), not metrics.
+NOT_METRICS = {"benchmarks", "bench", "checkpoints", "configs", "docs", "environments", "examples", "logs", "packages"}
+NOT_METRICS |= {"progress", "rng", "rollouts", "samples", "scripts", "src", "tests", "weights"}
+
+
+def _logged(metric: str, source: str) -> bool:
+    """Whether the source writes ``metric`` as a string (``<env>`` a placeholder) or builds it by an f-string
+    (``time/publish_files`` from ``f"time/publish_{key}"``)."""
+    body = "".join(
+        r"\{[^}\"']+\}" if part.startswith("<") else re.escape(part) for part in re.split(r"(<[a-z]+>)", metric)
+    )
+    if re.search(rf"[\"']{body}[\"']", source):
+        return True
+    heads = [metric[:i] for i in range(1, len(metric)) if metric[i - 1] in "_/" and "<" not in metric[:i]]
+    return any(re.search(rf"[\"']{re.escape(head)}\{{", source) for head in heads)
+
+
+def test_documented_metrics_are_logged():
+    """A metric name in the docs (``failed/rollouts``, ``distill/<env>/reverse_kl``) is one a process logs."""
+    source = "\n".join(path.read_text() for path in REPO.glob("packages/*/src/**/*.py"))
+    namespaces = set(re.findall(r"[\"']([a-z][a-z0-9_]*)/[a-z{]", source)) - NOT_METRICS
+    options = set(all_defaults())
+    named, missing = 0, []
+    for path in doc_files():
+        if path.name == "benchmarks.md":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            for metric in METRIC.findall(line):
+                parts = metric.split("/")
+                if parts[0] not in namespaces or all(part in options for part in parts):  # `clip_low/clip_high`
+                    continue
+                named += 1
+                if not _logged(metric, source):
+                    missing.append(f"{path.relative_to(REPO)}:{number}: {metric}")
+    assert named > 50, "the metric pattern no longer finds the docs' metric names"
+    assert not missing, "metrics no process logs:\n" + "\n".join(missing)
