@@ -132,6 +132,22 @@ def test_cli_syntax_forms(tmp_path):
     assert load_config(Cfg, ["--wandb.name", ""], environ={}).wandb.name == ""
 
 
+def test_union_option_without_type_keeps_the_default_type(tmp_path):
+    """``--loss.clip-high 0.3`` tunes the default objective (as a whole-section default would): it used to stop with
+    "loss: Unable to extract tag using discriminator 'type'" unless ``--loss.type`` was given too."""
+    cfg = load_config(Cfg, ["--loss.clip-high", "0.3"], environ={})
+    assert isinstance(cfg.loss, GrpoLoss) and cfg.loss.clip_high == 0.3
+    cfg = load_config(Cfg, [], environ={"PRIME_LOSS__CLIP_HIGH": "0.4"})
+    assert isinstance(cfg.loss, GrpoLoss) and cfg.loss.clip_high == 0.4
+    cfg = load_config(Cfg, ["@", write(tmp_path, "l.toml", "[loss]\nclip-high = 0.5\n")], environ={})
+    assert isinstance(cfg.loss, GrpoLoss) and cfg.loss.clip_high == 0.5
+    # An option of another type is still refused, naming the type that has it.
+    with pytest.raises(
+        ConfigError, match=r"^CLI --loss.seq-clip: unknown key 'loss.seq-clip' \(an option of loss.type gspo\)$"
+    ):
+        load_config(Cfg, ["--loss.seq-clip", "0.1"], environ={})
+
+
 def test_section_file(tmp_path):
     optim = write(tmp_path, "optim.toml", "lr = 0.05\nweight-decay = 0.1\n")
     cfg = load_config(Cfg, ["--optim", "@", optim], environ={})

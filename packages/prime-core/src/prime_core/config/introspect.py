@@ -61,3 +61,34 @@ def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
         for sub in _models_in(annotation):
             keys.extend(all_keys(sub, dotted + "."))
     return sorted(set(keys))
+
+
+def fill_union_tags(model: type[BaseModel], values: dict[str, Any]) -> None:
+    """Give each section chosen by a tag (``loss``, ``scheduler``) that the sources set without it its default's
+    tag, in place: ``--loss.clip-high 0.3`` tunes the default objective, where pydantic cannot pick a member."""
+    for name, info in model.model_fields.items():
+        key = name if name in values else info.alias
+        value = values.get(key) if key else None
+        if not isinstance(value, dict):
+            continue
+        tag = info.discriminator
+        if isinstance(tag, str) and tag not in value and not getattr(info, "default_factory_takes_data", False):
+            default = info.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel) and hasattr(default, tag):
+                value[tag] = getattr(default, tag)
+        members = _models_in(info.annotation)
+        if isinstance(tag, str):
+            members = [m for m in members if tag in m.model_fields and m.model_fields[tag].default == value.get(tag)]
+        for sub in members:
+            fill_union_tags(sub, value)
+
+
+def tags_with_key(model: type[BaseModel], loc: Sequence[str]) -> list[str]:
+    """For ``loc`` inside a section chosen by ``type``: the types that have its last key (``loss.seq_clip`` set
+    while ``loss.type`` is another one)."""
+    models = [model]
+    for part in loc[:-1]:
+        models = _models_in(_fields_of(models).get(part))
+    return [
+        str(m.model_fields["type"].default) for m in models if "type" in m.model_fields and loc[-1] in m.model_fields
+    ]

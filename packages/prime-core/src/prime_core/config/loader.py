@@ -28,6 +28,8 @@ from prime_core.config.introspect import (
     _models_in,
     _unwrap,
     all_keys,
+    fill_union_tags,
+    tags_with_key,
 )
 
 T = TypeVar("T", bound=BaseModel)
@@ -444,7 +446,9 @@ def _format_validation_error(err: ValidationError, sources: _Sources, model: typ
     error = (first.get("ctx") or {}).get("error")
     msg = str(error) if first["type"] == "value_error" and error is not None else first["msg"]
     if first["type"] == "extra_forbidden":
-        return f"{origin}: unknown key {key!r}"
+        tags = tags_with_key(model, loc) if loc else []
+        hint = f" (an option of {'.'.join(loc[:-1]).replace('_', '-')}.type {' or '.join(tags)})" if tags else ""
+        return f"{origin}: unknown key {key!r}{hint}"
     if not loc or (first["type"] == "value_error" and isinstance(first.get("input"), dict)):
         # A check across fields names them: blame the one the user set last (origins are in set order). A section's
         # check may name a key set at the top (rl's shared --ckpt.resume-step, copied into trainer).
@@ -463,6 +467,7 @@ def _format_validation_error(err: ValidationError, sources: _Sources, model: typ
 
 
 def validate(model: type[T], sources: _Sources) -> T:
+    fill_union_tags(model, sources.values)
     try:
         return model.model_validate(sources.values)
     except ValidationError as e:

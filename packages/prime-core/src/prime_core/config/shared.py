@@ -118,7 +118,8 @@ class ModelConfig(BaseConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight dtype: auto is bfloat16 on GPU and float32 on CPU."""
     trust_remote_code: bool = False
-    """Allow custom modeling code from the model directory (transformers fallback only)."""
+    """Allow custom code from the model directory: inference's tokenizer, its torch engine's transformers fallback and
+    vLLM (``--trust-remote-code``); the trainer does not read it."""
     lora: LoRAConfig | None = None
     """Train (trainer) or serve (inference, orchestrator) a LoRA adapter on the frozen base; unset: full weights."""
     fp8: Fp8Config = Field(default_factory=Fp8Config)
