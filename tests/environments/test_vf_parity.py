@@ -75,3 +75,31 @@ def test_each_reward_and_metric_is_reported_by_name_as_verifiers_reports_it(serv
     logged = {k.removeprefix("metrics/vf-parity/").removeprefix("reward/"): v for k, v in m.items()
               if k.startswith("metrics/vf-parity/")}  # fmt: skip
     assert logged == theirs
+
+
+OPEN = {"id": "vf-parity", "env_id": "vf-open-turns"}
+
+
+def test_a_seat_that_declares_no_turn_limit_runs_until_the_env_is_done(server, tmp_path, monkeypatch):
+    # 12 words asked of a seat with no declared limit: vf-eval plays all 12 turns (said = 1); "auto" cut it at 8.
+    use_vf_envs(monkeypatch)
+    _, rows = our_eval(tmp_path, server, {**OPEN, "args": {"times": 12}})
+    traces = vf_eval(tmp_path, server, "vf-parity", taskset={"times": 12}, env={"id": "vf-open-turns"})
+    assert Counter((t.num_turns, t.reward) for t in traces) == Counter({(12, 1.5): 4})
+    assert Counter((r["num_turns"], r["reward"]) for r in rows) == Counter({(12, 1.5): 4})
+
+
+def test_a_seat_with_no_turn_limit_still_ends_where_the_context_is_full(tmp_path_factory, tmp_path, monkeypatch):
+    # A task that never lets go (10000 words) on a 256-token context: both evals end the episode at the context,
+    # ok and scored on the turns that fit; no turn cap is needed for the episode to end.
+    use_vf_envs(monkeypatch)
+    model = save_tiny_model(tmp_path_factory.mktemp("small_ctx_model"), build_tool_tokenizer())
+    small = ScriptedServer(model, script, max_model_len=256)
+    try:
+        _, rows = our_eval(tmp_path, small, {**OPEN, "args": {"times": 10000}})
+        traces = vf_eval(tmp_path, small, "vf-parity", taskset={"times": 10000}, env={"id": "vf-open-turns"})
+    finally:
+        small.stop()
+    turns = Counter(t.num_turns for t in traces)  # the same per task (their words' lengths differ)
+    assert min(turns) > 2 and max(turns) < 100
+    assert Counter(r["num_turns"] for r in rows) == turns
