@@ -11,10 +11,11 @@ from collections import Counter
 
 import pytest
 
+from tests.environments.test_vf_eval import TOOL_RENDERER
 from tests.environments.test_vf_kinds import our_eval, script, vf_eval
 from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
 from tests.fixtures.scripted import ScriptedServer
-from tests.fixtures.vf import use_vf_envs
+from tests.fixtures.vf import run_vf_eval, use_vf_envs
 from tests.orchestrator.test_vf_envs import orchestrate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -103,3 +104,26 @@ def test_a_seat_with_no_turn_limit_still_ends_where_the_context_is_full(tmp_path
     turns = Counter(t.num_turns for t in traces)  # the same per task (their words' lengths differ)
     assert min(turns) > 2 and max(turns) < 100
     assert Counter(r["num_turns"] for r in rows) == turns
+
+
+def test_an_episode_the_env_accepts_though_its_seat_failed_is_scored_as_verifiers_keeps_it(
+    server, tmp_path, monkeypatch
+):
+    # The grader raises once per task and nothing retries: that trace fails and its episode is not ok, but the env's
+    # Env.complete accepts it (tolerant): vf-eval keeps it (its resume does not redo it) and scores its traces.
+    # We failed it (reward 0, nothing trained) whatever the env said.
+    from prime_orchestrator.env_config import resolve
+    from verifiers.v1.utils.loaders import load_environment
+
+    use_vf_envs(monkeypatch)
+    import vf_parity
+
+    args, env_args = {"flaky": True, "times": 2}, {"tolerant": True}
+    summary, rows = our_eval(tmp_path, server, {**OPEN, "args": args, "env_args": env_args})
+    vf_parity._SCORED.clear()  # the flake is once per task and process: this process may have scored them
+    episodes = run_vf_eval("vf-parity", server_url=server.url, model=server.config.model.name, output_dir=tmp_path / "vf",
+                           taskset=args, env={"id": "vf-open-turns", **env_args}, max_tokens=48, renderer=TOOL_RENDERER)  # fmt: skip
+    env = load_environment(resolve({"id": "vf-open-turns", "taskset": {"id": "vf-parity", **args}, **env_args}))
+    assert sum(not e.ok for e in episodes) == 2 and all(env.complete(e) for e in episodes)
+    assert Counter(t.reward for e in episodes for t in e.traces) == Counter(r["reward"] for r in rows)
+    assert summary["failed"] == 0

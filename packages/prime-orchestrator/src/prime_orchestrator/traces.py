@@ -11,6 +11,7 @@ first of them, as in prime-rl, so no turn's gradient is counted twice.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from prime_core.io import one_line
@@ -94,13 +95,16 @@ def seat_metrics(traces: list[TraceResult]) -> dict[str, float]:
     }
 
 
-def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutResult:
+def to_result(
+    episode: Any, env: str, example: int, latency: float, complete: Callable[[Any], bool] | None = None
+) -> RolloutResult:
     """The trained view of an episode: one ``TraceResult`` per trainable trace (agent seats and attempts; a simulated
-    user or judge trains nothing), with the tokens, mask and log-probs verifiers recorded. A failed episode (it
-    raised, or the env marked it not ok) is failed; one that verifiers retried to success (``retries``) is not, though
-    it keeps the earlier attempts' errors: "success is the ``ok`` stamp, never errors-emptiness" (verifiers)."""
+    user or judge trains nothing), with the tokens, mask and log-probs verifiers recorded. An episode the env does not
+    accept (``complete``: the env's ``Env.complete``, by default its ``ok`` stamp) is failed; one that verifiers
+    retried to success (``retries``) is not, though it keeps the earlier attempts' errors: "success is the ``ok``
+    stamp, never errors-emptiness" (verifiers); nor is one the env accepts though a seat failed in it."""
     done = [t for t in episode.traces if t.branches]
-    if not episode.ok or not done:
+    if not (complete(episode) if complete is not None else episode.ok) or not done:
         error = episode.last_error or next((t.last_error for t in episode.traces if not t.ok and t.errors), None)
         if error is not None:
             message = error.message
