@@ -127,3 +127,20 @@ def test_an_episode_the_env_accepts_though_its_seat_failed_is_scored_as_verifier
     assert sum(not e.ok for e in episodes) == 2 and all(env.complete(e) for e in episodes)
     assert Counter(t.reward for e in episodes for t in e.traces) == Counter(r["reward"] for r in rows)
     assert summary["failed"] == 0
+
+
+def test_a_multi_seat_summary_names_metrics_as_verifiers_summarizes_them(server, tmp_path, monkeypatch):
+    # vf-eval's run summary pools each metric over every seat's traces by its own name (word_len: 3 and 8 -> 5.5),
+    # where ours had only per-seat keys (first/word_len): no metrics/word_len to compare. Per-seat keys stay, as
+    # vf-eval's per-role rows.
+    from prime_runs.metrics import from_episodes
+
+    use_vf_envs(monkeypatch)
+    summary, _ = our_eval(tmp_path, server, {"id": "vf-duel"})
+    theirs = from_episodes([], vf_eval(tmp_path, server, "vf-duel"))
+    assert theirs["avg_metrics"] == {"word_len": 5.5, "win": 0.0} and theirs["avg_reward"] == 0.0
+    assert summary["reward/mean"] == theirs["avg_reward"]
+    assert {k: summary[f"metrics/{k}"] for k in ("word_len", "reward/win")} == {"word_len": 5.5, "reward/win": 0.0}
+    assert summary["metrics/first/word_len"] == 3.0 and summary["metrics/second/reward/win"] == 1.0
+    m = orchestrate(tmp_path / "run", server.config.model.name, server.url, {"id": "vf-duel"})
+    assert m["metrics/vf-duel/word_len"] == 5.5 and m["metrics/vf-duel/second/word_len"] == 8.0

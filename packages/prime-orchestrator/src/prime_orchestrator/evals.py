@@ -11,6 +11,7 @@ from prime_core.schemas.rollout import RolloutResult
 
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args
 from prime_orchestrator.liveness import not_finite
+from prime_orchestrator.traces import summary_metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -86,12 +87,8 @@ async def evaluate_env(
     seats = {t.seat for r in results for t in r.traces}
     for seat in sorted(seats) if len(seats) > 1 else []:
         summary[f"reward/{seat}/mean"] = float(np.mean([t.reward for r in results for t in r.traces if t.seat == seat]))
-    # Each reward function's score and each metric, averaged over the rollouts that report it: vf-eval's summary.
-    values: dict[str, list[float]] = {}
-    for r in results:
-        for k, v in r.metrics.items():
-            values.setdefault(k, []).append(v)
-    summary.update({f"metrics/{k}": float(np.mean(vs)) for k, vs in values.items()})
+    # Each reward function's score and each metric, averaged over the traces that report it: vf-eval's summary.
+    summary.update({f"metrics/{k}": v for k, v in summary_metrics(results).items()})
     summary["failed"] = sum(r.failed for r in results)
     summary["num_turns/mean"] = float(np.mean([r.num_turns for r in results]))
     return summary, rows

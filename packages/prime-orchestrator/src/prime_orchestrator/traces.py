@@ -95,6 +95,22 @@ def seat_metrics(traces: list[TraceResult]) -> dict[str, float]:
     }
 
 
+def summary_metrics(results: list[RolloutResult]) -> dict[str, float]:
+    """Each reward's (``reward/<name>``) and metric's mean over the scored traces of ``results`` by its own name,
+    seats and attempts pooled, as verifiers summarizes a run (``prime_runs.metrics.from_episodes``, what vf-eval
+    pushes); where several seats play, also ``<seat>/<name>`` over that seat's traces (vf-eval's per-role rows)."""
+    traces = [t for r in results for t in r.traces]
+    several = len({t.seat for t in traces}) > 1
+    values: dict[str, list[float]] = defaultdict(list)
+    for t in traces:
+        for k, v in t.metrics.items():
+            values[k].append(v)
+    for t in traces if several else []:
+        for k, v in t.metrics.items():
+            values[f"{t.seat}/{k}"].append(v)
+    return {k: sum(vs) / len(vs) for k, vs in values.items()}
+
+
 def to_result(
     episode: Any, env: str, example: int, latency: float, complete: Callable[[Any], bool] | None = None
 ) -> RolloutResult:
