@@ -144,3 +144,27 @@ def test_a_multi_seat_summary_names_metrics_as_verifiers_summarizes_them(server,
     assert summary["metrics/first/word_len"] == 3.0 and summary["metrics/second/reward/win"] == 1.0
     m = orchestrate(tmp_path / "run", server.config.model.name, server.url, {"id": "vf-duel"})
     assert m["metrics/vf-duel/word_len"] == 5.5 and m["metrics/vf-duel/second/word_len"] == 8.0
+
+
+def test_a_reward_that_raises_leaves_what_verifiers_recorded_in_the_summary(server, tmp_path, monkeypatch):
+    # vf-probe: every second task's reward raises after its metrics were recorded (reply_chars 6, 2 turns). vf-eval
+    # marks those traces failed and still counts their turns and metrics (avg_metrics reply_chars = (3+3+6+6)/4).
+    # Ours dropped them: reply_chars 3.0, and num_turns/mean 1.0 as if the failed episodes played no turn.
+    from prime_runs.metrics import from_episodes
+
+    use_vf_envs(monkeypatch)
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-probe", "args": {"faults": True}}, failures=True)
+    episodes = run_vf_eval("vf-probe", server_url=server.url, model=server.config.model.name, output_dir=tmp_path / "vf",
+                           taskset={"faults": True}, max_tokens=48, renderer=TOOL_RENDERER)  # fmt: skip
+    theirs = from_episodes(episodes)
+    assert theirs == {"avg_reward": 0.5, "avg_error": 0.5,
+                      "avg_metrics": {"said": 1.0, "reply_chars": 4.5, "stopped_by_task": 1.0}}  # fmt: skip
+    assert summary["failed"] / len(rows) == theirs["avg_error"] and summary["reward/mean"] == theirs["avg_reward"]
+    means = {
+        k.removeprefix("metrics/").removeprefix("reward/"): v for k, v in summary.items() if k.startswith("metrics/")
+    }
+    assert means == theirs["avg_metrics"]
+    # Each rollout as vf-eval recorded it: turns (the @vf.stop after 2), ok stamp, reward.
+    ours = Counter((r["num_turns"], not r["failed"], r["reward"]) for r in rows)
+    assert ours == Counter((t.num_turns, e.ok, t.reward) for e in episodes for t in e.traces)
+    assert summary["num_turns/mean"] == 2.0

@@ -167,5 +167,6 @@ def seat_step_metrics(env: str, results: Sequence[RolloutResult]) -> dict[str, f
             rewards = np.array([t.reward for r in done for t in r.traces if t.seat == seat])
             out[f"reward/{env}/{seat}/mean"] = float(rewards.mean())
             out[f"reward/{env}/{seat}/std"] = float(rewards.std())
-    out.update({f"metrics/{env}/{k}": v for k, v in summary_metrics(done).items()})
+    # A failed rollout's metrics verifiers recorded count, as in vf-eval's summary; its traces never train.
+    out.update({f"metrics/{env}/{k}": v for k, v in summary_metrics(list(results)).items()})
     return out

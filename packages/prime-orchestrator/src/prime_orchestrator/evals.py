@@ -97,8 +97,10 @@ async def evaluate_env(
 def _finite(result: RolloutResult) -> RolloutResult:
     """A rollout whose reward or a metric is not finite fails (scores 0), as in training: one NaN made the whole
     environment's mean NaN, and its rows non-standard JSON. Its text stays, to show what was scored."""
-    if result.failed or (error := not_finite(result)) is None:
+    if (error := not_finite(result)) is None:
         return result
+    if result.failed:  # what verifiers recorded before the failure: left out of the means when not finite
+        return result.model_copy(update={"metrics": {}, "traces": []})
     return result.model_copy(update={"failed": True, "error": error, "reward": 0.0, "metrics": {}, "traces": []})
 
 

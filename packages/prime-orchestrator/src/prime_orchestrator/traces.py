@@ -126,7 +126,18 @@ def to_result(
             message = error.message
         else:
             message = "the episode produced no trace" if not done else "the env marked the episode not ok (no error)"
-        return RolloutResult(env=env, example=example, failed=True, error=one_line(message))
+        # What verifiers scored before the failure (metrics recorded before a reward raised, turns played) stays for
+        # the summaries, as vf-eval's counts it; none of it trains.
+        recorded = [trace_result(t, trains=False) for t in [t for t in episode.traces if t.agent.trainable] or done]
+        return RolloutResult(
+            env=env,
+            example=example,
+            failed=True,
+            error=one_line(message),
+            traces=recorded,
+            metrics=seat_metrics(recorded),
+            num_turns=sum(t.num_turns for t in recorded),
+        )
     # An env where no seat trains (an eval of a fixed pair of agents) is scored over all of them, as vf-eval does.
     trainable = [t for t in done if t.agent.trainable]
     scored = trainable or done
