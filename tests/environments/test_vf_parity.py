@@ -168,3 +168,25 @@ def test_a_reward_that_raises_leaves_what_verifiers_recorded_in_the_summary(serv
     ours = Counter((r["num_turns"], not r["failed"], r["reward"]) for r in rows)
     assert ours == Counter((t.num_turns, e.ok, t.reward) for e in episodes for t in e.traces)
     assert summary["num_turns/mean"] == 2.0
+
+
+def test_a_stop_condition_and_trace_derived_metrics_match_verifiers_per_rollout(server, tmp_path, monkeypatch):
+    # vf-probe: a @vf.stop ends each episode after the second time the word is said (the env would ask 5 times, the
+    # seat has no turn limit); metrics read the trace's stop condition and the reply. Per rollout and in summary.
+    from prime_runs.metrics import from_episodes
+
+    use_vf_envs(monkeypatch)
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-probe"})
+    traces = vf_eval(tmp_path, server, "vf-probe")
+    assert {t.stop_condition for t in traces} == {"said_twice"}
+    theirs = Counter((t.num_turns, t.reward, tuple(sorted(t.metrics.items()))) for t in traces)
+    ours = Counter(
+        (r["num_turns"], r["reward"], tuple(sorted((k, v) for k, v in r["metrics"].items() if "/" not in k)))
+        for r in rows
+    )
+    assert ours == theirs == Counter({(2, 1.0, (("reply_chars", 3.0), ("stopped_by_task", 1.0))): 2,
+                                      (2, 1.0, (("reply_chars", 6.0), ("stopped_by_task", 1.0))): 2})  # fmt: skip
+    means = {
+        k.removeprefix("metrics/").removeprefix("reward/"): v for k, v in summary.items() if k.startswith("metrics/")
+    }
+    assert means == from_episodes([], traces)["avg_metrics"]
