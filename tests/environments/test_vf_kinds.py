@@ -55,7 +55,10 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def our_eval(tmp_path: Path, server, env: dict, *, use_chat: bool = False) -> tuple[dict, list[dict]]:
+def our_eval(
+    tmp_path: Path, server, env: dict, *, use_chat: bool = False, failures: bool = False
+) -> tuple[dict, list[dict]]:
+    """Our eval's summary and rows; ``failures``: rollouts may fail (else none may)."""
     from prime_orchestrator.eval_runner import run_eval
 
     config = EvalConfig.model_validate(
@@ -72,7 +75,7 @@ def our_eval(tmp_path: Path, server, env: dict, *, use_chat: bool = False) -> tu
     )
     (summary,) = asyncio.run(run_eval(config))["base"].values()
     rows = json.loads((tmp_path / "eval" / "eval" / "base" / f"{env['id']}.json").read_text())["rollouts"]
-    assert summary["failed"] == 0, [r["error"] for r in rows]
+    assert failures or summary["failed"] == 0, [r["error"] for r in rows]
     return summary, rows
 
 

@@ -78,9 +78,12 @@ def test_single_seat_groups_are_plain_grpo():
 
 def test_seat_metrics_are_logged_per_seat_for_multi_seat_envs_only():
     results = [rollout(("a", 1.0), ("b", -1.0)).result, rollout(("a", -1.0), ("b", 1.0)).result]
-    results[0].metrics = {"a/moves": 2.0}
+    # A metric lives on its trace (``to_result``); the rollout's ``metrics`` are derived from them.
+    results[0].traces[0].metrics = {"moves": 2.0}
+    results[0].traces[1].metrics = {"moves": 4.0}
     m = seat_step_metrics("duel", results)
     assert m["reward/duel/a/mean"] == 0.0 and m["reward/duel/b/std"] == 1.0 and m["metrics/duel/a/moves"] == 2.0
+    assert m["metrics/duel/moves"] == 3.0  # seats pooled, as vf-eval summarizes a run
     single = seat_step_metrics("one", [rollout(("agent", 1.0)).result])
     assert not any(k.startswith("reward/") for k in single)
 

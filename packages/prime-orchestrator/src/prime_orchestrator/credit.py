@@ -21,6 +21,7 @@ from prime_core.schemas.rollout import RolloutResult, TrainedSequence
 
 from prime_orchestrator.advantages import compute_advantages
 from prime_orchestrator.packing import Sample
+from prime_orchestrator.traces import summary_metrics
 
 ZERO = 1e-9
 logger = logging.getLogger("prime.orchestrator.credit")
@@ -156,7 +157,8 @@ def step_samples(
 
 def seat_step_metrics(env: str, results: Sequence[RolloutResult]) -> dict[str, float]:
     """``reward/<env>/<seat>/{mean,std}`` for envs with several seats, and every env metric's mean
-    (``metrics/<env>/<name>``, with the seat in the name where several play)."""
+    (``metrics/<env>/<name>``, seats pooled as vf-eval summarizes them, and ``metrics/<env>/<seat>/<name>`` where
+    several play)."""
     out: dict[str, float] = {}
     done = [r for r in results if not r.failed]
     seats = {t.seat for r in done for t in r.traces}
@@ -165,9 +167,6 @@ def seat_step_metrics(env: str, results: Sequence[RolloutResult]) -> dict[str, f
             rewards = np.array([t.reward for r in done for t in r.traces if t.seat == seat])
             out[f"reward/{env}/{seat}/mean"] = float(rewards.mean())
             out[f"reward/{env}/{seat}/std"] = float(rewards.std())
-    values: dict[str, list[float]] = defaultdict(list)
-    for r in done:
-        for k, v in r.metrics.items():
-            values[k].append(v)
-    out.update({f"metrics/{env}/{k}": float(np.mean(vs)) for k, vs in values.items()})
+    # A failed rollout's metrics verifiers recorded count, as in vf-eval's summary; its traces never train.
+    out.update({f"metrics/{env}/{k}": v for k, v in summary_metrics(list(results)).items()})
     return out

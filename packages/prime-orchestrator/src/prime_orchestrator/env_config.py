@@ -4,7 +4,8 @@
 it: the seat's own pin (an Env's role declared ``vf.AgentConfig(harness=..., runtime=...)``), else the taskset's
 bundled harness, else verifiers' ``bash``; a runtime the environment does not declare is ``subprocess`` (verifiers'
 default is a hosted sandbox, which an offline host cannot reach). ``max_turns = "auto"`` likewise keeps a seat's
-declared turn limit (8 where it declares none). One substitution keeps semantics: a seat played
+declared turn limit, and none where it declares none (each episode is still bounded by ``rollout_timeout`` and the
+model's context, see docs/environments.md). One substitution keeps semantics: a seat played
 by verifiers' plain ``null`` chat loop on the local runtime runs that same loop in-process (``prime-chat``), which
 saves a Python process per turn and never fetches the program's dependencies.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from prime_core.config.orchestrator import DEFAULT_MAX_TURNS, EnvConfig
+from prime_core.config.orchestrator import EnvConfig
 
 from prime_orchestrator.env_server import register_project_runtimes
 from prime_orchestrator.judges import JudgeEndpoint, env_judges, harden_judges, point_judges
@@ -29,8 +30,6 @@ def _seat(env: EnvConfig, declared: Any, role: str) -> dict[str, Any]:
     authored = type(declared).model_fields[role].default
     if env.max_turns != "auto":
         seat["max_turns"] = env.max_turns
-    elif "max_turns" not in authored.model_fields_set:
-        seat["max_turns"] = DEFAULT_MAX_TURNS
     if env.harness != "auto":
         seat["harness"] = {"id": env.harness, **env.harness_args}
     elif env.harness_args:

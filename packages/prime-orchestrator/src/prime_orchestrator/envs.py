@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
@@ -86,6 +87,21 @@ class TaskStream:
             raise TasksetError(f"env {self.name}: task {index}'s data is not JSON ({_reason(e)})") from None
 
 
+def episode_verdict(env_config: dict[str, Any]) -> Callable[[Any], bool]:
+    """The env's own ``Env.complete``: whether a finished episode is a valid result (verifiers' default: its ``ok``
+    stamp; an env whose ``run()`` tolerates a failed participant accepts more). vf-eval keeps what it accepts; so do
+    we (scored and trained, not failed). Only an env that overrides it is built here, once per run: its constructor
+    loads its taskset and harnesses."""
+    from verifiers.v1.env import Env
+    from verifiers.v1.utils.loaders import environment_class
+
+    config = resolve(env_config)
+    cls = environment_class(config.taskset.id, config.id)
+    if cls.complete is Env.complete:
+        return lambda episode: bool(episode.ok)
+    return cls(config).complete
+
+
 def _reason(e: BaseException) -> str:
     # Lines of only rules (nltk's LookupError frames its message in rows of '*') would stand in for the cause.
     text = "\n".join(line.strip() for line in str(e).splitlines() if any(c.isalnum() for c in line))
@@ -118,6 +134,7 @@ class EnvRunner:
         self.server = EnvServer(spec)
         self.max_retries = max_retries
         self.tasks: TaskStream | None = None
+        self.complete: Callable[[Any], bool] | None = None
         self.num_failed = 0
         self.num_retries = 0
 
@@ -127,6 +144,7 @@ class EnvRunner:
 
     async def start(self) -> None:
         self.tasks = await asyncio.to_thread(TaskStream, self.spec.env_config, self.name)
+        self.complete = await asyncio.to_thread(episode_verdict, self.spec.env_config)
         await self.server.start()
 
     async def rollout(self, example: int, *, client: Any, model: str, sampling: dict[str, Any]) -> RolloutResult:
@@ -144,7 +162,7 @@ class EnvRunner:
                     episode = await self.server.run(
                         client=client, model=model, sampling=VfSampling(**sampling), task_data=task_data
                     )
-                return to_result(episode, self.name, example, time.perf_counter() - t0)
+                return to_result(episode, self.name, example, time.perf_counter() - t0, self.complete)
             except EnvServerCrashed as e:
                 self.num_retries += 1
                 logger.warning("%s; re-running the rollout (attempt %d)", e, attempt + 2)

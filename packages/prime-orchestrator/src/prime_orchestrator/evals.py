@@ -11,6 +11,7 @@ from prime_core.schemas.rollout import RolloutResult
 
 from prime_orchestrator.envs import EnvRunner, request_seed, sampling_args
 from prime_orchestrator.liveness import not_finite
+from prime_orchestrator.traces import summary_metrics
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -86,12 +87,8 @@ async def evaluate_env(
     seats = {t.seat for r in results for t in r.traces}
     for seat in sorted(seats) if len(seats) > 1 else []:
         summary[f"reward/{seat}/mean"] = float(np.mean([t.reward for r in results for t in r.traces if t.seat == seat]))
-    # Each reward function's score and each metric, averaged over the rollouts that report it: vf-eval's summary.
-    values: dict[str, list[float]] = {}
-    for r in results:
-        for k, v in r.metrics.items():
-            values.setdefault(k, []).append(v)
-    summary.update({f"metrics/{k}": float(np.mean(vs)) for k, vs in values.items()})
+    # Each reward function's score and each metric, averaged over the traces that report it: vf-eval's summary.
+    summary.update({f"metrics/{k}": v for k, v in summary_metrics(results).items()})
     summary["failed"] = sum(r.failed for r in results)
     summary["num_turns/mean"] = float(np.mean([r.num_turns for r in results]))
     return summary, rows
@@ -100,8 +97,10 @@ async def evaluate_env(
 def _finite(result: RolloutResult) -> RolloutResult:
     """A rollout whose reward or a metric is not finite fails (scores 0), as in training: one NaN made the whole
     environment's mean NaN, and its rows non-standard JSON. Its text stays, to show what was scored."""
-    if result.failed or (error := not_finite(result)) is None:
+    if (error := not_finite(result)) is None:
         return result
+    if result.failed:  # what verifiers recorded before the failure: left out of the means when not finite
+        return result.model_copy(update={"metrics": {}, "traces": []})
     return result.model_copy(update={"failed": True, "error": error, "reward": 0.0, "metrics": {}, "traces": []})
 
 

@@ -126,8 +126,8 @@ def ship_activity(config: OrchestratorConfig, step: int) -> contextlib.AbstractC
 def screen(result: RolloutResult, max_text_chars: int) -> RolloutResult:
     """A rollout the trainer may use: a reward (a seat's too) or metric that is not finite fails it (it would poison the
     group's advantages); prompt and completion text, kept only for log tables, are cut to ``max_text_chars``."""
-    if result.failed:
-        return result
+    if result.failed:  # what verifiers recorded before the failure only counts in the summaries, where finite
+        return result if not_finite(result) is None else result.model_copy(update={"metrics": {}, "traces": []})
     if (error := not_finite(result)) is not None:
         return RolloutResult(env=result.env, example=result.example, failed=True, error=error, latency=result.latency)
     if len(result.prompt) > max_text_chars or len(result.completion) > max_text_chars:

@@ -11,6 +11,7 @@ first of them, as in prime-rl, so no turn's gradient is counted twice.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from prime_core.io import one_line
@@ -94,19 +95,49 @@ def seat_metrics(traces: list[TraceResult]) -> dict[str, float]:
     }
 
 
-def to_result(episode: Any, env: str, example: int, latency: float) -> RolloutResult:
+def summary_metrics(results: list[RolloutResult]) -> dict[str, float]:
+    """Each reward's (``reward/<name>``) and metric's mean over the scored traces of ``results`` by its own name,
+    seats and attempts pooled, as verifiers summarizes a run (``prime_runs.metrics.from_episodes``, what vf-eval
+    pushes); where several seats play, also ``<seat>/<name>`` over that seat's traces (vf-eval's per-role rows)."""
+    traces = [t for r in results for t in r.traces]
+    several = len({t.seat for t in traces}) > 1
+    values: dict[str, list[float]] = defaultdict(list)
+    for t in traces:
+        for k, v in t.metrics.items():
+            values[k].append(v)
+    for t in traces if several else []:
+        for k, v in t.metrics.items():
+            values[f"{t.seat}/{k}"].append(v)
+    return {k: sum(vs) / len(vs) for k, vs in values.items()}
+
+
+def to_result(
+    episode: Any, env: str, example: int, latency: float, complete: Callable[[Any], bool] | None = None
+) -> RolloutResult:
     """The trained view of an episode: one ``TraceResult`` per trainable trace (agent seats and attempts; a simulated
-    user or judge trains nothing), with the tokens, mask and log-probs verifiers recorded. A failed episode (it
-    raised, or the env marked it not ok) is failed; one that verifiers retried to success (``retries``) is not, though
-    it keeps the earlier attempts' errors: "success is the ``ok`` stamp, never errors-emptiness" (verifiers)."""
+    user or judge trains nothing), with the tokens, mask and log-probs verifiers recorded. An episode the env does not
+    accept (``complete``: the env's ``Env.complete``, by default its ``ok`` stamp) is failed; one that verifiers
+    retried to success (``retries``) is not, though it keeps the earlier attempts' errors: "success is the ``ok``
+    stamp, never errors-emptiness" (verifiers); nor is one the env accepts though a seat failed in it."""
     done = [t for t in episode.traces if t.branches]
-    if not episode.ok or not done:
+    if not (complete(episode) if complete is not None else episode.ok) or not done:
         error = episode.last_error or next((t.last_error for t in episode.traces if not t.ok and t.errors), None)
         if error is not None:
             message = error.message
         else:
             message = "the episode produced no trace" if not done else "the env marked the episode not ok (no error)"
-        return RolloutResult(env=env, example=example, failed=True, error=one_line(message))
+        # What verifiers scored before the failure (metrics recorded before a reward raised, turns played) stays for
+        # the summaries, as vf-eval's counts it; none of it trains.
+        recorded = [trace_result(t, trains=False) for t in [t for t in episode.traces if t.agent.trainable] or done]
+        return RolloutResult(
+            env=env,
+            example=example,
+            failed=True,
+            error=one_line(message),
+            traces=recorded,
+            metrics=seat_metrics(recorded),
+            num_turns=sum(t.num_turns for t in recorded),
+        )
     # An env where no seat trains (an eval of a fixed pair of agents) is scored over all of them, as vf-eval does.
     trainable = [t for t in done if t.agent.trainable]
     scored = trainable or done

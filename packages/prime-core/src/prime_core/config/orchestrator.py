@@ -26,9 +26,6 @@ from prime_core.config.shared import (
 )
 from prime_core.transport import RolloutTransportConfig
 
-DEFAULT_MAX_TURNS = 8
-"""The turn limit ``max_turns = "auto"`` gives a seat whose environment declares none."""
-
 
 def _positive_turns(value: int | str | None) -> int | str | None:
     if isinstance(value, int) and value < 1:
@@ -166,7 +163,8 @@ class EnvConfig(BaseConfig):
     """Runtime config fields (e.g. a docker image)."""
     max_turns: MaxTurns = "auto"
     """Upper bound on model turns of every agent seat (None: no limit). ``auto``: the limit the environment declares
-    for the seat (``vf.AgentConfig(max_turns=...)``), as ``vf-eval`` would run it, else 8."""
+    for the seat (``vf.AgentConfig(max_turns=...)``), else none, as ``vf-eval`` would run it; every episode still ends
+    at ``rollout_timeout`` and where the model's context is full."""
     num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """Worker processes of the env server (1: one server process; more: verifiers' broker over a worker pool)."""
     elastic: bool = False
@@ -451,7 +449,8 @@ class EvalConfig(BaseConfig):
     """Sampling of eval rollouts."""
     max_turns: MaxTurns = "auto"
     """Upper bound on model turns of every agent seat (None: no limit). ``auto``: the limit the environment declares
-    for the seat, else 8."""
+    for the seat, else none, as ``vf-eval`` would run it (each episode still ends at the environment's
+    ``rollout_timeout`` and where the model's context is full)."""
     num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """Env workers per environment."""
     use_chat: bool = False
