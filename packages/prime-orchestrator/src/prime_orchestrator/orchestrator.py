@@ -73,7 +73,9 @@ class Orchestrator:
         self.tracker = RolloutTracker(config)
         self.eval_lane = InflightLane("evals", "generating eval rollouts", self.tracker.limit_s)
         self.semaphore = ConcurrencyLimiter.from_config(config.client)  # rollouts in flight (concurrency.py)
-        self.versions = VersionRecords(config.client, check=config.model.lora is None, held=config.dispatch_ahead)
+        self.versions = VersionRecords(
+            config.client, check=config.model.lora is None, held=config.dispatch_ahead, run_dir=self.run_dir
+        )
         self.monitor = None
         self.sender = None
         self.shipped: list[int] = []
