@@ -9,12 +9,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from prime_core.config import ConfigError
 from prime_core.config.orchestrator import EvalConfig
-from prime_core.io import SMALL_JSON_BYTES, UnreadableFile, atomic_write_json, atomic_write_text, read_regular
+from prime_core.io import (
+    SMALL_JSON_BYTES,
+    UnreadableFile,
+    atomic_write_json,
+    atomic_write_text,
+    is_stable,
+    read_regular,
+)
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.concurrency import ConcurrencyLimiter
@@ -126,8 +134,35 @@ def _check_failed(name: str, label: str, rows: list[dict]) -> str | None:
     return None
 
 
+class StepsNotReady(inference.WeightUpdateError):
+    """A requested checkpoint step without its STABLE marker within ``weights_timeout``: nothing was scored."""
+
+
+async def wait_for_steps(c: EvalConfig) -> None:
+    """Every requested step complete before anything is scored: a checkpoint still being written (renamed into place,
+    its STABLE marker not yet written) is waited for, up to ``weights_timeout``. Before, the base model was scored
+    first (minutes on a real model) and the eval then failed at that step's load."""
+    steps = {s: Path(c.weights_dir) / f"step_{s}" for s in c.steps} if c.weights_dir is not None else {}
+    pending = [s for s, path in steps.items() if not is_stable(path)]
+    if not pending:
+        return
+    names = ", ".join(f"step_{s}" for s in pending)
+    logger.warning("waiting up to %gs (weights_timeout) for the STABLE marker of %s under %s (still being written?)",
+                   c.weights_timeout, names, c.weights_dir)  # fmt: skip
+    deadline = time.monotonic() + c.weights_timeout
+    while pending := [s for s in pending if not is_stable(steps[s])]:
+        if time.monotonic() > deadline:
+            left = ", ".join(f"step_{s}" for s in pending)
+            raise StepsNotReady(
+                f"--steps: {left} under {c.weights_dir} has no STABLE marker after {c.weights_timeout:g}s "
+                "(weights_timeout): a checkpoint still being written, or an incomplete copy; nothing was scored"
+            )
+        await asyncio.sleep(0.2)
+
+
 async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     c = config
+    await wait_for_steps(c)  # before the base model is scored, not after
     key = c.client.resolved_api_key()
     await inference.wait_healthy(c.client.base_urls, api_key=key, timeout=c.client.health_timeout, fail_fast=True)
     envs = c.resolved_envs()
