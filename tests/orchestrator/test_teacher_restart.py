@@ -123,3 +123,32 @@ def test_a_slow_teacher_is_not_waited_for_as_a_restart():
 
     with pytest.raises(TeacherError, match=r"failed after 1 attempts: no complete answer after 0.5s$"):
         asyncio.run(main())
+
+
+def test_a_teacher_whose_health_answers_but_scoring_fails_is_one_line():
+    """Its /health answers at once, its scoring keeps failing with a 503: asked once more, then one line (a
+    `TeacherError`, never the client's own error as a traceback)."""
+
+    async def main() -> None:
+        from tests.fixtures.fake_http import serving
+
+        async def busy(request: web.Request) -> web.Response:
+            return web.json_response({"error": {"message": "engine overloaded"}}, status=503)
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", busy)
+        app.router.add_get("/health", health)
+        async with serving(app) as url:
+            teacher = teacher_at(url)
+            try:
+                await teacher.logprobs(TOKENS)
+            finally:
+                await teacher.client.aclose()
+
+    with pytest.raises(TeacherError) as e:
+        asyncio.run(main())
+    assert "\n" not in str(e.value)
+    assert str(e.value).endswith("503: engine overloaded (after its /health answered again)")

@@ -158,7 +158,13 @@ class Teacher:
                 out = await self._post(body)
             except NoAnswer as e:  # down or restarting: wait for it (bounded), then ask once more
                 await self._wait_back(str(e).splitlines()[0])
-                out = await self._post(body)
+                try:
+                    out = await self._post(body)
+                except NoAnswer as again:
+                    raise TeacherError(
+                        f"teacher of env {self.env!r} at {t.base_url}: {str(again).splitlines()[0]} (after its "
+                        "/health answered again)"
+                    ) from None
         problem, scores = read_scores(out, self.prefix + token_ids)
         if problem is not None:
             raise TeacherError(f"teacher of env {self.env!r} at {t.base_url} answered {problem}")
