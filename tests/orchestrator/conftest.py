@@ -45,11 +45,24 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def torch_server(tiny_model):
+def shared_torch_server(tiny_model):
     pytest.importorskip("prime_inference.server")
     s = TorchServer(tiny_model)
     yield s
     s.stop()
+
+
+@pytest.fixture
+def torch_server(shared_torch_server):
+    """The session's server, on its base weights: a test that had it load a run's weights left them served, and the
+    next test's rollouts were sampled with them, recorded as a step that test's trainer never published (which an
+    orchestrator refuses: a server serving another run's weights)."""
+    import httpx
+
+    url = shared_torch_server.url
+    if httpx.get(f"{url}/health", timeout=10).json().get("weight_step"):
+        httpx.post(f"{url}/reload_weights", timeout=60).raise_for_status()
+    return shared_torch_server
 
 
 def publish_weights(run_root: Path, step: int, model_dir: Path) -> None:

@@ -12,7 +12,9 @@ import time
 
 import pytest
 from prime_core.config.orchestrator import OrchestratorConfig
+from prime_core.io import remove_published
 from prime_core.monitor import read_metrics
+from prime_core.run_dir import RunDir
 from prime_core.schemas.rollout import PolicyVersions, RolloutResult
 from prime_orchestrator.batch import Rollout
 from prime_orchestrator.concurrency import AdaptiveController, ConcurrencyLimiter
@@ -265,7 +267,10 @@ def test_continuous_loop_ships_every_step_within_the_bound_and_resumes(tmp_path,
     # Resume from the checkpoint of step 2: nothing shipped before it is trained again, the cursor goes on.
     (tmp_path / "samples").rename(tmp_path / "samples_first_run")
     resumed = make_config(tmp_path, tiny_model, in_flight_server, **{**overrides, "ckpt": {"resume_step": 2}})
-    trainer = fake_trainer(tmp_path, tiny_model, steps, first=2)  # weights 3, 4 are rewritten; 2 is there
+    # As `rl --resume` does: the first run's weights 3, 4 go (left there, the orchestrator refuses to start on them).
+    for step in (3, 4):
+        remove_published(RunDir(tmp_path).weight_step(step))
+    trainer = fake_trainer(tmp_path, tiny_model, steps, first=2)  # weights 3, 4 are written again; 2 is there
     run(resumed)
     trainer.join(60)
     after = shipped_examples(tmp_path, 2) | shipped_examples(tmp_path, 3)

@@ -74,8 +74,11 @@ def test_a_server_that_dies_before_a_checkpoint_loads_is_one_line_and_keeps_the_
     from tests.orchestrator.test_eval_cli import MODEL
     from tests.tiny import free_port
 
+    from prime_core.io import mark_stable
+
     stub_envs(monkeypatch)
     (tmp_path / "weights" / "step_1").mkdir(parents=True)
+    mark_stable(tmp_path / "weights" / "step_1")  # complete weights (eval waits for a step still being written)
     dead = f"http://127.0.0.1:{free_port()}"
     args = ["--model.name", str(MODEL), "--environment-ids", "reverse-text", "--output-dir", str(tmp_path / "out")]
     args += ["--weights-dir", str(tmp_path / "weights"), "--steps", "1", "--client.base-url", dead]

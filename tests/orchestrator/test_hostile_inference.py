@@ -345,6 +345,7 @@ def test_malformed_answers_fail_their_rollout_in_one_line(tmp_path, case):
     ("record", "reason"),
     [
         ({"first": 3, "last": 1, "num_tokens": 2}, "steps 3..1 over 2 tokens"),
+        ({"first": 7, "last": 7, "num_tokens": 2}, "weight step 7, newer than any the trainer published (newest: "),
     ],
 )
 def test_a_ledger_of_steps_never_published_ends_the_run_naming_the_server(tmp_path, record, reason):

@@ -25,6 +25,8 @@ RUN_ARTIFACTS = (
     "eval",
 )
 DRY_RUN_MARKER = ".dry-run"
+WEIGHTS_RUN_FILE = "run.json"
+"""In ``weights/step_N``: the ``PRIME_RUN_ID`` of the launch whose trainer published it (null without one)."""
 _RUN_CONFIG_RE = re.compile(r"^(rl|sft|trainer|inference|teacher|orchestrator(-[A-Za-z0-9_.-]+)?)\.toml$")
 
 
@@ -122,6 +124,19 @@ class RunDir:
     def latest_stable_weight_step(self) -> int | None:
         steps = self.stable_weight_steps()
         return steps[-1] if steps else None
+
+
+def weights_run_id(weight_dir: Path) -> str | None:
+    """The launch id ``weight_dir`` was published under; None when it names none (a trainer without
+    ``PRIME_RUN_ID``, one older than the stamp) or the stamp does not read back (a reader then applies no check)."""
+    from prime_core.io import UnreadableFile, read_json
+
+    try:
+        found = read_json(weight_dir / WEIGHTS_RUN_FILE, "a weights run stamp", 1 << 16)
+    except (OSError, UnreadableFile):
+        return None
+    run_id = found.get("run_id") if isinstance(found, dict) else None
+    return run_id if isinstance(run_id, str) else None
 
 
 def foreign_artifacts(run_dir: RunDir) -> list[str]:

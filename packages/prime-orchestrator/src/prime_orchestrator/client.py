@@ -20,6 +20,11 @@ class WeightUpdateError(RuntimeError):
     pass
 
 
+class NoAnswer(RuntimeError):
+    """`post_json`'s every attempt failed without an answer that says why (no connection, a broken one, a 5xx): a
+    server that is down or restarting, unlike one that answers slowly (a timeout) or refuses (4xx, permanent 5xx)."""
+
+
 def headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -53,7 +58,7 @@ async def post_json(
     names the server's last answer in one line (its error message, as our servers send it). ``timeout`` bounds each
     attempt as a whole: httpx's restarts at every chunk, and an answer trickled a few bytes at a time held its caller
     (a teacher's scoring, a weight update) for as long as the trickle lasted."""
-    last = ""
+    last, gone = "", False
     for attempt in range(retries + 1):
         try:
             async with asyncio.timeout(timeout):
@@ -69,14 +74,15 @@ async def post_json(
             except ValueError:
                 raise RuntimeError(f"POST {url} -> {resp.status_code}: not JSON: {_reason(resp)[:200]}") from None
         except httpx.HTTPStatusError as e:
-            last = str(e)
+            last, gone = str(e), True
         except TimeoutError:
-            last = f"no complete answer after {timeout:g}s"
+            last, gone = f"no complete answer after {timeout:g}s", False
         except RETRYABLE as e:
             last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            gone = not isinstance(e, httpx.TimeoutException)
         if attempt < retries:
             await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
-    raise RuntimeError(f"POST {url} failed after {retries + 1} attempts: {last}")
+    raise (NoAnswer if gone else RuntimeError)(f"POST {url} failed after {retries + 1} attempts: {last}")
 
 
 def _reason(resp: httpx.Response) -> str:

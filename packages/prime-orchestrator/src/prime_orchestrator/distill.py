@@ -27,11 +27,12 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prime_core import progress
 from prime_core.config.distill import DistillConfig, TeacherConfig
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import TrainedSequence
 
-from prime_orchestrator.client import headers, post_json, wait_healthy
+from prime_orchestrator.client import NoAnswer, headers, post_json, wait_healthy
 from prime_orchestrator.liveness import InflightLane
 from prime_orchestrator.sample_checks import MAX_LOGPROB
 
@@ -122,6 +123,8 @@ class Teacher:
         self.semaphore = asyncio.Semaphore(t.max_concurrent)
         self.prefix: list[int] = []
         """The privileged prompt's token ids (self-distillation), before every scored sequence."""
+        self._outage: asyncio.Future | None = None
+        """The wait for the teacher to answer again, shared by every request that found it gone."""
 
     async def start(self, student_dir: str) -> None:
         t = self.config.teacher
@@ -152,15 +155,55 @@ class Teacher:
         }
         async with self.semaphore:
             try:
-                out = await post_json(
-                    self.client, t.base_url + SCORE_ROUTE, body, timeout=t.timeout, retries=t.max_retries
-                )
-            except RuntimeError as e:
-                raise TeacherError(f"teacher of env {self.env!r} at {t.base_url}: {str(e).splitlines()[0]}") from None
+                out = await self._post(body)
+            except NoAnswer as e:  # down or restarting: wait for it (bounded), then ask once more
+                await self._wait_back(str(e).splitlines()[0])
+                try:
+                    out = await self._post(body)
+                except NoAnswer as again:
+                    raise TeacherError(
+                        f"teacher of env {self.env!r} at {t.base_url}: {str(again).splitlines()[0]} (after its "
+                        "/health answered again)"
+                    ) from None
         problem, scores = read_scores(out, self.prefix + token_ids)
         if problem is not None:
             raise TeacherError(f"teacher of env {self.env!r} at {t.base_url} answered {problem}")
         return scores[len(self.prefix) :]
+
+    async def _post(self, body: dict[str, Any]) -> Any:
+        t = self.config.teacher
+        try:
+            return await post_json(
+                self.client, t.base_url + SCORE_ROUTE, body, timeout=t.timeout, retries=t.max_retries
+            )
+        except NoAnswer:
+            raise
+        except RuntimeError as e:
+            raise TeacherError(f"teacher of env {self.env!r} at {t.base_url}: {str(e).splitlines()[0]}") from None
+
+    async def _wait_back(self, reason: str) -> None:
+        """A teacher that stopped answering (a restart of its server: seconds to minutes of loading) gets as long to
+        answer ``/health`` again as it had to start, ``health_timeout``; ended its retries (~3.5 s by default), an
+        unattended run died at a blip. Requests that find it gone together share one wait."""
+        if self._outage is None or self._outage.done():
+            self._outage = asyncio.ensure_future(self._wait_healthy_again(reason))
+        await asyncio.shield(self._outage)
+
+    async def _wait_healthy_again(self, reason: str) -> None:
+        t = self.config.teacher
+        what = f"teacher of env {self.env!r} at {t.base_url}"
+        bound = f"{t.health_timeout:g}s (distill.teacher.health_timeout)"
+        logger.warning("%s does not answer (%s); waiting up to %s for its /health to answer again", what, reason, bound)
+        t0 = time.monotonic()
+        waiting = f"waiting up to {bound} for the {what} to answer /health again"
+        with progress.activity(waiting, lane=f"teacher_{self.env}", limit_s=t.health_timeout, waits_for="teacher"):
+            try:
+                await wait_healthy([t.base_url], api_key=self.key, timeout=t.health_timeout)
+            except TimeoutError:
+                raise TeacherError(
+                    f"{what}: does not answer ({reason}), and its /health did not answer again within {bound}"
+                ) from None
+        logger.warning("%s answers /health again after %.1fs; scoring goes on", what, time.monotonic() - t0)
 
     def advantages(self, seq: TrainedSequence, advantage: float) -> list[float]:
         """Per token: reward_weight * A + kl_weight * (log p_teacher - log p_student) on sampled tokens, else 0."""
@@ -216,7 +259,8 @@ class Teachers:
         self.by_env = {e.resolved_name: Teacher(e.resolved_name, e.distill) for e in config.env if e.distill}
         # One request may take its timeout on every attempt, with the back-off between (post_json).
         teachers = [t.config.teacher for t in self.by_env.values()]
-        limit = max(((t.timeout + 5) * (t.max_retries + 1) for t in teachers), default=0.0)
+        # A teacher gone away (a restart) adds its wait for /health, and the request is then asked once more.
+        limit = max(((t.timeout + 5) * (t.max_retries + 1) * 2 + t.health_timeout for t in teachers), default=0.0)
         self.lane = InflightLane("teachers", "scoring with the teachers", limit)
         self.spans: dict[int, list[tuple[float, float]]] = {}
         """step -> (start, end) of each group's teacher scoring; groups score concurrently, so these overlap."""

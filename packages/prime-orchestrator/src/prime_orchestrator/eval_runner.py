@@ -7,14 +7,23 @@ Each environment runs in verifiers' env server (as in training); the base weight
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from prime_core.config import ConfigError
 from prime_core.config.orchestrator import EvalConfig
-from prime_core.io import SMALL_JSON_BYTES, UnreadableFile, atomic_write_json, atomic_write_text, read_regular
+from prime_core.io import (
+    SMALL_JSON_BYTES,
+    UnreadableFile,
+    atomic_write_json,
+    atomic_write_text,
+    is_stable,
+    read_regular,
+)
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.concurrency import ConcurrencyLimiter
@@ -66,7 +75,53 @@ def _labels(c: EvalConfig) -> list[tuple[str, int | None]]:
 
 
 def _weights_of(c: EvalConfig, step: int | None) -> dict[str, str | None]:
-    return {"model": c.model.name, "weights": str(Path(c.weights_dir) / f"step_{step}") if step is not None else None}
+    path, files = model_identity(c.model.name)
+    weights = str(Path(c.weights_dir) / f"step_{step}") if step is not None else None
+    return {"model": c.model.name, "weights": weights, "model_path": path, "model_files": files}
+
+
+def model_identity(name: str) -> tuple[str, str | None]:
+    """Where model ``name``'s files are, and a fingerprint of them (None where there are none here): a local directory
+    resolved (a relative path, a trailing slash, a symlink), a hub id's snapshot in the local cache (the same files as
+    that snapshot's path), else the name as given (a model only the server has)."""
+    path = Path(name).expanduser()
+    if not path.is_dir() and (path := _cached_snapshot(name)) is None:
+        return name.rstrip("/") or name, None
+    path = path.resolve()
+    digest = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")) + [path / "config.json"]:
+        if f.is_file():  # sizes of the weights and the whole config: two checkpoints of one model differ in content
+            digest.update(f"{f.name}:{f.stat().st_size}\n".encode())
+    if (path / "config.json").is_file():
+        digest.update(read_regular(path / "config.json", "a model config", SMALL_JSON_BYTES))
+    return str(path), digest.hexdigest()[:16]
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The snapshot of hub id ``repo_id``'s ``main`` revision in the local HF cache (what loading it reads), or None."""
+    from prime_core.preflight import hf_cache_dir
+
+    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    try:
+        commit = read_regular(repo / "refs" / "main", "a hub cache ref", 1024).decode().strip()
+    except (OSError, UnreadableFile, UnicodeDecodeError):
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if commit and "/" not in commit and snapshot.is_dir() else None
+
+
+def _same_weights(held: dict, mine: dict) -> bool:
+    """Whether ``held`` (a weights record) names ``mine``'s weights: the same checkpoint directory (resolved now), the
+    same model files (a record without ``model_path``, written before it, by its name resolved now) and, where both
+    have one, the same fingerprint (a model directory whose weights were replaced is other weights)."""
+    resolved = [str(Path(w).resolve()) if w else None for w in (held.get("weights"), mine["weights"])]
+    if resolved[0] != resolved[1]:
+        return False
+    if "model_path" not in held:
+        return isinstance(held.get("model"), str) and model_identity(held["model"])[0] == mine["model_path"]
+    files = held.get("model_files")
+    same_files = files is None or mine["model_files"] is None or files == mine["model_files"]
+    return held["model_path"] == mine["model_path"] and same_files
 
 
 def check_output_dir(c: EvalConfig) -> None:
@@ -81,7 +136,7 @@ def check_output_dir(c: EvalConfig) -> None:
             )
         except (OSError, UnreadableFile, ValueError):  # none, or not one to compare with
             continue
-        if isinstance(held, dict) and held != (mine := _weights_of(c, step)):
+        if isinstance(held, dict) and not _same_weights(held, mine := _weights_of(c, step)):
             raise ConfigError(
                 f"{out_dir / label} holds the eval of {_named(held)}, not {_named(mine)}: its files would be "
                 "overwritten; pass another --output-dir (or remove that directory)"
@@ -126,8 +181,35 @@ def _check_failed(name: str, label: str, rows: list[dict]) -> str | None:
     return None
 
 
+class StepsNotReady(inference.WeightUpdateError):
+    """A requested checkpoint step without its STABLE marker within ``weights_timeout``: nothing was scored."""
+
+
+async def wait_for_steps(c: EvalConfig) -> None:
+    """Every requested step complete before anything is scored: a checkpoint still being written (renamed into place,
+    its STABLE marker not yet written) is waited for, up to ``weights_timeout``. Before, the base model was scored
+    first (minutes on a real model) and the eval then failed at that step's load."""
+    steps = {s: Path(c.weights_dir) / f"step_{s}" for s in c.steps} if c.weights_dir is not None else {}
+    pending = [s for s, path in steps.items() if not is_stable(path)]
+    if not pending:
+        return
+    names = ", ".join(f"step_{s}" for s in pending)
+    logger.warning("waiting up to %gs (weights_timeout) for the STABLE marker of %s under %s (still being written?)",
+                   c.weights_timeout, names, c.weights_dir)  # fmt: skip
+    deadline = time.monotonic() + c.weights_timeout
+    while pending := [s for s in pending if not is_stable(steps[s])]:
+        if time.monotonic() > deadline:
+            left = ", ".join(f"step_{s}" for s in pending)
+            raise StepsNotReady(
+                f"--steps: {left} under {c.weights_dir} has no STABLE marker after {c.weights_timeout:g}s "
+                "(weights_timeout): a checkpoint still being written, or an incomplete copy; nothing was scored"
+            )
+        await asyncio.sleep(0.2)
+
+
 async def run_eval(config: EvalConfig) -> dict[str, dict[str, dict[str, Any]]]:
     c = config
+    await wait_for_steps(c)  # before the base model is scored, not after
     key = c.client.resolved_api_key()
     await inference.wait_healthy(c.client.base_urls, api_key=key, timeout=c.client.health_timeout, fail_fast=True)
     envs = c.resolved_envs()

@@ -73,7 +73,9 @@ class Orchestrator:
         self.tracker = RolloutTracker(config)
         self.eval_lane = InflightLane("evals", "generating eval rollouts", self.tracker.limit_s)
         self.semaphore = ConcurrencyLimiter.from_config(config.client)  # rollouts in flight (concurrency.py)
-        self.versions = VersionRecords(config.client, check=config.model.lora is None, held=config.dispatch_ahead)
+        self.versions = VersionRecords(
+            config.client, check=config.model.lora is None, held=config.dispatch_ahead, run_dir=self.run_dir
+        )
         self.monitor = None
         self.sender = None
         self.shipped: list[int] = []
@@ -113,6 +115,7 @@ class Orchestrator:
 
     async def setup(self) -> None:
         c = self.config
+        self.policy.refuse_later_weights(c.ckpt.resume_step or 0)  # before any server starts
         self.monitor = build_monitor(
             c.monitor, output_dir=c.output_dir, process="orchestrator", run_config=c.model_dump(mode="json")
         )
@@ -143,11 +146,7 @@ class Orchestrator:
             )
         if c.ckpt.resume_step:
             self._load_checkpoint(c.ckpt.resume_step)
-        if self.start_step > 0:
-            # Re-send the policy an uninterrupted run would serve here: the newest stable weights <= start.
-            stable = [s for s in self.run_dir.stable_weight_steps() if s <= self.start_step]
-            if stable and stable[-1] > 0:
-                await self.policy.load(stable[-1], source="filesystem")
+        await self.policy.resume(self.start_step)
         if c.model.lora is not None and self.policy.num_updates == 0:
             await self._load_initial_adapter()
         self.sender = make_sender(c.transport, self.run_dir, c.num_trainer_ranks)

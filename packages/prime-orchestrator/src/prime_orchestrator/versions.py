@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 from prime_core.config.orchestrator import ClientConfig
+from prime_core.run_dir import RunDir
 from prime_core.schemas.rollout import PolicyVersions, RolloutVersionsRequest, RolloutVersionsResponse
 
 from prime_orchestrator.client import WeightUpdateError, headers
@@ -60,16 +61,34 @@ def check_served(flight: Flight, record: PolicyVersions | None) -> None:
     )
 
 
-def check_published(url: str, tag: str, record: PolicyVersions | None) -> None:
+class Published:
+    """The newest weight step the trainer published in ``run_dir`` (0: the base weights), re-read from the
+    directory only when asked about a newer step than the newest seen."""
+
+    def __init__(self, run_dir: RunDir):
+        self.run_dir = run_dir
+        self.newest = 0
+
+    def covers(self, step: int) -> bool:
+        if step > self.newest:
+            self.newest = max(self.newest, self.run_dir.latest_stable_weight_step() or 0)
+        return step <= self.newest
+
+
+def check_published(url: str, tag: str, record: PolicyVersions | None, published: Published | None = None) -> None:
     """Raise `ServerWentBack` when ``record`` (of rollout ``tag``, from ``url``) names a last token older than the
-    first, or a negative count: the server's ledger is broken, and every rollout counted from it (staleness, the
-    continuous scheduler's bound) would be wrong."""
+    first, a negative count, or a weight step newer than any the trainer published (``published``, the run
+    directory's weights): the server's ledger is broken or not this run's, and every rollout counted from it
+    (staleness, the continuous scheduler's bound) would be wrong.
+    The relay's own newest step is no bound: a server started on resumed weights, or updated by another hand (an
+    operator), serves steps the relay never sent, but none the trainer never wrote."""
     if record is None:
         return
-    # A step past the newest the relay sent is not refused: a server started on resumed weights, or updated by another
-    # hand (tests, an operator), serves steps the relay never sent.
     if record.first > record.last or record.num_tokens < 0:
         problem = f"steps {record.first}..{record.last} over {record.num_tokens} tokens"
+    elif published is not None and not published.covers(record.last):
+        newest = published.newest
+        problem = f"weight step {record.last}, newer than any the trainer published (newest: step {newest})"
     else:
         return
     raise ServerWentBack(f"inference server {url}: the version record of rollout {tag} names {problem}")
@@ -80,8 +99,12 @@ class NoVersionRecord(WeightUpdateError):
 
 
 class VersionRecords:
-    def __init__(self, client: ClientConfig, check: bool = True, held: bool = False):
+    def __init__(
+        self, client: ClientConfig, check: bool = True, held: bool = False, run_dir: RunDir | None = None
+    ) -> None:
         self.client = client
+        self.published = Published(run_dir) if run_dir is not None else None
+        """Records naming a weight step the trainer never wrote to ``run_dir`` are refused (`check_published`)."""
         self.check = check
         self.held = held
         """Requests ask the server to hold them for their weights (``dispatch_ahead``): only a server's record says
@@ -149,7 +172,7 @@ class VersionRecords:
                 "prime's inference server, which holds each request until the weights it names; set dispatch_ahead "
                 "= false for this server"
             )
-        check_published(flight.url, flight.tag, record)
+        check_published(flight.url, flight.tag, record, self.published)
         if self.check:
             check_served(flight, record)
         return record
@@ -184,7 +207,7 @@ class VersionRecords:
                 return None
             found.update(answer.versions)
         for flight in flights:
-            check_published(flight.url, flight.tag, found.get(flight.tag))
+            check_published(flight.url, flight.tag, found.get(flight.tag), self.published)
         for flight in flights if self.check else ():
             check_served(flight, found.get(flight.tag))
         return found

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 
 from prime_core import progress
 from prime_core.config.orchestrator import OrchestratorConfig
-from prime_core.run_dir import RunDir
+from prime_core.run_dir import RunDir, weights_run_id
 
 from prime_orchestrator import client
 
 logger = logging.getLogger("prime.orchestrator.weight_relay")
+
+
+class ForeignWeights(RuntimeError):
+    """Weights in the run directory that this launch's trainer did not publish (a stopped run's, another run's)."""
 
 
 class Policy:
@@ -58,11 +63,41 @@ class Policy:
         for listener in self.listeners:
             listener()
 
+    def refuse_later_weights(self, start: int) -> None:
+        """Before the run starts: weights of steps after ``start`` are a stopped launch's (a resume without
+        ``prime-launch rewind``) or another run's, unless this launch's trainer stamped them (it started first): the
+        relay would serve the newest of them as this run's policy. A hand-started pair shares them by exporting one
+        ``PRIME_RUN_ID``."""
+        own = os.environ.get("PRIME_RUN_ID")
+        steps = self.run_dir.stable_weight_steps()
+        later = [s for s in steps if s > start and (own is None or weights_run_id(self.run_dir.weight_step(s)) != own)]
+        if later:
+            raise ForeignWeights(
+                f"{self.run_dir.weights} holds weights of steps {', '.join(map(str, later))} after this orchestrator's "
+                f"start step {start} that this launch's trainer did not publish (a stopped run's or another run's; they "
+                f"would be served as this run's policy): remove them with `prime-launch rewind --output-dir "
+                f"{self.run_dir.root} --step {start}`, or choose another --output-dir"
+            )
+
+    async def resume(self, start: int) -> None:
+        """Re-send the policy an uninterrupted run would serve at step ``start``: the newest stable weights <= it."""
+        stable = [s for s in self.run_dir.stable_weight_steps() if s <= start]
+        if start > 0 and stable and stable[-1] > 0:
+            await self.load(stable[-1], source="filesystem")
+
     async def watch(self, poll_interval: float = 0.1) -> None:
-        """Forever: relay the newest STABLE weight step when it is newer than the served one."""
+        """Forever: relay the newest STABLE weight step when it is newer than the served one; weights another launch
+        published (stamped with another ``PRIME_RUN_ID``) end the run instead."""
+        own = os.environ.get("PRIME_RUN_ID")
         while True:
             latest = self.run_dir.latest_stable_weight_step()
             if latest is not None and latest > self.version:
+                stamp = weights_run_id(self.run_dir.weight_step(latest))
+                if own is not None and stamp is not None and stamp != own:
+                    raise ForeignWeights(
+                        f"{self.run_dir.weight_step(latest)} was published by launch {stamp!r}, this orchestrator's "
+                        f"launch is {own!r}: another run is writing weights to {self.run_dir.root}"
+                    )
                 await self.load(latest)
             await asyncio.sleep(poll_interval)
 

@@ -30,12 +30,13 @@ class TeacherConfig(BaseConfig):
     timeout: float = Field(default=120.0, gt=0)
     """Seconds one scoring request may take; after ``max_retries`` the run stops, naming the teacher."""
     max_retries: int = Field(default=3, ge=0, le=MAX_RETRIES)
-    """Retries of a scoring request on connection errors and 5xx."""
+    """Retries of a scoring request on connection errors and 5xx (then a teacher that is gone is waited for, up to
+    ``health_timeout``, and the request asked once more)."""
     max_concurrent: int = Field(default=32, ge=1)
     """Scoring requests in flight to this teacher."""
     health_timeout: float = Field(default=300.0, gt=0)
     """Seconds to wait for the teacher's /health at start (``rl`` raises it to its own ``health_timeout`` for the
-    teacher it starts)."""
+    teacher it starts), and again when it stops answering during the run (a restart of its server)."""
 
     @field_validator("base_url")
     @classmethod

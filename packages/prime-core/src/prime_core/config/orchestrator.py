@@ -461,6 +461,9 @@ class EvalConfig(BaseConfig):
     here, where eval runs)."""
     steps: list[int] = Field(default_factory=list)
     """Checkpoint steps under weights_dir to evaluate."""
+    weights_timeout: float = Field(default=120.0, gt=0)
+    """Seconds to wait, before anything is scored, for a requested step's STABLE marker (a checkpoint still being
+    written); past it the eval stops in one line, nothing scored."""
     eval_base: bool = True
     """Also evaluate the weights the server started with (first; restored with /reload_weights before scoring)."""
     seed: Seed = 0

@@ -77,6 +77,7 @@ def run(orchestrator: Any, output_dir: Path) -> None:
     from prime_orchestrator.envs import TasksetError
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.liveness import RolloutsFailed
+    from prime_orchestrator.weight_relay import ForeignWeights
 
     try:
         asyncio.run(orchestrator.run())
@@ -84,7 +85,7 @@ def run(orchestrator: Any, output_dir: Path) -> None:
         sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    except TasksetError as e:  # bad input, like a config error
+    except (TasksetError, ForeignWeights) as e:  # bad input, like a config error
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     except (

@@ -20,10 +20,10 @@ from prime_core.vision import VisionSpec
 from prime_trainer import common
 from prime_trainer.lora import setup_lora
 from prime_trainer.memory import plan_memory
-from prime_trainer.model import token_logprobs
+from prime_trainer.model import resolve_source, token_logprobs
 from prime_trainer.parallel import pool_cp_micro_batches
 from prime_trainer.rl.data import TensorMicroBatch, fake_micro_batches
-from prime_trainer.sft.data import PackedData, build_samples, eval_batches, load_rows, load_tokenizer
+from prime_trainer.sft.data import PackedData, Sample, build_samples, eval_batches, load_rows, load_tokenizer
 from prime_trainer.sft.rows import to_messages, where_of
 from prime_trainer.world import all_reduce_sum
 
@@ -106,6 +106,56 @@ def read_rows(config: SFTConfig) -> tuple[list, list]:
     return rows, val_rows
 
 
+def tokenize(
+    config: SFTConfig,
+    tokenizer_name: str,
+    vision: VisionSpec | None = None,
+    vocab_size: int | None = None,
+    rows: tuple[list, list] | None = None,
+) -> tuple[list[Sample], list[Sample] | None]:
+    """Training and validation samples (None without validation); data with no trained token is a ``ConfigError``
+    naming the data and why (`build_samples`). ``rows``: ``read_rows``'s, read already."""
+    tokenizer = load_tokenizer(tokenizer_name, config.data.chat_template)
+    rows, val_rows = rows if rows is not None else read_rows(config)
+    args = (tokenizer, config.data.loss_mask, config.seq_len, vision)
+    samples = build_samples(rows, *args, source="data.path", vocab_size=vocab_size)
+    if not val_rows:
+        return samples, None
+    source = "val.path" if config.val.path is not None else "data.path (validation rows)"
+    return samples, build_samples(val_rows, *args, source=source, vocab_size=vocab_size)
+
+
+def tokenize_before_model(config: SFTConfig) -> tuple[tuple[list[Sample], list[Sample] | None] | None, list]:
+    """The samples, made before the model is built (None with fake data): data with no trained token (a
+    ``data.loss_mask`` that trains no role of the data, every row's answer past ``seq_len``) was one line only after
+    the model was built, minutes on a GPU host. Its warnings are held (logging is set up with the model), to be logged
+    by `log_held`."""
+    if config.data.fake is not None:
+        return None, []
+    rows = read_rows(config)
+    held: list[logging.LogRecord] = []
+    hold = logging.Handler()
+    hold.emit = held.append  # type: ignore[method-assign]
+    prime = logging.getLogger("prime")
+    prime.addHandler(hold)
+    propagate, prime.propagate = prime.propagate, False
+    try:
+        _, source = resolve_source(config.model.name, config.init)  # the model's config.json; its weights load later
+        vision = VisionSpec.from_model_dir(source.model_dir)
+        return tokenize(config, source.tokenizer, vision, source.vocab_size, rows), held
+    finally:
+        prime.removeHandler(hold)
+        prime.propagate = propagate
+
+
+def log_held(held: list[logging.LogRecord]) -> None:
+    """The data's held warnings, at this rank's level; the model's come again when it is built."""
+    for record in held:
+        found = logging.getLogger(record.name)
+        if record.name.startswith("prime.sft") and found.isEnabledFor(record.levelno):
+            found.handle(record)
+
+
 def build_data(
     config: SFTConfig,
     tokenizer_name: str,
@@ -113,18 +163,17 @@ def build_data(
     vision: VisionSpec | None = None,
     vocab_size: int | None = None,
     rows: tuple[list, list] | None = None,
+    samples: tuple[list[Sample], list[Sample] | None] | None = None,
 ) -> tuple[PackedData | None, list | None]:
     """Training rows (None with fake data) and this rank's validation batches (None without validation).
 
     ``vision``: image preprocessing and token ids of a vision-language model (rows may then hold images).
-    ``vocab_size``: the model's; a row with a larger token id is refused. ``rows``: ``read_rows``'s, read already.
+    ``vocab_size``: the model's; a row with a larger token id is refused. ``rows``: ``read_rows``'s, read already;
+    ``samples``: `tokenize`'s, made already.
     """
     if config.data.fake is not None:
         return None, None
-    tokenizer = load_tokenizer(tokenizer_name, config.data.chat_template)
-    rows, val_rows = rows if rows is not None else read_rows(config)
-    args = (tokenizer, config.data.loss_mask, config.seq_len, vision)
-    samples = build_samples(rows, *args, source="data.path", vocab_size=vocab_size)
+    samples, val_samples = samples or tokenize(config, tokenizer_name, vision, vocab_size, rows)
     data = PackedData(
         samples,
         config.seq_len,
@@ -143,9 +192,7 @@ def build_data(
             config.data.batch_size,
         )
     val = None
-    if val_rows:
-        source = "val.path" if config.val.path is not None else "data.path (validation rows)"
-        val_samples = build_samples(val_rows, *args, source=source, vocab_size=vocab_size)
+    if val_samples is not None:
         val = eval_batches(
             val_samples,
             config.seq_len,
@@ -159,17 +206,12 @@ def build_data(
 
 
 def train(config: SFTConfig) -> None:
-    rows = read_rows(config) if config.data.fake is None else None
+    samples, held = tokenize_before_model(config)
     c = common.setup(config, "sft")
+    log_held(held)
     setup_lora(c)
-    data, val = build_data(
-        config,
-        c.model_source.tokenizer,
-        c.world,
-        VisionSpec.from_model_dir(c.model_source.model_dir),
-        c.model_source.vocab_size,
-        rows,
-    )
+    vision = VisionSpec.from_model_dir(c.model_source.model_dir)
+    data, val = build_data(config, c.model_source.tokenizer, c.world, vision, c.model_source.vocab_size, None, samples)
     progress = common.resume(c)
     start = progress["step"]
     if data is not None and "data" in progress:

@@ -13,6 +13,7 @@ and a resume from checkpoint N needs weights N - async_level .. N.
 from __future__ import annotations
 
 import abc
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -20,8 +21,8 @@ from pathlib import Path
 from typing import Any, final
 
 import torch
-from prime_core.io import atomic_dir, remove_published, writing
-from prime_core.run_dir import RunDir
+from prime_core.io import atomic_dir, atomic_write_json, remove_published, writing
+from prime_core.run_dir import WEIGHTS_RUN_FILE, RunDir
 from prime_core.schemas.weights import BucketHeader, Manifest, write_manifest
 from torch import nn
 
@@ -75,6 +76,8 @@ class WeightPublisher(abc.ABC):
                 manifest = self.manifest(step, serve=serve)
                 if manifest is not None:
                     write_manifest(tmp, manifest)
+                # Whose weights these are: an orchestrator of another launch does not serve them as its policy.
+                atomic_write_json(tmp / WEIGHTS_RUN_FILE, {"run_id": os.environ.get("PRIME_RUN_ID")})
             self._cleanup(step, list(keep_steps))
         else:
             with writing(f"weights step {step}", final_dir):

@@ -1,0 +1,75 @@
+"""``eval/<label>/weights.json`` compared model names as strings: the same weights named another way (a trailing
+slash, a symlink, a relative path, a hub id and its cached snapshot) were refused (exit 2), and other weights under
+the same name (a relative path from another directory, a model directory whose weights were replaced) were accepted,
+their eval overwriting the earlier one's files. Names are now resolved to the files they load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.orchestrator.test_eval_cli import MODEL, stub_envs
+
+
+def run(out, model: str) -> int:
+    from prime_orchestrator.entrypoints.eval import main
+
+    try:
+        main(["--model.name", model, "--environment-ids", "reverse-text", "--output-dir", str(out)])
+    except SystemExit as e:
+        return e.code
+    return 0
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    stub_envs(monkeypatch)
+    path = tmp_path / "models" / "m"
+    shutil.copytree(MODEL, path)
+    return path
+
+
+def test_the_same_model_named_another_way_is_the_same_weights(tmp_path, model, monkeypatch, capsys):
+    out = tmp_path / "out"
+    (tmp_path / "link").symlink_to(model, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    assert run(out, str(model)) == 0
+    for name in (f"{model}/", str(tmp_path / "link"), "models/m", "./link/"):
+        assert run(out, name) == 0, (name, capsys.readouterr().err)
+
+
+def test_a_hub_id_and_its_cached_snapshot_are_the_same_weights(tmp_path, model, monkeypatch, capsys):
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(model, snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    assert run(out, "org/tiny") == 0
+    assert run(out, str(snapshot)) == 0, capsys.readouterr().err
+    record = json.loads((out / "eval" / "base" / "weights.json").read_text())
+    assert record["model"] == str(snapshot) and record["model_path"] == str(snapshot.resolve())
+
+
+def test_other_weights_under_the_same_name_are_refused(tmp_path, model, monkeypatch, capsys):
+    """The same relative name from another directory, and a directory whose weights were replaced: other weights."""
+    out = tmp_path / "out"
+    other = tmp_path / "elsewhere" / "models" / "m"
+    shutil.copytree(model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    monkeypatch.chdir(tmp_path)
+    assert run(out, "models/m") == 0
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert run(out, "models/m") == 2  # before: the same string, accepted, and the first eval's files overwritten
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: {out / 'eval' / 'base'} holds the eval of model models/m, not model models/m")
+    shutil.rmtree(model)
+    shutil.copytree(other, model)  # the first model's directory, its weights replaced
+    monkeypatch.chdir(tmp_path)
+    assert run(out, "models/m") == 2
