@@ -1,12 +1,15 @@
 """Resource growth of a long RL run: fds, threads, children and RSS of every process, and disk, per step.
 
-    uv run python benchmarks/soak.py --config examples/code/rl.toml --max-steps 200 [-- extra rl flags]
+    uv run python benchmarks/soak.py --config examples/code/rl.toml --max-steps 200 [--stop-after-s S] [-- rl flags]
+    uv run python benchmarks/soak.py --analyze outputs/soak_<name>_samples.jsonl [--name NAME]
 
 Starts `rl` with the given config and flags, and every --every seconds samples, for the launcher and each of its
 descendants, /proc/<pid>/{fd,task,status} (VmRSS), plus the sizes and file counts of the output directory, /tmp and
 /dev/shm, keyed by the trainer's last logged step. At the end it fits a line per (process, quantity) on the first
 and the second half of the steps and writes benchmarks/results/soak_<name>_<host>.json: the per-step slopes early
-and late. A quantity whose late slope is not ~0 grows with the step count: a leak for a run of thousands of steps.
+and late (samples go to outputs/soak_<name>_samples.jsonl as they are taken; --analyze fits them again, e.g. after
+the sampler was stopped). A quantity whose late slope is not ~0 grows with the step count: a leak for a run of
+thousands of steps. /tmp and /dev/shm are counted whole: on a shared machine other jobs' files count too.
 """
 
 from __future__ import annotations
