@@ -51,6 +51,7 @@ class Components:
     peak_flops: float | None
     loss_scale: float
     step_times: list[dict[str, float]] = field(default_factory=list)
+    """Every step's metrics, for the bench summary (bench runs only)."""
     layout: TrainerLayout | None = None
     """Parallel layout (meshes, expert and context parallelism)."""
     memory_plan: MemoryPlan | None = None
@@ -207,7 +208,8 @@ def log_step(c: Components, step: int, metrics: dict[str, Any]) -> None:
         if c.monitor is not None:
             c.monitor.log(step, metrics)
         c.logger.info(format_line(step, metrics))
-    c.step_times.append(metrics)
+    if c.config.bench:  # only a bench run summarizes its steps; a training run would hold every step's for days
+        c.step_times.append(metrics)
 
 
 def format_line(step: int, m: dict[str, Any]) -> str:
