@@ -80,6 +80,12 @@ COVERED: dict[str, tuple[str, str, str]] = {
         'with progress.activity(waiting, lane="policy", waits_for="trainer"):',
         "the policy lane waits on the trainer, which is watched",
     ),
+    "EvalConfig.weights_timeout": (
+        "prime-orchestrator/src/prime_orchestrator/eval_runner.py",
+        'logger.warning("still waiting for the STABLE marker of %s after %.0fs (weights_timeout %gs)",',
+        "eval's wait for a checkpoint still being written, before anything is scored: it says every 30 s what it "
+        "waits for",
+    ),
     "ParallelConfig.timeout_s": (
         "prime-trainer/src/prime_trainer/rl/train.py",
         'with progress.activity(f"training step {step}", kind="step"):',

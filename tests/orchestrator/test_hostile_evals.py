@@ -69,12 +69,11 @@ def test_a_server_that_dies_before_a_checkpoint_loads_is_one_line_and_keeps_the_
     """The server answered for ``base``, then died: loading ``step_1`` fails. It was a traceback (WeightUpdateError),
     and results.json/results.txt, written only at the end, never held the base scores."""
     import pytest
+    from prime_core.io import mark_stable
     from prime_orchestrator.entrypoints.eval import main
 
     from tests.orchestrator.test_eval_cli import MODEL
     from tests.tiny import free_port
-
-    from prime_core.io import mark_stable
 
     stub_envs(monkeypatch)
     (tmp_path / "weights" / "step_1").mkdir(parents=True)

@@ -196,9 +196,14 @@ async def wait_for_steps(c: EvalConfig) -> None:
     names = ", ".join(f"step_{s}" for s in pending)
     logger.warning("waiting up to %gs (weights_timeout) for the STABLE marker of %s under %s (still being written?)",
                    c.weights_timeout, names, c.weights_dir)  # fmt: skip
-    deadline = time.monotonic() + c.weights_timeout
+    start = said = time.monotonic()
     while pending := [s for s in pending if not is_stable(steps[s])]:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - said >= 30:
+            said = now
+            logger.warning("still waiting for the STABLE marker of %s after %.0fs (weights_timeout %gs)",
+                           ", ".join(f"step_{s}" for s in pending), now - start, c.weights_timeout)  # fmt: skip
+        if now - start > c.weights_timeout:
             left = ", ".join(f"step_{s}" for s in pending)
             raise StepsNotReady(
                 f"--steps: {left} under {c.weights_dir} has no STABLE marker after {c.weights_timeout:g}s "
