@@ -147,13 +147,19 @@ def test_exiting_processes_must_go_and_finished_ones_are_left_alone(tmp_path):
         check(dog, clock, 1011.0)
 
 
-def test_a_live_sandbox_pool_past_its_bound_is_named_and_gone_ones_are_not(tmp_path):
-    clock = Clock()
+def pool_watchdog(tmp_path, clock, what: str) -> tuple[Watchdog, dict]:
+    """A watchdog of a healthy trainer and orchestrator that reads sandbox pools' files under progress/, and a pool's
+    activity ``what`` since 1000 s with a bound of 20 s."""
     dog = watchdog(tmp_path, clock)
     dog.watch_helpers(tmp_path / "progress")
     write(tmp_path / "t.json", time=1040.0)
     write(tmp_path / "o.json", process="orchestrator", time=1040.0)
-    running = Activity(lane="executions", what="running 2 sandbox execution(s)", since=1000.0, limit_s=20).model_dump()
+    return dog, Activity(lane="executions", what=what, since=1000.0, limit_s=20).model_dump()
+
+
+def test_a_live_sandbox_pool_past_its_bound_is_named_and_gone_ones_are_not(tmp_path):
+    clock = Clock()
+    dog, running = pool_watchdog(tmp_path, clock, "running 2 sandbox execution(s)")
     pool = {"process": "sandbox_pool", "pid": 7, "host": "node-2", "activities": [running],
             "counters": {"executions_completed": 40, "zygotes_replaced": 1}}  # fmt: skip
     write(tmp_path / "progress" / "sandbox_pool_7.json", **pool, time=1040.0)
@@ -174,11 +180,7 @@ def test_pool_files_of_another_run_or_of_a_gone_process_are_not_a_fault(tmp_path
     (a process started without PRIME_RUN_ID), or one of a process on this host that has exited (an env server just
     replaced: its last record stays fresh for the slack) was read as this run's stuck pool."""
     clock = Clock()
-    dog = watchdog(tmp_path, clock)
-    dog.watch_helpers(tmp_path / "progress")
-    write(tmp_path / "t.json", time=1040.0)
-    write(tmp_path / "o.json", process="orchestrator", time=1040.0)
-    running = Activity(lane="executions", what="running 1 sandbox execution(s)", since=1000.0, limit_s=20).model_dump()
+    dog, running = pool_watchdog(tmp_path, clock, "running 1 sandbox execution(s)")
     gone = subprocess.Popen(["true"])
     gone.wait()
     pool = {"process": "sandbox_pool", "activities": [running], "time": 1040.0, "host": socket.gethostname()}
