@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -146,13 +147,19 @@ def test_exiting_processes_must_go_and_finished_ones_are_left_alone(tmp_path):
         check(dog, clock, 1011.0)
 
 
-def test_a_live_sandbox_pool_past_its_bound_is_named_and_gone_ones_are_not(tmp_path):
-    clock = Clock()
+def pool_watchdog(tmp_path, clock, what: str) -> tuple[Watchdog, dict]:
+    """A watchdog of a healthy trainer and orchestrator that reads sandbox pools' files under progress/, and a pool's
+    activity ``what`` since 1000 s with a bound of 20 s."""
     dog = watchdog(tmp_path, clock)
     dog.watch_helpers(tmp_path / "progress")
     write(tmp_path / "t.json", time=1040.0)
     write(tmp_path / "o.json", process="orchestrator", time=1040.0)
-    running = Activity(lane="executions", what="running 2 sandbox execution(s)", since=1000.0, limit_s=20).model_dump()
+    return dog, Activity(lane="executions", what=what, since=1000.0, limit_s=20).model_dump()
+
+
+def test_a_live_sandbox_pool_past_its_bound_is_named_and_gone_ones_are_not(tmp_path):
+    clock = Clock()
+    dog, running = pool_watchdog(tmp_path, clock, "running 2 sandbox execution(s)")
     pool = {"process": "sandbox_pool", "pid": 7, "host": "node-2", "activities": [running],
             "counters": {"executions_completed": 40, "zygotes_replaced": 1}}  # fmt: skip
     write(tmp_path / "progress" / "sandbox_pool_7.json", **pool, time=1040.0)
@@ -166,6 +173,34 @@ def test_a_live_sandbox_pool_past_its_bound_is_named_and_gone_ones_are_not(tmp_p
         "finishing, past its bound of 20 s + 10 s slack (40 executions completed, 1 zygotes replaced) "
         f"(log: {tmp_path / 'orchestrator.log'})"
     )
+
+
+def test_pool_files_of_another_run_or_of_a_gone_process_are_not_a_fault(tmp_path):
+    """progress/ of a run directory held an earlier run's ``sandbox_pool_<pid>.json``: one written without a run id
+    (a process started without PRIME_RUN_ID), or one of a process on this host that has exited (an env server just
+    replaced: its last record stays fresh for the slack) was read as this run's stuck pool."""
+    clock = Clock()
+    dog, running = pool_watchdog(tmp_path, clock, "running 1 sandbox execution(s)")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    pool = {"process": "sandbox_pool", "activities": [running], "time": 1040.0, "host": socket.gethostname()}
+    write(tmp_path / "progress" / "sandbox_pool_1.json", **{**pool, "pid": 1, "host": "node-2"}, run_id=None)
+    write(tmp_path / "progress" / f"sandbox_pool_{gone.pid}.json", **pool, pid=gone.pid)
+    check(dog, clock, 1040.0)
+    write(tmp_path / "progress" / f"sandbox_pool_{os.getpid()}.json", **pool, pid=os.getpid())
+    with pytest.raises(ProcessStuck, match=rf"the sandbox pool \(pid {os.getpid()}, \w+\) has been running 1"):
+        check(dog, clock, 1040.0)
+
+
+def test_overwrite_clears_an_earlier_runs_progress_files(tmp_path):
+    from prime_core.run_dir import clear_run
+
+    run = RunDir(tmp_path)
+    write(run.progress / "sandbox_pool_123.json", process="sandbox_pool", pid=123)
+    write(run.progress_file("orchestrator"), process="orchestrator")
+    (tmp_path / "notes.txt").write_text("mine")
+    clear_run(run)
+    assert not run.progress.exists() and (tmp_path / "notes.txt").read_text() == "mine"
 
 
 class _Server:

@@ -128,11 +128,36 @@ def test_weights_another_launch_publishes_mid_run_end_it(tmp_path, monkeypatch):
     assert served(tmp_path, monkeypatch, resume_step=None) == []
     monkeypatch.setattr(Orchestrator, "setup", _setup_without_check)  # as if they appeared after the start-up
     publish(run_dir, 1, "mine")
-    publish(run_dir, 2, None)  # a trainer without an id (hand-started, older): taken, as micro-batch files are
-    assert served(tmp_path, monkeypatch, resume_step=None) == [2]
-    publish(run_dir, 3, "other")
-    with pytest.raises(ForeignWeights, match=r"step_3 was published by launch 'other', this orchestrator's launch"):
+    assert served(tmp_path, monkeypatch, resume_step=None) == [1]
+    publish(run_dir, 2, "other")
+    with pytest.raises(ForeignWeights, match=r"step_2 was published by launch 'other', this orchestrator's launch"):
         served(tmp_path, monkeypatch, resume_step=None)
+
+
+def test_unstamped_weights_mid_run_end_a_launch_whose_trainer_stamps(tmp_path, monkeypatch):
+    """Weights without ``run.json`` (a trainer started without PRIME_RUN_ID, or an older one, writing to this run's
+    directory) appearing mid-run were served as this run's policy once this launch's trainer had stamped its own."""
+    monkeypatch.setenv("PRIME_RUN_ID", "mine")
+    run_dir = RunDir(tmp_path)
+    publish(run_dir, 0, "mine")
+    monkeypatch.setattr(Orchestrator, "setup", _setup_without_check)  # as if they appeared after the start-up
+    publish(run_dir, 1, None)
+    with pytest.raises(ForeignWeights) as e:
+        served(tmp_path, monkeypatch, resume_step=None)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{run_dir.weight_step(1)} carries no launch id (run.json) while ")
+
+
+def test_a_hand_started_pair_whose_trainer_stamps_nothing_is_followed(tmp_path, monkeypatch):
+    """An orchestrator with PRIME_RUN_ID beside a trainer without one: no step carries the id, so the trainer's
+    unstamped weights are this run's (as micro-batch files without an id are taken)."""
+    monkeypatch.setenv("PRIME_RUN_ID", "mine")
+    run_dir = RunDir(tmp_path)
+    publish(run_dir, 0, None)
+    monkeypatch.setattr(Orchestrator, "setup", _setup_without_check)
+    publish(run_dir, 1, None)
+    publish(run_dir, 2, None)
+    assert served(tmp_path, monkeypatch, resume_step=None) == [2]
 
 
 _real_setup = Orchestrator.setup

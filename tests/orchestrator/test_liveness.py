@@ -259,3 +259,25 @@ Current thread 0x00007f0000000002 (most recent call first):
 """
     assert summarize(dump) == "__new__ (core/power.py:340), called from correct (arithmetic/taskset.py:22)"
     assert summarize("") is None and summarize(dump.split("Current")[0]) is None
+
+
+def test_a_pool_file_an_earlier_run_left_under_a_reused_pid_is_not_this_runs_stuck_pool(tmp_path, monkeypatch):
+    """progress/ (kept by a resume) held an earlier run's ``sandbox_pool_<pid>.json`` whose pid a process of this
+    run's env server now has: its old overdue activity had that process killed as a stuck pool."""
+    from prime_core.progress import helper_file
+    from prime_core.schemas.progress import Activity, Progress
+
+    monkeypatch.setenv("PRIME_PROGRESS_DIR", str(tmp_path))
+    monkeypatch.setenv("PRIME_RUN_ID", "now")
+    server = subprocess.Popen(["sleep", "60"])
+    try:
+        overdue = Activity(lane="executions", what="running 1 sandbox execution(s)", since=0.0, limit_s=5)
+        for run_id, named in (("earlier", False), (None, False), ("now", True)):
+            record = Progress(process="sandbox_pool", pid=server.pid, run_id=run_id, started=0.0, time=1.0,
+                              activities=[overdue])  # fmt: skip
+            helper_file("sandbox_pool", server.pid).write_text(record.model_dump_json())
+            reason = HangWatch("code", _Proc(server), None, 30, set).stuck_pool({server.pid: "S"})
+            assert (reason is not None) == named, (run_id, reason)
+    finally:
+        server.kill()
+        server.wait()

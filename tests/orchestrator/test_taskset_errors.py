@@ -83,3 +83,26 @@ def test_a_missing_nltk_corpus_is_named_in_the_reason(tmp_path):
         nltk.data.find("corpora/words", paths=[str(tmp_path)])
     reason = _reason(e.value)
     assert reason.startswith("LookupError: Resource 'words' not found. ... ") and "*" not in reason
+
+
+def test_an_infinite_taskset_keeps_a_bounded_number_of_drawn_tasks(monkeypatch):
+    """Every task drawn from an infinite taskset was kept for the whole run (memory grew with the steps); now the
+    last ``RETAINED_TASKS`` asked are kept, and an older one asked again is drawn again, the same task."""
+    import gc
+
+    import prime_orchestrator.envs as envs
+
+    use_vf_envs(monkeypatch)
+    monkeypatch.setattr(envs, "RETAINED_TASKS", 8, raising=False)
+    tasks = stream("vf-infinite", {})
+
+    def alive() -> int:
+        gc.collect()
+        return sum(type(o).__name__ == "CountTask" for o in gc.get_objects())
+
+    for i in range(200):
+        assert tasks.task_data(i)["prompt"] == f"What number comes after {i}?"
+        assert tasks.task_data(max(0, i - 3))["prompt"] == f"What number comes after {max(0, i - 3)}?"  # a retry
+    assert tasks.task_data(5)["prompt"] == "What number comes after 5?"  # long gone: drawn again
+    assert tasks.task_data(1000)["prompt"] == "What number comes after 1000?"  # a resume's cursor
+    assert alive() <= 8 + 2 and len(tasks) == 1001  # 1002 before (the taskset may hold the one it just gave)

@@ -52,6 +52,22 @@ def teacher_at(url: str, health_timeout: float = 60.0) -> Teacher:
     return Teacher("math", DistillConfig(teacher=config))
 
 
+async def score_once(teacher: Teacher) -> None:
+    """One scoring request of ``teacher``, its client closed after."""
+    try:
+        await teacher.logprobs(TOKENS)
+    finally:
+        await teacher.client.aclose()
+
+
+def teacher_error(main) -> str:
+    """The ``TeacherError`` that running ``main()`` ends with, checked to be one line."""
+    with pytest.raises(TeacherError) as e:
+        asyncio.run(main())
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
 def test_a_teacher_restarted_during_scoring_is_waited_for_and_scoring_goes_on(caplog):
     caplog.set_level(logging.WARNING, logger="prime.orchestrator.distill")
 
@@ -85,16 +101,10 @@ def test_a_teacher_that_never_comes_back_ends_the_run_in_one_line():
         server = RestartingTeacher()
         url = await server.start()
         await server.stop()
-        teacher = teacher_at(url, health_timeout=1)
-        try:
-            await teacher.logprobs(TOKENS)
-        finally:
-            await teacher.client.aclose()
+        await score_once(teacher_at(url, health_timeout=1))
 
-    with pytest.raises(TeacherError) as e:
-        asyncio.run(main())
-    line = str(e.value)
-    assert "\n" not in line and line.startswith("teacher of env 'math' at http://127.0.0.1:")
+    line = teacher_error(main)
+    assert line.startswith("teacher of env 'math' at http://127.0.0.1:")
     assert "does not answer (POST " in line and "ConnectError" in line
     assert line.endswith("and its /health did not answer again within 1s (distill.teacher.health_timeout)")
 
@@ -116,10 +126,9 @@ def test_a_slow_teacher_is_not_waited_for_as_a_restart():
             config = TeacherConfig(base_url=url, model="t", timeout=0.5, max_retries=0, health_timeout=600)
             teacher = Teacher("math", DistillConfig(teacher=config))
             try:
-                await teacher.logprobs(TOKENS)
+                await score_once(teacher)
             finally:
-                await teacher.client.aclose()
-            assert teacher._outage is None
+                assert teacher._outage is None
 
     with pytest.raises(TeacherError, match=r"failed after 1 attempts: no complete answer after 0.5s$"):
         asyncio.run(main())
@@ -142,13 +151,6 @@ def test_a_teacher_whose_health_answers_but_scoring_fails_is_one_line():
         app.router.add_post("/inference/v1/generate", busy)
         app.router.add_get("/health", health)
         async with serving(app) as url:
-            teacher = teacher_at(url)
-            try:
-                await teacher.logprobs(TOKENS)
-            finally:
-                await teacher.client.aclose()
+            await score_once(teacher_at(url))
 
-    with pytest.raises(TeacherError) as e:
-        asyncio.run(main())
-    assert "\n" not in str(e.value)
-    assert str(e.value).endswith("503: engine overloaded (after its /health answered again)")
+    assert teacher_error(main).endswith("503: engine overloaded (after its /health answered again)")

@@ -161,8 +161,9 @@ def has_run_outputs(run_dir: RunDir) -> bool:
 
 
 def clear_run(run_dir: RunDir) -> None:
-    """Delete the artifacts of a previous run (only the names a run writes; nothing else in the directory)."""
-    for name in RUN_ARTIFACTS:
+    """Delete the artifacts of a previous run (only the names a run writes; nothing else in the directory), and its
+    ``progress/`` (heartbeats and sandbox pools' files, which the next run's watchdog would read)."""
+    for name in (*RUN_ARTIFACTS, "progress"):
         path = run_dir.root / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

@@ -83,6 +83,13 @@ def process_state(pid: int, host: str = "") -> str | None:
     return _STATES.get(code, f"state {code}")
 
 
+def _gone(record: Progress) -> bool:
+    """Whether the writer of ``record`` was on this host and has exited (no such pid, or a zombie)."""
+    if record.host and record.host != socket.gethostname():
+        return False
+    return process_state(record.pid) in (None, _STATES["Z"])
+
+
 def _pid_note(pid: int | None, host: str = "") -> str:
     if pid is None:
         return ""
@@ -314,16 +321,18 @@ class Watchdog:
         slack = self.config.slack_s
         for path in sorted(self.helpers_dir.glob("sandbox_pool_*.json")):
             record = read_progress(path)
-            # Another launch's, or a process that is gone (a replaced env server) or frozen (the orchestrator's env
-            # watch kills that one): only a live pool's overdue work is a fault here.
+            # Another launch's (an earlier run's file in progress/: another run id, or none where this launch stamps
+            # its processes), or a process that is gone (a replaced env server: its last record stays fresh for
+            # ``slack_s``) or frozen (the orchestrator's env watch kills that one): only a live pool's overdue work is
+            # a fault here.
             if (
                 record is None
                 or record.exiting
+                or (self.run_id is not None and record.run_id != self.run_id)
                 or self._age(record) > slack
                 or not self._since_start(record, *self._helpers_since)
+                or _gone(record)
             ):
-                continue
-            if self.run_id is not None and record.run_id is not None and record.run_id != self.run_id:
                 continue
             for a in record.activities:
                 if a.limit_s is not None and (lasted := self._lasted(record, a)) > a.limit_s + slack:

@@ -12,12 +12,15 @@ server's answers can no longer arrive). A worker of a pool that dies is handled 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import logging
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -190,7 +193,26 @@ def server_context() -> Any:
     process (an event loop, its threads) is not."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    _remove_temp_dir_on_sigterm()
     return ctx
+
+
+def _remove_temp_dir_on_sigterm() -> None:
+    """The forkserver's socket lives in multiprocessing's temporary directory (``$TMPDIR/pymp-*``), which only an exit
+    handler removes: every orchestrator (and eval) stopped by SIGTERM left one behind. SIGTERM now removes it, then
+    ends the process by SIGTERM as before. Not a normal exit: multiprocessing's exit handler joins the env servers
+    without a bound, and Python's finalization takes seconds. A handler someone else installed is kept."""
+    with contextlib.suppress(ValueError):  # not the main thread: that thread's process keeps the old behaviour
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    tempdir = mp.current_process()._config.get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def pool_workers(broker_pid: int) -> set[int]:

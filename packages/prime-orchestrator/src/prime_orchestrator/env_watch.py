@@ -101,7 +101,10 @@ class HangWatch:
         for pid in process_tree(self.proc.pid) if tree is None else tree:
             path = helper_file("sandbox_pool", pid)
             record = read_progress(path) if path is not None and path.exists() else None
-            if record is None or record.pid != pid or record.exiting:
+            # A file an earlier run left in progress/ under a pid now reused (a resume keeps progress/) is not this
+            # pool's: the run's own carry its id.
+            own = os.environ.get("PRIME_RUN_ID")
+            if record is None or record.pid != pid or record.exiting or (own is not None and record.run_id != own):
                 continue
             for a in record.activities:
                 if a.limit_s is not None and (took := lasted(record, a)) > a.limit_s:

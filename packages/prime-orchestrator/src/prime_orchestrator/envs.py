@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,12 @@ class TasksetError(ValueError):
     not JSON): bad input of the run, one line naming the environment and the task."""
 
 
+RETAINED_TASKS = 4096
+"""An infinite taskset's most recently asked tasks that stay in memory, for a rollout asking again (a retry, a group
+dispatched again): every drawn task was kept, so memory grew with the run. An older one is drawn again from a fresh
+pass over the taskset (deterministic, as a resume's draws are)."""
+
+
 class TaskStream:
     """The taskset's tasks by index: a finite taskset cycles, an infinite one is drawn as far as the run needs."""
 
@@ -64,27 +71,57 @@ class TaskStream:
             raise TasksetError(f"env {self.name}: its taskset {config.id!r} failed to load ({_reason(e)})") from None
         if self.bounded and not self._tasks:
             raise TasksetError(f"env {self.name}: taskset {config.id!r} has no tasks")
+        self._recent: OrderedDict[int, Any] = OrderedDict()
+        """An infinite taskset's tasks by index: at most ``RETAINED_TASKS``, the least recently asked dropped."""
+        self._drawn = 0
+        """How many tasks the infinite taskset's iterator gave."""
 
     def __len__(self) -> int:
-        return len(self._tasks)
+        return len(self._tasks) if self.bounded else self._drawn
 
     def task_data(self, index: int) -> dict[str, Any]:
         if self.bounded:
-            index %= len(self._tasks)
-        while len(self._tasks) <= index:
-            try:
-                self._tasks.append(next(self._iter))
-            except StopIteration:
-                # Raised inside a coroutine, StopIteration would surface as an unrelated RuntimeError.
-                raise TasksetError(
-                    f"env {self.name}: the infinite taskset ended after {len(self._tasks)} tasks (task {index} asked)"
-                ) from None
-            except Exception as e:
-                raise TasksetError(f"env {self.name}: task {len(self._tasks)} failed to load ({_reason(e)})") from None
+            task = self._tasks[index % len(self._tasks)]
+        elif (task := self._recent.get(index)) is not None:
+            self._recent.move_to_end(index)
+        else:
+            task = self._redraw(index) if index < self._drawn else self._draw_to(index)
+            self._recent[index] = task
+            while len(self._recent) > RETAINED_TASKS:
+                self._recent.popitem(last=False)
         try:
-            return self._tasks[index].data.model_dump(mode="json")
+            return task.data.model_dump(mode="json")
         except Exception as e:
             raise TasksetError(f"env {self.name}: task {index}'s data is not JSON ({_reason(e)})") from None
+
+    def _draw_to(self, index: int) -> Any:
+        """Draw the infinite taskset's tasks up to ``index``; keeps the last ``RETAINED_TASKS`` of them."""
+        while True:
+            task = self._next(self._iter, self._drawn, index)
+            self._drawn += 1
+            if self._drawn > index:
+                return task
+            if index - self._drawn < RETAINED_TASKS:
+                self._recent[self._drawn - 1] = task
+
+    def _redraw(self, index: int) -> Any:
+        """Task ``index``, dropped from memory: a fresh pass over the taskset up to it."""
+        logger.info("env %s: drawing task %d again (%d tasks are kept)", self.name, index, RETAINED_TASKS)
+        tasks = iter(self.taskset)
+        for i in range(index):
+            self._next(tasks, i, index)
+        return self._next(tasks, index, index)
+
+    def _next(self, tasks: Any, position: int, index: int) -> Any:
+        try:
+            return next(tasks)
+        except StopIteration:
+            # Raised inside a coroutine, StopIteration would surface as an unrelated RuntimeError.
+            raise TasksetError(
+                f"env {self.name}: the infinite taskset ended after {position} tasks (task {index} asked)"
+            ) from None
+        except Exception as e:
+            raise TasksetError(f"env {self.name}: task {position} failed to load ({_reason(e)})") from None
 
 
 def episode_verdict(env_config: dict[str, Any]) -> Callable[[Any], bool]:

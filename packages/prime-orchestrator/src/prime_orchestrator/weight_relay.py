@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from prime_core import progress
 from prime_core.config.orchestrator import OrchestratorConfig
-from prime_core.run_dir import RunDir, weights_run_id
+from prime_core.run_dir import WEIGHTS_RUN_FILE, RunDir, weights_run_id
 
 from prime_orchestrator import client
 
@@ -35,6 +35,8 @@ class Policy:
         self._changed = asyncio.Condition()
         self.listeners: list[Callable[[], None]] = []
         """Called whenever the served version changes (continuous dispatch starts groups for the new weights)."""
+        self.own_stamped = False
+        """Whether a weight step stamped with this launch's ``PRIME_RUN_ID`` was seen: its trainer stamps."""
 
     async def load(self, step: int, source: str = "auto") -> None:
         """Make inference serve weights ``step``; ``source="filesystem"``: only what the directory holds, not a
@@ -87,19 +89,40 @@ class Policy:
 
     async def watch(self, poll_interval: float = 0.1) -> None:
         """Forever: relay the newest STABLE weight step when it is newer than the served one; weights another launch
-        published (stamped with another ``PRIME_RUN_ID``) end the run instead."""
+        published end the run instead (``_check_stamp``)."""
         own = os.environ.get("PRIME_RUN_ID")
         while True:
             latest = self.run_dir.latest_stable_weight_step()
             if latest is not None and latest > self.version:
-                stamp = weights_run_id(self.run_dir.weight_step(latest))
-                if own is not None and stamp is not None and stamp != own:
-                    raise ForeignWeights(
-                        f"{self.run_dir.weight_step(latest)} was published by launch {stamp!r}, this orchestrator's "
-                        f"launch is {own!r}: another run is writing weights to {self.run_dir.root}"
-                    )
+                if own is not None:
+                    self._check_stamp(latest, own)
                 await self.load(latest)
             await asyncio.sleep(poll_interval)
+
+    def _check_stamp(self, step: int, own: str) -> None:
+        """Refuse weights ``step`` stamped with another launch's id, or with none once this launch's trainer is known
+        to stamp (a step in ``weights/`` carries ``own``): those are another trainer's (one started without
+        ``PRIME_RUN_ID``, or older than the stamp). A hand-started pair whose trainer stamps nothing is followed."""
+        path = self.run_dir.weight_step(step)
+        stamp = weights_run_id(path)
+        if stamp is not None and stamp != own:
+            raise ForeignWeights(
+                f"{path} was published by launch {stamp!r}, this orchestrator's launch is {own!r}: another run is "
+                f"writing weights to {self.run_dir.root}"
+            )
+        if stamp is None:
+            steps = self.run_dir.stable_weight_steps()
+            self.own_stamped = self.own_stamped or any(
+                weights_run_id(self.run_dir.weight_step(s)) == own for s in steps if s != step
+            )
+            if self.own_stamped:
+                raise ForeignWeights(
+                    f"{path} carries no launch id ({WEIGHTS_RUN_FILE}) while this launch's trainer stamps its weights "
+                    f"with {own!r}: another trainer (one without PRIME_RUN_ID, or an older one) is writing weights to "
+                    f"{self.run_dir.root}"
+                )
+        else:
+            self.own_stamped = True
 
     async def wait_for(self, min_version: int, timeout: float) -> float:
         """Block until the served version is >= ``min_version``; returns the seconds waited.

@@ -1,0 +1,77 @@
+"""An orchestrator stopped by SIGTERM (how ``rl`` and schedulers stop it) leaves no ``$TMPDIR/pymp-*`` behind: the
+env servers' forkserver keeps its socket in multiprocessing's temporary directory, which only an exit handler
+removed, and SIGTERM ran none. Each test gives the child a private TMPDIR, so other processes' directories do not
+count."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _wait_for(what: str, done, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None, f"the process exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_removes_the_forkservers_temp_dir(tmp_path):
+    code = (
+        "import multiprocessing.util, sys, time\n"
+        "from prime_orchestrator.env_server import server_context\n"
+        "server_context()\n"
+        "print(multiprocessing.util.get_temp_dir(), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, text=True
+    )
+    made = Path(proc.stdout.readline().strip())
+    assert made.parent == tmp_path and made.name.startswith("pymp-") and made.is_dir()
+    assert _stop(proc) == -signal.SIGTERM  # still ended by the signal, at once
+    assert list(tmp_path.glob("pymp-*")) == []
+
+
+@pytest.mark.slow
+def test_an_orchestrator_stopped_by_sigterm_leaves_no_temp_dir(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp_path / "o.toml").write_text(
+        f'output_dir = "{tmp_path / "run"}"\nmax_steps = 2\nbatch_size = 4\nrollouts_per_example = 2\n'
+        f'[model]\nname = "{ROOT / "examples/reverse_text/model"}"\n'
+        '[client]\nbase_urls = ["http://127.0.0.1:9/v1"]\nhealth_timeout = 300\n'  # inference never comes up
+        '[[env]]\nid = "reverse-text"\n'
+    )
+    orchestrator = Path(sys.executable).parent / "orchestrator"
+    log = tmp_path / "run/logs/orchestrator.log"
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(
+            [str(orchestrator), "@", str(tmp_path / "o.toml")], env={**os.environ, "TMPDIR": str(tmp)}, stderr=err
+        )
+    try:
+        _wait_for("env server up", lambda: log.is_file() and "env server reverse-text up" in log.read_text(), proc, 240)
+        assert [p.name[:5] for p in tmp.glob("pymp-*")] == ["pymp-"]
+    finally:
+        code = _stop(proc)
+    assert code == -signal.SIGTERM
+    assert list(tmp.glob("pymp-*")) == []
