@@ -159,6 +159,16 @@ def test_unknown_key_suggests_closest():
         load_config(Cfg, ["--optim.lrr", "1"], environ={})
 
 
+def test_unknown_key_suggests_the_option_holding_that_word():
+    """sbatch's ``--nodes`` typed as ``--slurm.nodes``: ``slurm.num-nodes`` is meant, not the similar ``nodelist``."""
+    from prime_core.config.slurm import SlurmConfig
+
+    with pytest.raises(ConfigError, match=r"'nodes' \(did you mean 'num-nodes'\?\)"):
+        load_config(SlurmConfig, ["--nodes", "2"], environ={})
+    with pytest.raises(ConfigError, match=r"'gpus' \(did you mean 'gpus-per-node'\?\)"):
+        load_config(SlurmConfig, ["--gpus", "2"], environ={})
+
+
 def test_error_names_source(tmp_path):
     bad = write(tmp_path, "bad.toml", "[optim]\nlr = 'fast'\n")
     with pytest.raises(ConfigError, match=r"^file .*bad.toml: optim.lr: "):
