@@ -329,3 +329,22 @@ def test_every_config_field_has_a_docstring():
         f"{c.__name__}.{name}" for c in classes for name, f in c.model_fields.items() if not f.description
     )
     assert undocumented == []
+
+
+def test_help_types_are_types_a_user_writes():
+    """A constrained element type is shown as its type: `--client.base-urls` read
+    `list[Annotated[str, AfterValidator(func=<function _http_url at 0x7f...>)]]`, `--optim.betas` a pydantic FieldInfo."""
+    from prime_core.config.cli import format_help
+    from pydantic import AfterValidator
+
+    class Shown(BaseConfig):
+        urls: list[Annotated[str, AfterValidator(str.strip)]] = []
+        """URLs."""
+        betas: tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(lt=1)]] = (0.9, 0.99)
+        """Betas."""
+        paths: dict[Literal["a", "b"], Path | None] = {}
+        """Paths."""
+
+    text = format_help(Shown, "prog")
+    assert "--urls list[str]  " in text and "--betas tuple[float, float]  " in text, text
+    assert "--paths dict[a|b, Path | None]  " in text, text
