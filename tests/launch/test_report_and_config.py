@@ -139,3 +139,11 @@ def test_after_the_trainer_rl_waits_for_an_evaluation_only_where_one_is_configur
     assert _after_trainer(no_eval) == "the orchestrator to finish"
     with_eval = load_config(RLConfig, [*base, "--orchestrator.eval.envs", '[{"id": "reverse-text"}]'])
     assert _after_trainer(resolve_here(with_eval, {"PATH": "/usr/bin"})) == "the final evaluation"
+
+
+@pytest.mark.parametrize("attn", ["flash_attn", "flash_attn4"])
+def test_a_gpu_attention_kernel_on_a_cpu_run_is_refused_before_anything_starts(tmp_path, attn):
+    """It was the trainer's error once the inference server had loaded (28 s into a CPU run)."""
+    args = ["@", str(Path(__file__).parent / "rl_example.toml"), "--output-dir", str(tmp_path)]
+    with pytest.raises(ValueError, match=rf"^trainer.init.attn = {attn} needs a GPU; use auto \(or sdpa\) on CPU$"):
+        resolve_here(load_config(RLConfig, [*args, "--trainer.init.attn", attn]), {"PATH": "/usr/bin"})
