@@ -159,6 +159,16 @@ def test_unknown_key_suggests_closest():
         load_config(Cfg, ["--optim.lrr", "1"], environ={})
 
 
+def test_unknown_key_suggests_the_option_holding_that_word():
+    """sbatch's ``--nodes`` typed as ``--slurm.nodes``: ``slurm.num-nodes`` is meant, not the similar ``nodelist``."""
+    from prime_core.config.slurm import SlurmConfig
+
+    with pytest.raises(ConfigError, match=r"'nodes' \(did you mean 'num-nodes'\?\)"):
+        load_config(SlurmConfig, ["--nodes", "2"], environ={})
+    with pytest.raises(ConfigError, match=r"'gpus' \(did you mean 'gpus-per-node'\?\)"):
+        load_config(SlurmConfig, ["--gpus", "2"], environ={})
+
+
 def test_error_names_source(tmp_path):
     bad = write(tmp_path, "bad.toml", "[optim]\nlr = 'fast'\n")
     with pytest.raises(ConfigError, match=r"^file .*bad.toml: optim.lr: "):
@@ -319,3 +329,22 @@ def test_every_config_field_has_a_docstring():
         f"{c.__name__}.{name}" for c in classes for name, f in c.model_fields.items() if not f.description
     )
     assert undocumented == []
+
+
+def test_help_types_are_types_a_user_writes():
+    """A constrained element type is shown as its type: `--client.base-urls` read
+    `list[Annotated[str, AfterValidator(func=<function _http_url at 0x7f...>)]]`, `--optim.betas` a pydantic FieldInfo."""
+    from prime_core.config.cli import format_help
+    from pydantic import AfterValidator
+
+    class Shown(BaseConfig):
+        urls: list[Annotated[str, AfterValidator(str.strip)]] = []
+        """URLs."""
+        betas: tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(lt=1)]] = (0.9, 0.99)
+        """Betas."""
+        paths: dict[Literal["a", "b"], Path | None] = {}
+        """Paths."""
+
+    text = format_help(Shown, "prog")
+    assert "--urls list[str]  " in text and "--betas tuple[float, float]  " in text, text
+    assert "--paths dict[a|b, Path | None]  " in text, text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -75,6 +76,21 @@ def test_auto_engine_is_torch_without_cuda():
     expected = "vllm" if torch.cuda.is_available() and _has("vllm") else "torch"
     assert select_engine(InferenceConfig()) == expected
     assert select_engine(InferenceConfig(engine="torch")) == "torch"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_engine_without_vllm_is_one_line_before_anything_starts(tmp_path, capsys):
+    """`inference --engine vllm` on a CPU-only install: one line naming the extra (was a ModuleNotFoundError
+    traceback from the vLLM app)."""
+    from prime_inference.entrypoints.inference import main
+
+    model = Path(__file__).parents[2] / "examples/reverse_text/model"
+    port = str(free_port())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model.name", str(model), "--engine", "vllm", "--server.port", port, "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2
+    assert len(err.splitlines()) == 1 and "vllm" in err and "--engine torch" in err, err
 
 
 def _has(module: str) -> bool:

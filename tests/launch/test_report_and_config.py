@@ -128,3 +128,22 @@ def test_torchrun_of_a_multi_rank_trainer_leaves_nothing_in_tmp(tmp_path):
     proc = subprocess.run([*launcher, "true"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert list(tmp.iterdir()) == []
+
+
+def test_after_the_trainer_rl_waits_for_an_evaluation_only_where_one_is_configured(tmp_path):
+    """rl said "waiting for the final evaluation" when the trainer finished first, also for a run without eval."""
+    from prime_launch.launcher import _after_trainer
+
+    base = ["@", str(Path(__file__).parent / "rl_example.toml"), "--output-dir", str(tmp_path)]
+    no_eval = resolve_here(load_config(RLConfig, base), {"PATH": "/usr/bin"})
+    assert _after_trainer(no_eval) == "the orchestrator to finish"
+    with_eval = load_config(RLConfig, [*base, "--orchestrator.eval.envs", '[{"id": "reverse-text"}]'])
+    assert _after_trainer(resolve_here(with_eval, {"PATH": "/usr/bin"})) == "the final evaluation"
+
+
+@pytest.mark.parametrize("attn", ["flash_attn", "flash_attn4"])
+def test_a_gpu_attention_kernel_on_a_cpu_run_is_refused_before_anything_starts(tmp_path, attn):
+    """It was the trainer's error once the inference server had loaded (28 s into a CPU run)."""
+    args = ["@", str(Path(__file__).parent / "rl_example.toml"), "--output-dir", str(tmp_path)]
+    with pytest.raises(ValueError, match=rf"^trainer.init.attn = {attn} needs a GPU; use auto \(or sdpa\) on CPU$"):
+        resolve_here(load_config(RLConfig, [*args, "--trainer.init.attn", attn]), {"PATH": "/usr/bin"})

@@ -141,6 +141,16 @@ def test_flash_attn4_without_the_package_or_a_gpu_is_one_line(monkeypatch):
     assert resolve_attn("auto", torch.device("cpu")) == "sdpa"
 
 
+@pytest.mark.parametrize("fa2", [False, True])
+def test_auto_on_a_cpu_is_sdpa_without_an_install_hint(monkeypatch, caplog, fa2):
+    """A CPU run's `attn = auto` warned "flash-attn not installed, falling back to SDPA (pip install ...)": a package
+    a CPU cannot use."""
+    monkeypatch.setattr(kernels, "HAS_FLASH_ATTN", fa2)
+    with caplog.at_level("INFO", logger="prime_models.loading"):
+        assert resolve_attn("auto", torch.device("cpu")) == "sdpa"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
 @pytest.mark.parametrize(
     ("fa2", "fa4", "capability", "row_len", "chosen"),
     [

@@ -73,3 +73,24 @@ def test_other_weights_under_the_same_name_are_refused(tmp_path, model, monkeypa
     shutil.copytree(other, model)  # the first model's directory, its weights replaced
     monkeypatch.chdir(tmp_path)
     assert run(out, "models/m") == 2
+
+
+def test_other_weights_are_refused_before_the_environments_are_checked(tmp_path, model, monkeypatch, capsys):
+    """The quickstart's second `eval` of other weights into the default `outputs`: the refusal took the environments'
+    check first (verifiers' imports: 9 s on a loaded 2-core VM; 1.3 s now)."""
+    import prime_orchestrator.env_config as env_config
+
+    out = tmp_path / "out"
+    assert run(out, str(model)) == 0
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    capsys.readouterr()
+
+    def checked_first(*args, **kwargs):
+        raise AssertionError("the environments were checked before the output directory")
+
+    monkeypatch.setattr(env_config, "check_envs", checked_first)
+    assert run(out, str(other)) == 2
+    assert "holds the eval of model" in capsys.readouterr().err

@@ -399,7 +399,7 @@ def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Cons
         if done == "trainer":
             finished_ok = True
             if not set(plan.orchestrators) <= set(manager.finished):
-                console.message("rl: trainer finished; waiting for the final evaluation")
+                console.message(f"rl: trainer finished; waiting for {_after_trainer(plan)}")
         elif done is not None and "trainer" not in manager.finished:
             console.message(f"rl: {done} finished its rollouts; waiting for the trainer")
         console.tick()
@@ -407,6 +407,14 @@ def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Cons
     console.tick()
     console.message("rl: trainer finished; stopping the other processes")
     return finished_ok
+
+
+def _after_trainer(plan: ResolvedRun) -> str:
+    """What an orchestrator still does once the trainer finished: the final evaluation only where one is configured
+    (``eval.envs``); else it is writing its last records."""
+    evaluates = any(getattr(plan.configs.get(name), "eval", None) and plan.configs[name].eval.envs
+                    for name in plan.orchestrators)  # fmt: skip
+    return "the final evaluation" if evaluates else "the orchestrator to finish"
 
 
 def _report(plan: ResolvedRun, console: _Console, succeeded: bool) -> None:

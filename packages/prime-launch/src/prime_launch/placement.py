@@ -211,6 +211,8 @@ def _place_on_cpu(rl: RLConfig) -> Placement:
     inference = rl.inference
     if rl.trainer.device == "cuda":
         raise ValueError("trainer.device = cuda but no GPU is visible")
+    if (attn := rl.trainer.init.attn) in ("flash_attn", "flash_attn4"):  # else the trainer fails once inference is up
+        raise ValueError(f"trainer.init.attn = {attn} needs a GPU; use auto (or sdpa) on CPU")
     ranks = rl.devices.num_cpu_trainer_procs
     place = Placement(use_gpu=False, num_trainer_ranks=ranks, trainer_device="cpu")
     place.num_inference_servers = int(inference is not None)

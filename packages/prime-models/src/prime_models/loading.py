@@ -93,9 +93,11 @@ def resolve_attn(attn: str, device: torch.device, row_len: int | None = None) ->
             logger.info("attn='auto': FlashAttention-4 for rows of %d tokens", row_len)
             return "flash_attn4"
         logger.warning("attn='auto': flash-attn-4 is installed but does not import (%s); not using it", broken)
-    if kernels.HAS_FLASH_ATTN and device.type == "cuda":
+    if device.type != "cuda":  # SDPA is the only kernel off a GPU: nothing to install, nothing to warn about
+        return "sdpa"
+    if kernels.HAS_FLASH_ATTN:
         return "flash_attn"
-    reason = "not installed" if not kernels.HAS_FLASH_ATTN else f"unavailable on {device.type}"
+    reason = "not installed"
     logger.warning("attn='auto': flash-attn %s, falling back to SDPA (%s)", reason, kernels.FLASH_ATTN_INSTALL_HINT)
     return "sdpa"
 

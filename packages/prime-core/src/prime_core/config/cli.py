@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,16 +18,25 @@ T = TypeVar("T", bound=BaseModel)
 
 
 def _type_name(annotation: Any) -> str:
-    alts = _unwrap(annotation)
-    names = []
-    for a in alts:
-        if typing.get_origin(a) is typing.Literal:
-            names.append("|".join(str(x) for x in typing.get_args(a)))
-        elif typing.get_origin(a) is not None:
-            names.append(str(a).replace("typing.", ""))
-        else:
-            names.append(getattr(a, "__name__", str(a)))
+    names = [_type_text(a) for a in _unwrap(annotation)]
     return " | ".join(names) if names else "any"
+
+
+def _type_text(a: Any) -> str:
+    """``list[str]`` for ``list[Annotated[str, AfterValidator(...)]]``: the constraints are the validators' business,
+    and their repr (a function's address, pydantic's FieldInfo) is no type a user can write."""
+    origin, args = typing.get_origin(a), typing.get_args(a)
+    if origin is typing.Annotated:
+        return _type_text(args[0])
+    if origin is typing.Literal:
+        return "|".join(str(x) for x in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(x) for x in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_text(x) for x in args)}]"
+    if a is Ellipsis or a is type(None):
+        return "..." if a is Ellipsis else "None"
+    return getattr(a, "__name__", str(a).replace("typing.", ""))
 
 
 def _default_text(info: Any) -> str:

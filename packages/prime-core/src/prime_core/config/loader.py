@@ -85,6 +85,15 @@ def _suggest(bad: str, candidates: Sequence[str], cutoff: float = 0.6) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _suggest_word(part: str, prefix: str, fields: Mapping[str, Any]) -> str:
+    """A sibling that has the typed key as whole words (``nodes`` -> ``num_nodes``, ``gpus`` -> ``gpus_per_node``),
+    the shortest first: nearer than a similar spelling (``nodelist``)."""
+    words = part.split("_")
+    hits = [k for k in fields if any(k.split("_")[i : i + len(words)] == words for i in range(k.count("_") + 1))]
+    best = min(hits, key=len, default=None)
+    return f" (did you mean {f'{prefix}.{best}' if prefix else best!r}?)" if best else ""
+
+
 def _normalize_key(key: str) -> str:
     return key.strip().replace("-", "_")
 
@@ -112,7 +121,9 @@ def resolve_path(model: type[BaseModel], dotted: str, origin: str) -> tuple[tupl
             inside = sorted((k for k in all_keys(model) if k.endswith(f".{bad}")), key=len)
             owner = None if inside else _owner_of(model, bad)
             suggestion = f" (did you mean {inside[0]!r}?)" if inside else f" (an option of {owner})" if owner else ""
-            suggestion = suggestion or _suggest(bad, candidates + all_keys(model))
+            suggestion = (
+                suggestion or _suggest_word(part, prefix, fields) or _suggest(bad, candidates + all_keys(model))
+            )
             raise ConfigError(f"{origin}: unknown key {full!r}{suggestion.replace('_', '-')}")
         annotation = fields[part]
         models = _models_in(annotation)

@@ -69,6 +69,20 @@ def exposure_warning(config: InferenceConfig) -> str | None:
     )
 
 
+def missing_engine(config: InferenceConfig) -> str | None:
+    """One line when the chosen engine's package is not installed (``engine = vllm`` on a CPU-only install), said
+    before anything loads instead of an import traceback from the vLLM app."""
+    import importlib.util
+
+    from prime_inference.engines import TORCH_HINT, VLLM_HINT
+
+    if config.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        return f"engine: {VLLM_HINT} (or --engine torch)"
+    if config.engine == "torch" and importlib.util.find_spec("torch") is None:
+        return f"engine: {TORCH_HINT}"
+    return None
+
+
 class CutRequestsInOneLine(logging.Filter):
     """uvicorn logs each request it cuts at shutdown as an "Exception in ASGI application" traceback of a
     CancelledError: one line says what happened instead."""
@@ -95,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         config.server.resolved_api_key()
     except ValueError as e:
         fail(str(e))
+    if missing := missing_engine(config):
+        fail(missing)
     # A busy port is one line now, not an error after the model has loaded.
     busy = None if config.vllm.headless else port_in_use(config.server.host, config.server.port)
     if busy:

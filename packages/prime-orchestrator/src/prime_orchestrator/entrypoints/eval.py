@@ -18,8 +18,8 @@ def main(argv: list[str] | None = None) -> None:
         on_dry_run=dry_run,
         writes_output_dir=True,
     )
+    _check_output_dir(config)  # first: a file read, where the environments' check imports verifiers (seconds)
     _check_env_settings(config)
-    _check_output_dir(config)
     import asyncio
 
     from prime_core.logging import setup_logging
