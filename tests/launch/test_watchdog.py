@@ -135,6 +135,36 @@ def test_an_overdue_wait_blames_the_process_waited_for(tmp_path):
     )
 
 
+def test_trainer_and_orchestrator_waiting_on_each_other_are_named(tmp_path):
+    """A rollouts file deleted before the trainer read it (found by benchmarks/chaos.py): the trainer waits for it, the
+    orchestrator, having shipped it, for the next weights. Before, neither wait had a bound of its own and the run sat
+    until the orchestrator's weights_timeout (1200 s: `is the trainer running?`). Now the pair is named once both have
+    waited only on each other for slack_s; a wait beside other work (the orchestrator still shipping) is no cycle."""
+    clock = Clock()
+    dog = watchdog(tmp_path, clock)
+    rollouts = Activity(what="waiting for the orchestrator's rollouts of step 3 (rollouts/step_3/rank_0)", since=1000.0,
+                        waits_for="orchestrator")  # fmt: skip
+    weights = Activity(
+        lane="policy", what="waiting for the trainer's weights step 4", since=1005.0, waits_for="trainer"
+    )
+    ship = Activity(lane="ship", what="packing and sending step 3", since=1005.0, kind="ship")
+    write(tmp_path / "t.json", rank=0, time=1030.0, activities=[rollouts.model_dump()])
+    write(
+        tmp_path / "o.json", process="orchestrator", time=1030.0, activities=[weights.model_dump(), ship.model_dump()]
+    )
+    check(dog, clock, 1030.0)  # the orchestrator still ships: the trainer may yet get its file
+    write(tmp_path / "o.json", process="orchestrator", time=1030.0, activities=[weights.model_dump()])
+    check(dog, clock, 1015.0)  # both waiting, for 10 s: within the slack
+    with pytest.raises(ProcessStuck) as stuck:
+        check(dog, clock, 1030.0)
+    assert stuck.value.cause == (
+        "trainer is stuck: trainer rank 0 has been waiting for the orchestrator's rollouts of step 3 "
+        "(rollouts/step_3/rank_0) for 30 s while orchestrator has been waiting for the trainer's weights step 4 for "
+        "25 s: each waits on the other, so what one handed the other was lost (a file deleted or not visible on this "
+        f"file system, or a message dropped) (log: {tmp_path / 'trainer.log'})"
+    )
+
+
 def test_exiting_processes_must_go_and_finished_ones_are_left_alone(tmp_path):
     clock = Clock()
     dog = watchdog(tmp_path, clock)

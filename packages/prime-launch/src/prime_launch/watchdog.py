@@ -11,7 +11,8 @@ each activity with its bound. The inference servers are probed at ``/health`` on
 - an activity runs ``slack_s`` past its bound: the limit the process took from its config (a rollout timeout, a weight
   update timeout; an activity waiting on another process blames that one), else for steps, weight publishes and
   checkpoints a bound learned from the slowest one so far (``LivenessConfig``). A wait on another process without a
-  limit is not a fault by itself: the process waited for is watched;
+  limit is not a fault by itself: the process waited for is watched; but two processes that have waited only on each
+  other for ``slack_s`` (a rollouts file gone before the trainer read it) are (``prime_launch.wait_cycle``);
 - a sandbox pool (``progress/sandbox_pool_<pid>.json``, written by a pool inside a process of the run) holds running
   executions and finished none for ``slack_s`` past the bound of one execution. The orchestrator replaces the env
   server holding such a pool at the bound itself; this catches a pool nobody replaced.
@@ -36,6 +37,7 @@ from prime_core.schemas.progress import Activity, Progress
 
 from prime_launch.health_probe import HealthProbe
 from prime_launch.process import ProcessFailed
+from prime_launch.wait_cycle import wait_cycle
 
 if TYPE_CHECKING:
     from prime_core.config.rl import RLConfig
@@ -192,6 +194,7 @@ class Watchdog:
             if watched.name not in done:
                 for path in watched.files:
                     self._check_file(watched, path)
+        self._check_wait_cycle(done)
         self._check_helpers()
 
     def _age(self, record: Progress) -> float:
@@ -307,6 +310,16 @@ class Watchdog:
         blamed = a.waits_for or watched.name
         log = self.processes[blamed].log_file if blamed in self.processes else watched.log_file
         raise ProcessStuck(blamed, line, log)
+
+    def _check_wait_cycle(self, done: set[str]) -> None:
+        """Two processes waiting only on each other (``prime_launch.wait_cycle``): neither wait is bounded alone."""
+        records = {
+            w.name: [r for path in w.files if (r := self._fresh(path, w)) is not None]
+            for w in self.processes.values()
+            if w.name not in done
+        }
+        if (found := wait_cycle(records, self._lasted, self.config.slack_s)) is not None:
+            raise ProcessStuck(found[0], found[1], self.processes[found[0]].log_file)
 
     def _check_helpers(self) -> None:
         if self.helpers_dir is None:
