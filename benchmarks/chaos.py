@@ -43,8 +43,8 @@ HANG_MARGIN_S = 60.0
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def pick_fault(rng: random.Random) -> tuple[str, str]:
-    kind = rng.choices(["signal", "file", "disk"], weights=[12, 6, 1])[0]
+def pick_fault(rng: random.Random, weights: tuple[float, float, float] = (12, 6, 1)) -> tuple[str, str]:
+    kind = rng.choices(["signal", "file", "disk"], weights=weights)[0]
     if kind == "signal":
         return rng.choice(["SIGKILL", "SIGSTOP", "SIGTERM"]), rng.choice(PROCS)
     if kind == "file":
@@ -167,7 +167,7 @@ def last_line(text: str) -> str:
 
 
 def trial(n: int, rng: random.Random, base: Path, config: Path, args) -> dict:
-    fault, target = pick_fault(rng)
+    fault, target = pick_fault(rng, tuple(args.weights))
     out = base / f"trial_{n}"
     out.mkdir(parents=True)
     mounted = False
@@ -257,6 +257,7 @@ def main() -> None:
     parser.add_argument("--run-s", type=float, default=90.0, help="length of an undisturbed run (the moment's range)")
     parser.add_argument("--base", default="/tmp/chaos")
     parser.add_argument("--stop-at", type=float, default=None, help="unix time after which no trial starts")
+    parser.add_argument("--weights", type=float, nargs=3, default=[12, 6, 1], help="odds of signal, file, disk faults")
     parser.add_argument("--analyze", default=None, help="a trials .jsonl to classify and summarize again")
     args = parser.parse_args()
     if args.analyze:

@@ -136,10 +136,12 @@ def test_an_overdue_wait_blames_the_process_waited_for(tmp_path):
 
 
 def test_trainer_and_orchestrator_waiting_on_each_other_are_named(tmp_path):
-    """A rollouts file deleted before the trainer read it (found by benchmarks/chaos.py): the trainer waits for it, the
+    """A rollouts file deleted before the trainer read it (benchmarks/chaos.py): the trainer waits for it, the
     orchestrator, having shipped it, for the next weights. Before, neither wait had a bound of its own and the run sat
-    until the orchestrator's weights_timeout (1200 s: `is the trainer running?`). Now the pair is named once both have
-    waited only on each other for slack_s; a wait beside other work (the orchestrator still shipping) is no cycle."""
+    until the orchestrator's weights_timeout (1200 s: `is the trainer running?`). Now the pair is named once the
+    watchdog has seen both wait only on each other for slack_s in a row. The orchestrator begins its wait for the next
+    weights while it still ships (a healthy run, where each wait had lasted past the slack when the ship ended: the
+    first version of this rule stopped it), and a wait that moves on starts the count again."""
     clock = Clock()
     dog = watchdog(tmp_path, clock)
     rollouts = Activity(what="waiting for the orchestrator's rollouts of step 3 (rollouts/step_3/rank_0)", since=1000.0,
@@ -148,20 +150,27 @@ def test_trainer_and_orchestrator_waiting_on_each_other_are_named(tmp_path):
         lane="policy", what="waiting for the trainer's weights step 4", since=1005.0, waits_for="trainer"
     )
     ship = Activity(lane="ship", what="packing and sending step 3", since=1005.0, kind="ship")
-    write(tmp_path / "t.json", rank=0, time=1030.0, activities=[rollouts.model_dump()])
-    write(
-        tmp_path / "o.json", process="orchestrator", time=1030.0, activities=[weights.model_dump(), ship.model_dump()]
-    )
-    check(dog, clock, 1030.0)  # the orchestrator still ships: the trainer may yet get its file
-    write(tmp_path / "o.json", process="orchestrator", time=1030.0, activities=[weights.model_dump()])
-    check(dog, clock, 1015.0)  # both waiting, for 10 s: within the slack
+
+    def at(now, trainer=rollouts, orchestrator=(weights,)):
+        write(tmp_path / "t.json", rank=0, time=now, activities=[trainer.model_dump()])
+        write(tmp_path / "o.json", process="orchestrator", time=now, activities=[a.model_dump() for a in orchestrator])
+        check(dog, clock, now)
+
+    at(1030.0, orchestrator=(weights, ship))  # the orchestrator still ships: the trainer may yet get its file
+    at(1031.0)  # each wait is past the slack, but the cycle is new
+    at(1041.0)
+    at(1042.0, trainer=rollouts.model_copy(update={"what": "waiting (step 4)"}))  # a new pair of waits
+    at(1043.0)
+    at(1053.0)
+    write(tmp_path / "t.json", rank=0, time=1054.0, activities=[rollouts.model_dump()])
+    write(tmp_path / "o.json", process="orchestrator", time=1054.0, activities=[weights.model_dump()])
     with pytest.raises(ProcessStuck) as stuck:
-        check(dog, clock, 1030.0)
+        check(dog, clock, 1054.0)
     assert stuck.value.cause == (
         "trainer is stuck: trainer rank 0 has been waiting for the orchestrator's rollouts of step 3 "
-        "(rollouts/step_3/rank_0) for 30 s while orchestrator has been waiting for the trainer's weights step 4 for "
-        "25 s: each waits on the other, so what one handed the other was lost (a file deleted or not visible on this "
-        f"file system, or a message dropped) (log: {tmp_path / 'trainer.log'})"
+        "(rollouts/step_3/rank_0) while orchestrator has been waiting for the trainer's weights step 4: each has "
+        "waited only on the other for 11 s, so what one handed the other was lost (a file deleted or not visible on "
+        f"this file system, or a message dropped) (log: {tmp_path / 'trainer.log'})"
     )
 
 

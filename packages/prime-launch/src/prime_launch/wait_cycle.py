@@ -4,15 +4,19 @@ The trainer waits for the orchestrator's rollouts of step N; the orchestrator, h
 trainer's weights of step N + 1. Each wait has no bound of its own in the watchdog (the process waited for is watched,
 and it is alive), so when the rollouts file is gone before the trainer read it (deleted by hand or by a cleanup job,
 or not visible on a shared file system) both sat there: the orchestrator's `weights_timeout` (1200 s) ended the run
-with `is the trainer running?`, the trainer's `data.wait_timeout_s` (3600 s) with its own line. ``wait_cycle`` finds
-the pair once both have waited on each other, and on nothing else, for more than ``slack_s``.
+with `is the trainer running?`, the trainer's `data.wait_timeout_s` (3600 s) with its own line.
+
+``WaitCycles`` names the pair once the watchdog has seen them wait on each other, and on nothing else, for more than
+``slack_s`` in a row. Seen, not reported: each activity's own duration counts from when it began, and the orchestrator
+starts waiting for the next weights while it still generates and ships (other lanes), and a record is up to a
+heartbeat old, so the two durations overlapped for seconds where a run was healthy (`benchmarks/chaos.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prime_core.schemas.progress import Activity, Progress
+from prime_core.schemas.progress import Progress
 
 
 def _waits_only_on(record: Progress) -> str | None:
@@ -23,25 +27,37 @@ def _waits_only_on(record: Progress) -> str | None:
     return targets.pop()
 
 
-def wait_cycle(
-    records: dict[str, list[Progress]], lasted: Callable[[Progress, Activity], float], slack_s: float
-) -> tuple[str, str] | None:
-    """``records``: each watched process's fresh records (a trainer: one per rank). Returns (the process to blame, the
-    line) when two processes have waited only on each other for more than ``slack_s``; the one that has waited longer
-    is blamed: it missed what the other handed it."""
-    waiting = [(name, r, _waits_only_on(r)) for name, rs in records.items() for r in rs]
-    for name, record, target in waiting:
-        for other_name, other, back in waiting:
-            if target != other_name or back != name:
-                continue
-            mine = min(lasted(record, a) for a in record.activities)
-            theirs = min(lasted(other, a) for a in other.activities)
-            if min(mine, theirs) <= slack_s or mine < theirs:
-                continue
-            line = (
-                f"{record.name} has been {record.doing()} for {mine:.0f} s while {other.name} has been "
-                f"{other.doing()} for {theirs:.0f} s: each waits on the other, so what one handed the other was lost "
-                "(a file deleted or not visible on this file system, or a message dropped)"
-            )
-            return name, line
-    return None
+class WaitCycles:
+    """Pairs of processes seen waiting only on each other, and since when (on the watchdog's clock)."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.since: dict[tuple[str, ...], float] = {}
+
+    def check(self, records: dict[str, list[Progress]], slack_s: float) -> tuple[str, str] | None:
+        """``records``: each watched process's fresh records (a trainer: one per rank). Returns (the process to blame,
+        the line) for a pair seen waiting only on each other for more than ``slack_s``; the one whose wait began
+        earlier is blamed: it missed what the other handed it."""
+        now, seen, found = self.clock(), {}, None
+        waiting = [(name, r, _waits_only_on(r)) for name, rs in records.items() for r in rs]
+        for name, record, target in waiting:
+            for other_name, other, back in waiting:
+                if target != other_name or back != name or _began(record) > _began(other):
+                    continue
+                key = (record.name, record.doing(), other.name, other.doing())
+                seen[key] = self.since.get(key, now)
+                if found is None and now - seen[key] > slack_s:
+                    found = (
+                        name,
+                        (
+                            f"{record.name} has been {record.doing()} while {other.name} has been {other.doing()}: each "
+                            f"has waited only on the other for {now - seen[key]:.0f} s, so what one handed the other was "
+                            "lost (a file deleted or not visible on this file system, or a message dropped)"
+                        ),
+                    )
+        self.since = seen
+        return found
+
+
+def _began(record: Progress) -> float:
+    return min(a.since for a in record.activities)

@@ -37,7 +37,7 @@ from prime_core.schemas.progress import Activity, Progress
 
 from prime_launch.health_probe import HealthProbe
 from prime_launch.process import ProcessFailed
-from prime_launch.wait_cycle import wait_cycle
+from prime_launch.wait_cycle import WaitCycles
 
 if TYPE_CHECKING:
     from prime_core.config.rl import RLConfig
@@ -139,6 +139,7 @@ class Watchdog:
         """Per boot id of another node: its monotonic clock's offset to ``steady`` (``_remote_age``)."""
         self._first_seen: dict[tuple[str, int, float], float] = {}
         """Per writer on another node (boot, pid, start): the monotonic time of its first record read."""
+        self._cycles = WaitCycles(self.steady)
         self.helpers_dir: Path | None = None
         self._helpers_since = (0.0, 0.0)
 
@@ -167,6 +168,7 @@ class Watchdog:
         ``slack_s`` from now. Called from a signal handler: it only sets a few floats."""
         now = self.steady()
         self._awake_since = now
+        self._cycles.since.clear()
         for probe in self.probes.values():
             probe.last_ok = max(probe.last_ok, time.monotonic())
             if probe.engine_stalled_since is not None:
@@ -318,7 +320,7 @@ class Watchdog:
             for w in self.processes.values()
             if w.name not in done
         }
-        if (found := wait_cycle(records, self._lasted, self.config.slack_s)) is not None:
+        if (found := self._cycles.check(records, self.config.slack_s)) is not None:
             raise ProcessStuck(found[0], found[1], self.processes[found[0]].log_file)
 
     def _check_helpers(self) -> None:
