@@ -152,8 +152,9 @@ def test_trainer_and_orchestrator_waiting_on_each_other_are_named(tmp_path):
     ship = Activity(lane="ship", what="packing and sending step 3", since=1005.0, kind="ship")
 
     def at(now, trainer=rollouts, orchestrator=(weights,)):
-        write(tmp_path / "t.json", rank=0, time=now, activities=[trainer.model_dump()])
-        write(tmp_path / "o.json", process="orchestrator", time=now, activities=[a.model_dump() for a in orchestrator])
+        write(tmp_path / "t.json", rank=0, step=3, time=now, activities=[trainer.model_dump()])
+        write(tmp_path / "o.json", process="orchestrator", step=4, time=now,
+              activities=[a.model_dump() for a in orchestrator])  # fmt: skip
         check(dog, clock, now)
 
     at(1030.0, orchestrator=(weights, ship))  # the orchestrator still ships: the trainer may yet get its file
@@ -162,8 +163,8 @@ def test_trainer_and_orchestrator_waiting_on_each_other_are_named(tmp_path):
     at(1042.0, trainer=rollouts.model_copy(update={"what": "waiting (step 4)"}))  # a new pair of waits
     at(1043.0)
     at(1053.0)
-    write(tmp_path / "t.json", rank=0, time=1054.0, activities=[rollouts.model_dump()])
-    write(tmp_path / "o.json", process="orchestrator", time=1054.0, activities=[weights.model_dump()])
+    write(tmp_path / "t.json", rank=0, step=3, time=1054.0, activities=[rollouts.model_dump()])
+    write(tmp_path / "o.json", process="orchestrator", step=4, time=1054.0, activities=[weights.model_dump()])
     with pytest.raises(ProcessStuck) as stuck:
         check(dog, clock, 1054.0)
     assert stuck.value.cause == (

@@ -36,13 +36,14 @@ class WaitCycles:
 
     def check(self, records: dict[str, list[Progress]], slack_s: float) -> tuple[str, str] | None:
         """``records``: each watched process's fresh records (a trainer: one per rank). Returns (the process to blame,
-        the line) for a pair seen waiting only on each other for more than ``slack_s``; the one whose wait began
-        earlier is blamed: it missed what the other handed it."""
+        the line) for a pair seen waiting only on each other for more than ``slack_s``. The one at the lower step is
+        blamed (the trainer waiting for rollouts of step N, not the orchestrator waiting for the weights N + 1 that
+        training them makes): the earliest thing missing is what it waits for."""
         now, seen, found = self.clock(), {}, None
         waiting = [(name, r, _waits_only_on(r)) for name, rs in records.items() for r in rs]
         for name, record, target in waiting:
             for other_name, other, back in waiting:
-                if target != other_name or back != name or _began(record) > _began(other):
+                if target != other_name or back != name or _upstream(other, record):
                     continue
                 key = (record.name, record.doing(), other.name, other.doing())
                 seen[key] = self.since.get(key, now)
@@ -59,5 +60,6 @@ class WaitCycles:
         return found
 
 
-def _began(record: Progress) -> float:
-    return min(a.since for a in record.activities)
+def _upstream(a: Progress, b: Progress) -> bool:
+    """Whether ``a`` is at an earlier step than ``b`` (ties: the name first in order)."""
+    return (a.step if a.step is not None else -1, a.name) < (b.step if b.step is not None else -1, b.name)
