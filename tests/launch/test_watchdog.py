@@ -175,6 +175,25 @@ def test_trainer_and_orchestrator_waiting_on_each_other_are_named(tmp_path):
     )
 
 
+def test_a_progress_file_gone_for_a_moment_is_no_silence(tmp_path):
+    """benchmarks/chaos.py deleted progress/inference.json (rewritten within a second): one check that found it missing
+    stopped the run with `it wrote no heartbeat ... in the 85 s since it started`. Now the last record read ages on:
+    a file back within the slack is no fault, one that stays away is named by its last heartbeat."""
+    clock = Clock()
+    dog = watchdog(tmp_path, clock, startup_s=5)
+    for at in (1000.0, 1010.0):
+        write(tmp_path / "t.json", time=at)
+        write(tmp_path / "o.json", process="orchestrator", time=at)
+        check(dog, clock, at)
+    (tmp_path / "t.json").unlink()
+    check(dog, clock, 1011.0)
+    (tmp_path / "t.json").write_text("{not json")
+    check(dog, clock, 1012.0)
+    write(tmp_path / "o.json", process="orchestrator", time=1021.0)
+    with pytest.raises(ProcessStuck, match=r"trainer is stuck: trainer sent no heartbeat for 11 s \(pid 1"):
+        check(dog, clock, 1021.0)
+
+
 def test_exiting_processes_must_go_and_finished_ones_are_left_alone(tmp_path):
     clock = Clock()
     dog = watchdog(tmp_path, clock)

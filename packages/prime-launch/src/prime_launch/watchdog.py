@@ -140,6 +140,8 @@ class Watchdog:
         self._first_seen: dict[tuple[str, int, float], float] = {}
         """Per writer on another node (boot, pid, start): the monotonic time of its first record read."""
         self._cycles = WaitCycles(self.steady)
+        self._seen: dict[Path, Progress] = {}
+        """Per progress file, the last record of this launch read from it."""
         self.helpers_dir: Path | None = None
         self._helpers_since = (0.0, 0.0)
 
@@ -150,6 +152,8 @@ class Watchdog:
     def watch(self, name: str, files: Iterable[Path], log_file: Path | None = None) -> None:
         """``name`` was just started; it writes ``files`` (a trainer: one per rank)."""
         self.processes[name] = _Watched(name, list(files), self.clock(), self.steady(), log_file)
+        for path in self.processes[name].files:
+            self._seen.pop(path, None)
 
     def probe(self, urls: Iterable[str], api_key: str | None, server: str | None = None) -> None:
         """Probe each ``/health`` URL from now on; ``server`` names the process serving them (None: external)."""
@@ -270,12 +274,15 @@ class Watchdog:
 
     # ----- progress files -----
     def _fresh(self, path: Path, watched: _Watched) -> Progress | None:
-        """The record of this launch (a file left by an earlier launch, or another run's, is ignored)."""
+        """The record of this launch (a file left by an earlier launch, or another run's, is ignored). Once one was
+        read, a path with none (deleted, replaced by a bad file) keeps its last, ageing record: before, one read of a
+        missing file named a process that wrote a second ago as one that `wrote no heartbeat` (`benchmarks/chaos.py`)."""
         record = read_progress(path)
         if record is None or not self._since_start(record, watched.started, watched.started_steady):
-            return None
+            return self._seen.get(path)
         if self.run_id is not None and record.run_id is not None and record.run_id != self.run_id:
-            return None
+            return self._seen.get(path)
+        self._seen[path] = record
         return record
 
     def _check_file(self, watched: _Watched, path: Path) -> None:
