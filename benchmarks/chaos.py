@@ -241,6 +241,8 @@ def classify(rec: dict) -> str:
     res = rec.get("resume")
     if res and not rec["after"]["checkpoints"] and res["exit"] == 2 and "no checkpoint" in res["line"]:
         return "named, nothing to resume (refused in one line)"
+    if res and res["exit"] == 2 and "the run is finished" in res["line"] and res["each_step_once"]:
+        return "named at exit after the last step (resume: finished)"
     if res and not (res["exit"] == 0 and res["each_step_once"] and res["final_weights"]):
         return "BAD RESUME"
     if not rec["within_bound"]:

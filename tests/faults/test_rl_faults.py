@@ -198,7 +198,8 @@ def test_a_rollouts_file_lost_before_the_trainer_read_it(tmp_path):
     print(f"rollouts lost: rl stopped {took:.1f} s after weights step 2 appeared: {cause}")
     assert proc.returncode == 1 and took < STOP_LIMIT_S + 30, (took, cause)
     assert cause.startswith("error: trainer is stuck: trainer rank 0 has been waiting for the orchestrator's rollouts "
-                            "of step 2 (rollouts/step_2/rank_0) for "), cause  # fmt: skip
+                            "of step 2 (rollouts/step_2/rank_0) while orchestrator has been waiting for the trainer's "
+                            "weights step 3 ("), cause  # fmt: skip
     assert "each has waited only on the other for" in cause, cause
     resume_to_the_end(out, config)
 
