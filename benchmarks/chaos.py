@@ -142,7 +142,7 @@ def run_until(proc: subprocess.Popen, limit: float) -> tuple[str, str, bool]:
         for pid in _process_tree(proc.pid):
             if _alive(pid):
                 os.kill(pid, signal.SIGCONT)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # SIGINT is ignored by a job a non-interactive shell put in the background
         try:
             stdout, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
