@@ -40,6 +40,7 @@ FILES = ("rollouts", "weights", "progress")
 # Documented bounds (docs/liveness.md) from the fault to rl's exit, on a loaded 2-core host.
 BOUND_S = {"SIGKILL": 10.0, "SIGTERM": 10.0 + 5.0, "SIGSTOP": SLACK_S + 10.0}
 HANG_MARGIN_S = 60.0
+STARTUP_S = 60.0  # liveness.startup_s: a process stopped before its first heartbeat is named after it
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -245,6 +246,8 @@ def classify(rec: dict) -> str:
         return "named at exit after the last step (resume: finished)"
     if res and not (res["exit"] == 0 and res["each_step_once"] and res["final_weights"]):
         return "BAD RESUME"
+    if "since it started" in rec["line"] and rec["took_s"] <= STARTUP_S + SLACK_S:
+        return "named at startup_s (stopped before its first heartbeat), resumed"
     if not rec["within_bound"]:
         return "named, past bound"
     return "finished" if rec["exit"] == 0 else "named, resumed"
