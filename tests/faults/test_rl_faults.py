@@ -161,6 +161,49 @@ def test_a_weight_update_that_never_completes(tmp_path):
     resume_to_the_end(out, config)
 
 
+SITE_LOSE = """
+import os, sys
+if os.path.basename(sys.argv[0]) == "orchestrator":
+    from prime_core.transport import FilesystemSender
+    _send = FilesystemSender.send
+
+    def send(self, step, rank, meta, micro_batches):
+        _send(self, step, rank, meta, micro_batches)
+        if step == int(os.environ["FAULT_LOSE_ROLLOUTS_AT"]):
+            self.run_dir.rollout_file(step, rank).unlink()  # gone before the trainer read it
+
+    FilesystemSender.send = send
+"""
+
+
+def test_a_rollouts_file_lost_before_the_trainer_read_it(tmp_path):
+    """Found by benchmarks/chaos.py (a rollouts file deleted): the trainer waited for it and the orchestrator for the
+    next weights, each on the other with no bound; the run sat until the orchestrator's weights_timeout (1200 s).
+    Now the watchdog names the pair within slack_s, and the run resumes."""
+    out, config = tmp_path / "run", without_evals(tmp_path)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE_LOSE)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+           "FAULT_LOSE_ROLLOUTS_AT": "2"}  # fmt: skip
+    proc = start_run(out, config, env=env)
+    try:
+        wait_for_path(proc, out / "weights" / "step_2" / "STABLE")
+        at = time.monotonic()
+        _, err, took = finish(proc, at, STOP_LIMIT_S + 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    cause = one_line(err)
+    print(f"rollouts lost: rl stopped {took:.1f} s after weights step 2 appeared: {cause}")
+    assert proc.returncode == 1 and took < STOP_LIMIT_S + 30, (took, cause)
+    assert cause.startswith("error: trainer is stuck: trainer rank 0 has been waiting for the orchestrator's rollouts "
+                            "of step 2 (rollouts/step_2/rank_0) while orchestrator has been waiting for the trainer's "
+                            "weights step 3 ("), cause  # fmt: skip
+    assert "each has waited only on the other for" in cause, cause
+    resume_to_the_end(out, config)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
 def test_a_full_disk_in_the_output_directory(tmp_path):
     out, config = tmp_path / "run", without_evals(tmp_path)

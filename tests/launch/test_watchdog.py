@@ -136,6 +136,65 @@ def test_an_overdue_wait_blames_the_process_waited_for(tmp_path):
     )
 
 
+def test_trainer_and_orchestrator_waiting_on_each_other_are_named(tmp_path):
+    """A rollouts file deleted before the trainer read it (benchmarks/chaos.py): the trainer waits for it, the
+    orchestrator, having shipped it, for the next weights. Before, neither wait had a bound of its own and the run sat
+    until the orchestrator's weights_timeout (1200 s: `is the trainer running?`). Now the pair is named once the
+    watchdog has seen both wait only on each other for slack_s in a row. The orchestrator begins its wait for the next
+    weights while it still ships (a healthy run, where each wait had lasted past the slack when the ship ended: the
+    first version of this rule stopped it), and a wait that moves on starts the count again."""
+    clock = Clock()
+    dog = watchdog(tmp_path, clock)
+    rollouts = Activity(what="waiting for the orchestrator's rollouts of step 3 (rollouts/step_3/rank_0)", since=1000.0,
+                        waits_for="orchestrator")  # fmt: skip
+    weights = Activity(
+        lane="policy", what="waiting for the trainer's weights step 4", since=1005.0, waits_for="trainer"
+    )
+    ship = Activity(lane="ship", what="packing and sending step 3", since=1005.0, kind="ship")
+
+    def at(now, trainer=rollouts, orchestrator=(weights,)):
+        write(tmp_path / "t.json", rank=0, step=3, time=now, activities=[trainer.model_dump()])
+        write(tmp_path / "o.json", process="orchestrator", step=4, time=now,
+              activities=[a.model_dump() for a in orchestrator])  # fmt: skip
+        check(dog, clock, now)
+
+    at(1030.0, orchestrator=(weights, ship))  # the orchestrator still ships: the trainer may yet get its file
+    at(1031.0)  # each wait is past the slack, but the cycle is new
+    at(1041.0)
+    at(1042.0, trainer=rollouts.model_copy(update={"what": "waiting (step 4)"}))  # a new pair of waits
+    at(1043.0)
+    at(1053.0)
+    write(tmp_path / "t.json", rank=0, step=3, time=1054.0, activities=[rollouts.model_dump()])
+    write(tmp_path / "o.json", process="orchestrator", step=4, time=1054.0, activities=[weights.model_dump()])
+    with pytest.raises(ProcessStuck) as stuck:
+        check(dog, clock, 1054.0)
+    assert stuck.value.cause == (
+        "trainer is stuck: trainer rank 0 has been waiting for the orchestrator's rollouts of step 3 "
+        "(rollouts/step_3/rank_0) while orchestrator has been waiting for the trainer's weights step 4: each has "
+        "waited only on the other for 11 s, so what one handed the other was lost (a file deleted or not visible on "
+        f"this file system, or a message dropped) (log: {tmp_path / 'trainer.log'})"
+    )
+
+
+def test_a_progress_file_gone_for_a_moment_is_no_silence(tmp_path):
+    """benchmarks/chaos.py deleted progress/inference.json (rewritten within a second): one check that found it missing
+    stopped the run with `it wrote no heartbeat ... in the 85 s since it started`. Now the last record read ages on:
+    a file back within the slack is no fault, one that stays away is named by its last heartbeat."""
+    clock = Clock()
+    dog = watchdog(tmp_path, clock, startup_s=5)
+    for at in (1000.0, 1010.0):
+        write(tmp_path / "t.json", time=at)
+        write(tmp_path / "o.json", process="orchestrator", time=at)
+        check(dog, clock, at)
+    (tmp_path / "t.json").unlink()
+    check(dog, clock, 1011.0)
+    (tmp_path / "t.json").write_text("{not json")
+    check(dog, clock, 1012.0)
+    write(tmp_path / "o.json", process="orchestrator", time=1021.0)
+    with pytest.raises(ProcessStuck, match=r"trainer is stuck: trainer sent no heartbeat for 11 s \(pid 1"):
+        check(dog, clock, 1021.0)
+
+
 def test_exiting_processes_must_go_and_finished_ones_are_left_alone(tmp_path):
     clock = Clock()
     dog = watchdog(tmp_path, clock)

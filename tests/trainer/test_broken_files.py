@@ -150,3 +150,32 @@ def test_a_stop_while_a_checkpoint_is_saved_again_never_leaves_it_marked_complet
     with pytest.raises(Killed):
         manager.save(2, model, optimizer, {"data_step": 2})  # a resumed run saving the stopped run's step again
     assert manager.saved_steps() == [1]
+
+
+def test_a_micro_batch_file_whose_bytes_changed_after_the_write_is_refused(tmp_path):
+    """The fault benchmarks/chaos.py injects (the newest rollouts file corrupted in place): an advantage changed to a finite
+    float passed every check and the trainer trained on it. Now the file's CRC-32 (written beside its meta) is checked
+    on read; a file of an older writer, without one, still reads."""
+    write_rollouts(tmp_path, steps=1, num_ranks=1)
+    path = RunDir(tmp_path).rollout_file(0, 0)
+    _, before = read_microbatches(path)
+    whole = path.read_bytes()
+    header_len = int.from_bytes(whole[:8], "little")
+    start = 8 + header_len + json.loads(whole[8 : 8 + header_len])["0.advantages"]["data_offsets"][0]
+    _flip(path, start, np.float32(123.0).tobytes())
+    with pytest.raises(
+        UnreadableFile, match=rf"^{path}: its data changed after it was written \(CRC-32 \w+, written as "
+    ):
+        read_microbatches(path)
+    header = json.loads(whole[8 : 8 + header_len])
+    del header["__metadata__"]["prime_crc32"]
+    _, older = read_microbatches(_rewrite_header(path, whole, header))
+    assert np.array_equal(older[0].advantages, before[0].advantages)
+
+
+def _rewrite_header(path: Path, whole: bytes, header: dict) -> Path:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    start = 8 + int.from_bytes(whole[:8], "little")
+    path.write_bytes(len(text).to_bytes(8, "little") + text + whole[start:])
+    return path

@@ -31,6 +31,7 @@ from prime_core.schemas.microbatch import (
     MicroBatch,
     RolloutBatchMeta,
     decode_microbatches,
+    microbatch_file_metadata,
     microbatch_tensors,
 )
 
@@ -53,7 +54,7 @@ def encode(meta: RolloutBatchMeta, micro_batches: list[MicroBatch]) -> bytes:
     tensors: dict[str, np.ndarray] = {}
     for i, mb in enumerate(micro_batches):
         tensors.update(microbatch_tensors(i, mb))
-    return save(tensors, metadata={"prime": meta.model_dump_json()})
+    return save(tensors, metadata=microbatch_file_metadata(meta, tensors))
 
 
 def decode(payload: bytes) -> tuple[RolloutBatchMeta, list[MicroBatch]]:

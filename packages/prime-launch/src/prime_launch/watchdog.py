@@ -11,7 +11,8 @@ each activity with its bound. The inference servers are probed at ``/health`` on
 - an activity runs ``slack_s`` past its bound: the limit the process took from its config (a rollout timeout, a weight
   update timeout; an activity waiting on another process blames that one), else for steps, weight publishes and
   checkpoints a bound learned from the slowest one so far (``LivenessConfig``). A wait on another process without a
-  limit is not a fault by itself: the process waited for is watched;
+  limit is not a fault by itself: the process waited for is watched; but two processes that have waited only on each
+  other for ``slack_s`` (a rollouts file gone before the trainer read it) are (``prime_launch.wait_cycle``);
 - a sandbox pool (``progress/sandbox_pool_<pid>.json``, written by a pool inside a process of the run) holds running
   executions and finished none for ``slack_s`` past the bound of one execution. The orchestrator replaces the env
   server holding such a pool at the bound itself; this catches a pool nobody replaced.
@@ -36,6 +37,7 @@ from prime_core.schemas.progress import Activity, Progress
 
 from prime_launch.health_probe import HealthProbe
 from prime_launch.process import ProcessFailed
+from prime_launch.wait_cycle import WaitCycles
 
 if TYPE_CHECKING:
     from prime_core.config.rl import RLConfig
@@ -144,6 +146,9 @@ class Watchdog:
         """Per boot id of another node: its monotonic clock's offset to ``steady`` (``_remote_age``)."""
         self._first_seen: dict[tuple[str, int, float], float] = {}
         """Per writer on another node (boot, pid, start): the monotonic time of its first record read."""
+        self._cycles = WaitCycles(self.steady)
+        self._seen: dict[Path, Progress] = {}
+        """Per progress file, the last record of this launch read from it."""
         self.helpers_dir: Path | None = None
         self._helpers_since = (0.0, 0.0)
 
@@ -154,6 +159,8 @@ class Watchdog:
     def watch(self, name: str, files: Iterable[Path], log_file: Path | None = None) -> None:
         """``name`` was just started; it writes ``files`` (a trainer: one per rank)."""
         self.processes[name] = _Watched(name, list(files), self.clock(), self.steady(), log_file)
+        for path in self.processes[name].files:
+            self._seen.pop(path, None)
 
     def probe(self, urls: Iterable[str], api_key: str | None, server: str | None = None) -> None:
         """Probe each ``/health`` URL from now on; ``server`` names the process serving them (None: external)."""
@@ -172,6 +179,7 @@ class Watchdog:
         ``slack_s`` from now. Called from a signal handler: it only sets a few floats."""
         now = self.steady()
         self._awake_since = now
+        self._cycles.since.clear()
         for probe in self.probes.values():
             probe.last_ok = max(probe.last_ok, time.monotonic())
             if probe.engine_stalled_since is not None:
@@ -199,6 +207,7 @@ class Watchdog:
             if watched.name not in done:
                 for path in watched.files:
                     self._check_file(watched, path)
+        self._check_wait_cycle(done)
         self._check_helpers()
 
     def _age(self, record: Progress) -> float:
@@ -272,12 +281,15 @@ class Watchdog:
 
     # ----- progress files -----
     def _fresh(self, path: Path, watched: _Watched) -> Progress | None:
-        """The record of this launch (a file left by an earlier launch, or another run's, is ignored)."""
+        """The record of this launch (a file left by an earlier launch, or another run's, is ignored). Once one was
+        read, a path with none (deleted, replaced by a bad file) keeps its last, ageing record: before, one read of a
+        missing file named a process that wrote a second ago as one that `wrote no heartbeat` (`benchmarks/chaos.py`)."""
         record = read_progress(path)
         if record is None or not self._since_start(record, watched.started, watched.started_steady):
-            return None
+            return self._seen.get(path)
         if self.run_id is not None and record.run_id is not None and record.run_id != self.run_id:
-            return None
+            return self._seen.get(path)
+        self._seen[path] = record
         return record
 
     def _check_file(self, watched: _Watched, path: Path) -> None:
@@ -314,6 +326,16 @@ class Watchdog:
         blamed = a.waits_for or watched.name
         log = self.processes[blamed].log_file if blamed in self.processes else watched.log_file
         raise ProcessStuck(blamed, line, log)
+
+    def _check_wait_cycle(self, done: set[str]) -> None:
+        """Two processes waiting only on each other (``prime_launch.wait_cycle``): neither wait is bounded alone."""
+        records = {
+            w.name: [r for path in w.files if (r := self._fresh(path, w)) is not None]
+            for w in self.processes.values()
+            if w.name not in done
+        }
+        if (found := self._cycles.check(records, self.config.slack_s)) is not None:
+            raise ProcessStuck(found[0], found[1], self.processes[found[0]].log_file)
 
     def _check_helpers(self) -> None:
         if self.helpers_dir is None:

@@ -38,6 +38,7 @@ import errno
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -346,6 +347,23 @@ def nonfinite_fields(mb: MicroBatch) -> dict[str, int]:
     return {name: n for name, n in counts.items() if n}
 
 
+def tensors_crc32(tensors: dict[str, np.ndarray]) -> str:
+    """CRC-32 of every tensor's name, dtype, shape and bytes, in name order: a micro-batch file carries it
+    (``prime_crc32``) so that bytes changed after the write (a disk, a copy, a stray writer) are refused, not trained:
+    a flipped advantage or log-prob is a valid float and passes every other check."""
+    crc = 0
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        crc = zlib.crc32(f"{name}:{arr.dtype.str}:{arr.shape}".encode(), crc)
+        crc = zlib.crc32(arr.data.cast("B") if arr.size else b"", crc)
+    return f"{crc:08x}"
+
+
+def microbatch_file_metadata(meta: RolloutBatchMeta, tensors: dict[str, np.ndarray]) -> dict[str, str]:
+    """The safetensors metadata of a micro-batch file (its header; ``tensors_crc32`` of its data)."""
+    return {"prime": meta.model_dump_json(), "prime_crc32": tensors_crc32(tensors)}
+
+
 def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_batches: list[MicroBatch]) -> None:
     """Write one rank's micro-batches for one step, atomically."""
     from safetensors.numpy import save_file
@@ -356,7 +374,7 @@ def write_microbatches(path: str | os.PathLike, meta: RolloutBatchMeta, micro_ba
     for i, mb in enumerate(micro_batches):
         tensors.update(microbatch_tensors(i, mb))
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"prime": meta.model_dump_json()})
+        save_file(tensors, str(tmp), metadata=microbatch_file_metadata(meta, tensors))
 
 
 def decode_microbatches(payload: bytes) -> tuple[RolloutBatchMeta, list[MicroBatch]]:
@@ -368,6 +386,11 @@ def decode_microbatches(payload: bytes) -> tuple[RolloutBatchMeta, list[MicroBat
     raw = (header.get("__metadata__") or {}).get("prime")
     if raw is None:
         raise UnreadableFile("not a prime micro-batch file (no 'prime' metadata)")
+    crc = (header.get("__metadata__") or {}).get("prime_crc32")  # absent in a file of an older writer
+    if crc is not None and crc != (got := tensors_crc32(tensors)):
+        raise UnreadableFile(
+            f"its data changed after it was written (CRC-32 {got}, written as {crc}): a bad disk or copy"
+        )
     data = json.loads(raw)
     version = data.get("schema_version") if isinstance(data, dict) else None
     if version != MICROBATCH_SCHEMA_VERSION:
