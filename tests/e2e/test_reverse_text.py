@@ -108,34 +108,6 @@ def test_readme_run_improves_the_model_as_users_measure_it(tmp_path):
     assert "<reversed>" in generated.stdout
 
 
-def test_resume_continues_with_the_same_rollouts_and_losses(tmp_path):
-    """Stop after step 2, resume with --ckpt.resume-step 2: steps 2 and 3 sample the same tokens and train to
-    the same losses as an uninterrupted run.
-
-    The losses agree to float32 rounding, not bit for bit: inference log-probs enter the loss, and the torch
-    engine's continuous batching groups requests differently in every run, which moves the last bits of a
-    logit. The schedule is constant so that the shorter first run follows the same learning rates.
-    """
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    config = without_evals(tmp_path)
-    assert 'type = "constant"' in config.read_text()
-    common = ("--orchestrator.batch-size", "32", "--ckpt.interval", "2")
-    run_rl(straight, "--max-steps", "4", *common, config=config)
-    run_rl(resumed, "--max-steps", "2", *common, config=config)
-    assert (resumed / "checkpoints" / "step_2" / "STABLE").exists()
-    run_rl(resumed, "--max-steps", "4", "--ckpt.resume-step", "2", *common, config=config)
-    for step in (2, 3):
-        _, want_batches = read_microbatches(straight / "rollouts" / f"step_{step}" / "rank_0.safetensors")
-        _, got_batches = read_microbatches(resumed / "rollouts" / f"step_{step}" / "rank_0.safetensors")
-        for want_mb, got_mb in zip(want_batches, got_batches, strict=True):
-            assert (want_mb.input_ids == got_mb.input_ids).all() and (want_mb.loss_mask == got_mb.loss_mask).all()
-    want = metrics(straight, "trainer", "loss/mean")
-    got = metrics(resumed, "trainer", "loss/mean")
-    print(f"losses straight {want}, resumed {got}")
-    for step in (2, 3):
-        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), (want, got)
-
-
 def _process_tree(root: int) -> dict[int, list[str]]:
     """pid -> argv of every live descendant of ``root``."""
     parents, argv = {}, {}
@@ -184,12 +156,23 @@ def _alive(pid: int) -> bool:
     ],
 )
 def test_kill_any_process_stops_the_run_and_resume_continues(tmp_path, victim):
+    """kill -9 of one process after the step-2 checkpoint stops the whole run within 10 s, naming it, and leaves no
+    process; resumed from its newest checkpoint R, the run's steps R and R+1 sample the same tokens and train to the
+    same losses as an uninterrupted run of R+2 steps. (One test: the resume check had three `rl` runs of its own, and
+    an `rl` run's start-up costs more than its few steps on 2 cores.)
+
+    The losses agree to float32 rounding, not bit for bit: inference log-probs enter the loss, and the torch
+    engine's continuous batching groups requests differently in every run, which moves the last bits of a
+    logit. The schedule is constant so that the killed run (30 steps asked) follows the same learning rates.
+    """
     out = tmp_path / "run"
-    extra = ("--max-steps", "30", "--orchestrator.batch-size", "32", "--ckpt.interval", "1")
     config = without_evals(tmp_path)
+    assert 'type = "constant"' in config.read_text()
+    common = ("--orchestrator.batch-size", "32", "--ckpt.interval", "1")
     proc = subprocess.Popen(
-        rl_cmd(out, *extra, config=config), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        rl_cmd(out, "--max-steps", "30", *common, config=config), cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while not (out / "checkpoints" / "step_2" / "STABLE").exists():
@@ -210,14 +193,28 @@ def test_kill_any_process_stops_the_run_and_resume_continues(tmp_path, victim):
     assert victim in output and "SIGKILL" in output
     leftover = [p for p in tree if _alive(p)]
     assert leftover == [], {p: tree[p] for p in leftover}
-    # Resume from the newest checkpoint and finish a few more steps.
+    # Resume from the newest checkpoint and finish two more steps.
     steps = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "STABLE").exists())
     resume = steps[-1]
-    run_rl(
-        out, "--max-steps", str(resume + 2), "--orchestrator.batch-size", "32", "--ckpt.resume-step", str(resume),
-        config=config,
-    )  # fmt: skip
+    run_rl(out, "--max-steps", str(resume + 2), *common, "--ckpt.resume-step", str(resume), config=config)
     assert (out / "weights" / f"step_{resume + 2}" / "STABLE").exists()
+    straight = tmp_path / "straight"
+    run_rl(straight, "--max-steps", str(resume + 2), *common, config=config)
+    assert_same_steps(straight, out, (resume, resume + 1))
+
+
+def assert_same_steps(straight: Path, resumed: Path, steps: tuple[int, ...]) -> None:
+    """``steps`` of the resumed run trained on the same tokens as the straight run's, to the same losses."""
+    for step in steps:
+        _, want_batches = read_microbatches(straight / "rollouts" / f"step_{step}" / "rank_0.safetensors")
+        _, got_batches = read_microbatches(resumed / "rollouts" / f"step_{step}" / "rank_0.safetensors")
+        for want_mb, got_mb in zip(want_batches, got_batches, strict=True):
+            assert (want_mb.input_ids == got_mb.input_ids).all() and (want_mb.loss_mask == got_mb.loss_mask).all()
+    want = metrics(straight, "trainer", "loss/mean")
+    got = metrics(resumed, "trainer", "loss/mean")  # the last record of a step: the resumed run's
+    print(f"losses straight {want}, resumed {got}")
+    for step in steps:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-7), (want, got)
 
 
 def test_rl_against_a_separately_started_inference_server(tmp_path):

@@ -38,12 +38,19 @@ def adapter(path) -> dict:
     return load_weights(path)
 
 
-def test_rl_lora_publishes_adapters_and_resumes_exactly(base_dir, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+def test_rl_lora_publishes_adapters_resumes_exactly_and_two_process_fsdp_equals_one_process(base_dir, tmp_path):
+    """Only the adapters are published and checkpointed, a resumed run equals an uninterrupted one, and FSDP over 2
+    processes equals 1 process (steps 0-1, adapters of step 2). One test: the 1-process side of the FSDP check is the
+    first part of the resumed run (its step-2 adapters are kept as its checkpoint's window), which spares a trainer
+    start of its own."""
+    straight, resumed, two = tmp_path / "straight", tmp_path / "resumed", tmp_path / "two"
     for out in (straight, resumed):
         write_rollouts(out, steps=4, num_ranks=1)
+    write_rollouts(two, steps=2, num_ranks=2)  # the same global batches as the first 2 steps above
     run_cli(args(base_dir, straight, 4, "--model.lora.name", "tenant-a"))
     run_cli(args(base_dir, resumed, 3, "--model.lora.name", "tenant-a", "--ckpt.interval", "2"))
+    m1, w1 = read_trainer_metrics(resumed), adapter(RunDir(resumed).weight_step(2))
+    run_cli(args(base_dir, two, 2, "--model.lora.name", "tenant-a", "--ckpt.interval", "2"), nproc=2)
     run_cli(args(base_dir, resumed, 4, "--model.lora.name", "tenant-a", "--ckpt.resume-step", "2"))
 
     rd = RunDir(straight)
@@ -70,18 +77,10 @@ def test_rl_lora_publishes_adapters_and_resumes_exactly(base_dir, tmp_path):
     wb = adapter(RunDir(resumed).weight_step(4))
     assert all(torch.equal(tensors[k], wb[k]) for k in tensors)
 
-
-def test_rl_lora_two_process_fsdp_equals_one_process(base_dir, tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    write_rollouts(one, steps=2, num_ranks=1)
-    write_rollouts(two, steps=2, num_ranks=2)
-    run_cli(args(base_dir, one, 2))
-    run_cli(args(base_dir, two, 2, "--ckpt.interval", "2"), nproc=2)
-    m1, m2 = read_trainer_metrics(one), read_trainer_metrics(two)
+    m2, w2 = read_trainer_metrics(two), adapter(RunDir(two).weight_step(2))
     for step in (0, 1):
         for key in ("loss/mean", "grad_norm"):
             assert m2[step][key] == pytest.approx(m1[step][key], abs=1e-6, rel=1e-6), (step, key)
-    w1, w2 = adapter(RunDir(one).weight_step(2)), adapter(RunDir(two).weight_step(2))
     assert w1.keys() == w2.keys()
     assert max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-6
     assert is_stable(RunDir(two).trainer_checkpoint(2))
