@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from prime_core.config.liveness import LivenessConfig
@@ -391,3 +392,31 @@ def test_prime_launch_watch_ends_cleanly_on_sigterm_and_rewind_cli(tmp_path):
     )
     assert done.returncode == 0 and "removed the stopped run's rollouts of steps 3" in done.stdout
     assert not run.rollout_step(3).exists()
+
+
+def test_a_process_stopped_before_its_first_heartbeat_is_named_as_stopped(tmp_path):
+    """benchmarks/chaos.py stopped a trainer rank before its first heartbeat: the line said only that it `wrote no
+    heartbeat ... since it started`. The watchdog knows the pid it started (a trainer's launcher, whose ranks are its
+    children) and now says which process under it is stopped."""
+    code = (
+        "import subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); print(p.pid, flush=True); time.sleep(60)"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    rank = None
+    try:
+        rank = int(launcher.stdout.readline())
+        os.kill(rank, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{rank}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the child did not stop"
+            time.sleep(0.01)
+        clock = Clock()
+        dog = Watchdog(LivenessConfig(slack_s=10, startup_s=5), run_id="run", clock=clock)
+        dog.watch("trainer", [tmp_path / "t.json"], tmp_path / "trainer.log", pid=launcher.pid)
+        with pytest.raises(ProcessStuck, match=rf"since it started \(pid {rank} stopped by a signal\)"):
+            check(dog, clock, 1006.0)
+    finally:
+        for pid in (rank, launcher.pid):
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()

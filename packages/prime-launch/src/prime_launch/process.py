@@ -329,7 +329,7 @@ class ProcessManager:
         self.specs[spec.name] = spec
         self._tell_watchdog(f"add {proc.pid}")
         if self.liveness is not None:
-            self.liveness.started(spec.name)
+            self.liveness.started(spec.name, proc.pid)
         return proc
 
     def running(self) -> list[str]:

@@ -22,7 +22,6 @@ each activity with its bound. The inference servers are probed at ``/health`` on
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,6 +35,7 @@ from prime_core.schemas.health import HealthResponse
 from prime_core.schemas.progress import Activity, Progress
 
 from prime_launch.health_probe import HealthProbe
+from prime_launch.proc_state import gone, pid_note, process_state, stopped_note
 from prime_launch.process import ProcessFailed
 from prime_launch.wait_cycle import WaitCycles
 
@@ -44,15 +44,6 @@ if TYPE_CHECKING:
     from prime_core.run_dir import RunDir
 
     from prime_launch.resolver import ResolvedRun
-
-_STATES = {
-    "T": "stopped by a signal",
-    "t": "stopped by a debugger",
-    "D": "in uninterruptible I/O",
-    "Z": "a zombie",
-    "R": "running",
-    "S": "sleeping",
-}
 
 
 class ProcessStuck(ProcessFailed):
@@ -73,36 +64,6 @@ class ProcessStuck(ProcessFailed):
         return super().log_tail(num_lines) if self.has_log else ""
 
 
-def process_state(pid: int, host: str = "") -> str | None:
-    """``stopped by a signal``, ``running``, ... of a local process (None for another host or a missing pid)."""
-    if host and host != socket.gethostname():
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    code = stat[stat.rfind(")") + 2 :].split(" ", 1)[0]
-    return _STATES.get(code, f"state {code}")
-
-
-def _gone(record: Progress) -> bool:
-    """Whether the writer of ``record`` was on this host and has exited (no such pid, or a zombie)."""
-    if record.host and record.host != socket.gethostname():
-        return False
-    return process_state(record.pid) in (None, _STATES["Z"])
-
-
-def _pid_note(pid: int | None, host: str = "") -> str:
-    if pid is None:
-        return ""
-    state = process_state(pid, host)
-    return (
-        f"pid {pid}"
-        + (f", {state}" if state else "")
-        + (f" on {host}" if host and host != socket.gethostname() else "")
-    )
-
-
 @dataclass
 class _Watched:
     """A process the watchdog reads: its progress files (one per trainer rank) and since when it runs (wall clock, to
@@ -113,6 +74,8 @@ class _Watched:
     started: float
     started_steady: float
     log_file: Path | None = None
+    pid: int | None = None
+    """The process started (a trainer's launcher: its ranks are its descendants), where the watchdog started it."""
 
 
 class Watchdog:
@@ -156,9 +119,9 @@ class Watchdog:
         """Read the progress files of helpers (sandbox pools) that processes of the run start under ``progress_dir``."""
         self.helpers_dir, self._helpers_since = progress_dir, (self.clock(), self.steady())
 
-    def watch(self, name: str, files: Iterable[Path], log_file: Path | None = None) -> None:
-        """``name`` was just started; it writes ``files`` (a trainer: one per rank)."""
-        self.processes[name] = _Watched(name, list(files), self.clock(), self.steady(), log_file)
+    def watch(self, name: str, files: Iterable[Path], log_file: Path | None = None, pid: int | None = None) -> None:
+        """``name`` was just started (as ``pid``, where known); it writes ``files`` (a trainer: one per rank)."""
+        self.processes[name] = _Watched(name, list(files), self.clock(), self.steady(), log_file, pid)
         for path in self.processes[name].files:
             self._seen.pop(path, None)
 
@@ -256,7 +219,7 @@ class Watchdog:
         name = server or f"the inference server at {url.removesuffix('/health')}"
         log = self.processes[server].log_file if server in self.processes else None
         pid = self._server_pid(server)
-        where = f" ({_pid_note(pid)})" if pid else ""
+        where = f" ({pid_note(pid)})" if pid else ""
         if now - probe.last_ok > slack:
             asked = probe.asked_at
             error = f"the last request has waited {now - asked:.0f} s" if asked is not None else probe.error
@@ -298,10 +261,10 @@ class Watchdog:
         if record is None:
             running = self._witnessed(self.steady() - watched.started_steady)
             if running > self.config.startup_s:
-                line = f"it wrote no heartbeat to {path} in the {running:.0f} s since it started"
+                line = f"it wrote no heartbeat to {path} in the {running:.0f} s since it started{stopped_note(watched.pid)}"
                 raise ProcessStuck(watched.name, line, watched.log_file)
             return
-        label, pid = record.name, _pid_note(record.pid, record.host)
+        label, pid = record.name, pid_note(record.pid, record.host)
         age = self._witnessed(self._age(record))
         if record.exiting:
             if age > slack and (self.exits_known or process_state(record.pid, record.host) is not None):
@@ -353,14 +316,14 @@ class Watchdog:
                 or (self.run_id is not None and record.run_id != self.run_id)
                 or self._age(record) > slack
                 or not self._since_start(record, *self._helpers_since)
-                or _gone(record)
+                or gone(record)
             ):
                 continue
             for a in record.activities:
                 if a.limit_s is not None and (lasted := self._lasted(record, a)) > a.limit_s + slack:
                     c = record.counters
                     line = (
-                        f"the sandbox pool ({_pid_note(record.pid, record.host)}) has been {a.what} for "
+                        f"the sandbox pool ({pid_note(record.pid, record.host)}) has been {a.what} for "
                         f"{lasted:.0f} s without one finishing, past its bound of {a.limit_s:.0f} s + {slack:.0f} s "
                         f"slack ({c.get('executions_completed', 0):.0f} executions completed, "
                         f"{c.get('zygotes_replaced', 0):.0f} zygotes replaced)"
@@ -427,8 +390,8 @@ class RunWatchdog(Watchdog):
         self.watch_helpers(plan.run_dir.progress)
         self.dirs = OutputDirWatch(plan.run_dir.root, [d.root for d in plan.runs.values()])
 
-    def started(self, name: str) -> None:
-        self.watch(name, self.files.get(name, []), self.logs.get(name))
+    def started(self, name: str, pid: int | None = None) -> None:
+        self.watch(name, self.files.get(name, []), self.logs.get(name), pid)
 
     def check(self, finished: Iterable[str] = ()) -> None:
         self.dirs.check()
