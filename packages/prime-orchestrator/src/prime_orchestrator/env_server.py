@@ -388,7 +388,8 @@ class EnvServer:
             if proc.is_alive():
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)
-        if left := kill_left(processes):
+        # Children that die with the server (PR_SET_PDEATHSIG, as arithmetic's scorer) get their signal as it exits.
+        if left := await asyncio.to_thread(kill_left, processes, 1.0):
             logger.warning("env server %s left processes %s behind; killed them", self.name, left)
         self._client = self._pipe = None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 _LISTENING = 0x10000  # __SO_ACCEPTCON in /proc/net/unix
@@ -70,38 +71,24 @@ def snapshot(root: int) -> dict[int, int | None]:
     return {pid: start_time(pid) for pid in process_tree(root)}
 
 
-def kill_left(processes: dict[int, int | None]) -> list[int]:
-    """SIGKILL each process of a ``snapshot`` that is still there (and still the same process); the pids killed."""
+def _still_there(pid: int, started: int | None) -> bool:
+    """Whether the process of a ``snapshot`` entry still runs: the same start time, not a zombie (a child killed with
+    its parent, PR_SET_PDEATHSIG, is one until whoever adopted it reaps it: dead, nothing left to end)."""
+    found = _stat(pid)
+    return started is not None and found is not None and found[1] not in ("Z", "X") and start_time(pid) == started
+
+
+def kill_left(processes: dict[int, int | None], grace_s: float = 0.0) -> list[int]:
+    """SIGKILL each process of a ``snapshot`` that is still there (and still the same process) after up to
+    ``grace_s`` seconds for them to end on their own (children that die with their parent get the signal as it
+    exits); the pids killed. Blocks for up to ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while any(_still_there(pid, started) for pid, started in processes.items()) and time.monotonic() < deadline:
+        time.sleep(0.02)
     killed = []
     for pid, started in processes.items():
-        if started is not None and start_time(pid) == started:
+        if _still_there(pid, started):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
     return killed
-
-
-def command(pid: int) -> str:
-    return _cmdline(pid).replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
-
-
-def listening_paths(pids: set[int]) -> dict[int, str]:
-    """pid -> the unix socket path it listens on (a pool worker's ``ipc://`` address), for those that listen."""
-    listening: dict[str, str] = {}
-    try:
-        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
-    except OSError:
-        return {}
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 8 and int(parts[3], 16) & _LISTENING:
-            listening[parts[6]] = parts[7]
-    found = {}
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if link.startswith("socket:[") and link[8:-1] in listening:
-                        found[pid] = listening[link[8:-1]]
-    return found

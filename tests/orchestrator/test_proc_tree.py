@@ -1,0 +1,52 @@
+"""What an env server's close kills of the processes it leaves: only live ones (``proc_tree.kill_left``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from prime_orchestrator.proc_tree import kill_left, snapshot
+
+# A parent whose child dies with it (PR_SET_PDEATHSIG, as arithmetic's math-verify scorer): the child then stays a
+# zombie until whoever adopted it reaps it.
+PARENT = """
+import ctypes, os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL))
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_a_child_that_died_with_its_server_is_not_reported_as_left_behind():
+    """An eval of arithmetic warned on every normal close `env server arithmetic left processes [...] behind; killed
+    them`: its scorer had died with the server and was a zombie, which still has its pid and start time."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    processes = snapshot(parent.pid)
+    assert set(processes) == {parent.pid, child}
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    assert kill_left(processes, grace_s=5.0) == []
+    assert _state(child) in (None, "Z")
+
+
+def test_a_process_that_stays_is_killed_after_the_grace():
+    stays = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        t0 = time.monotonic()
+        assert kill_left(snapshot(stays.pid), grace_s=0.3) == [stays.pid]
+        assert time.monotonic() - t0 >= 0.3
+        assert stays.wait(10) == -signal.SIGKILL
+    finally:
+        stays.kill()
