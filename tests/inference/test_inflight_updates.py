@@ -222,6 +222,8 @@ def corrupt(base: Path, dest: Path, how: str) -> Path:
         name = next(k for k in state if k.endswith("mlp.up_proj.weight"))
         if how == "nan":
             state[name] = torch.full_like(state[name], float("nan"))
+        elif how == "garbage":  # finite (random bytes in a file): passes the load's check, overflows in a forward
+            state[name] = torch.full_like(state[name], 3e38)
         elif how == "wrong_shape":
             state[name] = state[name][:-1].clone()
         elif how == "missing_tensor":
@@ -268,4 +270,24 @@ def test_a_failed_in_flight_update_keeps_serving_and_reporting_the_old_weights(m
         assert httpx.get(f"{server.url}/health", timeout=10).json()["weight_step"] == 9
     finally:
         release.set()
+        server.stop()
+
+
+def test_weights_that_give_nan_logits_are_named_by_each_request(model_dir, head_only_dir, tmp_path):
+    """benchmarks/chaos.py wrote random bytes into a weights file: finite, so the update took them, then every request
+    answered `500 internal error: RuntimeError` (torch's multinomial on NaN probabilities) and the run ended on failed
+    rollouts that named nothing; at temperature 0 a NaN's token was sampled silently. Each request now says why."""
+    server = start_server(model_dir)
+    try:
+        broken = corrupt(head_only_dir, tmp_path / "step_1", "garbage")
+        r = httpx.post(f"{server.url}/update_weights", json={"weight_dir": str(broken), "step": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        for temperature in (1.0, 0.0):
+            body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": 4, "temperature": temperature}}
+            r = httpx.post(f"{server.url}/inference/v1/generate", json=body, timeout=60)
+            assert r.status_code == 500 and "the model's logits are NaN or infinite" in r.json()["error"]["message"], (
+                temperature,
+                r.text,
+            )
+    finally:
         server.stop()

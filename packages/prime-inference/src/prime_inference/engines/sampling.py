@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from prime_inference.protocol import SamplingParams
+from prime_inference.protocol import RequestError, SamplingParams
 
 PROMPT_LOGPROBS_CHUNK = 512
 """Prompt positions whose log-probs are computed together."""
@@ -84,6 +84,17 @@ def truncate(scaled_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scaled_V
 
 
+def nonfinite_logits() -> RequestError:
+    """The answer to a request whose model gave NaN or infinite logits: finite garbage weights (a corrupt weights
+    file, which the load's finiteness check passes) or a diverged model, named as such (was `500 internal error:
+    RuntimeError`, or at temperature 0 a NaN's token sampled silently)."""
+    return RequestError(
+        "the model's logits are NaN or infinite: the served weights are broken (a corrupt weights file, or training "
+        "diverged); /health names the weight step served",
+        status_code=500,
+    )
+
+
 def sample(
     logits_V: torch.Tensor,
     params: SamplingParams,
@@ -98,10 +109,17 @@ def sample(
     raw = torch.log_softmax(logits_V, dim=-1) if want and mode == "raw" else None
     logits_V = process_logits(logits_V, params, prompt_ids, output_ids, banned)
     if params.temperature == 0:
-        token = int(torch.argmax(logits_V))
+        token = int(torch.argmax(logits_V))  # a NaN or +inf is the argmax: one picked is a model that gives them
+        if not torch.isfinite(logits_V[token]):
+            raise nonfinite_logits()
         return token, raw if raw is not None else (torch.log_softmax(logits_V, dim=-1) if want else None)
     final_V = truncate(logits_V / params.temperature, params)
-    token = int(torch.multinomial(torch.softmax(final_V, dim=-1), 1, generator=generator))
+    try:
+        token = int(torch.multinomial(torch.softmax(final_V, dim=-1), 1, generator=generator))
+    except RuntimeError:  # torch's "probability tensor contains either inf, nan or element < 0"
+        if not bool((torch.isnan(logits_V) | torch.isposinf(logits_V)).any()):  # (-inf: banned tokens)
+            raise
+        raise nonfinite_logits() from None
     return token, raw if raw is not None else (torch.log_softmax(final_V, dim=-1) if want else None)
 
 
