@@ -92,3 +92,29 @@ def kill_left(processes: dict[int, int | None], grace_s: float = 0.0) -> list[in
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
     return killed
+
+
+def command(pid: int) -> str:
+    return _cmdline(pid).replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
+
+
+def listening_paths(pids: set[int]) -> dict[int, str]:
+    """pid -> the unix socket path it listens on (a pool worker's ``ipc://`` address), for those that listen."""
+    listening: dict[str, str] = {}
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 8 and int(parts[3], 16) & _LISTENING:
+            listening[parts[6]] = parts[7]
+    found = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:[") and link[8:-1] in listening:
+                        found[pid] = listening[link[8:-1]]
+    return found
