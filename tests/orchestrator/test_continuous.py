@@ -222,8 +222,8 @@ def in_flight_server(tiny_model):
     s.stop()
 
 
-def fake_trainer(root, model, steps: int, first: int = 0, seconds: float = 0.5) -> threading.Thread:
-    """Consume rollouts/step_n, then publish weights n + 1, as the trainer does."""
+def fake_trainer(root, model, steps: int, first: int = 0, seconds: float = 0.5, hold=None) -> threading.Thread:
+    """Consume rollouts/step_n, then publish weights n + 1, as the trainer does (``hold(n + 1)`` first, if given)."""
 
     def train():
         for n in range(first, steps):
@@ -231,6 +231,8 @@ def fake_trainer(root, model, steps: int, first: int = 0, seconds: float = 0.5) 
             while not path.exists():
                 time.sleep(0.02)
             time.sleep(seconds)
+            if hold is not None:
+                hold(n + 1)
             publish_weights(root, n + 1, model)
 
     thread = threading.Thread(target=train, daemon=True)

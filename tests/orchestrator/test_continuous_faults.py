@@ -10,6 +10,7 @@ the step ends on ``recovery.min_ok_fraction`` first)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -32,7 +33,17 @@ def test_a_server_restarted_at_step_0_mid_run_ends_the_run_in_one_line(tmp_path,
     steps = 8
     config = make_config(tmp_path, tiny_model, server, max_steps=steps, async_level=1, max_off_policy_steps=1,
                          num_trainer_ranks=1, log_extras={"interval": 1, "num_samples": 64})  # fmt: skip
-    fake_trainer(tmp_path, tiny_model, steps)
+    restart_done = threading.Event()
+
+    def hold(step: int) -> None:
+        # Weights 3 wait until the restarted server has been polled (/health, every load_poll_interval = 1 s): on a
+        # fast host the orchestrator had shipped step 3 and sampled nothing on the restarted server, the relay loaded
+        # step 3 at once, and there was nothing to see (harmless, but then this test saw no end).
+        if step == 3:
+            restart_done.wait(120)
+            time.sleep(2.5)
+
+    fake_trainer(tmp_path, tiny_model, steps, hold=hold)
     orch = Orchestrator(config)
     restarted: dict = {}
 
@@ -42,6 +53,7 @@ def test_a_server_restarted_at_step_0_mid_run_ends_the_run_in_one_line(tmp_path,
         restarted["shipped"] = list(orch.shipped)
         await asyncio.to_thread(httpx.post, f"{server.url}/reload_weights", timeout=60)
         restarted["at"] = time.monotonic()
+        restart_done.set()
 
     async def main() -> None:
         helper = asyncio.create_task(restart_at_step_2())
