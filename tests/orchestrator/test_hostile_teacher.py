@@ -57,7 +57,8 @@ async def score(handler, timeout: float = 30.0) -> list[float]:
     app = web.Application()
     app.router.add_post("/inference/v1/generate", generate)
     async with serving(app) as url:
-        config = TeacherConfig(base_url=url, model="teacher", timeout=timeout, max_retries=0)
+        # health_timeout: a 5xx is an outage the teacher is waited out of (300 s by default)
+        config = TeacherConfig(base_url=url, model="teacher", timeout=timeout, max_retries=0, health_timeout=1)
         teacher = Teacher("math", DistillConfig(teacher=config))
         try:
             return await teacher.logprobs(TOKENS)
