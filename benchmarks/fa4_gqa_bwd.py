@@ -16,22 +16,13 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import cuda_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 8, 128, 28
-
-
-def _timed(fn, iters: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def _variants(seq: int):
@@ -146,7 +137,7 @@ def main() -> None:
         flops_fwd = 2 * 2 * seq * seq * HEADS * HEAD_DIM / 2
         for name, make in _variants(seq).items():
             fwd, bwd = make()
-            ms_fwd, ms_bwd = _timed(fwd, args.iters), _timed(bwd, args.iters)
+            ms_fwd, ms_bwd = cuda_ms(fwd, args.iters), cuda_ms(bwd, args.iters)
             row = dict(seq=seq, way=name, fwd_ms=round(ms_fwd, 3), bwd_ms=round(ms_bwd, 3),
                        fwd_tflops=round(flops_fwd / ms_fwd / 1e9, 1), bwd_tflops=round(2.5 * flops_fwd / ms_bwd / 1e9, 1),
                        step_s_for_28_layers=round(LAYERS * (ms_fwd + ms_bwd) / 1e3, 3))  # fmt: skip

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import cuda_ms  # noqa: E402
 from provenance import tree_commit  # noqa: E402
 
 HIDDEN, INTERMEDIATE, Q_WIDTH, KV_WIDTH, LAYERS, VOCAB = 1024, 3072, 2048, 1024, 28, 151936
@@ -26,18 +27,6 @@ LAYER_WEIGHTS = [
     (Q_WIDTH, HIDDEN), (KV_WIDTH, HIDDEN), (KV_WIDTH, HIDDEN), (HIDDEN, Q_WIDTH),
     (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE),
 ]  # fmt: skip
-
-
-def _ms(fn, repeats: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def _ways(shapes: list[tuple[int, int]], tokens: int) -> dict[str, float]:
@@ -59,9 +48,9 @@ def _ways(shapes: list[tuple[int, int]], tokens: int) -> dict[str, float]:
             torch.addmm(m, g.T, x, out_dtype=torch.float32, out=m)
 
     return {
-        "bf16_matmul_then_fp32_add_ms": _ms(matmul_then_add),
-        "bf16_matmul_only_ms": _ms(matmul_only),
-        "addmm_fp32_out_in_place_ms": _ms(addmm_fp32_out),
+        "bf16_matmul_then_fp32_add_ms": cuda_ms(matmul_then_add, 5),
+        "bf16_matmul_only_ms": cuda_ms(matmul_only, 5),
+        "addmm_fp32_out_in_place_ms": cuda_ms(addmm_fp32_out, 5),
     }
 
 
