@@ -291,9 +291,10 @@ class Watchdog:
         raise ProcessStuck(blamed, line, log)
 
     def _check_wait_cycle(self, done: set[str]) -> None:
-        """Two processes waiting only on each other (``prime_launch.wait_cycle``): neither wait is bounded alone."""
+        """Two processes waiting only on each other (``prime_launch.wait_cycle``): neither wait is bounded alone. The
+        records are those ``_check_file`` just read (``_fresh`` keeps each file's last in ``_seen``)."""
         records = {
-            w.name: [r for path in w.files if (r := self._fresh(path, w)) is not None]
+            w.name: [r for path in w.files if (r := self._seen.get(path)) is not None]
             for w in self.processes.values()
             if w.name not in done
         }
