@@ -9,7 +9,7 @@ compared with the default configuration's, and forward or backward is timed with
 kernel refuses (registers, shared memory, a layout it does not implement) is recorded with its error's first line.
 
 Needs a GPU with FA4 staged (`benchmarks/fa4_setup.sh`):
-``python3 benchmarks/fa4_tiles.py --seq 65536 --out F.json [--budget-s 420]``. The record is rewritten after every
+``python3 benchmarks/fa4_tiles.py --seqs 65536 --out F.json [--configs default,m80_dqswap] [--budget-s 420]``. The record is rewritten after every
 configuration, so a call cut short still returns what it measured.
 """
 
@@ -70,7 +70,7 @@ def _rel_diff(got, ref) -> float:
     )
 
 
-def _sweep(kind: str, seq: int, iters: int, deadline: float, record: dict, save) -> None:
+def _sweep(kind: str, seq: int, iters: int, deadline: float, record: dict, save, only: set[str]) -> None:
     from flash_attn.cute import interface as fa4
 
     fwd, bwd = _variants(seq)["varlen_gqa"]()
@@ -80,6 +80,8 @@ def _sweep(kind: str, seq: int, iters: int, deadline: float, record: dict, save)
     flops = 2 * 2 * seq * seq * HEADS * HEAD_DIM / 2 * (2.5 if kind == "bwd" else 1.0)
     ref = None
     for name, change in (BWD_CANDIDATES if kind == "bwd" else FWD_CANDIDATES).items():
+        if only and name not in only:
+            continue
         if time.monotonic() > deadline:
             record["rows"].append(dict(kind=kind, seq=seq, config=name, skipped="budget spent"))
             continue
@@ -106,7 +108,8 @@ def _sweep(kind: str, seq: int, iters: int, deadline: float, record: dict, save)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=65536)
+    ap.add_argument("--seqs", default="65536", help="row lengths, comma-separated")
+    ap.add_argument("--configs", default="", help="only these candidates (comma-separated names; 'default' first)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--kinds", default="bwd,fwd", help="bwd, fwd or both, in the order given")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no new configuration is started after this")
@@ -136,9 +139,11 @@ def main() -> None:
         os.replace(tmp, args.out)
 
     deadline = time.monotonic() + args.budget_s
-    for kind in args.kinds.split(","):
-        _sweep(kind, args.seq, args.iters, deadline, record, save)
-        torch.cuda.empty_cache()
+    only = {c for c in args.configs.split(",") if c}
+    for seq in (int(s) for s in args.seqs.split(",")):
+        for kind in args.kinds.split(","):
+            _sweep(kind, seq, args.iters, deadline, record, save, only)
+            torch.cuda.empty_cache()
     save()
 
 

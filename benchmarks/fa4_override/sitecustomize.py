@@ -3,7 +3,8 @@
 
 With this directory first on PYTHONPATH and ``PRIME_BENCH_FA4_BWD`` set to a JSON object of `BwdConfig` fields to
 change (a row's ``change`` in the sweep's record), every process of the job answers FA4's sm90 backward table with
-it. Without the variable nothing is imported.
+it. Without the variable nothing is imported. ``PRIME_BENCH_FA4_LONG_ROW_TOKENS`` moves the trainer's own switch to
+long-row backward tiles (`prime_models.layers.flash_attn4.LONG_ROW_TOKENS`), to measure the step without them.
 """
 
 import json
@@ -24,3 +25,9 @@ if _CHANGE:
         return cfg
 
     _fa4._tile_size_bwd_sm90 = _replaced
+
+_LONG_ROW = os.environ.get("PRIME_BENCH_FA4_LONG_ROW_TOKENS")
+if _LONG_ROW:  # the trainer's own long-row backward tiles from another row length (a huge one: never)
+    from prime_models.layers import flash_attn4 as _ours
+
+    _ours.LONG_ROW_TOKENS = int(_LONG_ROW)

@@ -6,6 +6,9 @@ SDPA on a GPU (`gpu` marker)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import itertools
 import sys
 import types
 from pathlib import Path
@@ -17,6 +20,7 @@ from prime_models import apply_activation_checkpointing, kernels, load_model
 from prime_models.layers import flash_attn4
 from prime_models.layers.attention import row_packing, use_row_packing
 from prime_models.loading import resolve_attn
+from prime_models.parallel import compile as compile_module
 from prime_models.parallel.activation_checkpoint import ATTENTION_OPS
 
 from tests.models.conftest import VOCAB, gpu_attention_config, rows_of_short_samples, tiny_config
@@ -47,6 +51,7 @@ class _StandInInterface(types.ModuleType):
                         causal, return_lse):  # fmt: skip
         assert causal and return_lse and cu_seqlens_q is cu_seqlens_k and max_seqlen_q == max_seqlen_k
         assert cu_seqlens_q.dtype == torch.int32 and k.shape[1] < q.shape[1]  # GQA goes in unexpanded
+        q.data_ptr()  # as FA4 does (an alignment check), which a traced tensor cannot answer
         self.forwards += 1
         lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32)
         return _per_sample(q, k, v, cu_seqlens_q, softmax_scale), lse, None, None
@@ -54,11 +59,17 @@ class _StandInInterface(types.ModuleType):
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale, causal, *, cu_seqlens_q, cu_seqlens_k,
                         max_seqlen_q, max_seqlen_k):  # fmt: skip
         assert causal and dout.is_contiguous() and lse.shape == (q.shape[1], q.shape[0])
+        dout.data_ptr()
         self.backwards += 1
-        with torch.enable_grad():
+
+        def grads():
             qkv = [t.detach().requires_grad_() for t in (q, k, v)]
             again = _per_sample(*qkv, cu_seqlens_q, softmax_scale)
             return torch.autograd.grad(again, qkv, dout)
+
+        # Called inside the backward op, where autograd is off for this thread; a thread of its own has it.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(grads).result()
 
 
 @pytest.fixture
@@ -111,6 +122,44 @@ def test_kept_attention_keeps_flash_attn4s_output_instead_of_running_it_again(st
     torch.testing.assert_close(lp, lp_plain, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grads["model.layers.0.self_attn.q_proj.weight"],
                                grads_plain["model.layers.0.self_attn.q_proj.weight"], atol=1e-5, rtol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("ac", ["none", "keep"])
+def test_compiled_layers_call_flash_attn4s_backward_as_a_kernel(stand_in, monkeypatch, ac):
+    """`parallel.compile_layers` with FA4: the compiled backward calls the kernel instead of tracing into FA4's
+    Python (on a GPU it failed at the first backward: FA4 reads data pointers, which traced tensors have not)."""
+    monkeypatch.setattr(compile_module, "COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    ids, positions = _rows()
+    model = _model("flash_attn4")
+    compile_module.compile_layers(model.model.layers)
+    if ac == "keep":
+        apply_activation_checkpointing(model.model.layers, "full", keep_attention=-1)
+    lp, grads = _step(model, ids, positions)
+    torch._dynamo.reset()
+    assert stand_in.backwards == 2
+    lp_eager, grads_eager = _step(_model("flash_attn4", ac), ids, positions)
+    torch.testing.assert_close(lp, lp_eager, atol=1e-5, rtol=1e-5)
+    for name, grad in grads_eager.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_long_rows_take_the_long_row_backward_tiles_for_that_call_only():
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        m_block_size: int = 64
+        dQ_swapAB: bool = False
+
+    fa4 = types.SimpleNamespace(_tile_size_bwd_sm90=lambda *args, **kwargs: Config())
+    own = fa4._tile_size_bwd_sm90
+    with flash_attn4.long_row_backward(fa4, flash_attn4.LONG_ROW_TOKENS - 1):
+        assert fa4._tile_size_bwd_sm90(128, 128, True, False) == Config()
+    with flash_attn4.long_row_backward(fa4, flash_attn4.LONG_ROW_TOKENS):
+        assert fa4._tile_size_bwd_sm90(128, 128, True, False) == Config(80, True)
+        assert fa4._tile_size_bwd_sm90(64, 64, True, False) == Config()  # other shapes keep FA4's tiles
+    assert fa4._tile_size_bwd_sm90 is own
+    with flash_attn4.long_row_backward(types.SimpleNamespace(), flash_attn4.LONG_ROW_TOKENS):
+        pass  # an FA4 without the table: nothing to change
 
 
 def _package(root, *, fa2: bool, fa4: bool) -> None:
@@ -236,3 +285,21 @@ def test_gpu_flash_attn4_trains_like_sdpa(ac):
     for n, grad in g_s.items():
         rel = (g_f[n] - grad).norm() / grad.norm().clamp_min(1e-12)
         assert rel.item() < 0.02, (n, rel.item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.HAS_FLASH_ATTN4), reason="needs a GPU and flash-attn-4")
+def test_gpu_long_row_backward_tiles_give_fa4s_own_gradients(monkeypatch):
+    """The long-row backward tiles (80x128) against FA4's own (64x128) on samples of lengths no tile size divides."""
+    lengths, heads, kv_heads, dim = [4097, 77, 3000, 1], 16, 8, 128
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda", dtype=torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, dout = (torch.randn(sum(lengths), heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "qo")
+    k, v = (torch.randn(sum(lengths), kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in "kv")
+    args = (cu, max(lengths), dim**-0.5)
+    out, lse = flash_attn4.flash_attn4_varlen(q, k, v, *args)
+    own = flash_attn4.flash_attn4_varlen_backward(q, k, v, out, dout, lse, *args)
+    monkeypatch.setattr(flash_attn4, "LONG_ROW_TOKENS", 1)
+    long_row = flash_attn4.flash_attn4_varlen_backward(q, k, v, out, dout, lse, *args)
+    for a, b in zip(long_row, own, strict=True):
+        assert ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 1e-2

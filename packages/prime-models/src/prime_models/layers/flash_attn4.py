@@ -12,6 +12,8 @@ Shapes: T flattened tokens of the rows, N query heads, K kv heads (GQA is native
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -55,13 +57,69 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.max_seqlen, ctx.scale = max_seqlen, scale
 
 
+LONG_ROW_TOKENS = 32768
+"""Samples at least this long take `long_row_backward`'s tiles on Hopper."""
+
+
+@contextlib.contextmanager
+def long_row_backward(fa4, max_seqlen: int):
+    """FA4's Hopper backward for causal head dim 128 takes FA3's 64x128 tiles, tuned on shorter rows. For samples of
+    `LONG_ROW_TOKENS` or more, 80x128 tiles (with dQ's MMA swapped, as FA4 does for 80-row tiles) ran 3% faster at
+    64k on an H200 (benchmarks/results/fa4_tiles_h200.json). FA4 reads its backward tiles from a table, not from the
+    call's arguments, so the table answers differently for this call only; an FA4 without that table, or whose
+    configuration has other fields, is left as it is."""
+    own = getattr(fa4, "_tile_size_bwd_sm90", None)
+    if own is None or max_seqlen < LONG_ROW_TOKENS:
+        yield
+        return
+
+    def table(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
+        cfg = own(head_dim, head_dim_v, causal, local, sparse_block_size_q=sparse_block_size_q)
+        fields = {f.name for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else set()
+        if (head_dim, head_dim_v, causal, local, sparse_block_size_q) != (128, 128, True, False, None) or not {
+            "m_block_size", "dQ_swapAB"} <= fields:  # fmt: skip
+            return cfg
+        return dataclasses.replace(cfg, m_block_size=80, dQ_swapAB=True)
+
+    fa4._tile_size_bwd_sm90 = table
+    try:
+        yield
+    finally:
+        fa4._tile_size_bwd_sm90 = own
+
+
+@torch.library.custom_op("prime_models::flash_attn4_varlen_backward", mutates_args=())
+def flash_attn4_varlen_backward(
+    q_TND: torch.Tensor,
+    k_TKD: torch.Tensor,
+    v_TKD: torch.Tensor,
+    out_TND: torch.Tensor,
+    dout_TND: torch.Tensor,
+    lse_NT: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of `flash_attn4_varlen`. An op of its own, so that a compiled layer's backward graph calls the
+    kernel instead of tracing into FA4's Python, which reads data pointers that traced tensors do not have."""
+    with long_row_backward(interface(), max_seqlen):
+        dq, dk, dv = interface()._flash_attn_bwd(
+            q_TND, k_TKD, v_TKD, out_TND, dout_TND, lse_NT, scale, True, cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+        )[:3]  # fmt: skip
+    return dq, dk, dv
+
+
+@flash_attn4_varlen_backward.register_fake
+def _(q_TND, k_TKD, v_TKD, out_TND, dout_TND, lse_NT, cu_seqlens, max_seqlen, scale):
+    return torch.empty_like(q_TND), torch.empty_like(k_TKD), torch.empty_like(v_TKD)
+
+
 def _backward(ctx, dout_TND: torch.Tensor, _dlse: torch.Tensor | None):
     # The log-sum-exp is only ever read by this backward, so its gradient is always zero.
     q, k, v, cu_seqlens, out, lse = ctx.saved_tensors
-    dq, dk, dv = interface()._flash_attn_bwd(
-        q, k, v, out, dout_TND.contiguous(), lse, ctx.scale, True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-        max_seqlen_q=ctx.max_seqlen, max_seqlen_k=ctx.max_seqlen,
-    )[:3]  # fmt: skip
+    dq, dk, dv = flash_attn4_varlen_backward(q, k, v, out, dout_TND.contiguous(), lse, cu_seqlens, ctx.max_seqlen,
+                                             ctx.scale)  # fmt: skip
     return dq, dk, dv, None, None, None
 
 
