@@ -423,3 +423,30 @@ os.write(3, b"\\x00" * {n} + b"\\n")
 def solve():
     return 42
 """
+
+# neighbours: descriptors of a /work file and of full pipes sent over a socket pair that is itself in flight, then
+# the execution ends. Only the kernel's unix GC frees such a cycle: until it runs, the tmpfs (a descriptor keeps it
+# mounted) and the pipes' pages stay charged to the slot's memory cgroup and the uid's counts, which the next
+# execution of the slot inherits.
+IN_FLIGHT_CYCLE = r"""
+import array, fcntl, os, socket
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+with open("/work/f", "wb") as f:
+    for _ in range(48):
+        f.write(b"x" * (1 << 20))
+fds = [os.open("/work/f", os.O_RDONLY)]
+for _ in range(16):
+    r, w = os.pipe()
+    fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"y" * 65536)
+    except BlockingIOError:
+        pass
+    fds += [r, w]
+for i in range(0, len(fds), 8):
+    a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds[i : i + 8]))])
+b.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [a.fileno(), b.fileno()]))])
+print("in flight", len(fds) + 2, flush=True)
+"""

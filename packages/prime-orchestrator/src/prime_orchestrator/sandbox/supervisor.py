@@ -23,6 +23,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import time
 
 if __package__:
@@ -137,6 +138,10 @@ def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp, cp
     names = {out_r: "stdout", err_r: "stderr", test_r: "tests", setup_r: "setup"}
     streams, breach = _drain(pid, pidfd, names, req["limits"], start, cpu)
     _, status, usage = os.wait4(pid, 0)
+    # Closing a unix socket schedules the kernel's unix GC: a cycle of sockets the code left in flight holds its
+    # /work and pipes, charged to the slot the next execution gets, until something on the host closes one.
+    for end in socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM):
+        end.close()
     # What the runner reaped is in its rusage; what it left to the namespace's end (orphans) only in the cgroup's.
     cpu_s = max(usage.ru_utime + usage.ru_stime, cpu.used() if cpu else 0.0)
     if breach is None and cpu is not None and cpu_s > cpu.budget:  # spent between the last read and the end
