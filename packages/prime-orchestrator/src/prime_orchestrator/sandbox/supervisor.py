@@ -140,8 +140,7 @@ def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp, cp
     _, status, usage = os.wait4(pid, 0)
     # Closing a unix socket schedules the kernel's unix GC: a cycle of sockets the code left in flight holds its
     # /work and pipes, charged to the slot the next execution gets, until something on the host closes one.
-    for end in socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM):
-        end.close()
+    socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).close()  # 6 us
     # What the runner reaped is in its rusage; what it left to the namespace's end (orphans) only in the cgroup's.
     cpu_s = max(usage.ru_utime + usage.ru_stime, cpu.used() if cpu else 0.0)
     if breach is None and cpu is not None and cpu_s > cpu.budget:  # spent between the last read and the end
