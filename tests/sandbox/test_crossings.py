@@ -61,3 +61,18 @@ def test_neighbours_descriptors_left_in_flight_do_not_outlive_the_execution():
         while (left := _slot_memory_mb(client.pool, "s0")) > 8 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert left <= 8, f"{left:.0f} MiB still charged to the slot after the execution ended"
+
+
+def test_kernel_no_capability_in_any_namespace_the_execution_is_in(sandbox):
+    # The filter lets these calls through: only a capability (over the network namespace its supervisor made, or
+    # over the host) would make them do anything.
+    if not attacks.X86_64:
+        pytest.skip("x86_64 syscall numbers")
+    result = run(sandbox, attacks.CAPABILITY_PROBES)
+    assert result.status == "ok", result
+    probes = dict(line.split() for line in result.stdout.splitlines())
+    assert set(probes) == {
+        "raw_socket", "loopback_up", "rcvbufforce", "ioprio_realtime", "mknod_char", "trusted_xattr", "chown_root",
+        "setuid_root",
+    }, probes  # fmt: skip
+    assert all(int(code) < 0 for code in probes.values()), probes
