@@ -475,3 +475,19 @@ probe("trusted_xattr", lambda: os.setxattr("/work/f", "trusted.x", b"1"))
 probe("chown_root", lambda: os.chown("/work/f", 0, 0))
 probe("setuid_root", lambda: os.setuid(0))
 """
+
+# neighbours: stdout, stderr and the test channel grown to 1 MiB each (F_SETPIPE_SZ), held; the pipes' pages are
+# counted against the user that created them (fs.pipe-user-pages-soft), and past that limit the kernel gives every
+# new pipe of that user 8 KiB
+GROW_PIPES = """
+import fcntl, time
+sizes = []
+for fd in (1, 2, 3):
+    try:
+        sizes.append(fcntl.fcntl(fd, 1031, 1 << 20))  # F_SETPIPE_SZ
+    except OSError as e:
+        sizes.append(-e.errno)
+print(*sizes, flush=True)
+time.sleep({hold})
+"""
+PIPE_SIZES = "import fcntl\nprint(*(fcntl.fcntl(fd, 1032) for fd in (1, 2, 3)))\n"  # F_GETPIPE_SZ

@@ -3,12 +3,14 @@ asserts what the host sees (a host process's state, the neighbour's result), nev
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest
 
 from tests.sandbox import attacks
@@ -76,3 +78,23 @@ def test_kernel_no_capability_in_any_namespace_the_execution_is_in(sandbox):
         "setuid_root",
     }, probes  # fmt: skip
     assert all(int(code) < 0 for code in probes.values()), probes
+
+
+def test_neighbours_pipes_grown_by_the_code_leave_the_neighbours_theirs(sandbox):
+    # The supervisor made each execution's pipes as its own uid, shared by every execution: 20 executions growing
+    # stdout, stderr and the test channel to 1 MiB took 15,360 of its 16,384 pages (fs.pipe-user-pages-soft), the
+    # next ones were refused (EPERM), and executions started then got pipes of 8 KiB instead of 64 KiB.
+    if int(Path("/proc/sys/fs/pipe-user-pages-soft").read_text()) != 16384:
+        pytest.skip("the test is sized for the default fs.pipe-user-pages-soft")
+    limits = SandboxLimits(wall_s=20, cpu_s=20)
+
+    async def together():
+        grow = ExecRequest(code=attacks.GROW_PIPES.format(hold=3), limits=limits)
+        growing = [asyncio.ensure_future(sandbox.execute(grow)) for _ in range(24)]
+        await asyncio.sleep(2)
+        probes = await asyncio.gather(*(sandbox.execute(ExecRequest(code=attacks.PIPE_SIZES)) for _ in range(16)))
+        return await asyncio.gather(*growing), probes
+
+    grown, probes = sandbox.call(together()).result(timeout=120)
+    assert {(r.status, r.stdout) for r in grown} == {("ok", "1048576 1048576 1048576\n")}, grown
+    assert {(r.status, r.stdout) for r in probes} == {("ok", "65536 65536 65536\n")}, probes

@@ -116,11 +116,18 @@ class CpuClock:
 def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp, cpu_fd: int | None = None) -> dict:
     _mount_work(req)
     cpu = CpuClock(cpu_fd, req["limits"]["cpu_s"]) if cpu_fd is not None else None
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    test_r, test_w = os.pipe()
-    alive_r, alive_w = os.pipe()  # held open by this process alone: the runner sees EOF once it is gone
-    setup_r, setup_w = os.pipe()  # the runner's set-up errors; closed before the code runs
+    # Made with the execution's uid as the real one (the effective stays 0): a pipe's pages count against its
+    # creator's fs.pipe-user-pages-soft, and as this process's uid, shared by every execution, 20 executions that grew
+    # their pipes to 1 MiB (F_SETPIPE_SZ) left the next ones pipes of 8 KiB.
+    os.setresuid(req["uid"], -1, -1)
+    try:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        test_r, test_w = os.pipe()
+        alive_r, alive_w = os.pipe()  # held open by this process alone: the runner sees EOF once it is gone
+        setup_r, setup_w = os.pipe()  # the runner's set-up errors; closed before the code runs
+    finally:
+        os.setresuid(0, -1, -1)
     req["rlimit_cpu"] = cpu.rlimit if cpu is not None else None
     start = time.monotonic()
     pid = os.fork()
