@@ -491,3 +491,19 @@ print(*sizes, flush=True)
 time.sleep({hold})
 """
 PIPE_SIZES = "import fcntl\nprint(*(fcntl.fcntl(fd, 1032) for fd in (1, 2, 3)))\n"  # F_GETPIPE_SZ
+
+# CPU share: a core-scheduling cookie of its own (prctl PR_SCHED_CORE) keeps every task without it (the trainer's,
+# the neighbours') off the SMT sibling of the core the code runs on; the other prctl options graded code uses still
+# work. Prints name and the return value (or -errno).
+SCHED_CORE = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def prctl(*args):
+    ret = libc.prctl(*(ctypes.c_ulong(a) for a in args))
+    return ret if ret >= 0 else -ctypes.get_errno()
+print("sched_core_create", prctl(62, 1, 0, 1, 0))  # PR_SCHED_CORE_CREATE for this process
+print("sched_core_create_high_bits", prctl((1 << 32) | 62, 1, 0, 1, 0))
+print("set_name", prctl(15, ctypes.addressof(ctypes.create_string_buffer(b"solver")), 0, 0, 0))
+print("get_dumpable", prctl(3, 0, 0, 0, 0))
+print("set_pdeathsig", prctl(1, 9, 0, 0, 0))
+"""

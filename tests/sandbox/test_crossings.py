@@ -98,3 +98,14 @@ def test_neighbours_pipes_grown_by_the_code_leave_the_neighbours_theirs(sandbox)
     grown, probes = sandbox.call(together()).result(timeout=120)
     assert {(r.status, r.stdout) for r in grown} == {("ok", "1048576 1048576 1048576\n")}, grown
     assert {(r.status, r.stdout) for r in probes} == {("ok", "65536 65536 65536\n")}, probes
+
+
+def test_neighbours_no_core_scheduling_cookie(sandbox):
+    # On an SMT host with core scheduling (CONFIG_SCHED_CORE, as Ubuntu's kernels), a cookie of its own made the
+    # code's core run nothing else on its sibling thread while the code ran: a whole core for one CPU's charge, the
+    # trainer's threads off it. This VM has neither (the call answered EINVAL, not EPERM): the filter refuses it.
+    result = run(sandbox, attacks.SCHED_CORE)
+    assert result.status == "ok", result
+    probes = dict(line.split() for line in result.stdout.splitlines())
+    assert probes["sched_core_create"] == probes["sched_core_create_high_bits"] == "-1", probes  # EPERM
+    assert (probes["set_name"], probes["get_dumpable"], probes["set_pdeathsig"]) == ("0", "0", "0"), probes
