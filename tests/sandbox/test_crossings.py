@@ -89,9 +89,9 @@ def test_neighbours_pipes_grown_by_the_code_leave_the_neighbours_theirs(sandbox)
     limits = SandboxLimits(wall_s=20, cpu_s=20)
 
     async def together():
-        grow = ExecRequest(code=attacks.GROW_PIPES.format(hold=3), limits=limits)
+        grow = ExecRequest(code=attacks.GROW_PIPES.format(hold=2), limits=limits)
         growing = [asyncio.ensure_future(sandbox.execute(grow)) for _ in range(24)]
-        await asyncio.sleep(2)
+        await asyncio.sleep(1.5)
         probes = await asyncio.gather(*(sandbox.execute(ExecRequest(code=attacks.PIPE_SIZES)) for _ in range(16)))
         return await asyncio.gather(*growing), probes
 
