@@ -423,3 +423,87 @@ os.write(3, b"\\x00" * {n} + b"\\n")
 def solve():
     return 42
 """
+
+# neighbours: descriptors of a /work file and of full pipes sent over a socket pair that is itself in flight, then
+# the execution ends. Only the kernel's unix GC frees such a cycle: until it runs, the tmpfs (a descriptor keeps it
+# mounted) and the pipes' pages stay charged to the slot's memory cgroup and the uid's counts, which the next
+# execution of the slot inherits.
+IN_FLIGHT_CYCLE = r"""
+import array, fcntl, os, socket
+a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+with open("/work/f", "wb") as f:
+    for _ in range(48):
+        f.write(b"x" * (1 << 20))
+fds = [os.open("/work/f", os.O_RDONLY)]
+for _ in range(16):
+    r, w = os.pipe()
+    fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"y" * 65536)
+    except BlockingIOError:
+        pass
+    fds += [r, w]
+for i in range(0, len(fds), 8):
+    a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds[i : i + 8]))])
+b.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [a.fileno(), b.fileno()]))])
+print("in flight", len(fds) + 2, flush=True)
+"""
+
+# capabilities: calls the filter allows that only a capability unlocks, each in a namespace the execution's own
+# supervisor created (network) or on its own files; prints name and -errno (0: granted)
+CAPABILITY_PROBES = r"""
+import ctypes, fcntl, os, socket, struct
+libc = ctypes.CDLL(None, use_errno=True)
+def ioprio_realtime():
+    if libc.syscall(251, 1, 0, 1 << 13) != 0:  # ioprio_set(IOPRIO_WHO_PROCESS, self, IOPRIO_CLASS_RT)
+        raise OSError(ctypes.get_errno(), "ioprio_set")
+def probe(name, call):
+    try:
+        call()
+        print(name, 0)
+    except OSError as e:
+        print(name, -e.errno)
+probe("raw_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))
+probe("loopback_up", lambda: fcntl.ioctl(socket.socket(), 0x8914, struct.pack("16sH14x", b"lo", 1)))
+probe("rcvbufforce", lambda: socket.socket().setsockopt(socket.SOL_SOCKET, 33, 1 << 30))
+probe("ioprio_realtime", ioprio_realtime)
+probe("mknod_char", lambda: os.mknod("/work/mem", 0o20666, os.makedev(1, 1)))
+open("/work/f", "w").close()
+probe("trusted_xattr", lambda: os.setxattr("/work/f", "trusted.x", b"1"))
+probe("chown_root", lambda: os.chown("/work/f", 0, 0))
+probe("setuid_root", lambda: os.setuid(0))
+"""
+
+# neighbours: stdout, stderr and the test channel grown to 1 MiB each (F_SETPIPE_SZ), held; the pipes' pages are
+# counted against the user that created them (fs.pipe-user-pages-soft), and past that limit the kernel gives every
+# new pipe of that user 8 KiB
+GROW_PIPES = """
+import fcntl, time
+sizes = []
+for fd in (1, 2, 3):
+    try:
+        sizes.append(fcntl.fcntl(fd, 1031, 1 << 20))  # F_SETPIPE_SZ
+    except OSError as e:
+        sizes.append(-e.errno)
+print(*sizes, flush=True)
+time.sleep({hold})
+"""
+PIPE_SIZES = "import fcntl\nprint(*(fcntl.fcntl(fd, 1032) for fd in (1, 2, 3)))\n"  # F_GETPIPE_SZ
+
+# CPU share: a core-scheduling cookie of its own (prctl PR_SCHED_CORE) keeps every task without it (the trainer's,
+# the neighbours') off the SMT sibling of the core the code runs on; the other prctl options graded code uses still
+# work. Prints name and the return value (or -errno).
+SCHED_CORE = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def prctl(*args):
+    ret = libc.prctl(*(ctypes.c_ulong(a) for a in args))
+    return ret if ret >= 0 else -ctypes.get_errno()
+print("sched_core_create", prctl(62, 1, 0, 1, 0))  # PR_SCHED_CORE_CREATE for this process
+print("sched_core_create_high_bits", prctl((1 << 32) | 62, 1, 0, 1, 0))
+print("set_name", prctl(15, ctypes.addressof(ctypes.create_string_buffer(b"solver")), 0, 0, 0))
+print("get_dumpable", prctl(3, 0, 0, 0, 0))
+print("set_pdeathsig", prctl(1, 9, 0, 0, 0))
+"""

@@ -1,10 +1,11 @@
 """The runner: PID 1 of an execution's namespaces, which becomes the untrusted code.
 
-In order, each step before the code runs and none undoable by it: join the slot's cgroups (descriptors the pool
-opened), set the standard descriptors and close every other one, apply the rlimits, drop to the execution's uid
-(no capabilities), subscribe to a fresh session keyring, set ``no_new_privs`` and the parent-death signal, install
-the system-call filter (:mod:`seccomp`, compiled on the host), then run the code: Python in this warm interpreter
-(no start-up), anything else through ``execve``, with an environment the request spells out entirely.
+In order, each step before the code runs and none undoable by it: leave the pool's process group, join the slot's
+cgroups (descriptors the pool opened), set the standard descriptors and close every other one, apply the rlimits,
+drop to the execution's uid (no capabilities), subscribe to a fresh session keyring, set ``no_new_privs`` and the
+parent-death signal, install the system-call filter (:mod:`seccomp`, compiled on the host), then run the code:
+Python in this warm interpreter (no start-up), anything else through ``execve``, with an environment the request
+spells out entirely.
 
 Stdlib only (imported by the zygote, see :mod:`zygote`).
 """
@@ -107,6 +108,9 @@ def _set_up(req: dict, stdin_fd, pipes: tuple[int, ...], setup: list[int], cgrou
     lx.prctl(lx.PR_SET_PDEATHSIG, signal.SIGKILL)
     if select.select([alive_r], [], [], 0)[0]:
         os._exit(70)
+    # A process group of its own: kill(0) reaches the caller's group wherever its members are, and the pool's (the
+    # zygote's) is outside this PID namespace; SIGCONT from inside resumed a stopped host process of that group.
+    os.setpgid(0, 0)
     for fd in cgroup_fds:  # as the zygote's root still; the pool opened them, so the kernel lets us in
         os.write(fd, b"0")
     alive_r = fcntl.fcntl(alive_r, fcntl.F_DUPFD, 64)  # above the numbers the dup2 calls below overwrite

@@ -22,6 +22,8 @@ The policy is an allowlist in the spirit of Docker's default profile, narrowed f
   the host's dirty data of that file, waiting for it uninterruptibly;
 - ``fcntl`` is allowed but for ``F_NOTIFY`` (``inotify``'s older form) and ``fadvise64`` but for
   ``POSIX_FADV_DONTNEED``, which drops a bound host file's pages from the host's page cache;
+- ``prctl`` is allowed but for ``PR_SCHED_CORE`` (``EPERM``): a core-scheduling cookie of its own forces the SMT
+  sibling of the code's core idle whenever the code runs there, CPU charged to nobody;
 - ``preadv2`` is allowed but with ``RWF_NOWAIT`` (``EOPNOTSUPP``, what a file that cannot be read without waiting
   answers, so a caller reads it the usual way): it answered ``EAGAIN`` for a page the host's page cache does not
   hold, the probe of which host files the host and the neighbours read that ``mincore`` and ``cachestat`` are
@@ -64,10 +66,10 @@ ALLOWED = _names(
     "brk munmap mremap mprotect pkey_mprotect pkey_alloc pkey_free madvise mlock mlock2 munlock mlockall "
     "munlockall membarrier mseal map_shadow_stack get_mempolicy set_mempolicy mbind "
     "set_mempolicy_home_node "
-    # processes and threads (clone: see CONDITIONAL)
+    # processes and threads (clone and prctl: see _rules)
     "fork vfork execve execveat exit exit_group wait4 waitid kill tkill tgkill rt_sigqueueinfo rt_tgsigqueueinfo "
     "getpid getppid gettid getpgid setpgid getpgrp getsid setsid getuid geteuid getgid getegid getresuid getresgid "
-    "getgroups setuid setgid setreuid setregid setresuid setresgid setfsuid setfsgid setgroups capget capset prctl "
+    "getgroups setuid setgid setreuid setregid setresuid setresgid setfsuid setfsgid setgroups capget capset "
     "arch_prctl set_tid_address set_robust_list get_robust_list rseq sched_yield sched_getaffinity "
     "sched_setaffinity sched_getparam sched_setparam sched_getscheduler sched_setscheduler sched_get_priority_max "
     "sched_get_priority_min sched_rr_get_interval sched_getattr sched_setattr getpriority setpriority getrlimit "
@@ -123,6 +125,9 @@ MAP_HUGETLB = 0x40000
 RWF_NOWAIT = 0x8  # preadv2's flags (its sixth argument on every architecture)
 F_NOTIFY = 1026
 POSIX_FADV_DONTNEED = 4
+# Core scheduling: a cookie of its own keeps every other task off the SMT sibling of the core the code runs on (forced
+# idle, charged to nobody), so one execution's CPU took a whole core and the neighbours' (the trainer's) share of it.
+PR_SCHED_CORE = 62
 NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # as Docker: PER_LINUX, UNAME26, ADDR_NO_RANDOMIZE, query
@@ -207,6 +212,7 @@ def _rules(lib, ctx) -> None:
         _add(lib, ctx, _ACT_ALLOW, "personality", (0, _CMP_EQ, value, 0))
     _allow_unless(lib, ctx, "fcntl", 1, F_NOTIFY)
     _allow_unless(lib, ctx, "fadvise64", 3, POSIX_FADV_DONTNEED)
+    _allow_unless(lib, ctx, "prctl", 0, PR_SCHED_CORE)
 
 
 def _allow_unless(lib, ctx, name: str, arg: int, value: int) -> None:
