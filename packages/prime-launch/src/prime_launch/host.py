@@ -130,9 +130,15 @@ def gather_host_facts(
 
 
 def resumable_steps(rl: RLConfig, output_dir: Path | None = None) -> tuple[int, ...]:
-    """Checkpoint steps the run can resume from: complete on every side, weights included (``RunDir.resumable_steps``)."""
+    """Checkpoint steps the run can resume from: complete on every side, weights included (``RunDir.resumable_steps``);
+    ValueError when the weights of the newest (the step a resume takes) are not what the trainer wrote."""
+    from prime_launch.resume import check_resume_weights
+
     runs = [RunDir(path) for path in rl.run_dirs().values()]
-    return tuple(RunDir(output_dir or rl.run_dir).resumable_steps(runs))
+    run_dir = RunDir(output_dir or rl.run_dir)
+    steps = tuple(run_dir.resumable_steps(runs))
+    check_resume_weights(steps, runs or [run_dir], run_dir.root)
+    return steps
 
 
 def find_executable(name: str, environ: Mapping[str, str] | None = None) -> str:

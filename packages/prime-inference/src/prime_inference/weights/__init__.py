@@ -7,10 +7,11 @@ name to the transport's `WeightReceiver` (one module per transport here, its tra
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prime_core.schemas.weights import Manifest, WeightUpdateRequest, read_manifest
+from prime_core.schemas.weights import ChangedWeights, Manifest, WeightUpdateRequest, read_manifest, verify_weights
 
 from prime_inference.protocol import RequestError
 from prime_inference.weights.adapter import AdapterReceiver
@@ -76,6 +77,11 @@ async def update_weights(engine: Engine, request: WeightUpdateRequest, roots: li
     if request.step is not None and request.step < 0:
         raise RequestError("step must be >= 0", param="step")
     path, manifest, receiver = check(request, roots)
+    if manifest.repeatable:  # the engine loads the directory's files: they must be what the trainer wrote
+        try:  # a thread: reading gigabytes must not stop the server answering requests and /health
+            await asyncio.to_thread(verify_weights, path, request.step)
+        except ChangedWeights as e:
+            raise RequestError(str(e), param="weight_dir") from None
     try:
         return {"status": "ok", **await receiver.apply(engine, path, manifest, request.step)}
     except RequestError:
