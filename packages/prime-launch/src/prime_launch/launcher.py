@@ -222,7 +222,10 @@ def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None, locks: list[int] |
     plan, cleared = _prepare(rl, plan)
     console = _Console(rl, plan, out or sys.stdout)
     _announce(plan, cleared, console)
-    manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness), hold_fds=locks or [])
+    run_id = next((s.env["PRIME_RUN_ID"] for s in plan.specs if "PRIME_RUN_ID" in s.env), None)
+    manager = ProcessManager(
+        grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness), hold_fds=locks or [], run_id=run_id
+    )
     code, finished_ok = 0, False
     with _signals_raise() as restore, _on_continue(manager.liveness.resumed):
         try:
