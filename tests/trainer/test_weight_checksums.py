@@ -12,6 +12,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +24,7 @@ from prime_core.schemas.weights import CHECKSUMS_FILE, ChangedWeights, file_crc3
 from prime_trainer.weights.filesystem import FilesystemPublisher
 from prime_trainer.world import World
 
+from tests.tiny import build_chatml_tokenizer, free_port
 from tests.trainer.trainer_utils import TINY_QWEN3
 
 WORLD = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -149,3 +152,13 @@ def test_a_missing_or_unreadable_sum_file_is_named(run_dir):
     (weight_dir / CHECKSUMS_FILE).write_text("[1, 2]")
     with pytest.raises(ChangedWeights, match=r"checksums.json is unreadable \(not an object of file name -> CRC-32\)"):
         verify_weights(weight_dir, 1)
+
+
+def test_a_server_started_on_changed_weights_refuses_to_start(run_dir):
+    file = scribble(run_dir.weight_step(2))
+    build_chatml_tokenizer(["a tokenizer for the server's own checks"]).save_pretrained(str(file.parent))
+    cmd = [str(Path(sys.executable).parent / "inference"), "--model.name", str(file.parent), "--engine", "torch",
+           "--output-dir", str(run_dir.root / "serve"), "--server.port", str(free_port())]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    line = changed_line(file, 2).replace("weights step 2", "weights")
+    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, f"error: model.name: {line}")
