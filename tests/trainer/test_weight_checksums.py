@@ -162,3 +162,22 @@ def test_a_server_started_on_changed_weights_refuses_to_start(run_dir):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     line = changed_line(file, 2).replace("weights step 2", "weights")
     assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, f"error: model.name: {line}")
+
+
+def test_rl_resume_refuses_a_checkpoint_whose_weights_changed_in_one_line(run_dir):
+    from prime_core.io import mark_stable
+
+    for step in (1, 2):
+        for part in (run_dir.trainer_checkpoint(step), run_dir.orchestrator_checkpoint(step)):
+            part.mkdir(parents=True)
+            mark_stable(part)
+        mark_stable(run_dir.checkpoint_step(step))
+    file = scribble(run_dir.weight_step(2))
+    root = Path(__file__).resolve().parents[2]
+    cmd = [str(Path(sys.executable).parent / "rl"), "@", str(root / "examples/reverse_text/rl.toml"),
+           "--output-dir", str(run_dir.root), "--resume", "--dry-run"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
+        f"--resume: checkpoint step 2 is not resumable: {changed_line(file, 2)}; `prime-launch rewind --output-dir "
+        f"{run_dir.root} --step 1` drops it, then --resume starts at checkpoint 1"
+    ), result.stderr

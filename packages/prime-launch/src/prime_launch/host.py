@@ -123,21 +123,23 @@ def gather_host_facts(
         cores=available_cores() if cores is None else cores,
         environ=environ,
         executables=find_executables(environ),
-        checkpoint_steps=resumable_steps(rl) if resume else (),
+        checkpoint_steps=resumable_steps(rl, verify=True) if resume else (),
         run_id=run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12],
         model=model or ModelFacts(),
     )
 
 
-def resumable_steps(rl: RLConfig, output_dir: Path | None = None) -> tuple[int, ...]:
-    """Checkpoint steps the run can resume from: complete on every side, weights included (``RunDir.resumable_steps``);
-    ValueError when the weights of the newest (the step a resume takes) are not what the trainer wrote."""
+def resumable_steps(rl: RLConfig, output_dir: Path | None = None, *, verify: bool = False) -> tuple[int, ...]:
+    """Checkpoint steps the run can resume from: complete on every side, weights included (``RunDir.resumable_steps``).
+    ``verify``: ValueError when the weights of the newest (the step a resume takes) are not what the trainer wrote
+    (it reads them: once per launch, where the resume step is chosen)."""
     from prime_launch.resume import check_resume_weights
 
     runs = [RunDir(path) for path in rl.run_dirs().values()]
     run_dir = RunDir(output_dir or rl.run_dir)
     steps = tuple(run_dir.resumable_steps(runs))
-    check_resume_weights(steps, runs or [run_dir], run_dir.root)
+    if verify:
+        check_resume_weights(steps, runs or [run_dir], run_dir.root)
     return steps
 
 
