@@ -181,3 +181,12 @@ def test_rl_resume_refuses_a_checkpoint_whose_weights_changed_in_one_line(run_di
         f"--resume: checkpoint step 2 is not resumable: {changed_line(file, 2)}; `prime-launch rewind --output-dir "
         f"{run_dir.root} --step 1` drops it, then --resume starts at checkpoint 1"
     ), result.stderr
+
+
+def test_save_hf_sums_each_shard_from_memory_as_the_file_reads(tmp_path, one_rank_group):
+    from prime_models import load_model, save_hf
+
+    sums = save_hf(load_model(TINY_QWEN3, seed=0), tmp_path, max_shard_size="8KB", dtype=torch.bfloat16)
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 2 and sorted(sums) == shards
+    assert sums == {name: file_crc32(tmp_path / name) for name in shards}
