@@ -9,7 +9,8 @@ the newest file one process hands another (rollouts, weights, progress); or, fro
 output directory (a full disk). It records how the run ended (exit code, the one line on stderr), the time from the
 fault to the end against the documented bound (docs/liveness.md), tracebacks on rl's output, a hang (bound + margin
 passed: the run is killed), whether metrics.jsonl and the checkpoints are consistent, and whether ``--resume``
-then finishes every step with each trainer step logged once. Trials go to
+then finishes every step with each trainer step logged once (a resume refused because the newest checkpoint's weights
+changed after the trainer wrote them runs the ``prime-launch rewind`` its line names, then resumes again). Trials go to
 benchmarks/results/chaos_<name>_trials.jsonl as they end, the summary to benchmarks/results/chaos_<name>.json.
 """
 
@@ -20,6 +21,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +33,7 @@ from provenance import tree_commit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.e2e.test_reverse_text import _alive, _process_tree, rl_cmd  # noqa: E402
+from tests.e2e.test_reverse_text import RL, _alive, _process_tree, rl_cmd  # noqa: E402
 
 SLACK_S = 10.0
 SHORT = ("--orchestrator.batch-size", "16", "--ckpt.interval", "1", "--liveness.slack-s", str(SLACK_S))
@@ -217,17 +219,28 @@ def trial(n: int, rng: random.Random, base: Path, config: Path, args) -> dict:
 def resume(out: Path, config: Path, args) -> dict:
     cmd = rl_cmd(out, "--max-steps", str(args.max_steps), *SHORT, "--resume", config=config)
     start = time.monotonic()
-    try:
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        code, stdout, stderr = result.returncode, result.stdout, result.stderr
-    except subprocess.TimeoutExpired as e:
-        code, stdout, stderr = "hang", str(e.stdout or ""), str(e.stderr or "")
+    code, stdout, stderr = run_resume(cmd)
+    # A checkpoint whose weights changed after the trainer wrote them is refused, naming the rewind to the one before:
+    # do what the line says, once, and resume again.
+    rewound = re.search(r"`(prime-launch rewind [^`]+)`", last_line(stderr) or "") if code == 2 else None
+    if rewound:
+        subprocess.run([str(RL.parent / "prime-launch"), *rewound.group(1).split()[1:]], cwd=ROOT, timeout=120)
+        code, stdout, stderr = run_resume(cmd)
     steps = metrics_state(out)["trainer_steps"]
     return {"exit": code, "took_s": round(time.monotonic() - start, 1), "line": last_line(stderr),
+            "rewound": rewound.group(1) if rewound else None,
             "from": next((x.strip() for x in stdout.splitlines() if "resuming from" in x), None),
             "traceback": "Traceback" in stdout + stderr, "trainer_steps": steps,
             "each_step_once": sorted(steps) == list(range(args.max_steps)),
             "final_weights": (out / "weights" / f"step_{args.max_steps}" / "STABLE").exists()}  # fmt: skip
+
+
+def run_resume(cmd: list[str]) -> tuple[int | str, str, str]:
+    try:
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        return result.returncode, result.stdout, result.stderr
+    except subprocess.TimeoutExpired as e:
+        return "hang", str(e.stdout or ""), str(e.stderr or "")
 
 
 def classify(rec: dict) -> str:

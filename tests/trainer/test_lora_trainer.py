@@ -8,6 +8,7 @@ import torch.distributed.checkpoint as dcp
 from prime_core.io import is_stable
 from prime_core.run_dir import WEIGHTS_RUN_FILE, RunDir
 from prime_core.schemas.adapters import ADAPTER_CONFIG, ADAPTER_INFO, ADAPTER_WEIGHTS
+from prime_core.schemas.weights import CHECKSUMS_FILE
 
 from tests.trainer.trainer_utils import TINY_QWEN3, load_weights, read_trainer_metrics, run_cli, write_rollouts
 
@@ -57,7 +58,7 @@ def test_rl_lora_publishes_adapters_resumes_exactly_and_two_process_fsdp_equals_
     assert rd.stable_weight_steps() == [3, 4]
     step4 = rd.weight_step(4)
     assert sorted(p.name for p in step4.iterdir()) == sorted(
-        [ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_INFO, WEIGHTS_RUN_FILE, "STABLE"]
+        [ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_INFO, WEIGHTS_RUN_FILE, CHECKSUMS_FILE, "STABLE"]
     )
     info = json.loads((step4 / ADAPTER_INFO).read_text())
     assert info == {"name": "tenant-a", "step": 4, "base_model": str(base_dir)}

@@ -123,16 +123,24 @@ def gather_host_facts(
         cores=available_cores() if cores is None else cores,
         environ=environ,
         executables=find_executables(environ),
-        checkpoint_steps=resumable_steps(rl) if resume else (),
+        checkpoint_steps=resumable_steps(rl, verify=True) if resume else (),
         run_id=run_id or environ.get("PRIME_RUN_ID") or uuid.uuid4().hex[:12],
         model=model or ModelFacts(),
     )
 
 
-def resumable_steps(rl: RLConfig, output_dir: Path | None = None) -> tuple[int, ...]:
-    """Checkpoint steps the run can resume from: complete on every side, weights included (``RunDir.resumable_steps``)."""
+def resumable_steps(rl: RLConfig, output_dir: Path | None = None, *, verify: bool = False) -> tuple[int, ...]:
+    """Checkpoint steps the run can resume from: complete on every side, weights included (``RunDir.resumable_steps``).
+    ``verify``: ValueError when the weights of the newest (the step a resume takes) are not what the trainer wrote
+    (it reads them: once per launch, where the resume step is chosen)."""
+    from prime_launch.resume import check_resume_weights
+
     runs = [RunDir(path) for path in rl.run_dirs().values()]
-    return tuple(RunDir(output_dir or rl.run_dir).resumable_steps(runs))
+    run_dir = RunDir(output_dir or rl.run_dir)
+    steps = tuple(run_dir.resumable_steps(runs))
+    if verify:
+        check_resume_weights(steps, runs or [run_dir], run_dir.root)
+    return steps
 
 
 def find_executable(name: str, environ: Mapping[str, str] | None = None) -> str:

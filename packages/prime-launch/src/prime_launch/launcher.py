@@ -17,6 +17,7 @@ from prime_core.config import write_config
 from prime_core.config.rl import RLConfig
 from prime_core.io import UnreadableFile, open_regular
 from prime_core.run_dir import RunDir, clear_run
+from prime_core.schemas.weights import ChangedWeights, verify_weights
 from prime_core.transport import new_transport_secret
 
 from prime_launch.dry_check import check_orchestrators
@@ -221,7 +222,10 @@ def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None, locks: list[int] |
     plan, cleared = _prepare(rl, plan)
     console = _Console(rl, plan, out or sys.stdout)
     _announce(plan, cleared, console)
-    manager = ProcessManager(grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness), hold_fds=locks or [])
+    run_id = next((s.env["PRIME_RUN_ID"] for s in plan.specs if "PRIME_RUN_ID" in s.env), None)
+    manager = ProcessManager(
+        grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness), hold_fds=locks or [], run_id=run_id
+    )
     code, finished_ok = 0, False
     with _signals_raise() as restore, _on_continue(manager.liveness.resumed):
         try:
@@ -250,8 +254,26 @@ def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None, locks: list[int] |
             restore(ignore=False)
             if code != 0 or not finished_ok:
                 console.message(f"rl: stopped every process in {took:.1f} s")
+    if finished_ok and code == 0:
+        code = _check_final_weights(plan, console)
     _report(plan, console, finished_ok and code == 0)
     return code
+
+
+def _check_final_weights(plan: ResolvedRun, console: _Console) -> int:
+    """1 (and one line naming the file) when a run's final weights are not what the trainer wrote: nothing may have
+    loaded them since (the last step's weights are published after the last rollouts), and the run is what a user
+    takes away. Reads them once (docs/trainer.md has the cost)."""
+    for run_dir in (*plan.runs.values(),) or (plan.run_dir,):
+        latest = run_dir.latest_stable_weight_step()
+        if latest is None:
+            continue
+        try:
+            verify_weights(run_dir.weight_step(latest), latest)
+        except ChangedWeights as e:
+            console.error(f"the final weights are broken: {e}")
+            return 1
+    return 0
 
 
 @contextmanager

@@ -11,17 +11,27 @@ A descendant in a session of its own (a harness program an env worker starts wit
 and once its parent dies (an orchestrator killed by the OOM killer) it is in no child's tree either: every child carries
 ``PRIME_LAUNCH_TAG`` in its environment, which its descendants inherit, and the stop and the watchdog also end every
 process whose environment holds this launch's tag (before, such a process outlived the run).
+
+Every child gets a private ``TMPDIR`` (``<temp dir>/prime-<run id>-<tag>/<name>``), removed with everything in it once
+the launch's processes are gone, however they ended: by ``stop_all``, or by the watchdog after a ``kill -9`` of the
+launcher. A process that had to be SIGKILLed (its main thread stuck in C past SIGTERM's grace) runs no exit handler,
+and left its multiprocessing forkserver directory (``pymp-*``), vLLM's IPC sockets and the like in the shared temp
+dir. torch's compile cache stays where torch puts it by default (``TORCHINDUCTOR_CACHE_DIR``), so it outlives the run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import getpass
 import os
+import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -185,9 +195,9 @@ def _signal_tree(pid: int, pgid: int, sig: int) -> None:
 
 # Runs as `python -c`: reads "add <pgid>", "del <pgid>" and "exit" lines; on EOF without "exit" (the launcher
 # died) it stops every registered group and every process tagged with the launch's tag (argv[2]): SIGTERM, then
-# SIGKILL after the grace period.
+# SIGKILL after the grace period; then it removes the children's temp dirs (argv[3]).
 _WATCHDOG = r"""
-import os, signal, sys, time
+import os, shutil, signal, sys, time
 grace = float(sys.argv[1])
 marker = ("PRIME_LAUNCH_TAG=" + sys.argv[2]).encode()
 def tagged():
@@ -248,7 +258,25 @@ kill(tagged(), signal.SIGKILL)
 gone_by = time.monotonic() + 2.0  # a SIGKILL is delivered, not done: the lock this holds goes when they are gone
 while time.monotonic() < gone_by and (any(alive(g) for g in groups) or tagged()):
     time.sleep(0.05)
+shutil.rmtree(sys.argv[3], ignore_errors=True)
 """
+
+
+MAX_SOCKET_PATH = 107
+SOCKET_ROOM = 48
+"""Bytes a private TMPDIR leaves for what goes under it: ``pymp-XXXXXXXX/listener-XXXXXXXX`` (32), vLLM's
+``/<uuid4>`` IPC sockets (37)."""
+
+
+def _short(name: str, limit: int) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:limit]
+
+
+def inductor_cache_dir() -> str:
+    """Where torch's compile cache goes by default (``torch._inductor``'s ``default_cache_dir``), from the temp dir
+    the launcher sees: a child's private TMPDIR must not move it (it would be compiled again every run)."""
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 class ProcessManager:
@@ -266,6 +294,7 @@ class ProcessManager:
         watchdog: bool = True,
         liveness: Any = None,
         hold_fds: tuple[int, ...] | list[int] = (),
+        run_id: str | None = None,
     ):
         self.grace_s = grace_s
         self.liveness = liveness
@@ -278,9 +307,11 @@ class ProcessManager:
         self._watchdog: subprocess.Popen | None = None
         self.tag = secrets.token_hex(8)
         """Set as ``PRIME_LAUNCH_TAG`` in every child's environment: finds descendants outside every tree and group."""
+        self.temp_root = Path(tempfile.gettempdir()) / f"prime-{_short(run_id or 'run', 12)}-{self.tag[:8]}"
+        """Holds each child's private ``TMPDIR`` (made at its start); removed once the processes are gone."""
         if watchdog:
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-c", _WATCHDOG, str(grace_s), self.tag],
+                [sys.executable, "-c", _WATCHDOG, str(grace_s), self.tag, str(self.temp_root)],
                 # The output directory's lock (``hold_fds``) is held by the watchdog too: after a kill -9 of rl it is
                 # free only once the processes the watchdog stops are gone. Before, a relaunch (a supervisor's
                 # `rl --resume`) took it at once and rewound the directory while they still wrote there.
@@ -315,6 +346,9 @@ class ProcessManager:
         log = open(spec.log_file, "ab" if append_log else "wb")  # noqa: SIM115 (closed in close())
         self._log_handles.append(log)
         env = {**os.environ, **spec.env, LAUNCH_TAG: self.tag}
+        if "TMPDIR" not in spec.env and (private := self._private_temp_dir(spec.name)) is not None:
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+            env["TMPDIR"] = str(private)
         proc = subprocess.Popen(
             spec.cmd,
             stdin=subprocess.DEVNULL,
@@ -331,6 +365,16 @@ class ProcessManager:
         if self.liveness is not None:
             self.liveness.started(spec.name, proc.pid)
         return proc
+
+    def _private_temp_dir(self, name: str) -> Path | None:
+        """The child's TMPDIR, made now; None (the temp dir as it is) when its path leaves too little room for the
+        sockets made in it: a Unix socket's path has at most 107 bytes, and a forkserver's listener was refused."""
+        path = self.temp_root / _short(name, 24)
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH - SOCKET_ROOM:
+            return None
+        self.temp_root.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
 
     def running(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is None]
@@ -402,6 +446,8 @@ class ProcessManager:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=2)
             self._tell_watchdog(f"del {p.pid}")
+        # Each child's TMPDIR: what a SIGKILLed process could not remove itself (multiprocessing's pymp-* directory).
+        shutil.rmtree(self.temp_root, ignore_errors=True)
         return time.monotonic() - start
 
     def close(self) -> None:

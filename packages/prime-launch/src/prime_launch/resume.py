@@ -19,6 +19,7 @@ from prime_core.io import UnreadableFile, atomic_write_bytes, read_regular, remo
 from prime_core.monitor import METRICS_BYTES  # read whole here: a file of 10 GiB was copied aside as one torn line
 from prime_core.run_dir import RunDir
 from prime_core.schemas.metrics import MetricsRecord
+from prime_core.schemas.weights import ChangedWeights, verify_weights
 
 _STEP = re.compile(r"^step_(\d+)$")
 # What a writer builds under a temporary name before it renames it into place (``prime_core.io.atomic_dir``'s
@@ -53,6 +54,26 @@ def rewind(run_dir: RunDir, step: int) -> str | None:
     if not notes:
         return None
     return f"{'; '.join(notes)} (resuming from step {step} makes them again)"
+
+
+def check_resume_weights(steps: list[int] | tuple[int, ...], run_dirs: list[RunDir], root: Path) -> None:
+    """The weights of the step ``--resume`` takes (the newest of ``steps``) are served again first: in every run's
+    directory they must be what the trainer wrote (`verify_weights`). ValueError otherwise, one line naming the file
+    and how to resume from the checkpoint before."""
+    if not steps:
+        return
+    step = steps[-1]
+    for run_dir in run_dirs:
+        try:
+            verify_weights(run_dir.weight_step(step), step)
+        except ChangedWeights as e:
+            earlier = (
+                f"`prime-launch rewind --output-dir {root} --step {steps[-2]}` drops it, then --resume starts at "
+                f"checkpoint {steps[-2]}"
+                if len(steps) > 1
+                else "no earlier checkpoint to resume from (start afresh with --overwrite)"
+            )
+            raise ValueError(f"--resume: checkpoint step {step} is not resumable: {e}; {earlier}") from None
 
 
 def _span(found: list[tuple[int, Path]]) -> str:

@@ -6,6 +6,7 @@ import copy
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,13 +83,15 @@ def save_hf(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
     lora_adapter: str | None = None,
-) -> None:
+) -> dict[str, str]:
     """Write an HF directory that `transformers.AutoModelForCausalLM.from_pretrained` opens unchanged.
 
     Writes `model.safetensors` (or `model-0000i-of-0000n.safetensors` shards), `model.safetensors.index.json`,
     `config.json` and `generation_config.json`. Every file is written under a temporary name and renamed into place.
     Under torch.distributed every rank must call this (parameters are gathered collectively); only rank 0 writes.
     ``lora_adapter`` merges that LoRA adapter into the saved weights (see `hf_state_dict`).
+    Returns the CRC-32 of each safetensors file by name (rank 0; `prime_core.schemas.weights.CHECKSUMS_FILE`),
+    summed from the tensors in memory, not read back.
     """
     distributed = dist.is_available() and dist.is_initialized()
     is_writer = not distributed or dist.get_rank() == 0
@@ -99,6 +102,7 @@ def save_hf(
 
     shards: list[Path] = []
     shard_keys: list[list[str]] = []
+    shard_sums: list[str] = []
     current: dict[str, torch.Tensor] = {}
     current_bytes = total_bytes = 0
     saved_dtype = dtype
@@ -107,6 +111,7 @@ def save_hf(
         nonlocal current, current_bytes
         tmp = out / f".shard-{len(shards):05d}.safetensors.tmp"
         save_file(current, str(tmp), metadata={"format": "pt"})
+        shard_sums.append(_written_crc32(tmp, current))
         shards.append(tmp)
         shard_keys.append(list(current))
         current, current_bytes = {}, 0
@@ -126,13 +131,44 @@ def save_hf(
     if is_writer:
         if current or not shards:
             flush()
-        _place_shards(out, shards, shard_keys, total_bytes)
+        names = _place_shards(out, shards, shard_keys, total_bytes)
         _write_configs(model, out, saved_dtype)
     if distributed:
         dist.barrier()
+    return dict(zip(names, shard_sums, strict=True)) if is_writer else {}
 
 
-def _place_shards(out: Path, shards: list[Path], shard_keys: list[list[str]], total_bytes: int) -> None:
+def _written_crc32(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """The CRC-32 of the safetensors file just written from ``tensors``, from its header (read back: a few KiB) and
+    the tensors' bytes in memory, in the order of the file's data section. It costs a CRC pass over memory (about
+    0.15-0.3 s per GiB), not a read of the file; a layout this does not follow (padding between tensors) reads the
+    file back instead."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header = head + f.read(int.from_bytes(head, "little"))
+    entries = json.loads(header[8:])
+    entries.pop("__metadata__", None)
+    crc, offset = zlib.crc32(header), 0
+    for name, entry in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"]):
+        tensor = tensors[name]
+        begin, end = entry["data_offsets"]
+        if begin != offset or tensor.device.type != "cpu" or end - begin != tensor.numel() * tensor.element_size():
+            return _read_crc32(path)
+        if end > begin:
+            crc = zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+        offset = end
+    return f"{crc:08x}" if len(header) + offset == path.stat().st_size else _read_crc32(path)
+
+
+def _read_crc32(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _place_shards(out: Path, shards: list[Path], shard_keys: list[list[str]], total_bytes: int) -> list[str]:
     """Rename the written shards to their HF names, drop stale shards of an earlier save, write the index."""
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -145,6 +181,7 @@ def _place_shards(out: Path, shards: list[Path], shard_keys: list[list[str]], to
             stale.unlink()
     index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     _atomic_write_text(out / INDEX_FILE, json.dumps(index, indent=2))
+    return names
 
 
 def _write_configs(model: torch.nn.Module, out: Path, dtype: torch.dtype | None) -> None:

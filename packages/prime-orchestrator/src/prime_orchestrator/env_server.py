@@ -29,6 +29,7 @@ from typing import Any
 from prime_core.schemas.rollout import EnvServerSpec
 
 from prime_orchestrator.env_watch import HangWatch
+from prime_orchestrator.mp_temp import own_temp_dir
 from prime_orchestrator.proc_tree import kill_left, snapshot
 
 logger = logging.getLogger("prime.orchestrator.env")
@@ -193,6 +194,7 @@ def server_context() -> Any:
     process (an event loop, its threads) is not."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    own_temp_dir()  # one a SIGKILL left is removed by the next process (prime_orchestrator.mp_temp)
     _remove_temp_dir_on_sigterm()
     return ctx
 

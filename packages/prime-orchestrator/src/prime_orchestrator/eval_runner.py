@@ -24,6 +24,7 @@ from prime_core.io import (
     is_stable,
     read_regular,
 )
+from prime_core.schemas.weights import ChangedWeights, verify_weights
 
 from prime_orchestrator import client as inference
 from prime_orchestrator.concurrency import ConcurrencyLimiter
@@ -182,7 +183,8 @@ def _check_failed(name: str, label: str, rows: list[dict]) -> str | None:
 
 
 class StepsNotReady(inference.WeightUpdateError):
-    """A requested checkpoint step without its STABLE marker within ``weights_timeout``: nothing was scored."""
+    """A requested checkpoint step without its STABLE marker within ``weights_timeout``, or whose files changed after
+    the trainer wrote them: nothing was scored."""
 
 
 async def wait_for_steps(c: EvalConfig) -> None:
@@ -190,6 +192,15 @@ async def wait_for_steps(c: EvalConfig) -> None:
     its STABLE marker not yet written) is waited for, up to ``weights_timeout``. Before, the base model was scored
     first (minutes on a real model) and the eval then failed at that step's load."""
     steps = {s: Path(c.weights_dir) / f"step_{s}" for s in c.steps} if c.weights_dir is not None else {}
+    await _wait_stable(c, steps)
+    for step, path in steps.items():  # a file changed since the trainer wrote it: refused before anything is scored
+        try:
+            await asyncio.to_thread(verify_weights, path, step)
+        except ChangedWeights as e:
+            raise StepsNotReady(f"--steps: {e}; nothing was scored") from None
+
+
+async def _wait_stable(c: EvalConfig, steps: dict[int, Path]) -> None:
     pending = [s for s, path in steps.items() if not is_stable(path)]
     if not pending:
         return

@@ -28,22 +28,31 @@ Broadcast wire protocol, repeated per bucket until a header length of 0:
 3. one flat tensor of ``header.dtype`` and ``header.numel`` elements holding the bucket's tensors back to back.
 
 Every tensor is broadcast from rank 0 (the trainer); inference workers take ranks 1.. in the order they join.
+
+Whatever the transport, the trainer records the CRC-32 of every file it wrote into the directory in
+``checksums.json`` (`CHECKSUMS_FILE`) before STABLE, and every reader of the files checks them (`verify_weights`):
+random bytes written over part of a shard after the trainer wrote it are finite values, which no other check sees.
+The collective and CUDA IPC hand-overs carry no files, so nothing of theirs is summed.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import zlib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from prime_core.io import UnreadableFile, atomic_write_text, read_regular
+from prime_core.io import UnreadableFile, atomic_write_json, atomic_write_text, open_regular, read_regular
 from prime_core.schemas.adapters import ADAPTER_INFO, ADAPTER_NAME_PATTERN, AdapterInfo, is_adapter_dir
 
 BROADCAST_FILE = "broadcast.json"
 MAX_MANIFEST_BYTES = 16 * 2**20
 """A manifest is a few KiB; a larger file is refused before it is parsed."""
+CHECKSUMS_FILE = "checksums.json"
+"""``weights/step_N/checksums.json``: file name -> CRC-32 (8 hex digits) of every file the trainer wrote there."""
 
 
 class Manifest(Protocol):
@@ -262,3 +271,60 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
     # The file's name says the transport: on disk the manifest stays what it was before ``type`` existed.
     atomic_write_text(path, manifest.model_dump_json(indent=2, exclude={"type"}) + "\n")
     return path
+
+
+class ChangedWeights(ValueError):
+    """A file of a published weights step that does not hold what the trainer wrote (its checksum differs)."""
+
+
+def file_crc32(path: str | os.PathLike) -> str:
+    """A file's CRC-32 as ``checksums.json`` holds it (8 hex digits); only a regular file is opened."""
+    crc = 0
+    with open_regular(path) as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write_checksums(directory: str | os.PathLike, written: dict[str, str]) -> dict[str, str]:
+    """Record the CRC-32 of every file in ``directory`` (before its STABLE): ``written`` holds those summed from the
+    bytes on their way to the file; the others (configs, tokenizer, a manifest: small) are read back."""
+    directory = Path(directory)
+    sums = {
+        f.name: written.get(f.name) or file_crc32(f)
+        for f in sorted(directory.iterdir())
+        if f.is_file() and not f.is_symlink() and f.name != CHECKSUMS_FILE
+    }
+    atomic_write_json(directory / CHECKSUMS_FILE, sums)
+    return sums
+
+
+def verify_weights(weight_dir: str | os.PathLike, step: int | None = None) -> None:
+    """Every file ``checksums.json`` of ``weight_dir`` names must hold what the trainer wrote; `ChangedWeights` names
+    the first that does not, in one line. A directory of an older writer (no ``checksums.json``) is not checked.
+    Costs one read of the files (zlib's CRC-32: about 0.15-0.3 s per GiB on a CPU core, docs/trainer.md)."""
+    directory = Path(weight_dir)
+    what = f"weights step {step}" if step is not None else "weights"
+    sums_file = directory / CHECKSUMS_FILE
+    if not sums_file.is_symlink() and not sums_file.exists():
+        return
+    try:
+        sums = json.loads(read_regular(sums_file, "a weights step's checksums", MAX_MANIFEST_BYTES))
+        if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+            raise ValueError("not an object of file name -> CRC-32")
+    except (OSError, UnreadableFile, ValueError) as e:
+        raise ChangedWeights(f"{what}: {sums_file} is unreadable ({str(e).removeprefix(f'{sums_file}: ')})") from None
+    for name in sorted(sums):
+        path = directory / name
+        if Path(name).name != name:
+            raise ChangedWeights(f"{what}: {sums_file} names {name!r}, not a file of the directory")
+        try:
+            got = file_crc32(path)
+        except OSError as e:
+            raise ChangedWeights(
+                f"{what}: {path} is gone or unreadable after the trainer wrote it ({e.strerror})"
+            ) from None
+        if got != sums[name]:
+            raise ChangedWeights(
+                f"{what}: {path}: its bytes changed after the trainer wrote it (CRC-32 {got}, written as {sums[name]})"
+            )

@@ -100,6 +100,22 @@ class CutRequestsInOneLine(logging.Filter):
         return True
 
 
+def check_model_files(config: InferenceConfig) -> None:
+    """A ``model.name`` that is a trainer's weights step (a final model served again) must hold what the trainer
+    wrote (``checksums.json``): one line and exit 2, not a model that answers NaN logits."""
+    from pathlib import Path
+
+    from prime_core.config.cli import fail
+    from prime_core.schemas.weights import ChangedWeights, verify_weights
+
+    path = Path(config.model.name).expanduser()
+    if path.is_dir():
+        try:
+            verify_weights(path)
+        except ChangedWeights as e:
+            fail(f"model.name: {e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_cli(InferenceConfig, argv, prog="inference", description=__doc__, writes_output_dir=True)
     from prime_core.config.cli import fail
@@ -115,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     busy = None if config.vllm.headless else port_in_use(config.server.host, config.server.port)
     if busy:
         fail(f"server.port: {busy}; stop that server or choose another --server.port")
+    check_model_files(config)
     if not config.vllm.headless:
         from prime_core.progress import start_reporting
 

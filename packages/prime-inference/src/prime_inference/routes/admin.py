@@ -69,6 +69,7 @@ async def load_lora_adapter(request: Request) -> dict[str, Any]:
     if req.lora_name in (s.model_name, s.config.model.name):
         raise RequestError("lora_name must differ from the base model's name", param="lora_name")
     path = adapters.check_adapter_dir(req.lora_path, s.config.server.weight_roots)
+    await weights.verify_files(path, req.step, "lora_path")
     try:
         await s.engine.load_adapter(req.lora_name, str(path), req.step)
     except RequestError:

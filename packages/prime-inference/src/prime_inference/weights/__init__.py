@@ -7,10 +7,11 @@ name to the transport's `WeightReceiver` (one module per transport here, its tra
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prime_core.schemas.weights import Manifest, WeightUpdateRequest, read_manifest
+from prime_core.schemas.weights import ChangedWeights, Manifest, WeightUpdateRequest, read_manifest, verify_weights
 
 from prime_inference.protocol import RequestError
 from prime_inference.weights.adapter import AdapterReceiver
@@ -44,6 +45,7 @@ __all__ = [
     "receiver_for",
     "stream_receiver",
     "update_weights",
+    "verify_files",
 ]
 
 
@@ -71,11 +73,22 @@ def check(request: WeightUpdateRequest, roots: list[Path]) -> tuple[Path, Manife
     return path, manifest, receiver
 
 
+async def verify_files(path: Path, step: int | None, param: str) -> None:
+    """The directory's files must be what the trainer wrote (its ``checksums.json``; none: not checked), else a
+    `RequestError` naming the file. On a thread: reading gigabytes must not stop the server answering requests."""
+    try:
+        await asyncio.to_thread(verify_weights, path, step)
+    except ChangedWeights as e:
+        raise RequestError(str(e), param=param) from None
+
+
 async def update_weights(engine: Engine, request: WeightUpdateRequest, roots: list[Path]) -> dict[str, Any]:
     """Serve the weights ``request`` announces; a failure is one `RequestError` naming the directory."""
     if request.step is not None and request.step < 0:
         raise RequestError("step must be >= 0", param="step")
     path, manifest, receiver = check(request, roots)
+    if manifest.repeatable:  # the engine loads the directory's files
+        await verify_files(path, request.step, "weight_dir")
     try:
         return {"status": "ok", **await receiver.apply(engine, path, manifest, request.step)}
     except RequestError:

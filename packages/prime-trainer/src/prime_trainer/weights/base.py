@@ -2,7 +2,9 @@
 
 Publishing step N is the same for every transport: ``weights/step_N`` is built under a temporary name (every rank
 may write into it: FSDP shards are gathered collectively), the transport's manifest goes in (`write_manifest`), the
-directory is renamed into place and gets its STABLE marker, old steps nobody can need are deleted, and only then is
+directory gets ``checksums.json`` (the CRC-32 of every file in it, `write_checksums`; the
+safetensors summed from the tensors in memory as they are written, ``written``), is renamed into place and gets its
+STABLE marker, old steps nobody can need are deleted, and only then is
 the transport asked to deliver (a broadcast waits for inference, which learns of the step from STABLE). A transport
 implements `write` (files into the directory), `manifest` and `deliver`.
 
@@ -23,7 +25,7 @@ from typing import Any, final
 import torch
 from prime_core.io import atomic_dir, atomic_write_json, remove_published, writing
 from prime_core.run_dir import WEIGHTS_RUN_FILE, RunDir
-from prime_core.schemas.weights import BucketHeader, Manifest, write_manifest
+from prime_core.schemas.weights import BucketHeader, Manifest, write_checksums, write_manifest
 from torch import nn
 
 from prime_trainer.world import World, broadcast_object
@@ -39,6 +41,8 @@ class WeightPublisher(abc.ABC):
         self.keep_all = keep_all
         # Ship bf16 from GPU runs (what inference serves); keep exact fp32 from CPU runs.
         self.dtype = torch.bfloat16 if world.device.type == "cuda" else None
+        self.written: dict[str, str] = {}
+        """CRC-32 of files `write` summed as it wrote them (by name); the other files are read back for theirs."""
 
     @classmethod
     def build(cls, run_dir: RunDir, world: World, config: Any, *, keep_all: bool, tokenizer: str, adapter: str | None):
@@ -72,12 +76,14 @@ class WeightPublisher(abc.ABC):
         if self.world.is_master:
             with writing(f"weights step {step}", final_dir), atomic_dir(final_dir) as tmp:
                 broadcast_object(str(tmp))
+                self.written = {}
                 self.write(tmp, step, model, durable=durable, serve=serve)
                 manifest = self.manifest(step, serve=serve)
                 if manifest is not None:
                     write_manifest(tmp, manifest)
                 # Whose weights these are: an orchestrator of another launch does not serve them as its policy.
                 atomic_write_json(tmp / WEIGHTS_RUN_FILE, {"run_id": os.environ.get("PRIME_RUN_ID")})
+                write_checksums(tmp, self.written)  # last: every reader checks the files against it
             self._cleanup(step, list(keep_steps))
         else:
             with writing(f"weights step {step}", final_dir):

@@ -51,7 +51,7 @@ class FilesystemPublisher(WeightPublisher):
 
     def write_hf(self, directory: Path, model: nn.Module) -> None:
         """The HF directory: sharded safetensors and config (collective), and the tokenizer's files (rank 0)."""
-        save_hf(model, directory, dtype=self.dtype)
+        self.written.update(save_hf(model, directory, dtype=self.dtype))
         if self.world.is_master:
             copy_tokenizer_files(self.tokenizer, directory)
 

@@ -1,0 +1,70 @@
+"""Every process rl starts has a private TMPDIR, removed once the processes are gone however they ended.
+
+benchmarks/chaos.py: a process rl had to SIGKILL (its main thread stuck in C past SIGTERM's grace) runs no exit
+handler, and left its multiprocessing forkserver directory (``/tmp/pymp-*``) in the shared temp dir, one per trial.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from prime_launch.process import ProcessManager, ProcessSpec
+
+# Starts a forkserver (its pymp-* directory), says where it is, then ignores SIGTERM as a process stuck in C would.
+CHILD = r"""
+import multiprocessing as mp, signal, time
+from multiprocessing import util
+ctx = mp.get_context("forkserver")
+p = ctx.Process(target=time.sleep, args=(0,))
+p.start(); p.join()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print(util.get_temp_dir(), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def temp(monkeypatch):
+    """The temp dir rl and its children see: a short one (pytest's own leaves no room for a Unix socket's path)."""
+    path = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    monkeypatch.setenv("TMPDIR", str(path))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("how", ["sigkill_after_grace", "launcher_killed"])
+def test_a_child_that_must_be_sigkilled_leaves_nothing_in_the_temp_dir(tmp_path, temp, how):
+    manager = ProcessManager(grace_s=0.5, run_id="r1")
+    log = tmp_path / "child.log"
+    proc = manager.start(ProcessSpec("orchestrator", [sys.executable, "-c", CHILD], log))
+    deadline = time.monotonic() + 60
+    while not log.read_text().strip() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pymp = Path(log.read_text().strip())
+    assert pymp.is_dir() and pymp.name.startswith("pymp-"), log.read_text()
+    assert pymp.parent == manager.temp_root / "orchestrator" and manager.temp_root.name.startswith("prime-r1-")
+    if how == "sigkill_after_grace":
+        took = manager.stop_all()
+        manager.close()
+        assert proc.returncode == -signal.SIGKILL and took >= 0.5
+    else:  # rl itself killed (-9): its watchdog stops the children and removes their temp dirs
+        watchdog = manager._watchdog
+        watchdog.stdin.close()
+        watchdog.wait(timeout=30)
+        proc.wait(timeout=10)
+        manager._watchdog = None
+    assert list(temp.iterdir()) == []
+
+
+def test_a_temp_dir_too_deep_for_sockets_is_left_as_it_is(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 60)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    manager = ProcessManager(watchdog=False)
+    assert manager._private_temp_dir("orchestrator") is None and not deep.exists()
