@@ -12,7 +12,8 @@ commands:
   slurm sft @ sft.toml [--slurm.KEY VALUE ...] [--dry-run]   render (and sbatch) an SFT job
   report [--output-dir DIR] [--out PNG]                      plot reward and loss curves (alias: plot)
   watch --output-dir DIR [--trainer-ranks N] [--health-urls URL,...]
-                                                             the watchdog beside a job's processes (exit 1: stuck)
+                                                             the watchdog beside a job's processes (exit 1: stuck;
+                                                             a run that already ended: one line, 0 finished, 1 not)
   rewind --output-dir DIR --step N                           before a resume: drop the stopped run's later steps
 
 `prime-launch <command> --help` lists every option of a command.
@@ -117,12 +118,16 @@ def _watch(argv: list[str]) -> int:
     from prime_core.config.liveness import WatchConfig
 
     config = parse_cli(WatchConfig, argv, prog="prime-launch watch")
-    from prime_launch.watchdog import ProcessStuck, watch_forever
+    from prime_launch.watchdog import ProcessStuck, RunEnded, watch_forever
 
     try:
         watch_forever(config)
     except ProcessStuck as e:
         return _fail_run(e.cause)
+    except RunEnded as e:
+        if e.code:
+            return _fail_run(e.line)
+        print(e.line, flush=True)  # a finished run is no error: one line on stdout
     return 0
 
 
