@@ -23,25 +23,25 @@ from prime_core.progress import read_progress
 from prime_launch.proc_state import gone
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from prime_core.run_dir import RunDir
     from prime_core.schemas.progress import Progress
 
-    from prime_launch.watchdog import Watchdog
 
-
-def ended(dog: Watchdog, run_dir: RunDir) -> tuple[int, str] | None:
-    """``(0, line)`` for a finished run, ``(1, line)`` for one that ended before it finished, None for a live one (or
-    one not started yet)."""
+def ended(files: dict[str, list[Path]], run_id: str | None, run_dir: RunDir) -> tuple[int, str] | None:
+    """Of the processes watched (name: progress files) in ``run_dir``: ``(0, line)`` for a finished run, ``(1, line)``
+    for one that ended before it finished, None for a live one (or one not started yet)."""
     records: dict[str, list[Progress]] = {}
-    for watched in dog.processes.values():
-        for path in watched.files:
+    for name, paths in files.items():
+        for path in paths:
             record = read_progress(path)
-            if record is None or (dog.run_id and record.run_id != dog.run_id):
+            if record is None or (run_id and record.run_id != run_id):
                 return None
             local = record.host in ("", socket.gethostname())
             if (local and not gone(record)) or (not local and not record.exiting):
                 return None  # a writer alive here (a frozen one is the watchdog's to name), or one elsewhere
-            records.setdefault(watched.name, []).append(record)
+            records.setdefault(name, []).append(record)
     if not records:
         return None
     decisive = records.get("trainer") or [r for found in records.values() for r in found]

@@ -425,7 +425,7 @@ def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
     if config.trainer_ranks:
         ranks = [run_dir.progress_file("trainer", r) for r in range(config.trainer_ranks)]
         dog.watch("trainer", ranks, run_dir.log_file("trainer"))
-    if (outcome := ended(dog, run_dir)) is not None:
+    if (outcome := ended({w.name: w.files for w in dog.processes.values()}, dog.run_id, run_dir)) is not None:
         raise RunEnded(*outcome)
     api_key = os.environ.get(config.api_key_var) if config.api_key_var else None
     dog.probe(config.health_urls, api_key)
