@@ -152,6 +152,39 @@ def test_refuses_output_dir_of_another_run(tmp_path, rl_env):
     assert result.returncode == 2 and "no checkpoint" in result.stderr
 
 
+def test_the_refusal_offers_resume_only_for_a_run_that_can_resume(tmp_path, rl_env):
+    """A run stopped (Ctrl-C) after a step but before any checkpoint: rl said `pass --resume to continue it`, and
+    `rl --resume` then said only `no checkpoint`; a finished run without checkpoints got the same line. Each refusal
+    now says what can be done."""
+    from prime_core.io import mark_stable
+    from prime_core.run_dir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.weight_step(1).mkdir(parents=True)
+    mark_stable(run.weight_step(1))
+    run.metrics.write_text('{"step": 0, "process": "trainer", "values": {}}\n')
+
+    def refusal(*extra: str) -> str:
+        result = subprocess.run(rl_cmd(run.root, *extra), env=rl_env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stdout + result.stderr
+        return result.stderr
+
+    err = refusal()
+    assert "; it has no checkpoint to resume from; pass --overwrite to delete it" in err and "--resume" not in err
+    assert "(none is saved with ckpt.interval unset; set --ckpt.interval N for a run you may resume)" in refusal(
+        "--resume"
+    )
+    assert "checkpoint counts once its trainer and orchestrator parts" in refusal("--resume", "--ckpt.interval", "1")
+    run.weight_step(5).mkdir(parents=True)
+    mark_stable(run.weight_step(5))  # max_steps 5: the run finished
+    assert f"--resume: the run in {run.root} has finished (final weights {run.weight_step(5)})" in refusal("--resume")
+    for path in (run.trainer_checkpoint(1), run.orchestrator_checkpoint(1)):
+        path.mkdir(parents=True)
+        mark_stable(path)
+    mark_stable(run.checkpoint_step(1))
+    assert "; pass --resume to continue it, --overwrite to delete it" in refusal()
+
+
 def test_child_killed_tears_down_everything(tmp_path, rl_env):
     out = tmp_path / "run"
     proc = start_hanging_run(out, rl_env)

@@ -63,8 +63,9 @@ def write_configs(plan: ResolvedRun, *, dry_run: bool) -> dict[str, Path]:
 def check_output_dirs(plan: ResolvedRun, rl: RLConfig) -> None:
     """The shared output directory and every run's directory must be fresh, resumed or overwritten."""
     resume = rl.resume or plan.resume_step is not None
+    resumable = bool(plan.run_dir.resumable_steps(list(plan.runs.values())))
     for run_dir in (plan.run_dir, *plan.runs.values()):
-        check_output_dir(run_dir, overwrite=rl.overwrite, resume=resume)
+        check_output_dir(run_dir, overwrite=rl.overwrite, resume=resume, resumable=resumable)
 
 
 def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
