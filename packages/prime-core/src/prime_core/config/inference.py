@@ -292,6 +292,7 @@ class InferenceConfig(BaseConfig):
     def _default_output_dir(self) -> InferenceConfig:
         if self.output_dir is None:
             self.output_dir = default_run_dir(self.model.name, f"inference-{self.server.port}")
+            self.__pydantic_fields_set__.discard("output_dir")  # still the default: rl gives it the run's directory
         return self
 
     @model_validator(mode="after")
