@@ -102,6 +102,8 @@ def _report(argv: list[str]) -> int:
         """Figure title; default the run directory."""
 
     config = parse_cli(ReportConfig, argv, prog="prime-launch report")
+    if not config.output_dir.is_dir():  # before: `no metrics in <dir>/metrics.jsonl`, as for a run that logged none
+        return _fail(f"output-dir: {str(config.output_dir)!r} is not a run directory (no such directory)")
     from prime_launch.report import plot_run
 
     out = config.out or config.output_dir / "report.png"
