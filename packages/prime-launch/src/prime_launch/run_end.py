@@ -16,6 +16,7 @@ this host, or one on another host that did not say it finished leaves the run wa
 from __future__ import annotations
 
 import socket
+import time
 from typing import TYPE_CHECKING
 
 from prime_core.progress import read_progress
@@ -68,3 +69,16 @@ def _stopped(record: Progress) -> str:
 def _names(records: list[Progress]) -> str:
     names = list(dict.fromkeys(r.process for r in records))
     return " and ".join(names)
+
+
+def running(run_dir: RunDir, within_s: float = 60.0) -> list[str]:
+    """Processes of the run in ``run_dir`` still running on this host (``trainer rank 0 (pid 123)``): a heartbeat of
+    the last ``within_s`` from a live pid that has not said it finished (another host's cannot be told)."""
+    found = []
+    for path in sorted(run_dir.progress.glob("*.json")) if run_dir.progress.is_dir() else []:
+        record = read_progress(path)
+        if record is None or record.exiting or record.host not in ("", socket.gethostname()):
+            continue
+        if time.time() - record.time < within_s and not gone(record):
+            found.append(f"{record.name} (pid {record.pid})")
+    return found

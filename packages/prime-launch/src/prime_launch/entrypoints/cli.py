@@ -165,10 +165,24 @@ def _rewind(argv: list[str]) -> int:
                      f"{have}); rewind to the step the run resumes from")  # fmt: skip
     from prime_core.io import UnreadableFile
 
+    from prime_launch.run_end import running
+    from prime_launch.run_lock import lock_output_dir
+
+    # Before, a running run's rollouts, weights and the checkpoint being written went, and its trainer died.
     try:
+        lock = lock_output_dir(run_dir.root)  # held by a running `rl`
+    except FileExistsError as e:
+        return _fail(f"{e}; rewind only a stopped run")
+    try:
+        if live := running(run_dir):
+            return _fail(f"output-dir: {', '.join(live)} of the run in {run_dir.root} still running; rewind only a "
+                         "stopped run")  # fmt: skip
         print(rewind(run_dir, config.step) or f"nothing after step {config.step} to remove")
     except UnreadableFile as e:  # a metrics.jsonl it cannot set the redone steps' records aside from
         return _fail(str(e))
+    finally:
+        if lock is not None:
+            lock.close()
     return 0
 
 
