@@ -215,15 +215,25 @@ def test_failing_trainer_reports_log_tail(tmp_path, rl_env):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_launcher_stops_everything(tmp_path, rl_env, sig):
+    """...and says what the run can continue from (before: nothing, though step 2 was resumable)."""
+    from prime_core.io import mark_stable
+    from prime_core.run_dir import RunDir
+
     out = tmp_path / "run"
     proc = start_hanging_run(out, rl_env)
     pids = pids_of(out)
+    run = RunDir(out)
+    for path in (run.trainer_checkpoint(2), run.orchestrator_checkpoint(2), run.weight_step(2)):
+        path.mkdir(parents=True)
+        mark_stable(path)
+    mark_stable(run.checkpoint_step(2))  # as the fake trainer's step 2 had been saved
     start = time.monotonic()
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=30)
     assert time.monotonic() - start < TEARDOWN_LIMIT_S
     assert proc.returncode == 128 + sig
     assert f"received {signal.Signals(sig).name}" in output
+    assert "rl: the newest checkpoint is step 2: the same command with --resume continues it" in output
     for group in pids.values():
         for pid in group:
             assert not alive(pid)

@@ -437,3 +437,6 @@ def _report(plan: ResolvedRun, console: _Console, succeeded: bool) -> None:
                 prefix = f"{label} " if label else ""
                 console.message(f"rl: {prefix}final weights {run_dir.weight_step(latest)}")
         console.message("rl: done")
+    elif steps := plan.run_dir.resumable_steps(list(plan.runs.values())):
+        # A stopped or failed run said nothing of what it could continue from (`prime-launch rewind` and --resume).
+        console.message(f"rl: the newest checkpoint is step {steps[-1]}: the same command with --resume continues it")
