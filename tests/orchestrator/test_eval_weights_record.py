@@ -116,3 +116,40 @@ def test_evals_of_two_models_without_an_output_dir_each_get_their_own(tmp_path, 
     capsys.readouterr()
     assert run(first, str(other)) == 2
     assert f"{first / 'eval' / 'base'} holds the eval of model {model}, not model {other}" in capsys.readouterr().err
+
+
+def test_ctrl_c_of_an_eval_says_what_was_scored(tmp_path, model, monkeypatch, capsys):
+    """Ctrl-C during the second checkpoint's eval: exit 130 and one line naming the weights scored in full (the
+    results file holds them); before, eval exited 130 without a word."""
+    from tests.orchestrator.test_eval_cli import stub_envs
+
+    calls = []
+
+    async def second_interrupted(runner, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {"reward/mean": 0.5, "reward/std": 0.5, "num_examples": 2, "rollouts_per_example": 1, "failed": 0}, []
+
+    stub_envs(monkeypatch, evaluate=second_interrupted)
+    out = tmp_path / "out"
+    assert run(out, str(model)) == 0
+    capsys.readouterr()
+    calls.clear()
+    weights = tmp_path / "w"
+    for step in (1, 2):
+        shutil.copytree(model, weights / f"step_{step}")
+        (weights / f"step_{step}" / "STABLE").write_text("")
+    monkeypatch.setattr("prime_orchestrator.eval_runner.inference.update_weights", _nothing)
+    from prime_orchestrator.entrypoints.eval import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model.name", str(model), "--environment-ids", "reverse-text", "--output-dir", str(out),
+              "--weights-dir", str(weights), "--steps", "1,2"])  # fmt: skip
+    assert e.value.code == 130
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == f"eval: interrupted (SIGINT); weights scored in full before it: base ({out}/eval/results.json)"
+
+
+async def _nothing(*args, **kwargs):
+    pass
