@@ -22,6 +22,8 @@ from prime_core.progress import ProgressReporter
 from prime_core.run_dir import RunDir
 run, how = RunDir(sys.argv[1]), sys.argv[2:]
 for name, rank, end in [("orchestrator", None, how[0]), ("trainer", 0, how[1])]:
+    if end == "never":
+        continue
     r = ProgressReporter(run.progress_file(name, rank), name, rank=rank, run_id=os.environ.get("PRIME_RUN_ID")).start()
     r.set_step(3)
     if end == "crash":
@@ -33,7 +35,8 @@ for name, rank, end in [("orchestrator", None, how[0]), ("trainer", 0, how[1])]:
 
 
 def write_run(root: Path, orchestrator: str, trainer: str, run_id: str = "job-1") -> RunDir:
-    """Records as the processes leave them: ``close`` (finished its work) or ``crash`` (gone mid-step)."""
+    """Records as the processes leave them: ``close`` (finished its work), ``crash`` (gone mid-step) or ``never``
+    (stopped before it started)."""
     env = {**os.environ, "PRIME_RUN_ID": run_id}
     subprocess.run([sys.executable, "-c", WRITER, str(root), orchestrator, trainer], env=env, check=True, timeout=60)
     return RunDir(root)
@@ -92,3 +95,11 @@ def test_records_of_the_job_before_a_resumed_one_are_still_waited_past(tmp_path)
     write_run(tmp_path, "close", "close", run_id="job-1")
     with pytest.raises(ProcessStuck, match="orchestrator is stuck: it wrote no heartbeat"):
         watch(tmp_path, run_id="job-2")
+
+
+def test_a_run_stopped_before_its_trainer_started_is_named_by_its_orchestrator(tmp_path):
+    """Ctrl-C of rl while inference loaded: the trainer never wrote a record, the orchestrator's is left."""
+    write_run(tmp_path, "crash", "never")
+    with pytest.raises(RunEnded) as e:
+        watch(tmp_path)
+    assert e.value.code == 1 and "ended before it finished: orchestrator (pid " in e.value.line

@@ -34,28 +34,30 @@ def ended(files: dict[str, list[Path]], run_id: str | None, run_dir: RunDir) -> 
     """Of the processes watched (name: progress files) in ``run_dir``: ``(0, line)`` for a finished run, ``(1, line)``
     for one that ended before it finished, None for a live one (or one not started yet)."""
     records: dict[str, list[Progress]] = {}
+    missing = False  # a process that never wrote (stopped before it started): the run may also be starting
     for name, paths in files.items():
         for path in paths:
-            record = read_progress(path)
-            if record is None or (run_id and record.run_id != run_id):
+            if (record := read_progress(path)) is None:
+                missing = True
+                continue
+            if run_id and record.run_id != run_id:
                 return None
             local = record.host in ("", socket.gethostname())
             if (local and not gone(record)) or (not local and not record.exiting):
                 return None  # a writer alive here (a frozen one is the watchdog's to name), or one elsewhere
             records.setdefault(name, []).append(record)
-    if not records:
-        return None
-    decisive = records.get("trainer") or [r for found in records.values() for r in found]
+    found = [r for rs in records.values() for r in rs]
+    decisive = records.get("trainer") or found
     where = f"the run in {run_dir.root}"
-    unfinished = [r for found in records.values() for r in found if not r.exiting]
-    if all(r.exiting for r in decisive):
+    if found and not missing and all(r.exiting for r in decisive):
         latest = run_dir.latest_stable_weight_step()
         weights = f"; final weights {run_dir.weight_step(latest)}" if latest is not None else ""
-        stopped = "".join(f"; {_stopped(r)} after the trainer finished" for r in unfinished)
+        stopped = "".join(f"; {_stopped(r)} after the trainer finished" for r in found if not r.exiting)
         return 0, f"{where} has finished: {_names(decisive)} exited after its work{weights}{stopped}; nothing to watch"
-    first = next(r for r in decisive if not r.exiting)
-    log = run_dir.log_file(first.process)
-    return 1, f"{where} ended before it finished: {_stopped(first)} (log: {log})"
+    if failed := [r for r in decisive if not r.exiting] or [r for r in found if not r.exiting]:
+        log = run_dir.log_file(failed[0].process)
+        return 1, f"{where} ended before it finished: {_stopped(failed[0])} (log: {log})"
+    return None
 
 
 def _stopped(record: Progress) -> str:
