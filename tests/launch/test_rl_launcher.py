@@ -403,3 +403,15 @@ def test_teacher_port_in_use_is_one_line(tmp_path, rl_env):
     assert result.returncode != 0
     assert "teacher.port" in result.stderr and "--teacher.port" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_the_last_process_to_finish_is_named_once(tmp_path, rl_env):
+    """An orchestrator that outlives the trainer (its final eval): rl said `trainer finished` twice, the second time
+    when the orchestrator had."""
+    out = tmp_path / "run"
+    env = {**rl_env, "FAKE_FINAL_EVAL_S": "1"}
+    result = subprocess.run(rl_cmd(out), env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rl: ") and "finished" in line]
+    assert lines == ["rl: trainer finished; waiting for the orchestrator to finish",
+                     "rl: orchestrator finished; stopping the other processes"]  # fmt: skip

@@ -394,9 +394,10 @@ def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Cons
     """Until the trainer and every orchestrator finished (an orchestrator outlives the trainer when it evaluates
     the final weights); ``ProcessFailed`` when any process fails."""
     expected = {name: True for name in ("trainer", *plan.orchestrators)}
-    finished_ok = False
+    finished_ok, last = False, "trainer"
     while not set(expected) <= set(manager.finished):
         done = manager.poll(expected)
+        last = done or last
         if done == "trainer":
             finished_ok = True
             if not set(plan.orchestrators) <= set(manager.finished):
@@ -406,7 +407,8 @@ def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Cons
         console.tick()
         time.sleep(POLL_S)
     console.tick()
-    console.message("rl: trainer finished; stopping the other processes")
+    # The last to finish: after `trainer finished; waiting for the final evaluation`, a second `trainer finished`.
+    console.message(f"rl: {last} finished; stopping the other processes")
     return finished_ok
 
 
