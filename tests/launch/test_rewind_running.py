@@ -49,16 +49,18 @@ def test_rewind_refuses_a_directory_rl_is_running_in(tmp_path, rl_env):
 def test_rewind_refuses_a_run_whose_processes_still_beat(tmp_path):
     run = stopped_run_at(tmp_path)
     beating = ProgressReporter(run.progress_file("trainer", 0), "trainer", rank=0).start()
+    server = ProgressReporter(run.progress_file("inference"), "inference").start()  # kept up between launches
     try:
         done = rewind(run)
+        beating.close()
+        after = rewind(run)  # the trainer's final record says it finished: a stopped run
     finally:
         beating.close()
+        server.close()
     assert done.returncode == 2
     assert done.stderr == (
         f"error: output-dir: trainer rank 0 (pid {beating.snapshot().pid}) of the run in {run.root} still running; "
         "rewind only a stopped run\n"
     )
-    assert run.rollout_step(2).is_dir()
-    done = rewind(run)  # its final record says it finished: a stopped run
-    assert done.returncode == 0, done.stderr
+    assert after.returncode == 0, after.stderr
     assert not run.rollout_step(2).exists()

@@ -7,7 +7,8 @@ another host counts only where it says its process finished):
 
 - every trainer rank wrote its final ``exiting`` record (``prime_core.progress.stop_reporting``, after its last step):
   the run finished (exit 0; an orchestrator stopped after the trainer, as a SLURM job stops it, is named);
-- else a process exited without it (a crash, Ctrl-C, ``scancel``): the run ended before it finished (exit 1).
+- else a process exited without it (a crash, Ctrl-C, ``scancel``): the run ended before it finished (exit 1), also
+  where another process never wrote a record (rl stopped before it started the trainer).
 
 A record of another launch (``PRIME_RUN_ID`` set and different: the job before a resumed one), a writer still alive on
 this host, or one on another host that did not say it finished leaves the run watched as a live one.
@@ -75,11 +76,15 @@ def _names(records: list[Progress]) -> str:
 
 def running(run_dir: RunDir, within_s: float = 60.0) -> list[str]:
     """Processes of the run in ``run_dir`` still running on this host (``trainer rank 0 (pid 123)``): a heartbeat of
-    the last ``within_s`` from a live pid that has not said it finished (another host's cannot be told)."""
+    the last ``within_s`` from a live pid that has not said it finished (another host's cannot be told). An inference
+    server is not one: it writes nothing a rewind removes, and a server kept up between two launches (vLLM loads for
+    minutes) serves the resumed run."""
     found = []
     for path in sorted(run_dir.progress.glob("*.json")) if run_dir.progress.is_dir() else []:
         record = read_progress(path)
-        if record is None or record.exiting or record.host not in ("", socket.gethostname()):
+        if record is None or record.exiting or record.process == "inference":
+            continue
+        if record.host not in ("", socket.gethostname()):
             continue
         if time.time() - record.time < within_s and not gone(record):
             found.append(f"{record.name} (pid {record.pid})")
