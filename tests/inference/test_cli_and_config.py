@@ -124,14 +124,17 @@ def test_weight_dir_checks(tmp_path, other_weights_dir):
 
 @pytest.mark.integration
 def test_inference_command_serves_chat(model_dir, tmp_path):
+    """Without ``--output-dir`` the server's files go to a directory of its own under ``outputs/`` (before: into
+    ``outputs/`` itself, beside an ``rl`` run's or another server's)."""
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "prime_inference.entrypoints.inference", "--model.name", str(model_dir),
-         "--engine", "torch", "--server.port", str(port), "--output-dir", str(tmp_path), "--max-model-len", "64",
-         "--server.api-key", "k"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         "--engine", "torch", "--server.port", str(port), "--max-model-len", "64", "--server.api-key", "k"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
     )  # fmt: skip
+    label = "-".join(Path(model_dir).parts[-2:])
+    run_dir = tmp_path / "outputs" / f"{label}-inference-{port}"
     url, headers = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k"}
     try:
         wait_healthy(url, proc, headers)
@@ -139,14 +142,17 @@ def test_inference_command_serves_chat(model_dir, tmp_path):
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
-        log = Path(tmp_path) / "logs" / "inference.log"
+        assert [p.name for p in (tmp_path / "outputs").iterdir()] == [run_dir.name]
+        log = run_dir / "logs" / "inference.log"
         size = log.stat().st_size
         for _ in range(20):  # what a long run sends for ever: health probes, generate requests
             assert httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200
         # No line per request: the log of a run of days stays the size of its startup and its events.
         assert log.stat().st_size == size, log.read_text()[size:]
         assert "/v1/chat/completions" not in log.read_text()
-        assert (Path(tmp_path) / "configs" / "inference.toml").is_file()
+        assert (run_dir / "configs" / "inference.toml").is_file() and (
+            run_dir / "progress" / "inference.json"
+        ).is_file()
         # vLLM compiles grammars on the server's main thread: its stack may grow to 256 MB (`deepen_main_stack`)
         limits = Path(f"/proc/{proc.pid}/limits").read_text()
         soft = next(line.split()[3] for line in limits.splitlines() if line.startswith("Max stack size"))

@@ -93,6 +93,8 @@ elif name in ("orchestrator", "trainer"):
         print(f"{name} step {step}", flush=True)
         time.sleep(0.05)
     print(f"{name} ready", flush=True)
+    if name == "orchestrator" and os.environ.get("FAKE_FINAL_EVAL_S"):  # it outlives the trainer (a final eval)
+        time.sleep(float(os.environ["FAKE_FINAL_EVAL_S"]))
     if os.environ.get("FAKE_EXIT_HANG") == name:
         progress.stop_reporting()  # says it is exiting, then never does (a deadlock at exit)
         hang = True

@@ -37,6 +37,12 @@ def test_report_without_metrics_is_an_error(tmp_path):
         timeout=60,
     )
     assert result.returncode == 2 and "no metrics" in result.stderr
+    assert "the run has not finished a step" in result.stderr
+    missing = tmp_path / "no-such-run"
+    result = subprocess.run([sys.executable, "-m", "prime_launch.entrypoints.cli", "report", "--output-dir",
+                             str(missing)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == f"error: output-dir: {str(missing)!r} is not a run directory (no such directory)\n"
 
 
 def test_shared_fields_fill_sub_configs_unless_set():

@@ -152,6 +152,39 @@ def test_refuses_output_dir_of_another_run(tmp_path, rl_env):
     assert result.returncode == 2 and "no checkpoint" in result.stderr
 
 
+def test_the_refusal_offers_resume_only_for_a_run_that_can_resume(tmp_path, rl_env):
+    """A run stopped (Ctrl-C) after a step but before any checkpoint: rl said `pass --resume to continue it`, and
+    `rl --resume` then said only `no checkpoint`; a finished run without checkpoints got the same line. Each refusal
+    now says what can be done."""
+    from prime_core.io import mark_stable
+    from prime_core.run_dir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.weight_step(1).mkdir(parents=True)
+    mark_stable(run.weight_step(1))
+    run.metrics.write_text('{"step": 0, "process": "trainer", "values": {}}\n')
+
+    def refusal(*extra: str) -> str:
+        result = subprocess.run(rl_cmd(run.root, *extra), env=rl_env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stdout + result.stderr
+        return result.stderr
+
+    err = refusal()
+    assert "; it has no checkpoint to resume from; pass --overwrite to delete it" in err and "--resume" not in err
+    assert "(none is saved with ckpt.interval unset; set --ckpt.interval N for a run you may resume)" in refusal(
+        "--resume"
+    )
+    assert "checkpoint counts once its trainer and orchestrator parts" in refusal("--resume", "--ckpt.interval", "1")
+    run.weight_step(5).mkdir(parents=True)
+    mark_stable(run.weight_step(5))  # max_steps 5: the run finished
+    assert f"--resume: the run in {run.root} has finished (final weights {run.weight_step(5)})" in refusal("--resume")
+    for path in (run.trainer_checkpoint(1), run.orchestrator_checkpoint(1)):
+        path.mkdir(parents=True)
+        mark_stable(path)
+    mark_stable(run.checkpoint_step(1))
+    assert "; pass --resume to continue it, --overwrite to delete it" in refusal()
+
+
 def test_child_killed_tears_down_everything(tmp_path, rl_env):
     out = tmp_path / "run"
     proc = start_hanging_run(out, rl_env)
@@ -182,15 +215,25 @@ def test_failing_trainer_reports_log_tail(tmp_path, rl_env):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_launcher_stops_everything(tmp_path, rl_env, sig):
+    """...and says what the run can continue from (before: nothing, though step 2 was resumable)."""
+    from prime_core.io import mark_stable
+    from prime_core.run_dir import RunDir
+
     out = tmp_path / "run"
     proc = start_hanging_run(out, rl_env)
     pids = pids_of(out)
+    run = RunDir(out)
+    for path in (run.trainer_checkpoint(2), run.orchestrator_checkpoint(2), run.weight_step(2)):
+        path.mkdir(parents=True)
+        mark_stable(path)
+    mark_stable(run.checkpoint_step(2))  # as the fake trainer's step 2 had been saved
     start = time.monotonic()
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=30)
     assert time.monotonic() - start < TEARDOWN_LIMIT_S
     assert proc.returncode == 128 + sig
     assert f"received {signal.Signals(sig).name}" in output
+    assert "rl: the newest checkpoint is step 2: the same command with --resume continues it" in output
     for group in pids.values():
         for pid in group:
             assert not alive(pid)
@@ -360,3 +403,15 @@ def test_teacher_port_in_use_is_one_line(tmp_path, rl_env):
     assert result.returncode != 0
     assert "teacher.port" in result.stderr and "--teacher.port" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_the_last_process_to_finish_is_named_once(tmp_path, rl_env):
+    """An orchestrator that outlives the trainer (its final eval): rl said `trainer finished` twice, the second time
+    when the orchestrator had."""
+    out = tmp_path / "run"
+    env = {**rl_env, "FAKE_FINAL_EVAL_S": "1"}
+    result = subprocess.run(rl_cmd(out), env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rl: ") and "finished" in line]
+    assert lines == ["rl: trainer finished; waiting for the orchestrator to finish",
+                     "rl: orchestrator finished; stopping the other processes"]  # fmt: skip

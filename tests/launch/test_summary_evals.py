@@ -39,3 +39,11 @@ def test_a_run_without_evals_prints_no_eval_line(tmp_path):
     summary = summarize(metrics)
     assert summary["evals"] == {}
     assert "eval " not in format_summary(summary)
+
+
+def test_a_run_stopped_after_its_first_eval_prints_it_once(tmp_path):
+    """A run stopped (Ctrl-C) after the eval before its first step printed `0.5253 at step 0 -> 0.5253 at step 0`."""
+    metrics = tmp_path / "metrics.jsonl"
+    _write(metrics, [("orchestrator", 0, {"eval/reverse-text/t0/reward/mean": 0.5253, "reward/mean": 0.2})])
+    text = format_summary(summarize(metrics))
+    assert text.splitlines()[-1] == "  eval reverse-text/t0     0.5253 at step 0"

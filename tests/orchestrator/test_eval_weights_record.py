@@ -14,10 +14,11 @@ from tests.orchestrator.test_eval_cli import MODEL, stub_envs
 
 
 def run(out, model: str) -> int:
+    """``eval`` of ``model`` into ``out`` (None: no ``--output-dir``)."""
     from prime_orchestrator.entrypoints.eval import main
 
     try:
-        main(["--model.name", model, "--environment-ids", "reverse-text", "--output-dir", str(out)])
+        main(["--model.name", model, "--environment-ids", "reverse-text", *(["--output-dir", str(out)] if out else [])])
     except SystemExit as e:
         return e.code
     return 0
@@ -94,3 +95,61 @@ def test_other_weights_are_refused_before_the_environments_are_checked(tmp_path,
     monkeypatch.setattr(env_config, "check_envs", checked_first)
     assert run(out, str(other)) == 2
     assert "holds the eval of model" in capsys.readouterr().err
+
+
+def test_evals_of_two_models_without_an_output_dir_each_get_their_own(tmp_path, model, monkeypatch, capsys):
+    """Before: every eval without ``--output-dir`` wrote into ``outputs/`` itself (beside an ``rl`` run there), and
+    the second model's was refused as one that would overwrite the first's (exit 2). Now each has its own
+    ``outputs/<model>-eval``; another model's eval into a directory given by hand is still refused."""
+    other = tmp_path / "other" / "m"
+    shutil.copytree(model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    monkeypatch.chdir(tmp_path)
+    assert run(None, str(model)) == 0
+    assert run(None, str(other)) == 0, capsys.readouterr().err
+    first, second = tmp_path / "outputs" / "models-m-eval", tmp_path / "outputs" / "other-m-eval"
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == [first.name, second.name]
+    for out, scored in ((first, model), (second, other)):
+        assert json.loads((out / "eval" / "base" / "weights.json").read_text())["model"] == str(scored)
+        assert (out / "eval" / "results.json").is_file()
+    capsys.readouterr()
+    assert run(first, str(other)) == 2
+    assert f"{first / 'eval' / 'base'} holds the eval of model {model}, not model {other}" in capsys.readouterr().err
+
+
+def test_ctrl_c_of_an_eval_says_what_was_scored(tmp_path, model, monkeypatch, capsys):
+    """Ctrl-C during the second checkpoint's eval: exit 130 and one line naming the weights scored in full (the
+    results file holds them); before, eval exited 130 without a word."""
+    from tests.orchestrator.test_eval_cli import stub_envs
+
+    calls = []
+
+    async def second_interrupted(runner, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {"reward/mean": 0.5, "reward/std": 0.5, "num_examples": 2, "rollouts_per_example": 1, "failed": 0}, []
+
+    stub_envs(monkeypatch, evaluate=second_interrupted)
+    out = tmp_path / "out"
+    assert run(out, str(model)) == 0
+    capsys.readouterr()
+    calls.clear()
+    weights = tmp_path / "w"
+    for step in (1, 2):
+        shutil.copytree(model, weights / f"step_{step}")
+        (weights / f"step_{step}" / "STABLE").write_text("")
+    monkeypatch.setattr("prime_orchestrator.eval_runner.inference.update_weights", _nothing)
+    from prime_orchestrator.entrypoints.eval import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model.name", str(model), "--environment-ids", "reverse-text", "--output-dir", str(out),
+              "--weights-dir", str(weights), "--steps", "1,2"])  # fmt: skip
+    assert e.value.code == 130
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == f"eval: interrupted (SIGINT); weights scored in full before it: base ({out}/eval/results.json)"
+
+
+async def _nothing(*args, **kwargs):
+    pass

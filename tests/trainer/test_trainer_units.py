@@ -100,3 +100,27 @@ def test_a_clean_finish_exits_without_finalizing_on_any_number_of_ranks(monkeypa
     with pytest.raises(KeyError):
         entrypoints.run_training(fails, config=None)
     assert calls == [False]
+
+
+def test_ctrl_c_of_a_trainer_on_its_own_is_one_line_naming_the_checkpoint_to_resume(tmp_path, capsys):
+    """``sft`` interrupted with Ctrl-C printed a KeyboardInterrupt traceback from inside the step it was in."""
+    import prime_trainer.entrypoints as entrypoints
+    from prime_core.config.shared import CheckpointConfig
+    from prime_core.io import mark_stable
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    config = SFTConfig.model_construct(output_dir=tmp_path, ckpt=CheckpointConfig(interval=5))
+    for step in (5, 10):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    mark_stable(tmp_path / "checkpoints" / "step_5")  # step 10 was being written
+    with pytest.raises(SystemExit) as e:
+        entrypoints.run_training(interrupted, config)
+    assert e.value.code == 130
+    err = capsys.readouterr().err
+    assert err == "sft: interrupted (SIGINT); resume from its newest checkpoint with --ckpt.resume-step 5\n"
+    bare = TrainerConfig.model_construct(output_dir=tmp_path / "none", ckpt=CheckpointConfig())
+    assert entrypoints.interrupted_line(bare) == (
+        "trainer: interrupted (SIGINT); it saved no checkpoint to resume from (ckpt.interval is unset)"
+    )

@@ -64,8 +64,9 @@ def write_configs(plan: ResolvedRun, *, dry_run: bool) -> dict[str, Path]:
 def check_output_dirs(plan: ResolvedRun, rl: RLConfig) -> None:
     """The shared output directory and every run's directory must be fresh, resumed or overwritten."""
     resume = rl.resume or plan.resume_step is not None
+    resumable = bool(plan.run_dir.resumable_steps(list(plan.runs.values())))
     for run_dir in (plan.run_dir, *plan.runs.values()):
-        check_output_dir(run_dir, overwrite=rl.overwrite, resume=resume)
+        check_output_dir(run_dir, overwrite=rl.overwrite, resume=resume, resumable=resumable)
 
 
 def dry_run(rl: RLConfig, out: TextIO | None = None) -> None:
@@ -415,9 +416,10 @@ def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Cons
     """Until the trainer and every orchestrator finished (an orchestrator outlives the trainer when it evaluates
     the final weights); ``ProcessFailed`` when any process fails."""
     expected = {name: True for name in ("trainer", *plan.orchestrators)}
-    finished_ok = False
+    finished_ok, last = False, "trainer"
     while not set(expected) <= set(manager.finished):
         done = manager.poll(expected)
+        last = done or last
         if done == "trainer":
             finished_ok = True
             if not set(plan.orchestrators) <= set(manager.finished):
@@ -427,7 +429,8 @@ def _wait_for_trainer(plan: ResolvedRun, manager: ProcessManager, console: _Cons
         console.tick()
         time.sleep(POLL_S)
     console.tick()
-    console.message("rl: trainer finished; stopping the other processes")
+    # The last to finish: after `trainer finished; waiting for the final evaluation`, a second `trainer finished`.
+    console.message(f"rl: {last} finished; stopping the other processes")
     return finished_ok
 
 
@@ -458,3 +461,6 @@ def _report(plan: ResolvedRun, console: _Console, succeeded: bool) -> None:
                 prefix = f"{label} " if label else ""
                 console.message(f"rl: {prefix}final weights {run_dir.weight_step(latest)}")
         console.message("rl: done")
+    elif steps := plan.run_dir.resumable_steps(list(plan.runs.values())):
+        # A stopped or failed run said nothing of what it could continue from (`prime-launch rewind` and --resume).
+        console.message(f"rl: the newest checkpoint is step {steps[-1]}: the same command with --resume continues it")

@@ -146,7 +146,8 @@ def format_summary(summary: dict[str, Any], num: int = 3, title: str = "") -> st
             f"  max mismatch KL          {kl(summary['mismatch_kl_max'])}",
             f"  last loss                {f(summary['loss_last'])}",
             *[
-                f"  eval {name:<19} {f(v0)} at step {s0} -> {f(v1)} at step {s1}"
+                # One eval only (a run stopped before its last): no `-> the same value at the same step`.
+                f"  eval {name:<19} {f(v0)} at step {s0}" + (f" -> {f(v1)} at step {s1}" if s1 != s0 else "")
                 for name, (s0, v0, s1, v1) in summary.get("evals", {}).items()
             ],
         ]

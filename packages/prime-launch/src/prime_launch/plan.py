@@ -53,9 +53,10 @@ def trained(run_dir: RunDir) -> bool:
         return False
 
 
-def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool) -> None:
+def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool, resumable: bool = True) -> None:
     """Refuse an output directory holding another run that trained, unless resuming or overwriting, and one whose
-    ``logs/``, ``configs/``... no run wrote (a start clears a failed start's, and ``--overwrite`` a run's)."""
+    ``logs/``, ``configs/``... no run wrote (a start clears a failed start's, and ``--overwrite`` a run's). The refusal
+    offers ``--resume`` only where the run has a checkpoint to resume from (``resumable``)."""
     for metrics in (run_dir.metrics, run_dir.root / "metrics.stopped.jsonl"):
         if not overwrite and os.path.lexists(metrics) and not metrics.is_file():
             # A FIFO there: the launcher's own read, and the appends (the processes', --resume's), wait in open for ever.
@@ -69,9 +70,11 @@ def check_output_dir(run_dir: RunDir, *, overwrite: bool, resume: bool) -> None:
         )
     found = existing_artifacts(run_dir)
     if found and not (overwrite or resume) and trained(run_dir):
+        # Before, --resume was offered for a run that kept no checkpoint, and --resume then refused it.
+        resume_it = "pass --resume to continue it, " if resumable else "it has no checkpoint to resume from; pass "
         raise FileExistsError(
-            f"output directory {run_dir.root} holds another run ({', '.join(found)}); pass --resume to continue it, "
-            "--overwrite to delete it and start afresh, or choose another --output-dir"
+            f"output directory {run_dir.root} holds another run ({', '.join(found)}); {resume_it}--overwrite to "
+            "delete it and start afresh, or choose another --output-dir"
         )
 
 

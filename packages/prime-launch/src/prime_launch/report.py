@@ -25,7 +25,8 @@ def plot_run(metrics_path: Path, out_path: Path, title: str | None = None) -> Pa
 
     records = read_metrics(metrics_path)
     if not records:
-        raise ValueError(f"no metrics in {metrics_path}")
+        why = "" if metrics_path.exists() else " (the run has not finished a step: it writes the file from its first)"
+        raise ValueError(f"no metrics in {metrics_path}{why}")
     panels = []
     for process, key, label in PANELS:
         data = series(records, process, key)

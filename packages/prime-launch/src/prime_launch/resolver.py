@@ -103,10 +103,7 @@ def _resume_step(rl: RLConfig, checkpoint_steps: tuple[int, ...], run_dir: RunDi
     resume_step = rl.trainer.ckpt.resume_step
     if rl.resume and resume_step is None:
         if not checkpoint_steps:
-            raise ValueError(
-                f"--resume: no checkpoint under {run_dir.checkpoints} to resume from (a checkpoint counts once its "
-                "trainer and orchestrator parts and the weights of its step are complete)"
-            )
+            raise ValueError(_nothing_to_resume(rl, run_dir))
         resume_step = checkpoint_steps[-1]
         if resume_step >= rl.trainer.max_steps:
             raise ValueError(
@@ -114,6 +111,21 @@ def _resume_step(rl: RLConfig, checkpoint_steps: tuple[int, ...], run_dir: RunDi
                 "is finished; raise --max-steps to train on"
             )
     return resume_step
+
+
+def _nothing_to_resume(rl: RLConfig, run_dir: RunDir) -> str:
+    """Why ``--resume`` finds no checkpoint, and what to do: before, a run that had finished, or saved none because
+    ``ckpt.interval`` was unset, was told only that there was no checkpoint."""
+    latest = run_dir.latest_stable_weight_step()
+    if latest is not None and latest >= rl.trainer.max_steps:
+        return (f"--resume: the run in {run_dir.root} has finished (final weights {run_dir.weight_step(latest)}) and "
+                "kept no checkpoint to train on from; --overwrite starts it afresh")  # fmt: skip
+    if rl.trainer.ckpt.interval is None:
+        why = "none is saved with ckpt.interval unset; set --ckpt.interval N for a run you may resume"
+    else:
+        why = "a checkpoint counts once its trainer and orchestrator parts and the weights of its step are complete"
+    return (f"--resume: no checkpoint under {run_dir.checkpoints} to resume from ({why}); --overwrite starts the run "
+            "afresh")  # fmt: skip
 
 
 def _inference_config(rl: RLConfig, place: Placement, run_dir: RunDir) -> InferenceConfig | None:

@@ -399,12 +399,24 @@ class RunWatchdog(Watchdog):
         super().check(finished)
 
 
+class RunEnded(Exception):
+    """The run ``prime-launch watch`` was pointed at had ended before the watch began (``prime_launch.run_end``):
+    ``code`` 0 when it finished, 1 when it stopped before; ``line`` says which."""
+
+    def __init__(self, code: int, line: str):
+        super().__init__(line)
+        self.code, self.line = code, line
+
+
 def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
-    """``prime-launch watch``: check until a process is stuck (``ProcessStuck``) or SIGTERM/SIGINT (return)."""
+    """``prime-launch watch``: check until a process is stuck (``ProcessStuck``) or SIGTERM/SIGINT (return);
+    ``RunEnded`` at once for a run that had ended before."""
     import os
     import signal
 
     from prime_core.run_dir import RunDir
+
+    from prime_launch.run_end import ended
 
     run_dir = RunDir(config.output_dir)
     dog = Watchdog(config.liveness, os.environ.get("PRIME_RUN_ID"), exits_known=False)
@@ -413,6 +425,8 @@ def watch_forever(config: WatchConfig, poll_s: float = 0.5) -> None:
     if config.trainer_ranks:
         ranks = [run_dir.progress_file("trainer", r) for r in range(config.trainer_ranks)]
         dog.watch("trainer", ranks, run_dir.log_file("trainer"))
+    if (outcome := ended({w.name: w.files for w in dog.processes.values()}, dog.run_id, run_dir)) is not None:
+        raise RunEnded(*outcome)
     api_key = os.environ.get(config.api_key_var) if config.api_key_var else None
     dog.probe(config.health_urls, api_key)
     dog.watch_helpers(run_dir.progress)

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from prime_core.config.base import BaseConfig
-from prime_core.config.shared import MAX_BATCH, MAX_SEQ_LEN, LogConfig, ModelConfig, Seed
+from prime_core.config.shared import MAX_BATCH, MAX_SEQ_LEN, LogConfig, ModelConfig, Seed, default_run_dir
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
@@ -223,8 +223,10 @@ class InferenceConfig(BaseConfig):
     ``max_off_policy_steps``."""
     seed: Seed = 0
     """Seed of requests that carry no seed of their own (and of vLLM's engine)."""
-    output_dir: Path = Path("outputs")
-    """Run directory; the log goes to ``<output_dir>/logs/inference.log``."""
+    output_dir: Path | None = None
+    """Run directory; the log goes to ``<output_dir>/logs/inference.log``. Unset: a directory of this server's own,
+    ``outputs/<model>-inference-<port>`` (``Qwen/Qwen3-0.6B`` on port 8000: ``outputs/Qwen-Qwen3-0.6B-inference-8000``;
+    ``rl`` gives the server it starts the run's directory)."""
     log: LogConfig = Field(default_factory=LogConfig)
     """Logging settings."""
     torch: TorchEngineConfig = Field(default_factory=TorchEngineConfig)
@@ -285,6 +287,13 @@ class InferenceConfig(BaseConfig):
         if self.model.lora is None:
             return 64
         return next(r for r in VLLM_LORA_RANKS if r >= self.model.lora.rank)
+
+    @model_validator(mode="after")
+    def _default_output_dir(self) -> InferenceConfig:
+        if self.output_dir is None:
+            self.output_dir = default_run_dir(self.model.name, f"inference-{self.server.port}")
+            self.__pydantic_fields_set__.discard("output_dir")  # still the default: rl gives it the run's directory
+        return self
 
     @model_validator(mode="after")
     def _check_exposure(self) -> InferenceConfig:

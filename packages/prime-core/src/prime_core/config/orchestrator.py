@@ -23,6 +23,7 @@ from prime_core.config.shared import (
     ModelConfig,
     MonitorConfig,
     Seed,
+    default_run_dir,
 )
 from prime_core.transport import RolloutTransportConfig
 
@@ -429,8 +430,9 @@ class EvalConfig(BaseConfig):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Model name sent to the server."""
-    output_dir: Path = Path("outputs")
-    """Results go to <output_dir>/eval/."""
+    output_dir: Path | None = None
+    """Results go to ``<output_dir>/eval/``. Unset: ``outputs/<what>-eval``, named after the run of ``weights_dir``
+    (``outputs/run-eval``), else the model (``outputs/Qwen-Qwen3-0.6B-eval``, ``outputs/run-step_60-eval``)."""
     environment_ids: list[str] = Field(default_factory=lambda: ["reverse-text"])
     """Environments to evaluate (comma separated on the CLI); ignored when ``env`` is set."""
     env_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
@@ -485,6 +487,7 @@ class EvalConfig(BaseConfig):
                 raise ValueError(
                     f"steps: no step_{missing[0]} under {self.weights_dir} (found: {', '.join(found) or 'nothing'})"
                 )
+        self.output_dir = self.output_dir or default_run_dir(str(self.weights_dir or self.model.name), "eval")
         return self
 
     def resolved_envs(self) -> list[EnvConfig]:

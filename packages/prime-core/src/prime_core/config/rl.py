@@ -186,6 +186,9 @@ def _share(data: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(sub, dict):
             continue
         sub = dict(sub)
+        if name == "inference" and not _is_set(data.get("output_dir")) and not _is_set(sub.get("output_dir")):
+            # The server rl starts shares the run's directory, not the one a lone `inference` would take.
+            sub["output_dir"] = _run_dir_of(data)
         fields = _PROCESS_CLASSES[name].model_fields
         for key in SHARED_FIELDS:
             value = data.get(key)
@@ -200,6 +203,13 @@ def _share(data: dict[str, Any]) -> dict[str, Any]:
     if conflicts:
         raise ValueError("shared fields conflict with sub-configs: " + "; ".join(conflicts))
     return data
+
+
+def _run_dir_of(data: dict[str, Any]) -> Any:
+    """The run directory without a shared ``output_dir``: the trainer's (default ``outputs``)."""
+    trainer = _as_dict(data.get("trainer"))
+    given = trainer.get("output_dir") if isinstance(trainer, dict) else None
+    return given if _is_set(given) else "outputs"
 
 
 def _paths(data: Any, prefix: str = "") -> list[str]:

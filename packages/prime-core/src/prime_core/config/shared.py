@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Literal
 from urllib.parse import urlparse
 
@@ -30,6 +31,21 @@ MAX_WORKERS = 1024
 """Processes or workers started for one part of a run."""
 # numpy's and vLLM's seeding take 0 .. 2**32 - 1; a larger seed overflowed in torch's generator with a traceback.
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+
+
+def default_run_dir(name: str, kind: str) -> Path:
+    """``outputs/<label>-<kind>``: the run directory of an ``inference`` or ``eval`` given no ``output_dir``, named as
+    the examples name theirs (``outputs/reverse-text-rl``) after what it serves or scores, so that two of them (or one
+    and an ``rl`` run in ``outputs``) do not mix their logs and results. ``name`` is a model (its last two parts:
+    ``Qwen/Qwen3-0.6B`` is ``Qwen-Qwen3-0.6B``), a checkpoint of a run (``outputs/run/weights/step_60`` is
+    ``run-step_60``) or a run's weights directory (``outputs/run/weights`` is ``run``)."""
+    parts = [p for p in PurePosixPath(name).parts if p not in ("/", ".", "..", "~")]
+    if len(parts) >= 3 and parts[-2] == "weights" and re.fullmatch(r"step_\d+", parts[-1]):
+        parts = [parts[-3], parts[-1]]
+    elif len(parts) >= 2 and parts[-1] == "weights":
+        parts = [parts[-2]]
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts[-2:])).strip("._-") or "model"
+    return Path("outputs") / f"{label}-{kind}"
 
 
 def _http_url(url: str) -> str:

@@ -12,7 +12,8 @@ commands:
   slurm sft @ sft.toml [--slurm.KEY VALUE ...] [--dry-run]   render (and sbatch) an SFT job
   report [--output-dir DIR] [--out PNG]                      plot reward and loss curves (alias: plot)
   watch --output-dir DIR [--trainer-ranks N] [--health-urls URL,...]
-                                                             the watchdog beside a job's processes (exit 1: stuck)
+                                                             the watchdog beside a job's processes (exit 1: stuck;
+                                                             a run that already ended: one line, 0 finished, 1 not)
   rewind --output-dir DIR --step N                           before a resume: drop the stopped run's later steps
 
 `prime-launch <command> --help` lists every option of a command.
@@ -101,6 +102,8 @@ def _report(argv: list[str]) -> int:
         """Figure title; default the run directory."""
 
     config = parse_cli(ReportConfig, argv, prog="prime-launch report")
+    if not config.output_dir.is_dir():  # before: `no metrics in <dir>/metrics.jsonl`, as for a run that logged none
+        return _fail(f"output-dir: {str(config.output_dir)!r} is not a run directory (no such directory)")
     from prime_launch.report import plot_run
 
     out = config.out or config.output_dir / "report.png"
@@ -117,12 +120,16 @@ def _watch(argv: list[str]) -> int:
     from prime_core.config.liveness import WatchConfig
 
     config = parse_cli(WatchConfig, argv, prog="prime-launch watch")
-    from prime_launch.watchdog import ProcessStuck, watch_forever
+    from prime_launch.watchdog import ProcessStuck, RunEnded, watch_forever
 
     try:
         watch_forever(config)
     except ProcessStuck as e:
         return _fail_run(e.cause)
+    except RunEnded as e:
+        if e.code:
+            return _fail_run(e.line)
+        print(e.line, flush=True)  # a finished run is no error: one line on stdout
     return 0
 
 
@@ -158,10 +165,24 @@ def _rewind(argv: list[str]) -> int:
                      f"{have}); rewind to the step the run resumes from")  # fmt: skip
     from prime_core.io import UnreadableFile
 
+    from prime_launch.run_end import running
+    from prime_launch.run_lock import lock_output_dir
+
+    # Before, a running run's rollouts, weights and the checkpoint being written went, and its trainer died.
     try:
+        lock = lock_output_dir(run_dir.root)  # held by a running `rl`
+    except FileExistsError as e:
+        return _fail(f"{e}; rewind only a stopped run")
+    try:
+        if live := running(run_dir):
+            return _fail(f"output-dir: {', '.join(live)} of the run in {run_dir.root} still running; rewind only a "
+                         "stopped run")  # fmt: skip
         print(rewind(run_dir, config.step) or f"nothing after step {config.step} to remove")
     except UnreadableFile as e:  # a metrics.jsonl it cannot set the redone steps' records aside from
         return _fail(str(e))
+    finally:
+        if lock is not None:
+            lock.close()
     return 0
 
 

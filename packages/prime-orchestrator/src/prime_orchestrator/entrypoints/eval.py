@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     except (RolloutsFailed, EnvServerFailed, WeightUpdateError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before: exit 130 without a word
+        print(f"eval: interrupted (SIGINT); weights scored in full before it: {_scored(config)}", flush=True)
         sys.exit(130)
     except Exception as e:
         # A full disk under the results: one line naming errno and file instead of a traceback.
@@ -54,6 +55,19 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {storage_error_line(found, config.output_dir)}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def _scored(config: Any) -> str:
+    """The labels ``eval/results.json`` holds (written also when the eval stops), and where."""
+    import json
+    from pathlib import Path
+
+    path = Path(config.output_dir) / "eval" / "results.json"
+    try:
+        labels = list(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return "none"
+    return f"{', '.join(labels)} ({path})" if labels else "none"
 
 
 def _check_env_settings(config: Any) -> None:

@@ -31,6 +31,9 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
     except (NonFiniteGradients, UnreadableFile, MonitorUnavailable) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C of a trainer on its own: before, a traceback from wherever the step was
+        print(interrupted_line(config), file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     except Exception as e:
         # A full disk (checkpoint, weights, logs): one line naming errno and path instead of a traceback.
         from prime_core.io import storage_error, storage_error_line
@@ -43,6 +46,22 @@ def run_training(train: Callable[[Any], None], config: Any) -> None:
         shutdown_world(wait_for_peers=finished)
     if finished:
         exit_without_finalizing()
+
+
+def interrupted_line(config: Any) -> str:
+    """What a trainer stopped by Ctrl-C says: where the run can resume from (its newest complete checkpoint)."""
+    from prime_core.config.trainer import SFTConfig
+    from prime_core.run_dir import RunDir
+
+    prog = "sft" if isinstance(config, SFTConfig) else "trainer"
+    steps = RunDir(config.output_dir).checkpoint_steps()
+    if steps:
+        resume = f"; resume from its newest checkpoint with --ckpt.resume-step {steps[-1]}"
+    else:
+        resume = "; it saved no checkpoint to resume from" + (
+            " (ckpt.interval is unset)" if config.ckpt.interval is None else ""
+        )
+    return f"{prog}: interrupted (SIGINT){resume}"
 
 
 def exit_without_finalizing() -> None:
