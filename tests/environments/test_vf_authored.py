@@ -1,0 +1,102 @@
+"""Environments written from verifiers' documentation alone (tests/fixtures/vf_envs: vf-typed-tools, vf-few-shot),
+under our ``eval`` and verifiers' own eval against one scripted server: the same rollouts, rewards and per-reward
+values, on the token-in route and the chat route.
+
+vf-typed-tools: the script calls the task's tool with its arguments (the Fahrenheit case leaves ``to`` at its
+default) and answers with the number the tool returned; the mean's answer is wordy (``concise`` = 0).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from tests.environments.test_vf_eval import _tool_call
+from tests.environments.test_vf_kinds import our_eval, vf_eval
+from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
+from tests.fixtures.scripted import ScriptedServer
+from tests.fixtures.vf import use_vf_envs
+from tests.orchestrator.test_vf_envs import decode, orchestrate, samples
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+CALLS = {
+    "17 plus 25": ("math_add", {"a": 17, "b": 25}),
+    "mean of 1, 2 and 4.5": ("math_mean", {"values": [1, 2, 4.5]}),
+    "100 degrees Celsius in kelvin": ("math_convert", {"celsius": 100, "to": "kelvin"}),
+    "20 degrees Celsius in Fahrenheit": ("math_convert", {"celsius": 20}),
+}
+
+
+def _tool_value(turn: str) -> str:
+    text = re.search(r"<tool_response>\s*(.*?)\s*</tool_response>", turn, re.S).group(1)
+    value = json.loads(text)
+    return str(next(iter(value.values())) if isinstance(value, dict) else value)
+
+
+def script(prompt: str) -> str | None:
+    last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
+    if m := re.fullmatch(r"What is the capital of (\w+)\?<\|im_end\|>\n<\|im_start\|>assistant\n", last_user):
+        return "<answer>" + {"Japan": "Tokyo", "Italy": "Roma"}.get(m.group(1), "?") + "</answer>"
+    for question, (tool, arguments) in CALLS.items():
+        if question in prompt:
+            if "<tool_response>" not in last_user:
+                return _tool_call(tool, **arguments)
+            answer = f"<answer>{_tool_value(last_user)}</answer>"
+            return f"The mean of the numbers you gave is {answer}" if tool == "math_mean" else answer
+    return None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = save_tiny_model(tmp_path_factory.mktemp("authored_model"), build_tool_tokenizer())
+    srv = ScriptedServer(model, script)
+    yield srv
+    srv.stop()
+
+
+def _per_rollout(rows: list[dict]) -> Counter:
+    return Counter((r["num_turns"], r["reward"], tuple(sorted(r["metrics"].items()))) for r in rows)
+
+
+def _theirs(traces) -> Counter:
+    return Counter(
+        (
+            t.num_turns,
+            t.reward,
+            tuple(sorted({**t.metrics, **{f"reward/{k}": v.score for k, v in t.rewards.items()}}.items())),
+        )
+        for t in traces
+    )
+
+
+NULL_AGENT = {"env": {"agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}}}
+
+
+@pytest.mark.parametrize("use_chat", [False, True], ids=["token-in", "chat"])
+def test_typed_tools_weighted_rewards_match_verifiers(server, tmp_path, monkeypatch, use_chat):
+    use_vf_envs(monkeypatch)
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-typed-tools", "harness": "null"}, use_chat=use_chat)
+    traces = vf_eval(tmp_path, server, "vf-typed-tools", use_chat=use_chat, **NULL_AGENT)
+    assert _per_rollout(rows) == _theirs(traces)
+
+
+@pytest.mark.parametrize("use_chat", [False, True], ids=["token-in", "chat"])
+def test_few_shot_keyed_rewards_match_verifiers(server, tmp_path, monkeypatch, use_chat):
+    # Japan is answered Tokyo (exact), Italy Roma (an alias): 0.5 each, from one function's two keyed scores.
+    use_vf_envs(monkeypatch)
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-few-shot", "harness": "null"}, use_chat=use_chat)
+    traces = vf_eval(tmp_path, server, "vf-few-shot", use_chat=use_chat, **NULL_AGENT)
+    assert _per_rollout(rows) == _theirs(traces)
+
+
+def test_few_shot_turns_of_the_prompt_are_not_trained(server, tmp_path, monkeypatch):
+    use_vf_envs(monkeypatch)
+    m = orchestrate(tmp_path, server.config.model.name, server.url, {"id": "vf-few-shot", "harness": "null"})
+    for ids, mask, _ in samples(tmp_path):
+        trained = decode(server, ids[mask])
+        assert "Paris" not in trained and "Madrid" not in trained, trained
+        assert trained.startswith("<answer>")
