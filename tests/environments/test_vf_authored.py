@@ -1,4 +1,5 @@
-"""Environments written from verifiers' documentation alone (tests/fixtures/vf_envs: vf-typed-tools, vf-few-shot),
+"""Environments written from verifiers' documentation alone (tests/fixtures/vf_envs: vf-typed-tools, vf-few-shot,
+vf-cart),
 under our ``eval`` and verifiers' own eval against one scripted server: the same rollouts, rewards and per-reward
 values, on the token-in route and the chat route.
 
@@ -37,8 +38,26 @@ def _tool_value(turn: str) -> str:
     return str(next(iter(value.values())) if isinstance(value, dict) else value)
 
 
+def cart_script(prompt: str) -> str | None:
+    """Adds one item per turn, checks out (not for the milk list: that total it answers unpaid) and answers."""
+    wanted = re.search(r"Shopping list: (.*?)\. Add each", prompt)
+    if wanted is None:
+        return None
+    items = [(item, int(n)) for n, item in re.findall(r"(\d+) (\w+)", wanted.group(1))]
+    done = prompt.count("<tool_response>")
+    if done < len(items):
+        return _tool_call("cart_add", item=items[done][0], quantity=items[done][1])
+    if items[0][0] == "milk":
+        return "<answer>4.09</answer>"
+    if done == len(items):
+        return _tool_call("cart_checkout")
+    return "<answer>" + _tool_value(prompt.rsplit("<|im_start|>user\n", 1)[-1]) + "</answer>"
+
+
 def script(prompt: str) -> str | None:
     last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
+    if "Shopping list:" in prompt:
+        return cart_script(prompt)
     if m := re.fullmatch(r"What is the capital of (\w+)\?<\|im_end\|>\n<\|im_start\|>assistant\n", last_user):
         return "<answer>" + {"Japan": "Tokyo", "Italy": "Roma"}.get(m.group(1), "?") + "</answer>"
     for question, (tool, arguments) in CALLS.items():
@@ -76,6 +95,7 @@ def _theirs(traces) -> Counter:
 NULL_AGENT = {"env": {"agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}}}
 
 
+@pytest.mark.slow  # a tool server per rollout: about 25 s per route
 @pytest.mark.parametrize("use_chat", [False, True], ids=["token-in", "chat"])
 def test_typed_tools_weighted_rewards_match_verifiers(server, tmp_path, monkeypatch, use_chat):
     use_vf_envs(monkeypatch)
@@ -96,7 +116,19 @@ def test_few_shot_keyed_rewards_match_verifiers(server, tmp_path, monkeypatch, u
 def test_few_shot_turns_of_the_prompt_are_not_trained(server, tmp_path, monkeypatch):
     use_vf_envs(monkeypatch)
     m = orchestrate(tmp_path, server.config.model.name, server.url, {"id": "vf-few-shot", "harness": "null"})
+    assert m["metrics/vf-few-shot/reward/exact"] == m["metrics/vf-few-shot/reward/alias"] == 0.5
     for ids, mask, _ in samples(tmp_path):
         trained = decode(server, ids[mask])
         assert "Paris" not in trained and "Madrid" not in trained, trained
         assert trained.startswith("<answer>")
+
+
+@pytest.mark.slow  # a tool server per rollout, 4 turns: about 45 s per route
+@pytest.mark.parametrize("use_chat", [False, True], ids=["token-in", "chat"])
+def test_tool_state_kept_across_turns_is_what_the_rewards_read(server, tmp_path, monkeypatch, use_chat):
+    # The apple list: 2 adds + checkout over 4 turns, all rewards 1 (2.5); the milk list: 2 adds, no checkout (2.0).
+    use_vf_envs(monkeypatch)
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-cart", "harness": "null"}, use_chat=use_chat)
+    traces = vf_eval(tmp_path, server, "vf-cart", use_chat=use_chat, **NULL_AGENT)
+    assert _per_rollout(rows) == _theirs(traces)
+    assert Counter(r["reward"] for r in rows) == Counter({2.5: 2, 2.0: 2})
