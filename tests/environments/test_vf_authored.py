@@ -10,6 +10,7 @@ default) and answers with the number the tool returned; the mean's answer is wor
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 
@@ -132,3 +133,24 @@ def test_tool_state_kept_across_turns_is_what_the_rewards_read(server, tmp_path,
     traces = vf_eval(tmp_path, server, "vf-cart", use_chat=use_chat, **NULL_AGENT)
     assert _per_rollout(rows) == _theirs(traces)
     assert Counter(r["reward"] for r in rows) == Counter({2.5: 2, 2.0: 2})
+
+
+def test_task_config_plugs_and_a_system_prompt_file_apply_as_in_verifiers(server, tmp_path, monkeypatch):
+    # verifiers' run-time task knobs through our env `args`: the keyed reward reweighted (0.5 -> 2), a metric plugged
+    # by import path, and the taskset's system_prompt file replacing each task's. vf-eval, given the same, agrees.
+    use_vf_envs(monkeypatch)
+    (tmp_path / "plugged_metric.py").write_text(
+        "async def reply_len(trace):\n    return float(len(trace.last_reply))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ['PYTHONPATH']}")
+    (tmp_path / "system.txt").write_text("Reply with the capital only, inside <answer></answer>.")
+    args = {
+        "system_prompt": str(tmp_path / "system.txt"),
+        "task": {"rewards": {"match": {"weight": 2.0}}, "metrics": {"reply_len": {"fn": "plugged_metric:reply_len"}}},
+    }
+    _, rows = our_eval(tmp_path, server, {"id": "vf-few-shot", "harness": "null", "args": args})
+    traces = vf_eval(tmp_path, server, "vf-few-shot", taskset=args, **NULL_AGENT)
+    assert _per_rollout(rows) == _theirs(traces)
+    assert {r["reward"] for r in rows} == {2.0} and {r["metrics"]["reply_len"] for r in rows} == {21.0, 22.0}
+    assert all(r["prompt"].startswith("[system] Reply with the capital only") for r in rows)
