@@ -1,5 +1,5 @@
 """Environments written from verifiers' documentation alone (tests/fixtures/vf_envs: vf-typed-tools, vf-few-shot,
-vf-cart),
+vf-cart, vf-relay),
 under our ``eval`` and verifiers' own eval against one scripted server: the same rollouts, rewards and per-reward
 values, on the token-in route and the chat route.
 
@@ -59,6 +59,8 @@ def script(prompt: str) -> str | None:
     last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
     if "Shopping list:" in prompt:
         return cart_script(prompt)
+    if m := re.search(r"Say (oak|elm|ash|fir|yew)\.<\|im_end\|>\n<\|im_start\|>assistant\n$", prompt):
+        return "pine" if m.group(1) == "elm" else m.group(1)  # vf-relay: every word but elm
     if m := re.fullmatch(r"What is the capital of (\w+)\?<\|im_end\|>\n<\|im_start\|>assistant\n", last_user):
         return "<answer>" + {"Japan": "Tokyo", "Italy": "Roma"}.get(m.group(1), "?") + "</answer>"
     for question, (tool, arguments) in CALLS.items():
@@ -154,3 +156,23 @@ def test_task_config_plugs_and_a_system_prompt_file_apply_as_in_verifiers(server
     assert _per_rollout(rows) == _theirs(traces)
     assert {r["reward"] for r in rows} == {2.0} and {r["metrics"]["reply_len"] for r in rows} == {21.0, 22.0}
     assert all(r["prompt"].startswith("[system] Reply with the capital only") for r in rows)
+
+
+@pytest.mark.slow  # an eval each side and two orchestrator steps: about 25 s
+def test_an_env_turn_of_several_messages_matches_verifiers(server, tmp_path, monkeypatch):
+    # vf-relay answers each reply with two user messages (feedback, next word); elm is missed: oak-elm-ash scores
+    # 2/3, elm-ash-fir 2/3, and each episode shows 5 user messages (the prompt, then 2 per env turn).
+    use_vf_envs(monkeypatch)
+    _, rows = our_eval(tmp_path, server, {"id": "vf-relay"})
+    traces = vf_eval(tmp_path, server, "vf-relay")
+    assert _per_rollout(rows) == _theirs(traces)
+    assert {(r["num_turns"], round(r["reward"], 4), r["metrics"]["user_messages"]) for r in rows} == {(3, 0.6667, 5.0)}
+    assert "[user] Wrong: you were asked for elm.\n[user] Say ash." in rows[0]["completion"]
+    # Training: one sample per episode holding all 3 turns; only the model's replies train.
+    orchestrate(tmp_path / "run", server.config.model.name, server.url, {"id": "vf-relay"})
+    for ids, mask, _ in samples(tmp_path / "run"):
+        assert "you were asked" in decode(server, ids) and "asked" not in decode(server, ids[mask])
+        assert decode(server, ids[mask]).replace("<|im_end|>", " ").split() in (
+            ["oak", "pine", "ash"],
+            ["pine", "ash", "fir"],
+        )
