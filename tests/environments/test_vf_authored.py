@@ -59,6 +59,8 @@ def script(prompt: str) -> str | None:
     last_user = prompt.rsplit("<|im_start|>user\n", 1)[-1]
     if "Shopping list:" in prompt:
         return cart_script(prompt)
+    if m := re.search(r"Say (\w+) in capitals\.<\|im_end\|>", prompt):  # vf-intercept: kiwi is not shouted
+        return m.group(1) if m.group(1) == "kiwi" else m.group(1).upper()
     if m := re.search(r"Say (oak|elm|ash|fir|yew)\.<\|im_end\|>\n<\|im_start\|>assistant\n$", prompt):
         return "pine" if m.group(1) == "elm" else m.group(1)  # vf-relay: every word but elm
     if m := re.fullmatch(r"What is the capital of (\w+)\?<\|im_end\|>\n<\|im_start\|>assistant\n", last_user):
@@ -176,3 +178,41 @@ def test_an_env_turn_of_several_messages_matches_verifiers(server, tmp_path, mon
             ["oak", "pine", "ash"],
             ["pine", "ash", "fir"],
         )
+
+
+@pytest.mark.slow  # an eval each side and two orchestrator steps: about 27 s
+def test_intercepted_requests_and_responses_match_verifiers(server, tmp_path, monkeypatch):
+    use_vf_envs(monkeypatch)
+    _, rows = our_eval(tmp_path, server, {"id": "vf-intercept", "harness": "null"})
+    traces = vf_eval(tmp_path, server, "vf-intercept", **NULL_AGENT)
+    assert _per_rollout(rows) == _theirs(traces)
+    assert Counter(r["reward"] for r in rows) == Counter({1.0: 2, 0.0: 2})
+    # verifiers keeps no token of a replaced reply (its node has none): training has nothing to learn from these
+    # episodes, and none fails. Every rollout failed, "inference server ... answered no sampled token in trace 0 (an
+    # empty completion)", and the step with it (RolloutsFailed).
+    assert all(not any(b.sampled_mask) for t in traces for b in t.branches)
+    m = orchestrate(tmp_path / "run", server.config.model.name, server.url, {"id": "vf-intercept", "harness": "null"})
+    assert m["failed/rollouts"] == 0 and m["reward/mean"] == 0.5
+
+
+def _trained(server, pairs) -> Counter:
+    """(the sampled text, the sequence's length) of every sequence that trains something."""
+    return Counter(
+        (decode(server, [i for i, m in zip(ids, mask, strict=True) if m]), len(ids)) for ids, mask in pairs if any(mask)
+    )
+
+
+@pytest.mark.slow  # two orchestrator steps and an eval each: 20-60 s per env
+@pytest.mark.parametrize("env_id", ["vf-few-shot", "vf-relay", "vf-typed-tools", "vf-cart"])
+def test_what_trains_is_what_verifiers_marks_sampled(server, tmp_path, monkeypatch, env_id):
+    use_vf_envs(monkeypatch)
+    env = {"id": env_id} if env_id == "vf-relay" else {"id": env_id, "harness": "null"}
+    orchestrate(
+        tmp_path / "run", server.config.model.name, server.url, env, sampling={"max_tokens": 48, "temperature": 1.0}
+    )
+    ours = _trained(server, [(ids.tolist(), mask.tolist()) for ids, mask, _ in samples(tmp_path / "run")])
+    traces = vf_eval(tmp_path, server, env_id, **({} if env_id == "vf-relay" else NULL_AGENT))
+    theirs = _trained(server, [(b.token_ids, b.sampled_mask) for t in traces for b in t.branches if b.trainable])
+    print(ours)
+    print(theirs)
+    assert ours == theirs
