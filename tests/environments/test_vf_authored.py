@@ -1,10 +1,10 @@
 """Environments written from verifiers' documentation alone (tests/fixtures/vf_envs: vf-typed-tools, vf-few-shot,
-vf-cart, vf-relay),
-under our ``eval`` and verifiers' own eval against one scripted server: the same rollouts, rewards and per-reward
-values, on the token-in route and the chat route.
+vf-cart, vf-relay, vf-intercept), under our ``eval`` and verifiers' own eval against one scripted server: the same
+rollouts, rewards and per-reward values, on the token-in route and the chat route, and the same tokens trained.
 
 vf-typed-tools: the script calls the task's tool with its arguments (the Fahrenheit case leaves ``to`` at its
-default) and answers with the number the tool returned; the mean's answer is wordy (``concise`` = 0).
+default; the mean's comes with a second, parallel call) and answers with the number the (first) tool returned; the
+mean's answer is wordy (``concise`` = 0).
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def script(prompt: str) -> str | None:
         return "<answer>" + {"Japan": "Tokyo", "Italy": "Roma"}.get(m.group(1), "?") + "</answer>"
     for question, (tool, arguments) in CALLS.items():
         if question in prompt:
-            if "<tool_response>" not in last_user:
-                return _tool_call(tool, **arguments)
+            if "<tool_response>" not in last_user:  # the mean with a second, parallel call
+                extra = _tool_call("math_add", a=1, b=2) if tool == "math_mean" else ""
+                return _tool_call(tool, **arguments) + extra
             answer = f"<answer>{_tool_value(last_user)}</answer>"
             return f"The mean of the numbers you gave is {answer}" if tool == "math_mean" else answer
     return None
@@ -107,6 +108,7 @@ def test_typed_tools_weighted_rewards_match_verifiers(server, tmp_path, monkeypa
     summary, rows = our_eval(tmp_path, server, {"id": "vf-typed-tools", "harness": "null"}, use_chat=use_chat)
     traces = vf_eval(tmp_path, server, "vf-typed-tools", use_chat=use_chat, **NULL_AGENT)
     assert _per_rollout(rows) == _theirs(traces)
+    assert Counter(r["metrics"]["tool_calls"] for r in rows) == Counter({1.0: 2, 2.0: 2})  # the mean's parallel call
 
 
 @pytest.mark.parametrize("use_chat", [False, True], ids=["token-in", "chat"])
