@@ -162,7 +162,7 @@ def test_task_config_plugs_and_a_system_prompt_file_apply_as_in_verifiers(server
     assert all(r["prompt"].startswith("[system] Reply with the capital only") for r in rows)
 
 
-@pytest.mark.slow  # an eval each side and two orchestrator steps: about 25 s
+@pytest.mark.slow  # an eval each side and two orchestrator steps: 9-25 s
 def test_an_env_turn_of_several_messages_matches_verifiers(server, tmp_path, monkeypatch):
     # vf-relay answers each reply with two user messages (feedback, next word); elm is missed: oak-elm-ash scores
     # 2/3, elm-ash-fir 2/3, and each episode shows 5 user messages (the prompt, then 2 per env turn).
@@ -182,7 +182,7 @@ def test_an_env_turn_of_several_messages_matches_verifiers(server, tmp_path, mon
         )
 
 
-@pytest.mark.slow  # an eval each side and two orchestrator steps: about 27 s
+@pytest.mark.slow  # an eval each side and two orchestrator steps (the fix's unit test: test_hostile_inference.py)
 def test_intercepted_requests_and_responses_match_verifiers(server, tmp_path, monkeypatch):
     use_vf_envs(monkeypatch)
     _, rows = our_eval(tmp_path, server, {"id": "vf-intercept", "harness": "null"})
