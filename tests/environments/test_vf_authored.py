@@ -130,13 +130,16 @@ def test_few_shot_turns_of_the_prompt_are_not_trained(server, tmp_path, monkeypa
         assert trained.startswith("<answer>")
 
 
-@pytest.mark.slow  # a tool server per rollout, 4 turns: about 45 s per route
-@pytest.mark.parametrize("use_chat", [False, True], ids=["token-in", "chat"])
-def test_tool_state_kept_across_turns_is_what_the_rewards_read(server, tmp_path, monkeypatch, use_chat):
+@pytest.mark.slow  # a tool server per rollout, 4 turns: about 20-45 s per case
+@pytest.mark.parametrize(("use_chat", "shared"), [(False, False), (True, False), (False, True)],
+                         ids=["token-in", "chat", "taskset-toolset"])  # fmt: skip
+def test_tool_state_kept_across_turns_is_what_the_rewards_read(server, tmp_path, monkeypatch, use_chat, shared):
     # The apple list: 2 adds + checkout over 4 turns, all rewards 1 (2.5); the milk list: 2 adds, no checkout (2.0).
+    # With `shared`, one cart server per env worker serves every rollout, each with its own state.
     use_vf_envs(monkeypatch)
-    summary, rows = our_eval(tmp_path, server, {"id": "vf-cart", "harness": "null"}, use_chat=use_chat)
-    traces = vf_eval(tmp_path, server, "vf-cart", use_chat=use_chat, **NULL_AGENT)
+    args = {"task": {"shared": shared}}
+    summary, rows = our_eval(tmp_path, server, {"id": "vf-cart", "harness": "null", "args": args}, use_chat=use_chat)
+    traces = vf_eval(tmp_path, server, "vf-cart", use_chat=use_chat, taskset=args, **NULL_AGENT)
     assert _per_rollout(rows) == _theirs(traces)
     assert Counter(r["reward"] for r in rows) == Counter({2.5: 2, 2.0: 2})
 
