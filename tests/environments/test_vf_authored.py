@@ -3,8 +3,8 @@ vf-cart, vf-relay, vf-intercept), under our ``eval`` and verifiers' own eval aga
 rollouts, rewards and per-reward values, on the token-in route and the chat route, and the same tokens trained.
 
 vf-typed-tools: the script calls the task's tool with its arguments (the Fahrenheit case leaves ``to`` at its
-default; the mean's comes with a second, parallel call) and answers with the number the (first) tool returned; the
-mean's answer is wordy (``concise`` = 0).
+default; the mean's comes with a second, parallel call, add(1, 2)) and answers with the number the last tool returned:
+the mean is answered 3 in a wordy reply (``correct`` = ``concise`` = 0).
 """
 
 from __future__ import annotations
