@@ -3,8 +3,9 @@ vf-cart, vf-relay, vf-intercept), under our ``eval`` and verifiers' own eval aga
 rollouts, rewards and per-reward values, on the token-in route and the chat route, and the same tokens trained.
 
 vf-typed-tools: the script calls the task's tool with its arguments (the Fahrenheit case leaves ``to`` at its
-default; the mean's comes with a second, parallel call, add(1, 2)) and answers with the number the last tool returned:
-the mean is answered 3 in a wordy reply (``correct`` = ``concise`` = 0).
+default; the sum comes after a parallel call the tool refuses, a value outside its ``Literal``; the mean with a
+second, parallel call, add(1, 2)) and answers with the number the last tool returned: the mean is answered 3 in a
+wordy reply (``correct`` = ``concise`` = 0).
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def script(prompt: str) -> str | None:
         return "<answer>" + {"Japan": "Tokyo", "Italy": "Roma"}.get(m.group(1), "?") + "</answer>"
     for question, (tool, arguments) in CALLS.items():
         if question in prompt:
-            if "<tool_response>" not in last_user:  # the mean with a second, parallel call
+            if "<tool_response>" not in last_user:  # the mean with a second, parallel call; the sum after a bad one
+                if tool == "math_add":
+                    return _tool_call("math_convert", celsius=1, to="rankine") + _tool_call(tool, **arguments)
                 extra = _tool_call("math_add", a=1, b=2) if tool == "math_mean" else ""
                 return _tool_call(tool, **arguments) + extra
             answer = f"<answer>{_tool_value(last_user)}</answer>"
@@ -108,7 +111,10 @@ def test_typed_tools_weighted_rewards_match_verifiers(server, tmp_path, monkeypa
     summary, rows = our_eval(tmp_path, server, {"id": "vf-typed-tools", "harness": "null"}, use_chat=use_chat)
     traces = vf_eval(tmp_path, server, "vf-typed-tools", use_chat=use_chat, **NULL_AGENT)
     assert _per_rollout(rows) == _theirs(traces)
-    assert Counter(r["metrics"]["tool_calls"] for r in rows) == Counter({1.0: 2, 2.0: 2})  # the mean's parallel call
+    assert Counter(r["metrics"]["tool_calls"] for r in rows) == Counter({2.0: 4})  # parallel calls
+    assert Counter(r["reward"] for r in rows) == Counter({1.75: 2, 0.5: 2})
+    refused = "Input should be 'fahrenheit' or 'kelvin'"  # the Literal's validation error, as the tool's answer
+    assert all(refused in r["completion"] for r in rows if r["reward"] == 1.75)
 
 
 @pytest.mark.parametrize("use_chat", [False, True], ids=["token-in", "chat"])
@@ -212,12 +218,10 @@ def _trained(server, pairs) -> Counter:
 def test_what_trains_is_what_verifiers_marks_sampled(server, tmp_path, monkeypatch, env_id):
     use_vf_envs(monkeypatch)
     env = {"id": env_id} if env_id == "vf-relay" else {"id": env_id, "harness": "null"}
-    orchestrate(
-        tmp_path / "run", server.config.model.name, server.url, env, sampling={"max_tokens": 48, "temperature": 1.0}
-    )
+    # seq_len holds the longest episode whole (typed tools' sum: 1127 tokens; a longer one trains cut at seq_len)
+    sampling = {"max_tokens": 48, "temperature": 1.0}
+    orchestrate(tmp_path / "run", server.config.model.name, server.url, env, seq_len=2048, sampling=sampling)
     ours = _trained(server, [(ids.tolist(), mask.tolist()) for ids, mask, _ in samples(tmp_path / "run")])
     traces = vf_eval(tmp_path, server, env_id, **({} if env_id == "vf-relay" else NULL_AGENT))
     theirs = _trained(server, [(b.token_ids, b.sampled_mask) for t in traces for b in t.branches if b.trainable])
-    print(ours)
-    print(theirs)
     assert ours == theirs
