@@ -28,6 +28,8 @@ NAMED = {"server": {"served_model_name": "m"}}
 
 
 def reply(prompt: str) -> str:
+    if "TWOCALLS" in prompt:
+        return TOOL_CALL_TEXT + "\n" + TOOL_CALL_TEXT.replace("Paris", "Rome")
     if "TOOLCALL" in prompt:
         return THINK_TEXT + TOOL_CALL_TEXT
     if "REASON" in prompt:
@@ -138,6 +140,20 @@ def test_fixed_tool_call_with_reasoning_streamed_and_not(parsing):
     # tool_choice none: no parsing of tool calls, the block stays in the content (reasoning is still separated)
     r = ask(parsing, "TOOLCALL", tools=TOOLS, tool_choice="none")
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content.strip() == TOOL_CALL_TEXT
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_as_vllm_and_openai(parsing):
+    # OpenAI: parallel_tool_calls=false, at most one call per turn; vLLM keeps the first (streamed: index 0 only).
+    # Ours returned both calls.
+    def cities(**kw):
+        calls = ask(parsing, "TWOCALLS", tools=TOOLS, **kw).choices[0].message.tool_calls
+        return [json.loads(c.function.arguments)["city"] for c in calls]
+
+    assert cities() == cities(parallel_tool_calls=True) == ["Paris", "Rome"]
+    assert cities(parallel_tool_calls=False) == ["Paris"]
+    s = streamed(parsing, "TWOCALLS", tools=TOOLS, parallel_tool_calls=False)
+    assert [json.loads(c["arguments"])["city"] for c in s["calls"].values()] == ["Paris"]
+    assert s["finish"] == "tool_calls"
 
 
 def test_fixed_think_block_streamed_and_not(parsing):

@@ -514,3 +514,15 @@ def test_a_finish_reason_no_turn_ends_with_fails_the_rollout_naming_the_server_a
 def test_the_finish_reasons_a_turn_ends_with_train(tmp_path, finish):
     _, results, _, _ = run_step(tmp_path, lambda b: answer([5, 6], finish=finish))
     assert not any(r.failed for r in results), [r.error for r in results]
+
+
+def test_a_trace_whose_replies_the_env_replaced_is_no_empty_completion():
+    # An `@vf.intercept` on the response replaces the reply; verifiers keeps none of its tokens. Such a trace trained
+    # nothing and failed its rollout as the server's "empty completion" (tests/environments/test_vf_authored.py).
+    from prime_orchestrator.sample_checks import check_sequences
+
+    def result(replaced: int) -> RolloutResult:
+        return RolloutResult(env="e", example=0, traces=[TraceResult(reward=1.0, replaced_replies=replaced)])
+
+    assert check_sequences(result(1), vocab=None) is None
+    assert check_sequences(result(0), vocab=None) == "no sampled token in trace 0 (an empty completion)"

@@ -101,3 +101,21 @@ def test_context_overflow_is_judged_as_verifiers_chat_program_judges_it(status, 
     from prime_chat.harness import context_overflow
 
     assert context_overflow(status, text) is overflow
+
+
+def test_the_first_messages_are_those_verifiers_chat_program_sends():
+    # verifiers' program (harnesses/utils/core.py) opens with the system prompt, then the prompt's messages, or a
+    # user message for a non-empty prompt string (`elif args.prompt`); prime-chat sent an empty user message for "".
+    from prime_chat.harness import initial_messages
+    from verifiers.v1.types import AssistantMessage, UserMessage
+
+    system = {"role": "system", "content": "be brief"}
+    assert initial_messages("be brief", "") == [system]
+    assert initial_messages("be brief", "hi") == [system, {"role": "user", "content": "hi"}]
+    assert initial_messages(None, None) == []
+    shots = [UserMessage(content="a?"), AssistantMessage(content="A"), UserMessage(content="b?")]
+    assert [(m["role"], m["content"]) for m in initial_messages(None, shots)] == [
+        ("user", "a?"),
+        ("assistant", "A"),
+        ("user", "b?"),
+    ]

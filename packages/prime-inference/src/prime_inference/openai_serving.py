@@ -170,6 +170,8 @@ def chat_view(state: ServerState, req: ChatCompletionRequest, choice: Choice, ch
         parsed = state.parser.parse(ids, text, parse_tools, choice.params.skip_special_tokens, final, thinking)
         reasoning, content, calls = parsed.reasoning, parsed.content, parsed.tool_calls
         content = (content or "") if is_forced else content
+    if req.parallel_tool_calls is False:  # vLLM and OpenAI: the first call only
+        calls = calls[:1]
     # OpenAI's finish reasons, as vLLM gives them: tool_calls for auto and required, stop for a named function.
     called = choice_of_tool == "auto" or (choice_of_tool == "required" and (streaming or finish == "stop"))
     if finish is not None and calls and called:

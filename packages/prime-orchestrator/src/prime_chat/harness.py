@@ -89,8 +89,8 @@ class Answered:
 
 def initial_messages(system_prompt: str | None, prompt: Any) -> list[dict]:
     messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    if isinstance(prompt, str):
-        messages.append({"role": "user", "content": prompt})
+    if isinstance(prompt, str):  # verifiers' program sends no user message for an empty prompt string
+        messages += [{"role": "user", "content": prompt}] if prompt else []
     elif prompt is not None:
         messages += [message_to_wire(m) for m in prompt]
     return messages

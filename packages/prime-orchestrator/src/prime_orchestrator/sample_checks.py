@@ -38,7 +38,9 @@ def vocab_size(model_dir: str) -> int | None:
 def check_sequences(result: RolloutResult, *, vocab: int | None) -> str | None:
     """The first value of ``result``'s trained sequences that no real policy samples, in one line; None if none."""
     for t, trace in enumerate(result.traces):
-        if trace.trainable and not any(True in seq.loss_mask for seq in trace.sequences):
+        # A trace whose replies the env replaced (an `@vf.intercept` on the response) holds none of their tokens.
+        empty = not any(True in seq.loss_mask for seq in trace.sequences)
+        if trace.trainable and empty and not trace.replaced_replies:
             return f"no sampled token in trace {t} (an empty completion)"
         for s, seq in enumerate(trace.sequences):
             where = f"trace {t} sequence {s}"

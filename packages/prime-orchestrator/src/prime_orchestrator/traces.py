@@ -77,6 +77,7 @@ def trace_result(trace: Any, trains: bool) -> TraceResult:
         reward=float(trace.reward),
         metrics=metrics,
         num_turns=trace.num_turns,
+        replaced_replies=len(trace.response_rewrites),
         sequences=_sequences(trace) if trains else [],
     )
 

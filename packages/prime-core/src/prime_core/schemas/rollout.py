@@ -129,6 +129,10 @@ class TraceResult(BaseModel):
     """Its named rewards (``reward/<name>``, weighted as they count in ``reward``) and metrics."""
     num_turns: int = 0
     """Model turns it sampled."""
+    replaced_replies: int = 0
+    """Model replies the environment replaced before anything read them (verifiers' ``response_rewrites`` of an
+    ``@vf.intercept`` on the response): verifiers keeps none of their tokens, so a trace of only such replies trains
+    nothing and is no empty completion."""
     sequences: list[TrainedSequence] = Field(default_factory=list)
     """Its trainable branches (none for an untrainable seat)."""
 
