@@ -65,11 +65,12 @@ def test_an_over_long_line_is_skipped_without_being_held(tmp_path, monkeypatch):
 
 def test_a_fifo_is_refused_by_the_summary_in_one_line_and_the_run_report_stands(tmp_path):
     """``rl``'s closing summary names the file and goes on (the run's outcome is already decided)."""
+    from prime_core.run_dir import RunDir
     from prime_launch.launcher import _report
 
     os.mkfifo(tmp_path / "metrics.jsonl")
     said: list[str] = []
-    plan = SimpleNamespace(runs={}, run_dir=SimpleNamespace(metrics=tmp_path / "metrics.jsonl"))
+    plan = SimpleNamespace(runs={}, run_dir=RunDir(tmp_path))
     _report(plan, SimpleNamespace(message=said.append), succeeded=False)
     assert said == [f"rl: no summary: {tmp_path / 'metrics.jsonl'}: not a regular file (a metrics file is one)"]
 

@@ -15,6 +15,7 @@ import shutil
 import stat
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -321,3 +322,13 @@ def writing(what: str, path: str | os.PathLike) -> Iterator[None]:
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         raise_storage_error(e, path, what)
         raise
+
+
+def file_crc32(path: str | os.PathLike) -> str:
+    """A file's CRC-32 as the checksum files hold it (8 hex digits: weights' ``checksums.json``, checkpoints' sums);
+    only a regular file is opened (`open_regular`)."""
+    crc = 0
+    with open_regular(path) as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from prime_core.io import file_crc32
 from safetensors.torch import save_file
 
 from prime_models.loading import INDEX_FILE
@@ -153,19 +154,11 @@ def _written_crc32(path: Path, tensors: dict[str, torch.Tensor]) -> str:
         tensor = tensors[name]
         begin, end = entry["data_offsets"]
         if begin != offset or tensor.device.type != "cpu" or end - begin != tensor.numel() * tensor.element_size():
-            return _read_crc32(path)
+            return file_crc32(path)
         if end > begin:
             crc = zlib.crc32(tensor.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
         offset = end
-    return f"{crc:08x}" if len(header) + offset == path.stat().st_size else _read_crc32(path)
-
-
-def _read_crc32(path: Path) -> str:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+    return f"{crc:08x}" if len(header) + offset == path.stat().st_size else file_crc32(path)
 
 
 def _place_shards(out: Path, shards: list[Path], shard_keys: list[list[str]], total_bytes: int) -> list[str]:

@@ -32,6 +32,7 @@ from prime_core.io import (
     STABLE_MARKER,
     UnreadableFile,
     atomic_write_json,
+    file_crc32,
     first_line,
     is_stable,
     mark_stable,
@@ -52,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from prime_trainer.ckpt_safe import SafeLoadPlanner, SafeReader, load_rng_state, rng_state, set_rng_state
-from prime_trainer.ckpt_sums import CrcFileSystemWriter, file_crc32
+from prime_trainer.ckpt_sums import CrcFileSystemWriter
 from prime_trainer.world import World
 
 logger = logging.getLogger("prime.trainer")

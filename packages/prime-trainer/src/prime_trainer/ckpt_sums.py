@@ -3,7 +3,7 @@
 DCP's ``FileSystemWriter`` opens every file it writes (data shards, ``.metadata``) through its ``fs.create_stream``;
 ``CrcFileSystemWriter`` swaps in a file system whose streams sum what passes through them. A stream that is seeked,
 truncated or short-written cannot vouch for its file: that file's CRC is left unknown and read back from disk instead
-(``file_crc32``), as every file was before.
+(`prime_core.io.file_crc32`), as every file was before.
 
 A CRC of the bytes handed to ``write()`` is not a read-back check of the disk: a disk that stores other bytes is not
 caught at save. That is the right trade: the checksums exist for resume, which CRCs every file on disk before
@@ -23,16 +23,6 @@ from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-
-
-def file_crc32(path: Path) -> str:
-    """A file's CRC-32 as checksums.json holds it (8 hex digits), read from disk."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
-
 
 # A write at least this long is summed on a helper thread while the file takes it (both release the GIL): the CRC
 # costs about as much as the copy into the page cache, and side by side it adds next to nothing to the save.

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from prime_core.io import UnreadableFile, atomic_write_json, atomic_write_text, open_regular, read_regular
+from prime_core.io import UnreadableFile, atomic_write_json, atomic_write_text, file_crc32, read_regular
 from prime_core.schemas.adapters import ADAPTER_INFO, ADAPTER_NAME_PATTERN, AdapterInfo, is_adapter_dir
 
 BROADCAST_FILE = "broadcast.json"
@@ -275,15 +274,6 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> Path:
 
 class ChangedWeights(ValueError):
     """A file of a published weights step that does not hold what the trainer wrote (its checksum differs)."""
-
-
-def file_crc32(path: str | os.PathLike) -> str:
-    """A file's CRC-32 as ``checksums.json`` holds it (8 hex digits); only a regular file is opened."""
-    crc = 0
-    with open_regular(path) as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
 
 
 def write_checksums(directory: str | os.PathLike, written: dict[str, str]) -> dict[str, str]:
