@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from provenance import tree_commit
+from provenance import add_record, tree_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,10 +93,7 @@ def main() -> None:
               "save_median_s": round(statistics.median(walls), 3),
               "read_back_crc_median_s": round(statistics.median(reads), 3)}  # fmt: skip
     print(json.dumps(record))
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results[args.label or record["commit"]] = record
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    add_record(args.out, args.label, record)
 
 
 if __name__ == "__main__":

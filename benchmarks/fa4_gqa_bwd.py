@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_timing import cuda_ms  # noqa: E402
+from cuda_timing import cuda_ms, kernel_record  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 8, 128, 28
 
@@ -112,27 +110,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="16384,65536")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--commit", default="")
+    ap.add_argument("--commit", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import torch
 
-    commit = (
-        args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    record = kernel_record(
+        "fa4_gqa_bwd",
+        args.commit,
+        shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, causal=True, dtype="bfloat16"),
+        baseline="varlen_gqa (the trainer's FA4 op) and sdpa_cudnn (the default without FA4)",
+        rows=[],
+        max_rel_grad_diff_vs_varlen_gqa_at_4096=_check_same(4096),
     )
-    record = {
-        "benchmark": "fa4_gqa_bwd",
-        "device": torch.cuda.get_device_name(),
-        "commit": commit.strip(),
-        "vocab_size": None,
-        "shape": dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, causal=True, dtype="bfloat16"),
-        "software": dict(
-            torch=torch.__version__, cudnn=torch.backends.cudnn.version(), python=platform.python_version()
-        ),
-        "baseline": "varlen_gqa (the trainer's FA4 op) and sdpa_cudnn (the default without FA4)",
-        "rows": [],
-        "max_rel_grad_diff_vs_varlen_gqa_at_4096": _check_same(4096),
-    }
     for seq in (int(s) for s in args.seqs.split(",")):
         flops_fwd = 2 * 2 * seq * seq * HEADS * HEAD_DIM / 2
         for name, make in _variants(seq).items():

@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_timing import cuda_ms  # noqa: E402
+from cuda_timing import cuda_ms, kernel_record  # noqa: E402
 from fa4_gqa_bwd import HEAD_DIM, HEADS, LAYERS, _variants  # noqa: E402
 
 _BWD_DEFAULT = dict(
@@ -113,24 +111,18 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--kinds", default="bwd,fwd", help="bwd, fwd or both, in the order given")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no new configuration is started after this")
-    ap.add_argument("--commit", default="")
+    ap.add_argument("--commit", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import torch
 
-    commit = (
-        args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    record = kernel_record(
+        "fa4_tiles",
+        args.commit,
+        shape=dict(heads=HEADS, kv_heads=8, head_dim=HEAD_DIM, causal=True, dtype="bfloat16", varlen_rows=1),
+        baseline="FA4's own sm90 configuration (row 'default' of each kind)",
+        rows=[],
     )
-    record = {
-        "benchmark": "fa4_tiles",
-        "device": torch.cuda.get_device_name(),
-        "commit": commit.strip(),
-        "vocab_size": None,
-        "shape": dict(heads=HEADS, kv_heads=8, head_dim=HEAD_DIM, causal=True, dtype="bfloat16", varlen_rows=1),
-        "software": dict(torch=torch.__version__, python=platform.python_version()),
-        "baseline": "FA4's own sm90 configuration (row 'default' of each kind)",
-        "rows": [],
-    }
 
     def save() -> None:
         tmp = args.out + ".tmp"

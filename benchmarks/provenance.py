@@ -27,3 +27,14 @@ def tree_commit(explicit: str | None = None, root: Path = ROOT) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return head.stdout.strip() or "unknown"
+
+
+def add_record(out: Path, label: str | None, record: dict) -> None:
+    """Keep ``record`` in the JSON file ``out`` (an object of label -> record) under ``label``, else its commit: a
+    record of another host or commit in the same file stays."""
+    import json
+
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results[label or record["commit"]] = record
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from prime_core.config import load_config
 from prime_core.config.trainer import TrainerConfig
-from provenance import tree_commit
+from provenance import add_record, tree_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::masked_select")
@@ -141,10 +141,7 @@ def main() -> None:
               "sync_ops_per_micro_batch": per_micro_batch(one["sync_ops"], eight["sync_ops"]),
               "python_calls_per_micro_batch": sum(calls.values()), "top_python_calls_per_micro_batch": dict(list(calls.items())[:20]),
               "cases": cases}  # fmt: skip
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results[args.label or record["commit"]] = record
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    add_record(args.out, args.label, record)
     print(json.dumps({k: v for k, v in record.items() if k != "cases"}, indent=1))
     for name, c in cases.items():
         print(name, f"{c['step_s_median'] * 1e3:.1f} ms", c["sync_ops"])

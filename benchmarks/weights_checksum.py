@@ -26,7 +26,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from provenance import tree_commit
+from provenance import add_record, tree_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,10 +94,7 @@ def main() -> None:
               "repeats": args.repeats, "s_per_gib": per_gib,
               "publish_overhead": round(per_gib["publish/crc32_from_memory"] / per_gib["publish/save_file"], 3)}  # fmt: skip
     print(json.dumps(record, indent=1))
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results[args.label or record["commit"]] = record
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    add_record(args.out, args.label, record)
 
 
 if __name__ == "__main__":
