@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from prime_core.config import parse_cli
 from prime_core.config.rl import RLConfig
+from prime_core.config.shared import default_run_dir
 from prime_core.config.trainer import SFTConfig, TrainerConfig
 from prime_core.io import mark_stable
 
@@ -381,3 +382,19 @@ def test_a_key_of_a_section_or_of_another_command_says_where_it_belongs(capsys, 
     assert err == f"error: file {sft_toml}: unknown key 'data.path' (an option of sft)"
     err = error_line(capsys, TrainerConfig, "--max-step", "3")
     assert err == "error: CLI --max-step: unknown key 'max-step' (did you mean 'max-steps'?)"
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("Qwen/Qwen3-0.6B", "outputs/Qwen-Qwen3-0.6B-eval"),
+        ("outputs/run/weights/step_60", "outputs/run-step_60-eval"),
+        ("../../..", "outputs/model-eval"),
+        (f"/models/{'a' * 255}/{'b' * 255}", f"outputs/{'a' * 128}-eval"),
+    ],
+)
+def test_the_default_run_directory_of_any_model_name_is_one_creatable_directory_under_outputs(tmp_path, name, expected):
+    """A model's name (two path parts of up to 255 characters each) names an eval's directory that can be made."""
+    run_dir = default_run_dir(name, "eval")
+    assert str(run_dir) == expected
+    (tmp_path / run_dir).mkdir(parents=True)

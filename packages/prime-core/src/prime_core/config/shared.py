@@ -33,6 +33,10 @@ MAX_WORKERS = 1024
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
+MAX_RUN_LABEL = 128
+"""Characters of a model's name kept in its default run directory: two path parts joined can exceed a file name's 255."""
+
+
 def default_run_dir(name: str, kind: str) -> Path:
     """``outputs/<label>-<kind>``: the run directory of an ``inference`` or ``eval`` given no ``output_dir``, named as
     the examples name theirs (``outputs/reverse-text-rl``) after what it serves or scores, so that two of them (or one
@@ -44,7 +48,7 @@ def default_run_dir(name: str, kind: str) -> Path:
         parts = [parts[-3], parts[-1]]
     elif len(parts) >= 2 and parts[-1] == "weights":
         parts = [parts[-2]]
-    label = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts[-2:])).strip("._-") or "model"
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts[-2:])).strip("._-")[:MAX_RUN_LABEL] or "model"
     return Path("outputs") / f"{label}-{kind}"
 
 
