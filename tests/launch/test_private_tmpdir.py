@@ -68,3 +68,22 @@ def test_a_temp_dir_too_deep_for_sockets_is_left_as_it_is(tmp_path, monkeypatch)
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
     manager = ProcessManager(watchdog=False)
     assert manager._private_temp_dir("orchestrator") is None and not deep.exists()
+
+
+def test_compile_caches_stay_where_they_are_without_a_private_temp_dir(tmp_path, temp, monkeypatch):
+    """torch inductor's and FlashAttention-4's caches default to the temp dir: a child's private TMPDIR would move
+    them into a directory removed after the run (compiled again every run)."""
+    import torch._inductor.runtime.cache_dir_utils as inductor
+
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    manager = ProcessManager(watchdog=False, run_id="r2")
+    log = tmp_path / "env.log"
+    show = "import os; print(os.environ['TMPDIR'], os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['FLASH_ATTENTION_CUTE_DSL_CACHE_DIR'])"
+    manager.start(ProcessSpec("trainer", [sys.executable, "-c", show], log)).wait(timeout=60)
+    manager.stop_all()
+    manager.close()
+    private, inductor_dir, fa4_dir = log.read_text().split()
+    assert Path(private).parent == manager.temp_root
+    assert inductor_dir == inductor.default_cache_dir()  # as the launcher, with the shared temp dir, sees it
+    assert Path(fa4_dir).parent.parent == temp  # FA4's <temp>/<user>/flash_attention_cute_dsl_cache

@@ -16,7 +16,8 @@ Every child gets a private ``TMPDIR`` (``<temp dir>/prime-<run id>-<tag>/<name>`
 the launch's processes are gone, however they ended: by ``stop_all``, or by the watchdog after a ``kill -9`` of the
 launcher. A process that had to be SIGKILLed (its main thread stuck in C past SIGTERM's grace) runs no exit handler,
 and left its multiprocessing forkserver directory (``pymp-*``), vLLM's IPC sockets and the like in the shared temp
-dir. torch's compile cache stays where torch puts it by default (``TORCHINDUCTOR_CACHE_DIR``), so it outlives the run.
+dir. Compile caches kept in the temp dir (torch inductor's, FlashAttention-4's) stay where they are by default
+(`temp_dir_caches`), so they outlive the run.
 """
 
 from __future__ import annotations
@@ -272,11 +273,20 @@ def _short(name: str, limit: int) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:limit]
 
 
-def inductor_cache_dir() -> str:
-    """Where torch's compile cache goes by default (``torch._inductor``'s ``default_cache_dir``), from the temp dir
-    the launcher sees: a child's private TMPDIR must not move it (it would be compiled again every run)."""
-    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+def temp_dir_caches() -> dict[str, str]:
+    """Compile caches that live in the temp dir by default, where the launcher sees it: a child's private TMPDIR must
+    not move them (they would be built again every run, and removed with it). torch inductor's
+    (``torch._inductor``'s ``default_cache_dir``) and FlashAttention-4's CuTe-DSL kernels (``flash_attn.cute``'s
+    ``get_cache_path``, used under ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1``)."""
+    user = getpass.getuser()
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(
+            tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+        ),
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": os.path.join(
+            tempfile.gettempdir(), user, "flash_attention_cute_dsl_cache"
+        ),
+    }
 
 
 class ProcessManager:
@@ -347,7 +357,7 @@ class ProcessManager:
         self._log_handles.append(log)
         env = {**os.environ, **spec.env, LAUNCH_TAG: self.tag}
         if "TMPDIR" not in spec.env and (private := self._private_temp_dir(spec.name)) is not None:
-            env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+            env = {**temp_dir_caches(), **env}
             env["TMPDIR"] = str(private)
         proc = subprocess.Popen(
             spec.cmd,
