@@ -33,15 +33,16 @@ def test_a_server_restarted_at_step_0_mid_run_ends_the_run_in_one_line(tmp_path,
     steps = 8
     config = make_config(tmp_path, tiny_model, server, max_steps=steps, async_level=1, max_off_policy_steps=1,
                          num_trainer_ranks=1, log_extras={"interval": 1, "num_samples": 64})  # fmt: skip
-    restart_done = threading.Event()
+    restart_done, run_ended = threading.Event(), threading.Event()
 
     def hold(step: int) -> None:
-        # Weights 3 wait until the restarted server has been polled (/health, every load_poll_interval = 1 s): on a
-        # fast host the orchestrator had shipped step 3 and sampled nothing on the restarted server, the relay loaded
-        # step 3 at once, and there was nothing to see (harmless, but then this test saw no end).
+        # Weights 3 wait for the end of the run (at most BOUND_S after the restart): if the relay loaded them before
+        # the restarted server was seen (on a fast host the orchestrator had shipped step 3 and sampled nothing on it;
+        # under CI's load a 2.5 s hold saw no /health answer within its 1 s bound), the step went from 0 to 3 and
+        # there was nothing to see: harmless, but then this test saw no end.
         if step == 3:
             restart_done.wait(120)
-            time.sleep(2.5)
+            run_ended.wait(BOUND_S)
 
     fake_trainer(tmp_path, tiny_model, steps, hold=hold)
     orch = Orchestrator(config)
@@ -61,6 +62,7 @@ def test_a_server_restarted_at_step_0_mid_run_ends_the_run_in_one_line(tmp_path,
             async with asyncio.timeout(240):  # before the fix: no batch after the restart, no message, no end
                 await orch.run()
         finally:
+            run_ended.set()
             helper.cancel()
 
     try:

@@ -207,7 +207,9 @@ class ConcurrencyLimiter:
         self._waiters: collections.deque[asyncio.Future] = collections.deque()
         self._task: asyncio.Task | None = None
         self.fault: ServerChanged | None = None
-        """Raised to every rollout that asks for a slot once a poll found it: the run stops on its one line."""
+        """Raised to every rollout that asks for a slot once a poll found it, and by `raise_fault`: the run stops on
+        its one line."""
+        self._fault_found = asyncio.Event()
 
     @classmethod
     def from_config(cls, client: ClientConfig) -> ConcurrencyLimiter:
@@ -300,6 +302,7 @@ class ConcurrencyLimiter:
             except ServerChanged as e:
                 logger.error("%s", e)
                 self.fault = e
+                self._fault_found.set()
                 for waiter in self._waiters:
                     if not waiter.done():
                         waiter.set_exception(e)
@@ -307,6 +310,14 @@ class ConcurrencyLimiter:
             except Exception:  # the limit must never take the run down: it holds instead
                 logger.exception("reading the inference servers' load failed; the concurrency limit holds")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+
+    async def raise_fault(self) -> None:
+        """Never returns: raises the `ServerChanged` a poll found, as soon as it is found. While the orchestrator waits
+        for the trainer no rollout asks for a slot, and a server restarted then stayed unnamed until the next weights
+        came (and, where the relay loaded them first, for good)."""
+        await self._fault_found.wait()
+        assert self.fault is not None
+        raise self.fault
 
     async def poll_once(self) -> EngineLoad | None:
         """Poll every server once and move the limit; None (limit unchanged) unless every server reported its load."""

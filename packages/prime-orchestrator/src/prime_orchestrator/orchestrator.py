@@ -446,9 +446,10 @@ class Orchestrator:
         continuous = c.max_off_policy_steps is not None
         producer = asyncio.create_task((Continuous(self).rollout_loop if continuous else self.rollout_loop)(buffer))
         consumer = asyncio.create_task(self.ship_loop(buffer))
+        server_changed = asyncio.create_task(self.semaphore.raise_fault())
         try:
-            # Run until every batch shipped; a failure in any loop (or the weight relay) ends the run.
-            pending = {producer, consumer, watcher}
+            # Run until every batch shipped; a failure in any loop (the weight relay, a server's /health) ends the run.
+            pending = {producer, consumer, watcher, server_changed}
             while not consumer.done():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
@@ -461,7 +462,7 @@ class Orchestrator:
                 await self._eval_final()
             logger.info("finished %d steps", len(self.shipped))
         finally:
-            for t in (watcher, producer, consumer, *self._eval_tasks):
+            for t in (watcher, producer, consumer, server_changed, *self._eval_tasks):
                 t.cancel()
             while not buffer.empty():
                 if (item := buffer.get_nowait()) is not None:
