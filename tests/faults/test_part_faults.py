@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import time
+from multiprocessing import forkserver
 
 import pytest
 from prime_core.progress import PROGRESS_DIR_VAR, read_progress
@@ -220,6 +221,9 @@ def test_a_sandbox_zygote_killed_or_stopped_is_replaced_by_its_pool(tmp_path, mo
 
     monkeypatch.setenv(PROGRESS_DIR_VAR, str(tmp_path / "progress"))  # the env worker's pool reports there
     (tmp_path / "progress").mkdir()
+    # The env servers fork from multiprocessing's forkserver, which writes to the stderr of the test that started it:
+    # a forkserver an earlier test started sends the pool's warning to that test's capture, not this one's.
+    forkserver._forkserver._stop()
     server = ScriptedServer(save_tiny_model(tmp_path / "model", build_tool_tokenizer()), reference_policy(50))
     env = {"id": "code-tasks", "args": {"num_examples": 50, "wall_s": 2}, "rollout_timeout": 300}
     # Long enough that the fault lands mid-run: a scripted reply is scored in about a second.
