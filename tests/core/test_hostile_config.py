@@ -44,6 +44,25 @@ def test_a_path_with_a_control_character_is_refused(capsys, tmp_path, bad):
     assert err.startswith(f"error: file {tmp_path}/t.toml: output-dir: the path holds the control character ")
 
 
+def test_a_name_too_long_for_the_filesystem_is_one_line_naming_the_field(capsys, tmp_path):
+    """A path part over NAME_MAX used to end in pathlib's ``OSError: [Errno 36] File name too long`` traceback (output
+    dir, model name, SFT dataset: ``Path.exists`` raises ENAMETOOLONG), and a 2 MB value came back whole in the error."""
+    long_part = "a" * 300
+    err = error_line(capsys, TrainerConfig, "--model.name", str(MODEL), "--output-dir", str(tmp_path / long_part / "b"))
+    assert err.startswith("error: CLI --output-dir: output-dir: the path has a part of 300 bytes ("), err
+    assert "a file name holds at most 255" in err and len(err) < 400
+    err = error_line(capsys, TrainerConfig, "--model.name", f"/tmp/{long_part}", "--output-dir", str(tmp_path))
+    assert err.startswith("error: CLI --model.name: model.name: '/tmp/aaa") and "has a part of 300 bytes" in err, err
+    err = error_line(
+        capsys, SFTConfig, "--model.name", str(MODEL), "--data.path", long_part, "--output-dir", str(tmp_path)
+    )
+    assert err.startswith("error: CLI --data.path: data.path: ") and "has a part of 300 bytes" in err, err
+    (tmp_path / "t.toml").write_text(f'max_steps = "{"9" * 2_000_000}"\n')
+    err = error_line(capsys, TrainerConfig, "--model.name", str(MODEL), "@", str(tmp_path / "t.toml"))
+    assert err.startswith(f"error: file {tmp_path}/t.toml: max-steps: ") and err.endswith("(2000002 characters)"), err
+    assert len(err) < 400
+
+
 def test_a_newline_in_an_sbatch_field_is_refused_and_no_script_is_written(tmp_path):
     """``--slurm.job-name $'x\\necho hi'`` used to put ``echo hi`` on a line of its own in the rendered script."""
     out = tmp_path / "run"

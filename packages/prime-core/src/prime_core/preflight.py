@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import functools
 import importlib.util
 import json
 import os
@@ -31,6 +32,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from pydantic import BaseModel
+
+from prime_core.config.base import clipped_repr, path_length_error
 
 # huggingface_hub's repo id rule: ``name`` or ``namespace/name`` of these characters.
 _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
@@ -137,6 +140,20 @@ def _hub_unreachable(environ: dict[str, str]) -> str | None:
     return None
 
 
+def _too_long_refused(check):
+    """``check(text, ...)``, or why ``text`` cannot name a file at all: ``Path.exists`` raises on a name longer than
+    the filesystem takes (ENAMETOOLONG) instead of answering, so the user got a traceback for a mistyped name."""
+
+    @functools.wraps(check)
+    def guarded(text: str, *args: Any, **kwargs: Any) -> str | None:
+        if isinstance(text, str) and (why := path_length_error(text)):
+            return f"{clipped_repr(text)} {why}"
+        return check(text, *args, **kwargs)
+
+    return guarded
+
+
+@_too_long_refused
 def check_model_name(name: str, *, network: bool = True, environ: dict[str, str] | None = None) -> str | None:
     """Why ``name`` cannot be loaded, or None. ``network``: also check that a hub id not yet downloaded can be."""
     env = dict(os.environ if environ is None else environ)
@@ -192,6 +209,7 @@ def installed_env_ids() -> list[str]:
     return sorted(ids)
 
 
+@_too_long_refused
 def check_env_id(env_id: str) -> str | None:
     """Why environment ``env_id`` cannot be loaded, or None (also None where verifiers is not installed: the
     processes that load environments run elsewhere, e.g. a SLURM job submitted from a login node)."""
@@ -259,6 +277,7 @@ def check_writable(directory: str | os.PathLike) -> str | None:
 # ---------------------------------------------------------------- local files
 
 
+@_too_long_refused
 def check_local_path(text: str, what: str) -> str | None:
     """Why ``text``, meant as a local file or directory (a tokenizer, a dataset), is not there, or None."""
     if not text.strip():
@@ -268,6 +287,7 @@ def check_local_path(text: str, what: str) -> str | None:
     return f"no such file or directory {text!r} ({what})"
 
 
+@_too_long_refused
 def check_dataset(text: str) -> str | None:
     """Why an SFT dataset path cannot be read (see prime_trainer.sft.data.load_rows), or None."""
     path = Path(text).expanduser()
@@ -280,6 +300,7 @@ def check_dataset(text: str) -> str | None:
     return None
 
 
+@_too_long_refused
 def check_tokenizer_dir(name: str) -> str | None:
     """Why a local model directory has no tokenizer (inference, the orchestrator, eval and SFT tokenize with it), or
     None; a hub id or a missing directory is ``check_model_name``'s to judge."""

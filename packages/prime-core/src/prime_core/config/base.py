@@ -12,6 +12,28 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 MAX_WAIT_S = 7 * 24 * 3600
 
 
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4096
+
+
+def path_length_error(value: str) -> str | None:
+    """Why ``value`` cannot name a file on Linux (a part longer than NAME_MAX, or the whole longer than PATH_MAX), or
+    None. Python's ``Path.exists`` raises on such a path (ENAMETOOLONG) instead of answering False."""
+    size = len(value.encode(errors="surrogateescape"))
+    if size >= PATH_MAX_BYTES:
+        return f"is {size} bytes long: a path holds fewer than {PATH_MAX_BYTES}"
+    longest = max((part for part in value.split("/")), key=lambda part: len(part.encode(errors="surrogateescape")))
+    if (part_size := len(longest.encode(errors="surrogateescape"))) > NAME_MAX_BYTES:
+        return f"has a part of {part_size} bytes ({longest[:24]}...): a file name holds at most {NAME_MAX_BYTES}"
+    return None
+
+
+def clipped_repr(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to about ``limit`` characters: an error line echoes what the user gave, not megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
+
+
 def control_character_error(value: str) -> str | None:
     """Why a value that ends up in a file name or a shell script must not hold ``value``'s control character."""
     if (found := _CONTROL.search(value)) is None:
@@ -43,7 +65,9 @@ class BaseConfig(BaseModel):
         # --output=<dir>``), so the rest of the path runs as a command.
         paths = value if isinstance(value, list | tuple) else [value]
         for path in paths:
-            if isinstance(path, PurePath) and (why := control_character_error(str(path))):
+            if isinstance(path, PurePath) and (
+                why := control_character_error(str(path)) or path_length_error(str(path))
+            ):
                 raise ValueError(f"the path {why}")
         # A wait of 1e12 s is no bound, and past threading.TIMEOUT_MAX a lock's acquire raises OverflowError.
         name = info.field_name or ""

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from prime_core.config.base import ConfigError  # noqa: F401  (defined beside BaseConfig: a leaf every module can import)
+from prime_core.config.base import clipped_repr as clip
 from prime_core.config.introspect import (
     _fields_of,
     _is_bool_type,
@@ -145,11 +146,11 @@ def parse_scalar_text(text: str, annotation: Any) -> Any:
             try:
                 return tomllib.loads(f"v = {stripped}")["v"]
             except (tomllib.TOMLDecodeError, RecursionError) as e:
-                raise ValueError(f"cannot parse {text!r} as a list or table: {e or 'nested too deeply'}") from None
+                raise ValueError(f"cannot parse {clip(text)} as a list or table: {e or 'nested too deeply'}") from None
     if _is_list_type(annotation) and not _models_in(annotation):
         return [p.strip() for p in text.split(",") if p.strip()] if text.strip() else []
     if _is_dict_type(annotation):
-        raise ValueError(f"expected a JSON or TOML table like '{{\"k\": 1}}', got {text!r}")
+        raise ValueError(f"expected a JSON or TOML table like '{{\"k\": 1}}', got {clip(text)}")
     if not stripped and Path in _unwrap(annotation):
         raise ValueError("empty path (a path of '' would mean the current directory)")
     if stripped.lower() in ("none", "null") and type(None) in typing.get_args(annotation):
@@ -259,7 +260,7 @@ def collect_sources(
         elif token in ("--dry-run", "--dry_run"):
             parsed.dry_run, i = True, i + 1
         elif not token.startswith("--") or token == "--":
-            raise ConfigError(f"CLI: unexpected argument {token!r} (options look like --key value or @ file.toml)")
+            raise ConfigError(f"CLI: unexpected argument {clip(token)} (options look like --key value or @ file.toml)")
         elif _split_flag(token)[0] in extra_flags:
             i += 1
         elif _split_flag(token)[1] is None and i + 1 < len(tokens) and tokens[i + 1].startswith("@"):
@@ -364,7 +365,9 @@ def _flag(model: type[BaseModel], tokens: list[str], i: int) -> tuple[tuple[str,
         if i < len(tokens) and tokens[i].lower() in ("true", "false", "1", "0", "yes", "no"):
             value, i = tokens[i], i + 1
         elif i < len(tokens) and not tokens[i].startswith(("--", "@")):
-            raise ConfigError(f"{origin}: expected true or false (or --{key} / --no-{key} alone), got {tokens[i]!r}")
+            raise ConfigError(
+                f"{origin}: expected true or false (or --{key} / --no-{key} alone), got {clip(tokens[i])}"
+            )
     else:
         values = []
         while i < len(tokens) and not tokens[i].startswith("--") and not tokens[i].startswith("@"):
@@ -413,7 +416,7 @@ def _apply_flags(merged: _Sources, cli: list[tuple[tuple[str, ...], Any, str]]) 
     for path, value, origin in cli:
         if path in seen and seen[path][0] != value:
             raise ConfigError(
-                f"{origin}: conflicts with {seen[path][1]} ({'.'.join(path)} given {seen[path][0]!r} and {value!r})"
+                f"{origin}: conflicts with {seen[path][1]} ({'.'.join(path)} given {clip(seen[path][0])} and {clip(value)})"
             )
         seen[path] = (value, origin)
         merged.set(path, value, origin)
@@ -473,7 +476,7 @@ def _format_validation_error(err: ValidationError, sources: _Sources, model: typ
         if not loc:
             return f"{origin}: {msg}"
     inp = first.get("input")
-    shown = "" if isinstance(inp, dict) or inp is None else f", got {inp!r}"
+    shown = "" if isinstance(inp, dict) or inp is None else f", got {clip(inp)}"
     return f"{origin}: {key}: {msg}{shown}"
 
 
