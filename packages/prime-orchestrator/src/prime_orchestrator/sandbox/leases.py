@@ -66,6 +66,43 @@ def processes_of(uid: int) -> list[int]:
     return found
 
 
+def uid_of(pid: int) -> int | None:
+    """The real uid of the process that has ``pid`` now, or None when none has it."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def kill_listed(pids: list[int], still_listed) -> int:
+    """SIGKILL each of ``pids`` that ``still_listed(opened)`` (those of the pids opened that are the slot's processes
+    now) still names once a pidfd of it is open, through that pidfd; how many were signalled.
+
+    A pid read from a list (``cgroup.procs``, a scan of /proc) may belong to a process that exited since, and the
+    number to an unrelated process after a wrap of ``pid_max`` (32,768 on the test VM: a second of a neighbour's
+    fork loop). A pidfd names one process for good; the pid still listed after it was opened was that process's
+    (had it exited in between, the pidfd's signal finds nothing), so no other process is ever signalled."""
+    pidfds = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):  # gone already
+            pidfds[pid] = os.pidfd_open(pid)
+    try:
+        listed, killed = still_listed(list(pidfds)), 0
+        for pid, pidfd in pidfds.items():
+            if pid in listed:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    killed += 1
+        return killed
+    finally:
+        for pidfd in pidfds.values():
+            os.close(pidfd)
+
+
 class Leases:
     def __init__(self, max_concurrency: int, uid_base: int, cgroups: Cgroups | None) -> None:
         self.uid_base = uid_base
@@ -113,9 +150,10 @@ class Leases:
                 pids = await asyncio.to_thread(processes_of, uid)
             if not pids:
                 return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            if self.cgroups is not None:
+                kill_listed(pids, lambda _: set(self.cgroups.pids(cgroup)))
+            else:
+                kill_listed(pids, lambda opened: {pid for pid in opened if uid_of(pid) == uid})
             if not warned and time.monotonic() - start > 30:
                 logger.warning(
                     "sandbox uid %d: %d process(es) still alive 30 s after SIGKILL; kept out of use", uid, len(pids)

@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -81,9 +80,8 @@ class _Job:
 
     def kill_supervisor(self) -> None:
         """SIGKILL the execution's supervisor (its runner and the whole PID namespace die with it)."""
-        if self.pipe is not None and self.pipe.supervisor is not None and not self.pipe.data:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pipe.supervisor, signal.SIGKILL)
+        if self.pipe is not None and not self.pipe.data:
+            self.pipe.kill()
 
 
 class SandboxPool:
