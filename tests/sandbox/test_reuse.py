@@ -15,6 +15,9 @@ from prime_orchestrator.sandbox.pool import _Job
 from prime_orchestrator.sandbox.schemas import ExecRequest
 from prime_orchestrator.sandbox.zygotes import ResultPipe
 
+from tests.sandbox import attacks
+from tests.sandbox.conftest import FAST, own_pool
+
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 
@@ -94,3 +97,21 @@ def test_a_supervisor_is_killed_through_its_pidfd_never_by_a_reused_pid():
         for p in (victim, supervisor):
             p.kill()
             p.wait()
+
+
+def test_a_slot_is_lent_again_only_once_what_its_last_execution_left_is_freed():
+    # Descriptors left in flight (a /work file and full pipes, 65 MiB) are freed by the kernel's unix GC tens of ms
+    # after the verdict, and the slot was lent at once: the next execution in it started with them charged to its
+    # memory cgroup (its memory_peak_mb read 64-100 MiB for a print; with a workload near its limit, an OOM kill).
+    # Now the pool waits (at most SETTLE_S) until the slot's charge is back near empty before lending it.
+    with own_pool(uid_base=4_300_000, max_concurrency=1) as client:
+        if client.pool._cgroups is None or client.pool._cgroups.version != 1:
+            pytest.skip("a v1 memory cgroup (its resettable peak) is what this test reads")
+        peaks = []
+        for _ in range(3):
+            attack = client.execute_sync(ExecRequest(code=attacks.IN_FLIGHT_CYCLE, limits=FAST))
+            assert attack.status == "ok" and "in flight 35" in attack.stdout, attack
+            after = client.execute_sync(ExecRequest(code="print(1)", limits=FAST))
+            assert after.status == "ok", after
+            peaks.append(after.memory_peak_mb)
+        assert max(peaks) < 8, f"the next execution in the slot was charged {peaks} MiB at its peak"
