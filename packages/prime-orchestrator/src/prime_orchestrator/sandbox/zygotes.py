@@ -113,6 +113,7 @@ class Zygote:
             "root": str(root),
             "ro_paths": [*interpreter_dirs(python), *config.ro_paths, *([str(bytecode)] if bytecode else [])],
             "preload": config.preload,
+            "socket_walk": config.ro_paths,  # see zygote.hide_sockets
             "seccomp": base64.b64encode(seccomp).decode() if seccomp else "",
         }
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
