@@ -89,6 +89,10 @@ for pid in range(2, 4096):
     sys_(302, pid, 7, ctypes.addressof(limits), 0)  # prlimit64(pid, RLIMIT_NOFILE, {{8, 8}})
     sys_(203, pid, 8, ctypes.addressof(mask))  # sched_setaffinity(pid, {{CPU 0}})
 print("own_nice", sys_(141, 0, 0, 19), os.getpriority(os.PRIO_PROCESS, 0))
+try:
+    print("workspaces", os.listdir("/.ws"))  # every workspace of the zygote is mounted under it
+except OSError as e:
+    print("workspaces", -e.errno)
 args = (ctypes.c_uint64 * 11)(0x10000000 | 0x20000000, 0, 0, 0, 17, 0, 0, 0, 0, 0, 0)
 print("clone3_newuser", sys_(435, ctypes.addressof(args), 88))
 args[0] = 0
@@ -123,6 +127,7 @@ def _ioprio(pid: int) -> int:
 def test_neighbours_priority_limits_and_cpus_of_other_uids_are_out_of_reach(sandbox):
     # setpriority and ioprio_set by user walk every process of a uid, prlimit64 and sched_setaffinity take any pid:
     # aimed at host processes of the zygotes' uid, of every slot's and at root's (and at pids 2-4095), none may change.
+    # And the zygote's workspaces, each mounted under /.ws in every execution's mount namespace: not listed.
     victims = [_as_uid(uid) for uid in (UID_BASE, UID_BASE + 1, UID_BASE + 2, UID_BASE + MAX_CONCURRENCY)]
     victims.append(subprocess.Popen(["sleep", "60"]))  # root's
     try:
@@ -143,7 +148,9 @@ def test_neighbours_priority_limits_and_cpus_of_other_uids_are_out_of_reach(sand
     assert result.status == "ok", result
     assert after == before, "a host process of another uid was changed from inside"
     probes = dict(line.split(maxsplit=1) for line in result.stdout.splitlines())
-    assert probes["own_nice"] == "0 19", probes  # the calls themselves work: on the execution's own processes
+    assert probes["own_nice"] == "0 19" and probes["workspaces"] == "-13", (
+        probes
+    )  # the calls themselves work: on the execution's own processes
     enosys, eperm = "-38", "-1"
     assert (probes["clone3_newuser"], probes["clone3_plain"]) == (enosys, enosys), probes  # libc falls back to clone
     assert probes["sched_deadline"] == eperm and probes["lease"] in ("-13", "-11"), probes
