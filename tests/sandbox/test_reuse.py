@@ -4,13 +4,15 @@ were reused) and the memory it waits for before lending the slot again."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
+import time
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import leases as leases_mod
-from prime_orchestrator.sandbox.leases import Lease, Leases
+from prime_orchestrator.sandbox.leases import SETTLE_S, Lease, Leases
 from prime_orchestrator.sandbox.pool import _Job
 from prime_orchestrator.sandbox.schemas import ExecRequest
 from prime_orchestrator.sandbox.zygotes import ResultPipe
@@ -115,3 +117,25 @@ def test_a_slot_is_lent_again_only_once_what_its_last_execution_left_is_freed():
             assert after.status == "ok", after
             peaks.append(after.memory_peak_mb)
         assert max(peaks) < 8, f"the next execution in the slot was charged {peaks} MiB at its peak"
+
+
+def test_what_never_goes_holds_a_slot_once_for_the_bound_then_is_its_floor(caplog):
+    # Kernel memory the kernel reclaims only under pressure (negative dentries of lookups, say) stays charged after
+    # the GC: the slot waits SETTLE_S for it once, says so, and later executions wait only for what they add to it.
+    class Held:
+        charge = 100 << 20
+
+        def left_over(self, key: str, small: int) -> int:
+            return self.charge
+
+    leases = Leases(1, 4_400_000, Held())
+    lease = Lease(0, 4_400_001, "s0")
+    waits = []
+    for charge in (100 << 20, 102 << 20, 0):
+        leases.cgroups.charge = charge
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="prime_orchestrator.sandbox.leases"):
+            asyncio.run(leases.settle(lease))
+        waits.append(time.monotonic() - started)
+    assert SETTLE_S <= waits[0] < SETTLE_S + 0.3 and max(waits[1:]) < 0.05, waits
+    assert "100 MiB left charged" in caplog.text and leases._floor["s0"] == 0

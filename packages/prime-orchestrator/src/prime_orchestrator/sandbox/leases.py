@@ -150,7 +150,12 @@ class Leases:
         floor until it does: later executions wait only for what they add to it."""
         if self.cgroups is None or lease.workspace is not None:  # a workspace's files stay charged to it, on purpose
             return
-        key = lease.cgroup
+        try:
+            await self._settle(lease.cgroup)
+        except OSError as e:  # its cgroup gone (the pool closing): nothing to wait for
+            logger.debug("sandbox slot %s: cannot read its memory charge (%s)", lease.cgroup, e)
+
+    async def _settle(self, key: str) -> None:
         settled = self._floor.get(key, 0) + SETTLED_BYTES
         if (left := self.cgroups.left_over(key, SETTLED_BYTES)) <= settled:
             self._floor[key] = min(self._floor.get(key, 0), left)

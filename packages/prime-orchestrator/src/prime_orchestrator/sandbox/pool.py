@@ -283,8 +283,10 @@ class SandboxPool:
         if job.pipe is not None:
             job.pipe.close()
         if clean:  # a verdict: the supervisor saw the PID namespace's init reaped, so nothing of it is left
-            await self._leases.settle(job.lease)
-            self._leases.release(job.lease)
+            try:
+                await self._leases.settle(job.lease)
+            finally:
+                self._leases.release(job.lease)
         else:
             await self._leases.reap_and_release(job.lease)
 
