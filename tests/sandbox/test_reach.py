@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
-from prime_orchestrator.sandbox import ExecRequest
+from prime_orchestrator.sandbox import ExecRequest, cgroups
 
 from tests.sandbox import attacks
 from tests.sandbox.conftest import MAX_CONCURRENCY, UID_BASE, assert_serving, own_pool, run
@@ -215,3 +215,23 @@ def test_neighbours_processes_to_the_limit_leave_the_host_and_a_neighbour_theirs
     for h in holders:
         assert h.status == "timeout" and 0 < int(h.stdout) < 32, h  # the runner itself is one of the 32
     assert_serving(sandbox)
+
+
+def test_neighbours_the_executions_together_hold_at_most_the_pools_share_of_the_hosts_tasks(monkeypatch):
+    # Each execution's pids cgroup bounds it alone: max_concurrency x processes may add up to more than the host's
+    # pid space (512 x 64 is all of this VM's 32,768), and then every fork and thread start on the host failed. The
+    # pool's own pids cgroup now holds half the host's tasks; here that half is 48, against 4 x 32.
+    monkeypatch.setattr(cgroups, "task_cap", lambda: 48, raising=False)
+    limits = SandboxLimits(wall_s=2, cpu_s=2, processes=32)
+    with own_pool(uid_base=4_600_000, max_concurrency=4) as client:
+        if client.pool._cgroups is None:
+            pytest.skip("no pids cgroup on this host")
+
+        async def together():
+            request = ExecRequest(code=FORK_TO_THE_LIMIT, limits=limits)
+            return await asyncio.gather(*(client.pool.execute(request) for _ in range(4)))
+
+        holders = client.call(together()).result(timeout=60)
+    assert all(h.status == "timeout" for h in holders), holders
+    held = [int(h.stdout) + 1 for h in holders]  # each runner is one of them
+    assert sum(held) <= 48, f"the executions held {held} tasks together"

@@ -42,6 +42,18 @@ def lift_open_files(need: int) -> str | None:
     return None if target >= need else f"open files are limited to {hard} (RLIMIT_NOFILE's hard limit)"
 
 
+def task_cap() -> int | None:
+    """Tasks (processes and threads) the pool's executions may hold together: half of what the host may have (the
+    lower of ``kernel.pid_max`` and ``kernel.threads-max``). Each execution's pids cgroup bounds it alone, and
+    ``max_concurrency × processes`` may add up to more than the host has (512 × 64 is the whole pid space of the test
+    VM, 32,768): every fork and thread start on the host, the trainer's and the inference server's, then failed."""
+    try:
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        return min(pid_max, int(Path("/proc/sys/kernel/threads-max").read_text())) // 2
+    except (OSError, ValueError):
+        return None
+
+
 def _own_cgroups() -> dict[str, str]:
     """Controller (``""`` for v2) -> this process's cgroup path, from /proc/self/cgroup."""
     out = {}
@@ -153,6 +165,9 @@ class Cgroups:
         except OSError as e:
             cls(version, parents).close()
             return None, f"cannot create {next(iter(parents.values()))} ({e.strerror})"
+        if (cap := task_cap()) is not None:  # the slots' pids cgroups are its children: it bounds them all together
+            with contextlib.suppress(OSError):
+                (parents["pids" if version == 1 else ""] / "pids.max").write_text(str(cap))
         return cls(version, parents, cpu_parent), ""
 
     def place_zygote(self, pid: int) -> str:
