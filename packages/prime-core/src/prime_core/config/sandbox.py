@@ -52,7 +52,9 @@ class SandboxPoolConfig(BaseConfig):
     """Extra modules imported once in each zygote, so solutions importing them pay nothing (stdlib + ro_paths)."""
     ro_paths: list[str] = Field(default_factory=list)
     """Extra host paths visible read-only inside (besides /usr, the interpreter prefix and a few /etc files); absolute
-    and outside the paths the sandbox makes itself (``/tmp``, ``/work``, ``/etc``, ``/dev``)."""
+    and outside the paths the sandbox makes itself (``/tmp``, ``/work``, ``/etc``, ``/dev``). Each zygote walks them
+    at start and covers the unix sockets it finds (a read-only bind does not stop ``connect``); sockets made there
+    later stay reachable."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Default limits of an execution that names none."""
     start_timeout_s: float = Field(default=30.0, gt=0)

@@ -25,10 +25,10 @@ import resource
 from pathlib import Path
 
 MIB = 1 << 20
-FDS_PER_KEY = 6
+FDS_PER_KEY = 7
 """Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
-(v1: memory, pids, cpuacct, cpu), v1's memory peak and the CPU usage counter. Slots are reused first in, first out, so
-every slot's are open after a while."""
+(v1: memory, pids, cpuacct, cpu), v1's memory peak, the CPU usage counter and the memory usage (see :meth:`left_over`).
+Slots are reused first in, first out, so every slot's are open after a while."""
 
 
 def lift_open_files(need: int) -> str | None:
@@ -40,6 +40,18 @@ def lift_open_files(need: int) -> str | None:
     target = need if hard == resource.RLIM_INFINITY else min(hard, need)
     resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return None if target >= need else f"open files are limited to {hard} (RLIMIT_NOFILE's hard limit)"
+
+
+def task_cap() -> int | None:
+    """Tasks (processes and threads) the pool's executions may hold together: half of what the host may have (the
+    lower of ``kernel.pid_max`` and ``kernel.threads-max``). Each execution's pids cgroup bounds it alone, and
+    ``max_concurrency × processes`` may add up to more than the host has (512 × 64 is the whole pid space of the test
+    VM, 32,768): every fork and thread start on the host, the trainer's and the inference server's, then failed."""
+    try:
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+        return min(pid_max, int(Path("/proc/sys/kernel/threads-max").read_text())) // 2
+    except (OSError, ValueError):
+        return None
 
 
 def _own_cgroups() -> dict[str, str]:
@@ -93,6 +105,7 @@ class Cgroups:
         self._procs: dict[str, list[int]] = {}
         self._peak: dict[str, int] = {}
         self._cpu: dict[str, int] = {}
+        self._usage: dict[str, int] = {}
 
     @property
     def counts_cpu(self) -> bool:
@@ -152,6 +165,9 @@ class Cgroups:
         except OSError as e:
             cls(version, parents).close()
             return None, f"cannot create {next(iter(parents.values()))} ({e.strerror})"
+        if (cap := task_cap()) is not None:  # the slots' pids cgroups are its children: it bounds them all together
+            with contextlib.suppress(OSError):
+                (parents["pids" if version == 1 else ""] / "pids.max").write_text(str(cap))
         return cls(version, parents, cpu_parent), ""
 
     def place_zygote(self, pid: int) -> str:
@@ -218,6 +234,31 @@ class Cgroups:
             os.write(self._peak[key], b"0")
         return self._procs[key]
 
+    def usage(self, key: str) -> int:
+        """The key's memory charge in bytes (v1 ``memory.usage_in_bytes``, v2 ``memory.current``; kept open)."""
+        if key not in self._usage:
+            d = self._dirs(key)
+            path = d["memory"] / "memory.usage_in_bytes" if self.version == 1 else d[""] / "memory.current"
+            self._usage[key] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return int(os.pread(self._usage[key], 32, 0))
+
+    def left_over(self, key: str, small: int) -> int:
+        """Bytes charged to the key that are not the page cache of files read (which the kernel reclaims when the next
+        execution needs the memory): what executions left behind that the next one would have to live without. One
+        read when the whole charge is at most ``small`` (then it is returned as it is); an empty slot holds 0.2 MiB
+        on the test VM."""
+        usage = self.usage(key)
+        if usage <= small:
+            return usage
+        d = self._dirs(key)
+        prefix = "total_" if self.version == 1 else ""
+        try:
+            text = (d["memory"] / "memory.stat" if self.version == 1 else d[""] / "memory.stat").read_text()
+        except OSError:
+            return usage
+        stat = dict(line.split() for line in text.splitlines())
+        return max(0, usage - int(stat.get(prefix + "active_file", 0)) - int(stat.get(prefix + "inactive_file", 0)))
+
     def cpu_fd(self, key: str) -> int | None:
         """A read-only descriptor of the key's CPU time counter (kept open here), for the execution's supervisor:
         v1 ``cpuacct.usage`` (nanoseconds), v2 ``cpu.stat`` (``usage_usec``); None where there is none. RLIMIT_CPU
@@ -267,7 +308,7 @@ class Cgroups:
         return sorted(found)
 
     def _close_fds(self, key: str) -> None:
-        for fd in [*self._procs.pop(key, []), *(d.pop(key) for d in (self._peak, self._cpu) if key in d)]:
+        for fd in [*self._procs.pop(key, []), *(d.pop(key) for d in (self._peak, self._cpu, self._usage) if key in d)]:
             os.close(fd)
 
     def remove(self, key: str) -> None:
@@ -280,7 +321,7 @@ class Cgroups:
 
     def close(self) -> None:
         """Remove the pool's cgroups (those still holding a process stay, and the next pool's start says so)."""
-        for key in {*self._procs, *self._cpu}:
+        for key in {*self._procs, *self._cpu, *self._usage}:
             self._close_fds(key)
         if self.cpu_parent is not None and self.cpu_parent not in self.parents.values():
             for d in (self.cpu_parent / "zygotes", self.cpu_parent):

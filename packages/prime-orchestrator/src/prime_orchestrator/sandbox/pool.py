@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -81,9 +80,8 @@ class _Job:
 
     def kill_supervisor(self) -> None:
         """SIGKILL the execution's supervisor (its runner and the whole PID namespace die with it)."""
-        if self.pipe is not None and self.pipe.supervisor is not None and not self.pipe.data:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pipe.supervisor, signal.SIGKILL)
+        if self.pipe is not None and not self.pipe.data:
+            self.pipe.kill()
 
 
 class SandboxPool:
@@ -285,7 +283,10 @@ class SandboxPool:
         if job.pipe is not None:
             job.pipe.close()
         if clean:  # a verdict: the supervisor saw the PID namespace's init reaped, so nothing of it is left
-            self._leases.release(job.lease)
+            try:
+                await self._leases.settle(job.lease)
+            finally:
+                self._leases.release(job.lease)
         else:
             await self._leases.reap_and_release(job.lease)
 

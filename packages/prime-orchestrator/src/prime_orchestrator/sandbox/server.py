@@ -31,7 +31,8 @@ from prime_orchestrator.sandbox.schemas import ExecRequest
 
 logger = logging.getLogger(__name__)
 POOL = web.AppKey("pool", SandboxPool)
-# Descriptors the pool holds per running execution (request and stdin memfds, result pipe) with its connection.
+# Descriptors the pool holds per running execution (request and stdin memfds, result pipe, the supervisor's pidfd)
+# with its connection.
 FDS_PER_EXECUTION = 8
 MAX_CONNECTIONS = 16384
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)

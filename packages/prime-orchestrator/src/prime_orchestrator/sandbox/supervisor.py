@@ -196,8 +196,8 @@ def _drain(
         if total > cap:
             breach = "output"
             break
-    if breach:
-        os.kill(pid, signal.SIGKILL)
+    if breach:  # its child, not reaped before wait4: the pid is still its own, and the pidfd says so anyway
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     return {k: bytes(v) for k, v in bufs.items()}, breach
 
 

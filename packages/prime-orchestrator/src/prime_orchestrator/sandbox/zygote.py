@@ -32,6 +32,7 @@ import re
 import resource
 import signal
 import socket
+import stat
 import sys
 
 if __package__:  # imported as part of prime_orchestrator (tests, tools)
@@ -92,7 +93,33 @@ def _top_level(path: str, root: str) -> None:
         _bind_ro(path, root + path)
 
 
-def build_root(root: str, ro_paths: list[str]) -> None:
+def hide_sockets(top: str, root: str) -> int:
+    """Cover every unix socket under the host directory ``top`` (bound at ``root + top``) with ``/dev/null`` mounted
+    ``nodev``; how many. A read-only mount does not stop ``connect``, nor does the network namespace a path (only an
+    abstract name): a host service listening on a socket the sandbox's uid may write (mode ``o+w``, as many services
+    make theirs) in a path the pool binds took the code's bytes. Walked once per zygote start, about 13 us an entry
+    (0.8 s for the 59,000 of an interpreter's ``lib``, which is why only ``pool.ro_paths`` are walked)."""
+    hidden, stack = 0, [top]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    lx.mount("/dev/null", root + entry.path, None, lx.MS_BIND)
+                    flags = lx.MS_BIND | lx.MS_REMOUNT | lx.MS_RDONLY | lx.MS_NOSUID | lx.MS_NODEV
+                    lx.mount(None, root + entry.path, None, flags)
+                    hidden += 1
+            except OSError:
+                continue
+    return hidden
+
+
+def build_root(root: str, ro_paths: list[str], socket_walk: list[str] = ()) -> None:
     """As host root: a new mount namespace whose root is a read-only tmpfs built on the empty directory ``root``
     (the host sees an empty directory)."""
     os.umask(0o022)
@@ -104,6 +131,8 @@ def build_root(root: str, ro_paths: list[str]) -> None:
     for path in ro_paths:
         if os.path.exists(path) and not os.path.exists(root + path):
             _bind_ro(path, root + path)
+            if path in socket_walk:
+                hide_sockets(path, root)
     os.makedirs(root + "/etc")
     for name in ETC_FILES:
         if os.path.exists("/etc/" + name):
@@ -192,7 +221,7 @@ def main(ctl_fd: int, setup_json: str) -> None:
     ctl = socket.socket(fileno=ctl_fd)
     try:
         lx.join_new_session_keyring()
-        build_root(setup["root"], setup["ro_paths"])
+        build_root(setup["root"], setup["ro_paths"], setup.get("socket_walk", []))
         enter_namespaces(ctl, setup.get("sigpending"))
         program = base64.b64decode(setup["seccomp"]) if setup.get("seccomp") else b""
         seccomp = lx.SeccompProgram(program) if program else None

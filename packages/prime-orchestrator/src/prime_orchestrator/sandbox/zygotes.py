@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import resource
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -111,6 +113,7 @@ class Zygote:
             "root": str(root),
             "ro_paths": [*interpreter_dirs(python), *config.ro_paths, *([str(bytecode)] if bytecode else [])],
             "preload": config.preload,
+            "socket_walk": config.ro_paths,  # see zygote.hide_sockets
             "seccomp": base64.b64encode(seccomp).decode() if seccomp else "",
         }
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -199,6 +202,25 @@ class Zygote:
             self.proc.wait(timeout=5)
 
 
+def supervisor_pidfd(pid: int, pipe_fd: int) -> int | None:
+    """A pidfd of the supervisor that acknowledged on ``pipe_fd`` with ``pid``, or None when it is gone already.
+
+    The zygote reaps its supervisors at once, so a supervisor's pid is free again as soon as it exits, and the pool
+    signalled it by number: had the number been reused (a wrap of ``pid_max``) it would have killed whatever process
+    got it. The pidfd is opened first, then the pipe is checked for a writer: only the supervisor holds the write end
+    (the zygote closes its copy once it forked it), so while the pipe has one, the pid opened was the supervisor's."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone, and maybe its number too
+        return None
+    poller = select.poll()
+    poller.register(pipe_fd, select.POLLIN)
+    if any(event & select.POLLHUP for _, event in poller.poll(0)):
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
 class ResultPipe:
     """The read end of an execution's result pipe: ``+<supervisor pid>`` once the zygote forked it (``on_ack`` is
     called then), then the verdict, then EOF."""
@@ -206,6 +228,7 @@ class ResultPipe:
     def __init__(self, fd: int, on_ack=None) -> None:
         self.fd = fd
         self.supervisor: int | None = None
+        self.pidfd: int | None = None  # the supervisor's (see supervisor_pidfd): what kill() signals
         self.acked_at = 0.0
         self.data = b""
         self.eof = False
@@ -227,6 +250,7 @@ class ResultPipe:
             if self.supervisor is None and b"\n" in self._buf and self._buf[:1] == b"+":
                 line, _, rest = bytes(self._buf).partition(b"\n")
                 self.supervisor, self.acked_at, self._buf = int(line[1:]), time.monotonic(), bytearray(rest)
+                self.pidfd = supervisor_pidfd(self.supervisor, self.fd)
                 if self._on_ack is not None:
                     self._on_ack()
             return
@@ -252,7 +276,16 @@ class ResultPipe:
             self._reading = False
             self._loop.remove_reader(self.fd)
 
+    def kill(self) -> None:
+        """SIGKILL the supervisor, through its pidfd: never a process that got its pid after it exited."""
+        if self.pidfd is not None and not self.eof:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
     def close(self) -> None:
         self._stop()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        for fd in (self.fd, self.pidfd):
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.pidfd = None
