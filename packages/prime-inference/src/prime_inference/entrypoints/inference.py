@@ -102,7 +102,8 @@ class CutRequestsInOneLine(logging.Filter):
 
 def check_model_files(config: InferenceConfig) -> None:
     """A ``model.name`` that is a trainer's weights step (a final model served again) must hold what the trainer
-    wrote (``checksums.json``): one line and exit 2, not a model that answers NaN logits."""
+    wrote (``checksums.json``): one line and exit 2, not a model that answers NaN logits. The line names what to do
+    instead where the run directory shows it (`_instead`)."""
     from pathlib import Path
 
     from prime_core.config.cli import fail
@@ -110,10 +111,31 @@ def check_model_files(config: InferenceConfig) -> None:
 
     path = Path(config.model.name).expanduser()
     if path.is_dir():
+        step = path.resolve().name.removeprefix("step_")
         try:
-            verify_weights(path)
+            verify_weights(path, int(step) if step.isdigit() else None)
         except ChangedWeights as e:
-            fail(f"model.name: {e}")
+            fail(f"model.name: {e}{_instead(path.resolve())}")
+
+
+def _instead(weight_dir) -> str:
+    """For ``<run>/weights/step_N``: the run's newest earlier weights step to serve, and the ``prime-launch rewind``
+    that lets ``rl --resume`` train step N again from the checkpoint before it; "" where the directory shows neither."""
+    from prime_core.run_dir import RunDir
+
+    step = weight_dir.name.removeprefix("step_")
+    if weight_dir.parent.name != "weights" or not step.isdigit():
+        return ""
+    run_dir = RunDir(weight_dir.parent.parent)
+    served = [s for s in run_dir.stable_weight_steps() if s < int(step)]
+    resumable = [s for s in run_dir.resumable_steps() if s < int(step)]
+    ways = [f"serve step {served[-1]} instead (--model.name {run_dir.weight_step(served[-1])})"] if served else []
+    if resumable:
+        ways.append(
+            f"`prime-launch rewind --output-dir {run_dir.root} --step {resumable[-1]}` drops it, then rl --resume "
+            f"trains it again from checkpoint {resumable[-1]}"
+        )
+    return f"; {', or '.join(ways)}" if ways else ""
 
 
 def main(argv: list[str] | None = None) -> None:
