@@ -8,6 +8,14 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:  # before the run (imports, the environments' check): `run` says where a run stood
+        print("orchestrator: interrupted (SIGINT) while starting, before its first step", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def _main(argv: list[str] | None) -> None:
     from prime_core.config import parse_cli
     from prime_core.config.orchestrator import OrchestratorConfig
 
@@ -65,7 +73,6 @@ def dry_run(config: Any) -> None:
 
 def run(orchestrator: Any, output_dir: Path) -> None:
     """Run the orchestrator; the faults of a run (not bugs here) end it with one line on stderr."""
-    import asyncio
 
     from prime_core.io import UnreadableFile, storage_error, storage_error_line
     from prime_core.monitor import MonitorUnavailable
@@ -75,15 +82,18 @@ def run(orchestrator: Any, output_dir: Path) -> None:
     from prime_orchestrator.distill import TeacherError
     from prime_orchestrator.env_server import EnvServerFailed
     from prime_orchestrator.envs import TasksetError
+    from prime_orchestrator.interrupt import interrupted, run_noting_sigint
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.liveness import RolloutsFailed
     from prime_orchestrator.weight_relay import ForeignWeights
 
+    seen: list = []  # the progress record at the first SIGINT
     try:
-        asyncio.run(orchestrator.run())
+        run_noting_sigint(orchestrator, seen)
     except JudgeUnreachable as e:
         sys.exit(f"orchestrator: {e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before: exit 130 without a word
+        print(interrupted(orchestrator, seen, output_dir), file=sys.stderr, flush=True)
         sys.exit(130)
     except (TasksetError, ForeignWeights) as e:  # bad input, like a config error
         print(f"error: {e}", file=sys.stderr, flush=True)
