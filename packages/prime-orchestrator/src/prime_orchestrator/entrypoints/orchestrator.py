@@ -8,14 +8,27 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        _main(argv)
-    except KeyboardInterrupt:  # before the run (imports, the environments' check): `run` says where a run stood
-        print("orchestrator: interrupted (SIGINT) while starting, before its first step", file=sys.stderr, flush=True)
-        sys.exit(130)
+    import asyncio
+    import json
+
+    from prime_core.config import write_config
+    from prime_core.early_sigint import ends_on_sigint
+    from prime_core.progress import stop_reporting
+
+    with ends_on_sigint("orchestrator: interrupted (SIGINT) while starting, before its first step"):
+        config, orchestrator = _prepare(argv)
+    if config.bench:
+        from prime_orchestrator.bench import run_bench
+
+        print(json.dumps(asyncio.run(run_bench(orchestrator)), indent=2))
+        return
+    write_config(config, orchestrator.run_dir.config_file("orchestrator"))
+    run(orchestrator, config.output_dir)
+    stop_reporting()
 
 
-def _main(argv: list[str] | None) -> None:
+def _prepare(argv: list[str] | None) -> tuple[Any, Any]:
+    """The config (parsed, its environments and judge checked) and the `Orchestrator`, with logging set up."""
     from prime_core.config import parse_cli
     from prime_core.config.orchestrator import OrchestratorConfig
 
@@ -28,14 +41,10 @@ def _main(argv: list[str] | None) -> None:
         writes_output_dir=True,
     )
 
-    from prime_core.progress import start_reporting, stop_reporting
+    from prime_core.progress import start_reporting
 
     if not config.bench:
         start_reporting(config.output_dir, "orchestrator")
-    import asyncio
-    import json
-
-    from prime_core.config import write_config
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
@@ -48,15 +57,7 @@ def _main(argv: list[str] | None) -> None:
     setup_logging(
         "orchestrator", level=config.log.level, log_file=run_dir.log_file("orchestrator") if config.log.file else None
     )
-    orchestrator = Orchestrator(config)
-    if config.bench:
-        from prime_orchestrator.bench import run_bench
-
-        print(json.dumps(asyncio.run(run_bench(orchestrator)), indent=2))
-        return
-    write_config(config, run_dir.config_file("orchestrator"))
-    run(orchestrator, config.output_dir)
-    stop_reporting()
+    return config, Orchestrator(config)
 
 
 def dry_run(config: Any) -> None:
