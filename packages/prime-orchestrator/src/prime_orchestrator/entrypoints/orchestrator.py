@@ -74,7 +74,6 @@ def dry_run(config: Any) -> None:
 
 def run(orchestrator: Any, output_dir: Path) -> None:
     """Run the orchestrator; the faults of a run (not bugs here) end it with one line on stderr."""
-
     from prime_core.io import UnreadableFile, storage_error, storage_error_line
     from prime_core.monitor import MonitorUnavailable
 
