@@ -225,9 +225,13 @@ def test_an_explicit_resume_step_is_checked_whatever_the_newest(run_dir):
         "resume from (start afresh with --overwrite)"
     )
     check_resume_weights((1, 2), [run_dir], run_dir.root)  # --resume takes step 2, intact
-    (run_dir.weight_step(2) / CHECKSUMS_FILE).write_bytes(b"{" * (1 << 20))  # garbage, and past the size cap
+    sums = run_dir.weight_step(2) / CHECKSUMS_FILE
+    sums.write_text('{"model.safetensors": "0')  # cut short
     with pytest.raises(ValueError, match=r"^--resume: checkpoint step 2 is not resumable: weights step 2: .*checksums"):
         check_resume_weights((1, 2), [run_dir], run_dir.root)
+    os.truncate(sums, 17 * 2**20)  # past the cap (16 MiB), as a sparse file: refused by its size, unread
+    with pytest.raises(ValueError, match=r"^ckpt.resume_step: checkpoint step 2 is not resumable: weights step 2: "):
+        check_resume_weights((1, 2), [run_dir], run_dir.root, 2)
 
 
 def test_save_hf_sums_each_shard_from_memory_as_the_file_reads(tmp_path, one_rank_group):
