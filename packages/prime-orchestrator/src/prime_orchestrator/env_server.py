@@ -118,10 +118,15 @@ def _quiet_interrupts(unraisable: Any) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+def _ignore_sigint(signum: int, frame: Any) -> None:
+    pass
+
+
 def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, environ: dict[str, str]) -> None:
     """Subprocess entry: serve the env until the parent goes away."""
-    # A terminal's Ctrl-C reaches this process too: the orchestrator stops it (SIGTERM, verifiers' teardown).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A terminal's Ctrl-C reaches this process too: the orchestrator stops it (SIGTERM, verifiers' teardown). A handler
+    # that does nothing, not SIG_IGN: the programs it starts get SIGINT's default back at exec, as before.
+    signal.signal(signal.SIGINT, _ignore_sigint)
     from verifiers.v1.serve.pool import serve_env
 
     # A forkserver's child has the forkserver's environment, taken when the first server started: the tool servers
