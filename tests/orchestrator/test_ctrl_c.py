@@ -45,8 +45,12 @@ class Interrupted:
 
 @pytest.fixture(autouse=True)
 def own_progress(monkeypatch):
-    """A progress record of this test's own (another test's lanes must not show in the line)."""
+    """A progress record of this test's own (another test's lanes must not show in the line), and Python's SIGINT
+    handler, as an entry point starts with (a test before, in this process, may have left another: `watch_forever`)."""
     monkeypatch.setattr(progress, "_current", progress.ProgressReporter(None, "orchestrator"))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("times", [1, 2])
