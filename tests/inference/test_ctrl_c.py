@@ -40,7 +40,7 @@ def _interrupted_after(line: str, tmp_path: Path, settle_s: float = 0.0) -> tupl
 def test_ctrl_c_while_the_model_loads_ends_at_once_in_one_line(tmp_path):
     code, took, lines = _interrupted_after("Waiting for application startup.", tmp_path)
     assert (code, lines[-1]) == (130, f"inference: interrupted (SIGINT) while loading {MODEL}; nothing was served")
-    assert took < 1.5, took
+    assert took < 2.5, took  # before: the rest of the load (4-9 s here)
     assert not any("Traceback" in line for line in lines), lines
 
 
