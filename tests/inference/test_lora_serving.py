@@ -173,6 +173,37 @@ def test_adapter_errors_and_unload(lora_setup, tmp_path):
     assert httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "tenant-a"}).status_code == 404
 
 
+def test_a_changed_adapter_file_is_refused_and_not_loaded(lora_setup, tmp_path):
+    """``/v1/load_lora_adapter`` checks the adapter's ``checksums.json`` as ``/update_weights`` checks a step: a file
+    whose bytes changed (or a sum file that is garbage) is a 400 in one line, and no adapter of that name is served."""
+    import shutil
+
+    from prime_core.io import file_crc32
+    from prime_core.schemas.weights import CHECKSUMS_FILE, write_checksums
+
+    server, root, _ = lora_setup
+    adapter = shutil.copytree(root / "adapter1", tmp_path / "adapter")
+    written = write_checksums(adapter, {})["adapter_model.safetensors"]
+    file = adapter / "adapter_model.safetensors"
+    with open(file, "r+b") as f:
+        f.seek(file.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in f.read(16)))
+    body = {"lora_name": "changed", "lora_path": str(adapter), "step": 7}
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body)
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400,
+        f"weights step 7: {file}: its bytes changed after the trainer wrote it (CRC-32 {file_crc32(file)}, written "
+        f"as {written})",
+    )
+    (adapter / CHECKSUMS_FILE).write_text('{"adapter_model.safetensors": ')  # cut short
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+        f"weights step 7: {adapter / CHECKSUMS_FILE} is unreadable ("
+    ), r.text
+    assert "changed" not in [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+    assert _greedy(server.url, PROMPTS[0], "changed").status_code == 404
+
+
 def test_lora_serving_config():
     from prime_core.config.inference import InferenceConfig
     from prime_inference.engines.vllm_engine import vllm_cli_args

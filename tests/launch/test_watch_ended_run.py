@@ -103,3 +103,38 @@ def test_a_run_stopped_before_its_trainer_started_is_named_by_its_orchestrator(t
     with pytest.raises(RunEnded) as e:
         watch(tmp_path)
     assert e.value.code == 1 and "ended before it finished: orchestrator (pid " in e.value.line
+
+
+RL_TOML = Path(__file__).resolve().parents[2] / "examples" / "reverse_text" / "rl.toml"
+
+
+def test_watch_takes_the_run_s_rl_config_and_its_flags(tmp_path):
+    """``prime-launch watch @ rl.toml`` (and rl's flags) watches the run directory ``rl`` with the same arguments
+    uses, with the run's ``[liveness]`` bounds; before, watch took ``--output-dir`` only (``@ rl.toml``: exit 2,
+    unknown keys)."""
+    run = write_run(tmp_path, "close", "close")
+    run.weight_step(4).mkdir(parents=True)
+    mark_stable(run.weight_step(4))
+    args = ["watch", "@", str(RL_TOML), "--output-dir", str(tmp_path), "--liveness.startup-s", "2"]
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith(f"the run in {tmp_path} has finished: trainer exited after its work;")
+
+
+def test_watch_of_an_rl_config_finds_the_run_directory_rl_uses(capsys):
+    import tomllib
+
+    from prime_core.config import load_config
+    from prime_core.config.rl import RLConfig
+    from prime_launch.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["watch", "@", str(RL_TOML), "--trainer-ranks", "2", "--dry-run"])
+    watched = tomllib.loads(capsys.readouterr().out)
+    rl = load_config(RLConfig, ["@", str(RL_TOML)])
+    assert e.value.code == 0
+    assert (watched["output_dir"], watched["trainer_ranks"]) == (str(rl.run_dir), 2)
+    assert watched["liveness"] == rl.liveness.model_dump(exclude_none=True)
+    with pytest.raises(SystemExit) as e:  # the run's orchestrator is always watched; the flag is rl's section
+        main(["watch", "@", str(RL_TOML), "--orchestrator", "false"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: CLI --orchestrator")

@@ -155,16 +155,44 @@ def test_a_missing_or_unreadable_sum_file_is_named(run_dir):
 
 
 def test_a_server_started_on_changed_weights_refuses_to_start(run_dir):
+    """One line and exit 2, naming the step before to serve and the rewind that trains the step again."""
+    from prime_core.io import mark_stable
+
+    for part in (run_dir.trainer_checkpoint(1), run_dir.orchestrator_checkpoint(1), run_dir.checkpoint_step(1)):
+        part.mkdir(parents=True, exist_ok=True)
+        mark_stable(part)
     file = scribble(run_dir.weight_step(2))
     build_chatml_tokenizer(["a tokenizer for the server's own checks"]).save_pretrained(str(file.parent))
     cmd = [str(Path(sys.executable).parent / "inference"), "--model.name", str(file.parent), "--engine", "torch",
            "--output-dir", str(run_dir.root / "serve"), "--server.port", str(free_port())]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    line = changed_line(file, 2).replace("weights step 2", "weights")
-    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, f"error: model.name: {line}")
+    instead = (
+        f"serve step 1 instead (--model.name {run_dir.weight_step(1)}), or `prime-launch rewind --output-dir "
+        f"{run_dir.root} --step 1` drops it, then rl --resume trains it again from checkpoint 1"
+    )
+    line = f"error: model.name: {changed_line(file, 2)}; {instead}"
+    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, line)
 
 
-def test_rl_resume_refuses_a_checkpoint_whose_weights_changed_in_one_line(run_dir):
+def test_a_server_started_on_changed_weights_outside_a_run_says_only_what_changed(run_dir, tmp_path, capsys):
+    """A copy outside a run, and step 1 of a run (nothing before it), have nothing else to offer."""
+    from prime_inference.entrypoints.inference import check_model_files
+
+    file = scribble(run_dir.weight_step(1))
+    served = shutil.copytree(file.parent, tmp_path / "final")
+    for weight_dir, what in ((served, "weights"), (file.parent, "weights step 1")):
+        with pytest.raises(SystemExit) as e:
+            check_model_files(SimpleNamespace(model=SimpleNamespace(name=str(weight_dir))))
+        line = changed_line(weight_dir / file.name, 1).replace("weights step 1", what)
+        assert (e.value.code, capsys.readouterr().err) == (2, f"error: model.name: {line}\n")
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "again"),
+    [(["--resume"], "--resume", "--resume"), (["--ckpt.resume-step", "2"], "ckpt.resume_step", "--ckpt.resume-step 1")],
+)
+def test_rl_resume_refuses_a_checkpoint_whose_weights_changed_in_one_line(run_dir, flags, field, again):
+    """``--resume`` and an explicit ``ckpt.resume_step`` (which skipped the check before) refuse alike."""
     from prime_core.io import mark_stable
 
     for step in (1, 2):
@@ -175,12 +203,35 @@ def test_rl_resume_refuses_a_checkpoint_whose_weights_changed_in_one_line(run_di
     file = scribble(run_dir.weight_step(2))
     root = Path(__file__).resolve().parents[2]
     cmd = [str(Path(sys.executable).parent / "rl"), "@", str(root / "examples/reverse_text/rl.toml"),
-           "--output-dir", str(run_dir.root), "--resume", "--dry-run"]  # fmt: skip
+           "--output-dir", str(run_dir.root), *flags, "--dry-run"]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(
-        f"--resume: checkpoint step 2 is not resumable: {changed_line(file, 2)}; `prime-launch rewind --output-dir "
-        f"{run_dir.root} --step 1` drops it, then --resume starts at checkpoint 1"
+        f"{field}: checkpoint step 2 is not resumable: {changed_line(file, 2)}; `prime-launch rewind --output-dir "
+        f"{run_dir.root} --step 1` drops it, then {again} starts at checkpoint 1"
     ), result.stderr
+    assert not (run_dir.configs / "trainer.toml").exists()  # refused before anything was written
+
+
+def test_an_explicit_resume_step_is_checked_whatever_the_newest(run_dir):
+    """``ckpt.resume_step`` 1 under a newer step 2: step 1's weights are the ones checked; none before it to offer."""
+    from prime_launch.resume import check_resume_weights
+
+    check_resume_weights((1, 2), [run_dir], run_dir.root, 1)
+    file = scribble(run_dir.weight_step(1))
+    with pytest.raises(ValueError) as e:
+        check_resume_weights((1, 2), [run_dir], run_dir.root, 1)
+    assert str(e.value) == (
+        f"ckpt.resume_step: checkpoint step 1 is not resumable: {changed_line(file, 1)}; no earlier checkpoint to "
+        "resume from (start afresh with --overwrite)"
+    )
+    check_resume_weights((1, 2), [run_dir], run_dir.root)  # --resume takes step 2, intact
+    sums = run_dir.weight_step(2) / CHECKSUMS_FILE
+    sums.write_text('{"model.safetensors": "0')  # cut short
+    with pytest.raises(ValueError, match=r"^--resume: checkpoint step 2 is not resumable: weights step 2: .*checksums"):
+        check_resume_weights((1, 2), [run_dir], run_dir.root)
+    os.truncate(sums, 17 * 2**20)  # past the cap (16 MiB), as a sparse file: refused by its size, unread
+    with pytest.raises(ValueError, match=r"^ckpt.resume_step: checkpoint step 2 is not resumable: weights step 2: "):
+        check_resume_weights((1, 2), [run_dir], run_dir.root, 2)
 
 
 def test_save_hf_sums_each_shard_from_memory_as_the_file_reads(tmp_path, one_rank_group):

@@ -116,7 +116,7 @@ def gather_host_facts(
     model = (
         ModelFacts(count_params(rl.trainer, environ), model_config(rl.trainer, environ)) if shared_possible else None
     )
-    resume = rl.resume and rl.trainer.ckpt.resume_step is None
+    resume = rl.resume or rl.trainer.ckpt.resume_step is not None
     return HostFacts(
         gpus=gpus,
         gpu_memory=memory,
@@ -131,15 +131,15 @@ def gather_host_facts(
 
 def resumable_steps(rl: RLConfig, output_dir: Path | None = None, *, verify: bool = False) -> tuple[int, ...]:
     """Checkpoint steps the run can resume from: complete on every side, weights included (``RunDir.resumable_steps``).
-    ``verify``: ValueError when the weights of the newest (the step a resume takes) are not what the trainer wrote
-    (it reads them: once per launch, where the resume step is chosen)."""
+    ``verify``: ValueError when the weights of the step the run resumes from (``ckpt.resume_step``, else the newest, as
+    ``--resume`` takes) are not what the trainer wrote (it reads them: once per launch, where the step is chosen)."""
     from prime_launch.resume import check_resume_weights
 
     runs = [RunDir(path) for path in rl.run_dirs().values()]
     run_dir = RunDir(output_dir or rl.run_dir)
     steps = tuple(run_dir.resumable_steps(runs))
     if verify:
-        check_resume_weights(steps, runs or [run_dir], run_dir.root)
+        check_resume_weights(steps, runs or [run_dir], run_dir.root, rl.trainer.ckpt.resume_step)
     return steps
 
 

@@ -56,24 +56,29 @@ def rewind(run_dir: RunDir, step: int) -> str | None:
     return f"{'; '.join(notes)} (resuming from step {step} makes them again)"
 
 
-def check_resume_weights(steps: list[int] | tuple[int, ...], run_dirs: list[RunDir], root: Path) -> None:
-    """The weights of the step ``--resume`` takes (the newest of ``steps``) are served again first: in every run's
-    directory they must be what the trainer wrote (`verify_weights`). ValueError otherwise, one line naming the file
-    and how to resume from the checkpoint before."""
-    if not steps:
+def check_resume_weights(
+    steps: list[int] | tuple[int, ...], run_dirs: list[RunDir], root: Path, step: int | None = None
+) -> None:
+    """The weights of the step the run resumes from (``step``: ``ckpt.resume_step``; None: the newest of ``steps``, as
+    ``--resume`` takes) are served again first: in every run's directory they must be what the trainer wrote
+    (`verify_weights`). ValueError otherwise, one line naming the file and how to resume from the checkpoint before."""
+    field = "--resume" if step is None else "ckpt.resume_step"
+    step = steps[-1] if step is None and steps else step
+    if step is None:
         return
-    step = steps[-1]
     for run_dir in run_dirs:
         try:
             verify_weights(run_dir.weight_step(step), step)
         except ChangedWeights as e:
-            earlier = (
-                f"`prime-launch rewind --output-dir {root} --step {steps[-2]}` drops it, then --resume starts at "
-                f"checkpoint {steps[-2]}"
-                if len(steps) > 1
-                else "no earlier checkpoint to resume from (start afresh with --overwrite)"
-            )
-            raise ValueError(f"--resume: checkpoint step {step} is not resumable: {e}; {earlier}") from None
+            if before := [s for s in steps if s < step]:
+                again = "--resume" if field == "--resume" else f"--ckpt.resume-step {before[-1]}"
+                earlier = (
+                    f"`prime-launch rewind --output-dir {root} --step {before[-1]}` drops it, then {again} starts at "
+                    f"checkpoint {before[-1]}"
+                )
+            else:
+                earlier = "no earlier checkpoint to resume from (start afresh with --overwrite)"
+            raise ValueError(f"{field}: checkpoint step {step} is not resumable: {e}; {earlier}") from None
 
 
 def _span(found: list[tuple[int, Path]]) -> str:

@@ -98,7 +98,7 @@ def _resolve_nodes(
 ) -> tuple[dict[str, Path], list[Path], dict[str, Any]]:
     """Each process's config resolved for the job's nodes, written under ``configs/``, and the template's API-key
     variables (:func:`_api_key_by_variable`)."""
-    resume = rl.resume and rl.trainer.ckpt.resume_step is None
+    resume = rl.resume or rl.trainer.ckpt.resume_step is not None
     steps = resumable_steps(rl, run_dir.root, verify=True) if resume else ()
     resolved = resolve(rl, ClusterFacts.of_job(slurm, run_dir.root, steps))
     if rl.overwrite and not dry_run:

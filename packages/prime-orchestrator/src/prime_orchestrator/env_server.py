@@ -118,8 +118,15 @@ def _quiet_interrupts(unraisable: Any) -> None:
         sys.__unraisablehook__(unraisable)
 
 
+def _ignore_sigint(signum: int, frame: Any) -> None:
+    pass
+
+
 def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, environ: dict[str, str]) -> None:
     """Subprocess entry: serve the env until the parent goes away."""
+    # A terminal's Ctrl-C reaches this process too: the orchestrator stops it (SIGTERM, verifiers' teardown). A handler
+    # that does nothing, not SIG_IGN: the programs it starts get SIGINT's default back at exec, as before.
+    signal.signal(signal.SIGINT, _ignore_sigint)
     from verifiers.v1.serve.pool import serve_env
 
     # A forkserver's child has the forkserver's environment, taken when the first server started: the tool servers
@@ -142,6 +149,8 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, envir
             elastic=spec.elastic,
             config_data=spec.env_config,
         )
+    except KeyboardInterrupt:  # verifiers' SIGTERM handler, raising before serve_env took it over: stopped as it began
+        pass
     except Exception as e:
         from prime_core.io import one_line
 
@@ -181,11 +190,11 @@ def exit_after_teardown() -> None:
     os._exit(0)
 
 
-PRELOAD = ["verifiers.v1", "transformers.models.auto.tokenization_auto"]
+PRELOAD = ["prime_orchestrator.forkserver_signals", "verifiers.v1", "transformers.models.auto.tokenization_auto"]
 """What the env servers' forkserver imports once, for every server it forks, instead of each server a spawn started
 (restarts included): verifiers (5 s of CPU: anthropic's and openai's types, sympy) and what loading the renderer's
 tokenizer imports (3 s: transformers' tokenizer classes import its config classes, which import torch). A module
-that is not installed is skipped."""
+that is not installed is skipped. ``forkserver_signals`` goes first: a Ctrl-C meanwhile ends the forkserver quietly."""
 
 
 def server_context() -> Any:
@@ -268,18 +277,16 @@ class EnvServer:
         proc = ctx.Process(target=_serve, args=args, daemon=False)
         proc.start()
         child.close()  # our end closing (even on SIGKILL) makes the server exit
-        address = await self._address(proc, address_queue)
-        client = EnvClient(address)
-        deadline = time.monotonic() + self.spec.start_timeout
-        while not await client.health(timeout=2.0):
-            if not proc.is_alive():
-                await client.close()
-                why = await asyncio.to_thread(_failure, address_queue)
-                raise EnvServerFailed(f"env server {self.name} exited with code {proc.exitcode} while starting{why}")
-            if time.monotonic() > deadline:
-                await client.close()
-                proc.kill()
-                raise RuntimeError(f"env server {self.name} did not become healthy (exit code {proc.exitcode})")
+        try:
+            address = await self._address(proc, address_queue)
+            client = await self._healthy(proc, EnvClient(address), address_queue)
+        except BaseException:
+            # Cancelled (Ctrl-C) or failed while it starts: nothing else holds it, and multiprocessing's exit joins it.
+            # Before, the orchestrator then waited for it to finish starting (about 10 s) and exited while a server
+            # still unpickled its arguments (a FileNotFoundError traceback after the orchestrator's last line).
+            proc.terminate()
+            parent.close()
+            raise
         self._proc, self._pipe, self._client = proc, parent, client
         self._generation += 1
         self._died = asyncio.Event()
@@ -290,6 +297,20 @@ class EnvServer:
         logger.info(
             "env server %s up at %s (pid %d, %d worker(s))", self.name, address, proc.pid, self.spec.num_workers
         )
+
+    async def _healthy(self, proc: Any, client: Any, address_queue: Any) -> Any:
+        """``client`` once the server answers its health check, within ``start_timeout``."""
+        deadline = time.monotonic() + self.spec.start_timeout
+        while not await client.health(timeout=2.0):
+            if not proc.is_alive():
+                await client.close()
+                why = await asyncio.to_thread(_failure, address_queue)
+                raise EnvServerFailed(f"env server {self.name} exited with code {proc.exitcode} while starting{why}")
+            if time.monotonic() > deadline:
+                await client.close()
+                proc.kill()
+                raise RuntimeError(f"env server {self.name} did not become healthy (exit code {proc.exitcode})")
+        return client
 
     async def _address(self, proc: Any, address_queue: Any) -> str:
         deadline = time.monotonic() + self.spec.start_timeout

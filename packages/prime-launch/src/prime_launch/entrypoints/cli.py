@@ -12,8 +12,9 @@ commands:
   slurm sft @ sft.toml [--slurm.KEY VALUE ...] [--dry-run]   render (and sbatch) an SFT job
   report [--output-dir DIR] [--out PNG]                      plot reward and loss curves (alias: plot)
   watch --output-dir DIR [--trainer-ranks N] [--health-urls URL,...]
-                                                             the watchdog beside a job's processes (exit 1: stuck;
-                                                             a run that already ended: one line, 0 finished, 1 not)
+  watch @ rl.toml [rl flags] [--trainer-ranks N] ...         the watchdog beside a job's processes (exit 1: stuck;
+                                                             a run that already ended: one line, 0 finished, 1 not);
+                                                             an rl config (and flags) names the run directory
   rewind --output-dir DIR --step N                           before a resume: drop the stopped run's later steps
 
 `prime-launch <command> --help` lists every option of a command.
@@ -115,11 +116,45 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
-def _watch(argv: list[str]) -> int:
-    from prime_core.config import parse_cli
+def watch_run_model() -> type:
+    """The config of ``prime-launch watch @ rl.toml``: the run's rl config (its flags too, so the run directory is the
+    one ``rl`` with the same arguments uses) plus watch's own settings, less those the run gives: ``output_dir``,
+    ``liveness`` (its ``[liveness]`` section) and ``orchestrator`` (a run's is always watched)."""
+    from prime_core.config.liveness import WatchConfig
+    from prime_core.config.rl import RLConfig
+    from pydantic import create_model
+
+    own = {name: (f.annotation, f) for name, f in WatchConfig.model_fields.items() if name not in RLConfig.model_fields}
+    return create_model(
+        "WatchRunConfig",
+        __base__=RLConfig,
+        __doc__="The watchdog beside the processes of the run of an rl config.",
+        **own,
+    )
+
+
+def _watch_config(argv: list[str]):
+    """`WatchConfig` from watch's own flags, or (an ``@ file`` among them) from an rl config (`watch_run_model`)."""
+    from prime_core.config import config_to_toml, parse_cli
     from prime_core.config.liveness import WatchConfig
 
-    config = parse_cli(WatchConfig, argv, prog="prime-launch watch")
+    if not any(token.startswith("@") for token in argv):
+        return parse_cli(WatchConfig, argv, prog="prime-launch watch")
+
+    def of_run(c) -> WatchConfig:
+        own = {name: getattr(c, name) for name in ("trainer_ranks", "health_urls", "api_key_var")}
+        return WatchConfig(output_dir=c.run_dir, liveness=c.liveness, **own)
+
+    def show(c) -> None:
+        sys.stdout.write(config_to_toml(of_run(c)))
+
+    description = "The watchdog beside the processes of the run an rl config names (--dry-run prints what it watches)."
+    model = watch_run_model()
+    return of_run(parse_cli(model, argv, prog="prime-launch watch", description=description, on_dry_run=show))
+
+
+def _watch(argv: list[str]) -> int:
+    config = _watch_config(argv)
     from prime_launch.watchdog import ProcessStuck, RunEnded, watch_forever
 
     try:

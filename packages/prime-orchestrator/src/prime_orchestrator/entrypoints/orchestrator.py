@@ -8,6 +8,27 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
+    import asyncio
+    import json
+
+    from prime_core.config import write_config
+    from prime_core.early_sigint import ends_on_sigint
+    from prime_core.progress import stop_reporting
+
+    with ends_on_sigint("orchestrator: interrupted (SIGINT) while starting, before its first step"):
+        config, orchestrator = _prepare(argv)
+    if config.bench:
+        from prime_orchestrator.bench import run_bench
+
+        print(json.dumps(asyncio.run(run_bench(orchestrator)), indent=2))
+        return
+    write_config(config, orchestrator.run_dir.config_file("orchestrator"))
+    run(orchestrator, config.output_dir)
+    stop_reporting()
+
+
+def _prepare(argv: list[str] | None) -> tuple[Any, Any]:
+    """The config (parsed, its environments and judge checked) and the `Orchestrator`, with logging set up."""
     from prime_core.config import parse_cli
     from prime_core.config.orchestrator import OrchestratorConfig
 
@@ -20,14 +41,10 @@ def main(argv: list[str] | None = None) -> None:
         writes_output_dir=True,
     )
 
-    from prime_core.progress import start_reporting, stop_reporting
+    from prime_core.progress import start_reporting
 
     if not config.bench:
         start_reporting(config.output_dir, "orchestrator")
-    import asyncio
-    import json
-
-    from prime_core.config import write_config
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
@@ -40,15 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(
         "orchestrator", level=config.log.level, log_file=run_dir.log_file("orchestrator") if config.log.file else None
     )
-    orchestrator = Orchestrator(config)
-    if config.bench:
-        from prime_orchestrator.bench import run_bench
-
-        print(json.dumps(asyncio.run(run_bench(orchestrator)), indent=2))
-        return
-    write_config(config, run_dir.config_file("orchestrator"))
-    run(orchestrator, config.output_dir)
-    stop_reporting()
+    return config, Orchestrator(config)
 
 
 def dry_run(config: Any) -> None:
@@ -65,8 +74,6 @@ def dry_run(config: Any) -> None:
 
 def run(orchestrator: Any, output_dir: Path) -> None:
     """Run the orchestrator; the faults of a run (not bugs here) end it with one line on stderr."""
-    import asyncio
-
     from prime_core.io import UnreadableFile, storage_error, storage_error_line
     from prime_core.monitor import MonitorUnavailable
 
@@ -75,15 +82,18 @@ def run(orchestrator: Any, output_dir: Path) -> None:
     from prime_orchestrator.distill import TeacherError
     from prime_orchestrator.env_server import EnvServerFailed
     from prime_orchestrator.envs import TasksetError
+    from prime_orchestrator.interrupt import interrupted, run_noting_sigint
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.liveness import RolloutsFailed
     from prime_orchestrator.weight_relay import ForeignWeights
 
+    seen: list = []  # the progress record at the first SIGINT
     try:
-        asyncio.run(orchestrator.run())
+        run_noting_sigint(orchestrator, seen)
     except JudgeUnreachable as e:
         sys.exit(f"orchestrator: {e}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before: exit 130 without a word
+        print(interrupted(orchestrator, seen, output_dir), file=sys.stderr, flush=True)
         sys.exit(130)
     except (TasksetError, ForeignWeights) as e:  # bad input, like a config error
         print(f"error: {e}", file=sys.stderr, flush=True)

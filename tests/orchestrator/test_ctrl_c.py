@@ -1,0 +1,138 @@
+"""Ctrl-C of an ``orchestrator`` started on its own: exit 130 and one line saying what stopped and where it stood (the
+step, the rollouts in flight, the steps shipped, the checkpoint to resume from), as ``trainer``, ``sft`` and ``eval``
+say theirs. Before, it exited 130 without a word."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prime_core import progress
+from prime_core.io import mark_stable
+from prime_core.run_dir import RunDir
+
+
+class Interrupted:
+    """A run that ships steps 0-1, has 3 of 8 rollouts of step 2 done, and is then sent SIGINT ``times`` times (the
+    later ones while it closes, as a second Ctrl-C comes)."""
+
+    def __init__(self, times: int = 1):
+        self.shipped = [0, 1]
+        self.config = SimpleNamespace(ckpt=SimpleNamespace(interval=1))
+        self.times = times
+        self.closed = False
+
+    async def run(self) -> None:
+        progress.set_step(2)
+        progress.begin("generating rollouts (3 of 8 done for step 2)", lane="rollouts")
+        try:
+            signal.raise_signal(signal.SIGINT)
+            await asyncio.sleep(30)
+        finally:
+            progress.end("rollouts")  # as a cancelled rollout's ``finally`` clears its lane
+            for _ in range(self.times - 1):
+                signal.raise_signal(signal.SIGINT)
+                await asyncio.sleep(0.5)
+            self.closed = True
+
+
+@pytest.fixture(autouse=True)
+def own_progress(monkeypatch):
+    """A progress record of this test's own (another test's lanes must not show in the line), and Python's SIGINT
+    handler, as an entry point starts with (a test before, in this process, may have left another: `watch_forever`)."""
+    monkeypatch.setattr(progress, "_current", progress.ProgressReporter(None, "orchestrator"))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_ctrl_c_says_where_the_orchestrator_stood(tmp_path, capsys, times):
+    from prime_orchestrator.entrypoints.orchestrator import run
+
+    run_dir = RunDir(tmp_path)
+    for step in (1, 2):  # step 2's orchestrator part never finished: not one to resume from
+        run_dir.orchestrator_checkpoint(step).mkdir(parents=True)
+    mark_stable(run_dir.orchestrator_checkpoint(1))
+    orchestrator = Interrupted(times)
+    with pytest.raises(SystemExit) as e:
+        run(orchestrator, tmp_path)
+    assert e.value.code == 130
+    assert capsys.readouterr().err == (
+        "orchestrator: interrupted (SIGINT) at step 2 (generating rollouts (3 of 8 done for step 2)); shipped steps "
+        "0-1 to the trainer; resume from its newest checkpoint with --ckpt.resume-step 1\n"
+    )
+    assert orchestrator.closed == (times == 1)  # a second Ctrl-C cuts the close short, still in one line
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_before_the_first_step_says_so(tmp_path):
+    from prime_orchestrator.interrupt import interrupted_line
+
+    assert interrupted_line(None, [], tmp_path, None) == (
+        "orchestrator: interrupted (SIGINT) before its first step; shipped no step to the trainer; it saved no "
+        "checkpoint to resume from (ckpt.interval is unset)"
+    )
+
+
+def test_a_forkserver_interrupted_while_it_imports_ends_without_a_word():
+    """The env servers' forkserver imports ``forkserver_signals`` first: a Ctrl-C during the seconds of imports after
+    it ends it (128 + SIGINT) silently; before, 30 lines of KeyboardInterrupt traceback."""
+    import subprocess
+    import sys
+
+    code = "import os, signal, time, prime_orchestrator.forkserver_signals; os.kill(os.getpid(), signal.SIGINT); " + (
+        "time.sleep(5)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stderr) == (130, "")
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_the_terminal_while_env_servers_start_is_one_line(tmp_path):
+    """The terminal's Ctrl-C reaches the process group (orchestrator, forkserver, env servers) while the env servers
+    start: exit 130 and the orchestrator's one line, within seconds. Before: exit 130 without a word, or exit 1 with an
+    EOFError traceback (the forkserver, killed while it imported, printed its own), and up to 14 s."""
+    from tests.tiny import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    rl = [str(Path(sys.executable).parent / "rl"), "@", str(root / "examples/reverse_text/rl.toml")]
+    subprocess.run([*rl, "--output-dir", str(tmp_path), "--dry-run"], check=True, capture_output=True, timeout=120)
+    cmd = [str(Path(sys.executable).parent / "orchestrator"), "@", str(tmp_path / "configs" / "orchestrator.toml"),
+           "--client.base-urls", f"http://127.0.0.1:{free_port()}", "--log.file", "false"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not _forkserver_in(proc.pid):  # the env servers begin to start
+        time.sleep(0.1)
+    time.sleep(1.0)  # the forkserver is importing PRELOAD
+    os.killpg(proc.pid, signal.SIGINT)
+    began = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - began
+    assert proc.returncode == 130 and took < 8, (proc.returncode, took, err)
+    assert err.strip().splitlines() == [
+        "orchestrator: interrupted (SIGINT) before its first step (starting env servers and waiting for inference's "
+        "/health); shipped no step to the trainer; it saved no checkpoint to resume from (ckpt.interval is unset)"
+    ], err
+
+
+def _forkserver_in(session: int) -> bool:
+    """Whether a forkserver runs in the session ``session``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                proc.name.isdigit()
+                and os.getsid(int(proc.name)) == session
+                and b"forkserver" in (proc / "cmdline").read_bytes()
+            ):
+                return True
+        except OSError:
+            continue
+    return False
