@@ -7,29 +7,33 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
-    from prime_core.config import parse_cli
-    from prime_core.config.orchestrator import EvalConfig
+    from prime_core.early_sigint import ends_on_sigint
 
-    config = parse_cli(
-        EvalConfig,
-        argv,
-        prog="eval",
-        description="Evaluate a served model (and checkpoints under --weights-dir) on environments.",
-        on_dry_run=dry_run,
-        writes_output_dir=True,
-    )
-    _check_output_dir(config)  # first: a file read, where the environments' check imports verifiers (seconds)
-    _check_env_settings(config)
-    import asyncio
+    # Ctrl-C while parsing or importing verifiers: one line, not a traceback from inside an import.
+    with ends_on_sigint("eval: interrupted (SIGINT) while starting, before any rollout"):
+        from prime_core.config import parse_cli
+        from prime_core.config.orchestrator import EvalConfig
 
-    from prime_core.logging import setup_logging
+        config = parse_cli(
+            EvalConfig,
+            argv,
+            prog="eval",
+            description="Evaluate a served model (and checkpoints under --weights-dir) on environments.",
+            on_dry_run=dry_run,
+            writes_output_dir=True,
+        )
+        _check_output_dir(config)  # first: a file read, where the environments' check imports verifiers (seconds)
+        _check_env_settings(config)
+        import asyncio
 
-    from prime_orchestrator.client import ServerUnreachable, WeightUpdateError
-    from prime_orchestrator.env_server import EnvServerFailed
-    from prime_orchestrator.envs import TasksetError
-    from prime_orchestrator.eval_runner import run_eval
-    from prime_orchestrator.judges import JudgeUnreachable
-    from prime_orchestrator.liveness import RolloutsFailed
+        from prime_core.logging import setup_logging
+
+        from prime_orchestrator.client import ServerUnreachable, WeightUpdateError
+        from prime_orchestrator.env_server import EnvServerFailed
+        from prime_orchestrator.envs import TasksetError
+        from prime_orchestrator.eval_runner import run_eval
+        from prime_orchestrator.judges import JudgeUnreachable
+        from prime_orchestrator.liveness import RolloutsFailed
 
     setup_logging("eval", level=config.log.level)
     try:
