@@ -68,3 +68,18 @@ def test_an_env_answer_of_100_mb_ends_its_rollout_at_once_and_nothing_else(
     assert (metrics["failed/vf-faults"], metrics["samples/trained"]) == (0, 8), metrics
     assert took < 110, took  # under the rollout timeout: no rollout waited for it
     print(f"100 MB env answer: step in {took:.0f} s")
+
+
+def test_a_reward_allocating_past_the_env_memory_limit_fails_its_rollout_and_only_that(
+    tmp_path, tiny_model, torch_server, monkeypatch
+):
+    """`recovery.env_memory_gb`: the 8 GiB allocation fails in the worker (MemoryError), not on the host. Before, it
+    was granted (untouched here; touched, the host's OOM killer would have picked a process of the run)."""
+    use_vf_envs(monkeypatch)
+    config = fault_config(tmp_path, tiny_model, torch_server, "hog", max_steps=1,
+                          recovery={"probe_timeout_s": 5, "env_memory_gb": 2})  # fmt: skip
+    orch, took, error, left = run_orchestrator(config)
+    assert error is None and left == []
+    metrics = step_metrics(tmp_path)[0]
+    assert (metrics["failed/vf-faults"], metrics["env_servers/vf-faults/restarts"]) == (2, 0), metrics
+    assert sample_errors(tmp_path) == ["task FaultTask scoring: MemoryError:"] * 2

@@ -28,6 +28,7 @@ from typing import Any
 
 from prime_core.schemas.rollout import EnvServerSpec
 
+from prime_orchestrator.env_limits import cap_memory, memory_limit
 from prime_orchestrator.env_watch import HangWatch
 from prime_orchestrator.mp_temp import own_temp_dir
 from prime_orchestrator.proc_tree import kill_left, snapshot
@@ -131,6 +132,7 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, envir
     if (numpy := sys.modules.get("numpy")) is not None:
         numpy.random.seed()
     spec = EnvServerSpec.model_validate(spec_data)
+    cap_memory(spec.max_memory_bytes or memory_limit(None))  # inherited by the workers, tools and programs it starts
     try:
         serve_env(
             max_workers=spec.num_workers,
