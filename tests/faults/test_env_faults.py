@@ -230,8 +230,9 @@ def test_an_env_server_stopped_runs_its_exit_handlers_then_ends_without_finalizi
     import verifiers.v1.serve.pool
 
     calls = []
-    spec = types.SimpleNamespace(num_workers=1, env_config={}, multiplex=1, elastic=False)
+    spec = types.SimpleNamespace(num_workers=1, env_config={}, multiplex=1, elastic=False, max_memory_bytes=None)
     monkeypatch.setattr(env_server.EnvServerSpec, "model_validate", lambda data: spec)
+    monkeypatch.setattr(env_server, "cap_memory", lambda limit: None)  # not this test process's memory
     monkeypatch.setattr(verifiers.v1.serve.pool, "serve_env", lambda **kwargs: calls.append("served"))
     monkeypatch.setattr(env_server, "exit_after_teardown", lambda: calls.append("exit"))
     # The environment is the orchestrator's of the moment the server started, not its forkserver's (an older one).
