@@ -76,7 +76,12 @@ def bound_prompts(renderer: Any, tokenizer: Any, model_dir: str) -> None:
     ceiling = context_ceiling(model_dir)
     if ceiling is None:
         return
-    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    try:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+    except Exception:  # a custom tokenizer without a readable vocabulary: no bound, as without a config
+        return
+    if longest <= 0:
+        return
     per_token = longest * SLACK
 
     def check(messages: Any, known_tokens: int) -> None:
