@@ -7,6 +7,10 @@ bounded time."""
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 from prime_core.schemas.microbatch import read_microbatches
@@ -20,6 +24,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess"), 
 KINDS = "inf,thread,text,child,unserial,blob,schema,turns"
 FAILING = {"inf": "not finite: reward = -inf", "text": "could not convert string to float: 'one'",
            "unserial": "Unable to serialize unknown type: <class '_thread.lock'>", "schema": "validation error"}  # fmt: skip
+
+
+def daemons_since(ticks: int) -> list[int]:
+    """The `child` fault's daemon `sleep`s started since ``ticks`` (clock ticks since boot) that still run."""
+    from prime_orchestrator.proc_tree import command, start_time
+
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    return [p for p in pids if command(p) == "sleep 3599" and (start_time(p) or 0) >= ticks]
+
+
+def boot_ticks() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
 def finite_micro_batches(tmp_path) -> int:
@@ -41,8 +57,10 @@ def test_hostile_rewards_traces_and_turns_fail_their_rollouts_in_one_line_and_le
     config = fault_config(tmp_path, tiny_model, torch_server, KINDS, every=2, batch_size=16,
                           recovery={"probe_timeout_s": 5, "min_ok_fraction": 0.25},
                           log_extras={"interval": 1, "num_samples": 16})  # fmt: skip
+    started = boot_ticks()
     orch, took, error, left = run_orchestrator(config)
     assert error is None and left == []  # the left-behind `sleep` and the thread's worker are gone with the server
+    assert daemons_since(started) == []  # and the daemons that left its tree (before: adopted by init, left running)
     metrics = step_metrics(tmp_path)
     assert [metrics[s]["failed/vf-faults"] for s in (0, 1)] == [4, 4], metrics
     errors = sample_errors(tmp_path)
