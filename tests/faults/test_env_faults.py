@@ -167,7 +167,8 @@ def test_a_reward_that_blocks_a_pool_worker_gets_the_pool_replaced(tmp_path, tin
 def test_an_enormous_env_answer_ends_its_rollout_at_the_context_and_nothing_else(
     tmp_path, tiny_model, torch_server, monkeypatch
 ):
-    """The server refuses the 2M-character prompt (over the 512-token context); verifiers ends the episode there, ok,
+    """The 2M-character prompt is refused (over the 512-token context; before it is tokenized, ``prompt_bound``) as the
+    server refuses it; verifiers ends the episode there, ok,
     as vf-eval keeps it (the `ok` stamp decides), so it is scored on what was played, and the enormous message never
     reaches a trained sequence."""
     use_vf_envs(monkeypatch)
@@ -229,8 +230,9 @@ def test_an_env_server_stopped_runs_its_exit_handlers_then_ends_without_finalizi
     import verifiers.v1.serve.pool
 
     calls = []
-    spec = types.SimpleNamespace(num_workers=1, env_config={}, multiplex=1, elastic=False)
+    spec = types.SimpleNamespace(num_workers=1, env_config={}, multiplex=1, elastic=False, max_memory_bytes=None)
     monkeypatch.setattr(env_server.EnvServerSpec, "model_validate", lambda data: spec)
+    monkeypatch.setattr(env_server, "cap_memory", lambda limit: None)  # not this test process's memory
     monkeypatch.setattr(verifiers.v1.serve.pool, "serve_env", lambda **kwargs: calls.append("served"))
     monkeypatch.setattr(env_server, "exit_after_teardown", lambda: calls.append("exit"))
     # The environment is the orchestrator's of the moment the server started, not its forkserver's (an older one).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -50,3 +51,23 @@ def test_a_process_that_stays_is_killed_after_the_grace():
         assert stays.wait(10) == -signal.SIGKILL
     finally:
         stays.kill()
+
+
+def test_a_daemon_that_left_the_tree_is_found_by_the_mark_in_its_environment():
+    """A program an env server started that left its tree (``cmd &`` in a shell that exited: init adopted it) is
+    found by the mark every program of that server inherits; another server's programs are not."""
+    from prime_orchestrator.proc_tree import MARK_VAR, kill_left, marked, process_tree
+
+    quiet = "stdin=s.DEVNULL, stdout=s.DEVNULL, stderr=s.DEVNULL"  # the pipes run() reads would wait for it
+    daemon = f"import subprocess as s; print(s.Popen(['sleep', '30'], start_new_session=True, {quiet}).pid)"
+    env = {**os.environ, MARK_VAR: "test-mark"}
+    out = subprocess.run([sys.executable, "-c", daemon], env=env, capture_output=True, text=True, timeout=60)
+    pid = int(out.stdout)
+    try:
+        assert pid not in process_tree(os.getpid())  # its parent exited: not in this tree
+        found = marked("test-mark")
+        assert pid in found and marked("another-mark") == {}
+        assert kill_left(found) == [pid]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -23,14 +23,16 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from prime_core.schemas.rollout import EnvServerSpec
 
+from prime_orchestrator.env_limits import cap_memory, memory_limit
 from prime_orchestrator.env_watch import HangWatch
 from prime_orchestrator.mp_temp import own_temp_dir
-from prime_orchestrator.proc_tree import kill_left, snapshot
+from prime_orchestrator.proc_tree import MARK_VAR, kill_left, kill_marked, snapshot
 
 logger = logging.getLogger("prime.orchestrator.env")
 
@@ -138,6 +140,7 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, envir
     if (numpy := sys.modules.get("numpy")) is not None:
         numpy.random.seed()
     spec = EnvServerSpec.model_validate(spec_data)
+    cap_memory(spec.max_memory_bytes or memory_limit(None))  # inherited by the workers, tools and programs it starts
     try:
         serve_env(
             max_workers=spec.num_workers,
@@ -262,6 +265,7 @@ class EnvServer:
         self.replaced_because = ""
         """Why the hang watch replaced the server last (``env_watch``), for the errors of the rollouts it held."""
         self._restart_lock = asyncio.Lock()
+        self._mark = ""
 
     @property
     def pid(self) -> int | None:
@@ -273,7 +277,8 @@ class EnvServer:
         ctx = server_context()
         address_queue = ctx.Queue()
         parent, child = ctx.Pipe()
-        args = (self.spec.model_dump(), address_queue, child, dict(os.environ))
+        self._mark = uuid.uuid4().hex  # in the environment of every program the server starts (``marked``)
+        args = (self.spec.model_dump(), address_queue, child, {**os.environ, MARK_VAR: self._mark})
         proc = ctx.Process(target=_serve, args=args, daemon=False)
         proc.start()
         child.close()  # our end closing (even on SIGKILL) makes the server exit
@@ -414,6 +419,10 @@ class EnvServer:
         # Children that die with the server (PR_SET_PDEATHSIG, as arithmetic's scorer) get their signal as it exits.
         if left := await asyncio.to_thread(kill_left, processes, 1.0):
             logger.warning("env server %s left processes %s behind; killed them", self.name, left)
+        # Programs it started that left its tree (daemons, adopted by init) carry its mark in their environment.
+        if self._mark and (strays := await asyncio.to_thread(kill_marked, self._mark)):
+            logger.warning("env server %s left processes outside its tree (daemons): %s; killed them", self.name,
+                           ", ".join(strays))  # fmt: skip
         self._client = self._pipe = None
 
     async def close(self) -> None:

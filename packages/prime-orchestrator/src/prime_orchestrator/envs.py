@@ -18,11 +18,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from prime_core.config.liveness import RecoveryConfig
 from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 from prime_core.io import one_line
 from prime_core.schemas.rollout import MIN_WEIGHT_STEP, ROLLOUT_TAG, EnvServerSpec, RolloutResult
 
 from prime_orchestrator.env_config import env_config_data, resolve
+from prime_orchestrator.env_limits import memory_limit
 from prime_orchestrator.env_server import EnvServer, EnvServerCrashed
 from prime_orchestrator.judges import JudgeEndpoint
 from prime_orchestrator.rendering import resolve_renderer
@@ -34,12 +36,18 @@ logger = logging.getLogger("prime.orchestrator.env")
 API_KEY_VAR = "PRIME_INFERENCE_API_KEY"
 
 
-def server_spec(env: EnvConfig, name: str | None = None, judge: JudgeEndpoint | None = None) -> EnvServerSpec:
+def server_spec(
+    env: EnvConfig, name: str | None = None, judge: JudgeEndpoint | None = None, recovery: RecoveryConfig | None = None
+) -> EnvServerSpec:
+    """How ``env``'s server is started; ``recovery`` (the run's) sets its hang probe and its processes' memory."""
+    recovery = recovery or RecoveryConfig()
     return EnvServerSpec(
         name=name or env.resolved_name,
         env_config=env_config_data(env, judge),
         num_workers=env.num_workers,
         elastic=env.elastic,
+        probe_timeout_s=recovery.probe_timeout_s,
+        max_memory_bytes=memory_limit(recovery.env_memory_gb),
     )
 
 

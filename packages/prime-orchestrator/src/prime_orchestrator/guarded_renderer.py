@@ -59,6 +59,7 @@ def guarded_renderer(tokenizer: Any, config: GuardedRendererConfig) -> Any:
     from renderers import RendererConfig, create_renderer
 
     from prime_orchestrator.plain_content import PlainContentTokenizer, plain_content
+    from prime_orchestrator.prompt_bound import bound_prompts
     from prime_orchestrator.worker_tuning import memoise_short_encodes
 
     memoise_short_encodes(tokenizer)  # renderers re-encodes its headers and probes on every turn
@@ -66,6 +67,7 @@ def guarded_renderer(tokenizer: Any, config: GuardedRendererConfig) -> Any:
     plain = PlainContentTokenizer(tokenizer)
     renderer = create_renderer(plain, inner_config, chat_template_kwargs=config.model_extra or None)
     plain_content(renderer, plain)  # special-token text in messages (a tool's output) is plain text
+    bound_prompts(renderer, tokenizer, str(getattr(tokenizer, "name_or_path", "")))  # refused before tokenizing
     parse = renderer.parse_response
 
     def parse_response(token_ids: list[int], **kwargs: Any) -> ParsedResponse:

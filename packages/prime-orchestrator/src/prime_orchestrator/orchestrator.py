@@ -108,9 +108,7 @@ class Orchestrator:
     def _runner(self, env: EnvConfig, name: str) -> EnvRunner:
         # The base model's name: a LoRA run's adapter is loaded only after the start-up check of judge endpoints.
         judge = judge_endpoint(self.config.judge, self.config.client, self.config.model.name)
-        spec = server_spec(env, name, judge).model_copy(
-            update={"probe_timeout_s": self.config.recovery.probe_timeout_s}
-        )
+        spec = server_spec(env, name, judge, recovery=self.config.recovery)
         return EnvRunner(env, spec, max_retries=self.config.max_rollout_retries)
 
     async def setup(self) -> None:

@@ -94,6 +94,33 @@ def kill_left(processes: dict[int, int | None], grace_s: float = 0.0) -> list[in
     return killed
 
 
+MARK_VAR = "PRIME_ENV_SERVER"
+"""Set in an env server's environment to a token of that server. Every program it starts inherits it, so one that
+left the server's tree (a daemon: ``cmd &`` in a shell that exited, a double fork; init adopted it) is still found."""
+
+
+def marked(token: str) -> dict[int, int | None]:
+    """pid -> start time of each live process whose environment (as it was exec'd) carries ``MARK_VAR=token``."""
+    needle = f"\0{MARK_VAR}={token}\0".encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes()
+            except OSError:  # gone, or another user's
+                continue
+            if needle in b"\0" + environ:
+                found[int(entry)] = start_time(int(entry))
+    return found
+
+
+def kill_marked(token: str) -> list[str]:
+    """SIGKILL every live process carrying ``token`` (``marked``); each killed one as ``pid (command)``."""
+    found = marked(token)
+    commands = {pid: command(pid) for pid in found}
+    return [f"{pid} ({commands[pid]})" for pid in kill_left(found)]
+
+
 def command(pid: int) -> str:
     return _cmdline(pid).replace(b"\0", b" ").decode(errors="replace").strip()[:120] or "?"
 

@@ -50,6 +50,10 @@ class RecoveryConfig(BaseConfig):
     probe_timeout_s: float = Field(default=30.0, gt=0)
     """An env server, or a worker of its pool, that does not answer a health probe for this long (its event loop is
     blocked: a reward function that never returns) is replaced; a process of it stopped by a signal is killed at once."""
+    env_memory_gb: float | None = Field(default=None, gt=0)
+    """GiB of memory each process of an env server (a worker, a tool server, a program it starts) may allocate; past
+    it an allocation fails in that process (a reward's ``MemoryError``: its rollout fails, counted) instead of the host
+    running out and the OOM killer ending another process of the run. Unset: half of the host's memory."""
     max_text_chars: int = Field(default=65536, ge=1024)
     """A rollout's prompt and completion text (log tables only) is cut to this many characters; a rollout whose
     reward or metrics are not finite counts as failed."""

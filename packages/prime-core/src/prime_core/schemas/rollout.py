@@ -43,6 +43,8 @@ class EnvServerSpec(BaseModel):
     """Seconds the server may take to come up."""
     probe_timeout_s: float = Field(default=30.0, gt=0)
     """A server (or pool worker) that answers no health probe for this long is hung and replaced."""
+    max_memory_bytes: int | None = Field(default=None, gt=0)
+    """Memory each process of the server may allocate (soft ``RLIMIT_DATA``; None: half of the host's memory)."""
 
 
 class PolicyVersions(BaseModel):
