@@ -65,6 +65,25 @@ def test_sigterm_removes_the_forkservers_temp_dir(short_tmp):
     assert list(tmp_path.glob("pymp-*")) == []
 
 
+def test_a_tmpdir_too_long_for_the_forkservers_socket_is_one_line(short_tmp):
+    long_tmp = short_tmp / ("x" * (100 - len(str(short_tmp))))
+    long_tmp.mkdir()
+    code = (
+        "from prime_orchestrator.env_server import server_context\n"
+        "ctx = server_context()\n"
+        "ctx.Process(target=print).start()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(long_tmp)}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and last.startswith(
+        "prime_orchestrator.env_server.EnvServerFailed: TMPDIR is too long"
+    )
+    assert f"{long_tmp}/pymp-" in last and "at most 107 fit; set a shorter TMPDIR" in last, last
+
+
 @pytest.mark.slow
 def test_an_orchestrator_stopped_by_sigterm_leaves_no_temp_dir(tmp_path, short_tmp):
     tmp = short_tmp
