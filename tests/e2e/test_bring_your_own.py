@@ -81,7 +81,8 @@ def test_two_player_self_play_trains_both_seats_on_their_own_rewards(tmp_path):
 SCRIPTED_KINDS = {
     "vf-attempts": 'id = "vf-attempts"',
     "vf-bash-runtime": 'id = "vf-bash-runtime"',
-    "vf-rubric": 'id = "vf-rubric"',
+    # Its judge is the policy server: the scripted policy answers the judge's prompts too (rl refuses that unless told).
+    "vf-rubric": 'id = "vf-rubric"\n[orchestrator.judge]\nallow_policy_judge = true',
     "vf-toolset": 'id = "vf-toolset"\nharness = "null"',
 }
 

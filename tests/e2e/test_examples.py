@@ -70,6 +70,8 @@ def test_cpu_example_runs_two_steps(tmp_path, name):
     cmd = [str(RL), "@", str(config), "--output-dir", str(out), "--max-steps", "2"]
     cmd += ["--inference.server.port", str(free_port()), "--console", "quiet", "--orchestrator.eval.envs", "[]"]
     cmd += ["--orchestrator.batch-size", str(groups)]
+    if "teacher" in tomllib.loads(config.read_text()):  # its fixed port (8001) may be another run's on this host
+        cmd += ["--teacher.port", str(free_port())]
     start = time.monotonic()
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     print(f"examples/{name}/rl.toml, 2 steps: {time.monotonic() - start:.0f} s")

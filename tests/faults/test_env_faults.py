@@ -22,10 +22,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("multiprocess")]
 
 def fault_config(tmp_path, model, server, faults: str, *, every: int = 4, env: dict | None = None, **overrides):
     # A worker's first rollouts wait for its renderer and HTTP pool to load: 30 s on a busy 2-core machine.
+    # The hang watch's probe keeps its default (30 s) unless a test blocks a worker (BLOCK_RECOVERY): at 5 s a fresh
+    # env server of a loaded host (load 15 on 2 cores) went unanswered and was replaced where nothing hung.
     env = {"id": "vf-faults", "harness": "null", "args": {"faults": faults, "every": every}, "rollout_timeout": 120,
            **(env or {})}  # fmt: skip
     base = dict(batch_size=8, rollouts_per_example=2, max_steps=2, async_level=2, num_trainer_ranks=1,
-                max_rollout_retries=1, recovery={"probe_timeout_s": 5}, env=[env], sampling={"max_tokens": 8})  # fmt: skip
+                max_rollout_retries=1, env=[env], sampling={"max_tokens": 8})  # fmt: skip
     return make_config(tmp_path, model, server, **{**base, **overrides})
 
 
@@ -123,6 +125,8 @@ def test_a_rollout_that_hangs_is_cancelled_at_its_timeout_and_counted(tmp_path, 
 
 # Workers need a minute to start on a loaded 2-core host; the blocked worker is found 5 s after its reward blocks.
 BLOCK = {"rollout_timeout": 600}
+BLOCK_RECOVERY = {"probe_timeout_s": 5}
+"""A worker silent this long is found blocked and replaced (the tests whose reward blocks a worker)."""
 
 
 @pytest.mark.slow
@@ -133,7 +137,7 @@ def test_a_reward_that_blocks_the_only_worker_fails_what_ran_beside_it(tmp_path,
     again, so all fail, named, and the step stops the run (recovery.min_ok_fraction)."""
     use_vf_envs(monkeypatch)
     monkeypatch.setenv("PRIME_PROGRESS_DIR", str(tmp_path / "progress"))  # as the orchestrator's entry point sets it
-    config = fault_config(tmp_path, tiny_model, torch_server, "block", env=BLOCK, max_steps=1)
+    config = fault_config(tmp_path, tiny_model, torch_server, "block", env=BLOCK, max_steps=1, recovery=BLOCK_RECOVERY)
     orch, took, error, left = run_orchestrator(config)
     assert left == [] and orch.pools["vf-faults"].server.num_restarts >= 2
     assert str(error).startswith("step 0: 8 of 8 rollouts failed (vf-faults: 8)")
@@ -152,7 +156,7 @@ def test_a_reward_that_blocks_a_pool_worker_gets_the_pool_replaced(tmp_path, tin
     use_vf_envs(monkeypatch)
     config = fault_config(tmp_path, tiny_model, torch_server, "block", every=8, env={**BLOCK, "num_workers": 2},
                           max_steps=1, rollouts_per_example=1, max_rollout_retries=1,
-                          recovery={"probe_timeout_s": 5, "min_ok_fraction": 0.25})  # fmt: skip
+                          recovery={**BLOCK_RECOVERY, "min_ok_fraction": 0.25})  # fmt: skip
     orch, took, error, left = run_orchestrator(config)
     assert error is None and left == []
     metrics = step_metrics(tmp_path)[0]

@@ -1,7 +1,9 @@
 """prime-launch slurm: rendered scripts (always) and a real single-node SLURM cluster (slow, root + apt)."""
 
 import contextlib
+import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -171,9 +173,41 @@ def _run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, **kw)
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    """Install Debian's SLURM and start munged, slurmctld and slurmd for one node (PLATFORM.md recipe)."""
+CLUSTER_LOCK = Path("/tmp/prime-test-slurm-cluster.lock")
+"""Held (flock) by the one local cluster of this host: its daemons listen on the fixed ports of ``SLURM_CONF``. Two at
+once (two xdist workers, or two checkouts' suites) shared one controller, and the first to end shut it down under the
+other's job: ``squeue`` then answered nothing and an unfinished job passed for ended (a flake under ``-n 2``)."""
+CLUSTER_LOCK_WAIT_S = 600.0
+"""Longest a fixture waits for another cluster of this host to stop (one test module's jobs)."""
+
+
+@contextlib.contextmanager
+def _cluster_lock():
+    """Hold ``CLUSTER_LOCK`` for the life of one cluster; wait for another holder at most ``CLUSTER_LOCK_WAIT_S``."""
+    with CLUSTER_LOCK.open("a+") as f:
+        deadline = time.monotonic() + CLUSTER_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    f.seek(0)
+                    holder = f.read().strip() or "unknown"
+                    pytest.fail(
+                        f"another local SLURM cluster (pid {holder}) held {CLUSTER_LOCK} for {CLUSTER_LOCK_WAIT_S:.0f} s"
+                    )
+                time.sleep(0.5)
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _install_slurm() -> None:
     if os.geteuid() != 0:
         pytest.skip("a local SLURM cluster needs root")
     if shutil.which("apt-get") is None:
@@ -186,7 +220,10 @@ def slurm_cluster(tmp_path_factory):
         )
         if install.returncode != 0:
             pytest.skip(f"cannot install SLURM: {install.stderr[-500:]}")
-    state = tmp_path_factory.mktemp("slurm")
+
+
+def _configure(state: Path) -> dict[str, str]:
+    """Write ``state``/slurm.conf for this host and the munge key if there is none; the environment naming the conf."""
     host = _run(["hostname", "-s"]).stdout.strip()
     node_line = _run(["slurmd", "-C"]).stdout.splitlines()[0]
     resources = " ".join(
@@ -198,35 +235,63 @@ def slurm_cluster(tmp_path_factory):
         (state / sub).mkdir()
     conf = state / "slurm.conf"
     conf.write_text(SLURM_CONF.format(host=host, state=state, resources=resources))
-    env = {**os.environ, "SLURM_CONF": str(conf)}
     Path("/run/munge").mkdir(exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     if not Path("/etc/munge/munge.key").exists():
         _run(["mungekey", "--create"])
         shutil.chown("/etc/munge/munge.key", "munge", "munge")
-    started: list[int] = []  # daemons this fixture started: stopped at the end, whatever happens
-    if _run(["pgrep", "-x", "munged"]).returncode != 0:
-        _run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"])
-        started += [int(p) for p in _run(["pgrep", "-x", "munged"]).stdout.split()]
-    try:
-        _run(["slurmctld"], env=env)
-        _run(["slurmd"], env=env)
-        started += [int(p.read_text()) for p in (state / "slurmctld.pid", state / "slurmd.pid") if p.is_file()]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            info = _run(["sinfo", "-h", "-o", "%T"], env=env)
-            if info.returncode == 0 and info.stdout.strip() in ("idle", "mixed"):
-                break
-            time.sleep(1)
-        else:
-            pytest.fail(
-                f"SLURM did not come up: {_run(['sinfo'], env=env)} {(state / 'slurmctld.log').read_text()[-2000:]}"
-            )
-        yield env
-    finally:
-        _run(["scontrol", "shutdown"], env=env)
-        _stop(started)
-        assert not [p for p in started if _alive(p)], "SLURM/munge daemons left running"
+    return {**os.environ, "SLURM_CONF": str(conf)}
+
+
+def _daemons(state: Path) -> list[int]:
+    """The pids slurmctld and slurmd of ``state`` wrote (each once it runs)."""
+    return [int(p.read_text()) for p in (state / "slurmctld.pid", state / "slurmd.pid") if p.is_file()]
+
+
+def _munged() -> list[int]:
+    """Running munged pids. Not a zombie: this host's init reaps late, and a cluster's munged stopped a moment ago,
+    still listed by ``pgrep``, once passed for a running one (the next cluster then had no munge socket)."""
+    return [pid for p in _run(["pgrep", "-x", "munged"]).stdout.split() if _alive(pid := int(p))]
+
+
+def _wait_up(state: Path, env: dict[str, str]) -> None:
+    """Until the node is idle, 60 s at most; this cluster's own daemons must be the ones answering."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        info = _run(["sinfo", "-h", "-o", "%T"], env=env)
+        if info.returncode == 0 and info.stdout.strip() in ("idle", "mixed"):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(
+            f"SLURM did not come up: {_run(['sinfo'], env=env)} {(state / 'slurmctld.log').read_text()[-2000:]}"
+        )
+    if len(daemons := _daemons(state)) != 2 or not all(map(_alive, daemons)):
+        pytest.fail(f"slurmctld/slurmd of {state} not running: {(state / 'slurmctld.log').read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """Install Debian's SLURM and start munged, slurmctld and slurmd for one node (PLATFORM.md recipe), the only
+    cluster of this host while it runs (``CLUSTER_LOCK``)."""
+    _install_slurm()
+    state = tmp_path_factory.mktemp("slurm")
+    with _cluster_lock():
+        env = _configure(state)
+        started: list[int] = []  # daemons this fixture started: stopped at the end, whatever happens
+        if not _munged():
+            _run(["su", "-s", "/bin/sh", "munge", "-c", "/usr/sbin/munged"])
+            started += _munged()
+        try:
+            _run(["slurmctld"], env=env)
+            _run(["slurmd"], env=env)
+            _wait_up(state, env)
+            yield env
+        finally:
+            started += _daemons(state)
+            _run(["scontrol", "shutdown"], env=env)
+            _stop(started)
+            assert not [p for p in started if _alive(p)], "SLURM/munge daemons left running"
 
 
 def _alive(pid: int) -> bool:
@@ -250,17 +315,28 @@ def _stop(pids: list[int], grace_s: float = 10.0) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+_ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING"}
+
+
 def _wait_job(job_id: str, env, timeout: float) -> str:
+    """``scontrol show job`` of ``job_id`` once its JobState is final. A controller that does not answer is asked
+    again until ``timeout``: no answer is not a job that ended."""
     deadline = time.monotonic() + timeout
+    shown = _run(["scontrol", "show", "job", job_id], env=env)
     while time.monotonic() < deadline:
-        if not _run(["squeue", "-h", "-j", job_id], env=env).stdout.strip():
-            return _run(["scontrol", "show", "job", job_id], env=env).stdout
+        shown = _run(["scontrol", "show", "job", job_id], env=env)
+        state = re.search(r"JobState=(\S+)", shown.stdout)
+        if state is not None and state.group(1) not in _ACTIVE:
+            return shown.stdout
         time.sleep(1)
     _run(["scancel", job_id], env=env)
-    raise AssertionError(f"job {job_id} still queued/running after {timeout} s")
+    raise AssertionError(
+        f"job {job_id} had not ended after {timeout} s: {shown.stdout.strip() or shown.stderr.strip()}"
+    )
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("slurm")  # one cluster at a time: tests/faults/test_slurm_faults.py's group
 def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin, fake_hf_cache):
     """Submit a CPU-only single-node RL job (fake process commands) and wait for the launcher's normal finish."""
     from tests.launch.launch_fakes import free_port
@@ -309,6 +385,7 @@ def test_single_node_rl_job_on_local_slurm(tmp_path, slurm_cluster, fake_bin, fa
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("slurm")  # one cluster at a time: tests/faults/test_slurm_faults.py's group
 def test_sft_job_under_srun_and_torchrun_on_local_slurm(tmp_path, slurm_cluster):
     """multi-node-sft on one node, 2 CPU ranks: srun -> torchrun (c10d rendezvous) -> a fake `sft` per rank."""
     bin_dir = tmp_path / "bin"

@@ -6,9 +6,11 @@ count."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +27,16 @@ def _wait_for(what: str, done, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.fixture
+def short_tmp():
+    """A private TMPDIR with a short path: the forkserver's socket (``<TMPDIR>/pymp-*/listener-*``) may have at most
+    107 bytes, and a pytest path under an xdist worker (``.../popen-gw1/test_an_orchestrator_stopped_b0/tmp``) made
+    108: the orchestrator failed to start its env server (AF_UNIX path too long) under ``-n 2`` only."""
+    path = Path(tempfile.mkdtemp(prefix="sigterm-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _stop(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -35,7 +47,8 @@ def _stop(proc: subprocess.Popen) -> int:
             proc.wait()
 
 
-def test_sigterm_removes_the_forkservers_temp_dir(tmp_path):
+def test_sigterm_removes_the_forkservers_temp_dir(short_tmp):
+    tmp_path = short_tmp
     code = (
         "import multiprocessing.util, sys, time\n"
         "from prime_orchestrator.env_server import server_context\n"
@@ -52,10 +65,28 @@ def test_sigterm_removes_the_forkservers_temp_dir(tmp_path):
     assert list(tmp_path.glob("pymp-*")) == []
 
 
+def test_a_tmpdir_too_long_for_the_forkservers_socket_is_one_line(short_tmp):
+    long_tmp = short_tmp / ("x" * (100 - len(str(short_tmp))))
+    long_tmp.mkdir()
+    code = (
+        "from prime_orchestrator.env_server import server_context\n"
+        "ctx = server_context()\n"
+        "ctx.Process(target=print).start()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(long_tmp)}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and last.startswith(
+        "prime_orchestrator.env_server.EnvServerFailed: TMPDIR is too long"
+    )
+    assert f"{long_tmp}/pymp-" in last and "at most 107 fit; set a shorter TMPDIR" in last, last
+
+
 @pytest.mark.slow
-def test_an_orchestrator_stopped_by_sigterm_leaves_no_temp_dir(tmp_path):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+def test_an_orchestrator_stopped_by_sigterm_leaves_no_temp_dir(tmp_path, short_tmp):
+    tmp = short_tmp
     (tmp_path / "o.toml").write_text(
         f'output_dir = "{tmp_path / "run"}"\nmax_steps = 2\nbatch_size = 4\nrollouts_per_example = 2\n'
         f'[model]\nname = "{ROOT / "examples/reverse_text/model"}"\n'

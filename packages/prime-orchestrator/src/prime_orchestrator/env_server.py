@@ -206,9 +206,25 @@ def server_context() -> Any:
     process (an event loop, its threads) is not."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    own_temp_dir()  # one a SIGKILL left is removed by the next process (prime_orchestrator.mp_temp)
+    tempdir = own_temp_dir()  # one a SIGKILL left is removed by the next process (prime_orchestrator.mp_temp)
+    _check_socket_room(tempdir)
     _remove_temp_dir_on_sigterm()
     return ctx
+
+
+SOCKET_PATH_MAX = 107
+"""Bytes an AF_UNIX socket path may have (108 with its terminating NUL)."""
+
+
+def _check_socket_room(tempdir: str) -> None:
+    """The forkserver listens on ``<tempdir>/listener-<8 characters>``: a TMPDIR too long for that is one line naming
+    it, before the first env server starts (it was a traceback, ``OSError: AF_UNIX path too long``)."""
+    need = len(os.fsencode(tempdir)) + len("/listener-") + 8
+    if need > SOCKET_PATH_MAX:
+        raise EnvServerFailed(
+            f"TMPDIR is too long for the env servers' forkserver socket: {tempdir}/listener-* has {need} bytes, at "
+            f"most {SOCKET_PATH_MAX} fit; set a shorter TMPDIR"
+        )
 
 
 def _remove_temp_dir_on_sigterm() -> None:
