@@ -88,14 +88,23 @@ def test_multi_node_job_ends_when_its_watchdog_finds_a_stuck_trainer(tmp_path, s
     outside the job (a stand-in /health); the stuck trainer rank is found by `prime-launch watch`."""
     out = tmp_path / "run"
     server = _Health()
+    # The job's steps make their private TMPDIRs under this one; the job's EXIT trap removes them on every node.
+    node_tmp = tmp_path / "node_tmp"
+    node_tmp.mkdir()
+    env = {**slurm_cluster, "TMPDIR": str(node_tmp)}
     try:
         job_id = submit(
-            out, slurm_cluster, fake_bin, fake_hf_cache, "--slurm.num-inference-nodes", "0", "--slurm.num-trainer-nodes",
+            out, env, fake_bin, fake_hf_cache, "--slurm.num-inference-nodes", "0", "--slurm.num-trainer-nodes",
             "1", "--slurm.inference-url", server.url, "--slurm.master-port", str(free_port()),
         )  # fmt: skip
-        state, job_log, took = stop_trainer_and_wait(out, job_id, slurm_cluster)
+        log = out / "logs" / "trainer.log"
+        wait_for(lambda: log.exists() and "ready" in log.read_text(), 180, "the fake trainer's steps")
+        steps = sorted(p.name for p in (node_tmp / f"prime-{job_id}").iterdir())
+        state, job_log, took = stop_trainer_and_wait(out, job_id, env)
     finally:
         server.httpd.shutdown()
+    assert {"orchestrator", "trainer"} <= set(steps), steps
+    assert not list(node_tmp.glob("prime-*")), list(node_tmp.rglob("*"))[:20]  # the steps were killed, not exited
     print(f"multi-node job {job_id} ended {took:.1f} s after SIGSTOP of the trainer rank")
     assert "JobState=FAILED" in state, state + job_log
     assert "job: error: trainer is stuck: trainer rank 0 sent no heartbeat for" in job_log, job_log
