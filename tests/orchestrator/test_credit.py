@@ -3,6 +3,7 @@ the group (self-play trains both seats of a zero-sum game; attempts of one seat 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,3 +144,22 @@ def test_a_sequence_whose_distillation_advantages_pass_max_abs_is_named_and_not_
         "env duel: the distillation advantages of a sequence of seat 'agent' reach 1e+30, over advantage.max_abs"
         in caplog.text
     )
+
+
+def test_an_env_that_names_a_new_metric_every_rollout_logs_at_most_the_cap(caplog):
+    """A reward keyed by the answer made a new metrics.jsonl / W&B column per rollout, without bound."""
+    from prime_orchestrator.metric_keys import MetricKeyCap
+
+    cap = MetricKeyCap(limit=4)
+    logged: set[str] = set()
+    with caplog.at_level(logging.WARNING, logger="prime.orchestrator.metrics"):
+        for step in range(10):
+            results = [rollout(("agent", 1.0)).result for _ in range(3)]
+            for i, r in enumerate(results):
+                r.traces[0].metrics = {"steady": 1.0, f"answer_{step}_{i}": 1.0}
+            m = seat_step_metrics("spam", results, key_cap=cap)
+            logged |= {k for k in m if k.startswith("metrics/spam/")}
+    assert len(logged) == 4 and "metrics/spam/steady" in logged and m["metrics/spam/steady"] == 1.0
+    assert m["metrics_dropped/spam"] == 10 * 3 + 1 - 4  # every distinct name past the cap, counted
+    lines = [r for r in caplog.records if "distinct metric names" in r.getMessage()]
+    assert len(lines) == 1 and "spam" in lines[0].getMessage()
