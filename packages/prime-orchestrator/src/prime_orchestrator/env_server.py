@@ -29,6 +29,7 @@ from typing import Any
 
 from prime_core.schemas.rollout import EnvServerSpec
 
+from prime_orchestrator.answer_cap import take_dropped
 from prime_orchestrator.env_limits import cap_memory, memory_limit
 from prime_orchestrator.env_watch import HangWatch
 from prime_orchestrator.mp_temp import own_temp_dir
@@ -63,10 +64,12 @@ def register_project_runtimes(data: Any) -> None:
             register_project_runtimes(value)
 
 
-def prepare_env_process(env_config: dict[str, Any]) -> None:
+def prepare_env_process(env_config: dict[str, Any], max_answer_bytes: int | None = None, name: str = "") -> None:
     """Run in the env server and in every worker verifiers spawns for it (its ``log_setup`` hook): logging, the
     project runtimes the config names, the pooled HTTP transport for the engine calls, and the stack dump that names
-    where a blocked event loop is stuck, and the process settings that cut a rollout's CPU (``worker_tuning``)."""
+    where a blocked event loop is stuck, the process settings that cut a rollout's CPU (``worker_tuning``), and the
+    bound on an answer's parts (``answer_cap``)."""
+    from prime_orchestrator.answer_cap import install as cap_answers
     from prime_orchestrator.http_pool import pool_engine_clients
     from prime_orchestrator.stacks import register_stack_dump
     from prime_orchestrator.worker_tuning import memoise_factory_signatures
@@ -79,6 +82,8 @@ def prepare_env_process(env_config: dict[str, Any]) -> None:
     pool_engine_clients()
     register_stack_dump()
     memoise_factory_signatures()
+    if max_answer_bytes is not None:
+        cap_answers(max_answer_bytes, name)
 
 
 # zmq's errnos for a ROUTER's peer that went away, and for a socket closed under a send.
@@ -147,7 +152,7 @@ def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, envir
             address="tcp://127.0.0.1:0",
             address_queue=address_queue,
             death_pipe=death_pipe,
-            log_setup=functools.partial(prepare_env_process, spec.env_config),
+            log_setup=functools.partial(prepare_env_process, spec.env_config, spec.max_answer_bytes, spec.name),
             multiplex=spec.multiplex,
             elastic=spec.elastic,
             config_data=spec.env_config,
@@ -271,6 +276,8 @@ class EnvServer:
         self.spec = spec
         self.name = spec.name
         self.num_restarts = 0
+        self.num_dropped_fields = 0
+        """Trace fields the server dropped past ``spec.max_answer_bytes`` (``answer_cap``), over the run."""
         self._proc: Any = None
         self._pipe: Any = None
         self._client: Any = None
@@ -402,12 +409,24 @@ class EnvServer:
         finally:
             death.cancel()
         if run.done():
-            return run.result()
+            return self._note_dropped(run.result())
         run.cancel()
         why = f" ({self.replaced_because})" if self.replaced_because else ""
         await asyncio.gather(run, return_exceptions=True)
         await self._restart(generation)
         raise EnvServerCrashed(f"env server {self.name} died during a rollout{why}")
+
+    def _note_dropped(self, episode: Any) -> Any:
+        """``episode``, its fields the server dropped past ``max_answer_bytes`` counted (the first logged)."""
+        for field, size in take_dropped(episode):
+            if not self.num_dropped_fields:
+                logger.warning(
+                    "env %s: a trace's %s of %.1f MB was dropped (over recovery.max_answer_mb = %g MB); later ones are "
+                    "counted in env_servers/%s/dropped_fields", self.name, field, size / 1e6,
+                    self.spec.max_answer_bytes / 1e6, self.name,
+                )  # fmt: skip
+            self.num_dropped_fields += 1
+        return episode
 
     def _note_hang(self, reason: str) -> None:
         self.replaced_because = reason

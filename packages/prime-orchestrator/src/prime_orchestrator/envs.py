@@ -48,6 +48,7 @@ def server_spec(
         elastic=env.elastic,
         probe_timeout_s=recovery.probe_timeout_s,
         max_memory_bytes=memory_limit(recovery.env_memory_gb),
+        max_answer_bytes=int(recovery.max_answer_mb * 1e6),
     )
 
 

@@ -169,13 +169,15 @@ def check_step(step: int, results: Iterable[RolloutResult], min_ok_fraction: flo
 
 
 def env_metrics(results: Iterable[RolloutResult], pools: dict[str, Any]) -> dict[str, float]:
-    """Per environment: the step's failed rollouts, and the run's env-server replacements and re-run rollouts."""
+    """Per environment: the step's failed rollouts, and the run's env-server replacements, re-run rollouts and trace
+    fields dropped past ``recovery.max_answer_mb``."""
     metrics: dict[str, float] = {}
     failed = Counter(r.env for r in results if r.failed)
     for name, pool in pools.items():
         metrics[f"failed/{name}"] = failed.get(name, 0)
         metrics[f"env_servers/{name}/restarts"] = pool.server.num_restarts
         metrics[f"env_servers/{name}/retries"] = pool.num_retries
+        metrics[f"env_servers/{name}/dropped_fields"] = pool.server.num_dropped_fields
     return metrics
 
 

@@ -45,6 +45,8 @@ class EnvServerSpec(BaseModel):
     """A server (or pool worker) that answers no health probe for this long is hung and replaced."""
     max_memory_bytes: int | None = Field(default=None, gt=0)
     """Memory each process of the server may allocate (soft ``RLIMIT_DATA``; None: half of the host's memory)."""
+    max_answer_bytes: int = Field(default=8_000_000, gt=0)
+    """Bytes each capped part of a rollout's answer may have (``prime_orchestrator.answer_cap``)."""
 
 
 class PolicyVersions(BaseModel):

@@ -1,0 +1,64 @@
+"""A reward that puts 100 MB in ``trace.info`` (``vf-faults``' ``blob``): the env server drops that field past
+``recovery.max_answer_mb`` before it sends it, so it never reaches the orchestrator; the rollout is scored as played,
+the drop is counted and logged once per env server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
+
+from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
+from tests.fixtures.scripted import ScriptedServer
+from tests.fixtures.vf import use_vf_envs
+from tests.orchestrator.test_hostile_tool_output import PeakRss, rss_mib
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = save_tiny_model(tmp_path_factory.mktemp("blob_model"), build_tool_tokenizer())
+    srv = ScriptedServer(model, lambda prompt: "done")
+    yield srv
+    srv.stop()
+
+
+async def _run(server, faults: str, examples: int):
+    import os
+
+    from prime_orchestrator.envs import EnvRunner, sampling_args, server_spec, train_client
+
+    env = EnvConfig.model_validate({"id": "vf-faults", "harness": "null", "rollout_timeout": 120,
+                                    "args": {"faults": faults, "every": 2}})  # fmt: skip
+    runner = EnvRunner(env, server_spec(env), max_retries=0)
+    await runner.start()
+    try:
+        client = train_client(ClientConfig(), server.config.model.name, server.url)
+        sampling = sampling_args(SamplingConfig(max_tokens=8, temperature=1.0), seed=0)
+
+        def rollout(example: int):
+            return runner.rollout(example, client=client, model=server.config.model.name, sampling=sampling)
+
+        await rollout(1)  # a plain task: loads what any first rollout costs
+        base = rss_mib(os.getpid())
+        with PeakRss(os.getpid()) as rss:
+            results = await asyncio.gather(*(rollout(2 * i) for i in range(examples)))  # every one a blob
+        return results, base, rss.peak, runner.server
+    finally:
+        await runner.close()
+
+
+def test_100_mb_in_a_traces_info_is_dropped_in_the_env_server_and_counted(server, monkeypatch, caplog):
+    use_vf_envs(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="prime.orchestrator.env"):
+        results, base, peak, env_server = asyncio.run(_run(server, "blob", 4))
+    print(f"orchestrator RSS {base} MiB -> peak {peak} MiB with 4 rollouts of 100 MB info in flight")
+    assert [r.failed for r in results] == [False] * 4, [r.error for r in results]
+    assert env_server.num_dropped_fields == 4
+    # unbounded, each 100 MB info crossed whole: the orchestrator's peak rose by 382 MiB for four of them (956 -> 1338)
+    assert peak - base < 100, (base, peak)
+    lines = [r.getMessage() for r in caplog.records if "was dropped" in r.getMessage()]
+    assert len(lines) == 1 and "env vf-faults: a trace's info of 100.0 MB was dropped" in lines[0], lines
