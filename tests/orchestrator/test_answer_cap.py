@@ -62,3 +62,22 @@ def test_100_mb_in_a_traces_info_is_dropped_in_the_env_server_and_counted(server
     assert peak - base < 100, (base, peak)
     lines = [r.getMessage() for r in caplog.records if "was dropped" in r.getMessage()]
     assert len(lines) == 1 and "env vf-faults: a trace's info of 100.0 MB was dropped" in lines[0], lines
+
+
+def test_a_trace_that_cannot_be_serialised_fails_its_rollout_in_one_line_per_cause(server, monkeypatch, capfd):
+    """A lock in ``trace.info`` (``vf-faults``' ``unserial``): before, each such rollout put two or three tracebacks in
+    the env server's log (6 for 3 rollouts); now the first is one line, the rest are counted."""
+    from multiprocessing import forkserver
+
+    use_vf_envs(monkeypatch)
+    # The env server writes to the stderr of the forkserver it forks from: one started under this test's capture.
+    forkserver._forkserver._stop()
+    results, _, _, env_server = asyncio.run(_run(server, "unserial", 3))
+    out = capfd.readouterr()
+    log = out.out + out.err
+    assert [r.failed for r in results] == [True] * 3
+    cause = "env vf-faults: the rollout's answer cannot be sent: PydanticSerializationError: Unable to serialize"
+    assert all(cause in r.error for r in results), [r.error for r in results]
+    assert log.count("Traceback") == 0, log
+    assert sum(cause in line and "later rollouts failing so" in line for line in log.splitlines()) == 1, log
+    assert env_server.num_unsendable == 3

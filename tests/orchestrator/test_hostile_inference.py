@@ -115,7 +115,7 @@ class Runner:
     def __init__(self, name: str):
         self.name = name
         self.num_retries = 0
-        self.server = type("S", (), {"num_restarts": 0, "num_dropped_fields": 0})()
+        self.server = type("S", (), {"num_restarts": 0, "num_dropped_fields": 0, "num_unsendable": 0})()
 
     async def rollout(self, example: int, *, client: Any, model: str, sampling: dict[str, Any]) -> RolloutResult:
         from renderers.client import generate

@@ -29,7 +29,7 @@ from typing import Any
 
 from prime_core.schemas.rollout import EnvServerSpec
 
-from prime_orchestrator.answer_cap import take_dropped
+from prime_orchestrator.answer_cap import UNSENDABLE, take_dropped
 from prime_orchestrator.env_limits import cap_memory, memory_limit
 from prime_orchestrator.env_watch import HangWatch
 from prime_orchestrator.mp_temp import own_temp_dir
@@ -277,6 +277,8 @@ class EnvServer:
         self.name = spec.name
         self.num_restarts = 0
         self.num_dropped_fields = 0
+        self.num_unsendable = 0
+        """Rollouts whose answer the server could not pack (``answer_cap.UNSENDABLE``), over the run."""
         """Trace fields the server dropped past ``spec.max_answer_bytes`` (``answer_cap``), over the run."""
         self._proc: Any = None
         self._pipe: Any = None
@@ -409,6 +411,8 @@ class EnvServer:
         finally:
             death.cancel()
         if run.done():
+            if (error := run.exception()) is not None and UNSENDABLE in str(error):
+                self.num_unsendable += 1
             return self._note_dropped(run.result())
         run.cancel()
         why = f" ({self.replaced_because})" if self.replaced_because else ""

@@ -169,8 +169,8 @@ def check_step(step: int, results: Iterable[RolloutResult], min_ok_fraction: flo
 
 
 def env_metrics(results: Iterable[RolloutResult], pools: dict[str, Any]) -> dict[str, float]:
-    """Per environment: the step's failed rollouts, and the run's env-server replacements, re-run rollouts and trace
-    fields dropped past ``recovery.max_answer_mb``."""
+    """Per environment: the step's failed rollouts, and the run's env-server replacements, re-run rollouts, trace
+    fields dropped past ``recovery.max_answer_mb`` and rollouts whose answer could not be packed (``answer_cap``)."""
     metrics: dict[str, float] = {}
     failed = Counter(r.env for r in results if r.failed)
     for name, pool in pools.items():
@@ -178,6 +178,7 @@ def env_metrics(results: Iterable[RolloutResult], pools: dict[str, Any]) -> dict
         metrics[f"env_servers/{name}/restarts"] = pool.server.num_restarts
         metrics[f"env_servers/{name}/retries"] = pool.num_retries
         metrics[f"env_servers/{name}/dropped_fields"] = pool.server.num_dropped_fields
+        metrics[f"env_servers/{name}/unsendable"] = pool.server.num_unsendable
     return metrics
 
 
