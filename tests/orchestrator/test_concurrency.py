@@ -345,3 +345,22 @@ def test_a_server_whose_engine_died_is_a_warning_once(caplog):
         "inference server http://127.0.0.1:9: vLLM engine(s) 1 of 2 died; it serves with the others (slower)",
         "inference server http://127.0.0.1:9: vLLM engine(s) 0 of 2 died; it serves nothing",
     ]
+
+
+def test_a_server_restarted_before_any_poll_saw_the_loaded_step_is_named():
+    """The relay loaded steps 1 and 2 within one poll interval and the server restarted right after: every poll had
+    seen step 0, so its 0 after the restart was nothing new, and the rollouts sampled from the base model counted as
+    step 2's (CI failed on it: the run went on until the next load, which hid the restart for good). The poll now
+    knows each step the relay loaded; an answer to a poll that left before the load ended is not held against it."""
+    from prime_orchestrator.concurrency import ServerChanged
+
+    url = "http://127.0.0.1:9"
+    poller = HealthPoller(ClientConfig(base_url=url))
+    poller._polls = 4
+    poller._check(url, HealthResponse(weight_step=0), poll=4)
+    poller.served(1)
+    poller.served(2)
+    poller._check(url, HealthResponse(weight_step=1), poll=4)  # left before the load of step 2 ended
+    with pytest.raises(ServerChanged, match=r"now serves weights step 0 after step 2 \(it restarted"):
+        poller._check(url, HealthResponse(weight_step=0), poll=5)
+    poller._check(url, HealthResponse(weight_step=2), poll=5)

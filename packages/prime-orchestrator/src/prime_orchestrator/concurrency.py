@@ -32,13 +32,16 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from prime_core.config.orchestrator import ClientConfig
 from prime_core.schemas.health import HealthResponse, parse_health
 
 from prime_orchestrator.client import WeightUpdateError
+
+if TYPE_CHECKING:
+    from prime_orchestrator.weight_relay import Policy
 
 logger = logging.getLogger("prime.orchestrator.concurrency")
 
@@ -142,26 +145,39 @@ class HealthPoller:
         self.run_id = client.server_run_id
         self.steps: dict[str, int] = {}
         self.dead: dict[str, set[int]] = {}
+        self._polls = 0
+        self._served: tuple[int, int] | None = None  # (step the relay loaded, the first poll started after it)
         self.timeout = max(client.load_poll_interval, 0.5)
         key = client.resolved_api_key()
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._http: httpx.AsyncClient | None = None  # made in the running loop, at the first poll
 
+    def served(self, step: int) -> None:
+        """The relay loaded weights ``step`` into every server: an answer to a later poll below it is a restart. Without
+        this, a server restarted within a poll interval of the load (a tiny model's steps take less) was never seen
+        at the step it went back from, and its rollouts counted as the relay's policy until the next load, or for
+        good. Polls already on the way may still answer the step before (they left before the load ended)."""
+        self._served = (max(step, self._served[0] if self._served else step), self._polls + 1)
+
     async def __call__(self) -> list[HealthResponse | None]:
         if self._http is None:
             self._http = httpx.AsyncClient(headers=self.headers)
+        self._polls += 1
+        poll = self._polls
         answers = list(await asyncio.gather(*(self._one(self._http, u) for u in self.urls)))
         for url, health in zip(self.urls, answers, strict=True):
-            self._check(url.removesuffix("/health"), health)
+            self._check(url.removesuffix("/health"), health, poll)
         return answers
 
-    def _check(self, url: str, health: HealthResponse | None) -> None:
+    def _check(self, url: str, health: HealthResponse | None, poll: int = 0) -> None:
         if health is None:
             return
         if self.run_id is not None and health.run_id != self.run_id:
             raise ServerChanged(f"inference server {url} now answers /health for run {health.run_id!r}, not this "
                                 f"run ({self.run_id!r}): another server took its place")  # fmt: skip
         before, step = self.steps.get(url), health.weight_step
+        if self._served is not None and poll >= self._served[1]:
+            before = max(before or 0, self._served[0])
         if step is not None and before is not None and step < before:
             raise ServerChanged(f"inference server {url} now serves weights step {step} after step {before} (it "
                                 "restarted or reloaded its weights); its rollouts' versions cannot be vouched for")  # fmt: skip
@@ -212,9 +228,13 @@ class ConcurrencyLimiter:
         self._fault_found = asyncio.Event()
 
     @classmethod
-    def from_config(cls, client: ClientConfig) -> ConcurrencyLimiter:
+    def from_config(cls, client: ClientConfig, policy: Policy | None = None) -> ConcurrencyLimiter:
+        """``policy``: the relay's, whose every load the poll learns (`HealthPoller.served`); None where the servers'
+        /health does not report the relay's steps (a LoRA run's reports its base's, 0)."""
         assert client.max_concurrent is not None  # ClientConfig fills it in
         poll = HealthPoller(client)
+        if policy is not None:
+            policy.listeners.append(lambda: poll.served(policy.version))
         controller = None
         if client.concurrency == "adaptive":
             controller = AdaptiveController(ceiling=client.max_concurrent, target_kv_usage=client.target_kv_usage)

@@ -72,7 +72,7 @@ class Orchestrator:
         self.policy = Policy(config, self.run_dir)
         self.tracker = RolloutTracker(config)
         self.eval_lane = InflightLane("evals", "generating eval rollouts", self.tracker.limit_s)
-        self.semaphore = ConcurrencyLimiter.from_config(config.client)  # rollouts in flight (concurrency.py)
+        self.semaphore = ConcurrencyLimiter.from_config(config.client, None if config.model.lora else self.policy)
         self.versions = VersionRecords(
             config.client, check=config.model.lora is None, held=config.dispatch_ahead, run_dir=self.run_dir
         )
