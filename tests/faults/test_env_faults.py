@@ -234,7 +234,15 @@ def test_an_env_server_stopped_runs_its_exit_handlers_then_ends_without_finalizi
     import verifiers.v1.serve.pool
 
     calls = []
-    spec = types.SimpleNamespace(num_workers=1, env_config={}, multiplex=1, elastic=False, max_memory_bytes=None)
+    spec = types.SimpleNamespace(
+        num_workers=1,
+        env_config={},
+        multiplex=1,
+        elastic=False,
+        max_memory_bytes=None,
+        max_answer_bytes=None,
+        name="stand-in",
+    )
     monkeypatch.setattr(env_server.EnvServerSpec, "model_validate", lambda data: spec)
     monkeypatch.setattr(env_server, "cap_memory", lambda limit: None)  # not this test process's memory
     monkeypatch.setattr(verifiers.v1.serve.pool, "serve_env", lambda **kwargs: calls.append("served"))

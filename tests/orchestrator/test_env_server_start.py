@@ -48,7 +48,15 @@ def test_a_forked_server_draws_numpy_numbers_of_its_own(monkeypatch):
     import prime_orchestrator.env_server as env_server
     import verifiers.v1.serve.pool
 
-    spec = types.SimpleNamespace(num_workers=1, env_config={}, multiplex=1, elastic=False, max_memory_bytes=None)
+    spec = types.SimpleNamespace(
+        num_workers=1,
+        env_config={},
+        multiplex=1,
+        elastic=False,
+        max_memory_bytes=None,
+        max_answer_bytes=None,
+        name="stand-in",
+    )
     monkeypatch.setattr(env_server.EnvServerSpec, "model_validate", lambda data: spec)
     monkeypatch.setattr(env_server, "cap_memory", lambda limit: None)  # not this test process's memory
     monkeypatch.setattr(verifiers.v1.serve.pool, "serve_env", lambda **kwargs: None)
