@@ -15,6 +15,7 @@ MODEL = ROOT / "examples" / "reverse_text" / "model"
 # The signal arrives as the entry point starts importing its first heavy package, the moment a user's Ctrl-C lands in.
 _INTERRUPT_AT_IMPORT = """
 import importlib.abc, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (a shell's background job ignores it)
 class _Interrupt(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name in ("torch", "verifiers"):
