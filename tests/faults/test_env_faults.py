@@ -228,27 +228,17 @@ def test_an_env_server_stopped_runs_its_exit_handlers_then_ends_without_finalizi
     assert marker.read_text() == "ran"
 
     # The server's process entry ends so once verifiers' serve_env returned (after a SIGTERM it returns normally).
-    import types
-
     import prime_orchestrator.env_server as env_server
     import verifiers.v1.serve.pool
 
     calls = []
-    spec = types.SimpleNamespace(
-        num_workers=1,
-        env_config={},
-        multiplex=1,
-        elastic=False,
-        max_memory_bytes=None,
-        max_answer_bytes=None,
-        name="stand-in",
-    )
-    monkeypatch.setattr(env_server.EnvServerSpec, "model_validate", lambda data: spec)
     monkeypatch.setattr(env_server, "cap_memory", lambda limit: None)  # not this test process's memory
     monkeypatch.setattr(verifiers.v1.serve.pool, "serve_env", lambda **kwargs: calls.append("served"))
     monkeypatch.setattr(env_server, "exit_after_teardown", lambda: calls.append("exit"))
     # The environment is the orchestrator's of the moment the server started, not its forkserver's (an older one).
     monkeypatch.setenv("PRIME_TEST_ENVIRON", "forkserver's")
-    env_server._serve({}, None, None, {**os.environ, "PRIME_TEST_ENVIRON": "orchestrator's"})
+    env_server._serve(
+        {"name": "stand-in", "env_config": {}}, None, None, {**os.environ, "PRIME_TEST_ENVIRON": "orchestrator's"}
+    )
     assert calls == ["served", "exit"]
     assert os.environ["PRIME_TEST_ENVIRON"] == "orchestrator's"

@@ -42,28 +42,16 @@ def test_env_servers_fork_from_one_forkserver_that_imported_verifiers(monkeypatc
 
 def test_a_forked_server_draws_numpy_numbers_of_its_own(monkeypatch):
     """A fork copies numpy's global generator: without a reseed every server of the forkserver drew the same numbers."""
-    import types
-
     import numpy as np
     import prime_orchestrator.env_server as env_server
     import verifiers.v1.serve.pool
 
-    spec = types.SimpleNamespace(
-        num_workers=1,
-        env_config={},
-        multiplex=1,
-        elastic=False,
-        max_memory_bytes=None,
-        max_answer_bytes=None,
-        name="stand-in",
-    )
-    monkeypatch.setattr(env_server.EnvServerSpec, "model_validate", lambda data: spec)
     monkeypatch.setattr(env_server, "cap_memory", lambda limit: None)  # not this test process's memory
     monkeypatch.setattr(verifiers.v1.serve.pool, "serve_env", lambda **kwargs: None)
     monkeypatch.setattr(env_server, "exit_after_teardown", lambda: None)
     np.random.seed(0)
     inherited = np.random.get_state()[1].copy()
-    env_server._serve({}, None, None, dict(os.environ))
+    env_server._serve({"name": "stand-in", "env_config": {}}, None, None, dict(os.environ))
     assert (np.random.get_state()[1] != inherited).any()
 
 

@@ -277,9 +277,9 @@ class EnvServer:
         self.name = spec.name
         self.num_restarts = 0
         self.num_dropped_fields = 0
+        """Trace fields the server dropped past ``spec.max_answer_bytes`` (``answer_cap``), over the run."""
         self.num_unsendable = 0
         """Rollouts whose answer the server could not pack (``answer_cap.UNSENDABLE``), over the run."""
-        """Trace fields the server dropped past ``spec.max_answer_bytes`` (``answer_cap``), over the run."""
         self._proc: Any = None
         self._pipe: Any = None
         self._client: Any = None
