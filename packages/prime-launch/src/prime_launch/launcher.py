@@ -32,6 +32,8 @@ from prime_launch.servers import StartupFailed, check_port_free, check_served_mo
 from prime_launch.watchdog import RunWatchdog
 
 POLL_S = 0.2
+ECHO_BYTES = 1 << 20
+"""Log bytes of each process ``console = "logs"`` echoes per tick, at most."""
 
 
 class Interrupted(Exception):
@@ -189,13 +191,20 @@ class _Console:
             offset = self._log_offsets.get(name, 0)
             try:
                 with open_regular(path) as f:
+                    if (
+                        os.fstat(f.fileno()).st_size < offset
+                    ):  # moved to .log.1 (`log_pump`): the new one from its start
+                        offset = 0
                     f.seek(offset)
-                    data = f.read()
+                    data = f.read(ECHO_BYTES)  # a child writing gigabytes is echoed a bounded part a tick
             except OSError:
                 continue
             cut = data.rfind(b"\n") + 1
             if cut == 0:
-                continue
+                if len(data) == ECHO_BYTES:  # one line longer than that: echoed cut, not waited for
+                    cut = len(data)
+                else:
+                    continue
             self._log_offsets[name] = offset + cut
             for line in data[:cut].decode(errors="replace").splitlines():
                 print(f"[{name}] {line}", file=self.out)
@@ -225,7 +234,11 @@ def _run(rl: RLConfig, plan: ResolvedRun, out: TextIO | None, locks: list[int] |
     _announce(plan, cleared, console)
     run_id = next((s.env["PRIME_RUN_ID"] for s in plan.specs if "PRIME_RUN_ID" in s.env), None)
     manager = ProcessManager(
-        grace_s=rl.stop_grace, liveness=RunWatchdog(plan, rl.liveness), hold_fds=locks or [], run_id=run_id
+        grace_s=rl.stop_grace,
+        liveness=RunWatchdog(plan, rl.liveness),
+        hold_fds=locks or [],
+        run_id=run_id,
+        max_log_bytes=rl.max_log_mb << 20,
     )
     code, finished_ok = 0, False
     with _signals_raise() as restore, _on_continue(manager.liveness.resumed):

@@ -41,6 +41,8 @@ from typing import Any
 
 from prime_core.io import open_regular
 
+from prime_launch.log_pump import LogPump
+
 PR_SET_PDEATHSIG = 1
 LAUNCH_TAG = "PRIME_LAUNCH_TAG"
 
@@ -292,7 +294,7 @@ def temp_dir_caches() -> dict[str, str]:
 class ProcessManager:
     """Owns the children of one launch. Use as a context manager: leaving it always stops everything.
 
-    ``start`` launches a child with stdout and stderr appended to its log file. ``poll`` raises
+    ``start`` launches a child with stdout and stderr going to its log file (bounded: `prime_launch.log_pump`). ``poll`` raises
     ``ProcessFailed`` for the first child that died unexpectedly. ``stop_all`` sends SIGTERM to every
     group, waits ``grace_s`` and then SIGKILLs what is left, so a stop takes at most ``grace_s`` plus a
     fraction of a second.
@@ -305,15 +307,18 @@ class ProcessManager:
         liveness: Any = None,
         hold_fds: tuple[int, ...] | list[int] = (),
         run_id: str | None = None,
+        max_log_bytes: int = 1 << 30,
     ):
         self.grace_s = grace_s
+        self.max_log_bytes = max_log_bytes
+        """A child's log past this size moves to ``<name>.log.1`` and starts again (``prime_launch.log_pump``)."""
         self.liveness = liveness
         """``prime_launch.watchdog.RunWatchdog``: told of every start, checked on every ``poll`` (``ProcessStuck``)."""
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ProcessSpec] = {}
         self.finished: dict[str, int] = {}
         """Children that exited and were accepted (expected exit), name -> return code."""
-        self._log_handles: list = []
+        self._pumps: list[LogPump] = []
         self._watchdog: subprocess.Popen | None = None
         self.tag = secrets.token_hex(8)
         """Set as ``PRIME_LAUNCH_TAG`` in every child's environment: finds descendants outside every tree and group."""
@@ -353,22 +358,31 @@ class ProcessManager:
         if spec.name in self.procs:
             raise ValueError(f"a process named {spec.name!r} is already running")
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(spec.log_file, "ab" if append_log else "wb")  # noqa: SIM115 (closed in close())
-        self._log_handles.append(log)
         env = {**os.environ, **spec.env, LAUNCH_TAG: self.tag}
         if "TMPDIR" not in spec.env and (private := self._private_temp_dir(spec.name)) is not None:
             env = {**temp_dir_caches(), **env}
             env["TMPDIR"] = str(private)
-        proc = subprocess.Popen(
-            spec.cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=spec.cwd,
-            start_new_session=True,
-            preexec_fn=_set_pdeathsig,
-        )
+        read_fd, write_fd = os.pipe()
+        try:
+            pump = LogPump(read_fd, spec.log_file, self.max_log_bytes, append=append_log)
+        except BaseException:
+            os.close(read_fd)
+            os.close(write_fd)
+            raise
+        try:
+            proc = subprocess.Popen(
+                spec.cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=write_fd,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=spec.cwd,
+                start_new_session=True,
+                preexec_fn=_set_pdeathsig,
+            )
+        finally:
+            os.close(write_fd)  # the child's (and its descendants') copies are the pipe's writers now
+            self._pumps.append(pump.start())
         self.procs[spec.name] = proc
         self.specs[spec.name] = spec
         self._tell_watchdog(f"add {proc.pid}")
@@ -461,10 +475,11 @@ class ProcessManager:
         return time.monotonic() - start
 
     def close(self) -> None:
-        """Release log files and let the watchdog go (only after ``stop_all``)."""
-        for handle in self._log_handles:
-            handle.close()
-        self._log_handles.clear()
+        """Finish the logs and let the watchdog go (only after ``stop_all``)."""
+        deadline = time.monotonic() + 2.0  # a stray that kept the pipe open (no tag, no tree) is not waited for
+        for pump in self._pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+        self._pumps.clear()
         if self._watchdog is not None:
             self._tell_watchdog("exit")
             try:

@@ -296,6 +296,10 @@ class RLConfig(BaseConfig):
     """The watchdog that finds a process that is alive but stuck (docs/liveness.md)."""
     stop_grace: float = Field(default=5.0, gt=0, le=8)
     """On shutdown, seconds between SIGTERM and SIGKILL of the process groups."""
+    max_log_mb: int = Field(default=1024, ge=1, le=1 << 20)
+    """Each process's log (``logs/<process>.log``) past this many MiB moves to ``<process>.log.1``, replacing the one
+    before, and starts again: a run's logs hold at most twice this per process, whatever a process (or an environment,
+    tool or library it runs) writes."""
     console: Literal["progress", "logs", "quiet"] = "progress"
     """Console output: a live step/reward/throughput line, every process's log lines, or launcher messages only."""
     env_vars: dict[str, str] = Field(default_factory=dict)
