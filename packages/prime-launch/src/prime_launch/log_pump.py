@@ -35,7 +35,7 @@ class LogPump:
         self.max_bytes = max_bytes
         self.rotations = 0
         """Times the log was moved to ``<name>.log.1``."""
-        self.refused: OSError | None = None
+        self.refused: Exception | None = None
         """The disk's refusal that stopped the file (the output is drained and dropped since)."""
         self._file = open(path, "ab" if append else "wb", buffering=0)  # noqa: SIM115 (closed by the thread)
         self._size = self._file.seek(0, os.SEEK_END)
@@ -66,10 +66,11 @@ class LogPump:
                 self._rotate()
             self._file.write(data)
             self._size += len(data)
-        except OSError as e:  # whatever it is, the pipe is still drained: a child must never block on its log
+        except Exception as e:  # whatever it is, the pipe is still drained: a child must never block on its log
             self.refused = e
-            named = OSError(e.errno, e.strerror, str(self.path))  # a write's error names no file
-            cause = storage_error_line(named) if storage_error(e) else f"{e} writing {self.path}"
+            found = storage_error(e)
+            named = found and OSError(found.errno, found.strerror, str(self.path))  # a write's error names no file
+            cause = storage_error_line(named) if named else f"{type(e).__name__}: {e} writing {self.path}"
             line = f"rl: {cause}; that process's later output is dropped"
             print(line, file=sys.stderr, flush=True)
 
