@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -75,3 +76,16 @@ def test_a_disk_that_refuses_the_log_is_said_once_and_the_child_is_never_blocked
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "No space left on device (errno 28 ENOSPC) writing /dev/full" in err, err
     assert "that process's later output is dropped" in err
+
+
+def test_log_to_bounds_what_a_multi_node_step_writes(tmp_path):
+    """``prime-launch log-to``: the multi-node job's steps write their logs through it (``multi_node_rl.sbatch.j2``)."""
+    log = tmp_path / "orchestrator.log"
+    cmd = [sys.executable, "-m", "prime_launch.entrypoints.cli", "log-to", str(log), "--max-mb", "1"]
+    lines = "".join(f"line {i:05d} ".ljust(99, "x") + "\n" for i in range(30000)).encode()  # 2.9 MiB
+    result = subprocess.run(cmd, input=lines + b"last\n", capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert log.stat().st_size <= MIB and log.with_name("orchestrator.log.1").stat().st_size <= MIB
+    assert log.read_bytes().endswith(b"line 29999 " + b"x" * 88 + b"\nlast\n")
+    refused = subprocess.run([*cmd[:-1], "0"], input="", capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr == "error: max-mb: 0 is not a positive number of MiB\n"

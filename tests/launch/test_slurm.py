@@ -86,6 +86,9 @@ def test_multi_node_rl_script(tmp_path):
     # The watchdog runs beside the steps and ends the job when one is stuck; a fresh run rewinds nothing.
     assert "prime-launch watch --output-dir" in script and "--trainer-ranks 16" in script
     assert "--liveness.slack-s 30.0" in script and "prime-launch rewind" not in script
+    # Every step's output reaches its log through the bounded pump (an env printing without end filled the disk).
+    assert 'prime-launch log-to "$1" --max-mb 1024; }' in script
+    assert script.count('> >(log_to "$LOG_DIR/') == 4 and '> "$LOG_DIR/' not in script
     configs = tmp_path / "run" / "configs"
     assert "data_parallel_size = 8" in (configs / "inference.toml").read_text()
     assert "num_trainer_ranks = 16" in (configs / "orchestrator.toml").read_text()

@@ -39,7 +39,7 @@ class LogPump:
         """The disk's refusal that stopped the file (the output is drained and dropped since)."""
         self._file = open(path, "ab" if append else "wb", buffering=0)  # noqa: SIM115 (closed by the thread)
         self._size = self._file.seek(0, os.SEEK_END)
-        self._thread = threading.Thread(target=self._pump, name=f"log {path.name}", daemon=True)
+        self._thread = threading.Thread(target=self.drain, name=f"log {path.name}", daemon=True)
 
     def start(self) -> LogPump:
         self._thread.start()
@@ -50,7 +50,8 @@ class LogPump:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _pump(self) -> None:
+    def drain(self) -> None:
+        """Copy the output into the log until its end (every writer gone); ``start`` runs it in a thread."""
         try:
             while data := os.read(self.read_fd, CHUNK):
                 if self.refused is None:

@@ -61,6 +61,7 @@ def _prepare_rl(rl: RLConfig, slurm: SlurmConfig, template: str, dry_run: bool) 
         configs, process_logs, key = _resolve_nodes(rl, slurm, run_dir, dry_run)
         ctx.update(key)
         ctx["health_timeout"] = int(rl.health_timeout)
+        ctx["max_log_mb"] = rl.max_log_mb
         if rl.orchestrator.transport.type == "zmq":
             ctx["transport_secret"] = secret_path(run_dir)
         ctx.update(watch_context(rl, run_dir))

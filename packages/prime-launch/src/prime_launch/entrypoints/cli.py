@@ -16,6 +16,8 @@ commands:
                                                              a run that already ended: one line, 0 finished, 1 not);
                                                              an rl config (and flags) names the run directory
   rewind --output-dir DIR --step N                           before a resume: drop the stopped run's later steps
+  log-to FILE [--max-mb N] [--append]                        standard input into FILE, moved to FILE.1 past N MiB
+                                                             (a multi-node job's process logs)
 
 `prime-launch <command> --help` lists every option of a command.
 """
@@ -224,7 +226,7 @@ def _rewind(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        return _fail("prime-launch needs a command: slurm, report, watch or rewind (--help lists them)")
+        return _fail("prime-launch needs a command: slurm, report, watch, rewind or log-to (--help lists them)")
     if argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
         return 0
@@ -244,7 +246,31 @@ def main(argv: list[str] | None = None) -> int:
         return _watch(rest)
     if command == "rewind":
         return _rewind(rest)
-    return _fail(f"unknown command {command!r} (slurm, report, watch, rewind)")
+    if command == "log-to":
+        return _log_to(rest)
+    return _fail(f"unknown command {command!r} (slurm, report, watch, rewind, log-to)")
+
+
+def _log_to(argv: list[str]) -> int:
+    """What a multi-node job's process writes (its standard output, this one's input) into its log, bounded as `rl`
+    bounds the logs of the processes it starts (``prime_launch.log_pump``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="prime-launch log-to", description=_log_to.__doc__)
+    parser.add_argument("file", type=Path, help="the log file")
+    parser.add_argument("--max-mb", type=int, default=1024, help="MiB after which FILE moves to FILE.1 (default 1024)")
+    parser.add_argument("--append", action="store_true", help="append to FILE instead of starting it afresh")
+    args = parser.parse_args(argv)
+    if args.max_mb < 1:
+        return _fail(f"max-mb: {args.max_mb} is not a positive number of MiB")
+    from prime_launch.log_pump import LogPump
+
+    try:
+        pump = LogPump(sys.stdin.fileno(), args.file, args.max_mb << 20, append=args.append)
+    except OSError as e:
+        return _fail(f"file: cannot write {args.file}: {e.strerror or e}")
+    pump.drain()  # until every writer of the input is gone
+    return 0
 
 
 if __name__ == "__main__":
