@@ -148,11 +148,35 @@ def policy_judge_problem(config: Any) -> str | None:
     return None
 
 
-def check_policy_judge(config: Any) -> None:
-    """Exit 2 with one line when ``policy_judge_problem`` finds one (the ``orchestrator`` entry point and its
-    dry run, before anything starts)."""
+def host_commands_problem(config: Any) -> str | None:
+    """Why an RL run's training environment would let the policy run commands on this host (one line naming the
+    environment, its seat and harness), or None: a seat whose harness is not a chat loop (verifiers' ``bash``, a
+    coding agent) on the ``subprocess`` runtime, without the environment's ``allow_host_commands``."""
+    from verifiers.v1.configs.agent import agent_config_fields
+
+    for i, env in enumerate(config.env):
+        if env.allow_host_commands:
+            continue
+        resolved = resolve(env_config_data(env))
+        harnesses = resolved.agent_harnesses()
+        for role in agent_config_fields(resolved):
+            runtime = getattr(getattr(resolved, role).runtime, "type", None)
+            harness = harnesses[role].id
+            if runtime == LOCAL_RUNTIME and harness != CHAT_HARNESS and not plays_null_loop(harness):
+                return (
+                    f"env.{i} ({env.resolved_name}): seat {role!r} plays harness {harness!r}, which runs the model's "
+                    f"commands, on this host (runtime {LOCAL_RUNTIME!r}{' by default' if env.runtime == 'auto' else ''}"
+                    "): the policy would be trained against the host's files, network and processes; set runtime = "
+                    '"docker" (or podman, prime), harness = "null" for a chat seat, or allow_host_commands = true'
+                )
+    return None
+
+
+def check_training_envs(config: Any) -> None:
+    """Exit 2 with one line when ``policy_judge_problem`` or ``host_commands_problem`` finds one (the
+    ``orchestrator`` entry point and its dry run, before anything starts)."""
     import sys
 
-    if problem := policy_judge_problem(config):
+    if problem := policy_judge_problem(config) or host_commands_problem(config):
         print(f"error: {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)

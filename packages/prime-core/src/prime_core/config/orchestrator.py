@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from prime_core.config.advantage import AdvantageConfig, LengthPenaltyConfig  # noqa: F401 (their home before)
 from prime_core.config.base import BaseConfig
-from prime_core.config.distill import DistillConfig
+from prime_core.config.distill import DistillConfig  # noqa: F401 (its home before)
+from prime_core.config.env import EnvConfig, MaxTurns  # noqa: F401 (their home before)
 from prime_core.config.liveness import RecoveryConfig
 from prime_core.config.shared import (
     MAX_BATCH,
@@ -26,15 +27,6 @@ from prime_core.config.shared import (
     default_run_dir,
 )
 from prime_core.transport import RolloutTransportConfig
-
-
-def _positive_turns(value: int | str | None) -> int | str | None:
-    if isinstance(value, int) and value < 1:
-        raise ValueError(f"must be at least 1, 'auto' or None, got {value}")
-    return value
-
-
-MaxTurns = Annotated[int | Literal["auto"] | None, AfterValidator(_positive_turns)]
 
 
 class ClientConfig(BaseConfig):
@@ -132,52 +124,6 @@ class JudgeEndpointConfig(BaseConfig):
         if self.enabled and self.base_url is not None and not self.model:
             raise ValueError("judge.model is required with judge.base_url (the model that endpoint serves)")
         return self
-
-
-class EnvConfig(BaseConfig):
-    """One verifiers environment, run by verifiers' own env server in a subprocess (what ``vf-eval`` would run)."""
-
-    id: str
-    """Taskset id: an installed package exporting a verifiers Taskset (e.g. reverse-text), as ``--env.taskset.id``."""
-    name: str | None = None
-    """Name in metrics (default: the id); must be unique."""
-    ratio: float = Field(default=1.0, gt=0)
-    """Relative sampling weight of this environment in a training batch."""
-    args: dict[str, Any] = Field(default_factory=dict)
-    """Taskset config fields (e.g. num_examples, seed)."""
-    env_id: str = ""
-    """A verifiers Env to pair with the taskset (empty: the taskset's bundled Env, else the single-agent env)."""
-    env_args: dict[str, Any] = Field(default_factory=dict)
-    """Other fields of the verifiers EnvConfig (env knobs, per-role agent settings such as ``agent.timeout``)."""
-    harness: str = "auto"
-    """Harness id of every agent seat (``null``, ``bash``, ``prime-chat``, an installed harness). ``auto``: what the
-    environment gives each seat, as ``vf-eval`` would (the seat's own pin, else the taskset's bundled harness, else
-    verifiers' ``bash``). A seat played by verifiers' ``null`` chat loop on a local runtime runs that loop
-    in-process (``prime-chat``)."""
-    harness_args: dict[str, Any] = Field(default_factory=dict)
-    """Harness config fields."""
-    runtime: str = "auto"
-    """Verifiers runtime the harness program runs in, by its type name (``subprocess``, ``docker``, ``prime``,
-    ``sandbox_pool``, ...). ``auto``: the runtime the environment declares for the seat, else ``subprocess`` (a
-    local process; verifiers' own default is a hosted sandbox)."""
-    runtime_args: dict[str, Any] = Field(default_factory=dict)
-    """Runtime config fields (e.g. a docker image)."""
-    max_turns: MaxTurns = "auto"
-    """Upper bound on model turns of every agent seat (None: no limit). ``auto``: the limit the environment declares
-    for the seat (``vf.AgentConfig(max_turns=...)``), else none, as ``vf-eval`` would run it; every episode still ends
-    at ``rollout_timeout`` and where the model's context is full."""
-    num_workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
-    """Worker processes of the env server (1: one server process; more: verifiers' broker over a worker pool)."""
-    elastic: bool = False
-    """Start the pool with one worker and grow it with the load up to num_workers (static when off)."""
-    rollout_timeout: float = Field(default=600.0, gt=0)
-    """Seconds one rollout may take; a slower one counts as failed (see ``failed_rollouts``)."""
-    distill: DistillConfig | None = None
-    """On-policy distillation from a teacher for this environment (unset: RL on its reward)."""
-
-    @property
-    def resolved_name(self) -> str:
-        return self.name or self.id
 
 
 class SamplingConfig(BaseConfig):

@@ -48,11 +48,11 @@ def _prepare(argv: list[str] | None) -> tuple[Any, Any]:
     from prime_core.logging import setup_logging
     from prime_core.run_dir import RunDir
 
-    from prime_orchestrator.env_config import check_envs, check_policy_judge
+    from prime_orchestrator.env_config import check_envs, check_training_envs
     from prime_orchestrator.orchestrator import Orchestrator
 
     check_envs({"env": config.env, "eval.envs": config.eval.envs})  # before the run waits on any server
-    check_policy_judge(config)
+    check_training_envs(config)
     run_dir = RunDir(config.output_dir)
     setup_logging(
         "orchestrator", level=config.log.level, log_file=run_dir.log_file("orchestrator") if config.log.file else None
@@ -65,10 +65,10 @@ def dry_run(config: Any) -> None:
     exit 2; ``rl --dry-run`` runs this), then the resolved config is written as every entry point's dry run does."""
     from prime_core.config.cli import show_resolved
 
-    from prime_orchestrator.env_config import check_envs, check_policy_judge
+    from prime_orchestrator.env_config import check_envs, check_training_envs
 
     check_envs({"env": config.env, "eval.envs": config.eval.envs})
-    check_policy_judge(config)
+    check_training_envs(config)
     show_resolved(config, "orchestrator")
 
 
