@@ -1,0 +1,48 @@
+"""The sixth red-team pass: what every pool of a host holds together, and what a slot's last execution leaves."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+
+import pytest
+from prime_core.config.sandbox import SandboxLimits
+from prime_orchestrator.sandbox import ExecRequest, cgroups
+
+from tests.sandbox.conftest import own_pool
+from tests.sandbox.test_reach import FORK_TO_THE_LIMIT
+
+pytestmark = pytest.mark.xdist_group("sandbox")
+
+
+def test_neighbours_two_pools_of_a_host_hold_at_most_the_hosts_share_of_tasks_together(monkeypatch):
+    # Each pool capped its own pids cgroup at half the host's tasks: two pools of one host (two env servers, an
+    # orchestrator and an eval) each took half, and together all of it. The cap now sits on a cgroup every pool of
+    # the host makes its own under; here it is 48, against 2 pools x 2 executions x 32. A cgroup of the test's own
+    # stands for the shared one, so that other pools of this host keep the real cap.
+    monkeypatch.setattr(cgroups, "task_cap", lambda: 48)
+    monkeypatch.setattr(cgroups, "SHARED", f"prime-sandbox-test-{os.getpid()}")
+    limits = SandboxLimits(wall_s=2, cpu_s=2, processes=32)
+    request = ExecRequest(code=FORK_TO_THE_LIMIT, limits=limits)
+    with own_pool(uid_base=4_700_000, max_concurrency=2) as one, own_pool(uid_base=4_710_000, max_concurrency=2) as two:
+        if one.pool._cgroups is None or two.pool._cgroups is None:
+            pytest.skip("no pids cgroup on this host")
+        shared = {p.parent for c in (one, two) for p in c.pool._cgroups.parents.values()}
+        assert all(p.name == cgroups.SHARED for p in shared), shared
+
+        async def together(client):
+            return await asyncio.gather(*(client.pool.execute(request) for _ in range(2)))
+
+        futures = [c.call(together(c)) for c in (one, two)]
+        time.sleep(1.0)
+        started = time.monotonic()
+        host = subprocess.run(["true"], timeout=10)
+        host_s = time.monotonic() - started
+        holders = [r for f in futures for r in f.result(timeout=60)]
+    assert host.returncode == 0 and host_s < 2, host_s
+    assert all(h.status == "timeout" for h in holders), holders
+    held = [int(h.stdout) + 1 for h in holders]  # each runner is one of them
+    assert sum(held) <= 48, f"the two pools' executions held {held} tasks together"
+    assert not any(p.exists() for p in shared), "the last pool to close removes the shared cgroup"
