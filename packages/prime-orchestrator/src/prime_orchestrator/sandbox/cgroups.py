@@ -20,6 +20,7 @@ visible inside.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import resource
 from pathlib import Path
@@ -46,6 +47,9 @@ SHARED = "prime-sandbox"
 """The cgroup, beside this process's own in each hierarchy, that every pool of the host running there makes its own
 under (created by the first, never removed while a pool is in it): :func:`task_cap` bounds all of them together."""
 CREATE_TRIES = 5  # a pool closing may remove the shared cgroup between another's mkdir of it and of its own
+# What a mkdir in (or of) a shared cgroup a pool is removing answers: gone (ENOENT), going (ENODEV), or there for
+# mkdir and gone for the check after it (EEXIST): 2 of 450 starts raced with closes in three threads failed so.
+RACES = (errno.ENOENT, errno.ENODEV, errno.EEXIST)
 
 
 def task_cap() -> int | None:
@@ -102,11 +106,11 @@ def _make_dir(path: Path, version: int) -> None:
     (on the pids hierarchy's, or v2's: the slots' pids cgroups are below it, so it bounds every pool's together).
     Every pool writes the same cap and the same controllers, so which of two starting pools makes the shared cgroup
     does not matter; a closing pool removes it only when empty (the kernel refuses otherwise), and a pool that finds
-    it gone between its two mkdirs makes it again."""
+    it gone, or going, between its two mkdirs makes it again."""
     shared = path.parent
     for attempt in range(CREATE_TRIES):
-        shared.mkdir(exist_ok=True)
         try:
+            shared.mkdir(exist_ok=True)
             if (shared / "pids.max").exists() and (cap := task_cap()) is not None:
                 (shared / "pids.max").write_text(str(cap))
             if version == 2:
@@ -117,8 +121,8 @@ def _make_dir(path: Path, version: int) -> None:
             if version == 2:
                 (path / "cgroup.subtree_control").write_text("+memory +pids")
             return
-        except FileNotFoundError:  # the shared cgroup was removed by a pool closing: make it again
-            if attempt == CREATE_TRIES - 1:
+        except OSError as e:  # removed, or being removed, by a pool closing: make it again
+            if e.errno not in RACES or attempt == CREATE_TRIES - 1:
                 raise
 
 
