@@ -12,7 +12,7 @@ import time
 import pytest
 from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest, cgroups
-from prime_orchestrator.sandbox.leases import SETTLE_S
+from prime_orchestrator.sandbox.leases import SETTLE_S, Lease, Leases
 
 from tests.sandbox.conftest import own_pool
 from tests.sandbox.test_reach import FORK_TO_THE_LIMIT
@@ -109,3 +109,19 @@ def test_neighbours_pools_starting_while_others_close_all_get_their_cgroups(monk
     for t in threads:
         t.join(timeout=60)
     assert not failed, failed
+
+
+def test_neighbours_a_reclaim_that_takes_long_holds_a_slot_no_longer_than_the_bound():
+    # A reclaim is a blocking kernel call: one slow (or queued behind other slots') must not hold the slot past
+    # SETTLE_S, nor the loop at all.
+    class Slow:
+        def left_over(self, key: str, small: int) -> int:
+            return 100 << 20
+
+        def reclaim(self, key: str, nbytes: int) -> None:
+            time.sleep(1.5)
+
+    leases = Leases(1, 4_400_000, Slow())
+    started = time.monotonic()
+    asyncio.run(leases.settle(Lease(0, 4_400_001, "s0")))
+    assert time.monotonic() - started < SETTLE_S + 0.3

@@ -19,6 +19,7 @@ import signal
 import socket
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prime_orchestrator.sandbox.cgroups import Cgroups
@@ -124,6 +125,9 @@ class Leases:
         self.quarantined = 0
         self.in_use = 0
         self._floor: dict[str, int] = {}  # per slot cgroup, what Leases.settle found did not go within its bound
+        # One thread for every slot's reclaims (tens of ms of kernel time each): the pool spends at most one core on
+        # them, and its loop's default executor (zygote starts) never waits behind them.
+        self._reclaimer = ThreadPoolExecutor(1, thread_name_prefix="sandbox-reclaim")
 
     async def acquire(self, workspace: Workspace | None) -> Lease:
         await self._available.acquire()
@@ -169,7 +173,9 @@ class Leases:
         while (left := self.cgroups.left_over(key, SETTLED_BYTES)) > settled and time.monotonic() < deadline:
             if reclaims < RECLAIMS:  # what the kernel frees only under pressure (negative dentries), freed now
                 reclaims += 1
-                await asyncio.to_thread(self.cgroups.reclaim, key, left - settled)
+                reclaim = self._reclaimer.submit(self.cgroups.reclaim, key, left - settled)
+                with contextlib.suppress(TimeoutError):  # queued behind other slots' past the bound: lent anyway
+                    await asyncio.wait_for(asyncio.wrap_future(reclaim), max(0.0, deadline - time.monotonic()))
             else:
                 await asyncio.sleep(0.002)
         if left > settled:
