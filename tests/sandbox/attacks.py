@@ -518,3 +518,42 @@ print("set_name", prctl(15, ctypes.addressof(ctypes.create_string_buffer(b"solve
 print("get_dumpable", prctl(3, 0, 0, 0, 0))
 print("set_pdeathsig", prctl(1, 9, 0, 0, 0))
 """
+
+# host memory: pin the host's page cache of bound files without its memory counting against the execution. A pipe
+# buffer filled by splice, sendfile or vmsplice (of a mapping) holds a reference to the file's page-cache folio,
+# not a copy, and a referenced folio is never reclaimed; one page every 2 MiB pins a whole large folio per buffer.
+# {files} are host files bound in (already in the host's page cache); holds them until SIGUSR1, like HOLD_TIMERS.
+PIN_HOST_PAGES = r"""
+import ctypes, fcntl, mmap, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+class Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+def vmsplice(w, fd, off):
+    iov = Iovec(libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, fd, off), 4096)
+    n = libc.vmsplice(w, ctypes.byref(iov), 1, 2)
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "vmsplice")
+    return n
+methods = {{
+    "splice": lambda w, fd, off: os.splice(fd, w, 4096, offset_src=off, flags=2),
+    "sendfile": lambda w, fd, off: os.sendfile(w, fd, off, 4096),
+    "vmsplice": vmsplice,
+}}
+held = dict.fromkeys(methods, 0)
+for (name, call), path in zip(methods.items(), {files!r}):
+    fd = os.open(path, os.O_RDONLY)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    fcntl.fcntl(w, 1031, 64 * 4096)  # F_SETPIPE_SZ: 64 buffers
+    for off in range(0, os.fstat(fd).st_size - 4096, 2 << 20):
+        try:
+            held[name] += call(w, fd, off)
+        except OSError as e:
+            print(name, "stopped", e.errno)
+            break
+print("held", *(f"{{k}}={{v}}" for k, v in held.items()), flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1, signal.SIGUSR2}})
+signal.sigtimedwait({{signal.SIGUSR1}}, 60)
+"""

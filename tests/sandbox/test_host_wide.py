@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import secrets
+import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest, cgroups
 from prime_orchestrator.sandbox.leases import SETTLE_S, Lease, Leases
 
-from tests.sandbox.conftest import own_pool
+from tests.sandbox import attacks
+from tests.sandbox.conftest import assert_serving, own_pool, run
+from tests.sandbox.test_host_shares import _waiting_runner
 from tests.sandbox.test_reach import FORK_TO_THE_LIMIT
+from tests.sandbox.test_redteam import _resident_pages
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -125,3 +132,51 @@ def test_neighbours_a_reclaim_that_takes_long_holds_a_slot_no_longer_than_the_bo
     started = time.monotonic()
     asyncio.run(leases.settle(Lease(0, 4_400_001, "s0")))
     assert time.monotonic() - started < SETTLE_S + 0.3
+
+
+def _large_bound_files(count: int) -> list[Path]:
+    """The ``count`` largest files in /usr/lib and its subfolders (bound into every execution at their paths), of
+    16 MiB or more."""
+    candidates = [*Path("/usr/lib").glob("*"), *Path("/usr/lib").glob("*/*")]
+    found = sorted((p for p in candidates if p.is_file() and not p.is_symlink()), key=_size)
+    return [p for p in found[-count:] if _size(p) >= 16 << 20]
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _evict_and_count_mib(paths: list[Path]) -> float:
+    """Drop the files' pages from the host's page cache (fadvise DONTNEED, from the host); MiB that stay resident."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    return sum(_resident_pages(p) for p in paths) * mmap.PAGESIZE / (1 << 20)
+
+
+def test_memory_host_page_cache_cannot_be_pinned_through_pipes(sandbox):
+    # splice, sendfile (to a pipe) and vmsplice (of a file mapping) fill pipe buffers with references to the host's
+    # page cache of bound files: 109 buffers, one page every 2 MiB, pinned 146 MiB of it (whole large folios) that the
+    # host could not evict, with 1.2 MiB charged to the slot (64 MiB of buffers per uid would pin up to 32 GiB). They
+    # now fail with ENOSYS (unlisted), and programs fall back to read and write (shutil does, on the first call).
+    paths = _large_bound_files(3)
+    if len(paths) < 3:
+        pytest.skip("no three files of 16 MiB or more under /usr/lib")
+    for path in paths:
+        path.read_bytes()  # in the host's page cache, charged to the host
+    with ThreadPoolExecutor(1) as ex:
+        code = attacks.PIN_HOST_PAGES.format(files=[str(p) for p in paths])
+        future = ex.submit(run, sandbox, code, limits=SandboxLimits(wall_s=60, cpu_s=60))
+        while not future.done() and (runner := _waiting_runner()) is None:
+            time.sleep(0.01)
+        pinned = _evict_and_count_mib(paths)
+        if not future.done():
+            os.kill(runner, signal.SIGUSR1)
+        result = future.result()
+    assert result.status == "ok" and "held" in result.stdout, result
+    assert pinned < 4, f"{pinned:.0f} MiB of host page cache stayed pinned ({result.stdout.strip()})"
+    assert_serving(sandbox)
