@@ -557,3 +557,22 @@ print("held", *(f"{{k}}={{v}}" for k, v in held.items()), flush=True)
 signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1, signal.SIGUSR2}})
 signal.sigtimedwait({{signal.SIGUSR1}}, 60)
 """
+
+# host log: system calls through the i386 ABI (int 0x80, getpid), each in a child: a seccomp kill is logged by the
+# kernel (an audit record, to auditd where it runs, else the kernel log) whatever the filter asks
+OTHER_ABI = r"""
+import ctypes, mmap, os
+code = bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3])  # mov eax, 20; int 0x80; ret
+outcomes = {}
+for _ in range(50):
+    pid = os.fork()
+    if pid == 0:
+        page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        page.write(code)
+        ret = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+        os._exit(-ret if ret < 0 else 0)
+    status = os.waitpid(pid, 0)[1]
+    outcome = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"errno {os.WEXITSTATUS(status)}"
+    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+print(outcomes)
+"""
