@@ -4,8 +4,10 @@ RLIMIT_AS bounds each process's address space, but not what an execution holds o
 tmpfs, pipe and socket buffers, several processes at once; RLIMIT_CPU bounds each process's CPU time, not their sum.
 A cgroup counts all of it. The pool makes one cgroup per execution slot (memory and pids controllers, and v1's
 cpuacct where it is mounted; v2 counts CPU time in every cgroup; the cpu controller where it is mounted or delegated,
-which gives each execution one CPU weight however many processes it runs) under its own cgroup, where the host lets
-it:
+which gives each execution one CPU weight however many processes it runs) under its own cgroup, itself under a
+``prime-sandbox`` cgroup that every pool of the host running in the same cgroup shares (:data:`SHARED`: the task cap
+bounds them all together, and on a CPU hierarchy all the pools weigh as one group against the host), where the host
+lets it:
 
 - cgroup v2, when the pool's cgroup delegates ``memory`` and ``pids`` to its children (``cgroup.subtree_control``,
   as systemd's ``Delegate=yes``), or the pool runs in the root cgroup;
