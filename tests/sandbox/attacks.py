@@ -518,3 +518,61 @@ print("set_name", prctl(15, ctypes.addressof(ctypes.create_string_buffer(b"solve
 print("get_dumpable", prctl(3, 0, 0, 0, 0))
 print("set_pdeathsig", prctl(1, 9, 0, 0, 0))
 """
+
+# host memory: pin the host's page cache of bound files without its memory counting against the execution. A pipe
+# buffer filled by splice, sendfile or vmsplice (of a mapping) holds a reference to the file's page-cache folio,
+# not a copy, and a referenced folio is never reclaimed; one page every 2 MiB pins a whole large folio per buffer.
+# {files} are host files bound in (already in the host's page cache); holds them until SIGUSR1, like HOLD_TIMERS.
+PIN_HOST_PAGES = r"""
+import ctypes, fcntl, mmap, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+class Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+def vmsplice(w, fd, off):
+    iov = Iovec(libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, fd, off), 4096)
+    n = libc.vmsplice(w, ctypes.byref(iov), 1, 2)
+    if n < 0:
+        raise OSError(ctypes.get_errno(), "vmsplice")
+    return n
+methods = {{
+    "splice": lambda w, fd, off: os.splice(fd, w, 4096, offset_src=off, flags=2),
+    "sendfile": lambda w, fd, off: os.sendfile(w, fd, off, 4096),
+    "vmsplice": vmsplice,
+}}
+held = dict.fromkeys(methods, 0)
+for (name, call), path in zip(methods.items(), {files!r}):
+    fd = os.open(path, os.O_RDONLY)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    fcntl.fcntl(w, 1031, 64 * 4096)  # F_SETPIPE_SZ: 64 buffers
+    for off in range(0, os.fstat(fd).st_size - 4096, 2 << 20):
+        try:
+            held[name] += call(w, fd, off)
+        except OSError as e:
+            print(name, "stopped", e.errno)
+            break
+print("held", *(f"{{k}}={{v}}" for k, v in held.items()), flush=True)
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1, signal.SIGUSR2}})
+signal.sigtimedwait({{signal.SIGUSR1}}, 60)
+"""
+
+# host log: system calls through the i386 ABI (int 0x80, getpid), each in a child: a seccomp kill is logged by the
+# kernel (an audit record, to auditd where it runs, else the kernel log) whatever the filter asks
+OTHER_ABI = r"""
+import ctypes, mmap, os
+code = bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3])  # mov eax, 20; int 0x80; ret
+outcomes = {}
+for _ in range(50):
+    pid = os.fork()
+    if pid == 0:
+        page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        page.write(code)
+        ret = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()
+        os._exit(-ret if ret < 0 else 0)
+    status = os.waitpid(pid, 0)[1]
+    outcome = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"errno {os.WEXITSTATUS(status)}"
+    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+print(outcomes)
+"""

@@ -220,8 +220,10 @@ def test_neighbours_processes_to_the_limit_leave_the_host_and_a_neighbour_theirs
 def test_neighbours_the_executions_together_hold_at_most_the_pools_share_of_the_hosts_tasks(monkeypatch):
     # Each execution's pids cgroup bounds it alone: max_concurrency x processes may add up to more than the host's
     # pid space (512 x 64 is all of this VM's 32,768), and then every fork and thread start on the host failed. The
-    # pool's own pids cgroup now holds half the host's tasks; here that half is 48, against 4 x 32.
+    # pool's own pids cgroup now holds half the host's tasks; here that half is 48, against 4 x 32 (on a shared
+    # cgroup of the test's own: the real one bounds every other pool of this host).
     monkeypatch.setattr(cgroups, "task_cap", lambda: 48, raising=False)
+    monkeypatch.setattr(cgroups, "SHARED", f"prime-sandbox-test-{os.getpid()}")
     limits = SandboxLimits(wall_s=2, cpu_s=2, processes=32)
     with own_pool(uid_base=4_600_000, max_concurrency=4) as client:
         if client.pool._cgroups is None:

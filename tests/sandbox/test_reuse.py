@@ -120,13 +120,16 @@ def test_a_slot_is_lent_again_only_once_what_its_last_execution_left_is_freed():
 
 
 def test_what_never_goes_holds_a_slot_once_for_the_bound_then_is_its_floor(caplog):
-    # Kernel memory the kernel reclaims only under pressure (negative dentries of lookups, say) stays charged after
-    # the GC: the slot waits SETTLE_S for it once, says so, and later executions wait only for what they add to it.
+    # Memory that neither the GC nor a reclaim frees stays charged: the slot waits SETTLE_S for it once, says so,
+    # and later executions wait only for what they add to it.
     class Held:
         charge = 100 << 20
 
         def left_over(self, key: str, small: int) -> int:
             return self.charge
+
+        def reclaim(self, key: str, nbytes: int) -> None:
+            pass
 
     leases = Leases(1, 4_400_000, Held())
     lease = Lease(0, 4_400_001, "s0")

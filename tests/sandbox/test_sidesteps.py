@@ -328,7 +328,8 @@ def test_limits_a_cpuacct_hierarchy_the_pool_cannot_use_leaves_memory_and_pids_e
 
     for controller in ("memory", "pids"):
         (tmp_path / controller).mkdir()
-    parents = {c: tmp_path / c / "pool" for c in ("memory", "pids", "cpuacct")}  # no cpuacct hierarchy there
+    # no cpuacct hierarchy there
+    parents = {c: tmp_path / c / "shared" / "pool" for c in ("memory", "pids", "cpuacct")}
     cgroups, why = Cgroups._make(1, parents)
     assert cgroups is not None and set(cgroups.parents) == {"memory", "pids"} and not cgroups.counts_cpu, why
     cgroups.close()
@@ -340,8 +341,9 @@ def test_neighbours_a_cpu_hierarchy_the_pool_cannot_use_is_not_enforced_but_name
 
     for controller in ("memory", "pids"):
         (tmp_path / controller).mkdir()
-    parents = {c: tmp_path / c / "pool" for c in ("memory", "pids", "cpuacct")}  # no cpu(acct) hierarchy there
-    cpu = parents["cpuacct"] if mounted_with_cpuacct else tmp_path / "cpu" / "pool"
+    # no cpu(acct) hierarchy there
+    parents = {c: tmp_path / c / "shared" / "pool" for c in ("memory", "pids", "cpuacct")}
+    cpu = parents["cpuacct"] if mounted_with_cpuacct else tmp_path / "cpu" / "shared" / "pool"
     if not mounted_with_cpuacct:
         parents["cpu"] = cpu
     cgroups, why = Cgroups._make(1, parents, cpu)

@@ -4,8 +4,10 @@ RLIMIT_AS bounds each process's address space, but not what an execution holds o
 tmpfs, pipe and socket buffers, several processes at once; RLIMIT_CPU bounds each process's CPU time, not their sum.
 A cgroup counts all of it. The pool makes one cgroup per execution slot (memory and pids controllers, and v1's
 cpuacct where it is mounted; v2 counts CPU time in every cgroup; the cpu controller where it is mounted or delegated,
-which gives each execution one CPU weight however many processes it runs) under its own cgroup, where the host lets
-it:
+which gives each execution one CPU weight however many processes it runs) under its own cgroup, itself under a
+``prime-sandbox`` cgroup that every pool of the host running in the same cgroup shares (:data:`SHARED`: the task cap
+bounds them all together, and on a CPU hierarchy all the pools weigh as one group against the host), where the host
+lets it:
 
 - cgroup v2, when the pool's cgroup delegates ``memory`` and ``pids`` to its children (``cgroup.subtree_control``,
   as systemd's ``Delegate=yes``), or the pool runs in the root cgroup;
@@ -20,6 +22,7 @@ visible inside.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import resource
 from pathlib import Path
@@ -42,11 +45,22 @@ def lift_open_files(need: int) -> str | None:
     return None if target >= need else f"open files are limited to {hard} (RLIMIT_NOFILE's hard limit)"
 
 
+SHARED = "prime-sandbox"
+"""The cgroup, beside this process's own in each hierarchy, that every pool of the host running there makes its own
+under (created by the first, never removed while a pool is in it): :func:`task_cap` bounds all of them together."""
+CREATE_TRIES = 5  # a pool closing may remove the shared cgroup between another's mkdir of it and of its own
+# What a mkdir in (or of) a shared cgroup a pool is removing answers: gone (ENOENT), going (ENODEV), or there for
+# mkdir and gone for the check after it (EEXIST): 2 of 450 starts raced with closes in three threads failed so.
+RACES = (errno.ENOENT, errno.ENODEV, errno.EEXIST)
+
+
 def task_cap() -> int | None:
-    """Tasks (processes and threads) the pool's executions may hold together: half of what the host may have (the
-    lower of ``kernel.pid_max`` and ``kernel.threads-max``). Each execution's pids cgroup bounds it alone, and
-    ``max_concurrency × processes`` may add up to more than the host has (512 × 64 is the whole pid space of the test
-    VM, 32,768): every fork and thread start on the host, the trainer's and the inference server's, then failed."""
+    """Tasks (processes and threads) the executions of every pool of the host may hold together: half of what the
+    host may have (the lower of ``kernel.pid_max`` and ``kernel.threads-max``), on the shared cgroup (:data:`SHARED`).
+    Each execution's pids cgroup bounds it alone, and ``max_concurrency × processes`` may add up to more than the
+    host has (512 × 64 is the whole pid space of the test VM, 32,768): every fork and thread start on the host, the
+    trainer's and the inference server's, then failed. On each pool's own cgroup, two pools of one host (two env
+    servers, an orchestrator and an eval) each took half: together, all of it."""
     try:
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         return min(pid_max, int(Path("/proc/sys/kernel/threads-max").read_text())) // 2
@@ -89,6 +103,31 @@ def _path(controller: str, mounts: dict, own: dict) -> Path | None:
     return Path(point) / ("" if rel == "." else rel)
 
 
+def _make_dir(path: Path, version: int) -> None:
+    """Make a pool's cgroup ``path`` and, where it is not yet, the shared one above it with the host-wide task cap
+    (on the pids hierarchy's, or v2's: the slots' pids cgroups are below it, so it bounds every pool's together).
+    Every pool writes the same cap and the same controllers, so which of two starting pools makes the shared cgroup
+    does not matter; a closing pool removes it only when empty (the kernel refuses otherwise), and a pool that finds
+    it gone, or going, between its two mkdirs makes it again."""
+    shared = path.parent
+    for attempt in range(CREATE_TRIES):
+        try:
+            shared.mkdir(exist_ok=True)
+            if (shared / "pids.max").exists() and (cap := task_cap()) is not None:
+                (shared / "pids.max").write_text(str(cap))
+            if version == 2:
+                (shared / "cgroup.subtree_control").write_text("+memory +pids")
+                with contextlib.suppress(OSError):
+                    (shared / "cgroup.subtree_control").write_text("+cpu")
+            path.mkdir(exist_ok=True)
+            if version == 2:
+                (path / "cgroup.subtree_control").write_text("+memory +pids")
+            return
+        except OSError as e:  # removed, or being removed, by a pool closing: make it again
+            if e.errno not in RACES or attempt == CREATE_TRIES - 1:
+                raise
+
+
 class Cgroups:
     """Memory+pids cgroups under the pool's own, one per key (``s<slot>`` for an execution slot, ``w<uid>`` for a
     workspace, whose files stay charged to it), created on first use."""
@@ -127,7 +166,8 @@ class Cgroups:
             # cpu: each execution's weight (see place_zygote); mounted with cpuacct, the cpuacct join moves it too
             if (weight := _path("cpu", mounts, own)) is not None and weight != cpu.get("cpuacct"):
                 cpu["cpu"] = weight
-            return cls._make(1, {c: p / name for c, p in {**v1, **cpu}.items()}, weight and weight / name)
+            parents = {c: p / SHARED / name for c, p in {**v1, **cpu}.items()}
+            return cls._make(1, parents, weight and weight / SHARED / name)
         v2 = _path("", mounts, own)
         if v2 is None:
             return None, "no cgroup v2 mount and no writable cgroup v1 memory and pids hierarchies"
@@ -140,34 +180,32 @@ class Cgroups:
             return None, f"{v2} does not delegate memory and pids ({e.strerror})"
         if not {"memory", "pids"} <= delegated:
             return None, f"{v2} does not delegate the memory and pids controllers (cgroup.subtree_control)"
-        return cls._make(2, {"": v2 / name})
+        return cls._make(2, {"": v2 / SHARED / name})
 
     @classmethod
     def _make(
         cls, version: int, parents: dict[str, Path], cpu_parent: Path | None = None
     ) -> tuple[Cgroups | None, str]:
+        """The pool's cgroups at ``parents`` (controller -> ``<own cgroup>/<SHARED>/<pool>``), each made under the
+        shared cgroup of every pool of the host (made here where it is not yet, with the host-wide task cap)."""
         for optional in ("cpuacct", "cpu"):  # without them only the CPU total or weight goes unenforced (said)
             if optional in parents:
                 try:
-                    parents[optional].mkdir(exist_ok=True)
+                    _make_dir(parents[optional], 1)
                 except OSError:
                     parents = {c: p for c, p in parents.items() if c != optional}
         if version == 1 and cpu_parent not in parents.values():  # its hierarchy (cpu, or cpu,cpuacct) is not usable
             cpu_parent = None
         try:
             for path in parents.values():
-                path.mkdir(exist_ok=True)
+                _make_dir(path, version)
             if version == 2:
-                (parents[""] / "cgroup.subtree_control").write_text("+memory +pids")
                 with contextlib.suppress(OSError):  # where the host delegates it (see place_zygote)
                     (parents[""] / "cgroup.subtree_control").write_text("+cpu")
                     cpu_parent = parents[""]
         except OSError as e:
             cls(version, parents).close()
             return None, f"cannot create {next(iter(parents.values()))} ({e.strerror})"
-        if (cap := task_cap()) is not None:  # the slots' pids cgroups are its children: it bounds them all together
-            with contextlib.suppress(OSError):
-                (parents["pids" if version == 1 else ""] / "pids.max").write_text(str(cap))
         return cls(version, parents, cpu_parent), ""
 
     def place_zygote(self, pid: int) -> str:
@@ -259,6 +297,16 @@ class Cgroups:
         stat = dict(line.split() for line in text.splitlines())
         return max(0, usage - int(stat.get(prefix + "active_file", 0)) - int(stat.get(prefix + "inactive_file", 0)))
 
+    def reclaim(self, key: str, nbytes: int) -> None:
+        """Have the kernel reclaim the key's memory now (v2 ``memory.reclaim`` of ``nbytes``, v1
+        ``memory.force_empty``; a blocking call of tens of ms): what it frees only under pressure otherwise, such as
+        the negative dentries of lookups (20 MiB for 100,000 names), which held the slot for :data:`SETTLE_S` each
+        time. Nothing is said when the kernel has no such file or reclaims less."""
+        d = self._dirs(key)
+        path, value = (d["memory"] / "memory.force_empty", "0") if self.version == 1 else (d[""] / "memory.reclaim", "")
+        with contextlib.suppress(OSError):  # EAGAIN: less reclaimed than asked; ENOENT: older kernel
+            self._write(path, value or str(nbytes))
+
     def cpu_fd(self, key: str) -> int | None:
         """A read-only descriptor of the key's CPU time counter (kept open here), for the execution's supervisor:
         v1 ``cpuacct.usage`` (nanoseconds), v2 ``cpu.stat`` (``usage_usec``); None where there is none. RLIMIT_CPU
@@ -324,7 +372,7 @@ class Cgroups:
         for key in {*self._procs, *self._cpu, *self._usage}:
             self._close_fds(key)
         if self.cpu_parent is not None and self.cpu_parent not in self.parents.values():
-            for d in (self.cpu_parent / "zygotes", self.cpu_parent):
+            for d in (self.cpu_parent / "zygotes", self.cpu_parent, self.cpu_parent.parent):
                 with contextlib.suppress(OSError):
                     d.rmdir()
         for parent in self.parents.values():
@@ -334,3 +382,5 @@ class Cgroups:
                     child.rmdir()
             with contextlib.suppress(OSError):
                 parent.rmdir()
+            with contextlib.suppress(OSError):  # the last pool of the host removes the shared cgroup
+                parent.parent.rmdir()
