@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from prime_orchestrator.proc_tree import kill_left, snapshot
 
@@ -68,6 +69,42 @@ def test_a_daemon_that_left_the_tree_is_found_by_the_mark_in_its_environment():
         found = marked("test-mark")
         assert pid in found and marked("another-mark") == {}
         assert kill_left(found) == [pid]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_daemon_started_with_a_cleared_environment_is_killed_at_its_servers_stop(caplog):
+    """``env -i sleep 3599 &`` carries no mark: the mark search missed it and it outlived its server (init adopted
+    it). The server's own cgroup holds it, whatever its environment: it is killed at the server's stop."""
+    import asyncio
+    import logging
+
+    import pytest
+    from prime_core.schemas.rollout import EnvServerSpec
+    from prime_orchestrator.env_server import EnvServer
+    from prime_orchestrator.server_cgroup import own_cgroup
+
+    server = EnvServer(EnvServerSpec(name="vf-daemon", env_config={}))
+    server._mark = "test-mark-cleared"
+    server._cgroup = own_cgroup(server._mark)
+    if server._cgroup is None:
+        pytest.skip("no writable cgroup v2 here (the mark search alone runs)")
+    # What a server's reward does: in its cgroup (the server joins it first thing), a shell leaves a daemon that
+    # carries nothing of the server's environment, and exits.
+    program = (f"from prime_orchestrator.server_cgroup import join; import subprocess as s; join({server._cgroup!r}); "
+               "print(s.run(['sh', '-c', 'env -i sleep 3599 </dev/null >/dev/null 2>&1 & echo $!'], env={}, "
+               "capture_output=True, text=True).stdout)")  # fmt: skip
+    env = {**os.environ, "PRIME_ENV_SERVER": server._mark}
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
+    pid, cgroup = int(out.stdout), server._cgroup
+    try:
+        assert _state(pid) not in (None, "Z") and b"PRIME_ENV_SERVER" not in Path(f"/proc/{pid}/environ").read_bytes()
+        with caplog.at_level(logging.WARNING, logger="prime.orchestrator.env"):
+            asyncio.run(server._stop())
+        assert _state(pid) in (None, "Z")  # killed (a zombie until init reaps it)
+        assert f"env server vf-daemon left processes outside its tree (daemons): {pid} (sleep 3599)" in caplog.text
+        assert not os.path.exists(cgroup)  # removed
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
