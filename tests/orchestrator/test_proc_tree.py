@@ -108,3 +108,21 @@ def test_a_daemon_started_with_a_cleared_environment_is_killed_at_its_servers_st
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_sandbox_pool_in_an_env_servers_cgroup_counts_the_parent_as_its_own():
+    """A v2 cgroup holding processes cannot delegate controllers to children: a pool that made its cgroups below the
+    env server's would lose its memory and pids limits (on a v2-only host, where it used the root's before)."""
+    import pytest
+    from prime_orchestrator.server_cgroup import create, kill_members
+
+    path, why = create("test-pool")
+    if path is None:
+        pytest.skip(why)
+    code = ("from prime_orchestrator.server_cgroup import join; from prime_orchestrator.sandbox.cgroups import "
+            f"_own_cgroups; join({str(path)!r}); print(_own_cgroups()[''])")  # fmt: skip
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split()[0], out.stderr
+    finally:
+        kill_members(path)
