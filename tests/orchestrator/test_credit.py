@@ -11,6 +11,7 @@ import pytest
 from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
 from prime_orchestrator.credit import seat_step_metrics, step_samples
+from prime_orchestrator.metric_keys import MetricKeyCap
 
 
 @dataclass
@@ -82,10 +83,10 @@ def test_seat_metrics_are_logged_per_seat_for_multi_seat_envs_only():
     # A metric lives on its trace (``to_result``); the rollout's ``metrics`` are derived from them.
     results[0].traces[0].metrics = {"moves": 2.0}
     results[0].traces[1].metrics = {"moves": 4.0}
-    m = seat_step_metrics("duel", results)
+    m = seat_step_metrics("duel", results, MetricKeyCap())
     assert m["reward/duel/a/mean"] == 0.0 and m["reward/duel/b/std"] == 1.0 and m["metrics/duel/a/moves"] == 2.0
     assert m["metrics/duel/moves"] == 3.0  # seats pooled, as vf-eval summarizes a run
-    single = seat_step_metrics("one", [rollout(("agent", 1.0)).result])
+    single = seat_step_metrics("one", [rollout(("agent", 1.0)).result], MetricKeyCap())
     assert not any(k.startswith("reward/") for k in single)
 
 
@@ -148,8 +149,6 @@ def test_a_sequence_whose_distillation_advantages_pass_max_abs_is_named_and_not_
 
 def test_an_env_that_names_a_new_metric_every_rollout_logs_at_most_the_cap(caplog):
     """A reward keyed by the answer made a new metrics.jsonl / W&B column per rollout, without bound."""
-    from prime_orchestrator.metric_keys import MetricKeyCap
-
     cap = MetricKeyCap(limit=4)
     logged: set[str] = set()
     with caplog.at_level(logging.WARNING, logger="prime.orchestrator.metrics"):
@@ -160,6 +159,35 @@ def test_an_env_that_names_a_new_metric_every_rollout_logs_at_most_the_cap(caplo
             m = seat_step_metrics("spam", results, key_cap=cap)
             logged |= {k for k in m if k.startswith("metrics/spam/")}
     assert len(logged) == 4 and "metrics/spam/steady" in logged and m["metrics/spam/steady"] == 1.0
-    assert m["metrics_dropped/spam"] == 10 * 3 + 1 - 4  # every distinct name past the cap, counted
+    assert m["metrics_dropped/spam"] == 3  # the names dropped from this step's metrics
+    assert cap.num_dropped["spam"] == 10 * 3 + 1 - 4  # every name past the cap, counted
     lines = [r for r in caplog.records if "distinct metric names" in r.getMessage()]
     assert len(lines) == 1 and "spam" in lines[0].getMessage()
+
+
+def test_the_metric_name_cap_holds_no_more_names_than_its_limit_however_many_it_drops():
+    """It kept every distinct dropped name, per env: 100 steps of 100 rollouts each naming a new metric left 10,000
+    names (1.27 MB traced) in the cap that bounds the metrics' memory; now the 64 kept names (7.7 KB), and a count."""
+    cap = MetricKeyCap()
+    for step in range(100):
+        m = cap.apply("spam", {f"metrics/spam/answer_{step}_{i}": 1.0 for i in range(100)})
+    assert m["metrics_dropped/spam"] == 100 and cap.num_dropped["spam"] == 100 * 100 - 64
+    names = [n for attr in vars(cap).values() if isinstance(attr, dict) for v in attr.values() if isinstance(v, set)
+             for n in v]  # fmt: skip
+    assert len(names) == 64, len(names)
+
+
+def test_each_env_runner_has_its_own_metric_name_cap():
+    """The cap was one module-level object: a second run of an env in the same process (or a second orchestrator)
+    started with the first's 64 names kept, and logged none of its own."""
+    from prime_core.schemas.rollout import EnvServerSpec
+    from prime_orchestrator.envs import EnvRunner
+
+    spec = EnvServerSpec(name="spam", env_config={})
+    for run in range(2):
+        runner = EnvRunner(None, spec, max_retries=0)
+        results = [rollout(("agent", 1.0)).result for _ in range(64)]
+        for i, r in enumerate(results):
+            r.traces[0].metrics = {f"run{run}_{i}": 1.0}
+        m = seat_step_metrics("spam", results, runner.metric_keys)
+        assert len([k for k in m if k.startswith("metrics/spam/")]) == 64 and "metrics_dropped/spam" not in m

@@ -5,6 +5,7 @@ say theirs. Before, it exited 130 without a word."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,15 +54,15 @@ def own_progress(monkeypatch):
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.parametrize("times", [1, 2])
-def test_ctrl_c_says_where_the_orchestrator_stood(tmp_path, capsys, times):
+def test_ctrl_c_says_where_the_orchestrator_stood(tmp_path, capsys):
     from prime_orchestrator.entrypoints.orchestrator import run
+    from prime_orchestrator.interrupt import Interrupts
 
     run_dir = RunDir(tmp_path)
     for step in (1, 2):  # step 2's orchestrator part never finished: not one to resume from
         run_dir.orchestrator_checkpoint(step).mkdir(parents=True)
     mark_stable(run_dir.orchestrator_checkpoint(1))
-    orchestrator = Interrupted(times)
+    orchestrator = Interrupted()
     with pytest.raises(SystemExit) as e:
         run(orchestrator, tmp_path)
     assert e.value.code == 130
@@ -69,8 +70,58 @@ def test_ctrl_c_says_where_the_orchestrator_stood(tmp_path, capsys, times):
         "orchestrator: interrupted (SIGINT) at step 2 (generating rollouts (3 of 8 done for step 2)); shipped steps "
         "0-1 to the trainer; resume from its newest checkpoint with --ckpt.resume-step 1\n"
     )
-    assert orchestrator.closed == (times == 1)  # a second Ctrl-C cuts the close short, still in one line
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert orchestrator.closed
+    # A second Ctrl-C from here on (the exit's joins) ends the process at once (``Interrupts.end_now``).
+    assert getattr(signal.getsignal(signal.SIGINT), "__func__", None) is Interrupts.end_now
+
+
+class SlowClose(Interrupted):
+    """``Interrupted`` whose close takes 20 s (``how``: an env server's stop in a thread, or a child process the exit
+    joins), and a second Ctrl-C 0.5 s into it."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+
+    async def run(self) -> None:
+        import multiprocessing
+        import threading
+
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(20,))
+        try:
+            await super().run()
+        finally:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            if self.how == "thread":
+                await asyncio.to_thread(time.sleep, 20)
+            else:
+                child.start()  # not joined: multiprocessing's exit handler joins it
+
+
+@pytest.mark.parametrize("how", ["thread", "child"])
+def test_a_second_ctrl_c_while_the_orchestrator_stops_ends_it_at_once_in_one_line(tmp_path, how):
+    """Before, the second Ctrl-C raised ``KeyboardInterrupt`` where the close stood: a thread still running held the
+    exit until it ended (20 s), and one in the exit's join of a child printed a traceback after the line."""
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; from pathlib import Path; from prime_orchestrator.entrypoints.orchestrator import run; "
+            "from tests.orchestrator.test_ctrl_c import SlowClose; run(SlowClose(sys.argv[1]), Path(sys.argv[2]))")  # fmt: skip
+    err = tmp_path / "stderr"
+    began = time.monotonic()
+    with err.open("w") as f:  # a file, not a pipe: the child process holds a pipe open past the exit
+        proc = subprocess.Popen([sys.executable, "-c", code, how, str(tmp_path)], cwd=root, stderr=f,
+                                start_new_session=True)  # fmt: skip
+    try:
+        returncode = proc.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the child process the exit was joining
+    took = time.monotonic() - began
+    print(f"{how}: exit {returncode} after {took:.1f} s")
+    assert returncode == 130 and took < 10, (returncode, took, err.read_text())
+    assert err.read_text().splitlines() == [
+        "orchestrator: interrupted (SIGINT) at step 2 (generating rollouts (3 of 8 done for step 2)); shipped steps "
+        "0-1 to the trainer; it saved no checkpoint to resume from"
+    ], err.read_text()
 
 
 def test_ctrl_c_before_the_first_step_says_so(tmp_path):

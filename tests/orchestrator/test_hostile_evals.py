@@ -9,6 +9,7 @@ import math
 
 from prime_core.schemas.rollout import RolloutResult
 from prime_orchestrator.evals import evaluate_env
+from prime_orchestrator.metric_keys import MetricKeyCap
 
 from tests.orchestrator.test_eval_cli import stub_envs
 
@@ -19,6 +20,7 @@ class FakeRunner:
     def __init__(self, rewards: list[float], metrics: list[dict] | None = None):
         self.rewards, self.metrics = rewards, metrics or [{} for _ in rewards]
         self.num_examples = len(rewards)
+        self.name, self.metric_keys = "e", MetricKeyCap()
 
     async def rollout(self, example, *, client, model, sampling):
         return RolloutResult(
@@ -61,6 +63,25 @@ def test_a_non_finite_metric_fails_its_rollout_and_leaves_the_rows_standard_json
     assert summary["reward/mean"] == 0.5 and summary["failed"] == 1
     assert "acc = -inf" in rows[1]["error"]
     json.dumps({"summary": summary, "rollouts": rows}, allow_nan=False)
+
+
+def test_an_eval_env_naming_a_new_metric_per_rollout_logs_at_most_the_cap_over_its_evals():
+    """Eval summaries were not capped: each periodic eval of such an env added a metrics.jsonl / W&B column per rollout
+    (``eval/<env>/metrics/<name>``), 200 after two evals of 100 rollouts; now 64 over the runner's evals."""
+    from prime_core.schemas.rollout import TraceResult
+
+    class Named(FakeRunner):
+        async def rollout(self, example, **kwargs):
+            r = await super().rollout(example, **kwargs)
+            return r.model_copy(update={"traces": [TraceResult(seat="a", reward=1.0, metrics=r.metrics)]})
+
+    runner = Named([1.0] * 100)
+    names: set[str] = set()
+    for round in range(2):
+        runner.metrics = [{f"answer_{round}_{i}": 1.0} for i in range(100)]
+        summary, _ = _evaluate(runner)
+        names |= {k for k in summary if k.startswith("metrics/")}
+    assert len(names) == 64 and summary["metrics_dropped"] == 100 and summary["reward/mean"] == 1.0
 
 
 def test_a_server_that_dies_before_a_checkpoint_loads_is_one_line_and_keeps_the_scores_so_far(

@@ -22,6 +22,7 @@ from prime_core.io import one_line
 from prime_core.monitor import read_metrics
 from prime_core.schemas.microbatch import read_microbatches
 from prime_core.schemas.rollout import RolloutResult, TraceResult, TrainedSequence
+from prime_orchestrator.metric_keys import MetricKeyCap
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +117,7 @@ class Runner:
         self.name = name
         self.num_retries = 0
         self.server = type("S", (), {"num_restarts": 0, "num_dropped_fields": 0, "num_unsendable": 0})()
+        self.metric_keys = MetricKeyCap()
 
     async def rollout(self, example: int, *, client: Any, model: str, sampling: dict[str, Any]) -> RolloutResult:
         from renderers.client import generate

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from prime_orchestrator.proc_tree import kill_left, snapshot
 
@@ -71,3 +72,57 @@ def test_a_daemon_that_left_the_tree_is_found_by_the_mark_in_its_environment():
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_daemon_started_with_a_cleared_environment_is_killed_at_its_servers_stop(caplog):
+    """``env -i sleep 3599 &`` carries no mark: the mark search missed it and it outlived its server (init adopted
+    it). The server's own cgroup holds it, whatever its environment: it is killed at the server's stop."""
+    import asyncio
+    import logging
+
+    import pytest
+    from prime_core.schemas.rollout import EnvServerSpec
+    from prime_orchestrator.env_server import EnvServer
+    from prime_orchestrator.server_cgroup import own_cgroup
+
+    server = EnvServer(EnvServerSpec(name="vf-daemon", env_config={}))
+    server._mark = "test-mark-cleared"
+    server._cgroup = own_cgroup(server._mark)
+    if server._cgroup is None:
+        pytest.skip("no writable cgroup v2 here (the mark search alone runs)")
+    # What a server's reward does: in its cgroup (the server joins it first thing), a shell leaves a daemon that
+    # carries nothing of the server's environment, and exits.
+    program = (f"from prime_orchestrator.server_cgroup import join; import subprocess as s; join({server._cgroup!r}); "
+               "print(s.run(['sh', '-c', 'env -i sleep 3599 </dev/null >/dev/null 2>&1 & echo $!'], env={}, "
+               "capture_output=True, text=True).stdout)")  # fmt: skip
+    env = {**os.environ, "PRIME_ENV_SERVER": server._mark}
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
+    pid, cgroup = int(out.stdout), server._cgroup
+    try:
+        assert _state(pid) not in (None, "Z") and b"PRIME_ENV_SERVER" not in Path(f"/proc/{pid}/environ").read_bytes()
+        with caplog.at_level(logging.WARNING, logger="prime.orchestrator.env"):
+            asyncio.run(server._stop())
+        assert _state(pid) in (None, "Z")  # killed (a zombie until init reaps it)
+        assert f"env server vf-daemon left processes outside its tree (daemons): {pid} (sleep 3599)" in caplog.text
+        assert not os.path.exists(cgroup)  # removed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_sandbox_pool_in_an_env_servers_cgroup_counts_the_parent_as_its_own():
+    """A v2 cgroup holding processes cannot delegate controllers to children: a pool that made its cgroups below the
+    env server's would lose its memory and pids limits (on a v2-only host, where it used the root's before)."""
+    import pytest
+    from prime_orchestrator.server_cgroup import create, kill_members
+
+    path, why = create("test-pool")
+    if path is None:
+        pytest.skip(why)
+    code = ("from prime_orchestrator.server_cgroup import join; from prime_orchestrator.sandbox.cgroups import "
+            f"_own_cgroups; join({str(path)!r}); print(_own_cgroups()[''])")  # fmt: skip
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split()[0], out.stderr
+    finally:
+        kill_members(path)

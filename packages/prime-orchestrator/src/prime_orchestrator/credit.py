@@ -20,7 +20,7 @@ from prime_core.config.orchestrator import OrchestratorConfig
 from prime_core.schemas.rollout import RolloutResult, TrainedSequence
 
 from prime_orchestrator.advantages import compute_advantages
-from prime_orchestrator.metric_keys import ENV_METRIC_KEYS, MetricKeyCap
+from prime_orchestrator.metric_keys import MetricKeyCap
 from prime_orchestrator.packing import Sample
 from prime_orchestrator.traces import summary_metrics
 
@@ -156,12 +156,11 @@ def step_samples(
     }
 
 
-def seat_step_metrics(
-    env: str, results: Sequence[RolloutResult], key_cap: MetricKeyCap = ENV_METRIC_KEYS
-) -> dict[str, float]:
+def seat_step_metrics(env: str, results: Sequence[RolloutResult], key_cap: MetricKeyCap) -> dict[str, float]:
     """``reward/<env>/<seat>/{mean,std}`` for envs with several seats, and every env metric's mean
     (``metrics/<env>/<name>``, seats pooled as vf-eval summarizes them, and ``metrics/<env>/<seat>/<name>`` where
-    several play), at most ``key_cap.limit`` distinct names per env over the run (``metric_keys``)."""
+    several play), at most ``key_cap.limit`` distinct names per env over the run (``metric_keys``; ``key_cap`` is the
+    env runner's)."""
     out: dict[str, float] = {}
     done = [r for r in results if not r.failed]
     seats = {t.seat for r in done for t in r.traces}

@@ -34,6 +34,7 @@ from prime_orchestrator.env_limits import cap_memory, memory_limit
 from prime_orchestrator.env_watch import HangWatch
 from prime_orchestrator.mp_temp import own_temp_dir
 from prime_orchestrator.proc_tree import MARK_VAR, kill_left, kill_marked, snapshot
+from prime_orchestrator.server_cgroup import join, kill_members, own_cgroup
 
 logger = logging.getLogger("prime.orchestrator.env")
 
@@ -129,8 +130,13 @@ def _ignore_sigint(signum: int, frame: Any) -> None:
     pass
 
 
-def _serve(spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, environ: dict[str, str]) -> None:
-    """Subprocess entry: serve the env until the parent goes away."""
+def _serve(
+    spec_data: dict[str, Any], address_queue: Any, death_pipe: Any, environ: dict[str, str], cgroup: str | None = None
+) -> None:
+    """Subprocess entry: serve the env until the parent goes away (in ``cgroup`` first, where there is one)."""
+    if cgroup is not None:
+        with contextlib.suppress(OSError):  # then only the token finds what it leaves (``server_cgroup``)
+            join(cgroup)
     # A terminal's Ctrl-C reaches this process too: the orchestrator stops it (SIGTERM, verifiers' teardown). A handler
     # that does nothing, not SIG_IGN: the programs it starts get SIGINT's default back at exec, as before.
     signal.signal(signal.SIGINT, _ignore_sigint)
@@ -291,6 +297,7 @@ class EnvServer:
         """Why the hang watch replaced the server last (``env_watch``), for the errors of the rollouts it held."""
         self._restart_lock = asyncio.Lock()
         self._mark = ""
+        self._cgroup: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -303,7 +310,8 @@ class EnvServer:
         address_queue = ctx.Queue()
         parent, child = ctx.Pipe()
         self._mark = uuid.uuid4().hex  # in the environment of every program the server starts (``marked``)
-        args = (self.spec.model_dump(), address_queue, child, {**os.environ, MARK_VAR: self._mark})
+        self._cgroup = own_cgroup(self._mark)  # holds every program it starts, whatever their environment
+        args = (self.spec.model_dump(), address_queue, child, {**os.environ, MARK_VAR: self._mark}, self._cgroup)
         proc = ctx.Process(target=_serve, args=args, daemon=False)
         proc.start()
         child.close()  # our end closing (even on SIGKILL) makes the server exit
@@ -458,10 +466,14 @@ class EnvServer:
         # Children that die with the server (PR_SET_PDEATHSIG, as arithmetic's scorer) get their signal as it exits.
         if left := await asyncio.to_thread(kill_left, processes, 1.0):
             logger.warning("env server %s left processes %s behind; killed them", self.name, left)
-        # Programs it started that left its tree (daemons, adopted by init) carry its mark in their environment.
-        if self._mark and (strays := await asyncio.to_thread(kill_marked, self._mark)):
+        # Programs it started that left its tree (daemons, adopted by init): in its cgroup, or with its mark.
+        strays = await asyncio.to_thread(kill_members, Path(self._cgroup)) if self._cgroup else []
+        if self._mark and (marked := await asyncio.to_thread(kill_marked, self._mark)):
+            strays += [s for s in marked if s not in strays]
+        if strays:
             logger.warning("env server %s left processes outside its tree (daemons): %s; killed them", self.name,
                            ", ".join(strays))  # fmt: skip
+        self._cgroup = None
         self._client = self._pipe = None
 
     async def close(self) -> None:

@@ -27,6 +27,7 @@ from prime_orchestrator.env_config import env_config_data, resolve
 from prime_orchestrator.env_limits import memory_limit
 from prime_orchestrator.env_server import EnvServer, EnvServerCrashed
 from prime_orchestrator.judges import JudgeEndpoint
+from prime_orchestrator.metric_keys import MetricKeyCap
 from prime_orchestrator.rendering import resolve_renderer
 from prime_orchestrator.traces import to_result
 
@@ -183,6 +184,8 @@ class EnvRunner:
         self.complete: Callable[[Any], bool] | None = None
         self.num_failed = 0
         self.num_retries = 0
+        self.metric_keys = MetricKeyCap()
+        """The env's metric names logged so far (``metric_keys``): this runner's, over its server's restarts."""
 
     @property
     def num_examples(self) -> int:

@@ -87,8 +87,10 @@ async def evaluate_env(
     seats = {t.seat for r in results for t in r.traces}
     for seat in sorted(seats) if len(seats) > 1 else []:
         summary[f"reward/{seat}/mean"] = float(np.mean([t.reward for r in results for t in r.traces if t.seat == seat]))
-    # Each reward function's score and each metric, averaged over the traces that report it: vf-eval's summary.
-    summary.update({f"metrics/{k}": v for k, v in summary_metrics(results).items()})
+    # Each reward function's score and each metric, averaged over the traces that report it: vf-eval's summary; at
+    # most ``MAX_ENV_METRIC_KEYS`` names over the runner's evals (``metric_keys``), the rest counted in metrics_dropped.
+    named = {f"metrics/{k}": v for k, v in summary_metrics(results).items()}
+    summary.update(runner.metric_keys.apply(runner.name, named, count_key="metrics_dropped"))
     summary["failed"] = sum(r.failed for r in results)
     summary["num_turns/mean"] = float(np.mean([r.num_turns for r in results]))
     return summary, rows

@@ -3,13 +3,21 @@
 asyncio.run answers the first SIGINT by cancelling the run, and every rollout's ``finally`` then clears its lane, so
 by the time ``KeyboardInterrupt`` reaches the entry point the progress record no longer says what was in flight. The
 record is read in the signal handler instead (`noting_sigint`), before anything is cancelled.
+
+A second Ctrl-C, at any point after the first (the run's close stopping env servers or waiting for a thread, the
+exit's joins), ends the process at once, as ``inference`` does: the line (unless printed already), the progress
+record's last entry, exit 130. Before, it raised ``KeyboardInterrupt`` wherever the close stood: the close waited for
+threads still running anyway (a thread blocked for 20 s held the exit 20 s), and one landing in the exit's joins or
+the line's own printing ended in a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,18 +28,41 @@ from prime_core.run_dir import RunDir
 from prime_core.schemas.progress import Progress
 
 
+class Interrupts:
+    """A run's Ctrl-Cs: the progress record at the first (``seen``), and its one line, printed once (``say``)."""
+
+    def __init__(self, orchestrator: Any, output_dir: Path):
+        self.orchestrator, self.output_dir = orchestrator, output_dir
+        self.seen: list[Progress] = []
+        self.said = False
+
+    def say(self) -> None:
+        if not self.said:
+            self.said = True  # first: a second Ctrl-C while it prints must not print it again
+            print(interrupted(self.orchestrator, self.seen, self.output_dir), file=sys.stderr, flush=True)
+
+    def end_now(self, signum: int = signal.SIGINT, frame: Any = None) -> None:
+        """A second Ctrl-C: the line, the progress record's last entry, exit 130, without the rest of the close."""
+        self.say()
+        with contextlib.suppress(Exception):
+            progress.stop_reporting()
+        os._exit(130)
+
+
 @contextlib.contextmanager
-def noting_sigint(seen: list[Progress]) -> Iterator[None]:
+def noting_sigint(notes: Interrupts) -> Iterator[None]:
     """Inside the block (an event loop's, whose own SIGINT handler is installed by now) the first SIGINT appends the
-    progress record to ``seen`` before the loop's handler cancels the run; later ones go straight to that handler."""
+    progress record to ``notes.seen`` before the loop's handler cancels the run; a later one, in the block or after
+    it, ends the process (``Interrupts.end_now``)."""
     previous = signal.getsignal(signal.SIGINT)
     if not callable(previous):  # ignored (``nohup``), or not the main thread: nothing to wrap
         yield
         return
 
     def on_sigint(signum, frame):
-        if not seen:
-            seen.append(progress.current().snapshot())
+        if notes.seen:
+            notes.end_now()
+        notes.seen.append(progress.current().snapshot())
         previous(signum, frame)
 
     signal.signal(signal.SIGINT, on_sigint)
@@ -40,22 +71,22 @@ def noting_sigint(seen: list[Progress]) -> Iterator[None]:
     finally:
         # asyncio.run puts the default handler back only where it still finds its own.
         if signal.getsignal(signal.SIGINT) is on_sigint:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, notes.end_now if notes.seen else signal.default_int_handler)
 
 
-def run_noting_sigint(orchestrator: Any, seen: list[Progress]) -> None:
-    """``asyncio.run`` of the orchestrator's run, noting the first SIGINT in ``seen``. An error after it is that
+def run_noting_sigint(orchestrator: Any, notes: Interrupts) -> None:
+    """``asyncio.run`` of the orchestrator's run, noting the first SIGINT in ``notes``. An error after it is that
     interrupt's doing (the terminal's Ctrl-C reaches the forkserver too: an env server starting then fails with
     ``EOFError``), so it ends as ``KeyboardInterrupt``, not as a traceback of its own."""
 
     async def noted() -> None:
-        with noting_sigint(seen):
+        with noting_sigint(notes):
             await orchestrator.run()
 
     try:
         asyncio.run(noted())
     except Exception:
-        if not seen:
+        if not notes.seen:
             raise
         raise KeyboardInterrupt from None
 

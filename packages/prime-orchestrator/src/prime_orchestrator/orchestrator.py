@@ -291,14 +291,14 @@ class Orchestrator:
             **self.semaphore.metrics(),
             **extra,
         }
-        for env in self.envs:
+        for env, pool in self.pools.items():
             env_rewards = np.array([r.result.reward for r in rollouts if r.env == env])
             if len(env_rewards):
                 m[f"reward/{env}/mean"] = float(env_rewards.mean())
                 m[f"reward/{env}/std"] = float(env_rewards.std())
                 m[f"pass_rate/{env}"] = float((env_rewards >= 1.0).mean())
                 m[f"batch/{env}"] = len(env_rewards)
-                m.update(seat_step_metrics(env, [r.result for r in rollouts if r.env == env]))
+                m.update(seat_step_metrics(env, [r.result for r in rollouts if r.env == env], pool.metric_keys))
         return m
 
     def _log_extras(self, step: int, batch: StepBatch) -> None:

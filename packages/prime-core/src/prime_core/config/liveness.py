@@ -55,9 +55,10 @@ class RecoveryConfig(BaseConfig):
     it an allocation fails in that process (a reward's ``MemoryError``: its rollout fails, counted) instead of the host
     running out and the OOM killer ending another process of the run. Unset: half of the host's memory."""
     max_answer_mb: float = Field(default=8.0, gt=0)
-    """MB a rollout's answer from its env server may carry in each part beyond its completion: a trace's ``info`` or
-    ``metrics`` past it is dropped in the env server (counted in ``env_servers/<env>/dropped_fields``), an episode
-    head (its task data) past it fails the rollout in one line. The prompt and completion tokens are never cut."""
+    """MB a rollout's answer from its env server may carry in each part beyond its completion: a trace's ``info``,
+    ``metrics`` or ``errors`` past it are dropped in the env server (counted in ``env_servers/<env>/dropped_fields``);
+    any other part past it (a trace's ``rewards``, ``stop_condition``, header, ...; the episode head) fails the rollout
+    in one line. The prompt and completion tokens are never cut."""
     max_text_chars: int = Field(default=65536, ge=1024)
     """A rollout's prompt and completion text (log tables only) is cut to this many characters; a rollout whose
     reward or metrics are not finite counts as failed."""

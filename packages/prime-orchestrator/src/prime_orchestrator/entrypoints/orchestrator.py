@@ -82,18 +82,18 @@ def run(orchestrator: Any, output_dir: Path) -> None:
     from prime_orchestrator.distill import TeacherError
     from prime_orchestrator.env_server import EnvServerFailed
     from prime_orchestrator.envs import TasksetError
-    from prime_orchestrator.interrupt import interrupted, run_noting_sigint
+    from prime_orchestrator.interrupt import Interrupts, run_noting_sigint
     from prime_orchestrator.judges import JudgeUnreachable
     from prime_orchestrator.liveness import RolloutsFailed
     from prime_orchestrator.weight_relay import ForeignWeights
 
-    seen: list = []  # the progress record at the first SIGINT
+    notes = Interrupts(orchestrator, output_dir)  # the progress record at the first SIGINT
     try:
-        run_noting_sigint(orchestrator, seen)
+        run_noting_sigint(orchestrator, notes)
     except JudgeUnreachable as e:
         sys.exit(f"orchestrator: {e}")
     except KeyboardInterrupt:  # before: exit 130 without a word
-        print(interrupted(orchestrator, seen, output_dir), file=sys.stderr, flush=True)
+        notes.say()  # a second Ctrl-C from here on ends at once (``Interrupts.end_now``)
         sys.exit(130)
     except (TasksetError, ForeignWeights) as e:  # bad input, like a config error
         print(f"error: {e}", file=sys.stderr, flush=True)

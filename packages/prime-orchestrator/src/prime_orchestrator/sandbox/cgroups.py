@@ -68,13 +68,21 @@ def task_cap() -> int | None:
         return None
 
 
+ENV_SERVER_CGROUP = "prime-env-"
+"""The name prefix of an env server's own v2 cgroup (``prime_orchestrator.server_cgroup``): a pool started in one
+counts its parent as its own (a cgroup that holds processes cannot delegate controllers to its children)."""
+
+
 def _own_cgroups() -> dict[str, str]:
-    """Controller (``""`` for v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    """Controller (``""`` for v2) -> this process's cgroup path, from /proc/self/cgroup (an env server's own v2 cgroup
+    counts as its parent)."""
     out = {}
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         for c in controllers.split(",") if controllers else [""]:
             out[c] = path
+    if "" in out and os.path.basename(out[""]).startswith(ENV_SERVER_CGROUP):
+        out[""] = os.path.dirname(out[""])
     return out
 
 
