@@ -23,8 +23,14 @@ def series(records: list[MetricsRecord], process: str, key: str) -> list[tuple[i
     return sorted(by_step.items())
 
 
+LIVE_KEYS = frozenset({"reward/mean", "loss/mean", "mismatch_kl/mean", "throughput/tokens_per_s"})
+"""The metrics the live lines show: the only ones a follower keeps. It kept every name it read, and an environment's
+own metric and eval names (``eval/<env>/<metric>``) are the environment's to choose: one more per new name, for the
+whole run."""
+
+
 class MetricsFollower:
-    """Incrementally reads new lines of a metrics file and keeps the latest values per process."""
+    """Incrementally reads new lines of a metrics file and keeps the latest ``LIVE_KEYS`` values per process."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -36,7 +42,7 @@ class MetricsFollower:
         """Read what was appended since the last call; True if anything new arrived."""
         records = self._tail.read()
         for record in records:
-            self.latest[record.process].update(record.values)
+            self.latest[record.process].update((k, v) for k, v in record.values.items() if k in LIVE_KEYS)
             self.latest_step[record.process] = max(record.step, self.latest_step.get(record.process, -1))
         return bool(records)
 
