@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -218,16 +219,23 @@ def read_metrics(path: str | Path, process: str | None = None) -> list[MetricsRe
     """Read metrics.jsonl, optionally only one process's records; a torn, foreign or over-long line is skipped, a
     missing file has none. A file over `METRICS_BYTES` (refused by its size, before any of it is read) or not a regular
     file (a FIFO in its place, whose ``open`` waited for good) is an `UnreadableFile` naming it in one line."""
+    return [r for r in iter_metrics(path) if process is None or r.process == process]
+
+
+def iter_metrics(path: str | Path) -> Iterator[MetricsRecord]:
+    """`read_metrics`, one record at a time: a reader that keeps a few values of each record holds only those (a long
+    run's whole file, parsed at once, is gigabytes). A disk failing in the middle ends the records there."""
     try:
         with open_regular(path) as f:
             if (size := os.fstat(f.fileno()).st_size) > METRICS_BYTES:
                 raise UnreadableFile(f"{path}: over {METRICS_BYTES} bytes ({size}), too large for a metrics file")
-            records = [r for line in _lines(f, METRICS_BYTES) if (r := _parse(line)) is not None]
+            for line in _lines(f, METRICS_BYTES):
+                if (record := _parse(line)) is not None:
+                    yield record
     except OSError as e:
         if e.errno in _NOT_REGULAR:
             raise UnreadableFile(f"{path}: not a regular file (a metrics file is one)") from None
-        return []  # missing (not written yet), or a failing disk: no records
-    return [r for r in records if process is None or r.process == process]
+        return  # missing (not written yet), or a failing disk: no more records
 
 
 def _lines(f: Any, budget: int) -> Any:

@@ -7,7 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from prime_core.monitor import MetricsTail, read_metrics
+from prime_core.monitor import MetricsTail, iter_metrics
 from prime_core.schemas.metrics import MetricsRecord
 
 
@@ -23,8 +23,14 @@ def series(records: list[MetricsRecord], process: str, key: str) -> list[tuple[i
     return sorted(by_step.items())
 
 
+LIVE_KEYS = frozenset({"reward/mean", "loss/mean", "mismatch_kl/mean", "throughput/tokens_per_s"})
+"""The metrics the live lines show: the only ones a follower keeps. It kept every name it read, and an environment's
+own metric and eval names (``eval/<env>/<metric>``) are the environment's to choose: one more per new name, for the
+whole run."""
+
+
 class MetricsFollower:
-    """Incrementally reads new lines of a metrics file and keeps the latest values per process."""
+    """Incrementally reads new lines of a metrics file and keeps the latest ``LIVE_KEYS`` values per process."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -36,7 +42,7 @@ class MetricsFollower:
         """Read what was appended since the last call; True if anything new arrived."""
         records = self._tail.read()
         for record in records:
-            self.latest[record.process].update(record.values)
+            self.latest[record.process].update((k, v) for k, v in record.values.items() if k in LIVE_KEYS)
             self.latest_step[record.process] = max(record.step, self.latest_step.get(record.process, -1))
         return bool(records)
 
@@ -93,41 +99,45 @@ def _fmt_time(seconds: float) -> str:
 
 
 def summarize(path: Path, num: int = 3) -> dict[str, Any]:
-    """First-``num`` vs last-``num`` mean reward, max mismatch KL, last trainer step and loss."""
-    records = read_metrics(path)
-    rewards = [v for _, v in series(records, "orchestrator", "reward/mean")]
-    kls = [v for _, v in series(records, "trainer", "mismatch_kl/mean")]
-    losses = series(records, "trainer", "loss/mean")
-    trainer_steps = [r.step for r in records if r.process == "trainer"]
-    summary: dict[str, Any] = {
-        "trainer_steps": (max(trainer_steps) + 1) if trainer_steps else 0,
+    """First-``num`` vs last-``num`` mean reward, max mismatch KL, last trainer step and loss. Read one record at a
+    time, keeping only the values the summary needs: the whole file of a long run, parsed at once, was gigabytes
+    held at the end of the run."""
+    kept: dict[tuple[str, str], dict[int, float]] = defaultdict(dict)
+    last_trainer_step = -1
+    for r in iter_metrics(path):
+        if r.process == "trainer":
+            last_trainer_step = max(last_trainer_step, r.step)
+        for key, value in r.values.items():
+            wanted = (r.process, key) in SUMMARY_KEYS or (r.process == "orchestrator" and _eval_reward(key))
+            if wanted and isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                kept[(r.process, key)][r.step] = float(value)
+    rewards, kls = _values(kept, "orchestrator", "reward/mean"), _values(kept, "trainer", "mismatch_kl/mean")
+    losses = sorted(kept.get(("trainer", "loss/mean"), {}).items())
+    evals = {}
+    for (_, key), by_step in sorted(kept.items()):
+        if _eval_reward(key):
+            points = sorted(by_step.items())
+            evals[key.removeprefix("eval/").removesuffix("/reward/mean")] = (*points[0], *points[-1])
+    return {
+        "trainer_steps": last_trainer_step + 1,
         "rollout_steps": len(rewards),
         "reward_first": sum(rewards[:num]) / len(rewards[:num]) if rewards else None,
         "reward_last": sum(rewards[-num:]) / len(rewards[-num:]) if rewards else None,
         "mismatch_kl_max": max(kls) if kls else None,
         "loss_last": losses[-1][1] if losses else None,
-        "evals": eval_before_after(records),
+        "evals": evals,
     }
-    return summary
 
 
-def eval_before_after(records: list[MetricsRecord]) -> dict[str, tuple[int, float, int, float]]:
-    """Each eval reward series (``eval/<env>[/t<temperature>]/reward/mean``): (first step, value, last step, value)."""
-    keys = sorted(
-        {
-            k
-            for r in records
-            if r.process == "orchestrator"
-            for k in r.values
-            if k.startswith("eval/") and k.endswith("/reward/mean")
-        }
-    )
-    out = {}
-    for key in keys:
-        points = series(records, "orchestrator", key)
-        if points:
-            out[key.removeprefix("eval/").removesuffix("/reward/mean")] = (*points[0], *points[-1])
-    return out
+SUMMARY_KEYS = frozenset({("orchestrator", "reward/mean"), ("trainer", "mismatch_kl/mean"), ("trainer", "loss/mean")})
+
+
+def _eval_reward(key: str) -> bool:
+    return key.startswith("eval/") and key.endswith("/reward/mean")
+
+
+def _values(kept: dict[tuple[str, str], dict[int, float]], process: str, key: str) -> list[float]:
+    return [v for _, v in sorted(kept.get((process, key), {}).items())]
 
 
 def format_summary(summary: dict[str, Any], num: int = 3, title: str = "") -> str:

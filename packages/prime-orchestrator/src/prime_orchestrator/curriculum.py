@@ -45,6 +45,13 @@ STATE_BYTES = 1 << 30
 """curriculum.json: about 90 bytes per scored (env, example, seat); 1 GiB is ten million of them."""
 
 
+MAX_SEATS = 64
+"""Seats scored per env. A seat's name is the env's (verifiers' agent name): an env naming a new seat in every
+rollout added an entry per group to the difficulty table, to curriculum.json and to every draw's pass over the table,
+for the whole run. Scores of seats past the first 64 an env named are left out (logged once per env); an example
+weighs what its known seats say."""
+
+
 def read_checkpoint_json(path: Path, what: str, limit: int) -> Any:
     """The JSON value of the orchestrator checkpoint's file ``what`` (``"a curriculum checkpoint"``) at ``path``,
     read by `read_regular` with ``limit``; callers parse it inside `reading`, which names the file."""
@@ -95,6 +102,9 @@ class Curriculum:
         self.totals = {"draws": 0, "admitted": 0, "trained": 0}
         self.pending: dict[int, dict[str, Any]] = {}
         """step -> {"scores": [[env, example, seat, mean reward], ...], "draws"/"admitted"/"trained"/"rounds": int}."""
+        self.seats: dict[str, set[str]] = {}
+        """env -> the seats the difficulty table holds scores of (``MAX_SEATS`` at most, but for a checkpoint's)."""
+        self._seats_warned: set[str] = set()
         if num_examples is not None:
             self.start(num_examples)
 
@@ -116,10 +126,31 @@ class Curriculum:
         return (1 - self.c.reward_ema) * old[0] + self.c.reward_ema * mean, old[1] + 1
 
     def _fold(self, table: dict, through: int, start: int) -> None:
+        added: dict[str, set[str]] = {}  # seats new to ``table`` (a view's never reach ``self.seats``)
         for step in sorted(s for s in self.pending if start < s <= through):
             for env, example, seat, mean in self.pending[step]["scores"]:
+                if not self._seat_kept(env, seat, added.setdefault(env, set())):
+                    continue
                 key = (env, int(example), seat)
                 table[key] = self._update(table.get(key, self.difficulty.get(key)), mean)
+        if table is self.difficulty:
+            for env, seats in added.items():
+                self.seats.setdefault(env, set()).update(seats)
+
+    def _seat_kept(self, env: str, seat: str, added: set[str]) -> bool:
+        """Whether ``seat``'s scores are kept: a known seat, or a new one while ``env`` has fewer than MAX_SEATS.
+        Folds run in step order, so a resumed run keeps the seats an uninterrupted one does."""
+        known = self.seats.get(env, set())
+        if seat in known or seat in added:
+            return True
+        if len(known) + len(added) >= MAX_SEATS:
+            if env not in self._seats_warned:
+                self._seats_warned.add(env)
+                logger.warning("curriculum: env %s named more than %d seats; scores of the others are left out "
+                               "(its examples weigh what their first %d seats say)", env, MAX_SEATS, MAX_SEATS)  # fmt: skip
+            return False
+        added.add(seat)
+        return True
 
     def pool_of(self, mean: float) -> str:
         return next((name for name, p in self.pools if mean <= p.threshold), self.pools[-1][0])
@@ -283,6 +314,9 @@ class Curriculum:
             for entry in state["difficulty"]
             if self._known(entry[0], entry[1], entry[-2])
         }
+        self.seats = {}
+        for env, _, seat in self.difficulty:
+            self.seats.setdefault(env, set()).add(seat)
         self.pending = {int(s): p for s, p in state["pending"].items()}
         for p in self.pending.values():
             scores = [s if len(s) == 4 else [s[0], s[1], "agent", s[2]] for s in p["scores"]]

@@ -219,6 +219,8 @@ class Orchestrator:
         if not result.failed:  # the weight steps that sampled its tokens (`prime_orchestrator.versions`)
             result.versions = await self.versions.take(flight) or bounds(weight_step, self.policy.version)
             flight.versions = result.versions
+        else:  # tokens it sampled before failing have a record on the server too: popped, not left to its cap
+            self.versions.forget(flight)
         result = self.tracker.record(self.tracker.screen(result, flight.url))
         return Rollout(env, example, group, weight_step, result, admitted=admitted, done=time.perf_counter())
 

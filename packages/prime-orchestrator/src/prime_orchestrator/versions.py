@@ -117,7 +117,8 @@ class VersionRecords:
         self.unsupported: set[str] = set()
         self.warned_missing = False
         self._http: httpx.AsyncClient | None = None
-        self._waiting: dict[str, dict[str, asyncio.Future]] = {}
+        self._waiting: dict[str, dict[str, asyncio.Future | None]] = {}
+        """url -> tag -> the future of its `take`; None for a tag only `forget` pops (nobody waits for it)."""
         self._flush: asyncio.Task | None = None
 
     def new_tag(self) -> str:
@@ -177,6 +178,15 @@ class VersionRecords:
             check_served(flight, record)
         return record
 
+    def forget(self, flight: Flight) -> None:
+        """Pop a failed rollout's record unread, with the next flush. The server keeps a tag's record until it is
+        popped (up to its cap of 65536): a failed rollout's, never taken, stayed there, one more per failure."""
+        if not (flight.tag and flight.url) or flight.url in self.unsupported:
+            return
+        self._waiting.setdefault(flight.url, {}).setdefault(flight.tag, None)
+        if self._flush is None:
+            self._flush = asyncio.create_task(self._flush_takes())
+
     async def _flush_takes(self) -> None:
         await asyncio.sleep(0)  # rollouts that end together share one call per server
         batch, self._waiting, self._flush = self._waiting, {}, None
@@ -184,18 +194,19 @@ class VersionRecords:
             for url, futures in batch.items():
                 answer = await self._post(url, RolloutVersionsRequest(tags=list(futures), pop=True))
                 found = answer.versions if answer is not None else {}
-                if answer is not None and len(found) < len(futures) and not self.warned_missing:
+                taken = [tag for tag, future in futures.items() if future is not None]
+                if answer is not None and any(t not in found for t in taken) and not self.warned_missing:
                     self.warned_missing = True
                     logger.warning("inference server %s has no version record of some finished rollouts (does the "
                                    "client pass sampling_params.extra_args through?); using the weight relay's "
                                    "bounds", url)  # fmt: skip
                 for tag, future in futures.items():
-                    if not future.done():
+                    if future is not None and not future.done():
                         future.set_result(found.get(tag))
         finally:  # whatever ended the flush, no take waits on for an answer that will not come: bounds instead
             for futures in batch.values():
                 for future in futures.values():
-                    if not future.done():
+                    if future is not None and not future.done():
                         future.set_result(None)
 
     async def peek(self, flights: list[Flight]) -> dict[str, PolicyVersions] | None:
