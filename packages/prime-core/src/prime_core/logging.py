@@ -35,6 +35,20 @@ class _LogFile(logging.FileHandler):
         print(f"{storage_error_line(error)}; later log lines go to the console only", file=sys.stderr, flush=True)
 
 
+class _Console(logging.StreamHandler):
+    """The console: whatever ``sys.stdout`` is when a line is logged. A handler holding the stream it was made with
+    wrote into a closed file once the program replaced ``sys.stdout`` (an entry point's ``main`` called in-process:
+    a notebook's cell, pytest's capture), and every later line of the process was a "Logging error" traceback."""
+
+    @property
+    def stream(self):  # noqa: ANN201 (a text stream)
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001 (StreamHandler.__init__ sets it)
+        pass
+
+
 def setup_logging(process: str, *, level: str = "info", log_file: str | Path | None = None) -> logging.Logger:
     """Configure the root logger once for this process and return the ``prime.<process>`` logger.
 
@@ -46,7 +60,7 @@ def setup_logging(process: str, *, level: str = "info", log_file: str | Path | N
     for handler in list(root.handlers):
         if getattr(handler, "_prime", False):
             root.removeHandler(handler)
-    console = logging.StreamHandler(sys.stdout)
+    console = _Console()
     console.setFormatter(fmt)
     console._prime = True  # type: ignore[attr-defined]
     root.addHandler(console)
