@@ -57,6 +57,8 @@ def test_ctrl_c_before_anything_runs_is_one_line():
     """What the entry points wrap their parsing and imports in (`prime_core.early_sigint`)."""
     code = (
         "import os, signal, time\nfrom prime_core.early_sigint import ends_on_sigint\n"
+        # as at a terminal: a shell's background job (CI's, maybe) starts with SIGINT ignored, which stays ignored
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "with ends_on_sigint('tool: interrupted (SIGINT) while starting'):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n"
     )
