@@ -70,3 +70,12 @@ class EnvConfig(BaseConfig):
     @property
     def resolved_name(self) -> str:
         return self.name or self.id
+
+
+def check_unique_names(envs: list[EnvConfig]) -> list[EnvConfig]:
+    """``envs`` if their names (``name``, else the id) are unique, else a ValueError naming the repeated one: two
+    environments of one name shared one pool and one set of metrics, and the second silently replaced the first."""
+    names = [e.resolved_name for e in envs]
+    if repeated := next((n for n in names if names.count(n) > 1), None):
+        raise ValueError(f"environment names must be unique, {repeated!r} is given twice (set `name` on one of them)")
+    return envs

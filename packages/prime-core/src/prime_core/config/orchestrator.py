@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from prime_core.config.advantage import AdvantageConfig, LengthPenaltyConfig  # noqa: F401 (their home before)
 from prime_core.config.base import BaseConfig
 from prime_core.config.distill import DistillConfig  # noqa: F401 (its home before)
-from prime_core.config.env import EnvConfig, MaxTurns  # noqa: F401 (their home before)
+from prime_core.config.env import EnvConfig, MaxTurns, check_unique_names  # noqa: F401 (MaxTurns' home before)
 from prime_core.config.liveness import RecoveryConfig
 from prime_core.config.shared import (
     MAX_BATCH,
@@ -213,7 +213,7 @@ class CurriculumConfig(BaseConfig):
 class EvalEnvsConfig(BaseConfig):
     """Evaluation during training."""
 
-    envs: list[EnvConfig] = Field(default_factory=list)
+    envs: Annotated[list[EnvConfig], AfterValidator(check_unique_names)] = Field(default_factory=list)
     """Eval environments (separate from the training mix)."""
     interval: int = Field(default=100, ge=1)
     """Evaluate every N steps (on the weights loaded at that moment)."""
@@ -383,7 +383,7 @@ class EvalConfig(BaseConfig):
     """Environments to evaluate (comma separated on the CLI); ignored when ``env`` is set."""
     env_args: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Per environment id: taskset config fields."""
-    env: list[EnvConfig] = Field(default_factory=list)
+    env: Annotated[list[EnvConfig], AfterValidator(check_unique_names)] = Field(default_factory=list)
     """Environments with every setting of ``[[orchestrator.env]]`` (harness, runtime, ...); overrides environment_ids."""
     client: ClientConfig = Field(default_factory=ClientConfig)
     """Inference server (the first base URL is used for weight loading)."""
