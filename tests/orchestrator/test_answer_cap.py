@@ -8,12 +8,11 @@ import asyncio
 import logging
 
 import pytest
-from prime_core.config.orchestrator import ClientConfig, EnvConfig, SamplingConfig
 
 from tests.fixtures.models import build_tool_tokenizer, save_tiny_model
 from tests.fixtures.scripted import ScriptedServer
 from tests.fixtures.vf import use_vf_envs
-from tests.orchestrator.test_hostile_tool_output import PeakRss, rss_mib
+from tests.orchestrator.test_hostile_tool_output import PeakRss, rss_mib, started_runner
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -29,26 +28,13 @@ def server(tmp_path_factory):
 async def _run(server, faults: str, examples: int):
     import os
 
-    from prime_orchestrator.envs import EnvRunner, sampling_args, server_spec, train_client
-
-    env = EnvConfig.model_validate({"id": "vf-faults", "harness": "null", "rollout_timeout": 120,
-                                    "args": {"faults": faults, "every": 2}})  # fmt: skip
-    runner = EnvRunner(env, server_spec(env), max_retries=0)
-    await runner.start()
-    try:
-        client = train_client(ClientConfig(), server.config.model.name, server.url)
-        sampling = sampling_args(SamplingConfig(max_tokens=8, temperature=1.0), seed=0)
-
-        def rollout(example: int):
-            return runner.rollout(example, client=client, model=server.config.model.name, sampling=sampling)
-
+    env = {"id": "vf-faults", "args": {"faults": faults, "every": 2}}
+    async with started_runner(server, env, max_tokens=8) as (runner, rollout):
         await rollout(1)  # a plain task: loads what any first rollout costs
         base = rss_mib(os.getpid())
         with PeakRss(os.getpid()) as rss:
             results = await asyncio.gather(*(rollout(2 * i) for i in range(examples)))  # every one a blob
         return results, base, rss.peak, runner.server
-    finally:
-        await runner.close()
 
 
 def test_100_mb_in_a_traces_info_is_dropped_in_the_env_server_and_counted(server, monkeypatch, caplog):

@@ -5,6 +5,7 @@ marker, the rollout is scored in bounded time, and a small answer beside it read
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
 import time
@@ -74,19 +75,28 @@ class PeakRss:
         self._thread.join(timeout=5)
 
 
-async def _run(server, policy: FloodPolicy):
+@contextlib.asynccontextmanager
+async def started_runner(server, env: dict, max_tokens: int):
+    """An env runner of ``env`` (EnvConfig data) started against ``server``, and its ``rollout(example)``."""
     from prime_orchestrator.envs import EnvRunner, sampling_args, server_spec, train_client
 
-    env = EnvConfig.model_validate({"id": "vf-flood", "harness": "null", "rollout_timeout": 120})
-    runner = EnvRunner(env, server_spec(env), max_retries=0)
+    config = EnvConfig.model_validate({"harness": "null", "rollout_timeout": 120, **env})
+    runner = EnvRunner(config, server_spec(config), max_retries=0)
     await runner.start()
     try:
         client = train_client(ClientConfig(), server.config.model.name, server.url)
-        sampling = sampling_args(SamplingConfig(max_tokens=64, temperature=1.0), seed=0)
+        sampling = sampling_args(SamplingConfig(max_tokens=max_tokens, temperature=1.0), seed=0)
 
         def rollout(example: int):
             return runner.rollout(example, client=client, model=server.config.model.name, sampling=sampling)
 
+        yield runner, rollout
+    finally:
+        await runner.close()
+
+
+async def _run(server, policy: FloodPolicy):
+    async with started_runner(server, {"id": "vf-flood"}, max_tokens=64) as (runner, rollout):
         warm = await rollout(1)  # loads the renderer's tokenizer, the MCP client, ...: what any first rollout costs
         assert warm.reward == 1.0, warm.error
         base = rss_mib(runner.server.pid)
@@ -94,8 +104,6 @@ async def _run(server, policy: FloodPolicy):
         with PeakRss(runner.server.pid) as rss:
             results = await asyncio.gather(rollout(0), rollout(1))
         return results, base, rss.peak, time.monotonic() - t0, runner.server.num_restarts
-    finally:
-        await runner.close()
 
 
 def test_a_flood_of_tool_output_is_cut_before_the_env_server_holds_it(server, monkeypatch):
