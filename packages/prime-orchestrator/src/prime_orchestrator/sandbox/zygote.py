@@ -69,7 +69,7 @@ PRELOAD = [
 ]
 DEVICES = ("null", "zero", "full", "random", "urandom")
 ETC_FILES = ("ld.so.cache", "localtime", "nsswitch.conf", "alternatives")
-MAX_FDS = 8
+MAX_FDS = 9  # request, result, stdin, 4 cgroup.procs/tasks, CPU counter, OOM eventfd
 WORKSPACE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
