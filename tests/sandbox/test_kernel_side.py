@@ -3,15 +3,26 @@ placement) and what killed pools leave in the host's cgroups. Each test asserts 
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import os
 import re
+import signal
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
 
-from tests.sandbox.conftest import MAX_CONCURRENCY, UID_BASE, assert_serving, run, uid_span
+from tests.sandbox import attacks
+from tests.sandbox.conftest import MAX_CONCURRENCY, UID_BASE, assert_serving, own_pool, run, uid_span
+from tests.sandbox.test_host_shares import _waiting_runner
 
 pytestmark = pytest.mark.xdist_group("sandbox")
+x86_64 = pytest.mark.skipif(not attacks.X86_64, reason="x86_64 syscall numbers")
+PR_SET_MEMORY_MERGE = 67
 
 # Children that each allocate under RLIMIT_AS but together past the memory cgroup, re-forked as the kernel kills them
 OOM_FLOOD = """
@@ -55,3 +66,91 @@ def test_host_kernel_log_one_execution_past_its_memory_prints_at_most_one_oom_re
     assert [r.reason for r in results] == ["memory limit of 128 MB exceeded"] * 2
     assert reports <= 2, f"{reports} OOM kills reported in the host's kernel log for 2 executions"
     assert_serving(sandbox)
+
+
+# KSM, NUMA migration and the memory advice ordinary programs use; then it waits (SIGUSR2 blocked) for SIGUSR1 so the
+# host can look at its memory
+KERNEL_MEMORY_CALLS = (
+    attacks._LIBC
+    + """
+import mmap, signal
+size = 1 << 21
+m = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+mask = ctypes.c_ulong(1)
+page = ctypes.c_void_p(addr)
+status = ctypes.c_int(0)
+calls = {
+    "prctl_memory_merge": (157, 67, 1, 0, 0, 0),
+    "prctl_memory_merge_high_bits": (157, (1 << 32) | 67, 1, 0, 0, 0),
+    "prctl_get_memory_merge": (157, 68, 0, 0, 0, 0),
+    "madvise_mergeable": (28, addr, size, 12),
+    "madvise_mergeable_high_bits": (28, addr, size, (1 << 32) | 12),
+    "mbind_move": (237, addr, size, 2, ctypes.byref(mask), 64, 2),
+    "mbind_move_all": (237, addr, size, 2, ctypes.byref(mask), 64, 4),
+    "mbind_strict_move_high_bits": (237, addr, size, 2, ctypes.byref(mask), 64, (1 << 32) | 3),
+    "migrate_pages": (256, 0, 64, ctypes.byref(mask), ctypes.byref(mask)),
+    "move_pages": (279, 0, 1, ctypes.byref(page), 0, ctypes.byref(status), 0),
+}
+for name, (nr, *args) in calls.items():
+    print(name, sys_(nr, *args))
+ok = {
+    "madvise": [sys_(28, addr, size, advice) for advice in (4, 8, 13, 14, 15, 10, 11)],  # DONTNEED, FREE, UNMERGEABLE, HUGEPAGE, NOHUGEPAGE, DONTFORK, DOFORK
+    "mbind": [sys_(237, addr, size, 2, ctypes.byref(mask), 64, flags) for flags in (0, 1)] + [sys_(237, addr, size, 0, 0, 0, 0)],
+    "set_mempolicy": [sys_(238, 2, ctypes.byref(mask), 64), sys_(238, 0, 0, 0)],
+}
+print("ordinary", ok)
+m[:] = b"x" * size
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+signal.sigwait({signal.SIGUSR1})
+"""
+)
+
+
+@x86_64
+def test_host_cpu_and_neighbours_ksm_merging_and_numa_migration_are_refused(sandbox):
+    # prctl(PR_SET_MEMORY_MERGE) and madvise(MADV_MERGEABLE) opted the code's pages into KSM (a side channel between
+    # executions, ksmd's CPU charged to no one), and mbind with MPOL_MF_MOVE(_ALL) migrated pages between nodes.
+    with ThreadPoolExecutor(1) as ex:
+        future = ex.submit(run, sandbox, KERNEL_MEMORY_CALLS, limits=SandboxLimits(wall_s=60, cpu_s=60))
+        while not future.done() and (runner := _waiting_runner()) is None:
+            time.sleep(0.01)
+        try:
+            ksm = Path(f"/proc/{runner}/ksm_stat").read_text() if not future.done() else ""
+            vm_flags = [line for line in Path(f"/proc/{runner}/smaps").read_text().splitlines() if "VmFlags" in line]
+        except FileNotFoundError:
+            ksm, vm_flags = "", []
+        if not future.done():
+            os.kill(runner, signal.SIGUSR1)
+        result = future.result()
+    assert result.status == "ok", result
+    out = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    einval, eperm = str(-errno.EINVAL), str(-errno.EPERM)
+    assert {k: v for k, v in out.items() if k.startswith(("prctl", "madvise"))} == {
+        "prctl_memory_merge": einval,
+        "prctl_memory_merge_high_bits": einval,
+        "prctl_get_memory_merge": "0",
+        "madvise_mergeable": einval,
+        "madvise_mergeable_high_bits": einval,
+    }, out
+    moves = ("mbind_move", "mbind_move_all", "mbind_strict_move_high_bits", "migrate_pages", "move_pages")
+    assert {k: out[k] for k in moves} == dict.fromkeys(moves, eperm), out
+    assert out["ordinary"] == "{'madvise': [0, 0, 0, 0, 0, 0, 0], 'mbind': [0, 0, 0], 'set_mempolicy': [0, 0]}", out
+    assert "ksm_merge_any: yes" not in ksm and "ksm_mergeable: yes" not in ksm, ksm
+    assert not any(" mg" in line for line in vm_flags), vm_flags
+
+
+@x86_64
+def test_host_cpu_ksm_of_the_pools_process_does_not_pass_to_its_executions():
+    # KSM set on the pool's process (systemd's MemoryKSM=yes) passed through fork and exec to the zygote and every
+    # execution forked from it, whatever the filter refuses the code.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) != 0:
+        pytest.skip("no KSM in this kernel")
+    try:
+        with own_pool(uid_base=4_740_000) as client:
+            print_merge = attacks._LIBC + "print(sys_(157, 68, 0, 0, 0, 0))"  # PR_GET_MEMORY_MERGE
+            result = run(client, print_merge)
+    finally:
+        libc.prctl(PR_SET_MEMORY_MERGE, 0, 0, 0, 0)
+    assert (result.status, result.stdout) == ("ok", "0\n"), result
