@@ -3,18 +3,21 @@ placement) and what killed pools leave in the host's cgroups. Each test asserts 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
+from prime_orchestrator.sandbox import cgroups, stale
 
 from tests.sandbox import attacks
 from tests.sandbox.conftest import MAX_CONCURRENCY, UID_BASE, assert_serving, own_pool, run, uid_span
@@ -154,3 +157,56 @@ def test_host_cpu_ksm_of_the_pools_process_does_not_pass_to_its_executions():
     finally:
         libc.prctl(PR_SET_MEMORY_MERGE, 0, 0, 0, 0)
     assert (result.status, result.stdout) == ("ok", "0\n"), result
+
+
+# One pool's cgroups in a process of its own: made (sweeping others'), checked, held until stdin closes, then removed
+POOL_PROCESS = """
+import sys
+from prime_orchestrator.sandbox.cgroups import Cgroups
+from prime_orchestrator.sandbox.stale import owned_name, sweep
+made, why = Cgroups.detect(owned_name(sys.argv[1]))
+assert made is not None, why
+sweep({p.parent for p in made.parents.values()}, made.dirs())
+print("made", flush=True)
+sys.stdin.read()
+print("kept" if all(d.is_dir() for d in made.dirs()) else "lost", flush=True)
+made.close()
+"""
+
+
+def test_host_cgroups_a_killed_pools_cgroups_are_swept_and_no_live_pools_ever(tmp_path):
+    # A killed pool leaves its cgroups (empty prime-sandbox-* cgroups piled up in the host's hierarchies). A pool's
+    # start now removes those of pools that are provably gone, and never a live pool's, even one being made.
+    probe, why = cgroups.Cgroups.detect(stale.owned_name("probe"))
+    if probe is None:
+        pytest.skip(f"no cgroups here: {why}")
+    shared = {p.parent for p in probe.parents.values()}
+    probe.close()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # exited: its pid is free (a reuse would carry another start time)
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    dead = [d / f"prime-sandbox-dead{os.getpid()}.{dead_pid}-1-{namespace}" for d in shared]
+    ownerless = [d / f"prime-sandbox-noowner{os.getpid()}" for d in shared]
+    for d in dead:
+        (d / "s0").mkdir(parents=True)
+    for d in ownerless:
+        d.mkdir()
+    try:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", POOL_PROCESS, f"race{os.getpid()}-{i}"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            for i in range(12)
+        ]  # fmt: skip
+        made = [p.stdout.readline().strip() for p in procs]
+        outcomes = [p.communicate(timeout=60)[0].strip() for p in procs]
+        assert [p.returncode for p in procs] == [0] * 12, outcomes
+        assert made == ["made"] * 12 and outcomes == ["kept"] * 12, (made, outcomes)
+        assert not any(d.exists() for d in dead), dead
+        assert all(d.is_dir() for d in ownerless), ownerless
+    finally:
+        for d in [*ownerless, *dead]:
+            for sub in (d / "s0", d):
+                with contextlib.suppress(OSError):
+                    sub.rmdir()

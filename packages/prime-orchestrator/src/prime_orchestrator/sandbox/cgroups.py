@@ -234,6 +234,10 @@ class Cgroups:
             return f"cannot move a zygote into {d} ({e.strerror})"
         return ""
 
+    def dirs(self) -> set[Path]:
+        """This pool's cgroup directories, in every hierarchy (the CPU one's too)."""
+        return {*self.parents.values(), *([self.cpu_parent] if self.cpu_parent is not None else [])}
+
     def _dirs(self, key: str) -> dict[str, Path]:
         return {c: p / key for c, p in self.parents.items()}
 

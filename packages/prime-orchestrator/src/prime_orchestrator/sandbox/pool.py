@@ -39,6 +39,7 @@ from prime_orchestrator.sandbox.schemas import (
     longest_line,
     parse_test_lines,
 )
+from prime_orchestrator.sandbox.stale import owned_name, sweep
 from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Zygote
 
 __all__ = ["NUM_LEASES", "SandboxPool", "SandboxUnavailable"]
@@ -135,7 +136,9 @@ class SandboxPool:
         if not self.config.cgroups:
             self.unenforced.append(f"{what} (pool.cgroups = false)")
             return None
-        cgroups, why = Cgroups.detect(self.tmp_dir.name)
+        cgroups, why = Cgroups.detect(owned_name(self.tmp_dir.name))
+        if cgroups is not None and (removed := sweep({p.parent for p in cgroups.parents.values()}, cgroups.dirs())):
+            logger.info("sandbox pool: removed %d empty cgroups of sandbox pools that are gone", removed)
         if cgroups is None:
             self.unenforced.append(f"{what} ({why}); RLIMIT_AS, RLIMIT_CPU per process and sized tmpfs still apply")
             return None
