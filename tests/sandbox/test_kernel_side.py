@@ -210,3 +210,17 @@ def test_host_cgroups_a_killed_pools_cgroups_are_swept_and_no_live_pools_ever(tm
             for sub in (d / "s0", d):
                 with contextlib.suppress(OSError):
                     sub.rmdir()
+
+
+def test_sessions_two_pytest_sessions_lend_different_uids():
+    # The sandbox tests of two pytest sessions on one host (two agents) shared one uid range: each counted the other's
+    # zygotes and executions as its own leftovers. Each run (workers of one xdist run alike) now has its own range.
+    code = "from tests.sandbox.conftest import UID_BASE, NODE_UID_BASE; print(UID_BASE, NODE_UID_BASE)"
+    bases = []
+    for run_id in ("one", "two", "two"):
+        env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run_id}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        bases.append(tuple(map(int, out.stdout.split())))
+    assert bases[1] == bases[2] and bases[0] != bases[1], bases
+    spans = [uid_span(base, MAX_CONCURRENCY) for base, _ in bases[:2]]
+    assert not set(spans[0]) & set(spans[1]) and max(max(s) for s in spans) < 2**31, bases
