@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 import subprocess
@@ -16,7 +17,17 @@ from prime_core.config.sandbox import SandboxClientConfig, SandboxLimits, Sandbo
 from prime_orchestrator.sandbox import ExecRequest, ExecResult, SandboxClient
 from prime_orchestrator.sandbox.pool import NUM_LEASES, SandboxUnavailable
 
-UID_BASE = 310_000  # away from the default range, so a pool of another process is never counted here
+
+def _session_uids() -> int:
+    """The start of this pytest session's uid ranges (workers of one xdist run share it): every base below is offset
+    by it, so two sessions on one host (two agents' test runs) lend different uids and neither counts the other's
+    zygotes and executions as its own leftovers. 400 steps of 5 M keep every uid below 2^31."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    return 5_000_000 * (1 + int(hashlib.sha256(run.encode()).hexdigest(), 16) % 400)
+
+
+SESSION_UIDS = _session_uids()
+UID_BASE = SESSION_UIDS + 310_000  # away from the default range, so a pool of another process is never counted here
 MAX_CONCURRENCY = 64
 # Generous: every test that loops forever sets its own wall limit; the rest end on their own, even on a loaded host.
 FAST = SandboxLimits(wall_s=20, cpu_s=20)
@@ -60,8 +71,9 @@ def start_client(**pool) -> SandboxClient:
 
 @contextlib.contextmanager
 def own_pool(uid_base: int, max_concurrency: int = 8, **pool):
-    """A pool for one test (a fresh zygote, e.g. started with something planted in the host's environment); on exit,
-    nothing of it may be left running."""
+    """A pool for one test (a fresh zygote, e.g. started with something planted in the host's environment), its uids
+    from ``uid_base`` in this session's range (``SESSION_UIDS``); on exit, nothing of it may be left running."""
+    uid_base += SESSION_UIDS
     client = start_client(uid_base=uid_base, max_concurrency=max_concurrency, zygotes=1, **pool)
     try:
         yield client
@@ -134,7 +146,7 @@ class Node:
     """The node's TMPDIR: its pool keeps its folders there."""
 
 
-NODE_UID_BASE = 340_000
+NODE_UID_BASE = SESSION_UIDS + 340_000
 
 
 NODE_IDLE_S = 8.0

@@ -20,7 +20,7 @@ from prime_orchestrator.sandbox import ExecRequest, cgroups
 from prime_orchestrator.sandbox.leases import SETTLE_S, Lease, Leases
 
 from tests.sandbox import attacks
-from tests.sandbox.conftest import MAX_CONCURRENCY, UID_BASE, assert_serving, own_pool, run
+from tests.sandbox.conftest import MAX_CONCURRENCY, SESSION_UIDS, UID_BASE, assert_serving, own_pool, run
 from tests.sandbox.test_host_shares import _waiting_runner
 from tests.sandbox.test_reach import FORK_TO_THE_LIMIT
 from tests.sandbox.test_redteam import _resident_pages
@@ -130,9 +130,9 @@ def test_neighbours_a_reclaim_that_takes_long_holds_a_slot_no_longer_than_the_bo
         def reclaim(self, key: str, nbytes: int) -> None:
             time.sleep(1.5)
 
-    leases = Leases(1, 4_400_000, Slow())
+    leases = Leases(1, SESSION_UIDS + 4_400_000, Slow())
     started = time.monotonic()
-    asyncio.run(leases.settle(Lease(0, 4_400_001, "s0")))
+    asyncio.run(leases.settle(Lease(0, SESSION_UIDS + 4_400_001, "s0")))
     assert time.monotonic() - started < SETTLE_S + 0.3
 
 

@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+from tests.sandbox.conftest import SESSION_UIDS
+
 pytestmark = pytest.mark.xdist_group("sandbox")
 
 
@@ -36,7 +38,7 @@ def test_the_soft_limit_is_lifted_to_the_need_within_the_hard_one():
 
 
 def test_a_pool_started_under_a_soft_limit_of_1024_holds_descriptors_for_every_slot_and_workspace():
-    out = run("""
+    out = run(f"""
         import resource
         from prime_core.config.sandbox import SandboxPoolConfig
         from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY
@@ -44,7 +46,7 @@ def test_a_pool_started_under_a_soft_limit_of_1024_holds_descriptors_for_every_s
         from prime_orchestrator.sandbox.pool import SandboxPool
         N = resource.RLIMIT_NOFILE
         resource.setrlimit(N, (1024, resource.getrlimit(N)[1]))
-        pool = SandboxPool(SandboxPoolConfig(max_concurrency=300, uid_base=320_000))
+        pool = SandboxPool(SandboxPoolConfig(max_concurrency=300, uid_base={SESSION_UIDS + 320_000}))
         if pool._cgroups is None:
             print("no cgroups")
         else:

@@ -18,7 +18,7 @@ from prime_orchestrator.sandbox.schemas import ExecRequest
 from prime_orchestrator.sandbox.zygotes import ResultPipe
 
 from tests.sandbox import attacks
-from tests.sandbox.conftest import FAST, own_pool
+from tests.sandbox.conftest import FAST, SESSION_UIDS, own_pool
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -45,10 +45,14 @@ def test_the_reaper_never_signals_a_pid_reused_after_its_listing(monkeypatch):
     # slot still lists it once the pidfd is open.
     victims = [_host_process(), _host_process()]
     try:
-        asyncio.run(Leases(1, 4_400_000, _StaleListing(victims[0].pid))._reap("s0", 4_400_001))
+        asyncio.run(
+            Leases(1, SESSION_UIDS + 4_400_000, _StaleListing(victims[0].pid))._reap("s0", SESSION_UIDS + 4_400_001)
+        )
         calls = iter([[victims[1].pid]])
         monkeypatch.setattr(leases_mod, "processes_of", lambda uid: next(calls, []))
-        asyncio.run(Leases(1, 4_400_000, None)._reap("s0", 4_400_001))  # without cgroups: by uid (root's is 0)
+        asyncio.run(
+            Leases(1, SESSION_UIDS + 4_400_000, None)._reap("s0", SESSION_UIDS + 4_400_001)
+        )  # without cgroups: by uid (root's is 0)
         assert [v.poll() for v in victims] == [None, None], "the reaper killed a host process that got a slot's pid"
     finally:
         for v in victims:
@@ -64,7 +68,9 @@ def test_the_reaper_still_kills_what_the_slot_lists():
             return [left.pid] if left.poll() is None else []
 
     try:
-        asyncio.run(asyncio.wait_for(Leases(1, 4_400_000, Listing())._reap("s0", 4_400_001), 10))
+        asyncio.run(
+            asyncio.wait_for(Leases(1, SESSION_UIDS + 4_400_000, Listing())._reap("s0", SESSION_UIDS + 4_400_001), 10)
+        )
         assert left.wait(timeout=5) == -9
     finally:
         left.kill()
@@ -131,8 +137,8 @@ def test_what_never_goes_holds_a_slot_once_for_the_bound_then_is_its_floor(caplo
         def reclaim(self, key: str, nbytes: int) -> None:
             pass
 
-    leases = Leases(1, 4_400_000, Held())
-    lease = Lease(0, 4_400_001, "s0")
+    leases = Leases(1, SESSION_UIDS + 4_400_000, Held())
+    lease = Lease(0, SESSION_UIDS + 4_400_001, "s0")
     waits = []
     for charge in (100 << 20, 102 << 20, 0):
         leases.cgroups.charge = charge

@@ -28,9 +28,10 @@ import resource
 from pathlib import Path
 
 MIB = 1 << 20
-FDS_PER_KEY = 7
+FDS_PER_KEY = 8
 """Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
-(v1: memory, pids, cpuacct, cpu), v1's memory peak, the CPU usage counter and the memory usage (see :meth:`left_over`).
+(v1: memory, pids, cpuacct, cpu), v1's memory peak and OOM eventfd, the CPU usage counter and the memory usage (see
+:meth:`left_over`).
 Slots are reused first in, first out, so every slot's are open after a while."""
 
 
@@ -153,6 +154,7 @@ class Cgroups:
         self._peak: dict[str, int] = {}
         self._cpu: dict[str, int] = {}
         self._usage: dict[str, int] = {}
+        self._oom_events: dict[str, int | None] = {}
 
     @property
     def counts_cpu(self) -> bool:
@@ -232,6 +234,10 @@ class Cgroups:
             return f"cannot move a zygote into {d} ({e.strerror})"
         return ""
 
+    def dirs(self) -> set[Path]:
+        """This pool's cgroup directories, in every hierarchy (the CPU one's too)."""
+        return {*self.parents.values(), *([self.cpu_parent] if self.cpu_parent is not None else [])}
+
     def _dirs(self, key: str) -> dict[str, Path]:
         return {c: p / key for c, p in self.parents.items()}
 
@@ -259,6 +265,9 @@ class Cgroups:
             with contextlib.suppress(OSError):  # no swap accounting on this host: nothing to bound
                 self._write(d / "memory.swap.max", "0")
             self._write(d / "pids.max", str(pids))
+            if key not in self._limits:
+                with contextlib.suppress(OSError):  # Linux < 4.19: each OOM kill is reported (and the pool says so)
+                    self._write(d / "memory.oom.group", "1")
         self._limits[key] = (memory, pids)
 
     def enter(self, key: str, memory_mb: int, processes: int) -> list[int]:
@@ -279,6 +288,39 @@ class Cgroups:
         if key in self._peak:
             os.write(self._peak[key], b"0")
         return self._procs[key]
+
+    def oom_event(self, key: str) -> int | None:
+        """v1: an eventfd that becomes readable when a process of the key reaches its memory limit, for the
+        execution's supervisor, which then kills the execution itself (emptied here of an earlier execution's count);
+        None elsewhere. The kernel's OOM killer is off in the key's memory cgroup once the eventfd is registered, so
+        a process at the limit waits (killable) instead of being killed: every kill printed a full report into the
+        host's kernel log, and an execution re-forking children that each allocate printed 955 lines in 5 s, for its
+        whole wall limit, in every slot at once. Allocations outside a page fault (a tmpfs write, a pipe) fail with
+        ``ENOMEM`` instead. v2 has no such switch: ``memory.oom.group`` kills the whole execution at its first OOM
+        (one report, see :meth:`_set_limits`)."""
+        if self.version != 1:
+            return None
+        if key not in self._oom_events:
+            self._oom_events[key] = self._watch_oom(self._dirs(key)["memory"])
+        fd = self._oom_events[key]
+        if fd is not None:
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(fd)
+        return fd
+
+    def _watch_oom(self, mem: Path) -> int | None:
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            ctl = os.open(mem / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self._write(mem / "cgroup.event_control", f"{efd} {ctl}")
+            finally:
+                os.close(ctl)
+            self._write(mem / "memory.oom_control", "1")  # only once someone is told: a waiting task needs a killer
+        except OSError:
+            os.close(efd)
+            return None
+        return efd
 
     def usage(self, key: str) -> int:
         """The key's memory charge in bytes (v1 ``memory.usage_in_bytes``, v2 ``memory.current``; kept open)."""
@@ -364,8 +406,10 @@ class Cgroups:
         return sorted(found)
 
     def _close_fds(self, key: str) -> None:
-        for fd in [*self._procs.pop(key, []), *(d.pop(key) for d in (self._peak, self._cpu, self._usage) if key in d)]:
-            os.close(fd)
+        fds = [*self._procs.pop(key, []), *(d.pop(key) for d in (self._peak, self._cpu, self._usage) if key in d)]
+        for fd in [*fds, self._oom_events.pop(key, None)]:
+            if fd is not None:
+                os.close(fd)
 
     def remove(self, key: str) -> None:
         """Remove one key's cgroups (once nothing runs in them)."""
@@ -377,7 +421,7 @@ class Cgroups:
 
     def close(self) -> None:
         """Remove the pool's cgroups (those still holding a process stay, and the next pool's start says so)."""
-        for key in {*self._procs, *self._cpu, *self._usage}:
+        for key in {*self._procs, *self._cpu, *self._usage, *self._oom_events}:
             self._close_fds(key)
         if self.cpu_parent is not None and self.cpu_parent not in self.parents.values():
             for d in (self.cpu_parent / "zygotes", self.cpu_parent, self.cpu_parent.parent):

@@ -39,6 +39,7 @@ from prime_orchestrator.sandbox.schemas import (
     longest_line,
     parse_test_lines,
 )
+from prime_orchestrator.sandbox.stale import owned_name, sweep
 from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Zygote
 
 __all__ = ["NUM_LEASES", "SandboxPool", "SandboxUnavailable"]
@@ -77,6 +78,7 @@ class _Job:
     verdict: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     pipe: ResultPipe | None = None
     cancelled: bool = False
+    cgroup_fds: list[int] = field(default_factory=list)  # the slot's, kept open by Cgroups (see _enter_cgroups)
 
     def kill_supervisor(self) -> None:
         """SIGKILL the execution's supervisor (its runner and the whole PID namespace die with it)."""
@@ -134,7 +136,9 @@ class SandboxPool:
         if not self.config.cgroups:
             self.unenforced.append(f"{what} (pool.cgroups = false)")
             return None
-        cgroups, why = Cgroups.detect(self.tmp_dir.name)
+        cgroups, why = Cgroups.detect(owned_name(self.tmp_dir.name))
+        if cgroups is not None and (removed := sweep({p.parent for p in cgroups.parents.values()}, cgroups.dirs())):
+            logger.info("sandbox pool: removed %d empty cgroups of sandbox pools that are gone", removed)
         if cgroups is None:
             self.unenforced.append(f"{what} ({why}); RLIMIT_AS, RLIMIT_CPU per process and sized tmpfs still apply")
             return None
@@ -296,7 +300,18 @@ class SandboxPool:
         if raw.get("exit_code") == -9 and raw["status"] == "error" and self._cgroups.oom_killed(key):
             raw.update(status="memory_limit", reason=f"memory limit of {job.limits.memory_mb} MB exceeded")
 
+    def _enter_cgroups(self, job: _Job) -> None:
+        """Set the slot's limits; its descriptors for the execution: ``cgroup.procs`` (the runner joins them), then
+        the CPU counter and the OOM eventfd (the supervisor's, sent last, in that order: see :meth:`_body`)."""
+        if self._cgroups is None:
+            return
+        limits, key = job.limits, job.lease.cgroup
+        mb = limits.memory_mb + (job.lease.workspace.disk_mb if job.lease.workspace else limits.disk_mb)
+        job.cgroup_fds = [*self._cgroups.enter(key, mb, limits.processes)]
+        job.cgroup_fds += [fd for fd in (self._cgroups.cpu_fd(key), self._cgroups.oom_event(key)) if fd is not None]
+
     def _body(self, job: _Job) -> bytes:
+        self._enter_cgroups(job)
         request, ws = job.request, job.lease.workspace
         return json.dumps(
             {
@@ -310,6 +325,7 @@ class SandboxPool:
                 "workspace": ws.name if ws else None,
                 "stdin": request.stdin is not None,
                 "cpu_usage": self._cgroups is not None and self._cgroups.counts_cpu,
+                "oom_event": self._cgroups is not None and self._cgroups.oom_event(job.lease.cgroup) is not None,
             }
         ).encode()
 
@@ -355,16 +371,9 @@ class SandboxPool:
         try:
             if job.request.stdin is not None:
                 fds.append(_memfd("stdin", job.request.stdin.encode()))
-            cgroup_fds = []
-            if self._cgroups is not None:
-                limits = job.limits
-                mb = limits.memory_mb + (job.lease.workspace.disk_mb if job.lease.workspace else limits.disk_mb)
-                cgroup_fds = self._cgroups.enter(job.lease.cgroup, mb, limits.processes)
-                if (cpu := self._cgroups.cpu_fd(job.lease.cgroup)) is not None:
-                    cgroup_fds = [*cgroup_fds, cpu]  # last: the supervisor's, never the runner's (see _body)
             while True:
                 try:
-                    await zygote.send(b"x", fds + cgroup_fds, hang)
+                    await zygote.send(b"x", fds + job.cgroup_fds, hang)
                     return True
                 except TimeoutError:  # its queue is full: hung, unless it is forking others' requests
                     if time.monotonic() - zygote.last_progress > hang:

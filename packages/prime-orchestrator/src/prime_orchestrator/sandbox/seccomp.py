@@ -28,6 +28,14 @@ The policy is an allowlist in the spirit of Docker's default profile, narrowed f
   ``POSIX_FADV_DONTNEED``, which drops a bound host file's pages from the host's page cache;
 - ``prctl`` is allowed but for ``PR_SCHED_CORE`` (``EPERM``): a core-scheduling cookie of its own forces the SMT
   sibling of the code's core idle whenever the code runs there, CPU charged to nobody;
+- KSM is out of reach: ``prctl(PR_SET_MEMORY_MERGE)`` and ``madvise(MADV_MERGEABLE)`` fail with ``EINVAL``, what a
+  kernel built without KSM answers (every other ``madvise`` advice works): merged pages are a timing side channel
+  between executions (a write to a page shared with another's takes a copy-on-write fault), and ``ksmd`` scans them
+  on host CPU charged to no execution;
+- ``mbind`` is allowed but with ``MPOL_MF_MOVE`` or ``MPOL_MF_MOVE_ALL`` (``EPERM``, what the second answers
+  without ``CAP_SYS_NICE``), and ``migrate_pages`` and ``move_pages`` are denied: they migrate pages between NUMA
+  nodes now, on the host's CPU and memory bandwidth; a policy for later allocations (plain ``mbind``,
+  ``set_mempolicy``) stays;
 - ``preadv2`` is allowed but with ``RWF_NOWAIT`` (``EOPNOTSUPP``, what a file that cannot be read without waiting
   answers, so a caller reads it the usual way): it answered ``EAGAIN`` for a page the host's page cache does not
   hold, the probe of which host files the host and the neighbours read that ``mincore`` and ``cachestat`` are
@@ -70,10 +78,10 @@ ALLOWED = _names(
     "removexattr lremovexattr fremovexattr getxattrat setxattrat listxattrat removexattrat file_getattr "
     "file_setattr "
     # memory
-    "brk munmap mremap mprotect pkey_mprotect pkey_alloc pkey_free madvise mlock mlock2 munlock mlockall "
-    "munlockall membarrier mseal map_shadow_stack get_mempolicy set_mempolicy mbind "
+    "brk munmap mremap mprotect pkey_mprotect pkey_alloc pkey_free mlock mlock2 munlock mlockall "
+    "munlockall membarrier mseal map_shadow_stack get_mempolicy set_mempolicy "
     "set_mempolicy_home_node "
-    # processes and threads (clone and prctl: see _rules)
+    # (madvise and mbind: see _rules) processes and threads (clone and prctl: see _rules)
     "fork vfork execve execveat exit exit_group wait4 waitid kill tkill tgkill rt_sigqueueinfo rt_tgsigqueueinfo "
     "getpid getppid gettid getpgid setpgid getpgrp getsid setsid getuid geteuid getgid getegid getresuid getresgid "
     "getgroups setuid setgid setreuid setregid setresuid setresgid setfsuid setfsgid setgroups capget capset "
@@ -135,6 +143,9 @@ POSIX_FADV_DONTNEED = 4
 # Core scheduling: a cookie of its own keeps every other task off the SMT sibling of the core the code runs on (forced
 # idle, charged to nobody), so one execution's CPU took a whole core and the neighbours' (the trainer's) share of it.
 PR_SCHED_CORE = 62
+PR_SET_MEMORY_MERGE = 67
+MADV_MERGEABLE = 12
+MPOL_MF_MOVE, MPOL_MF_MOVE_ALL = 1 << 1, 1 << 2
 NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # as Docker: PER_LINUX, UNAME26, ADDR_NO_RANDOMIZE, query
@@ -216,19 +227,38 @@ def _rules(lib, ctx) -> None:
     _add(lib, ctx, _errno(errno.EAFNOSUPPORT), "socket", (0, _CMP_GT, 10, 0))
     for value in PERSONALITIES:
         _add(lib, ctx, _ACT_ALLOW, "personality", (0, _CMP_EQ, value, 0))
-    _allow_unless(lib, ctx, "fcntl", 1, F_NOTIFY)
-    _allow_unless(lib, ctx, "fadvise64", 3, POSIX_FADV_DONTNEED)
-    _allow_unless(lib, ctx, "prctl", 0, PR_SCHED_CORE)
+    moves = MPOL_MF_MOVE | MPOL_MF_MOVE_ALL
+    _add(lib, ctx, _ACT_ALLOW, "mbind", (5, _CMP_MASKED_EQ, moves, 0))
+    for flag in (MPOL_MF_MOVE, MPOL_MF_MOVE_ALL):
+        _add(lib, ctx, _errno(errno.EPERM), "mbind", (5, _CMP_MASKED_EQ, flag, flag))
+    _allow_unless(lib, ctx, "fcntl", 1, {F_NOTIFY: errno.EPERM})
+    _allow_unless(lib, ctx, "fadvise64", 3, {POSIX_FADV_DONTNEED: errno.EPERM})
+    _allow_unless(lib, ctx, "prctl", 0, {PR_SCHED_CORE: errno.EPERM, PR_SET_MEMORY_MERGE: errno.EINVAL})
+    _allow_unless(lib, ctx, "madvise", 2, {MADV_MERGEABLE: errno.EINVAL})
 
 
-def _allow_unless(lib, ctx, name: str, arg: int, value: int) -> None:
-    """``name`` allowed unless its ``int`` argument ``arg`` is ``value`` (then ``EPERM``). The kernel reads only the
-    low 32 bits, so every comparison masks them: ``value`` with high bits set is still refused. The allowance is one
-    rule per bit in which the argument differs from ``value``, none overlapping the refusal (libseccomp does not
-    order rules of different actions that match the same call)."""
+def _allow_unless(lib, ctx, name: str, arg: int, refused: dict[int, int]) -> None:
+    """``name`` allowed unless its ``int`` argument ``arg`` is one of ``refused`` (one or two values, each failing
+    with its errno). The kernel reads only the low 32 bits, so every comparison masks them: a refused value with high
+    bits set is still refused. No allowance overlaps a refusal (libseccomp does not order rules of different actions
+    that match the same call): the argument differs from every refused value in a bit where they agree (one rule per
+    such bit), or, for two values, differs from the first in one bit where they differ and from the second in
+    another (one rule per such pair of bits)."""
+    assert 1 <= len(refused) <= 2, refused
+    first, *rest = refused
+    second = rest[0] if rest else first
+    differ = (first ^ second) & 0xFFFFFFFF
     for bit in range(32):
-        _add(lib, ctx, _ACT_ALLOW, name, (arg, _CMP_MASKED_EQ, 1 << bit, ~value & (1 << bit)))
-    _add(lib, ctx, _errno(errno.EPERM), name, (arg, _CMP_MASKED_EQ, 0xFFFFFFFF, value))
+        if not differ & (1 << bit):
+            _add(lib, ctx, _ACT_ALLOW, name, (arg, _CMP_MASKED_EQ, 1 << bit, ~first & (1 << bit)))
+    bits = [1 << b for b in range(32) if differ & (1 << b)]
+    for one in bits:
+        for two in bits:
+            if one != two:
+                want = (~first & one) | (~second & two)
+                _add(lib, ctx, _ACT_ALLOW, name, (arg, _CMP_MASKED_EQ, one | two, want))
+    for value, error in refused.items():
+        _add(lib, ctx, _errno(error), name, (arg, _CMP_MASKED_EQ, 0xFFFFFFFF, value))
 
 
 @cache

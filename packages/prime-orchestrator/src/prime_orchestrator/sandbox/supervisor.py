@@ -46,8 +46,9 @@ def supervise(fds: list[int], ctl_fd: int, zygote_pid: int, seccomp) -> None:
         req = json.loads(os.pread(request_fd, os.fstat(request_fd).st_size, 0))
         os.close(request_fd)
         stdin_fd = extra.pop(0) if req.get("stdin") else None
-        cpu_fd = extra.pop() if req.get("cpu_usage") and extra else None  # the pool sends it last
-        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd)
+        oom_fd = extra.pop() if req.get("oom_event") and extra else None  # the pool sends it last
+        cpu_fd = extra.pop() if req.get("cpu_usage") and extra else None  # then this one
+        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd, oom_fd)
     except Exception as e:  # a verdict, never a silent EOF: the pool reports it as a sandbox error
         verdict = {"status": "sandbox_error", "reason": f"supervisor: {type(e).__name__}: {e}"}
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -113,7 +114,14 @@ class CpuClock:
         return now + max(self.MIN_CHECK_S, (self.budget - used) / self.cpus)
 
 
-def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp, cpu_fd: int | None = None) -> dict:
+def _execute(
+    req: dict,
+    stdin_fd: int | None,
+    cgroup_fds: list[int],
+    seccomp,
+    cpu_fd: int | None = None,
+    oom_fd: int | None = None,
+) -> dict:
     _mount_work(req)
     cpu = CpuClock(cpu_fd, req["limits"]["cpu_s"]) if cpu_fd is not None else None
     # Made with the execution's uid as the real one (the effective stays 0): a pipe's pages count against its
@@ -143,7 +151,7 @@ def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp, cp
     for fd in (out_w, err_w, test_w, alive_r, setup_w, *cgroup_fds) + ((stdin_fd,) if stdin_fd is not None else ()):
         os.close(fd)
     names = {out_r: "stdout", err_r: "stderr", test_r: "tests", setup_r: "setup"}
-    streams, breach = _drain(pid, pidfd, names, req["limits"], start, cpu)
+    streams, breach = _drain(pid, pidfd, names, req["limits"], start, cpu, oom_fd)
     _, status, usage = os.wait4(pid, 0)
     # Closing a unix socket schedules the kernel's unix GC: a cycle of sockets the code left in flight holds its
     # /work and pipes, charged to the slot the next execution gets, until something on the host closes one.
@@ -156,16 +164,22 @@ def _execute(req: dict, stdin_fd: int | None, cgroup_fds: list[int], seccomp, cp
 
 
 def _drain(
-    pid: int, pidfd: int, names: dict[int, str], limits: dict, start: float, cpu: CpuClock | None = None
+    pid: int,
+    pidfd: int,
+    names: dict[int, str],
+    limits: dict,
+    start: float,
+    cpu: CpuClock | None = None,
+    oom_fd: int | None = None,
 ) -> tuple[dict, str | None]:
-    """Read the runner's pipes until it has exited and they are drained, or until the wall clock, the output cap or
-    the CPU budget of all its processes is hit (then kill it: PID 1 of its namespace, it takes every descendant
-    with it)."""
+    """Read the runner's pipes until it has exited and they are drained, or until the wall clock, the output cap,
+    the CPU budget of all its processes or the memory limit (``oom_fd``, see ``Cgroups.oom_event``) is hit (then kill
+    it: PID 1 of its namespace, it takes every descendant with it)."""
     bufs = {name: bytearray() for name in names.values()}
     cap, total = limits["output_bytes"], 0
     deadline = start + limits["wall_s"]
     poller = select.poll()
-    for fd in (*names, pidfd):
+    for fd in (*names, pidfd, *([oom_fd] if oom_fd is not None else [])):
         poller.register(fd, select.POLLIN)
     open_fds, exited, breach = set(names), False, None
     next_cpu = cpu.next_read(start, 0.0) if cpu else math.inf
@@ -182,6 +196,9 @@ def _drain(
                 break
             next_cpu = cpu.next_read(now, used)
         for fd, _ in poller.poll(min(left, next_cpu - now) * 1000):
+            if fd == oom_fd:  # a process waits at the limit (the kernel kills none here): the execution ends
+                breach = "memory"
+                break
             if fd == pidfd:
                 exited = True  # the whole PID namespace is gone: what is left in the pipes ends in EOF
                 poller.unregister(pidfd)
@@ -193,8 +210,9 @@ def _drain(
                 continue
             bufs[names[fd]] += chunk
             total += len(chunk)
-        if total > cap:
+        if breach is None and total > cap:
             breach = "output"
+        if breach:
             break
     if breach:  # its child, not reaped before wait4: the pid is still its own, and the pidfd says so anyway
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
@@ -252,6 +270,8 @@ def _classify(limits: dict, breach: str | None, code: int, cpu: float, stderr: s
         return {"status": "timeout", "reason": f"wall time limit of {limits['wall_s']} s exceeded"}
     if breach == "cpu":
         return {"status": "timeout", "reason": f"CPU time limit of {limits['cpu_s']} s exceeded (all its processes)"}
+    if breach == "memory":
+        return {"status": "memory_limit", "reason": f"memory limit of {limits['memory_mb']} MB exceeded"}
     if breach == "output":
         return {"status": "output_limit", "reason": f"stdout+stderr over {limits['output_bytes']} bytes"}
     # RLIMIT_CPU ends it with SIGXCPU, or SIGKILL at the hard limit (PID 1 of a namespace ignores SIGXCPU). The

@@ -25,6 +25,7 @@ each execution's processes die with their supervisor.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gc
 import json
 import os
@@ -69,7 +70,8 @@ PRELOAD = [
 ]
 DEVICES = ("null", "zero", "full", "random", "urandom")
 ETC_FILES = ("ld.so.cache", "localtime", "nsswitch.conf", "alternatives")
-MAX_FDS = 8
+MAX_FDS = 9  # request, result, stdin, 4 cgroup.procs/tasks, CPU counter, OOM eventfd
+PR_SET_MEMORY_MERGE = 67
 WORKSPACE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -220,6 +222,10 @@ def main(ctl_fd: int, setup_json: str) -> None:
     setup = json.loads(setup_json)
     ctl = socket.socket(fileno=ctl_fd)
     try:
+        # KSM of the pool's process (systemd's MemoryKSM=yes) would pass to every execution, past the filter; a
+        # kernel without KSM answers EINVAL: nothing to undo
+        with contextlib.suppress(OSError):
+            lx.prctl(PR_SET_MEMORY_MERGE, 0)
         lx.join_new_session_keyring()
         build_root(setup["root"], setup["ro_paths"], setup.get("socket_walk", []))
         enter_namespaces(ctl, setup.get("sigpending"))
