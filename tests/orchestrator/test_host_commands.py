@@ -45,10 +45,16 @@ def test_chat_seats_isolated_runtimes_and_the_opt_in_pass(monkeypatch, env):
     assert problem(env) is None
 
 
-def test_eval_envs_are_not_refused(monkeypatch):
-    """An eval's policy is not optimised against its environments: vf-eval's default stands (verifiers warns)."""
+def test_the_runs_own_evals_are_refused_too(monkeypatch):
+    """An eval during the run samples the policy being trained, unattended: a shell seat there runs what it learned
+    to try against its training environments on the host. The opt-in and an isolated runtime pass as for training."""
     use_vf_envs(monkeypatch)
-    assert problem({"id": "reverse-text"}, eval={"envs": [{"id": "vf-bash-runtime"}]}) is None
+    refused = problem({"id": "reverse-text"}, eval={"envs": [{"id": "reverse-text"}, {"id": "vf-bash-runtime"}]})
+    assert refused == REFUSED.replace("env.0", "eval.envs.1").replace(
+        "would be trained against", "being trained would act on"
+    )
+    allowed = {"id": "vf-bash-runtime", "allow_host_commands": True}
+    assert problem({"id": "reverse-text"}, eval={"envs": [allowed]}) is None
 
 
 @pytest.mark.integration

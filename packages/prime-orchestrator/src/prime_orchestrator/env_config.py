@@ -149,12 +149,16 @@ def policy_judge_problem(config: Any) -> str | None:
 
 
 def host_commands_problem(config: Any) -> str | None:
-    """Why an RL run's training environment would let the policy run commands on this host (one line naming the
-    environment, its seat and harness), or None: a seat whose harness is not a chat loop (verifiers' ``bash``, a
-    coding agent) on the ``subprocess`` runtime, without the environment's ``allow_host_commands``."""
+    """Why an RL run's environment would let the policy run commands on this host (one line naming the environment,
+    its seat and harness), or None: a seat whose harness is not a chat loop (verifiers' ``bash``, a coding agent) on
+    the ``subprocess`` runtime, without the environment's ``allow_host_commands``. Training environments and the
+    run's own evals (``eval.envs``) alike: an eval during the run samples the policy being trained, unattended, and
+    whatever that policy learned to try against its training environments it tries there on the host."""
     from verifiers.v1.configs.agent import agent_config_fields
 
-    for i, env in enumerate(config.env):
+    named = [(f"env.{i}", env) for i, env in enumerate(config.env)]
+    named += [(f"eval.envs.{i}", env) for i, env in enumerate(config.eval.envs)]
+    for key, env in named:
         if env.allow_host_commands:
             continue
         resolved = resolve(env_config_data(env))
@@ -163,10 +167,11 @@ def host_commands_problem(config: Any) -> str | None:
             runtime = getattr(getattr(resolved, role).runtime, "type", None)
             harness = harnesses[role].id
             if runtime == LOCAL_RUNTIME and harness != CHAT_HARNESS and not plays_null_loop(harness):
+                what = "would be trained against" if key.startswith("env.") else "being trained would act on"
                 return (
-                    f"env.{i} ({env.resolved_name}): seat {role!r} plays harness {harness!r}, which runs the model's "
+                    f"{key} ({env.resolved_name}): seat {role!r} plays harness {harness!r}, which runs the model's "
                     f"commands, on this host (runtime {LOCAL_RUNTIME!r}{' by default' if env.runtime == 'auto' else ''}"
-                    "): the policy would be trained against the host's files, network and processes; set runtime = "
+                    f"): the policy {what} the host's files, network and processes; set runtime = "
                     '"docker" (or podman, prime), harness = "null" for a chat seat, or allow_host_commands = true'
                 )
     return None

@@ -51,8 +51,9 @@ class EnvConfig(BaseConfig):
     allow_host_commands: bool = False
     """RL only: let a seat whose harness runs the model's commands (any harness but a chat loop: ``bash``, a coding
     agent) run them on this host, in the ``subprocess`` runtime, with the host's files, network and processes. Off,
-    such a training environment stops the run at start with one line naming it: the policy is optimised against the
-    environment and would find the host (its secrets, the trainer's processes, the files that grade it). Isolate the
+    such a training environment (or an eval of the run, ``orchestrator.eval.envs``: it samples the policy being
+    trained) stops the run at start with one line naming it: the policy is optimised against the environment and
+    would find the host (its secrets, the trainer's processes, the files that grade it). Isolate the
     seat instead (``runtime = "docker"``, ``podman`` or ``prime``) or play it as chat (``harness = "null"``)."""
     max_turns: MaxTurns = "auto"
     """Upper bound on model turns of every agent seat (None: no limit). ``auto``: the limit the environment declares
