@@ -5,8 +5,9 @@ by the time ``KeyboardInterrupt`` reaches the entry point the progress record no
 record is read in the signal handler instead (`noting_sigint`), before anything is cancelled.
 
 A second Ctrl-C, at any point after the first (the run's close stopping env servers or waiting for a thread, the
-exit's joins), ends the process at once, as ``inference`` does: the line (unless printed already), the progress
-record's last entry, exit 130. Before, it raised ``KeyboardInterrupt`` wherever the close stood: the close waited for
+exit's joins), ends the process at once, as ``inference`` does: the env servers' leftovers killed (their cgroups and
+tokens: what their stop would have looked for), the line (unless printed already), the progress record's last entry,
+exit 130. Before, it raised ``KeyboardInterrupt`` wherever the close stood: the close waited for
 threads still running anyway (a thread blocked for 20 s held the exit 20 s), and one landing in the exit's joins or
 the line's own printing ended in a traceback.
 """
@@ -27,6 +28,8 @@ from prime_core.io import is_stable
 from prime_core.run_dir import RunDir
 from prime_core.schemas.progress import Progress
 
+from prime_orchestrator.server_cgroup import kill_open  # not in the signal handler: an import there can deadlock
+
 
 class Interrupts:
     """A run's Ctrl-Cs: the progress record at the first (``seen``), and its one line, printed once (``say``)."""
@@ -42,7 +45,12 @@ class Interrupts:
             print(interrupted(self.orchestrator, self.seen, self.output_dir), file=sys.stderr, flush=True)
 
     def end_now(self, signum: int = signal.SIGINT, frame: Any = None) -> None:
-        """A second Ctrl-C: the line, the progress record's last entry, exit 130, without the rest of the close."""
+        """A second Ctrl-C: the line, the progress record's last entry, exit 130, without the rest of the close; but
+        first what the env servers not yet stopped left (daemons in their cgroups, programs with their token), which
+        only their stop looked for, is killed (``server_cgroup.kill_open``, within 0.5 s), a third Ctrl-C ignored."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with contextlib.suppress(Exception):
+            kill_open()
         self.say()
         with contextlib.suppress(Exception):
             progress.stop_reporting()
