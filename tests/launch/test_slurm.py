@@ -133,6 +133,14 @@ def test_multi_node_sft_script(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --nodes=3" in result.stdout
     assert "torchrun --nnodes 3 --nproc-per-node 8" in result.stdout and "--no-python sft @" in result.stdout
+    # Its output goes into logs/sft.log through `prime-launch log-to`, bounded (before: `| tee`, without a bound, into
+    # the log and the job log both).
+    assert 'prime-launch log-to "$LOG_DIR/sft.log" --max-mb 1024) 2>&1 || rc=$?' in result.stdout, result.stdout
+    assert "| tee" not in result.stdout
+    result = render(tmp_path, "sft", "--data.fake.batch-size", "4", "--max-log-mb", "7", "--overwrite", "true")
+    assert result.returncode == 0, result.stderr
+    assert 'prime-launch log-to "$LOG_DIR/sft.log" --max-mb 7)' in result.stdout
+    assert subprocess.run(["bash", "-n", str(tmp_path / "run" / "slurm" / "sft.sbatch")]).returncode == 0
 
 
 def test_slurm_refuses_other_run(tmp_path):
@@ -394,7 +402,9 @@ def test_sft_job_under_srun_and_torchrun_on_local_slurm(tmp_path, slurm_cluster)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake_sft = bin_dir / "sft"
-    fake_sft.write_text('#!/bin/bash\necho "fake sft rank $RANK of $WORLD_SIZE master $MASTER_ADDR args $*"\n')
+    # Each rank prints 640 KiB after its line: past --max-log-mb 1, sft.log moves to sft.log.1 and starts again.
+    fake_sft.write_text('#!/bin/bash\necho "fake sft rank $RANK of $WORLD_SIZE master $MASTER_ADDR args $*"\n'
+                        'head -c 655360 /dev/zero | tr "\\0" x; echo\necho "fake sft rank $RANK done"\n')  # fmt: skip
     fake_sft.chmod(0o755)
     out = tmp_path / "run"
     result = subprocess.run(
@@ -419,6 +429,8 @@ def test_sft_job_under_srun_and_torchrun_on_local_slurm(tmp_path, slurm_cluster)
             "29517",
             "--slurm.setup",
             f"export PATH={bin_dir}:{Path(sys.executable).parent}:$PATH",
+            "--max-log-mb",
+            "1",
         ],
         capture_output=True,
         text=True,
@@ -428,7 +440,14 @@ def test_sft_job_under_srun_and_torchrun_on_local_slurm(tmp_path, slurm_cluster)
     assert result.returncode == 0, result.stderr
     job_id = result.stdout.split()[2]
     state = _wait_job(job_id, slurm_cluster, 180)
-    log = (out / "logs" / "sft.log").read_text()
+    log, moved = (out / "logs" / "sft.log").read_text(), (out / "logs" / "sft.log.1").read_text()
     assert "JobState=COMPLETED" in state, state + log
-    assert "fake sft rank 0 of 2" in log and "fake sft rank 1 of 2" in log
-    assert f"args @ {out / 'configs' / 'sft.toml'} --log.file false" in log
+    both = moved + log
+    assert "fake sft rank 0 of 2" in both and "fake sft rank 1 of 2" in both
+    assert "fake sft rank 0 done" in log or "fake sft rank 1 done" in log  # the newest output is kept
+    assert f"args @ {out / 'configs' / 'sft.toml'} --log.file false" in both
+    sizes = [len(t.encode()) for t in (moved, log)]
+    print(f"sft.log.1 {sizes[0]} bytes, sft.log {sizes[1]} bytes (1.25 MiB printed, --max-log-mb 1)")
+    assert max(sizes) <= (1 << 20) + (1 << 16), sizes  # the bound, plus at most one read's chunk
+    job_log = (out / "slurm" / f"job_{job_id}.log").read_text()
+    assert "x" * 1000 not in job_log and "job: sft finished" in job_log, job_log[-2000:]

@@ -18,6 +18,7 @@ import pytest
 from prime_core import progress
 from prime_core.io import mark_stable
 from prime_core.run_dir import RunDir
+from prime_orchestrator.batch import ShippedSteps
 
 
 class Interrupted:
@@ -25,7 +26,7 @@ class Interrupted:
     later ones while it closes, as a second Ctrl-C comes)."""
 
     def __init__(self, times: int = 1):
-        self.shipped = [0, 1]
+        self.shipped = ShippedSteps(count=2, last=1)
         self.config = SimpleNamespace(ckpt=SimpleNamespace(interval=1))
         self.times = times
         self.closed = False
@@ -127,10 +128,34 @@ def test_a_second_ctrl_c_while_the_orchestrator_stops_ends_it_at_once_in_one_lin
 def test_ctrl_c_before_the_first_step_says_so(tmp_path):
     from prime_orchestrator.interrupt import interrupted_line
 
-    assert interrupted_line(None, [], tmp_path, None) == (
+    assert interrupted_line(None, ShippedSteps(), tmp_path, None) == (
         "orchestrator: interrupted (SIGINT) before its first step; shipped no step to the trainer; it saved no "
         "checkpoint to resume from (ckpt.interval is unset)"
     )
+
+
+def test_the_steps_shipped_are_two_numbers_however_long_the_run(tmp_path):
+    """``Orchestrator.shipped`` kept every step shipped, for the Ctrl-C line's span and the final count: one int a step
+    for the whole run (100,000 steps: 3.6 MB in memory, 369 kB pickled; now 89 bytes). The steps ship one after
+    another: their count and the last say the same line."""
+    import pickle
+
+    from prime_orchestrator.interrupt import interrupted
+    from prime_orchestrator.orchestrator import Orchestrator
+
+    from tests.orchestrator.test_curriculum import config
+
+    orch = Orchestrator(config(tmp_path))
+    # What ``ship`` notes of each step (before: append).
+    ship = getattr(orch.shipped, "add", None) or orch.shipped.append
+    for step in range(5, 100_005):  # a run resumed at step 5
+        ship(step)
+    size = len(pickle.dumps(orch.shipped))
+    assert size < 200, size
+    assert "; shipped steps 5-100004 to the trainer; " in interrupted(orch, [], tmp_path)
+    one = Orchestrator(config(tmp_path))
+    (getattr(one.shipped, "add", None) or one.shipped.append)(7)
+    assert "; shipped step 7 to the trainer; " in interrupted(one, [], tmp_path)
 
 
 def test_a_forkserver_interrupted_while_it_imports_ends_without_a_word():
@@ -187,3 +212,89 @@ def _forkserver_in(session: int) -> bool:
         except OSError:
             continue
     return False
+
+
+class LeavesADaemon:
+    """A run whose env server (a stand-in: a cgroup of its own and a token, as ``EnvServer.start`` makes them) left a
+    daemon (``how``: ``cgroup``, ``env -i sleep 3599 &`` that only the cgroup finds; ``token``, a marked one where no
+    cgroup is, found by the token search; ``forks``, a cgroup's daemon that forks again and again and ignores SIGTERM),
+    then stops slowly: the test sends the Ctrl-Cs, the second while the close blocks (``pids`` says when)."""
+
+    def __init__(self, how: str, pids: Path):
+        self.how, self.pids = how, pids
+
+    async def run(self) -> None:
+        import threading
+
+        from prime_orchestrator import server_cgroup
+        from prime_orchestrator.proc_tree import MARK_VAR
+
+        token = f"test-fast-exit-{os.getpid()}"
+        cgroup = server_cgroup.own_cgroup(token)
+        if self.how == "token" and cgroup is not None:  # gone (as where no cgroup v2 is writable): the token finds it
+            server_cgroup.kill_members(Path(cgroup))
+            cgroup = None
+        daemon = {"forks": "trap '' TERM; while :; do sleep 3599 & sleep 0.05; done"}.get(self.how, "sleep 3599")
+        join = f"from prime_orchestrator.server_cgroup import join; join({cgroup!r}); " if cgroup else ""
+        program = (f"{join}import subprocess as s; print(s.run(['sh', '-c', {daemon!r} + ' </dev/null >/dev/null 2>&1 "
+                   "& echo $!'], env={} if %r else {'%s': %r}, capture_output=True, text=True).stdout)"
+                   % (cgroup is not None, MARK_VAR, token))  # fmt: skip
+        out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+        self.pids.write_text(f"{out.stdout.strip()} {cgroup or ''}\n")
+        try:
+            await asyncio.sleep(60)  # the first Ctrl-C
+        finally:
+            self.pids.write_text(self.pids.read_text() + "closing\n")
+            await asyncio.to_thread(threading.Event().wait, 30)  # an env server's stop that blocks; the second Ctrl-C
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.parametrize(("how", "ctrl_cs"), [("cgroup", 2), ("token", 2), ("forks", 3)])
+def test_a_second_ctrl_c_still_kills_what_the_env_servers_left(tmp_path, how, ctrl_cs):
+    """The fast exit (``Interrupts.end_now``) skipped the env servers' stop, and with it the kill of their cgroups and
+    of the programs carrying their token: a reward's daemon outlived the orchestrator. Now every env server not yet
+    stopped has its cgroup killed (or its token searched) before the exit, within a bound."""
+    root = Path(__file__).resolve().parents[2]
+    pids = tmp_path / "pids"
+    code = ("import signal, sys; from pathlib import Path; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from prime_orchestrator.entrypoints.orchestrator import run; from tests.orchestrator.test_ctrl_c import "
+            "LeavesADaemon; run(LeavesADaemon(sys.argv[1], Path(sys.argv[2])), Path(sys.argv[3]))")  # fmt: skip
+    err = tmp_path / "stderr"
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-c", code, how, str(pids), str(tmp_path)], cwd=root, stderr=f)
+    daemon, cgroup = None, ""
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text().endswith("\n")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        daemon, _, cgroup = pids.read_text().split("\n")[0].partition(" ")
+        daemon = int(daemon)
+        if how != "token" and not cgroup:
+            pytest.skip("no writable cgroup v2 here")
+        assert not _gone(daemon), err.read_text()
+        proc.send_signal(signal.SIGINT)
+        while "closing" not in pids.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        began = time.monotonic()
+        for _ in range(ctrl_cs - 1):
+            proc.send_signal(signal.SIGINT)
+        returncode = proc.wait(timeout=60)
+        print(f"{how}: exit {returncode} {time.monotonic() - began:.3f} s after the second Ctrl-C")
+        assert returncode == 130, err.read_text()
+        assert _gone(daemon), f"the daemon {daemon} outlived the orchestrator"
+        assert not cgroup or not os.path.exists(cgroup)  # emptied (what the daemon forked meanwhile too), removed
+    finally:
+        proc.kill()
+        if isinstance(daemon, int) and not _gone(daemon):
+            os.kill(daemon, signal.SIGKILL)
+        if cgroup and os.path.exists(cgroup):
+            from prime_orchestrator.server_cgroup import kill_members
+
+            kill_members(Path(cgroup))

@@ -281,3 +281,85 @@ def test_a_pool_file_an_earlier_run_left_under_a_reused_pid_is_not_this_runs_stu
     finally:
         server.kill()
         server.wait()
+
+
+class _Worker:
+    """A pool worker's client: answers health (``ok``) or not; counts its close."""
+
+    closed = 0
+
+    def __init__(self, address: str):
+        self.ok = not address.endswith("silent")
+
+    async def health(self, timeout):
+        return self.ok
+
+    async def close(self):
+        _Worker.closed += 1
+
+
+def test_the_hang_watch_forgets_workers_that_left_and_a_reused_pid_inherits_nothing(monkeypatch):
+    """``HangWatch`` kept a client and a last answer for every worker pid it ever probed: over a long run of worker
+    restarts they added up (1,000 departed workers: 1,000 clients, none closed). And a pid reused by a new worker
+    inherited the old one's client (a socket nobody listens on) and its silence: it was killed at once."""
+    import verifiers.v1.serve.client
+    from prime_orchestrator import env_watch
+
+    workers: dict[int, str] = {}
+    monkeypatch.setattr(env_watch, "listening_paths", lambda pids: {p: workers[p] for p in pids})
+    monkeypatch.setattr(verifiers.v1.serve.client, "EnvClient", _Worker)
+    monkeypatch.setattr(_Worker, "closed", 0)
+    watch = HangWatch("pool", type("Proc", (), {"pid": os.getpid()})(), None, 0.3, lambda: set(workers))
+
+    async def go():
+        for pid in range(10_000, 11_000):  # one worker at a time, each replaced by the next
+            workers.clear()
+            workers[pid] = f"/tmp/w{pid}"
+            assert await watch.unanswered() is None
+        sizes = (len(watch._clients), len(watch._last_ok), len(watch._probes))
+        workers.clear()
+        workers[5] = "/tmp/w5-silent"  # silent, then gone; a new worker gets its pid
+        assert await watch.unanswered() is None
+        await asyncio.sleep(0.4)
+        workers[5] = "/tmp/w5-new"
+        reused = await watch.unanswered()
+        await watch.close()
+        return sizes, reused
+
+    sizes, reused = asyncio.run(go())
+    assert sizes == (1, 1, 1) and _Worker.closed == 1_002, (sizes, _Worker.closed)
+    assert reused is None
+
+
+def test_the_tool_watch_forgets_servers_that_left_and_a_reused_pid_inherits_nothing(monkeypatch):
+    """``ToolWatch`` kept every shared tool server it ever saw: one whose worker left too was never dropped (1,000
+    worker restarts: 1,000 entries, each looked for at every probe). And a pid reused by another process of the tree
+    kept the old server's port: probed there, it was named silent and the env server replaced."""
+    from prime_orchestrator import tool_watch
+    from prime_orchestrator.tool_watch import ToolWatch
+
+    servers: dict[int, int] = {}  # pid -> port of the tool servers of the tree
+    monkeypatch.setattr(tool_watch, "shared_tool_server", lambda pid: (pid in servers, servers.get(pid)))
+    monkeypatch.setattr(tool_watch, "command", lambda pid: "python -m calc")
+    monkeypatch.setattr(tool_watch, "http_answers", lambda port, timeout: asyncio.sleep(0, port != 7007))
+    watch = ToolWatch(probe_timeout_s=0.3, probe_every_s=0.1)
+    for worker in range(20_000, 22_000, 2):  # a worker and its tool server, then both gone with the next worker
+        servers.clear()
+        servers[worker + 1] = worker
+        assert watch.gone({1: (0, "S"), worker: (1, "S"), worker + 1: (worker, "S")}) is None
+    assert (len(watch._servers), len(watch._ports), len(watch._kind)) == (1, 1, 3)
+    servers.clear()
+    servers[7] = 7007  # a server that stops answering, then leaves with its worker 6
+    assert watch.gone({1: (0, "S"), 6: (1, "S"), 7: (6, "S")}) is None
+    assert asyncio.run(watch.silent()) is None
+    assert watch.gone({1: (0, "S"), 3: (1, "S")}) is None
+    time.sleep(0.4)
+    servers.clear()  # pid 7 again: a plain child of worker 3, not a tool server
+    assert watch.gone({1: (0, "S"), 3: (1, "S"), 7: (3, "S")}) is None
+    assert asyncio.run(watch.silent()) is None
+    # A tool server whose pid shows up under another parent between two looks exited: its worker still lives.
+    servers[9] = 9009
+    assert watch.gone({1: (0, "S"), 3: (1, "S"), 4: (1, "S"), 9: (3, "S")}) is None
+    servers.pop(9)
+    reason = watch.gone({1: (0, "S"), 3: (1, "S"), 4: (1, "S"), 9: (4, "S")})
+    assert reason == "tool server pid 9 (python -m calc) on port 9009 exited; its worker pid 3 cannot start another"

@@ -8,7 +8,8 @@ token's step as it is sampled: a tag without a record has sampled nothing yet. O
 a request that starts opens the record with the step served then, a bound the finished request's values replace.
 
 The orchestrator reads the record while a rollout runs (is it already too stale to train?), pops it when the
-rollout ends, and can abort a stale rollout's requests. Every coroutine here runs on the server's event loop.
+rollout ends, and can abort a stale rollout's requests. A popped tag is remembered (the last ``MAX_RELEASED``): a
+request of it that still runs, or arrives late, records nothing. Every coroutine here runs on the server's event loop.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from prime_inference.protocol import RequestError
 T = TypeVar("T")
 MAX_TAGS = 65536
 """Records kept; the oldest goes first (a client that never pops cannot grow the server's memory)."""
+MAX_RELEASED = 16384
+"""Popped tags remembered (the oldest forgotten first): a request of one still running or still on its way (a failed
+rollout's, popped as it failed) must not record it again. ~140 bytes each with the orchestrator's tags: 2.3 MB."""
 
 
 def rollout_tag(extra_args: dict[str, Any] | None) -> str | None:
@@ -80,13 +84,19 @@ class WeightGate:
 
 
 class VersionLedger:
-    def __init__(self, max_tags: int = MAX_TAGS):
-        self.max_tags = max_tags
+    def __init__(self, max_tags: int = MAX_TAGS, max_released: int = MAX_RELEASED):
+        self.max_tags, self.max_released = max_tags, max_released
         self.records: collections.OrderedDict[str, PolicyVersions] = collections.OrderedDict()
+        self.released: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Tags popped: their rollout ended (or failed, or was aborted); a record of one is never made again. Before,
+        a failed rollout's request still generating when the orchestrator popped its record made it again, and it
+        stayed until the cap pushed it out (65,536 records of ~614 bytes)."""
         self.running: dict[str, set[asyncio.Task]] = {}
         self.aborted: set[asyncio.Task] = set()
 
     def _put(self, tag: str, record: PolicyVersions) -> None:
+        if tag in self.released:
+            return
         self.records[tag] = record
         self.records.move_to_end(tag)
         while len(self.records) > self.max_tags:
@@ -141,6 +151,10 @@ class VersionLedger:
                         aborted += 1
         found = {t: self.records[t] for t in req.tags if t in self.records}
         if req.pop:
-            for tag in found:
-                del self.records[tag]
+            for tag in req.tags:
+                self.records.pop(tag, None)
+                self.released[tag] = None
+                self.released.move_to_end(tag)
+            while len(self.released) > self.max_released:
+                self.released.popitem(last=False)
         return RolloutVersionsResponse(versions=found, aborted=aborted)

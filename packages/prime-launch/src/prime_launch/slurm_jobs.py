@@ -145,11 +145,12 @@ def _api_key_by_variable(
 def _prepare_sft(config: BaseModel, slurm: SlurmConfig, template: str, dry_run: bool) -> SlurmJob:
     from prime_core.config.trainer import SFTConfig
 
-    sft = SFTConfig.model_validate(config.model_dump(exclude={"slurm"}))
+    sft = SFTConfig.model_validate(config.model_dump(exclude={"slurm", "max_log_mb"}))
     output_dir = Path(sft.output_dir).resolve()
     run_dir = RunDir(output_dir)
     check_output_dir(run_dir, overwrite=sft.overwrite, resume=sft.ckpt.resume_step is not None)
     ctx = base_context(slurm, template, output_dir, slurm.num_nodes)  # what it refuses, it refuses before the clear
+    ctx["max_log_mb"] = getattr(config, "max_log_mb", 1024)  # logs/sft.log's bound (`prime-launch log-to`)
     if sft.overwrite and not dry_run:
         clear_run(run_dir)
     # Cleared here, once: the job's own sft (started again if SLURM requeues it) must not clear what it trained.

@@ -1,4 +1,5 @@
-"""What the rollout side hands the ship side: rollouts grouped by prompt, and the step batch they train in."""
+"""What the rollout side hands the ship side: rollouts grouped by prompt, and the step batch they train in; and what
+the ship side shipped (``ShippedSteps``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,23 @@ class Rollout:
     """``perf_counter`` when it took its in-flight slot (0: not recorded)."""
     done: float = 0.0
     """``perf_counter`` when its result came back."""
+
+
+@dataclass
+class ShippedSteps:
+    """The steps shipped to the trainer in this process: one after another from the first (the resume step), so their
+    count and the last are all there is to keep (a list of them grew one int a step for the whole run)."""
+
+    count: int = 0
+    last: int | None = None
+
+    def add(self, step: int) -> None:
+        self.count += 1
+        self.last = step
+
+    @property
+    def first(self) -> int | None:
+        return None if self.last is None else self.last - self.count + 1
 
 
 @dataclass

@@ -34,7 +34,7 @@ from prime_orchestrator.env_limits import cap_memory, memory_limit
 from prime_orchestrator.env_watch import HangWatch
 from prime_orchestrator.mp_temp import own_temp_dir
 from prime_orchestrator.proc_tree import MARK_VAR, kill_left, kill_marked, snapshot
-from prime_orchestrator.server_cgroup import join, kill_members, own_cgroup
+from prime_orchestrator.server_cgroup import forget, join, kill_members, own_cgroup
 
 logger = logging.getLogger("prime.orchestrator.env")
 
@@ -473,6 +473,7 @@ class EnvServer:
         if strays:
             logger.warning("env server %s left processes outside its tree (daemons): %s; killed them", self.name,
                            ", ".join(strays))  # fmt: skip
+        forget(self._mark)  # a fast exit from here on has nothing of it left to kill
         self._cgroup = None
         self._client = self._pipe = None
 

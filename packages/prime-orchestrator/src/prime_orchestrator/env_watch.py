@@ -54,7 +54,9 @@ class HangWatch:
         self.probe_timeout_s = probe_timeout_s
         self.workers = workers
         """``workers()``: live pool worker pids (empty for a single server, which ``client`` probes)."""
-        self._clients: dict[int, Any] = {}
+        self._clients: dict[int, tuple[str, Any]] = {}
+        """pid -> (the ipc path it listens on, a client of it) of each worker probed; a worker that left the pool is
+        dropped at the next probe, and a pid listening on another path is another worker (the pid reused)."""
         self._last_ok: dict[int, float] = {}
         self._probes: dict[int, asyncio.Task] = {}
         """One health request in flight per process, waiting up to ``probe_timeout_s`` for its answer."""
@@ -120,14 +122,14 @@ class HangWatch:
         if self.client is not None and not self.workers():
             targets[self.proc.pid] = self.client
         else:
-            from verifiers.v1.serve.client import EnvClient
-
             for pid, path in listening_paths(self.workers()).items():
+                if self._clients.get(pid, (path,))[0] != path:
+                    await self._forget(pid)  # the pid of a worker that left, now another's: it inherits nothing
                 if pid not in self._clients:
-                    self._clients[pid] = EnvClient(f"ipc://{path}")
-                targets[pid] = self._clients[pid]
-        for pid in set(self._probes) - set(targets):  # a worker that left the pool
-            self._probes.pop(pid).cancel()
+                    self._clients[pid] = (path, worker_client(path))
+                targets[pid] = self._clients[pid][1]
+        for pid in (self._probes.keys() | self._last_ok.keys() | self._clients.keys()) - targets.keys():
+            await self._forget(pid)  # a worker that left the pool: over days of restarts these added up
         now = time.monotonic()
         for pid, client in targets.items():
             self._last_ok.setdefault(pid, now)
@@ -155,11 +157,21 @@ class HangWatch:
         if ok:
             self._last_ok[pid] = time.monotonic()
 
-    async def close(self) -> None:
-        for probe in self._probes.values():
+    async def _forget(self, pid: int) -> None:
+        if (probe := self._probes.pop(pid, None)) is not None:
             probe.cancel()
-        self._probes.clear()
-        for client in self._clients.values():
+        self._last_ok.pop(pid, None)
+        if (known := self._clients.pop(pid, None)) is not None:
             with contextlib.suppress(Exception):
-                await client.close()
-        self._clients.clear()
+                await known[1].close()
+
+    async def close(self) -> None:
+        for pid in self._probes.keys() | self._last_ok.keys() | self._clients.keys():
+            await self._forget(pid)
+
+
+def worker_client(path: str) -> Any:
+    """A verifiers client of the pool worker listening on the unix socket ``path``."""
+    from verifiers.v1.serve.client import EnvClient
+
+    return EnvClient(f"ipc://{path}")

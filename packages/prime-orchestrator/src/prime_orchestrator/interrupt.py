@@ -5,8 +5,9 @@ by the time ``KeyboardInterrupt`` reaches the entry point the progress record no
 record is read in the signal handler instead (`noting_sigint`), before anything is cancelled.
 
 A second Ctrl-C, at any point after the first (the run's close stopping env servers or waiting for a thread, the
-exit's joins), ends the process at once, as ``inference`` does: the line (unless printed already), the progress
-record's last entry, exit 130. Before, it raised ``KeyboardInterrupt`` wherever the close stood: the close waited for
+exit's joins), ends the process at once, as ``inference`` does: the env servers' leftovers killed (their cgroups and
+tokens: what their stop would have looked for), the line (unless printed already), the progress record's last entry,
+exit 130. Before, it raised ``KeyboardInterrupt`` wherever the close stood: the close waited for
 threads still running anyway (a thread blocked for 20 s held the exit 20 s), and one landing in the exit's joins or
 the line's own printing ended in a traceback.
 """
@@ -27,6 +28,9 @@ from prime_core.io import is_stable
 from prime_core.run_dir import RunDir
 from prime_core.schemas.progress import Progress
 
+from prime_orchestrator.batch import ShippedSteps
+from prime_orchestrator.server_cgroup import kill_open  # not in the signal handler: an import there can deadlock
+
 
 class Interrupts:
     """A run's Ctrl-Cs: the progress record at the first (``seen``), and its one line, printed once (``say``)."""
@@ -42,7 +46,12 @@ class Interrupts:
             print(interrupted(self.orchestrator, self.seen, self.output_dir), file=sys.stderr, flush=True)
 
     def end_now(self, signum: int = signal.SIGINT, frame: Any = None) -> None:
-        """A second Ctrl-C: the line, the progress record's last entry, exit 130, without the rest of the close."""
+        """A second Ctrl-C: the line, the progress record's last entry, exit 130, without the rest of the close; but
+        first what the env servers not yet stopped left (daemons in their cgroups, programs with their token), which
+        only their stop looked for, is killed (``server_cgroup.kill_open``, within 0.5 s), a third Ctrl-C ignored."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with contextlib.suppress(Exception):
+            kill_open()
         self.say()
         with contextlib.suppress(Exception):
             progress.stop_reporting()
@@ -91,14 +100,15 @@ def run_noting_sigint(orchestrator: Any, notes: Interrupts) -> None:
         raise KeyboardInterrupt from None
 
 
-def interrupted_line(record: Progress | None, shipped: list[int], output_dir: Path, interval: int | None) -> str:
+def interrupted_line(record: Progress | None, shipped: ShippedSteps, output_dir: Path, interval: int | None) -> str:
     """``orchestrator: interrupted (SIGINT) ...``: the step it was on and what it was doing (``record``, taken at the
     signal), the steps it shipped to the trainer, and the newest checkpoint to resume from."""
     step = record.step if record is not None else None
     where = f"at step {step}" if step is not None else "before its first step"
     if record is not None and record.activities:
         where += f" ({'; '.join(a.what for a in record.activities)})"
-    sent = f"shipped step{'s' if len(shipped) > 1 else ''} {_span(shipped)}" if shipped else "shipped no step"
+    span = f"steps {shipped.first}-{shipped.last}" if shipped.count > 1 else f"step {shipped.last}"
+    sent = f"shipped {span}" if shipped.count else "shipped no step"
     run_dir = RunDir(output_dir)
     # The orchestrator's own part is what it resumes from (the trainer's may be missing beside it, or still saving).
     parts = run_dir.checkpoints.glob("step_*/orchestrator") if run_dir.checkpoints.is_dir() else []
@@ -110,12 +120,9 @@ def interrupted_line(record: Progress | None, shipped: list[int], output_dir: Pa
     return f"orchestrator: interrupted (SIGINT) {where}; {sent} to the trainer; {resume}"
 
 
-def _span(steps: list[int]) -> str:
-    return f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
-
-
 def interrupted(orchestrator: Any, seen: list[Progress], output_dir: Path) -> str:
     """`interrupted_line` of a run object (the `Orchestrator`, or a test's stand-in without its attributes)."""
     config = getattr(orchestrator, "config", None)
     interval = getattr(getattr(config, "ckpt", None), "interval", None)
-    return interrupted_line(seen[0] if seen else None, list(getattr(orchestrator, "shipped", [])), output_dir, interval)
+    shipped = getattr(orchestrator, "shipped", ShippedSteps())
+    return interrupted_line(seen[0] if seen else None, shipped, output_dir, interval)

@@ -33,7 +33,7 @@ from prime_core.transport import make_sender
 from prime_core.vision import VisionSpec
 
 from prime_orchestrator import client as inference
-from prime_orchestrator.batch import Rollout, StepBatch, rollout_timeline
+from prime_orchestrator.batch import Rollout, ShippedSteps, StepBatch, rollout_timeline
 from prime_orchestrator.concurrency import ConcurrencyLimiter
 from prime_orchestrator.continuous import Continuous
 from prime_orchestrator.credit import seat_step_metrics, step_samples
@@ -78,7 +78,7 @@ class Orchestrator:
         )
         self.monitor = None
         self.sender = None
-        self.shipped: list[int] = []
+        self.shipped = ShippedSteps()
         self.cursor_history: dict[int, dict[str, int]] = {}
         self._eval_tasks: list[asyncio.Task] = []
         self._clients: dict[str, Any] = {}
@@ -364,7 +364,7 @@ class Orchestrator:
         )
         metrics = self._metrics(batch, samples, extra)
         self.monitor.log(batch.step, metrics)
-        self.shipped.append(batch.step)
+        self.shipped.add(batch.step)
         logger.info(
             "Step %d | Reward %.4f | Lag max %d | Filtered %d groups | Samples %d | %.0f tok/s | wait %.1fs",
             batch.step,
@@ -460,7 +460,7 @@ class Orchestrator:
             await self._relay_remaining_broadcasts(watcher)
             if self.eval_pools and c.eval.final and self.start_step < c.max_steps:
                 await self._eval_final()
-            logger.info("finished %d steps", len(self.shipped))
+            logger.info("finished %d steps", self.shipped.count)
         finally:
             for t in (watcher, producer, consumer, server_changed, *self._eval_tasks):
                 t.cancel()

@@ -101,7 +101,12 @@ left the server's tree (a daemon: ``cmd &`` in a shell that exited, a double for
 
 def marked(token: str) -> dict[int, int | None]:
     """pid -> start time of each live process whose environment (as it was exec'd) carries ``MARK_VAR=token``."""
-    needle = f"\0{MARK_VAR}={token}\0".encode()
+    return marked_by([token])
+
+
+def marked_by(tokens: list[str]) -> dict[int, int | None]:
+    """``marked`` of any of ``tokens``, in one search of ``/proc``."""
+    needles = [f"\0{MARK_VAR}={token}\0".encode() for token in tokens]
     found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -109,7 +114,7 @@ def marked(token: str) -> dict[int, int | None]:
                 environ = Path(f"/proc/{entry}/environ").read_bytes()
             except OSError:  # gone, or another user's
                 continue
-            if needle in b"\0" + environ:
+            if any(needle in b"\0" + environ for needle in needles):
                 found[int(entry)] = start_time(int(entry))
     return found
 

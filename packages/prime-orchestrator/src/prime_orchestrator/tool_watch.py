@@ -67,9 +67,10 @@ class ToolWatch:
     def __init__(self, probe_timeout_s: float, probe_every_s: float):
         self.probe_timeout_s = probe_timeout_s
         self.probe_every_s = probe_every_s
-        self._kind: dict[int, bool] = {}
+        self._kind: dict[int, tuple[int, bool]] = {}
+        """pid -> (its parent, whether it is a shared tool server) of each process of the tree, read once."""
         self._servers: dict[int, tuple[int, str]] = {}
-        """pid -> (its parent, its command) of each shared tool server seen alive."""
+        """pid -> (its parent, its command) of each shared tool server alive at the last look."""
         self._ports: dict[int, int] = {}
         self._last_ok: dict[int, float] = {}
 
@@ -78,20 +79,26 @@ class ToolWatch:
         return len(self._servers)
 
     def gone(self, tree: dict[int, tuple[int, str]]) -> str | None:
-        """Note new tool servers in ``tree`` (pid -> (parent, state)); name one that exited while its worker lives."""
-        self._kind = {pid: kind for pid, kind in self._kind.items() if pid in tree}  # short-lived pids come and go
+        """Note new tool servers in ``tree`` (pid -> (parent, state)); name one that exited while its worker lives.
+        What is known of a process that left the tree is dropped (a server whose worker went too: over days of worker
+        restarts these added up); a pid found under another parent is another process (the pid reused)."""
+        same = {pid for pid, (parent, _) in tree.items() if self._kind.get(pid, (parent,))[0] == parent}
+        self._kind = {pid: known for pid, known in self._kind.items() if pid in same}  # short-lived pids come and go
+        reason = None
+        for pid in self._servers.keys() - same:
+            parent, cmd = self._servers.pop(pid)
+            port, _ = self._ports.pop(pid, None), self._last_ok.pop(pid, None)
+            if reason is None and parent in tree:
+                at = f" on port {port}" if port is not None else ""
+                reason = f"tool server pid {pid} ({cmd}){at} exited; its worker pid {parent} cannot start another"
         for pid, (parent, _) in tree.items():
             if pid not in self._kind:
-                self._kind[pid] = shared_tool_server(pid)[0]
-                if self._kind[pid]:
+                self._kind[pid] = (parent, shared_tool_server(pid)[0])
+                if self._kind[pid][1]:
                     self._servers[pid] = (parent, command(pid))
             if pid in self._servers and pid not in self._ports and (port := shared_tool_server(pid)[1]) is not None:
                 self._ports[pid] = port
-        for pid, (parent, cmd) in self._servers.items():
-            if pid not in tree and parent in tree:
-                port = f" on port {self._ports[pid]}" if pid in self._ports else ""
-                return f"tool server pid {pid} ({cmd}){port} exited; its worker pid {parent} cannot start another"
-        return None
+        return reason
 
     async def silent(self) -> str | None:
         """Probe every tool server with a port; name one that answered nothing for ``probe_timeout_s``."""

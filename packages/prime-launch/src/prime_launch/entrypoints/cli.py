@@ -38,9 +38,12 @@ def slurm_config_model(kind: str) -> type:
 
         extra = {}
     else:
+        from prime_core.config.rl import RLConfig
         from prime_core.config.trainer import SFTConfig as Base
 
-        extra = {}
+        # The job's log (logs/sft.log) is bounded as rl's logs are, by the same knob (its docstring).
+        doc = RLConfig.model_fields["max_log_mb"].description
+        extra = {"max_log_mb": (int, Field(default=1024, ge=1, le=1 << 20, description=doc))}
     return create_model(
         f"Slurm{Base.__name__}",
         __base__=Base,
