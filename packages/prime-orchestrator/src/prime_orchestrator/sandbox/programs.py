@@ -29,9 +29,11 @@ from prime_orchestrator.sandbox.supervisor import PROGRAM_SITE
 # PEP 723's reference regular expression for a metadata block.
 _BLOCK = re.compile(r"(?m)^# /// (?P<type>[a-zA-Z0-9-]+)$\s(?P<content>(^#(| .*)$\s)+)^# ///$")
 # Runs the script as ``__main__`` with the offered packages importable; isolated (-I): neither the working folder
-# (the code's) nor PYTHON* variables shape what it imports.
+# (the code's) nor PYTHON* variables shape what it imports; without ``site`` (-S): the interpreter's own
+# site-packages (bound with its ``lib``) held older copies (a typing_extensions without ``sentinel``) that shadowed
+# the offered ones.
 _BOOT = (
-    f"import runpy, sys; sys.path.append({PROGRAM_SITE!r}); sys.argv = sys.argv[1:]; "
+    f"import runpy, site, sys; site.addsitedir({PROGRAM_SITE!r}); sys.argv = sys.argv[1:]; "
     "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 
@@ -119,7 +121,7 @@ def unmet(script: str, versions: dict[str, str]) -> str:
 
 def program_argv(python: str, path: str) -> list[str]:
     """The argv that runs the script at ``path`` (inside the box) with the offered packages."""
-    return [python, "-I", "-c", _BOOT, path]
+    return [python, "-I", "-S", "-c", _BOOT, path]
 
 
 def pool_python(configured: str | None) -> str | None:
