@@ -15,7 +15,8 @@ from tests.launch.test_rl_dry_run_envs import rl_dry_run
 REFUSED = (
     "env.0 (vf-bash-runtime): seat 'agent' plays harness 'bash', which runs the model's commands, on this host "
     "(runtime 'subprocess' by default): the policy would be trained against the host's files, network and processes; "
-    'set runtime = "docker" (or podman, prime), harness = "null" for a chat seat, or allow_host_commands = true'
+    'set runtime = "sandbox_pool" (isolated, offline; or docker, podman, prime), harness = "null" for a chat seat, '
+    "or allow_host_commands = true"
 )
 
 
@@ -36,6 +37,7 @@ def test_a_shell_seat_on_the_host_is_named_in_one_line(monkeypatch):
         {"id": "vf-bash-runtime", "allow_host_commands": True},  # the run's consent
         {"id": "vf-bash-runtime", "harness": "null"},  # a chat seat: no commands run
         {"id": "vf-bash-runtime", "runtime": "docker", "runtime_args": {"image": "python:3.12-slim"}},  # isolated
+        {"id": "vf-bash-runtime", "runtime": "sandbox_pool"},  # isolated, offline: the way out named first
         {"id": "reverse-text"},  # a taskset exporting verifiers' chat loop
         {"id": "vf-duel"},  # seats pinned to a chat loop by their Env
     ],

@@ -44,10 +44,13 @@ def test_host_files_are_not_readable(sandbox, tmp_path):
         assert "host secret" not in result.stdout
     listing = run(sandbox, "import os\nprint(sorted(os.listdir('/')))")
     assert (
-        listing.stdout.strip() == "['.ws', 'bin', 'dev', 'etc', 'lib', 'lib64', 'root', 'sbin', 'tmp', 'usr', 'work']"
+        listing.stdout.strip()
+        == "['.programs', '.ws', 'bin', 'dev', 'etc', 'lib', 'lib64', 'opt', 'root', 'sbin', 'tmp', 'usr', 'work']"
     )
-    ws = run(sandbox, "import os\nos.listdir('/.ws')")
-    assert ws.status == "error" and "Permission denied" in ws.reason
+    for hidden in ("/.ws", "/.programs"):  # workspaces; the packages only a harness program gets (programs.py)
+        denied = run(sandbox, f"import os\nos.listdir({hidden!r})")
+        assert denied.status == "error" and "Permission denied" in denied.reason, hidden
+    assert run(sandbox, "import os\nprint(os.listdir('/opt/prime/site-packages'))").stdout == "[]\n"
     assert_serving(sandbox)
 
 

@@ -172,7 +172,8 @@ def host_commands_problem(config: Any) -> str | None:
                     f"{key} ({env.resolved_name}): seat {role!r} plays harness {harness!r}, which runs the model's "
                     f"commands, on this host (runtime {LOCAL_RUNTIME!r}{' by default' if env.runtime == 'auto' else ''}"
                     f"): the policy {what} the host's files, network and processes; set runtime = "
-                    '"docker" (or podman, prime), harness = "null" for a chat seat, or allow_host_commands = true'
+                    '"sandbox_pool" (isolated, offline; or docker, podman, prime), harness = "null" for a chat seat, '
+                    "or allow_host_commands = true"
                 )
     return None
 

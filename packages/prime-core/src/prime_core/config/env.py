@@ -53,8 +53,9 @@ class EnvConfig(BaseConfig):
     agent) run them on this host, in the ``subprocess`` runtime, with the host's files, network and processes. Off,
     such a training environment (or an eval of the run, ``orchestrator.eval.envs``: it samples the policy being
     trained) stops the run at start with one line naming it: the policy is optimised against the environment and
-    would find the host (its secrets, the trainer's processes, the files that grade it). Isolate the
-    seat instead (``runtime = "docker"``, ``podman`` or ``prime``) or play it as chat (``harness = "null"``)."""
+    would find the host (its secrets, the trainer's processes, the files that grade it). Isolate the seat instead
+    (``runtime = "sandbox_pool"``: the local sandbox, offline, see docs/sandboxes.md; or ``docker``, ``podman``,
+    ``prime``) or play it as chat (``harness = "null"``)."""
     max_turns: MaxTurns = "auto"
     """Upper bound on model turns of every agent seat (None: no limit). ``auto``: the limit the environment declares
     for the seat (``vf.AgentConfig(max_turns=...)``), else none, as ``vf-eval`` would run it; every episode still ends

@@ -77,6 +77,15 @@ class SandboxPoolConfig(BaseConfig):
     """Most test cases in one request; more end the request as ``error`` before it runs."""
     max_test_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     """Largest total size of the test expressions of one request; more ends it as ``error`` before it runs."""
+    program_packages: list[str] = Field(
+        default_factory=lambda: ["openai", "mcp", "httpx", "httpx2", "tenacity", "certifi"]
+    )
+    """Distributions of the pool's own Python environment (and everything they require) that harness programs run
+    with, offline: verifiers' ``bash`` agent and ``null`` chat program need these. Bound read-only into each zygote,
+    visible only inside program executions (the ``sandbox_pool`` runtime's ``run_program``); a program script
+    declaring any other dependency is refused in one line. Empty: the pool hosts no programs (and each zygote start
+    saves binding them, about 70 mounts and a walk of 3,000 entries for the default list). Only with ``python``
+    unset (the pool's interpreter is this process's own)."""
 
     @field_validator("ro_paths")
     @classmethod

@@ -6,8 +6,11 @@ Stdlib only: the zygote imports this module by path, before any site-packages ex
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import platform
+import socket
+import struct
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -82,6 +85,18 @@ def join_new_session_keyring() -> None:
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
+
+
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` of this process's network namespace up (needs CAP_NET_ADMIN over it): ``127.0.0.1`` and ``::1``
+    then reach only this namespace's own listeners."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, req))[1]
+        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP))
 
 
 class _SockFprog(ctypes.Structure):

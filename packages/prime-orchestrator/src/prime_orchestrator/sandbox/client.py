@@ -71,11 +71,13 @@ class SandboxClient:
             headers = {"Authorization": f"Bearer {key}"} if key else {}
             self._http = httpx.AsyncClient(headers=headers, limits=httpx.Limits(max_connections=1024))
 
-    async def _execute(self, request: ExecRequest) -> ExecResult:
+    async def _execute(self, request: ExecRequest, routes: list[int] | None = None) -> ExecResult:
         if problem := request.not_text():  # before the JSON for a node, which cannot hold it
             return ExecResult(status="error", reason=problem)
         if self._pool is not None:
-            return await self._pool.execute(request)
+            return await self._pool.execute(request, routes)
+        if routes is not None:  # a node's loopback is not this host's: it would relay to the node's own services
+            raise ValueError("a harness program runs on the local sandbox pool only, not on sandbox nodes (urls)")
         return await self._remote(request)
 
     async def _remote(self, request: ExecRequest) -> ExecResult:
@@ -106,9 +108,9 @@ class SandboxClient:
             return ExecResult.model_validate(resp.json())
         return ExecResult(status="sandbox_error", reason=f"no sandbox node reachable ({error})")
 
-    async def execute(self, request: ExecRequest) -> ExecResult:
-        """Run ``request`` from any event loop."""
-        return await asyncio.wrap_future(self._thread.submit(self._execute(request)))
+    async def execute(self, request: ExecRequest, routes: list[int] | None = None) -> ExecResult:
+        """Run ``request`` from any event loop (``routes``: as a harness program, see ``SandboxPool.execute``)."""
+        return await asyncio.wrap_future(self._thread.submit(self._execute(request, routes)))
 
     def execute_sync(self, request: ExecRequest) -> ExecResult:
         """Run ``request`` from synchronous code (never from the client's own loop thread)."""

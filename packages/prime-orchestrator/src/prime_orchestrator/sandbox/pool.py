@@ -31,6 +31,7 @@ from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY, Cgroups, lift_open_files
 from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
 from prime_orchestrator.sandbox.liveness import REAP_WAIT_S, PoolProgress
+from prime_orchestrator.sandbox.relay import Relay
 from prime_orchestrator.sandbox.schemas import (
     ExecRequest,
     ExecResult,
@@ -79,6 +80,7 @@ class _Job:
     pipe: ResultPipe | None = None
     cancelled: bool = False
     cgroup_fds: list[int] = field(default_factory=list)  # the slot's, kept open by Cgroups (see _enter_cgroups)
+    relay: Relay | None = None  # a program execution's routes (see relay.py)
 
     def kill_supervisor(self) -> None:
         """SIGKILL the execution's supervisor (its runner and the whole PID namespace die with it)."""
@@ -241,8 +243,11 @@ class SandboxPool:
             return f"{len(request.tests)} tests, over the pool's limit of {c.max_tests} (max_tests)"
         return ""
 
-    async def execute(self, request: ExecRequest) -> ExecResult:
-        """Run one request; every failure of the code (and of the sandbox) is a result, never an exception."""
+    async def execute(self, request: ExecRequest, routes: list[int] | None = None) -> ExecResult:
+        """Run one request; every failure of the code (and of the sandbox) is a result, never an exception.
+        ``routes``: run it as a harness program, with the packages the pool offers programs on its ``sys.path``
+        (:mod:`programs`) and these ports of the host's ``127.0.0.1`` reachable at the same address inside
+        (:mod:`relay`), and nothing else of the network."""
         if self.closed:
             raise RuntimeError("the sandbox pool is closed")
         if problem := request.not_text() or self._oversized(request):
@@ -257,7 +262,9 @@ class SandboxPool:
                     status="sandbox_error", reason=f"workspace {workspace.name} was lost with its sandbox worker"
                 )
         lease = await self._leases.acquire(workspace)
-        job = _Job(request, request.limits or self.config.limits, lease)
+        job = _Job(
+            request, request.limits or self.config.limits, lease, relay=None if routes is None else Relay(routes)
+        )
         task = asyncio.ensure_future(self._run(job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -279,6 +286,8 @@ class SandboxPool:
             raw, clean = {"status": "sandbox_error", "reason": f"sandbox pool: {type(e).__name__}: {e}"}, False
         finally:
             self._progress.finished(id(job))
+            if job.relay is not None:  # its listeners and connections end with the execution
+                job.relay.close()
         if clean and self._cgroups is not None:
             self._memory_verdict(raw, job)
         self._counts["sandbox_errors" if raw["status"] == "sandbox_error" else "executions_completed"] += 1
@@ -326,6 +335,8 @@ class SandboxPool:
                 "stdin": request.stdin is not None,
                 "cpu_usage": self._cgroups is not None and self._cgroups.counts_cpu,
                 "oom_event": self._cgroups is not None and self._cgroups.oom_event(job.lease.cgroup) is not None,
+                "program": job.relay is not None,
+                "listen": job.relay.ports if job.relay is not None else [],
             }
         ).encode()
 
@@ -371,6 +382,8 @@ class SandboxPool:
         try:
             if job.request.stdin is not None:
                 fds.append(_memfd("stdin", job.request.stdin.encode()))
+            if job.relay is not None and job.relay.ports:
+                fds.append(job.relay.child())  # after stdin's, before the cgroups' (see supervisor.supervise)
             while True:
                 try:
                     await zygote.send(b"x", fds + job.cgroup_fds, hang)

@@ -17,6 +17,7 @@ Stdlib only (imported by the zygote, see :mod:`zygote`).
 
 from __future__ import annotations
 
+import array
 import json
 import math
 import os
@@ -33,6 +34,12 @@ else:  # inside the zygote (see zygote.py)
     import _linux as lx
     import runner
 
+# Harness programs (``SandboxPool.execute(..., routes=...)``): the packages the pool offers them are bound under
+# PROGRAMS_HIDDEN (mode 0700, the namespace root's: no execution's uid may enter it), and only a program execution's
+# supervisor binds that tree on PROGRAM_SITE, the directory the program's interpreter puts on its sys.path.
+PROGRAMS_HIDDEN = "/.programs"
+PROGRAM_SITE = "/opt/prime/site-packages"
+
 
 def supervise(fds: list[int], ctl_fd: int, zygote_pid: int, seccomp) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -46,9 +53,10 @@ def supervise(fds: list[int], ctl_fd: int, zygote_pid: int, seccomp) -> None:
         req = json.loads(os.pread(request_fd, os.fstat(request_fd).st_size, 0))
         os.close(request_fd)
         stdin_fd = extra.pop(0) if req.get("stdin") else None
+        relay_fd = extra.pop(0) if req.get("listen") else None  # after stdin's: see SandboxPool._send
         oom_fd = extra.pop() if req.get("oom_event") and extra else None  # the pool sends it last
         cpu_fd = extra.pop() if req.get("cpu_usage") and extra else None  # then this one
-        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd, oom_fd)
+        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd, oom_fd, relay_fd)
     except Exception as e:  # a verdict, never a silent EOF: the pool reports it as a sandbox error
         verdict = {"status": "sandbox_error", "reason": f"supervisor: {type(e).__name__}: {e}"}
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -70,6 +78,29 @@ def _mount_work(req: dict) -> None:
         size = limits["disk_mb"]
         opts = f"size={size}m,nr_inodes={max(1024, size * 64)},mode=0700,uid={uid},gid={uid}"
         lx.mount("tmpfs", "/work", "tmpfs", flags, opts)
+    if req.get("program"):  # the packages the pool offers harness programs (see zygote.bind_programs)
+        lx.mount(PROGRAMS_HIDDEN + "/site", PROGRAM_SITE, None, lx.MS_BIND | lx.MS_REC)
+
+
+def _listen(ports: list[int], relay_fd: int) -> None:
+    """A program's routes: loopback up in this execution's (new, empty) network namespace, one listener on
+    ``127.0.0.1:<port>`` per route, handed to the pool over ``relay_fd``; the pool accepts on them and relays each
+    connection to the same port of the host's loopback, and to nothing else (:mod:`relay`). The runner never holds
+    them (it closes every descriptor but its standard ones)."""
+    lx.loopback_up()
+    listeners = []
+    try:
+        for port in ports:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listeners.append(s)
+            s.bind(("127.0.0.1", port))
+            s.listen(16)
+        fds = array.array("i", [s.fileno() for s in listeners])
+        with socket.socket(fileno=relay_fd) as relay:
+            relay.sendmsg([json.dumps(ports).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    finally:
+        for s in listeners:
+            s.close()
 
 
 class CpuClock:
@@ -121,8 +152,11 @@ def _execute(
     seccomp,
     cpu_fd: int | None = None,
     oom_fd: int | None = None,
+    relay_fd: int | None = None,
 ) -> dict:
     _mount_work(req)
+    if relay_fd is not None:
+        _listen(req["listen"], relay_fd)
     cpu = CpuClock(cpu_fd, req["limits"]["cpu_s"]) if cpu_fd is not None else None
     # Made with the execution's uid as the real one (the effective stays 0): a pipe's pages count against its
     # creator's fs.pipe-user-pages-soft, and as this process's uid, shared by every execution, 20 executions that grew

@@ -5,18 +5,23 @@ class table; importing this module adds ``sandbox_pool`` to both and rebuilds th
 hold a runtime field, so an ``AgentConfig``, an isolated verifier or a CLI config then accept it like
 ``subprocess`` or ``docker``. Each runtime leases a persistent workspace (its ``/work``, also ``/tmp``) and runs
 every command as one execution of the pool with that workspace: same isolation and limits as the direct API.
-No network inside: it suits verification, tests and code tools, not harnesses that install packages or call a
-model from inside the box.
+No network inside. A harness program (verifiers' ``bash`` agent, the ``null`` chat loop) runs too, offline, on the
+local pool: ``run_program`` runs it as one execution under ``program_limits``, with the packages the pool offers
+programs instead of a ``uv sync`` from PyPI (:mod:`programs`), and with the routes verifiers names in
+``prepare_execution`` (its interception endpoint, MCP tool servers: ports of this host's loopback) relayed in at the
+same address, and nothing else (:mod:`relay`).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import types
 import typing
 from pathlib import PurePosixPath
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import verifiers.v1.runtimes as vr
 from prime_core.config.sandbox import SandboxClientConfig, SandboxLimits
@@ -25,6 +30,7 @@ from pydantic_config import BaseConfig
 from verifiers.v1.errors import SandboxError
 from verifiers.v1.runtimes.base import BaseRuntimeInfo, ProgramResult, Runtime
 
+from prime_orchestrator.sandbox import programs
 from prime_orchestrator.sandbox.client import SandboxClient, get_client
 from prime_orchestrator.sandbox.schemas import ExecRequest
 
@@ -120,6 +126,14 @@ class SandboxPoolRuntimeConfig(BaseConfig):
     """Environment variable holding the nodes' bearer token."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Limits of each command run in the runtime."""
+    program_limits: SandboxLimits = Field(
+        default_factory=lambda: SandboxLimits(
+            wall_s=900, cpu_s=900, memory_mb=2048, processes=256, open_files=1024, output_bytes=8 << 20
+        )
+    )
+    """Limits of the harness program (``run_program``: verifiers' ``bash`` agent or chat loop, the whole rollout, the
+    model's commands included, which run as its children), sized for a rollout: past ``wall_s`` it is killed and the
+    rollout fails naming this field. ``disk_mb`` of the workspace stays ``limits.disk_mb``."""
     workdir: Literal["/work"] = WORKDIR
     """The folder commands run in: the leased workspace, always ``/work``. verifiers reads it as every container
     runtime's (its ``isolated-verifier`` places relative artifacts there). A task that names another ``workdir`` (or
@@ -143,6 +157,7 @@ class SandboxPoolRuntime(Runtime):
         self.info = SandboxPoolRuntimeInfo(**{**config.model_dump(), "workdir": WORKDIR})  # "/work/" is /work
         self._client: SandboxClient | None = None
         self.workspace: str | None = None
+        self._routes: list[int] | None = None  # host loopback ports a program may reach (prepare_execution)
 
     async def start(self) -> None:
         import asyncio
@@ -154,23 +169,82 @@ class SandboxPoolRuntime(Runtime):
     async def run(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
         return await self._exec(argv, env, None)
 
-    async def _exec(self, argv: list[str], env: dict[str, str], stdin: str | None) -> ProgramResult:
+    async def run_program(self, argv: list[str], env: dict[str, str]) -> ProgramResult:
+        """The harness program, as one execution under ``program_limits`` that reaches the routes verifiers gave
+        ``prepare_execution`` (none: no network at all), with the packages the pool offers programs."""
+        self._local_pool("a harness program")
+        return await self._exec(argv, env, None, program=True)
+
+    async def _exec(self, argv: list[str], env: dict[str, str], stdin: str | None, program=False) -> ProgramResult:
         if self._client is None or self.workspace is None:
             raise SandboxError(f"runtime {self.name!r} is not started")
+        limits = self.config.program_limits if program else self.config.limits
         request = ExecRequest(
-            argv=argv, env=self.process_env(env), stdin=stdin, limits=self.config.limits, workspace=self.workspace
+            argv=argv, env=self.process_env(env), stdin=stdin, limits=limits, workspace=self.workspace
         )
-        result = await self._client.execute(request)
+        result = await self._client.execute(request, (self._routes or []) if program else None)
         if result.status == "sandbox_error":
             raise SandboxError(f"{self.name}: {result.reason}")
         # A request refused before it ran (invalid text, over the pool's size limits) has no exit code: its reason
         # is all the model learns of it, as the error its tool call returns.
         ran = result.status in ("ok", "error") and result.exit_code is not None
-        stderr = result.stderr if ran else f"{result.stderr}\n{result.reason}".strip()
+        reason = f"harness program stopped: {result.reason} (program_limits)" if program else result.reason
+        stderr = result.stderr if ran else f"{result.stderr}\n{reason}".strip()
         exit_code = result.exit_code if result.exit_code is not None else 1
         return ProgramResult(
             exit_code=exit_code if exit_code >= 0 else 128 - exit_code, stdout=result.stdout, stderr=stderr
         )
+
+    def _local_pool(self, what: str):
+        pool = self._client.pool if self._client is not None else None
+        if pool is None:
+            raise SandboxError(
+                f"{self.name}: {what} runs on the local sandbox pool only: a sandbox node (urls) cannot relay this "
+                "host's model endpoint; leave runtime.urls empty"
+            )
+        return pool
+
+    async def prepare_uv_script(self, script: str | bytes, env=None, *, activate: bool = True) -> list[str]:
+        """verifiers' PEP 723 script, run with the packages the pool offers programs instead of a ``uv sync`` (no
+        PyPI here); a dependency they lack is refused in one line, never downloaded. ``activate`` changes nothing:
+        the program's children (the model's commands) never see those packages."""
+        pool = self._local_pool("a harness program")
+        data = script.encode() if isinstance(script, str) else script
+        python = programs.pool_python(pool.config.python)
+        versions = programs.offered(tuple(pool.config.program_packages))[0] if python else {}
+        if problem := programs.unmet(data.decode(errors="replace"), versions):
+            raise SandboxError(
+                f"{self.name}: the sandbox_pool runtime cannot run this harness program offline: {problem}"
+            )
+        path = f"{WORKDIR}/.vf-scripts/{hashlib.sha256(data).hexdigest()}.py"
+        if path not in self._uv_interpreters:
+            await self.write(path, data)
+            self._uv_interpreters[path] = python
+        return programs.program_argv(python, path)
+
+    def host_url(self, url: str) -> str:
+        """Unchanged: a program reaches a route at the host's own ``127.0.0.1:<port>`` (relayed, see
+        ``prepare_execution``)."""
+        return url
+
+    async def prepare_execution(self, routes: list[str] | None) -> None:
+        """The routes the next program may reach: each a URL on this host's loopback (verifiers' interception
+        endpoint, its MCP servers), relayed in at the same address; any other is refused in one line."""
+        if routes is None:
+            self._routes = None
+            return
+        ports = []
+        for url in routes:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+                raise SandboxError(
+                    f"{self.name}: route {url!r} is not an http://127.0.0.1:<port> URL of this host, the only kind "
+                    "the sandbox_pool runtime relays to a program"
+                )
+            ports.append(parts.port)
+        if ports:
+            self._local_pool("a program's model endpoint")
+        self._routes = ports
 
     async def read(self, path: str, max_bytes: int | None = None) -> bytes:
         """verifiers' ``read``, except that a file over ``max_bytes`` reads as empty instead of raising: the code

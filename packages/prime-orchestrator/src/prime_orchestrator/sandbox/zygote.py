@@ -70,8 +70,9 @@ PRELOAD = [
 ]
 DEVICES = ("null", "zero", "full", "random", "urandom")
 ETC_FILES = ("ld.so.cache", "localtime", "nsswitch.conf", "alternatives")
-MAX_FDS = 9  # request, result, stdin, 4 cgroup.procs/tasks, CPU counter, OOM eventfd
+MAX_FDS = 10  # request, result, stdin, a program's relay, 4 cgroup.procs/tasks, CPU counter, OOM eventfd
 PR_SET_MEMORY_MERGE = 67
+PROGRAMS_HIDDEN, PROGRAM_SITE = supervisor.PROGRAMS_HIDDEN, supervisor.PROGRAM_SITE
 WORKSPACE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -95,11 +96,11 @@ def _top_level(path: str, root: str) -> None:
         _bind_ro(path, root + path)
 
 
-def hide_sockets(top: str, root: str) -> int:
+def hide_sockets(top: str, root: str, at: str | None = None) -> int:
     """Cover every unix socket under the host directory ``top`` (bound at ``root + top``) with ``/dev/null`` mounted
     ``nodev``; how many. A read-only mount does not stop ``connect``, nor does the network namespace a path (only an
     abstract name): a host service listening on a socket the sandbox's uid may write (mode ``o+w``, as many services
-    make theirs) in a path the pool binds took the code's bytes. Walked once per zygote start, about 13 us an entry
+    make theirs) in a path the pool binds took the code's bytes. ``at``: where ``top`` is bound (default: its own path). Walked once per zygote start, about 13 us an entry
     (0.8 s for the 59,000 of an interpreter's ``lib``, which is why only ``pool.ro_paths`` are walked)."""
     hidden, stack = 0, [top]
     while stack:
@@ -112,16 +113,34 @@ def hide_sockets(top: str, root: str) -> int:
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(entry.path)
                 elif stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
-                    lx.mount("/dev/null", root + entry.path, None, lx.MS_BIND)
+                    target = root + (at or top) + entry.path[len(top) :]
+                    lx.mount("/dev/null", target, None, lx.MS_BIND)
                     flags = lx.MS_BIND | lx.MS_REMOUNT | lx.MS_RDONLY | lx.MS_NOSUID | lx.MS_NODEV
-                    lx.mount(None, root + entry.path, None, flags)
+                    lx.mount(None, target, None, flags)
                     hidden += 1
             except OSError:
                 continue
     return hidden
 
 
-def build_root(root: str, ro_paths: list[str], socket_walk: list[str] = ()) -> None:
+def bind_programs(root: str, programs: dict[str, str], owner: int) -> None:
+    """Bind each of ``programs`` (entry name -> host path: a site-packages' package directories, modules and
+    dist-info) under the hidden directory, owned by ``owner`` (the host uid that is root inside) and closed to
+    everyone else; the mount point a program execution binds it on is made empty."""
+    os.makedirs(root + PROGRAMS_HIDDEN + "/site", mode=0o755)
+    os.chown(root + PROGRAMS_HIDDEN, owner, owner)
+    os.chmod(root + PROGRAMS_HIDDEN, 0o700)
+    for name, path in programs.items():
+        at = PROGRAMS_HIDDEN + "/site/" + name
+        _bind_ro(path, root + at)
+        if os.path.isdir(path):
+            hide_sockets(path, root, at)
+    os.makedirs(root + PROGRAM_SITE)
+
+
+def build_root(
+    root: str, ro_paths: list[str], socket_walk: list[str] = (), programs: dict | None = None, owner: int = 0
+) -> None:
     """As host root: a new mount namespace whose root is a read-only tmpfs built on the empty directory ``root``
     (the host sees an empty directory)."""
     os.umask(0o022)
@@ -135,6 +154,8 @@ def build_root(root: str, ro_paths: list[str], socket_walk: list[str] = ()) -> N
             _bind_ro(path, root + path)
             if path in socket_walk:
                 hide_sockets(path, root)
+    if programs:
+        bind_programs(root, programs, owner)
     os.makedirs(root + "/etc")
     for name in ETC_FILES:
         if os.path.exists("/etc/" + name):
@@ -227,7 +248,9 @@ def main(ctl_fd: int, setup_json: str) -> None:
         with contextlib.suppress(OSError):
             lx.prctl(PR_SET_MEMORY_MERGE, 0)
         lx.join_new_session_keyring()
-        build_root(setup["root"], setup["ro_paths"], setup.get("socket_walk", []))
+        build_root(
+            setup["root"], setup["ro_paths"], setup.get("socket_walk", []), setup.get("programs"), setup.get("owner", 0)
+        )
         enter_namespaces(ctl, setup.get("sigpending"))
         program = base64.b64decode(setup["seccomp"]) if setup.get("seccomp") else b""
         seccomp = lx.SeccompProgram(program) if program else None

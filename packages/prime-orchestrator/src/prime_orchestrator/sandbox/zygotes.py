@@ -106,8 +106,11 @@ class Zygote:
         seccomp: bytes | None,
         zygotes: int = 1,
     ):
+        from prime_orchestrator.sandbox.programs import offered, pool_python
+
         python = config.python or os.path.realpath(sys.executable)
         bytecode = bytecode_cache(python, config.preload)
+        programs = offered(tuple(config.program_packages))[1] if pool_python(config.python) else {}
         setup = {
             "sigpending": sigpending_cap(zygotes),
             "root": str(root),
@@ -115,6 +118,8 @@ class Zygote:
             "preload": config.preload,
             "socket_walk": config.ro_paths,  # see zygote.hide_sockets
             "seccomp": base64.b64encode(seccomp).decode() if seccomp else "",
+            "programs": programs,
+            "owner": uid_base,  # root inside: the only one who may enter the programs' hidden directory
         }
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         flags = ["-X", f"pycache_prefix={bytecode}"] if bytecode else []

@@ -1,0 +1,148 @@
+"""The host side of a program execution's routes: the only way out of its network namespace.
+
+A harness program (verifiers' ``bash`` agent) calls the model through verifiers' interception server on this host's
+loopback (``http://127.0.0.1:<port>/v1``, also its MCP tool servers). For such an execution the supervisor brings
+loopback up in the execution's own network namespace, listens there on ``127.0.0.1:<port>`` for each route's port and
+hands the listening sockets to the pool (:func:`supervisor._listen`); this relay accepts on them and copies the bytes
+of each connection to and from ``127.0.0.1:<port>`` of the host, the same port, and never anywhere else: whatever
+the code sends (another Host header, a ``CONNECT``, a request naming another port) reaches the route's server alone,
+which answers it or not. The URL inside is the host's own, so the runtime's ``host_url`` changes nothing.
+
+Bounded: at most :data:`MAX_CONNECTIONS` connections at once (more wait in the listener's backlog, which the kernel
+bounds), each copying :data:`CHUNK` bytes at a time and waiting for the other side to take them (flow control), so
+the host holds at most a few of them per connection however much the code sends or leaves unread. Everything closes
+with the execution: the pool calls :meth:`Relay.close` once its verdict is in (or it is killed), before the slot
+is lent again.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+
+logger = logging.getLogger(__name__)
+MAX_CONNECTIONS = 32
+"""Connections relayed at once for one execution (an agent loop holds one or two)."""
+CHUNK = 64 << 10
+"""Bytes read from one side before they are written to the other and drained."""
+CONNECT_S = 10.0
+"""Seconds to connect to the route's server on the host."""
+
+
+class Relay:
+    """The relay of one execution: the ports it may reach, and the connections it holds."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = list(dict.fromkeys(ports))
+        self.connections = 0  # relayed so far (for tests and logs)
+        self._parent: socket.socket | None = None
+        self._listeners: list[socket.socket] = []
+        self._open: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self.closed = False
+
+    def child(self) -> int:
+        """A descriptor for the supervisor (the caller sends it, then closes it), on which it hands back its
+        listeners. A new one per send: a request sent again to another zygote gets a fresh pair."""
+        if self._parent is not None:
+            self._parent.close()
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent.setblocking(False)
+        self._parent = parent
+        self._spawn(self._receive(parent))
+        return child.detach()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _receive(self, parent: socket.socket) -> None:
+        # Unbounded here on purpose: close() (the execution's end) cancels it.
+        loop = asyncio.get_running_loop()
+        ready = loop.create_future()
+        loop.add_reader(parent, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            loop.remove_reader(parent)
+        size = socket.CMSG_SPACE(len(self.ports) * array.array("i").itemsize)
+        msg, ancdata, _, _ = parent.recvmsg(4096, size)
+        fds = array.array("i")
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        listeners = [socket.socket(fileno=fd) for fd in fds]
+        self._listeners.extend(listeners)
+        ports = json.loads(msg) if msg else []
+        if self.closed or ports != self.ports or len(listeners) != len(ports):
+            self.close()
+            return
+        for listener, port in zip(listeners, ports, strict=True):
+            listener.setblocking(False)
+            self._spawn(self._accept(listener, port))
+
+    async def _accept(self, listener: socket.socket, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._slots.acquire()
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except BaseException:
+                self._slots.release()
+                raise
+            self.connections += 1
+            self._spawn(self._pipe(conn, port))
+
+    async def _pipe(self, conn: socket.socket, port: int) -> None:
+        writers: list[asyncio.StreamWriter] = []
+        try:
+            inner_r, inner_w = await asyncio.open_connection(sock=conn, limit=CHUNK)
+            writers.append(inner_w)
+            self._open.add(inner_w)
+            async with asyncio.timeout(CONNECT_S):
+                outer_r, outer_w = await asyncio.open_connection("127.0.0.1", port, limit=CHUNK)
+            writers.append(outer_w)
+            self._open.add(outer_w)
+            await asyncio.gather(_copy(inner_r, outer_w, writers), _copy(outer_r, inner_w, writers))
+        except (OSError, TimeoutError) as e:
+            logger.debug("relay to port %d: %s", port, e)
+        finally:
+            for w in writers:
+                self._open.discard(w)
+                w.close()
+            if not writers:
+                conn.close()
+            self._slots.release()
+
+    def close(self) -> None:
+        """Stop relaying: listeners, connections and tasks (idempotent; from the pool's loop)."""
+        self.closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        for w in list(self._open):
+            w.close()
+        self._open.clear()
+        for s in [*self._listeners, *([self._parent] if self._parent else [])]:
+            with contextlib.suppress(OSError):
+                s.close()
+        self._listeners.clear()
+        self._parent = None
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, both: list) -> None:
+    """``reader`` to ``writer`` until EOF (then half-close), at most :data:`CHUNK` held; an error closes both."""
+    try:
+        while chunk := await reader.read(CHUNK):
+            writer.write(chunk)
+            await writer.drain()
+        if writer.can_write_eof() and not writer.is_closing():
+            writer.write_eof()
+    except OSError:
+        for w in both:
+            w.close()
