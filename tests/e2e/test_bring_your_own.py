@@ -80,10 +80,11 @@ def test_two_player_self_play_trains_both_seats_on_their_own_rewards(tmp_path):
 
 SCRIPTED_KINDS = {
     "vf-attempts": 'id = "vf-attempts"',
-    # Their seats play verifiers' bash agent on this host, which runs the policy's commands: rl refuses that unless told.
-    "vf-bash-runtime": 'id = "vf-bash-runtime"\nallow_host_commands = true',
+    # Their seats play verifiers' bash agent, which runs the policy's commands: in the sandbox, offline (rl refuses the
+    # host's subprocess runtime unless told).
+    "vf-bash-runtime": 'id = "vf-bash-runtime"\nruntime = "sandbox_pool"',
     # Its judge is the policy server: the scripted policy answers the judge's prompts too (rl refuses that unless told).
-    "vf-rubric": 'id = "vf-rubric"\nallow_host_commands = true\n[orchestrator.judge]\nallow_policy_judge = true',
+    "vf-rubric": 'id = "vf-rubric"\nruntime = "sandbox_pool"\n[orchestrator.judge]\nallow_policy_judge = true',
     "vf-toolset": 'id = "vf-toolset"\nharness = "null"',
 }
 
