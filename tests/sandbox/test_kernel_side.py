@@ -20,7 +20,16 @@ from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import cgroups, stale
 
 from tests.sandbox import attacks
-from tests.sandbox.conftest import MAX_CONCURRENCY, UID_BASE, assert_serving, own_pool, run, uid_span
+from tests.sandbox.conftest import (
+    MAX_CONCURRENCY,
+    SESSION_UIDS,
+    UID_BASE,
+    assert_no_sandbox_processes,
+    assert_serving,
+    own_pool,
+    run,
+    uid_span,
+)
 from tests.sandbox.test_host_shares import _waiting_runner
 
 pytestmark = pytest.mark.xdist_group("sandbox")
@@ -224,3 +233,48 @@ def test_sessions_two_pytest_sessions_lend_different_uids():
     assert bases[1] == bases[2] and bases[0] != bases[1], bases
     spans = [uid_span(base, MAX_CONCURRENCY) for base, _ in bases[:2]]
     assert not set(spans[0]) & set(spans[1]) and max(max(s) for s in spans) < 2**31, bases
+
+
+# A pool in a process of its own, with two executions running, then closed or dropped (the process exits without
+# closing it: the finalizer's teardown); prints its folder's name, which its cgroups are named after
+POOL_LIFE = """
+import asyncio, sys
+from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
+from prime_orchestrator.sandbox.pool import SandboxPool
+async def main(uid_base, how):
+    pool = SandboxPool(SandboxPoolConfig(uid_base=uid_base, max_concurrency=4, zygotes=1))
+    await pool.start()
+    spin = SandboxLimits(wall_s=30, cpu_s=30)
+    busy = [asyncio.ensure_future(pool.run("while 1: pass", limits=spin)) for _ in range(2)]
+    print(pool.tmp_dir.name, (await pool.run("print(1)")).status, flush=True)
+    if how == "close":
+        await pool.close()
+        await asyncio.gather(*busy, return_exceptions=True)
+asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_host_cgroups_a_pool_closed_or_dropped_leaves_no_cgroup_in_any_hierarchy(how):
+    # A pool never closed (dropped, or left at interpreter exit) removed its cgroups while its zygotes still ran in
+    # <cpu>/prime-sandbox/<pool>/zygotes: that directory and the pool's stayed, the stale cgroups of the cpu hierarchy.
+    probe, why = cgroups.Cgroups.detect(stale.owned_name(f"probe{os.getpid()}"))
+    if probe is None:
+        pytest.skip(f"no cgroups here: {why}")
+    probe.close()
+    base = SESSION_UIDS + 4_760_000 + 1_000 * (how == "drop")
+    argv = [sys.executable, "-c", POOL_LIFE, str(base), how]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    name, status = out.stdout.split()
+    assert status == "ok", out.stdout
+    find = ["find", "/sys/fs/cgroup", "-path", "*prime-sandbox*", "-name", f"*{name}*"]
+    left = subprocess.run(find, capture_output=True, text=True, timeout=60).stdout.split()
+    for d in sorted(left, key=len, reverse=True):  # not to pile up on the host when it fails
+        with contextlib.suppress(OSError):
+            for sub in Path(d).iterdir():
+                if sub.is_dir():
+                    sub.rmdir()
+            Path(d).rmdir()
+    assert left == [], left
+    assert_no_sandbox_processes(span=uid_span(base, 4))

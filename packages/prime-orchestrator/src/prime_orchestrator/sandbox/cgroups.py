@@ -25,9 +25,15 @@ import contextlib
 import errno
 import os
 import resource
+import time
 from pathlib import Path
 
+from prime_orchestrator.sandbox.stale import holds_processes
+
 MIB = 1 << 20
+CLOSE_WAIT_S = 2.0
+"""How long :meth:`Cgroups.close` waits for the pool's processes to leave its cgroups: a killed zygote's supervisors
+die of PDEATHSIG after it, and a process in ``exit()`` still holds its cgroup (rmdir: EBUSY) after its pipes closed."""
 FDS_PER_KEY = 8
 """Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
 (v1: memory, pids, cpuacct, cpu), v1's memory peak and OOM eventfd, the CPU usage counter and the memory usage (see
@@ -420,9 +426,13 @@ class Cgroups:
                 d.rmdir()
 
     def close(self) -> None:
-        """Remove the pool's cgroups (those still holding a process stay, and the next pool's start says so)."""
+        """Remove the pool's cgroups once its processes are gone (the zygotes killed first; waited for up to
+        :data:`CLOSE_WAIT_S`); those still holding a process stay, and a later pool's start sweeps them."""
         for key in {*self._procs, *self._cpu, *self._usage, *self._oom_events}:
             self._close_fds(key)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while any(holds_processes(d) for d in self.dirs()) and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self.cpu_parent is not None and self.cpu_parent not in self.parents.values():
             for d in (self.cpu_parent / "zygotes", self.cpu_parent, self.cpu_parent.parent):
                 with contextlib.suppress(OSError):

@@ -45,7 +45,8 @@ def _owner_gone(name: str) -> bool:
     return namespace == _pid_namespace() and _start_time(pid) != start
 
 
-def _holds_processes(cgroup: Path) -> bool:
+def holds_processes(cgroup: Path) -> bool:
+    """Whether any process is in ``cgroup`` or any cgroup below it."""
     for d, _, _ in os.walk(cgroup):
         try:
             if (Path(d) / "cgroup.procs").read_text().strip():
@@ -81,6 +82,6 @@ def sweep(shared: set[Path], own: set[Path]) -> int:
         for cgroup in entries:
             if cgroup in own or not _owner_gone(cgroup.name):
                 continue
-            if not _holds_processes(cgroup) and _remove(cgroup):
+            if not holds_processes(cgroup) and _remove(cgroup):
                 removed += 1
     return removed
