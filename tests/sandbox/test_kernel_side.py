@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -171,6 +172,7 @@ def test_host_cpu_ksm_of_the_pools_process_does_not_pass_to_its_executions():
 # One pool's cgroups in a process of its own: made (sweeping others'), checked, held until stdin closes, then removed
 POOL_PROCESS = """
 import sys
+import tempfile
 from prime_orchestrator.sandbox.cgroups import Cgroups
 from prime_orchestrator.sandbox.stale import owned_name, sweep
 made, why = Cgroups.detect(owned_name(sys.argv[1]))
@@ -278,3 +280,59 @@ def test_host_cgroups_a_pool_closed_or_dropped_leaves_no_cgroup_in_any_hierarchy
             Path(d).rmdir()
     assert left == [], left
     assert_no_sandbox_processes(span=uid_span(base, 4))
+
+
+def _stale_command(*args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "prime_orchestrator.sandbox.stale", "--ownerless", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_host_cgroups_ownerless_cgroups_go_by_hand_and_never_one_holding_a_process():
+    # Cgroups without an owner in their name (pools before owners were named, other tools) are never swept: an
+    # operator removes them with a command, which keeps every one with a process anywhere in its pool's cgroups (a
+    # live pool of before: its zygotes in its CPU cgroup, its memory and pids cgroups empty) or with its folder.
+    probe, why = cgroups.Cgroups.detect(stale.owned_name(f"probe{os.getpid()}"))
+    if probe is None:
+        pytest.skip(f"no cgroups here: {why}")
+    parents = [p.parent.parent / f"prime-stale-test{os.getpid()}" for p in probe.parents.values()]
+    probe.close()
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    names = {k: f"prime-sandbox-{k}{os.getpid()}" for k in ("old", "busy", "folder")}
+    owned = f"prime-sandbox-x{os.getpid()}.{os.getpid()}-1-{namespace}"
+    planted = [p / n / "s0" for p in parents for n in (*names.values(), owned)]
+    for d in planted:
+        d.mkdir(parents=True)
+    folder = Path(tempfile.gettempdir()) / names["folder"]
+    folder.mkdir()
+    sleeper = subprocess.Popen(["sleep", "120"])
+    try:
+        busy = parents[-1] / names["busy"] / "s0"
+        (busy / "cgroup.procs").write_text(str(sleeper.pid))
+        under = [arg for p in parents for arg in ("--under", str(p))]
+        listed = _stale_command(*under)
+        assert listed.returncode == 0 and all(d.is_dir() for d in planted), listed
+        lines = sorted(line.split(":")[0] for line in listed.stdout.splitlines())
+        assert lines == sorted(f"{s} {names[k]}" for s, k in (("empty", "old"), ("kept", "busy"), ("kept", "folder")))
+        removed = _stale_command("--remove", *under)
+        assert removed.returncode == 0, removed
+        assert f"removed {names['old']}: {len(parents)}" in removed.stdout, removed.stdout
+        assert not any((p / names["old"]).exists() for p in parents)
+        kept = [d for d in planted if names["old"] not in str(d)]
+        assert all(d.is_dir() for d in kept), [d for d in kept if not d.is_dir()]
+        help_ = subprocess.run([sys.executable, "-m", "prime_orchestrator.sandbox.stale", "--help"], timeout=60)
+        assert help_.returncode == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        folder.rmdir()
+        for parent in parents:
+            for d, _, _ in os.walk(parent, topdown=False):
+                for _ in range(100):  # the sleeper, killed, may hold its cgroup a moment
+                    try:
+                        Path(d).rmdir()
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        time.sleep(0.02)
+                        continue
+                    break
