@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
-from prime_orchestrator.sandbox import cgroups, stale
+from prime_orchestrator.sandbox import ExecRequest, cgroups, stale
 
 from tests.sandbox import attacks
 from tests.sandbox.conftest import (
@@ -79,6 +79,52 @@ def test_host_kernel_log_one_execution_past_its_memory_prints_at_most_one_oom_re
     assert [r.reason for r in results] == ["memory limit of 128 MB exceeded"] * 2
     assert reports <= 2, f"{reports} OOM kills reported in the host's kernel log for 2 executions"
     assert_serving(sandbox)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_host_kernel_log_an_oom_in_a_workspace_ends_its_execution_whoever_enters_it_meanwhile():
+    # v1: a workspace's executions share its memory cgroup and OOM eventfd, and each execution entering emptied the
+    # eventfd. An OOM counted before the supervisor of the execution at the limit looked was lost: its processes
+    # waited at the limit (the kernel's OOM killer is off there) until its wall limit, which it ended as a timeout.
+    base = 4_780_000
+    with own_pool(uid_base=base) as client:
+        if client.pool._cgroups is None or client.pool._cgroups.version != 1:
+            pytest.skip("no cgroup v1 memory hierarchy here (v2: memory.oom.group, no eventfd)")
+        ws = client.call(client.pool.open_workspace(16)).result(timeout=60)
+        flood = "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})\n"
+        flood += "signal.sigwait({signal.SIGUSR1})\n" + OOM_FLOOD
+        limits = SandboxLimits(wall_s=8, cpu_s=20, memory_mb=128)
+        with ThreadPoolExecutor(1) as ex:
+            future = ex.submit(client.execute_sync, ExecRequest(code=flood, workspace=ws, limits=limits))
+            deadline = time.monotonic() + 30
+            while (runner := _waiting_runner(uid_span(SESSION_UIDS + base, 8))) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert runner is not None, future.result() if future.done() else "no runner"
+            supervisor = int(
+                next(
+                    line for line in Path(f"/proc/{runner}/status").read_text().splitlines() if line.startswith("PPid")
+                ).split()[1]
+            )
+            os.kill(supervisor, signal.SIGSTOP)  # it looks only after the next execution entered
+            try:
+                os.kill(runner, signal.SIGUSR1)
+                key = f"w{client.pool._workspaces[ws].uid}"
+                while time.monotonic() < deadline and "D" not in {_state(p) for p in client.pool._cgroups.pids(key)}:
+                    time.sleep(0.01)  # a child waits at the limit: the OOM is counted
+                other = client.execute_sync(ExecRequest(code="print(1)", workspace=ws, limits=limits))
+            finally:
+                os.kill(supervisor, signal.SIGCONT)
+            result = future.result(timeout=60)
+    assert (result.status, result.reason) == ("memory_limit", "memory limit of 128 MB exceeded"), result
+    # Running while the workspace was at its limit, the other ends too (its memory is theirs together, as v2's
+    # memory.oom.group kills every process of the cgroup)
+    assert other.status in ("ok", "memory_limit"), other
 
 
 # KSM, NUMA migration and the memory advice ordinary programs use; then it waits (SIGUSR2 blocked) for SIGUSR1 so the

@@ -309,10 +309,18 @@ class Cgroups:
         if key not in self._oom_events:
             self._oom_events[key] = self._watch_oom(self._dirs(key)["memory"])
         fd = self._oom_events[key]
-        if fd is not None:
+        # A workspace's executions may run together, sharing its cgroup and this eventfd: while one runs, the count
+        # is its own (an execution entering emptied it before its supervisor saw it, and that one's processes
+        # waited at the limit until its wall limit). Each supervisor seeing it ends its own: the workspace's memory
+        # is theirs together, as v2's memory.oom.group kills all of them.
+        if fd is not None and not (key.startswith("w") and self.pids(key)):
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(fd)
         return fd
+
+    def watches_oom(self, key: str) -> bool:
+        """Whether :meth:`oom_event` gave the key an eventfd (without emptying it again)."""
+        return self._oom_events.get(key) is not None
 
     def _watch_oom(self, mem: Path) -> int | None:
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

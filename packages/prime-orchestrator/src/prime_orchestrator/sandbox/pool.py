@@ -333,7 +333,7 @@ class SandboxPool:
                 "workspace": ws.name if ws else None,
                 "stdin": request.stdin is not None,
                 "cpu_usage": self._cgroups is not None and self._cgroups.counts_cpu,
-                "oom_event": self._cgroups is not None and self._cgroups.oom_event(job.lease.cgroup) is not None,
+                "oom_event": self._cgroups is not None and self._cgroups.watches_oom(job.lease.cgroup),
             }
         ).encode()
 
