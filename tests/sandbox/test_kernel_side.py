@@ -81,6 +81,41 @@ def test_host_kernel_log_one_execution_past_its_memory_prints_at_most_one_oom_re
     assert_serving(sandbox)
 
 
+# Eight children, each taking what its RLIMIT_AS leaves it: together past the memory cgroup, each at its limit
+FILL_AND_WAIT = """
+import os, time
+for _ in range(8):
+    if os.fork() == 0:
+        held = []
+        try:
+            while True:
+                held.append(b"x" * (4 << 20))
+        except MemoryError:
+            time.sleep(60)
+        os._exit(0)
+os.wait()
+"""
+
+
+def test_host_kernel_log_a_pool_of_executions_at_their_limit_at_once_all_end_and_their_slots_start_clean():
+    # Every slot at its memory limit at once, their supervisors sharing the loaded host's CPU: each ends as
+    # memory_limit without a kernel OOM report, and the next executions in the same slots (a stale OOM count would
+    # end them at once) run to the end
+    base, slots = 4_790_000, 16
+    span = uid_span(SESSION_UIDS + base, slots)
+    before = kernel_oom_kills(span)
+    limits = SandboxLimits(wall_s=20, cpu_s=20, memory_mb=64)
+    with own_pool(uid_base=base, max_concurrency=slots) as client, ThreadPoolExecutor(slots) as ex:
+        if client.pool._cgroups is None:
+            pytest.skip("no memory cgroup on this host")
+        full = list(ex.map(lambda _: run(client, FILL_AND_WAIT, limits=limits), range(slots)))
+        near = "b = b'x' * (40 << 20); print(len(b) >> 20)"
+        after = list(ex.map(lambda _: run(client, near, limits=limits), range(slots)))
+    assert {(r.status, r.reason) for r in full} == {("memory_limit", "memory limit of 64 MB exceeded")}, full
+    assert {(r.status, r.stdout) for r in after} == {("ok", "40\n")}, after
+    assert kernel_oom_kills(span) == before
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
