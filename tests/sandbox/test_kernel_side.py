@@ -306,16 +306,18 @@ def test_host_cgroups_a_killed_pools_cgroups_are_swept_and_no_live_pools_ever(tm
 
 def test_sessions_two_pytest_sessions_lend_different_uids():
     # The sandbox tests of two pytest sessions on one host (two agents) shared one uid range: each counted the other's
-    # zygotes and executions as its own leftovers. Each run (workers of one xdist run alike) now has its own range.
+    # zygotes and executions as its own leftovers. Each run, and each worker of a run, now has its own range.
     code = "from tests.sandbox.conftest import UID_BASE, NODE_UID_BASE; print(UID_BASE, NODE_UID_BASE)"
     bases = []
-    for run_id in ("one", "two", "two"):
-        env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run_id}
+    for run_id, worker in (("one", "gw0"), ("two", "gw0"), ("two", "gw0"), ("two", "gw1")):
+        env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run_id, "PYTEST_XDIST_WORKER": worker}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         bases.append(tuple(map(int, out.stdout.split())))
-    assert bases[1] == bases[2] and bases[0] != bases[1], bases
-    spans = [uid_span(base, MAX_CONCURRENCY) for base, _ in bases[:2]]
-    assert not set(spans[0]) & set(spans[1]) and max(max(s) for s in spans) < 2**31, bases
+    # Two workers of one run (-n 2 without --dist loadgroup runs sandbox tests on both at once) too
+    assert bases[1] == bases[2] and len({bases[0], bases[1], bases[3]}) == 3, bases
+    spans = [uid_span(base, MAX_CONCURRENCY) for base, _ in (bases[0], bases[1], bases[3])]
+    assert not set(spans[0]) & set(spans[1]) and not set(spans[1]) & set(spans[2]), bases
+    assert max(max(s) for s in spans) < 2**31, bases
 
 
 # A pool in a process of its own, with two executions running, then closed or dropped (the process exits without
