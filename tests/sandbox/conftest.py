@@ -19,10 +19,13 @@ from prime_orchestrator.sandbox.pool import NUM_LEASES, SandboxUnavailable
 
 
 def _session_uids() -> int:
-    """The start of this pytest session's uid ranges (workers of one xdist run share it): every base below is offset
-    by it, so two sessions on one host (two agents' test runs) lend different uids and neither counts the other's
-    zygotes and executions as its own leftovers. 400 steps of 5 M keep every uid below 2^31."""
+    """The start of this pytest process's uid ranges (an xdist worker's: its run and its name): every base below is
+    offset by it, so two sessions on one host (two agents' test runs), and two workers of one run, lend different uids
+    and neither counts the other's zygotes and executions as its own leftovers (without ``--dist loadgroup``, the
+    workers of ``-n 2`` ran sandbox tests side by side, each with a shared pool on the same uids, and failed each
+    other's leftover checks). 400 steps of 5 M keep every uid below 2^31."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    run += "/" + os.environ.get("PYTEST_XDIST_WORKER", "")
     return 5_000_000 * (1 + int(hashlib.sha256(run.encode()).hexdigest(), 16) % 400)
 
 

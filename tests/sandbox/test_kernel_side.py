@@ -11,16 +11,26 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
-from prime_orchestrator.sandbox import cgroups, stale
+from prime_orchestrator.sandbox import ExecRequest, cgroups, stale
 
 from tests.sandbox import attacks
-from tests.sandbox.conftest import MAX_CONCURRENCY, UID_BASE, assert_serving, own_pool, run, uid_span
+from tests.sandbox.conftest import (
+    MAX_CONCURRENCY,
+    SESSION_UIDS,
+    UID_BASE,
+    assert_no_sandbox_processes,
+    assert_serving,
+    own_pool,
+    run,
+    uid_span,
+)
 from tests.sandbox.test_host_shares import _waiting_runner
 
 pytestmark = pytest.mark.xdist_group("sandbox")
@@ -69,6 +79,87 @@ def test_host_kernel_log_one_execution_past_its_memory_prints_at_most_one_oom_re
     assert [r.reason for r in results] == ["memory limit of 128 MB exceeded"] * 2
     assert reports <= 2, f"{reports} OOM kills reported in the host's kernel log for 2 executions"
     assert_serving(sandbox)
+
+
+# Eight children, each taking what its RLIMIT_AS leaves it: together past the memory cgroup, each at its limit
+FILL_AND_WAIT = """
+import os, time
+for _ in range(8):
+    if os.fork() == 0:
+        held = []
+        try:
+            while True:
+                held.append(b"x" * (4 << 20))
+        except MemoryError:
+            time.sleep(60)
+        os._exit(0)
+os.wait()
+"""
+
+
+def test_host_kernel_log_a_pool_of_executions_at_their_limit_at_once_all_end_and_their_slots_start_clean():
+    # Every slot at its memory limit at once, their supervisors sharing the loaded host's CPU: each ends as
+    # memory_limit without a kernel OOM report, and the next executions in the same slots (a stale OOM count would
+    # end them at once) run to the end
+    base, slots = 4_790_000, 16
+    span = uid_span(SESSION_UIDS + base, slots)
+    before = kernel_oom_kills(span)
+    limits = SandboxLimits(wall_s=20, cpu_s=20, memory_mb=64)
+    with own_pool(uid_base=base, max_concurrency=slots) as client, ThreadPoolExecutor(slots) as ex:
+        if client.pool._cgroups is None:
+            pytest.skip("no memory cgroup on this host")
+        full = list(ex.map(lambda _: run(client, FILL_AND_WAIT, limits=limits), range(slots)))
+        near = "b = b'x' * (40 << 20); print(len(b) >> 20)"
+        after = list(ex.map(lambda _: run(client, near, limits=limits), range(slots)))
+    assert {(r.status, r.reason) for r in full} == {("memory_limit", "memory limit of 64 MB exceeded")}, full
+    assert {(r.status, r.stdout) for r in after} == {("ok", "40\n")}, after
+    assert kernel_oom_kills(span) == before
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_host_kernel_log_an_oom_in_a_workspace_ends_its_execution_whoever_enters_it_meanwhile():
+    # v1: a workspace's executions share its memory cgroup and OOM eventfd, and each execution entering emptied the
+    # eventfd. An OOM counted before the supervisor of the execution at the limit looked was lost: its processes
+    # waited at the limit (the kernel's OOM killer is off there) until its wall limit, which it ended as a timeout.
+    base = 4_780_000
+    with own_pool(uid_base=base) as client:
+        if client.pool._cgroups is None or client.pool._cgroups.version != 1:
+            pytest.skip("no cgroup v1 memory hierarchy here (v2: memory.oom.group, no eventfd)")
+        ws = client.call(client.pool.open_workspace(16)).result(timeout=60)
+        flood = "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})\n"
+        flood += "signal.sigwait({signal.SIGUSR1})\n" + OOM_FLOOD
+        limits = SandboxLimits(wall_s=8, cpu_s=20, memory_mb=128)
+        with ThreadPoolExecutor(1) as ex:
+            future = ex.submit(client.execute_sync, ExecRequest(code=flood, workspace=ws, limits=limits))
+            deadline = time.monotonic() + 30
+            while (runner := _waiting_runner(uid_span(SESSION_UIDS + base, 8))) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert runner is not None, future.result() if future.done() else "no runner"
+            supervisor = int(
+                next(
+                    line for line in Path(f"/proc/{runner}/status").read_text().splitlines() if line.startswith("PPid")
+                ).split()[1]
+            )
+            os.kill(supervisor, signal.SIGSTOP)  # it looks only after the next execution entered
+            try:
+                os.kill(runner, signal.SIGUSR1)
+                key = f"w{client.pool._workspaces[ws].uid}"
+                while time.monotonic() < deadline and "D" not in {_state(p) for p in client.pool._cgroups.pids(key)}:
+                    time.sleep(0.01)  # a child waits at the limit: the OOM is counted
+                other = client.execute_sync(ExecRequest(code="print(1)", workspace=ws, limits=limits))
+            finally:
+                os.kill(supervisor, signal.SIGCONT)
+            result = future.result(timeout=60)
+    assert (result.status, result.reason) == ("memory_limit", "memory limit of 128 MB exceeded"), result
+    # Running while the workspace was at its limit, the other ends too (its memory is theirs together, as v2's
+    # memory.oom.group kills every process of the cgroup)
+    assert other.status in ("ok", "memory_limit"), other
 
 
 # KSM, NUMA migration and the memory advice ordinary programs use; then it waits (SIGUSR2 blocked) for SIGUSR1 so the
@@ -162,6 +253,7 @@ def test_host_cpu_ksm_of_the_pools_process_does_not_pass_to_its_executions():
 # One pool's cgroups in a process of its own: made (sweeping others'), checked, held until stdin closes, then removed
 POOL_PROCESS = """
 import sys
+import tempfile
 from prime_orchestrator.sandbox.cgroups import Cgroups
 from prime_orchestrator.sandbox.stale import owned_name, sweep
 made, why = Cgroups.detect(owned_name(sys.argv[1]))
@@ -214,13 +306,116 @@ def test_host_cgroups_a_killed_pools_cgroups_are_swept_and_no_live_pools_ever(tm
 
 def test_sessions_two_pytest_sessions_lend_different_uids():
     # The sandbox tests of two pytest sessions on one host (two agents) shared one uid range: each counted the other's
-    # zygotes and executions as its own leftovers. Each run (workers of one xdist run alike) now has its own range.
+    # zygotes and executions as its own leftovers. Each run, and each worker of a run, now has its own range.
     code = "from tests.sandbox.conftest import UID_BASE, NODE_UID_BASE; print(UID_BASE, NODE_UID_BASE)"
     bases = []
-    for run_id in ("one", "two", "two"):
-        env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run_id}
+    for run_id, worker in (("one", "gw0"), ("two", "gw0"), ("two", "gw0"), ("two", "gw1")):
+        env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": run_id, "PYTEST_XDIST_WORKER": worker}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         bases.append(tuple(map(int, out.stdout.split())))
-    assert bases[1] == bases[2] and bases[0] != bases[1], bases
-    spans = [uid_span(base, MAX_CONCURRENCY) for base, _ in bases[:2]]
-    assert not set(spans[0]) & set(spans[1]) and max(max(s) for s in spans) < 2**31, bases
+    # Two workers of one run (-n 2 without --dist loadgroup runs sandbox tests on both at once) too
+    assert bases[1] == bases[2] and len({bases[0], bases[1], bases[3]}) == 3, bases
+    spans = [uid_span(base, MAX_CONCURRENCY) for base, _ in (bases[0], bases[1], bases[3])]
+    assert not set(spans[0]) & set(spans[1]) and not set(spans[1]) & set(spans[2]), bases
+    assert max(max(s) for s in spans) < 2**31, bases
+
+
+# A pool in a process of its own, with two executions running, then closed or dropped (the process exits without
+# closing it: the finalizer's teardown); prints its folder's name, which its cgroups are named after
+POOL_LIFE = """
+import asyncio, sys
+from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
+from prime_orchestrator.sandbox.pool import SandboxPool
+async def main(uid_base, how):
+    pool = SandboxPool(SandboxPoolConfig(uid_base=uid_base, max_concurrency=4, zygotes=1))
+    await pool.start()
+    spin = SandboxLimits(wall_s=30, cpu_s=30)
+    busy = [asyncio.ensure_future(pool.run("while 1: pass", limits=spin)) for _ in range(2)]
+    print(pool.tmp_dir.name, (await pool.run("print(1)")).status, flush=True)
+    if how == "close":
+        await pool.close()
+        await asyncio.gather(*busy, return_exceptions=True)
+asyncio.run(main(int(sys.argv[1]), sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_host_cgroups_a_pool_closed_or_dropped_leaves_no_cgroup_in_any_hierarchy(how):
+    # A pool never closed (dropped, or left at interpreter exit) removed its cgroups while its zygotes still ran in
+    # <cpu>/prime-sandbox/<pool>/zygotes: that directory and the pool's stayed, the stale cgroups of the cpu hierarchy.
+    probe, why = cgroups.Cgroups.detect(stale.owned_name(f"probe{os.getpid()}"))
+    if probe is None:
+        pytest.skip(f"no cgroups here: {why}")
+    probe.close()
+    base = SESSION_UIDS + 4_760_000 + 1_000 * (how == "drop")
+    argv = [sys.executable, "-c", POOL_LIFE, str(base), how]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    name, status = out.stdout.split()
+    assert status == "ok", out.stdout
+    find = ["find", "/sys/fs/cgroup", "-path", "*prime-sandbox*", "-name", f"*{name}*"]
+    left = subprocess.run(find, capture_output=True, text=True, timeout=60).stdout.split()
+    for d in sorted(left, key=len, reverse=True):  # not to pile up on the host when it fails
+        with contextlib.suppress(OSError):
+            for sub in Path(d).iterdir():
+                if sub.is_dir():
+                    sub.rmdir()
+            Path(d).rmdir()
+    assert left == [], left
+    assert_no_sandbox_processes(span=uid_span(base, 4))
+
+
+def _stale_command(*args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "prime_orchestrator.sandbox.stale", "--ownerless", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_host_cgroups_ownerless_cgroups_go_by_hand_and_never_one_holding_a_process():
+    # Cgroups without an owner in their name (pools before owners were named, other tools) are never swept: an
+    # operator removes them with a command, which keeps every one with a process anywhere in its pool's cgroups (a
+    # live pool of before: its zygotes in its CPU cgroup, its memory and pids cgroups empty) or with its folder.
+    probe, why = cgroups.Cgroups.detect(stale.owned_name(f"probe{os.getpid()}"))
+    if probe is None:
+        pytest.skip(f"no cgroups here: {why}")
+    parents = [p.parent.parent / f"prime-stale-test{os.getpid()}" for p in probe.parents.values()]
+    probe.close()
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    names = {k: f"prime-sandbox-{k}{os.getpid()}" for k in ("old", "busy", "folder")}
+    owned = f"prime-sandbox-x{os.getpid()}.{os.getpid()}-1-{namespace}"
+    planted = [p / n / "s0" for p in parents for n in (*names.values(), owned)]
+    for d in planted:
+        d.mkdir(parents=True)
+    folder = Path(tempfile.gettempdir()) / names["folder"]
+    folder.mkdir()
+    sleeper = subprocess.Popen(["sleep", "120"])
+    try:
+        busy = parents[-1] / names["busy"] / "s0"
+        (busy / "cgroup.procs").write_text(str(sleeper.pid))
+        under = [arg for p in parents for arg in ("--under", str(p))]
+        listed = _stale_command(*under)
+        assert listed.returncode == 0 and all(d.is_dir() for d in planted), listed
+        lines = sorted(line.split(":")[0] for line in listed.stdout.splitlines())
+        assert lines == sorted(f"{s} {names[k]}" for s, k in (("empty", "old"), ("kept", "busy"), ("kept", "folder")))
+        removed = _stale_command("--remove", *under)
+        assert removed.returncode == 0, removed
+        assert f"removed {names['old']}: {len(parents)}" in removed.stdout, removed.stdout
+        assert not any((p / names["old"]).exists() for p in parents)
+        kept = [d for d in planted if names["old"] not in str(d)]
+        assert all(d.is_dir() for d in kept), [d for d in kept if not d.is_dir()]
+        help_ = subprocess.run([sys.executable, "-m", "prime_orchestrator.sandbox.stale", "--help"], timeout=60)
+        assert help_.returncode == 0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        folder.rmdir()
+        for parent in parents:
+            for d, _, _ in os.walk(parent, topdown=False):
+                for _ in range(100):  # the sleeper, killed, may hold its cgroup a moment
+                    try:
+                        Path(d).rmdir()
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        time.sleep(0.02)
+                        continue
+                    break

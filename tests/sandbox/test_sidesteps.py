@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest, TestCase
+from prime_orchestrator.sandbox.supervisor import CpuClock
 
 from tests.sandbox.conftest import assert_no_sandbox_processes, assert_serving, own_pool, run
 
@@ -66,8 +67,11 @@ def test_limits_cpu_time_counts_every_process_together(sandbox, width, wait):
     limits = SandboxLimits(wall_s=60, cpu_s=1)
     result = run(sandbox, CPU_HANDOFF.format(width=width, wait=wait), limits=limits)
     assert result.status == "timeout" and "CPU time limit of 1.0 s exceeded" in result.reason, result
+    # Found past the budget one read late at most. What they spent in all (cpu_s) runs on until the kill lands: on a
+    # host loaded beside the tests it was over this bound once (the namespace's init, killed, waits for a CPU to go).
     cpus = len(os.sched_getaffinity(0))
-    assert 1.0 <= result.cpu_s <= 1.05 + 0.005 * cpus + 0.1, result.cpu_s  # the budget, one read late at most
+    bound = 1 + CpuClock.GRACE_S + CpuClock.MIN_CHECK_S * cpus + 0.1
+    assert 1.0 <= result.cpu_detected_s <= min(bound, result.cpu_s), result
     assert_no_sandbox_processes(grace_s=2)
     within = run(sandbox, CPU_HANDOFF.replace("range(8)", "range(1)").format(width=1, wait=True), limits=limits)
     assert (within.status, within.stdout) == ("ok", "spent 0.8\n"), within  # under the budget: untouched
@@ -78,8 +82,6 @@ def test_limits_no_process_meets_its_own_cpu_limit_under_the_budget(sandbox):
     # Before: RLIMIT_CPU was the budget itself (1 s), which the kernel compares with utime+stime sampled at its ticks,
     # not the precise time the budget counts: on a loaded VM the sample ran ahead, and the "within" child above,
     # burning 0.8 s of process_time, ended at 0.77 s of CPU without writing; its parent waited for the wall limit.
-    from prime_orchestrator.sandbox.supervisor import CpuClock
-
     if sandbox.pool._cgroups is None or not getattr(sandbox.pool._cgroups, "counts_cpu", True):
         pytest.skip("no cgroup CPU counter on this host: RLIMIT_CPU is the only limit (the pool says so)")
     code = "import resource; print(*resource.getrlimit(resource.RLIMIT_CPU))"
@@ -94,8 +96,6 @@ def test_limits_no_process_meets_its_own_cpu_limit_under_the_budget(sandbox):
     ids=["v2", "v1"],
 )
 def test_limits_the_cpu_counter_of_either_cgroup_version_reads_as_seconds(tmp_path, counter, seconds):
-    from prime_orchestrator.sandbox.supervisor import CpuClock
-
     path = tmp_path / "counter"
     path.write_bytes(b"0\n" if counter[:1].isdigit() else b"usage_usec 0\n")
     fd = os.open(path, os.O_RDONLY)

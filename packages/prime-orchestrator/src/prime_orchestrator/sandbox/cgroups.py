@@ -25,9 +25,15 @@ import contextlib
 import errno
 import os
 import resource
+import time
 from pathlib import Path
 
+from prime_orchestrator.sandbox.stale import holds_processes
+
 MIB = 1 << 20
+CLOSE_WAIT_S = 2.0
+"""How long :meth:`Cgroups.close` waits for the pool's processes to leave its cgroups: a killed zygote's supervisors
+die of PDEATHSIG after it, and a process in ``exit()`` still holds its cgroup (rmdir: EBUSY) after its pipes closed."""
 FDS_PER_KEY = 8
 """Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
 (v1: memory, pids, cpuacct, cpu), v1's memory peak and OOM eventfd, the CPU usage counter and the memory usage (see
@@ -303,10 +309,18 @@ class Cgroups:
         if key not in self._oom_events:
             self._oom_events[key] = self._watch_oom(self._dirs(key)["memory"])
         fd = self._oom_events[key]
-        if fd is not None:
+        # A workspace's executions may run together, sharing its cgroup and this eventfd: while one runs, the count
+        # is its own (an execution entering emptied it before its supervisor saw it, and that one's processes
+        # waited at the limit until its wall limit). Each supervisor seeing it ends its own: the workspace's memory
+        # is theirs together, as v2's memory.oom.group kills all of them.
+        if fd is not None and not (key.startswith("w") and self.pids(key)):
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(fd)
         return fd
+
+    def watches_oom(self, key: str) -> bool:
+        """Whether :meth:`oom_event` gave the key an eventfd (without emptying it again)."""
+        return self._oom_events.get(key) is not None
 
     def _watch_oom(self, mem: Path) -> int | None:
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -420,9 +434,13 @@ class Cgroups:
                 d.rmdir()
 
     def close(self) -> None:
-        """Remove the pool's cgroups (those still holding a process stay, and the next pool's start says so)."""
+        """Remove the pool's cgroups once its processes are gone (the zygotes killed first; waited for up to
+        :data:`CLOSE_WAIT_S`); those still holding a process stay, and a later pool's start sweeps them."""
         for key in {*self._procs, *self._cpu, *self._usage, *self._oom_events}:
             self._close_fds(key)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while any(holds_processes(d) for d in self.dirs()) and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self.cpu_parent is not None and self.cpu_parent not in self.parents.values():
             for d in (self.cpu_parent / "zygotes", self.cpu_parent, self.cpu_parent.parent):
                 with contextlib.suppress(OSError):

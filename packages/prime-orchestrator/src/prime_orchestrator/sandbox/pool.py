@@ -71,6 +71,14 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
+def _abandon(zygotes: list[Zygote | None], cgroups: Cgroups) -> None:
+    """A pool's teardown when it was never closed: its zygotes were alive in its CPU cgroup, which stayed."""
+    for z in zygotes:
+        if z is not None:
+            z.kill()
+    cgroups.close()
+
+
 @dataclass
 class _Job:
     request: ExecRequest
@@ -109,8 +117,8 @@ class SandboxPool:
         self.unenforced: list[str] = []
         self._seccomp = self._compile_filter()
         self._cgroups = self._make_cgroups()
-        if self._cgroups is not None:
-            weakref.finalize(self, self._cgroups.close)
+        if self._cgroups is not None:  # a pool never closed (dropped, or left at exit): its zygotes first
+            weakref.finalize(self, _abandon, self._zygotes, self._cgroups)
         self._leases = Leases(c.max_concurrency, self.uid_base, self._cgroups)
         self._workspaces: dict[str, Workspace] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -334,7 +342,7 @@ class SandboxPool:
                 "workspace": ws.name if ws else None,
                 "stdin": request.stdin is not None,
                 "cpu_usage": self._cgroups is not None and self._cgroups.counts_cpu,
-                "oom_event": self._cgroups is not None and self._cgroups.oom_event(job.lease.cgroup) is not None,
+                "oom_event": self._cgroups is not None and self._cgroups.watches_oom(job.lease.cgroup),
                 "program": job.relay is not None,
                 "listen": job.relay.ports if job.relay is not None else [],
             }
@@ -483,9 +491,9 @@ class SandboxPool:
         for z in self._zygotes:
             if z is not None:
                 await asyncio.to_thread(z.kill)
-        self._zygotes = [None] * self._num_zygotes
+        self._zygotes[:] = [None] * self._num_zygotes  # in place: the finalizer holds this list
         if self._tasks:  # each ends once its execution is reaped: the zygotes' deaths took their supervisors
             await asyncio.wait(list(self._tasks), timeout=15)
-        if self._cgroups is not None:
-            self._cgroups.close()
+        if self._cgroups is not None:  # off the loop: it waits for the killed zygotes' supervisors to be gone
+            await asyncio.to_thread(self._cgroups.close)
         shutil.rmtree(self.tmp_dir, ignore_errors=True)

@@ -106,6 +106,10 @@ class ExecResult(BaseModel):
     """CPU time (user + system) of the execution's processes."""
     max_rss_mb: float = 0.0
     """Peak resident memory of the largest process."""
+    cpu_detected_s: float | None = None
+    """The CPU time of the execution's processes together that its supervisor read when it found them past the CPU
+    budget (then it killed them: ``timeout``, "... exceeded (all its processes)"); None otherwise, and where the pool
+    has no cgroup CPU counter. ``cpu_s`` is what they spent until the kill took them, higher on a loaded host."""
     supervisor_cpu_s: float = 0.0
     """CPU time of the execution's trusted supervisor (sandbox overhead, for capacity planning)."""
     memory_peak_mb: float | None = None

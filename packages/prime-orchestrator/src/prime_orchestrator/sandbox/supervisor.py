@@ -126,6 +126,7 @@ class CpuClock:
         self.budget = max(1, math.ceil(cpu_s)) + self.GRACE_S
         self.cpus = max(1, len(os.sched_getaffinity(0)))
         self.base = self._read()
+        self.detected: float | None = None  # what was read when the budget was found spent (the verdict's)
 
     def _read(self) -> float:
         data = os.pread(self.fd, 4096, 0)
@@ -193,8 +194,11 @@ def _execute(
     # What the runner reaped is in its rusage; what it left to the namespace's end (orphans) only in the cgroup's.
     cpu_s = max(usage.ru_utime + usage.ru_stime, cpu.used() if cpu else 0.0)
     if breach is None and cpu is not None and cpu_s > cpu.budget:  # spent between the last read and the end
-        breach = "cpu"
-    return _verdict(req["limits"], streams, breach, status, usage, time.monotonic() - start, cpu_s)
+        breach, cpu.detected = "cpu", cpu_s
+    verdict = _verdict(req["limits"], streams, breach, status, usage, time.monotonic() - start, cpu_s)
+    if breach == "cpu" and cpu is not None:
+        verdict["cpu_detected_s"] = cpu.detected
+    return verdict
 
 
 def _drain(
@@ -226,7 +230,7 @@ def _drain(
         if now >= next_cpu:
             used = cpu.used()
             if used > cpu.budget:
-                breach = "cpu"
+                breach, cpu.detected = "cpu", used
                 break
             next_cpu = cpu.next_read(now, used)
         for fd, _ in poller.poll(min(left, next_cpu - now) * 1000):
