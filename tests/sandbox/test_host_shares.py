@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prime_core.config.sandbox import SandboxLimits
 
-from tests.sandbox.conftest import assert_serving, own_pool, run, sandbox_pids
+from tests.sandbox.conftest import SESSION_UIDS, assert_serving, own_pool, run, sandbox_pids
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 MEMLOCK_KB = 64  # the runner's RLIMIT_MEMLOCK
@@ -137,7 +137,7 @@ def test_host_file_pages_locked_in_memory_are_bounded():
         resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     try:
         with own_pool(uid_base=370_000) as client, ThreadPoolExecutor(1) as ex:
-            span = range(370_001, 370_100)
+            span = range(SESSION_UIDS + 370_001, SESSION_UIDS + 370_100)  # own_pool's uids
             future = ex.submit(run, client, LOCK_HOST_PAGES, limits=SandboxLimits(wall_s=60, cpu_s=60, memory_mb=256))
             while not future.done() and (runner := _waiting_runner(span)) is None:
                 time.sleep(0.01)

@@ -13,7 +13,7 @@ import pytest
 from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox import ExecRequest
 
-from tests.sandbox.conftest import assert_no_sandbox_processes, own_pool, uid_span
+from tests.sandbox.conftest import SESSION_UIDS, assert_no_sandbox_processes, own_pool, uid_span
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 HANG_S = 2.0
@@ -43,7 +43,7 @@ def test_a_hung_zygote_is_replaced_within_its_bound():
         assert after.executions_completed == before.executions_completed + 1
         assert after.sandbox_errors == before.sandbox_errors + 1
         assert pool._zygotes[0].proc.pid != zygote
-        assert_no_sandbox_processes(span=range(364_001, uid_span(364_000, 8).stop))
+        assert_no_sandbox_processes(span=range(SESSION_UIDS + 364_001, uid_span(SESSION_UIDS + 364_000, 8).stop))
 
 
 def test_a_dead_zygote_is_replaced_and_counted(sandbox):
