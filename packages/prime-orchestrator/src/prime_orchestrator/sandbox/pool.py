@@ -31,7 +31,7 @@ from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY, Cgroups, lift_open_files
 from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
 from prime_orchestrator.sandbox.liveness import REAP_WAIT_S, PoolProgress
-from prime_orchestrator.sandbox.relay import Relay
+from prime_orchestrator.sandbox.relay import HOST_FDS, Relay
 from prime_orchestrator.sandbox.schemas import (
     ExecRequest,
     ExecResult,
@@ -144,6 +144,7 @@ class SandboxPool:
         if cgroups is None:
             self.unenforced.append(f"{what} ({why}); RLIMIT_AS, RLIMIT_CPU per process and sized tmpfs still apply")
             return None
+        cgroups.limit_total(self.config.total_memory_mb)
         if not cgroups.counts_cpu:
             self.unenforced.append("CPU time of an execution's processes together (no cgroup v1 cpuacct hierarchy)")
         if cgroups.cpu_parent is None:
@@ -154,7 +155,7 @@ class SandboxPool:
         # Every slot's and workspace's cgroup files stay open: under a soft limit of 1024 a pool of ~300 slots
         # failed its executions once enough slots had been used, well into a run.
         keys = self.config.max_concurrency + NUM_WORKSPACES
-        if short := lift_open_files(FDS_PER_KEY * keys + OTHER_FDS):
+        if short := lift_open_files(FDS_PER_KEY * keys + HOST_FDS * self.config.max_concurrency + OTHER_FDS):
             logger.warning(
                 "sandbox pool: %s, and its cgroups keep %d per slot and workspace (%d slots, up to %d workspaces): "
                 "raise `ulimit -n` or lower pool.max_concurrency", short, FDS_PER_KEY, self.config.max_concurrency,
@@ -308,16 +309,19 @@ class SandboxPool:
         raw["memory_peak_mb"] = self._cgroups.peak_mb(key)
         if raw.get("exit_code") == -9 and raw["status"] == "error" and self._cgroups.oom_killed(key):
             raw.update(status="memory_limit", reason=f"memory limit of {job.limits.memory_mb} MB exceeded")
+        if raw["status"] == "memory_limit" and (why := self._cgroups.total_reason(key)):
+            raw["reason"] = f"{why} exceeded"
 
     def _enter_cgroups(self, job: _Job) -> None:
         """Set the slot's limits; its descriptors for the execution: ``cgroup.procs`` (the runner joins them), then
-        the CPU counter and the OOM eventfd (the supervisor's, sent last, in that order: see :meth:`_body`)."""
+        the CPU counter, the OOM eventfd and the memory usage (the supervisor's, sent last, in that order)."""
         if self._cgroups is None:
             return
         limits, key = job.limits, job.lease.cgroup
         mb = limits.memory_mb + (job.lease.workspace.disk_mb if job.lease.workspace else limits.disk_mb)
         job.cgroup_fds = [*self._cgroups.enter(key, mb, limits.processes)]
-        job.cgroup_fds += [fd for fd in (self._cgroups.cpu_fd(key), self._cgroups.oom_event(key)) if fd is not None]
+        oom = (self._cgroups.cpu_fd(key), self._cgroups.oom_event(key), self._cgroups.oom_usage(key))
+        job.cgroup_fds += [fd for fd in oom if fd is not None]
 
     def _body(self, job: _Job) -> bytes:
         self._enter_cgroups(job)
@@ -335,6 +339,7 @@ class SandboxPool:
                 "stdin": request.stdin is not None,
                 "cpu_usage": self._cgroups is not None and self._cgroups.counts_cpu,
                 "oom_event": self._cgroups is not None and self._cgroups.oom_event(job.lease.cgroup) is not None,
+                "oom_limit": self._cgroups.oom_limit(job.lease.cgroup) if self._cgroups is not None else None,
                 "program": job.relay is not None,
                 "listen": job.relay.ports if job.relay is not None else [],
             }

@@ -1,0 +1,123 @@
+"""Red-team attacks on harness program executions (``SandboxPool.execute(..., routes=...)``, the ``sandbox_pool``
+runtime's ``run_program``): what a reward-hacking policy's bash commands, run inside the program's execution, and a
+hostile environment could do to the host, the pool and the rollout. Each test asserts the host-side outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from prime_core.config.sandbox import SandboxLimits
+from prime_orchestrator.sandbox import ExecRequest
+
+from tests.sandbox.conftest import own_pool
+
+pytestmark = [pytest.mark.xdist_group("sandbox"), pytest.mark.timeout(300)]
+
+HOLD = "import time\nb = bytearray({mb} << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\ntime.sleep({s})\nprint('held')\n"
+
+
+def _together(client, requests: list[ExecRequest]):
+    async def main():
+        return await asyncio.gather(*(client.execute(r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def test_executions_together_cannot_hold_more_than_the_pools_memory_limit():
+    """Before: nothing bounded the executions of a pool together but ``max_concurrency × memory_mb`` (256 × 2 GiB of
+    program_limits, past any host's RAM): 8 executions of 256 MB held 1,853 MB at once, all ``ok``. Now the pool's
+    cgroup bounds them (``total_memory_mb``, 512 here): 3 executions hold 100 MB each, a fourth grows to 230 MB (all
+    under their own 256 MB); the kernel kills the largest and that execution ends as ``memory_limit`` in one line
+    naming the pool's field, while the 3 others, which v1 signals too (every eventfd of the subtree), go on ``ok``:
+    before that was told apart, all 4 ended ``memory_limit``. None waits at the limit."""
+    limits = SandboxLimits(wall_s=30, cpu_s=30, memory_mb=256, disk_mb=8)
+    calm = ExecRequest(code=HOLD.format(mb=100, s=4), limits=limits)
+    hog = ExecRequest(code="import time\ntime.sleep(1)\n" + HOLD.format(mb=230, s=2), limits=limits)
+    with own_pool(uid_base=4_800_000, max_concurrency=4, total_memory_mb=512) as client:
+        *calms, hogged = _together(client, [calm, calm, calm, hog])
+        assert [r.status for r in calms] == ["ok"] * 3, calms
+        assert hogged.status == "memory_limit", hogged
+        assert hogged.reason == (
+            "the pool's memory limit of 512 MB for all its executions together (total_memory_mb) exceeded"
+        )
+        after = _together(client, [ExecRequest(code="print(1)", limits=limits)] * 4)  # the slots serve again
+        assert [r.stdout for r in after] == ["1\n"] * 4, after
+
+
+class Service:
+    """A route's server on the host's 127.0.0.1: answers ``pong`` to a ``ping`` line, counts what it accepted and holds
+    open."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.open = 0
+
+    async def __aenter__(self) -> Service:
+        async def serve(reader, writer):
+            self.accepted += 1
+            self.open += 1
+            try:
+                while line := await reader.readline():
+                    if line.strip() == b"ping":
+                        writer.write(b"pong\n")
+                        await writer.drain()
+            except OSError:
+                pass
+            finally:
+                self.open -= 1
+                writer.close()
+
+        self._server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+HOLDER = """
+import socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+held = []
+for _ in range(n):
+    s = socket.create_connection(('127.0.0.1', port), timeout=5); s.sendall(b'x'); held.append(s)
+time.sleep(0.5)
+s = socket.create_connection(('127.0.0.1', port), timeout=5); s.settimeout(3)
+try:
+    s.sendall(b'ping\\n'); print('model call:', s.recv(10).decode().strip() or 'closed')
+except OSError as e:
+    print('model call:', type(e).__name__)
+"""
+
+
+def test_connections_held_by_the_code_are_capped_refused_past_the_cap_and_leave_no_descriptor():
+    """The model's command holds 40 connections to the route (a process left in the background would), then the
+    harness makes its model call. Before: the relay took 32, the rest waited in the listener's backlog, and the model
+    call got no answer (3 s here; in a rollout, its HTTP timeout or the program's 900 s wall limit, the slot held
+    throughout). Now past the 32 a connection is reset at once: the call fails fast, the route's server saw 32
+    connections, and the pool's process holds no more descriptors after the execution than before it."""
+    limits = SandboxLimits(wall_s=20, cpu_s=20)
+    with own_pool(uid_base=4_810_000, max_concurrency=1) as client:
+
+        async def main():
+            async with Service() as svc:
+                request = ExecRequest(argv=["python3", "-c", HOLDER, str(svc.port), "40"], limits=limits)
+                await client.execute(request, routes=[svc.port])  # the slot's cgroup files, kept open, now open
+                await asyncio.sleep(0.2)
+                svc.accepted, before = 0, _fds()
+                result = await client.execute(request, routes=[svc.port])
+                while svc.open:  # the pool closed its ends; the server here closes its own once it reads the EOF
+                    await asyncio.sleep(0.05)
+                return svc, result, before, _fds()
+
+        svc, result, before, after = asyncio.run(main())
+    assert result.status == "ok", result
+    assert result.stdout in ("model call: closed\n", "model call: ConnectionResetError\n"), result.stdout
+    assert svc.accepted == 32
+    assert after == before
