@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits
@@ -121,3 +122,120 @@ def test_connections_held_by_the_code_are_capped_refused_past_the_cap_and_leave_
     assert result.stdout in ("model call: closed\n", "model call: ConnectionResetError\n"), result.stdout
     assert svc.accepted == 32
     assert after == before
+
+
+HARNESS = """
+import os, subprocess, sys
+import httpx  # what the real harness imports, from the offered packages
+print('harness imports', httpx.__file__)
+command = r'''
+echo "openai = 'shadowed'" > /work/httpx.py; mkdir -p /work/openai; echo "x = 1" > /work/openai/__init__.py
+cat /proc/$PPID/cmdline 2>/dev/null && echo READ-ARGV
+env | grep -q the-secret && echo READ-ENV
+touch /opt/prime/site-packages/httpx.py 2>/dev/null && echo WROTE-PACKAGES
+echo "import sys; sys.exit(0)" > /work/sitecustomize.py
+echo command-done
+'''
+print(subprocess.run(['sh', '-c', command], capture_output=True, text=True, env={'PYTHONPATH': '/work'}).stdout)
+print(subprocess.run([sys.executable, '-I', '-S', '-c', 'import site, sys; site.addsitedir(%r); import httpx;'
+                      'print(httpx.__file__)' % '/opt/prime/site-packages'], capture_output=True, text=True,
+                     env={'PYTHONPATH': '/work'}, cwd='/work').stdout)
+"""
+
+
+def test_the_models_commands_cannot_read_the_harness_secret_or_shadow_its_packages():
+    """The harness (a PEP 723 script run as programs.program_argv runs it, the interception secret in its argv, as
+    verifiers passes it) runs a command as the model's would: no /proc (argv unreadable), no secret in its
+    environment, /opt/prime/site-packages read-only, and modules it leaves in /work (``httpx.py``, a
+    ``sitecustomize.py``, with PYTHONPATH) do not shadow what a harness started the same way imports."""
+    from prime_orchestrator.sandbox import programs
+
+    argv = programs.program_argv("python3", "/work/h.py")
+    script = f"cat > /work/h.py <<'EOF'\n{HARNESS}\nEOF\nexec {shlex.join(argv)} --api-key=the-secret"
+    limits = SandboxLimits(wall_s=20, cpu_s=20)
+    with own_pool(uid_base=4_820_000, max_concurrency=1) as client:
+
+        async def main():
+            return await client.execute(ExecRequest(argv=["sh", "-c", script], limits=limits), routes=[])
+
+        result = asyncio.run(main())
+    assert result.status == "ok", result
+    lines = result.stdout.split()
+    assert "command-done" in lines and not {"READ-ARGV", "READ-ENV", "WROTE-PACKAGES"} & set(lines), result.stdout
+    assert [line for line in lines if line.endswith(".py")] == ["/opt/prime/site-packages/httpx/__init__.py"] * 2
+
+
+def test_a_flood_of_the_programs_output_ends_it_in_one_line_within_the_cap():
+    """A command floods the harness's stdout (20 MiB, its children share it): the execution ends as
+    ``output_limit`` in one line, and what comes back to the host is within the cap."""
+    limits = SandboxLimits(wall_s=20, cpu_s=20, output_bytes=1 << 20)
+    with own_pool(uid_base=4_830_000, max_concurrency=1) as client:
+
+        async def main():
+            flood = ExecRequest(argv=["sh", "-c", "head -c 20000000 /dev/zero | tr '\\0' x; sleep 30"], limits=limits)
+            return await client.execute(flood, routes=[])
+
+        result = asyncio.run(main())
+    assert (result.status, result.reason) == ("output_limit", f"stdout+stderr over {1 << 20} bytes"), result.reason
+    assert len(result.stdout) + len(result.stderr) <= 1 << 20
+
+
+async def _relay_tasks() -> int:
+    await asyncio.sleep(0)
+    return sum(1 for t in asyncio.all_tasks() if t.get_coro().__qualname__.startswith("Relay."))
+
+
+STAY = """
+import socket, sys, time
+s = socket.create_connection(('127.0.0.1', int(sys.argv[1]))); s.sendall(b'x')
+l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen()
+print('holding', flush=True)
+time.sleep(60)
+"""
+AFTER = """
+import os, socket, sys
+try:
+    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=2); print('REACHED')
+except OSError as e:
+    print('unreachable', e.errno)
+l = socket.socket(); l.bind(('127.0.0.1', 0)); l.listen()
+try:
+    socket.create_connection(l.getsockname(), timeout=2); print('LOOPBACK')
+except OSError as e:
+    print('no loopback', e.errno)
+print(os.listdir('/opt/prime/site-packages'))
+"""
+
+
+def test_a_program_killed_at_its_wall_limit_leaves_nothing_and_its_slot_comes_back_bare():
+    """A program holding a relayed connection and a listener of its own is killed at its wall limit: no relay task,
+    no descriptor of the pool's process and no connection to the route's server remain, and the next execution of
+    the same (only) slot, an ordinary one, has no loopback, reaches nothing and sees no offered packages."""
+    import errno
+
+    limits = SandboxLimits(wall_s=1, cpu_s=1)
+    with own_pool(uid_base=4_840_000, max_concurrency=1) as client:
+
+        async def main():
+            async with Service() as svc:
+                ok = SandboxLimits(wall_s=20, cpu_s=20)
+                await client.execute(ExecRequest(code="pass", limits=ok), routes=[svc.port])  # cgroup files open
+                before = _fds()
+                killed = await client.execute(
+                    ExecRequest(argv=["python3", "-c", STAY, str(svc.port)], limits=limits), routes=[svc.port]
+                )
+                while svc.open:
+                    await asyncio.sleep(0.05)
+                tasks = await asyncio.wrap_future(client.call(_relay_tasks()))
+                fds = _fds()
+                after = await client.execute(ExecRequest(argv=["python3", "-c", AFTER, str(svc.port)], limits=ok))
+                return killed, tasks, before, fds, after, svc.accepted
+
+        killed, tasks, before, fds, after, accepted = asyncio.run(main())
+    assert (killed.status, killed.stdout) == ("timeout", "holding\n"), killed
+    assert (tasks, fds, accepted) == (0, before, 1)
+    assert after.stdout.split("\n")[:3] == [
+        f"unreachable {errno.ENETUNREACH}",
+        f"no loopback {errno.ENETUNREACH}",
+        "[]",
+    ], after.stdout
