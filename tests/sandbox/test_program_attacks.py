@@ -87,10 +87,13 @@ import socket, sys, time
 port, n = int(sys.argv[1]), int(sys.argv[2])
 held = []
 for _ in range(n):
-    s = socket.create_connection(('127.0.0.1', port), timeout=5); s.sendall(b'x'); held.append(s)
+    try:  # past the relay's cap, reset
+        s = socket.create_connection(('127.0.0.1', port), timeout=5); held.append(s); s.sendall(b'x')
+    except OSError:
+        pass
 time.sleep(0.5)
-s = socket.create_connection(('127.0.0.1', port), timeout=5); s.settimeout(3)
 try:
+    s = socket.create_connection(('127.0.0.1', port), timeout=5); s.settimeout(3)
     s.sendall(b'ping\\n'); print('model call:', s.recv(10).decode().strip() or 'closed')
 except OSError as e:
     print('model call:', type(e).__name__)
@@ -119,7 +122,7 @@ def test_connections_held_by_the_code_are_capped_refused_past_the_cap_and_leave_
 
         svc, result, before, after = asyncio.run(main())
     assert result.status == "ok", result
-    assert result.stdout in ("model call: closed\n", "model call: ConnectionResetError\n"), result.stdout
+    assert result.stdout.split(": ")[1].strip() in ("closed", "ConnectionResetError", "BrokenPipeError"), result
     assert svc.accepted == 32
     assert after == before
 
@@ -239,3 +242,39 @@ def test_a_program_killed_at_its_wall_limit_leaves_nothing_and_its_slot_comes_ba
         f"no loopback {errno.ENETUNREACH}",
         "[]",
     ], after.stdout
+
+
+CYCLES = """
+import socket, sys
+port = int(sys.argv[1])
+for _ in range(40):
+    socket.create_connection(('127.0.0.1', port), timeout=5).close()
+half = []
+for _ in range(10):  # half-open: a ping, then its write side shut, its replies never read
+    s = socket.create_connection(('127.0.0.1', port), timeout=5); s.sendall(b'ping\\n' * 1000)
+    s.shutdown(socket.SHUT_WR); half.append(s)
+print('done')
+"""
+
+
+def test_connect_close_cycles_and_half_open_connections_leave_no_descriptor():
+    """Connect/close cycles and half-open connections through the relay: once the execution is over the pool's
+    process holds as many descriptors as before and the route's server none. (Quick cycles stall the code's own
+    connects 1 s every ~18, SYNs retransmitted past the listener's backlog of 16, and some never reach the server;
+    the pool's process spent 0.07 s of CPU on 300 in 12 s: its own execution's wall time, nobody else's.)"""
+    limits = SandboxLimits(wall_s=20, cpu_s=20)
+    with own_pool(uid_base=4_850_000, max_concurrency=1) as client:
+
+        async def main():
+            async with Service() as svc:
+                await client.execute(ExecRequest(code="pass", limits=limits), routes=[svc.port])  # cgroup files open
+                before = _fds()
+                request = ExecRequest(argv=["python3", "-c", CYCLES, str(svc.port)], limits=limits)
+                result = await client.execute(request, routes=[svc.port])
+                while svc.open:
+                    await asyncio.sleep(0.05)
+                return result, before, _fds(), svc.accepted
+
+        result, before, after, accepted = asyncio.run(main())
+    assert (result.status, result.stdout) == ("ok", "done\n"), result
+    assert after == before and 10 <= accepted <= 50
