@@ -62,6 +62,11 @@ class SandboxPoolConfig(BaseConfig):
     hang_timeout_s: float = Field(default=20.0, gt=0, le=600)
     """Seconds a zygote may fork nothing while requests wait before it is declared hung, killed and replaced (its
     unforked requests are retried once on the replacement; its running executions end as ``sandbox_error``)."""
+    total_memory_mb: int | None = Field(default=None, ge=32)
+    """Memory (processes and files) all of this pool's executions may hold together, by the pool's cgroup: past it
+    the kernel kills the largest of their processes and the running executions end as ``memory_limit``, naming this
+    field. None: half of the host's memory, the cap every pool of the host shares anyway (``max_concurrency ×
+    memory_mb`` alone goes past any host's memory). Needs the cgroups (``cgroups``)."""
     seccomp: bool = True
     """Filter every execution's system calls (an allowlist, see docs/sandboxes.md; needs libseccomp2 on the host).
     Off only for measuring what the filter costs."""

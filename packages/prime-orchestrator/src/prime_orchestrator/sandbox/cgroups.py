@@ -28,6 +28,7 @@ import resource
 import time
 from pathlib import Path
 
+from prime_orchestrator.sandbox.memcap import limit_memory, memory_cap, memory_files
 from prime_orchestrator.sandbox.stale import holds_processes
 
 MIB = 1 << 20
@@ -130,6 +131,9 @@ def _make_dir(path: Path, version: int) -> None:
             shared.mkdir(exist_ok=True)
             if (shared / "pids.max").exists() and (cap := task_cap()) is not None:
                 (shared / "pids.max").write_text(str(cap))
+            if memory_files(shared) and (memory := memory_cap()) is not None:
+                with contextlib.suppress(OSError):  # EBUSY: the pools already hold more (the cap is the same for all)
+                    limit_memory(shared, memory)
             if version == 2:
                 (shared / "cgroup.subtree_control").write_text("+memory +pids")
                 with contextlib.suppress(OSError):
@@ -153,6 +157,7 @@ class Cgroups:
         # This pool's directory in the CPU controller's hierarchy, where its zygotes run (see place_zygote)
         self.cpu_parent = cpu_parent
         self._limits: dict[str, tuple[int, int]] = {}
+        self.total_mb: int | None = None  # see limit_total
         self._ooms: dict[str, int] = {}
         # Per key, kept open: its cgroup.procs descriptors (sent to each runner) and its peak counter (v1). Opening
         # cgroup files is the costly part (about 0.1 ms each), and a slot serves one execution after another.
@@ -223,6 +228,24 @@ class Cgroups:
             cls(version, parents).close()
             return None, f"cannot create {next(iter(parents.values()))} ({e.strerror})"
         return cls(version, parents, cpu_parent), ""
+
+    def limit_total(self, mb: int | None) -> None:
+        """Bound the memory of this pool's executions together to ``mb`` (``SandboxPoolConfig.total_memory_mb``; None:
+        only the host-wide :func:`memory_cap`). Past it, the kernel's OOM killer of this pool's cgroup (left on here,
+        off in each slot's: see :meth:`oom_event`) kills the largest process of the pool's executions, and every
+        slot's OOM eventfd fires (v1 tells the whole subtree): a supervisor ends its execution only where its own
+        slot is at its own limit (:meth:`oom_usage`); the others go on. Nothing waits at the limit."""
+        self.total_mb = mb
+        if mb is not None:
+            limit_memory(self.parents["memory" if self.version == 1 else ""], mb * MIB)
+
+    def total_reason(self, key: str) -> str | None:
+        """Why an execution of ``key`` that ended as ``memory_limit`` did: the pool's total (one line naming the
+        field) when the slot stayed under its own limit, else None (its own ``memory_mb``)."""
+        peak, own = self.peak_mb(key), self._limits.get(key, (0, 0))[0] / MIB
+        if self.total_mb is None or peak is None or peak >= own - 1:
+            return None
+        return f"the pool's memory limit of {self.total_mb} MB for all its executions together (total_memory_mb)"
 
     def place_zygote(self, pid: int) -> str:
         """Move a zygote, and so every supervisor it forks, into this pool's ``zygotes`` CPU cgroup (its executions
@@ -321,6 +344,19 @@ class Cgroups:
     def watches_oom(self, key: str) -> bool:
         """Whether :meth:`oom_event` gave the key an eventfd (without emptying it again)."""
         return self._oom_events.get(key) is not None
+
+    def oom_usage(self, key: str) -> int | None:
+        """v1, with :meth:`oom_event`: the key's ``memory.usage_in_bytes`` (kept open), for the supervisor to tell its
+        own limit from the pool's (:meth:`limit_total`): v1 signals an OOM to every eventfd of the cgroup's subtree,
+        and one execution past the pool's limit ended all 4 running beside it (under their own limits)."""
+        if not self.watches_oom(key):
+            return None
+        self.usage(key)
+        return self._usage[key]
+
+    def oom_limit(self, key: str) -> int | None:
+        """The key's memory limit in bytes where :meth:`oom_usage` gives its usage, else None."""
+        return self._limits[key][0] if self.watches_oom(key) and key in self._limits else None
 
     def _watch_oom(self, mem: Path) -> int | None:
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY, Cgroups, lift_open_files
 from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
 from prime_orchestrator.sandbox.liveness import REAP_WAIT_S, PoolProgress
-from prime_orchestrator.sandbox.relay import Relay
+from prime_orchestrator.sandbox.relay import HOST_FDS, Relay
 from prime_orchestrator.sandbox.schemas import (
     ExecRequest,
     ExecResult,
@@ -41,7 +40,7 @@ from prime_orchestrator.sandbox.schemas import (
     parse_test_lines,
 )
 from prime_orchestrator.sandbox.stale import owned_name, sweep
-from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Zygote
+from prime_orchestrator.sandbox.zygotes import ResultPipe, SandboxUnavailable, Zygote, sealed_memfd
 
 __all__ = ["NUM_LEASES", "SandboxPool", "SandboxUnavailable"]
 
@@ -52,23 +51,11 @@ UIDS_PER_PROCESS = 8192  # 1 + max_concurrency + NUM_WORKSPACES fit in it
 # A verdict later than its wall limit plus this is lost: the supervisor enforces the wall limit itself, so this only
 # covers forking and tearing down on an overloaded node. Then the pool kills the supervisor and reaps the execution.
 RESULT_SLACK_S = 30.0
-_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
 def _sandbox_path(python: str) -> str:
     bindir = str(Path(python).resolve().parent)
     return ":".join(dict.fromkeys([bindir, "/usr/local/bin", "/usr/bin", "/bin"]))
-
-
-def _memfd(name: str, data: bytes) -> int:
-    """A sealed memfd holding ``data``: the code reading it as stdin cannot grow it into memory nobody counts."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-    os.lseek(fd, 0, os.SEEK_SET)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    return fd
 
 
 def _abandon(zygotes: list[Zygote | None], cgroups: Cgroups) -> None:
@@ -152,6 +139,7 @@ class SandboxPool:
         if cgroups is None:
             self.unenforced.append(f"{what} ({why}); RLIMIT_AS, RLIMIT_CPU per process and sized tmpfs still apply")
             return None
+        cgroups.limit_total(self.config.total_memory_mb)
         if not cgroups.counts_cpu:
             self.unenforced.append("CPU time of an execution's processes together (no cgroup v1 cpuacct hierarchy)")
         if cgroups.cpu_parent is None:
@@ -162,7 +150,7 @@ class SandboxPool:
         # Every slot's and workspace's cgroup files stay open: under a soft limit of 1024 a pool of ~300 slots
         # failed its executions once enough slots had been used, well into a run.
         keys = self.config.max_concurrency + NUM_WORKSPACES
-        if short := lift_open_files(FDS_PER_KEY * keys + OTHER_FDS):
+        if short := lift_open_files(FDS_PER_KEY * keys + HOST_FDS * self.config.max_concurrency + OTHER_FDS):
             logger.warning(
                 "sandbox pool: %s, and its cgroups keep %d per slot and workspace (%d slots, up to %d workspaces): "
                 "raise `ulimit -n` or lower pool.max_concurrency", short, FDS_PER_KEY, self.config.max_concurrency,
@@ -316,16 +304,17 @@ class SandboxPool:
         raw["memory_peak_mb"] = self._cgroups.peak_mb(key)
         if raw.get("exit_code") == -9 and raw["status"] == "error" and self._cgroups.oom_killed(key):
             raw.update(status="memory_limit", reason=f"memory limit of {job.limits.memory_mb} MB exceeded")
+        if raw["status"] == "memory_limit" and (why := self._cgroups.total_reason(key)):
+            raw["reason"] = f"{why} exceeded"
 
     def _enter_cgroups(self, job: _Job) -> None:
         """Set the slot's limits; its descriptors for the execution: ``cgroup.procs`` (the runner joins them), then
-        the CPU counter and the OOM eventfd (the supervisor's, sent last, in that order: see :meth:`_body`)."""
-        if self._cgroups is None:
-            return
-        limits, key = job.limits, job.lease.cgroup
-        mb = limits.memory_mb + (job.lease.workspace.disk_mb if job.lease.workspace else limits.disk_mb)
-        job.cgroup_fds = [*self._cgroups.enter(key, mb, limits.processes)]
-        job.cgroup_fds += [fd for fd in (self._cgroups.cpu_fd(key), self._cgroups.oom_event(key)) if fd is not None]
+        the CPU counter, the OOM eventfd and the memory usage (the supervisor's, sent last, in that order)."""
+        if (cg := self._cgroups) is not None:
+            key, limits, ws = job.lease.cgroup, job.limits, job.lease.workspace
+            mb = limits.memory_mb + (ws.disk_mb if ws else limits.disk_mb)
+            supervisor_fds = (cg.cpu_fd(key), cg.oom_event(key), cg.oom_usage(key))
+            job.cgroup_fds = [*cg.enter(key, mb, limits.processes), *(fd for fd in supervisor_fds if fd is not None)]
 
     def _body(self, job: _Job) -> bytes:
         self._enter_cgroups(job)
@@ -343,6 +332,7 @@ class SandboxPool:
                 "stdin": request.stdin is not None,
                 "cpu_usage": self._cgroups is not None and self._cgroups.counts_cpu,
                 "oom_event": self._cgroups is not None and self._cgroups.watches_oom(job.lease.cgroup),
+                "oom_limit": self._cgroups.oom_limit(job.lease.cgroup) if self._cgroups is not None else None,
                 "program": job.relay is not None,
                 "listen": job.relay.ports if job.relay is not None else [],
             }
@@ -386,10 +376,10 @@ class SandboxPool:
         hang = self.config.hang_timeout_s
         r, w = os.pipe()
         job.pipe = ResultPipe(r, on_ack=lambda: self._forked(zygote, job))
-        fds = [_memfd("request", body), w]  # these are ours to close; the cgroups' stay open
+        fds = [sealed_memfd("request", body), w]  # these are ours to close; the cgroups' stay open
         try:
             if job.request.stdin is not None:
-                fds.append(_memfd("stdin", job.request.stdin.encode()))
+                fds.append(sealed_memfd("stdin", job.request.stdin.encode()))
             if job.relay is not None and job.relay.ports:
                 fds.append(job.relay.child())  # after stdin's, before the cgroups' (see supervisor.supervise)
             while True:

@@ -8,9 +8,8 @@ of each connection to and from ``127.0.0.1:<port>`` of the host, the same port, 
 the code sends (another Host header, a ``CONNECT``, a request naming another port) reaches the route's server alone,
 which answers it or not. The URL inside is the host's own, so the runtime's ``host_url`` changes nothing.
 
-Bounded: at most :data:`MAX_CONNECTIONS` connections at once (more wait in the listener's backlog, which the kernel
-bounds), each copying :data:`CHUNK` bytes at a time and waiting for the other side to take them (flow control), so
-the host holds at most a few of them per connection however much the code sends or leaves unread. Everything closes
+Bounded: at most :data:`MAX_CONNECTIONS` connections at once (more are refused at once), each copying :data:`CHUNK`
+bytes at a time and waiting for the other side to take them (flow control), so the host holds at most a few of them per connection however much the code sends or leaves unread. Everything closes
 with the execution: the pool calls :meth:`Relay.close` once its verdict is in (or it is killed), before the slot
 is lent again.
 """
@@ -23,10 +22,18 @@ import contextlib
 import json
 import logging
 import socket
+import struct
 
 logger = logging.getLogger(__name__)
 MAX_CONNECTIONS = 32
-"""Connections relayed at once for one execution (an agent loop holds one or two)."""
+"""Connections relayed at once for one execution (an agent loop holds one or two). One more is refused at once (reset):
+queued in the listener's backlog instead, it waited for as long as the code held the 32, and the code (a process the
+model's command left in the background) held them while the harness's next model call waited in that queue for
+its HTTP timeout or the program's wall limit (900 s), the slot held all along."""
+HOST_FDS = 3 * MAX_CONNECTIONS + 2
+"""Descriptors of this process one program execution's relay may hold at most: each connection's two ends here and
+the route server's end where that server runs in this process (verifiers' interception server does), its listener
+and its socketpair. The pool counts them in the open-files limit it asks for (``lift_open_files``)."""
 CHUNK = 64 << 10
 """Bytes read from one side before they are written to the other and drained."""
 CONNECT_S = 10.0
@@ -39,6 +46,7 @@ class Relay:
     def __init__(self, ports: list[int]) -> None:
         self.ports = list(dict.fromkeys(ports))
         self.connections = 0  # relayed so far (for tests and logs)
+        self.refused = 0  # refused over MAX_CONNECTIONS
         self._parent: socket.socket | None = None
         self._listeners: list[socket.socket] = []
         self._open: set[asyncio.StreamWriter] = set()
@@ -90,12 +98,13 @@ class Relay:
     async def _accept(self, listener: socket.socket, port: int) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._slots.acquire()
-            try:
-                conn, _ = await loop.sock_accept(listener)
-            except BaseException:
-                self._slots.release()
-                raise
+            conn, _ = await loop.sock_accept(listener)
+            if self._slots.locked():  # over the cap: refused now (reset), not left waiting (see MAX_CONNECTIONS)
+                self.refused += 1
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()
+                continue
+            await self._slots.acquire()  # free: takes no time
             self.connections += 1
             self._spawn(self._pipe(conn, port))
 

@@ -18,6 +18,7 @@ Stdlib only (imported by the zygote, see :mod:`zygote`).
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import math
 import os
@@ -54,9 +55,11 @@ def supervise(fds: list[int], ctl_fd: int, zygote_pid: int, seccomp) -> None:
         os.close(request_fd)
         stdin_fd = extra.pop(0) if req.get("stdin") else None
         relay_fd = extra.pop(0) if req.get("listen") else None  # after stdin's: see SandboxPool._send
-        oom_fd = extra.pop() if req.get("oom_event") and extra else None  # the pool sends it last
+        usage_fd = extra.pop() if req.get("oom_limit") and extra else None  # the pool sends it last
+        oom_fd = extra.pop() if req.get("oom_event") and extra else None  # then this one
         cpu_fd = extra.pop() if req.get("cpu_usage") and extra else None  # then this one
-        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd, oom_fd, relay_fd)
+        oom = OomWatch(oom_fd, usage_fd, req.get("oom_limit")) if oom_fd is not None else None
+        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd, oom, relay_fd)
     except Exception as e:  # a verdict, never a silent EOF: the pool reports it as a sandbox error
         verdict = {"status": "sandbox_error", "reason": f"supervisor: {type(e).__name__}: {e}"}
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -146,13 +149,31 @@ class CpuClock:
         return now + max(self.MIN_CHECK_S, (self.budget - used) / self.cpus)
 
 
+class OomWatch:
+    """The slot's OOM eventfd (``Cgroups.oom_event``), and its memory usage against its ``limit`` in bytes: v1 signals
+    the eventfd of every cgroup below the one at its limit, the pool's too (``Cgroups.limit_total``), where the
+    kernel's OOM killer (on there) kills a process itself. Only the slot's own limit ends the execution here."""
+
+    SLACK = 1 << 20  # the charge that failed: usage stays below the limit by at most a few pages
+
+    def __init__(self, fd: int, usage_fd: int | None, limit: int | None) -> None:
+        self.fd, self.usage_fd, self.limit = fd, usage_fd, limit
+
+    def own(self) -> bool:
+        with contextlib.suppress(BlockingIOError):  # re-armed: the next OOM wakes the poll, this one does not spin it
+            os.eventfd_read(self.fd)
+        if self.usage_fd is None or self.limit is None:
+            return True
+        return int(os.pread(self.usage_fd, 32, 0)) >= self.limit - self.SLACK
+
+
 def _execute(
     req: dict,
     stdin_fd: int | None,
     cgroup_fds: list[int],
     seccomp,
     cpu_fd: int | None = None,
-    oom_fd: int | None = None,
+    oom: OomWatch | None = None,
     relay_fd: int | None = None,
 ) -> dict:
     _mount_work(req)
@@ -186,7 +207,7 @@ def _execute(
     for fd in (out_w, err_w, test_w, alive_r, setup_w, *cgroup_fds) + ((stdin_fd,) if stdin_fd is not None else ()):
         os.close(fd)
     names = {out_r: "stdout", err_r: "stderr", test_r: "tests", setup_r: "setup"}
-    streams, breach = _drain(pid, pidfd, names, req["limits"], start, cpu, oom_fd)
+    streams, breach = _drain(pid, pidfd, names, req["limits"], start, cpu, oom)
     _, status, usage = os.wait4(pid, 0)
     # Closing a unix socket schedules the kernel's unix GC: a cycle of sockets the code left in flight holds its
     # /work and pipes, charged to the slot the next execution gets, until something on the host closes one.
@@ -208,15 +229,16 @@ def _drain(
     limits: dict,
     start: float,
     cpu: CpuClock | None = None,
-    oom_fd: int | None = None,
+    oom: OomWatch | None = None,
 ) -> tuple[dict, str | None]:
     """Read the runner's pipes until it has exited and they are drained, or until the wall clock, the output cap,
-    the CPU budget of all its processes or the memory limit (``oom_fd``, see ``Cgroups.oom_event``) is hit (then kill
+    the CPU budget of all its processes or the memory limit (``oom``, see ``Cgroups.oom_event``) is hit (then kill
     it: PID 1 of its namespace, it takes every descendant with it)."""
     bufs = {name: bytearray() for name in names.values()}
     cap, total = limits["output_bytes"], 0
     deadline = start + limits["wall_s"]
     poller = select.poll()
+    oom_fd = oom.fd if oom is not None else None
     for fd in (*names, pidfd, *([oom_fd] if oom_fd is not None else [])):
         poller.register(fd, select.POLLIN)
     open_fds, exited, breach = set(names), False, None
@@ -234,9 +256,11 @@ def _drain(
                 break
             next_cpu = cpu.next_read(now, used)
         for fd, _ in poller.poll(min(left, next_cpu - now) * 1000):
-            if fd == oom_fd:  # a process waits at the limit (the kernel kills none here): the execution ends
-                breach = "memory"
-                break
+            if fd == oom_fd:
+                if oom.own():  # a process waits at the limit (the kernel kills none here): the execution ends
+                    breach = "memory"
+                    break
+                continue
             if fd == pidfd:
                 exited = True  # the whole PID namespace is gone: what is left in the pipes ends in EOF
                 poller.unregister(pidfd)
