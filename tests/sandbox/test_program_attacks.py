@@ -278,3 +278,34 @@ def test_connect_close_cycles_and_half_open_connections_leave_no_descriptor():
         result, before, after, accepted = asyncio.run(main())
     assert (result.status, result.stdout) == ("ok", "done\n"), result
     assert after == before and 10 <= accepted <= 50
+
+
+def test_a_relay_out_of_descriptors_refuses_its_callers_instead_of_leaving_them_waiting(monkeypatch):
+    """The pool's open-files limit reached (its relays are budgeted but not guaranteed): an accept that fails closed
+    the relay's task and left the listener up, so the harness's model calls waited in its queue until their timeout."""
+    import errno
+    import socket
+
+    from prime_orchestrator.sandbox.relay import Relay
+
+    async def main() -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        relay = Relay([port])
+        loop = asyncio.get_running_loop()
+
+        async def out_of_fds(sock):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(loop, "sock_accept", out_of_fds)
+        relay._listeners.append(listener)
+        relay._spawn(relay._accept(listener, port))
+        await asyncio.sleep(0.05)
+        try:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        finally:
+            relay.close()
+
+    asyncio.run(main())

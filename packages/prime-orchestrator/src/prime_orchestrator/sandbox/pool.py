@@ -149,8 +149,11 @@ class SandboxPool:
             )
         # Every slot's and workspace's cgroup files stay open: under a soft limit of 1024 a pool of ~300 slots
         # failed its executions once enough slots had been used, well into a run.
-        keys = self.config.max_concurrency + NUM_WORKSPACES
-        if short := lift_open_files(FDS_PER_KEY * keys + HOST_FDS * self.config.max_concurrency + OTHER_FDS):
+        # Relays (harness programs only) are asked for too but not warned about: past the limit a program's extra
+        # connection is refused, where a slot's cgroup file that cannot be opened fails its execution.
+        keys, slots = self.config.max_concurrency + NUM_WORKSPACES, self.config.max_concurrency
+        lift_open_files(FDS_PER_KEY * keys + HOST_FDS * slots + OTHER_FDS)
+        if short := lift_open_files(FDS_PER_KEY * keys + OTHER_FDS):
             logger.warning(
                 "sandbox pool: %s, and its cgroups keep %d per slot and workspace (%d slots, up to %d workspaces): "
                 "raise `ulimit -n` or lower pool.max_concurrency", short, FDS_PER_KEY, self.config.max_concurrency,
@@ -313,8 +316,9 @@ class SandboxPool:
         if (cg := self._cgroups) is not None:
             key, limits, ws = job.lease.cgroup, job.limits, job.lease.workspace
             mb = limits.memory_mb + (ws.disk_mb if ws else limits.disk_mb)
+            job.cgroup_fds = [*cg.enter(key, mb, limits.processes)]  # first: it makes the key's cgroups
             supervisor_fds = (cg.cpu_fd(key), cg.oom_event(key), cg.oom_usage(key))
-            job.cgroup_fds = [*cg.enter(key, mb, limits.processes), *(fd for fd in supervisor_fds if fd is not None)]
+            job.cgroup_fds += [fd for fd in supervisor_fds if fd is not None]
 
     def _body(self, job: _Job) -> bytes:
         self._enter_cgroups(job)

@@ -98,7 +98,12 @@ class Relay:
     async def _accept(self, listener: socket.socket, port: int) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(listener)
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as e:  # out of descriptors: closed, so that its callers are refused rather than left waiting
+                logger.warning("relay of port %d: %s; its later connections are refused", port, e)
+                listener.close()
+                return
             if self._slots.locked():  # over the cap: refused now (reset), not left waiting (see MAX_CONNECTIONS)
                 self.refused += 1
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -160,11 +160,15 @@ class OomWatch:
         self.fd, self.usage_fd, self.limit = fd, usage_fd, limit
 
     def own(self) -> bool:
+        if (
+            self.usage_fd is None
+            or self.limit is None
+            or int(os.pread(self.usage_fd, 32, 0)) >= self.limit - self.SLACK
+        ):
+            return True  # left counted: every execution of a workspace at its limit (one eventfd) must see it
         with contextlib.suppress(BlockingIOError):  # re-armed: the next OOM wakes the poll, this one does not spin it
             os.eventfd_read(self.fd)
-        if self.usage_fd is None or self.limit is None:
-            return True
-        return int(os.pread(self.usage_fd, 32, 0)) >= self.limit - self.SLACK
+        return False
 
 
 def _execute(
