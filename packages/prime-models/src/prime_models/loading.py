@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from prime_core.config import ConfigError
 from prime_core.io import LARGE_JSON_BYTES, UnreadableFile, read_json
-from safetensors.torch import load_file
 from torch.overrides import TorchFunctionMode
 
 from prime_models import kernels
@@ -18,6 +17,7 @@ from prime_models.layers import flash_attn4
 from prime_models.models.common_converting import EMBED, LM_HEAD
 from prime_models.models.transformer import CausalLM
 from prime_models.registry import get_model_spec
+from prime_models.tensor_files import read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def read_checkpoint(files: list[Path], device: torch.device) -> dict[str, torch.
     state: dict[str, torch.Tensor] = {}
     owner: dict[str, Path] = {}
     for f in files:
-        for name, tensor in load_file(f, device=str(device)).items():
+        for name, tensor in read_safetensors(f, device).items():
             if name in owner:
                 raise UnreadableFile(f"{f}: holds {name}, which {owner[name].name} holds too")
             state[name], owner[name] = tensor, f

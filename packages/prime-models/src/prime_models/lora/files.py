@@ -78,14 +78,15 @@ def save_adapter(
 
 
 def read_adapter(path: str | os.PathLike) -> tuple[LoRASpec, dict[str, torch.Tensor]]:
-    """Spec and {module name: (A, B)}-ready tensors (PEFT keys) of a PEFT LoRA directory."""
-    from safetensors.torch import load_file
+    """Spec and {module name: (A, B)}-ready tensors (PEFT keys) of a PEFT LoRA directory (read by `read_safetensors`:
+    an adapter is read at every step of a LoRA run, and safetensors' own reader keeps memory at each read)."""
+    from prime_models.tensor_files import read_safetensors
 
     p = Path(path)
     if not is_adapter_dir(p):
         raise ValueError(f"{p} holds no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
     spec = LoRASpec.from_peft_config(read_json(p / ADAPTER_CONFIG, "an adapter config"))
-    return spec, load_file(str(p / ADAPTER_WEIGHTS))
+    return spec, read_safetensors(p / ADAPTER_WEIGHTS)
 
 
 def load_adapter(model: nn.Module, name: str, path: str | os.PathLike, *, replace: bool = True) -> LoRASpec:
