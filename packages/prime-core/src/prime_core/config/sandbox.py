@@ -86,9 +86,9 @@ class SandboxPoolConfig(BaseConfig):
     """Filter every execution's system calls (an allowlist, see docs/sandboxes.md; needs libseccomp2 on the host).
     Off only for measuring what the filter costs."""
     cgroups: bool = True
-    """Bound each execution's memory (processes and files together) and processes by a cgroup where the host lets
-    the pool make them (cgroup v2 delegation, or writable v1 hierarchies); the pool logs at start what it cannot
-    enforce."""
+    """Bound each execution's memory (processes and files together), processes, CPU time and disk reads by cgroups
+    where the host lets the pool make them (cgroup v2 delegation, or writable v1 hierarchies); the pool logs at start
+    what it cannot enforce."""
     max_code_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     """Largest ``code`` (with ``argv`` and ``env``) accepted; a larger request ends as ``error`` before it runs."""
     max_stdin_bytes: int = Field(default=16 << 20, ge=0, le=1 << 30)

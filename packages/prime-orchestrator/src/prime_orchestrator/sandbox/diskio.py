@@ -57,10 +57,10 @@ def whole_disk(dev: str) -> str | None:
 
 def _device_of(path: str, dev: int, mounts: list) -> tuple[str | None, str]:
     """The block device (``MAJ:MIN``) under ``path`` on the filesystem of ``dev``, or None and why not ('' when its
-    filesystem has no disk)."""
+    filesystem has no disk), said of all such paths."""
     if os.major(dev):
         number = f"{os.major(dev)}:{os.minor(dev)}"
-        return (disk, "") if (disk := whole_disk(number)) else (None, f"{path}: no /sys/dev/block/{number}")
+        return (disk, "") if (disk := whole_disk(number)) else (None, f"sysfs shows no /sys/dev/block/{number}")
     # An anonymous device: a filesystem without a disk (tmpfs), or one hiding it (overlay, NFS, FUSE; btrfs, whose
     # mount names its disk)
     number = f"0:{os.minor(dev)}"
@@ -78,7 +78,7 @@ def _device_of(path: str, dev: int, mounts: list) -> tuple[str | None, str]:
         and (disk := whole_disk(f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"))
     ):
         return disk, ""
-    return None, f"{path} is on {fstype} (no block device to throttle)"
+    return None, f"on {fstype} (no block device to throttle)"
 
 
 def read_devices(paths: list[str]) -> tuple[list[str], list[str]]:
@@ -86,7 +86,7 @@ def read_devices(paths: list[str]) -> tuple[list[str], list[str]]:
     filesystem and those mounted below it: the sandbox binds recursively), and what hides one (an overlay, network
     or FUSE filesystem; sysfs not showing the device). Paths that do not exist are left out."""
     mounts = _mountinfo()
-    devices, hidden = set(), []
+    devices, hidden = set(), {}
     for path in dict.fromkeys(os.path.realpath(p) for p in paths):
         try:
             found = [(path, os.stat(path).st_dev)]
@@ -98,9 +98,14 @@ def read_devices(paths: list[str]) -> tuple[list[str], list[str]]:
             disk, why = _device_of(where, dev, mounts)
             if disk:
                 devices.add(disk)
-            elif why and why not in hidden:
-                hidden.append(why)
-    return sorted(devices), hidden
+            elif why:
+                hidden.setdefault(why, []).append(where)
+    # One line per reason: in a container whose root is an overlay, every one of the ~90 paths bound is on it
+    return sorted(devices), [f"{_some(paths)} {why}" for why, paths in hidden.items()]
+
+
+def _some(paths: list[str]) -> str:
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 class DiskLimits:
@@ -152,9 +157,9 @@ def pool_limits(
 ) -> DiskLimits | None:
     """The pool's :class:`DiskLimits` (its total written on v2), or None; what goes unthrottled is added to
     ``unenforced`` (a filesystem hiding its disk, no blkio or io cgroup, v1's lack of a total)."""
-    what = "disk read bandwidth of executions"
+    what = "disk reads of executions"
     if hidden:
-        unenforced.append(f"{what} on what hides its disk: {'; '.join(hidden)}")
+        unenforced.append(f"{what} from {'; '.join(hidden)}")
     if not devices:
         return None
     io = cgroups.io_dir()
