@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
-from prime_orchestrator.sandbox.diskio import DiskLimits, read_devices
+from prime_orchestrator.sandbox.cgroups import Cgroups
+from prime_orchestrator.sandbox.diskio import DiskLimits, pool_limits, read_devices
 from prime_orchestrator.sandbox.pool import SandboxPool
 from pydantic import ValidationError
 
@@ -168,6 +169,34 @@ def test_disk_limits_are_written_in_each_cgroup_versions_format(tmp_path):
     assert (v1 / "blkio.throttle.read_bps_device").read_text() == "254:0 50000000"
     assert (v1 / "blkio.throttle.read_iops_device").read_text() == "254:0 0"  # 0 removes the rule
     assert (v2 / "io.max").read_text() == "254:0 rbps=50000000 riops=1000"
+
+
+@pytest.mark.parametrize("delegated", ["memory pids io", "memory pids"])
+def test_disk_on_v2_the_pools_total_goes_on_its_cgroup_where_io_is_delegated(tmp_path, delegated):
+    # A cgroup v2 layout in plain files (this VM's io controller is bound to its v1 blkio hierarchy)
+    (tmp_path / "cgroup.subtree_control").write_text(delegated)
+    unenforced = []
+    disk = pool_limits(Cgroups(2, {"": tmp_path}), ["254:0"], [], SandboxPoolConfig(), unenforced)
+    if "io" not in delegated.split():
+        assert disk is None and not (tmp_path / "io.max").exists()
+        assert unenforced == [
+            "disk reads of executions (no blkio cgroup hierarchy, or the io controller not delegated to the pool)"
+        ]
+        return
+    assert unenforced == [] and (tmp_path / "io.max").read_text() == "254:0 rbps=200000000 riops=4000"
+    (tmp_path / "s0").mkdir()
+    disk.apply(Cgroups(2, {"": tmp_path}).io_dir("s0"), 50, 1000)
+    assert (tmp_path / "s0" / "io.max").read_text() == "254:0 rbps=50000000 riops=1000"
+
+
+def test_disk_on_v1_the_pools_total_is_said_unenforced_and_its_cgroup_left_unlimited(tmp_path):
+    unenforced = []
+    disk = pool_limits(Cgroups(1, {"blkio": tmp_path}), ["254:0"], [], SandboxPoolConfig(), unenforced)
+    assert disk is not None and unenforced == [
+        "disk reads of all the pool's executions together (total_disk_read_mbps): cgroup v1 throttles each "
+        "execution's cgroup alone"
+    ]
+    assert (tmp_path / "blkio.throttle.read_bps_device").read_text() == "254:0 0"
 
 
 def test_disk_a_bad_limit_is_one_line_naming_the_field():
