@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -142,12 +143,14 @@ def _write(path: Path, value: str) -> None:
 
 def bound_paths(config: SandboxPoolConfig) -> list[str]:
     """What the zygotes of a pool of ``config`` bind (see ``Zygote``): the host's top directories, the interpreter's,
-    ``ro_paths``, the bytecode cache and the packages offered to programs."""
-    from prime_orchestrator.sandbox.programs import offered, pool_python
+    ``ro_paths``, the bytecode cache and, for programs, the packages of this interpreter's environment (its
+    site-packages directories, which hold them: resolving the packages themselves took 0.6 s of the loop)."""
+    from prime_orchestrator.sandbox.programs import pool_python
     from prime_orchestrator.sandbox.zygotes import interpreter_dirs
 
     python = config.python or os.path.realpath(sys.executable)
-    programs = offered(tuple(config.program_packages))[1].values() if pool_python(config.python) else []
+    site = sysconfig.get_paths()
+    programs = [site["purelib"], site["platlib"]] if config.program_packages and pool_python(config.python) else []
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prime"
     return [*TOPS, *interpreter_dirs(python), *config.ro_paths, str(cache), *programs]
 
