@@ -164,8 +164,8 @@ def test_disk_an_overlay_under_a_bind_is_said_and_the_pool_starts():
 def test_disk_limits_are_written_in_each_cgroup_versions_format(tmp_path):
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     v1.mkdir(), v2.mkdir()
-    DiskLimits(["254:0"], 1).apply(v1, 50, None)
-    DiskLimits(["254:0"], 2).apply(v2, 50, 1000)
+    DiskLimits(["254:0"], 1, tmp_path).limit("v1", 50, None)
+    DiskLimits(["254:0"], 2, tmp_path).limit("v2", 50, 1000)
     assert (v1 / "blkio.throttle.read_bps_device").read_text() == "254:0 50000000"
     assert (v1 / "blkio.throttle.read_iops_device").read_text() == "254:0 0"  # 0 removes the rule
     assert (v2 / "io.max").read_text() == "254:0 rbps=50000000 riops=1000"
@@ -185,7 +185,7 @@ def test_disk_on_v2_the_pools_total_goes_on_its_cgroup_where_io_is_delegated(tmp
         return
     assert unenforced == [] and (tmp_path / "io.max").read_text() == "254:0 rbps=200000000 riops=4000"
     (tmp_path / "s0").mkdir()
-    disk.apply(Cgroups(2, {"": tmp_path}).io_dir("s0"), 50, 1000)
+    disk.limit("s0", 50, 1000)
     assert (tmp_path / "s0" / "io.max").read_text() == "254:0 rbps=50000000 riops=1000"
 
 

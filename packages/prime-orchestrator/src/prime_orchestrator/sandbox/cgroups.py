@@ -255,15 +255,14 @@ class Cgroups:
             return f"cannot move a zygote into {d} ({e.strerror})"
         return ""
 
-    def io_dir(self, key: str | None = None) -> Path | None:
-        """This pool's cgroup (or the key's) that throttles disk reads: v1's blkio one, v2's own where its children
-        have the io controller; None where there is none."""
+    def io_dir(self) -> Path | None:
+        """This pool's cgroup whose children throttle disk reads (see diskio): v1's blkio one, v2's own where its
+        children have the io controller; None where there is none."""
         if self.version == 1:
-            return None if "blkio" not in self.parents else self.parents["blkio"] / (key or "")
-        d = self.parents[""]
+            return self.parents.get("blkio")
         with contextlib.suppress(OSError):
-            if "io" in (d / "cgroup.subtree_control").read_text().split():
-                return d / (key or "")
+            if "io" in (self.parents[""] / "cgroup.subtree_control").read_text().split():
+                return self.parents[""]
         return None
 
     def dirs(self) -> set[Path]:

@@ -110,12 +110,18 @@ def _some(paths: list[str]) -> str:
 
 
 class DiskLimits:
-    """Read limits (bytes and reads per second) per cgroup on each of ``devices``, written only when they change."""
+    """Read limits (bytes and reads per second) per cgroup on each of ``devices``, written only when they change; the
+    pool's blkio (v1) or io (v2) cgroup is ``root``, each slot's and workspace's below it."""
 
-    def __init__(self, devices: list[str], version: int) -> None:
+    def __init__(self, devices: list[str], version: int, root: Path) -> None:
         self.devices = devices
         self.version = version
+        self.root = root
         self._set: dict[Path, tuple[int | None, int | None]] = {}
+
+    def limit(self, key: str, mbps: int | None, iops: int | None) -> None:
+        """:meth:`apply` to the cgroup of ``key`` (a slot's or a workspace's, made by ``Cgroups.enter``)."""
+        self.apply(self.root / key, mbps, iops)
 
     def apply(self, cgroup: Path, mbps: int | None, iops: int | None) -> None:
         """Throttle the reads of ``cgroup``'s processes to ``mbps`` MB/s and ``iops`` reads a second on every device
@@ -131,9 +137,9 @@ class DiskLimits:
                 _write(cgroup / "io.max", f"{dev} rbps={bps or 'max'} riops={iops or 'max'}")
         self._set[cgroup] = (mbps, iops)
 
-    def forget(self, cgroup: Path) -> None:
-        """``cgroup`` is gone: a new one of that name starts unlimited."""
-        self._set.pop(cgroup, None)
+    def forget(self, key: str) -> None:
+        """The cgroup of ``key`` is gone: a new one of that name starts unlimited."""
+        self._set.pop(self.root / key, None)
 
 
 def _write(path: Path, value: str) -> None:
@@ -169,7 +175,7 @@ def pool_limits(
     if io is None:
         unenforced.append(f"{what} (no blkio cgroup hierarchy, or the io controller not delegated to the pool)")
         return None
-    disk = DiskLimits(devices, cgroups.version)
+    disk = DiskLimits(devices, cgroups.version, io)
     total = (config.total_disk_read_mbps, config.total_disk_read_iops)
     try:  # v1: checks the devices take limits, on the pool's cgroup, which no process is in (v1 is flat)
         disk.apply(io, *(total if cgroups.version == 2 else (1, 1)))

@@ -305,7 +305,7 @@ class SandboxPool:
             mb = limits.memory_mb + (ws.disk_mb if ws else limits.disk_mb)
             job.cgroup_fds = [*cg.enter(key, mb, limits.processes)]  # first: it makes the key's cgroups
             if self._disk is not None:
-                self._disk.apply(cg.io_dir(key), limits.disk_read_mbps, limits.disk_read_iops)
+                self._disk.limit(key, limits.disk_read_mbps, limits.disk_read_iops)
             supervisor_fds = (cg.cpu_fd(key), cg.oom_event(key), cg.oom_usage(key))
             job.cgroup_fds += [fd for fd in supervisor_fds if fd is not None]
 
@@ -467,7 +467,7 @@ class SandboxPool:
         await self._leases.close_workspace_uid(ws)
         if self._cgroups is not None:
             if self._disk is not None:  # a later workspace of this uid gets a new cgroup, unlimited
-                self._disk.forget(self._cgroups.io_dir(f"w{ws.uid}"))
+                self._disk.forget(f"w{ws.uid}")
             self._cgroups.remove(f"w{ws.uid}")
 
     async def close(self) -> None:
