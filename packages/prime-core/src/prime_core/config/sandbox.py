@@ -33,6 +33,14 @@ class SandboxLimits(BaseConfig):
     """Size of the private tmpfs mounted on the working directory (/work, also /tmp), and the largest file."""
     open_files: int = Field(default=64, ge=8, le=1 << 16)
     """Open file descriptors per process (RLIMIT_NOFILE)."""
+    disk_read_mbps: int | None = Field(default=50, ge=1, le=1 << 20)
+    """Megabytes (10^6 bytes) a second that the execution's processes together may read from the host's disks (the
+    files bound into the sandbox, through the page cache or around it with ``O_DIRECT``; what the page cache already
+    holds is no disk read), where the pool throttles them by cgroup on the disks under its binds (see
+    docs/sandboxes.md). None: unlimited."""
+    disk_read_iops: int | None = Field(default=1000, ge=1, le=1 << 24)
+    """Disk reads a second that the execution's processes together may issue, alongside ``disk_read_mbps``: small
+    reads stress a disk at few bytes. None: unlimited."""
 
 
 class SandboxPoolConfig(BaseConfig):
@@ -67,13 +75,20 @@ class SandboxPoolConfig(BaseConfig):
     the kernel kills the largest of their processes and the running executions end as ``memory_limit``, naming this
     field. None: half of the host's memory, the cap every pool of the host shares anyway (``max_concurrency ×
     memory_mb`` alone goes past any host's memory). Needs the cgroups (``cgroups``)."""
+    total_disk_read_mbps: int | None = Field(default=200, ge=1, le=1 << 24)
+    """Megabytes (10^6 bytes) a second that all of this pool's executions together may read from the host's disks,
+    by the pool's cgroup, so that they leave the disk to the trainer's checkpoints and the host. cgroup v2 only: v1
+    throttles each cgroup alone, and there only each execution's ``limits.disk_read_mbps`` holds. None: unlimited."""
+    total_disk_read_iops: int | None = Field(default=4000, ge=1, le=1 << 24)
+    """Disk reads a second that all of this pool's executions together may issue (cgroup v2 only, as
+    ``total_disk_read_mbps``). None: unlimited."""
     seccomp: bool = True
     """Filter every execution's system calls (an allowlist, see docs/sandboxes.md; needs libseccomp2 on the host).
     Off only for measuring what the filter costs."""
     cgroups: bool = True
-    """Bound each execution's memory (processes and files together) and processes by a cgroup where the host lets
-    the pool make them (cgroup v2 delegation, or writable v1 hierarchies); the pool logs at start what it cannot
-    enforce."""
+    """Bound each execution's memory (processes and files together), processes, CPU time and disk reads by cgroups
+    where the host lets the pool make them (cgroup v2 delegation, or writable v1 hierarchies); the pool logs at start
+    what it cannot enforce."""
     max_code_bytes: int = Field(default=1 << 20, ge=1024, le=1 << 30)
     """Largest ``code`` (with ``argv`` and ``env``) accepted; a larger request ends as ``error`` before it runs."""
     max_stdin_bytes: int = Field(default=16 << 20, ge=0, le=1 << 30)

@@ -28,17 +28,17 @@ import resource
 import time
 from pathlib import Path
 
-from prime_orchestrator.sandbox.memcap import limit_memory, memory_cap, memory_files
+from prime_orchestrator.sandbox.memcap import limit_memory, memory_cap, memory_files, task_cap
 from prime_orchestrator.sandbox.stale import holds_processes
 
 MIB = 1 << 20
 CLOSE_WAIT_S = 2.0
 """How long :meth:`Cgroups.close` waits for the pool's processes to leave its cgroups: a killed zygote's supervisors
 die of PDEATHSIG after it, and a process in ``exit()`` still holds its cgroup (rmdir: EBUSY) after its pipes closed."""
-FDS_PER_KEY = 8
+FDS_PER_KEY = 9
 """Descriptors a slot's (or workspace's) cgroups keep open once used: ``tasks``/``cgroup.procs`` of each controller
-(v1: memory, pids, cpuacct, cpu), v1's memory peak and OOM eventfd, the CPU usage counter and the memory usage (see
-:meth:`left_over`).
+(v1: memory, pids, cpuacct, cpu, blkio), v1's memory peak and OOM eventfd, the CPU usage counter and the memory usage
+(see :meth:`left_over`).
 Slots are reused first in, first out, so every slot's are open after a while."""
 
 
@@ -60,20 +60,6 @@ CREATE_TRIES = 5  # a pool closing may remove the shared cgroup between another'
 # What a mkdir in (or of) a shared cgroup a pool is removing answers: gone (ENOENT), going (ENODEV), or there for
 # mkdir and gone for the check after it (EEXIST): 2 of 450 starts raced with closes in three threads failed so.
 RACES = (errno.ENOENT, errno.ENODEV, errno.EEXIST)
-
-
-def task_cap() -> int | None:
-    """Tasks (processes and threads) the executions of every pool of the host may hold together: half of what the
-    host may have (the lower of ``kernel.pid_max`` and ``kernel.threads-max``), on the shared cgroup (:data:`SHARED`).
-    Each execution's pids cgroup bounds it alone, and ``max_concurrency × processes`` may add up to more than the
-    host has (512 × 64 is the whole pid space of the test VM, 32,768): every fork and thread start on the host, the
-    trainer's and the inference server's, then failed. On each pool's own cgroup, two pools of one host (two env
-    servers, an orchestrator and an eval) each took half: together, all of it."""
-    try:
-        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-        return min(pid_max, int(Path("/proc/sys/kernel/threads-max").read_text())) // 2
-    except (OSError, ValueError):
-        return None
 
 
 ENV_SERVER_CGROUP = "prime-env-"
@@ -105,7 +91,7 @@ def _mounts() -> dict[str, tuple[str, str]]:
         if fstype == "cgroup2":
             out.setdefault("", (root, point))
         elif fstype == "cgroup":
-            for c in ("memory", "pids", "cpuacct", "cpu"):
+            for c in ("memory", "pids", "cpuacct", "cpu", "blkio"):
                 if c in options:
                     out.setdefault(c, (root, point))
     return out
@@ -136,8 +122,9 @@ def _make_dir(path: Path, version: int) -> None:
                     limit_memory(shared, memory)
             if version == 2:
                 (shared / "cgroup.subtree_control").write_text("+memory +pids")
-                with contextlib.suppress(OSError):
-                    (shared / "cgroup.subtree_control").write_text("+cpu")
+                for optional in ("+cpu", "+io"):  # where delegated (see place_zygote, diskio)
+                    with contextlib.suppress(OSError):
+                        (shared / "cgroup.subtree_control").write_text(optional)
             path.mkdir(exist_ok=True)
             if version == 2:
                 (path / "cgroup.subtree_control").write_text("+memory +pids")
@@ -174,8 +161,9 @@ class Cgroups:
         return self.version == 2 or "cpuacct" in self.parents
 
     @classmethod
-    def detect(cls, name: str) -> tuple[Cgroups | None, str]:
-        """The pool's cgroups (named ``name``), or None and the reason they cannot be used here."""
+    def detect(cls, name: str, io: bool = True) -> tuple[Cgroups | None, str]:
+        """The pool's cgroups (named ``name``; with ``io``, v1's blkio one where mounted, see :meth:`io_dir`), or None
+        and the reason they cannot be used here."""
         try:
             own, mounts = _own_cgroups(), _mounts()
         except OSError as e:
@@ -187,6 +175,8 @@ class Cgroups:
             # cpu: each execution's weight (see place_zygote); mounted with cpuacct, the cpuacct join moves it too
             if (weight := _path("cpu", mounts, own)) is not None and weight != cpu.get("cpuacct"):
                 cpu["cpu"] = weight
+            if io and (blkio := _path("blkio", mounts, own)):  # each execution's disk reads (see diskio)
+                cpu["blkio"] = blkio
             parents = {c: p / SHARED / name for c, p in {**v1, **cpu}.items()}
             return cls._make(1, parents, weight and weight / SHARED / name)
         v2 = _path("", mounts, own)
@@ -209,7 +199,7 @@ class Cgroups:
     ) -> tuple[Cgroups | None, str]:
         """The pool's cgroups at ``parents`` (controller -> ``<own cgroup>/<SHARED>/<pool>``), each made under the
         shared cgroup of every pool of the host (made here where it is not yet, with the host-wide task cap)."""
-        for optional in ("cpuacct", "cpu"):  # without them only the CPU total or weight goes unenforced (said)
+        for optional in ("cpuacct", "cpu", "blkio"):  # without them the CPU total or weight, or disk reads, go free
             if optional in parents:
                 try:
                     _make_dir(parents[optional], 1)
@@ -224,6 +214,8 @@ class Cgroups:
                 with contextlib.suppress(OSError):  # where the host delegates it (see place_zygote)
                     (parents[""] / "cgroup.subtree_control").write_text("+cpu")
                     cpu_parent = parents[""]
+                with contextlib.suppress(OSError):  # where the host delegates it (see io_dir)
+                    (parents[""] / "cgroup.subtree_control").write_text("+io")
         except OSError as e:
             cls(version, parents).close()
             return None, f"cannot create {next(iter(parents.values()))} ({e.strerror})"
@@ -262,6 +254,16 @@ class Cgroups:
         except OSError as e:
             return f"cannot move a zygote into {d} ({e.strerror})"
         return ""
+
+    def io_dir(self) -> Path | None:
+        """This pool's cgroup whose children throttle disk reads (see diskio): v1's blkio one, v2's own where its
+        children have the io controller; None where there is none."""
+        if self.version == 1:
+            return self.parents.get("blkio")
+        with contextlib.suppress(OSError):
+            if "io" in (self.parents[""] / "cgroup.subtree_control").read_text().split():
+                return self.parents[""]
+        return None
 
     def dirs(self) -> set[Path]:
         """This pool's cgroup directories, in every hierarchy (the CPU one's too)."""

@@ -28,6 +28,7 @@ from pathlib import Path
 from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 
 from prime_orchestrator.sandbox.cgroups import FDS_PER_KEY, Cgroups, lift_open_files
+from prime_orchestrator.sandbox.diskio import bound_paths, pool_limits, read_devices
 from prime_orchestrator.sandbox.leases import NUM_WORKSPACES, Lease, Leases, Workspace
 from prime_orchestrator.sandbox.liveness import REAP_WAIT_S, PoolProgress
 from prime_orchestrator.sandbox.relay import HOST_FDS, Relay
@@ -102,6 +103,7 @@ class SandboxPool:
         (self.tmp_dir / "root").mkdir()
         weakref.finalize(self, shutil.rmtree, self.tmp_dir, True)  # also at interpreter exit without close()
         self.unenforced: list[str] = []
+        self._disk = None  # the executions' disk read limits (see diskio), with the cgroups
         self._seccomp = self._compile_filter()
         self._cgroups = self._make_cgroups()
         if self._cgroups is not None:  # a pool never closed (dropped, or left at exit): its zygotes first
@@ -129,17 +131,19 @@ class SandboxPool:
             raise SandboxUnavailable(str(e)) from None
 
     def _make_cgroups(self) -> Cgroups | None:
-        what = "memory of an execution's processes and files together, its process count and CPU time, by cgroup"
+        what = "memory of an execution's processes and files together, its process count, CPU time and disk reads"
         if not self.config.cgroups:
             self.unenforced.append(f"{what} (pool.cgroups = false)")
             return None
-        cgroups, why = Cgroups.detect(owned_name(self.tmp_dir.name))
+        devices, hidden = read_devices(bound_paths(self.config))
+        cgroups, why = Cgroups.detect(owned_name(self.tmp_dir.name), io=bool(devices))
         if cgroups is not None and (removed := sweep({p.parent for p in cgroups.parents.values()}, cgroups.dirs())):
             logger.info("sandbox pool: removed %d empty cgroups of sandbox pools that are gone", removed)
         if cgroups is None:
             self.unenforced.append(f"{what} ({why}); RLIMIT_AS, RLIMIT_CPU per process and sized tmpfs still apply")
             return None
         cgroups.limit_total(self.config.total_memory_mb)
+        self._disk = pool_limits(cgroups, devices, hidden, self.config, self.unenforced)
         if not cgroups.counts_cpu:
             self.unenforced.append("CPU time of an execution's processes together (no cgroup v1 cpuacct hierarchy)")
         if cgroups.cpu_parent is None:
@@ -225,23 +229,6 @@ class SandboxPool:
         logger.warning("sandbox zygote %d (pid %d) %s; replacing it", i, z.proc.pid, why)
         await asyncio.to_thread(z.kill)
 
-    def _oversized(self, request: ExecRequest) -> str:
-        c = self.config
-        code = len(request.code.encode()) + sum(len(a.encode()) for a in request.argv or [])
-        code += sum(len(k.encode()) + len(v.encode()) for k, v in request.env.items())
-        stdin = len(request.stdin.encode()) if request.stdin is not None else 0
-        tests = sum(len(t.expr.encode()) for t in request.tests)
-        for what, size, cap, name in (
-            ("code (with argv and env)", code, c.max_code_bytes, "max_code_bytes"),
-            ("stdin", stdin, c.max_stdin_bytes, "max_stdin_bytes"),
-            ("tests' expressions", tests, c.max_test_bytes, "max_test_bytes"),
-        ):
-            if size > cap:
-                return f"{what} is {size} bytes, over the pool's limit of {cap} ({name})"
-        if len(request.tests) > c.max_tests:
-            return f"{len(request.tests)} tests, over the pool's limit of {c.max_tests} (max_tests)"
-        return ""
-
     async def execute(self, request: ExecRequest, routes: list[int] | None = None) -> ExecResult:
         """Run one request; every failure of the code (and of the sandbox) is a result, never an exception.
         ``routes``: run it as a harness program, with the packages the pool offers programs on its ``sys.path``
@@ -249,7 +236,7 @@ class SandboxPool:
         (:mod:`relay`), and nothing else of the network."""
         if self.closed:
             raise RuntimeError("the sandbox pool is closed")
-        if problem := request.not_text() or self._oversized(request):
+        if problem := request.not_text() or request.oversized(self.config):
             return ExecResult(status="error", reason=problem)
         workspace = None
         if request.workspace is not None:
@@ -317,6 +304,8 @@ class SandboxPool:
             key, limits, ws = job.lease.cgroup, job.limits, job.lease.workspace
             mb = limits.memory_mb + (ws.disk_mb if ws else limits.disk_mb)
             job.cgroup_fds = [*cg.enter(key, mb, limits.processes)]  # first: it makes the key's cgroups
+            if self._disk is not None:
+                self._disk.limit(key, limits.disk_read_mbps, limits.disk_read_iops)
             supervisor_fds = (cg.cpu_fd(key), cg.oom_event(key), cg.oom_usage(key))
             job.cgroup_fds += [fd for fd in supervisor_fds if fd is not None]
 
@@ -477,6 +466,8 @@ class SandboxPool:
     async def _retire_workspace(self, ws: Workspace) -> None:
         await self._leases.close_workspace_uid(ws)
         if self._cgroups is not None:
+            if self._disk is not None:  # a later workspace of this uid gets a new cgroup, unlimited
+                self._disk.forget(f"w{ws.uid}")
             self._cgroups.remove(f"w{ws.uid}")
 
     async def close(self) -> None:

@@ -9,7 +9,7 @@ import re
 from fractions import Fraction
 from typing import Any, Literal
 
-from prime_core.config.sandbox import SandboxLimits
+from prime_core.config.sandbox import SandboxLimits, SandboxPoolConfig
 from pydantic import BaseModel, ConfigDict, Field
 
 Status = Literal["ok", "error", "timeout", "memory_limit", "output_limit", "sandbox_error"]
@@ -51,6 +51,23 @@ class ExecRequest(BaseModel):
     """Extra environment variables (PATH, HOME=/work, TMPDIR=/work, LANG are set already)."""
     workspace: str | None = None
     """A workspace opened on the pool (persistent /work across executions); None: a fresh empty tmpfs."""
+
+    def oversized(self, c: SandboxPoolConfig) -> str:
+        """Why the request is over the pool's size limits ('' when it is not): one line naming the field."""
+        code = len(self.code.encode()) + sum(len(a.encode()) for a in self.argv or [])
+        code += sum(len(k.encode()) + len(v.encode()) for k, v in self.env.items())
+        stdin = len(self.stdin.encode()) if self.stdin is not None else 0
+        tests = sum(len(t.expr.encode()) for t in self.tests)
+        for what, size, cap, name in (
+            ("code (with argv and env)", code, c.max_code_bytes, "max_code_bytes"),
+            ("stdin", stdin, c.max_stdin_bytes, "max_stdin_bytes"),
+            ("tests' expressions", tests, c.max_test_bytes, "max_test_bytes"),
+        ):
+            if size > cap:
+                return f"{what} is {size} bytes, over the pool's limit of {cap} ({name})"
+        if len(self.tests) > c.max_tests:
+            return f"{len(self.tests)} tests, over the pool's limit of {c.max_tests} (max_tests)"
+        return ""
 
     def not_text(self) -> str:
         """Why the request cannot be sent as UTF-8 ('' when it can): a lone surrogate in the code, argv, env, stdin
