@@ -5,6 +5,7 @@ asserts what the host sees."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -181,3 +182,174 @@ def test_the_boot_runs_only_the_bytes_its_file_name_hashes_to(tmp_path):
     assert (ran.returncode, ran.stdout) == (0, "__main__ ['--x']\n"), ran.stderr
     assert (swapped.returncode, swapped.stdout) == (1, "")
     assert swapped.stderr == f"{path}: the harness script was changed after the runtime wrote it\n"
+
+
+ROUGH = r"""
+import os, socket, struct, sys, time
+port = int(sys.argv[1])
+def stream():
+    s = socket.create_connection(('127.0.0.1', port), timeout=5); s.sendall(b'stream\n'); s.recv(1 << 16)
+    return s
+s = stream()  # reset mid-copy: the server is still writing
+s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0)); s.close()
+for family, host in ((socket.AF_INET, '127.0.0.1'), (socket.AF_INET6, '::1')):
+    u = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        u.sendto(b'udp', (host, port)); print('udp sent', host)
+    except OSError as e:
+        print('udp', host, e.errno)
+for addr in (('::1', port), ('127.0.0.1', port + 1), ('127.0.0.2', port)):
+    try:
+        socket.create_connection(addr, timeout=2); print('REACHED', addr)
+    except OSError as e:
+        print('refused', addr[0])
+half = stream(); half.shutdown(socket.SHUT_WR)  # half-closed, the reply still coming
+held = stream()  # then the program exits while the relay copies the server's endless reply to it
+print('exiting', flush=True)
+os._exit(0)
+"""
+
+
+class Streamer:
+    """A route's server that answers ``stream`` with 64 KiB chunks until its reader goes away, beside a UDP socket on
+    its port (IPv4) and TCP and UDP listeners on ``::1`` at the same port: counts what reached each."""
+
+    def __init__(self) -> None:
+        self.accepted = self.open = self.other = 0
+
+    async def __aenter__(self) -> Streamer:
+        import socket
+
+        async def serve(reader, writer):
+            self.accepted += 1
+            self.open += 1
+            try:
+                if (await reader.readline()).strip() == b"stream":
+                    while True:
+                        writer.write(b"x" * (64 << 10))
+                        await writer.drain()
+            except OSError:
+                pass
+            finally:
+                self.open -= 1
+                writer.close()
+
+        async def other(reader, writer):
+            self.other += 1
+            writer.close()
+
+        self._server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._v6 = await asyncio.start_server(other, "::1", self.port)
+        self._udp = [socket.socket(f, socket.SOCK_DGRAM) for f in (socket.AF_INET, socket.AF_INET6)]
+        self._udp[0].bind(("127.0.0.1", self.port))
+        self._udp[1].bind(("::1", self.port))
+        for u in self._udp:
+            u.setblocking(False)
+        return self
+
+    def datagrams(self) -> int:
+        got = 0
+        for u in self._udp:
+            while True:
+                try:
+                    u.recv(64)
+                except BlockingIOError:
+                    break
+                got += 1
+        return got
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+        self._v6.close()
+        for u in self._udp:
+            u.close()
+
+
+def test_resets_udp_ipv6_other_ports_and_an_exit_mid_copy_reach_nothing_and_leave_nothing():
+    """The model's command resets a connection while the route's server is still writing to it, sends UDP to the
+    route's port (IPv4 and IPv6), connects to ``::1`` and to other ports and addresses, half-closes a connection whose
+    reply keeps coming, and exits while the relay copies an endless reply to another. The host's route server saw the
+    three TCP connections and nothing else reached the host (no datagram, nothing on ``::1``); once the verdict is
+    in, the server's connections are closed, and the pool's process holds no relay task and as many descriptors as
+    before."""
+    _require_root()
+    from prime_core.config.sandbox import SandboxLimits
+    from prime_orchestrator.sandbox import ExecRequest
+
+    from tests.sandbox.conftest import own_pool
+    from tests.sandbox.test_program_attacks import _fds, _relay_tasks
+
+    limits = SandboxLimits(wall_s=20, cpu_s=20)
+    with own_pool(uid_base=4_860_000, max_concurrency=1) as client:
+
+        async def main():
+            async with Streamer() as svc:
+                await client.execute(ExecRequest(code="pass", limits=limits), routes=[svc.port])  # cgroup files open
+                before = _fds()
+                request = ExecRequest(argv=["python3", "-c", ROUGH, str(svc.port)], limits=limits)
+                result = await client.execute(request, routes=[svc.port])
+                while svc.open:  # bounded by the test's timeout: the pool closed its ends at the verdict
+                    await asyncio.sleep(0.05)
+                tasks = await asyncio.wrap_future(client.call(_relay_tasks()))
+                return result, before, _fds(), tasks, svc.accepted, svc.other, svc.datagrams()
+
+        result, before, after, tasks, accepted, other, datagrams = asyncio.run(main())
+    assert result.status == "ok" and result.stdout.endswith("exiting\n"), result
+    assert "REACHED" not in result.stdout and result.stdout.count("refused") == 3, result.stdout
+    assert (accepted, other, datagrams) == (3, 0, 0), result.stdout
+    assert (tasks, after) == (0, before)
+
+
+PROBE_ROUTES = r"""
+import json, sys, urllib.request, urllib.error
+port, routes = int(sys.argv[1]), json.loads(sys.argv[2])
+for method, path in routes:
+    for auth in ({}, {'Authorization': 'Bearer guess'}, {'x-api-key': 'guess'}):
+        request = urllib.request.Request(f'http://127.0.0.1:{port}{path}', b'{}' if method != 'GET' else None,
+                                         {'Content-Type': 'application/json', **auth}, method=method)
+        try:
+            print(urllib.request.urlopen(request, timeout=10).status, method, path)
+        except urllib.error.HTTPError as e:
+            print(e.code, method, path)
+"""
+
+
+def test_every_route_of_the_interception_server_answers_the_code_401_without_its_secret():
+    """What the interception port, the route every harness program gets, offers the model's commands, which cannot
+    read the secret (no /proc, not in their environment, not in a harness file since the boot's check): every route
+    of verifiers' own server (each dialect's model and aux routes, ``/v1/models``, ``/state``, ``/task``, ``/tool``)
+    answers 401 to requests with no bearer or a guessed one, and the registered rollout's state is untouched."""
+    _require_root()
+    from types import SimpleNamespace
+
+    from prime_core.config.sandbox import SandboxLimits
+    from prime_orchestrator.sandbox import ExecRequest
+    from verifiers.v1.interception.server import InterceptionServer
+
+    from tests.sandbox.conftest import own_pool
+
+    with own_pool(uid_base=4_870_000, max_concurrency=1) as client:
+
+        async def main():
+            server = InterceptionServer()
+            await server.start()
+            server._client = lambda config: None  # no model behind it: a request that got past the secret would fail
+            session = SimpleNamespace(ctx=SimpleNamespace(client=None), trace=SimpleNamespace(id="t", state={"k": 1}))
+            server.register(session)
+            routes = sorted(
+                {(r.method, r.resource.canonical) for r in server.runner.app.router.routes() if r.method != "HEAD"}
+            )
+            try:
+                argv = ["python3", "-c", PROBE_ROUTES, str(server.port), json.dumps(routes)]
+                limits = SandboxLimits(wall_s=60, cpu_s=60)
+                result = await client.execute(ExecRequest(argv=argv, limits=limits), routes=[server.port])
+            finally:
+                await server.stop()
+            return routes, result, session.trace.state
+
+        routes, result, state = asyncio.run(main())
+    lines = result.stdout.splitlines()
+    assert len(routes) >= 8 and {("GET", "/state"), ("PUT", "/state"), ("POST", "/tool")} <= set(routes), routes
+    assert len(lines) == 3 * len(routes) and all(line.startswith("401 ") for line in lines), result.stdout
+    assert state == {"k": 1}
