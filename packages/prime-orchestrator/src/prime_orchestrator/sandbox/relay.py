@@ -6,7 +6,9 @@ loopback up in the execution's own network namespace, listens there on ``127.0.0
 hands the listening sockets to the pool (:func:`supervisor._listen`); this relay accepts on them and copies the bytes
 of each connection to and from ``127.0.0.1:<port>`` of the host, the same port, and never anywhere else: whatever
 the code sends (another Host header, a ``CONNECT``, a request naming another port) reaches the route's server alone,
-which answers it or not. The URL inside is the host's own, so the runtime's ``host_url`` changes nothing.
+which answers it or not. The URL inside is the host's own, so the runtime's ``host_url`` changes nothing. Whatever
+that server offers is the code's to drive (the model's commands run in the program's execution), so a route must be
+served by this process or one it started (:func:`foreign`), checked when the runtime is given the routes.
 
 Bounded: at most :data:`MAX_CONNECTIONS` connections at once (more are refused at once), each copying :data:`CHUNK`
 bytes at a time and waiting for the other side to take them (flow control), so the host holds at most a few of them per connection however much the code sends or leaves unread. Everything closes
