@@ -8,8 +8,8 @@ every command as one execution of the pool with that workspace: same isolation a
 No network inside. A harness program (verifiers' ``bash`` agent, the ``null`` chat loop) runs too, offline, on the
 local pool: ``run_program`` runs it as one execution under ``program_limits``, with the packages the pool offers
 programs instead of a ``uv sync`` from PyPI (:mod:`programs`), and with the routes verifiers names in
-``prepare_execution`` (its interception endpoint, MCP tool servers: ports of this host's loopback) relayed in at the
-same address, and nothing else (:mod:`relay`).
+``prepare_execution`` (its interception endpoint, MCP tool servers: ports of this host's loopback that this process or
+one it started listens on) relayed in at the same address, and nothing else (:mod:`relay`).
 """
 
 from __future__ import annotations
