@@ -5,6 +5,7 @@ hostile environment could do to the host, the pool and the rollout. Each test as
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shlex
 
@@ -153,8 +154,9 @@ def test_the_models_commands_cannot_read_the_harness_secret_or_shadow_its_packag
     ``sitecustomize.py``, with PYTHONPATH) do not shadow what a harness started the same way imports."""
     from prime_orchestrator.sandbox import programs
 
-    argv = programs.program_argv("python3", "/work/h.py")
-    script = f"cat > /work/h.py <<'EOF'\n{HARNESS}\nEOF\nexec {shlex.join(argv)} --api-key=the-secret"
+    path = f"/work/{hashlib.sha256(HARNESS.encode()).hexdigest()}.py"  # the name the boot checks the bytes against
+    argv = programs.program_argv("python3", path)
+    script = f"printf %s {shlex.quote(HARNESS)} > {path}\nexec {shlex.join(argv)} --api-key=the-secret"
     limits = SandboxLimits(wall_s=20, cpu_s=20)
     with own_pool(uid_base=4_820_000, max_concurrency=1) as client:
 

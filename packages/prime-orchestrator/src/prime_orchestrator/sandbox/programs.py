@@ -31,10 +31,16 @@ _BLOCK = re.compile(r"(?m)^# /// (?P<type>[a-zA-Z0-9-]+)$\s(?P<content>(^#(| .*)
 # Runs the script as ``__main__`` with the offered packages importable; isolated (-I): neither the working folder
 # (the code's) nor PYTHON* variables shape what it imports; without ``site`` (-S): the interpreter's own
 # site-packages (bound with its ``lib``) held older copies (a typing_extensions without ``sentinel``) that shadowed
-# the offered ones.
+# the offered ones. The script lies in the workspace, which the model's commands write: it runs only if the bytes
+# read are those its name's sha256 names, and it runs those bytes (``runpy.run_path`` read the file again). A file
+# the code replaced ran as the next segment's harness, with the interception secret in its argv.
 _BOOT = (
-    f"import runpy, site, sys; site.addsitedir({PROGRAM_SITE!r}); sys.argv = sys.argv[1:]; "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
+    f"import hashlib, os, site, sys, types; site.addsitedir({PROGRAM_SITE!r}); sys.argv = sys.argv[1:]; "
+    "path = sys.argv[0]; source = open(path, 'rb').read(); "
+    "hashlib.sha256(source).hexdigest() == os.path.basename(path)[:-3] or "
+    "sys.exit(f'{path}: the harness script was changed after the runtime wrote it'); "
+    "main = sys.modules['__main__'] = types.ModuleType('__main__'); main.__file__ = path; "
+    "exec(compile(source, path, 'exec'), main.__dict__)"
 )
 
 

@@ -6,7 +6,9 @@ loopback up in the execution's own network namespace, listens there on ``127.0.0
 hands the listening sockets to the pool (:func:`supervisor._listen`); this relay accepts on them and copies the bytes
 of each connection to and from ``127.0.0.1:<port>`` of the host, the same port, and never anywhere else: whatever
 the code sends (another Host header, a ``CONNECT``, a request naming another port) reaches the route's server alone,
-which answers it or not. The URL inside is the host's own, so the runtime's ``host_url`` changes nothing.
+which answers it or not. The URL inside is the host's own, so the runtime's ``host_url`` changes nothing. Whatever
+that server offers is the code's to drive (the model's commands run in the program's execution), so a route must be
+served by this process or one it started (:func:`foreign`), checked when the runtime is given the routes.
 
 Bounded: at most :data:`MAX_CONNECTIONS` connections at once (more are refused at once), each copying :data:`CHUNK`
 bytes at a time and waiting for the other side to take them (flow control), so the host holds at most a few of them per connection however much the code sends or leaves unread. Everything closes
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import struct
 
@@ -38,6 +41,47 @@ CHUNK = 64 << 10
 """Bytes read from one side before they are written to the other and drained."""
 CONNECT_S = 10.0
 """Seconds to connect to the route's server on the host."""
+
+
+# /proc/net/tcp{,6} local addresses a connection to 127.0.0.1 can land on, and the state of a listener.
+_LOOPBACK_ADDRS = {"0100007F", "00000000", "0" * 32, "0000000000000000FFFF00000100007F"}
+_LISTEN = "0A"
+
+
+def _listeners(port: int) -> set[int]:
+    """Socket inodes of the host's listeners that a connection to ``127.0.0.1:<port>`` can reach."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                addr, _, hex_port = fields[1].partition(":")
+                if fields[3] == _LISTEN and int(hex_port, 16) == port and addr in _LOOPBACK_ADDRS:
+                    found.add(int(fields[9]))
+    return found
+
+
+def foreign(port: int) -> str:
+    """Why ``port`` of the host's loopback may not be a program's route ('' when it may). A route is served by this
+    process (verifiers' interception server) or by one of its descendants (a tool server verifiers launched): a
+    route is relayed whole, so a port of any other host service (the inference server's weight and LoRA routes and
+    ``/pause``, an orchestrator's, a node's), which an environment's toolset ``url`` can name, would be the
+    policy's to drive. Read from /proc: 10 to 40 ms (2,000 descriptors open), once a rollout."""
+    from prime_orchestrator.proc_tree import family
+
+    wanted = _listeners(port)
+    if not wanted:
+        return "nothing listens there"
+    for pid in family(os.getpid(), without_sandboxes=True):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        wanted.discard(int(link[8:-1]))
+        if not wanted:
+            return ""
+    return "it is another host service's, not this process's nor one it started (a tool server verifiers launched)"
 
 
 class Relay:

@@ -8,12 +8,13 @@ every command as one execution of the pool with that workspace: same isolation a
 No network inside. A harness program (verifiers' ``bash`` agent, the ``null`` chat loop) runs too, offline, on the
 local pool: ``run_program`` runs it as one execution under ``program_limits``, with the packages the pool offers
 programs instead of a ``uv sync`` from PyPI (:mod:`programs`), and with the routes verifiers names in
-``prepare_execution`` (its interception endpoint, MCP tool servers: ports of this host's loopback) relayed in at the
-same address, and nothing else (:mod:`relay`).
+``prepare_execution`` (its interception endpoint, MCP tool servers: ports of this host's loopback that this process or
+one it started listens on) relayed in at the same address, and nothing else (:mod:`relay`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import logging
@@ -30,7 +31,7 @@ from pydantic_config import BaseConfig
 from verifiers.v1.errors import SandboxError
 from verifiers.v1.runtimes.base import BaseRuntimeInfo, ProgramResult, Runtime
 
-from prime_orchestrator.sandbox import programs
+from prime_orchestrator.sandbox import programs, relay
 from prime_orchestrator.sandbox.client import SandboxClient, get_client
 from prime_orchestrator.sandbox.schemas import ExecRequest
 
@@ -160,8 +161,6 @@ class SandboxPoolRuntime(Runtime):
         self._routes: list[int] | None = None  # host loopback ports a program may reach (prepare_execution)
 
     async def start(self) -> None:
-        import asyncio
-
         self._client = await asyncio.to_thread(get_client, self.config.client_config())
         self.workspace = await self._client.open_workspace(self.config.limits.disk_mb)
         self.info.id = self.workspace
@@ -217,9 +216,9 @@ class SandboxPoolRuntime(Runtime):
                 f"{self.name}: the sandbox_pool runtime cannot run this harness program offline: {problem}"
             )
         path = f"{WORKDIR}/.vf-scripts/{hashlib.sha256(data).hexdigest()}.py"
-        if path not in self._uv_interpreters:
-            await self.write(path, data)
-            self._uv_interpreters[path] = python
+        # Written again for every launch (each segment of an exchange launches the program anew): the model's
+        # commands of the last segment may have replaced it, and the boot refuses what its name does not hash to.
+        await self.write(path, data)
         return programs.program_argv(python, path)
 
     def host_url(self, url: str) -> str:
@@ -228,8 +227,9 @@ class SandboxPoolRuntime(Runtime):
         return url
 
     async def prepare_execution(self, routes: list[str] | None) -> None:
-        """The routes the next program may reach: each a URL on this host's loopback (verifiers' interception
-        endpoint, its MCP servers), relayed in at the same address; any other is refused in one line."""
+        """The routes the next program may reach: each a URL on this host's loopback served by this process or one
+        it started (verifiers' interception endpoint, the MCP servers it launched), relayed in at the same address;
+        any other is refused in one line (:func:`relay.foreign`)."""
         if routes is None:
             self._routes = None
             return
@@ -241,6 +241,8 @@ class SandboxPoolRuntime(Runtime):
                     f"{self.name}: route {url!r} is not an http://127.0.0.1:<port> URL of this host, the only kind "
                     "the sandbox_pool runtime relays to a program"
                 )
+            if problem := await asyncio.to_thread(relay.foreign, parts.port):
+                raise SandboxError(f"{self.name}: route {url!r} is not relayed to a program: {problem}")
             ports.append(parts.port)
         if ports:
             self._local_pool("a program's model endpoint")
