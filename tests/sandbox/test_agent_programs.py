@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -261,3 +262,23 @@ def test_a_program_on_sandbox_nodes_is_refused_in_one_line():
     with pytest.raises(SandboxError, match="local sandbox pool only") as e:
         asyncio.run(runtime.prepare_uv_script("print(1)\n"))
     assert "\n" not in str(e.value)
+
+
+def test_a_script_without_dependencies_runs_on_a_pool_of_another_interpreter():
+    """Before: a pool whose ``python`` is not this process's offers no packages, and a script needing none was
+    launched with ``None`` as its interpreter."""
+    from prime_orchestrator.sandbox.verifiers_runtime import SandboxPoolRuntime, SandboxPoolRuntimeConfig
+
+    other = "/usr/bin/python3" if os.path.realpath("/usr/bin/python3") != os.path.realpath(sys.executable) else "/x"
+    runtime = SandboxPoolRuntime(SandboxPoolRuntimeConfig())
+    runtime._client = SimpleNamespace(pool=SimpleNamespace(config=SimpleNamespace(python=other, program_packages=[])))
+    written = {}
+
+    async def write(path, data):
+        written[path] = data
+
+    runtime.write = write
+    argv = asyncio.run(runtime.prepare_uv_script("print(1)\n"))
+    assert argv[0] == other and list(written.values()) == [b"print(1)\n"]
+    with pytest.raises(SandboxError, match="program_packages"):
+        asyncio.run(runtime.prepare_uv_script('# /// script\n# dependencies = ["openai"]\n# ///\nprint(1)\n'))

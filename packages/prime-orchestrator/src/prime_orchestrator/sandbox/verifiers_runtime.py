@@ -219,7 +219,9 @@ class SandboxPoolRuntime(Runtime):
         # Written again for every launch (each segment of an exchange launches the program anew): the model's
         # commands of the last segment may have replaced it, and the boot refuses what its name does not hash to.
         await self.write(path, data)
-        return programs.program_argv(python, path)
+        # A pool on another interpreter offers no packages (they are this process's): a script needing none still
+        # runs, on the pool's own interpreter.
+        return programs.program_argv(python or pool.config.python, path)
 
     def host_url(self, url: str) -> str:
         """Unchanged: a program reaches a route at the host's own ``127.0.0.1:<port>`` (relayed, see
