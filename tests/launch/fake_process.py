@@ -23,6 +23,22 @@ if "--dry-run" in args:  # rl --dry-run's check of the orchestrators' environmen
     sys.exit(0)
 config = tomllib.loads(Path(args[args.index("@") + 1]).read_text())
 out = Path(config["output_dir"])
+
+
+def _wait_gone(pid_file: Path, bound_s: float = 120.0) -> None:
+    """Until the process named in ``pid_file`` (written at its end) has exited, at most ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+        except (FileNotFoundError, ValueError):
+            pass  # not written yet
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    sys.exit(f"fake orchestrator: the trainer did not exit within {bound_s:.0f} s")
+
+
 (out / "pids").mkdir(parents=True, exist_ok=True)
 grandchild = subprocess.Popen(["sleep", "1000"])
 (out / "pids" / name).write_text(f"{os.getpid()} {grandchild.pid}")
@@ -93,8 +109,12 @@ elif name in ("orchestrator", "trainer"):
         print(f"{name} step {step}", flush=True)
         time.sleep(0.05)
     print(f"{name} ready", flush=True)
-    if name == "orchestrator" and os.environ.get("FAKE_FINAL_EVAL_S"):  # it outlives the trainer (a final eval)
-        time.sleep(float(os.environ["FAKE_FINAL_EVAL_S"]))
+    if os.environ.get("FAKE_FINAL_EVAL_S"):  # the orchestrator outlives the trainer (a final eval)
+        if name == "trainer":
+            (out / "fake_trainer.pid").write_text(str(os.getpid()))
+        else:  # however late the trainer started on a loaded host: after its exit, then the eval's time
+            _wait_gone(out / "fake_trainer.pid")
+            time.sleep(float(os.environ["FAKE_FINAL_EVAL_S"]))
     if os.environ.get("FAKE_EXIT_HANG") == name:
         progress.stop_reporting()  # says it is exiting, then never does (a deadlock at exit)
         hang = True
