@@ -247,7 +247,7 @@ def test_a_program_killed_at_its_wall_limit_leaves_nothing_and_its_slot_comes_ba
 
 
 CYCLES = """
-import socket, sys
+import socket, sys, time
 port = int(sys.argv[1])
 for _ in range(40):
     socket.create_connection(('127.0.0.1', port), timeout=5).close()
@@ -255,6 +255,7 @@ half = []
 for _ in range(10):  # half-open: a ping, then its write side shut, its replies never read
     s = socket.create_connection(('127.0.0.1', port), timeout=5); s.sendall(b'ping\\n' * 1000)
     s.shutdown(socket.SHUT_WR); half.append(s)
+time.sleep(2)  # held while the relay takes them: one the program no longer holds is refused (relay.from_program)
 print('done')
 """
 

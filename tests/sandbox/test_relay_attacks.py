@@ -353,3 +353,60 @@ def test_every_route_of_the_interception_server_answers_the_code_401_without_its
     assert len(routes) >= 8 and {("GET", "/state"), ("PUT", "/state"), ("POST", "/tool")} <= set(routes), routes
     assert len(lines) == 3 * len(routes) and all(line.startswith("401 ") for line in lines), result.stdout
     assert state == {"k": 1}
+
+
+CHILD_THEN_SELF = r"""
+import socket, subprocess, sys
+port = int(sys.argv[1])
+def call(who):
+    try:
+        with socket.create_connection(('127.0.0.1', port), timeout=10) as s:
+            s.sendall(b'ping')
+            print(who, s.recv(16).decode() or 'closed', flush=True)
+    except OSError as e:
+        print(who, 'refused', type(e).__name__, flush=True)
+subprocess.run([sys.executable, '-c', CALL_CHILD, str(port)], check=False)
+call('program')
+"""
+
+
+def test_only_the_program_itself_reaches_its_routes_not_the_commands_it_runs():
+    """The model's commands run as the harness program's children, inside its network namespace: before, a
+    command's connection to a route was relayed like the program's (a task's MCP tool called outside the tool gate,
+    an unauthenticated flood of the interception server). Now the relay takes a connection only when the PID
+    namespace's init, the program, holds its other end: the host's server saw the program's connection alone."""
+    _require_root()
+    from prime_core.config.sandbox import SandboxLimits
+    from prime_orchestrator.sandbox import ExecRequest
+
+    from tests.sandbox.conftest import own_pool
+
+    seen = []
+
+    async def pong(reader, writer):
+        seen.append(await reader.read(4))
+        writer.write(b"pong")
+        await writer.drain()
+        writer.close()
+
+    child = "import socket, sys\ntry:\n"
+    child += "    s = socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=10); s.sendall(b'ping')\n"
+    child += "    print('command', s.recv(16).decode() or 'closed', flush=True)\n"
+    child += "except OSError as e:\n    print('command refused', type(e).__name__, flush=True)\n"
+    code = CHILD_THEN_SELF.replace("CALL_CHILD", repr(child))
+    limits = SandboxLimits(wall_s=30, cpu_s=30)
+    with own_pool(uid_base=4_880_000, max_concurrency=1) as client:
+
+        async def main():
+            server = await asyncio.start_server(pong, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            async with server:
+                request = ExecRequest(argv=["python3", "-c", code, str(port)], limits=limits)
+                return await client.execute(request, routes=[port])
+
+        result = asyncio.run(main())
+    assert result.status == "ok", result
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("command ") and "pong" not in lines[0], result.stdout
+    assert lines[1] == "program pong", result.stdout
+    assert seen == [b"ping"]  # the program's connection, and nothing of the command's reached the host

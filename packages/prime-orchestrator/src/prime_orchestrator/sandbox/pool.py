@@ -248,9 +248,11 @@ class SandboxPool:
                     status="sandbox_error", reason=f"workspace {workspace.name} was lost with its sandbox worker"
                 )
         lease = await self._leases.acquire(workspace)
-        job = _Job(
-            request, request.limits or self.config.limits, lease, relay=None if routes is None else Relay(routes)
-        )
+        relay = None
+        if routes is not None:
+            members = (lambda cg=self._cgroups, key=lease.cgroup: cg.pids(key)) if self._cgroups is not None else None
+            relay = Relay(routes, members)
+        job = _Job(request, request.limits or self.config.limits, lease, relay=relay)
         task = asyncio.ensure_future(self._run(job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

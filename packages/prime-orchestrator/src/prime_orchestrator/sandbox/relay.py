@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 MAX_CONNECTIONS = 32
@@ -84,13 +85,63 @@ def foreign(port: int) -> str:
     return "it is another host service's, not this process's nor one it started (a tool server verifiers launched)"
 
 
-class Relay:
-    """The relay of one execution: the ports it may reach, and the connections it holds."""
+def _inits(pids: list[int]) -> list[int]:
+    """Those of ``pids`` (host pids) that are the init of a PID namespace below the host's: an execution's code."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    ns = line.split()[1:]
+                    if len(ns) > 1 and ns[-1] == "1":
+                        found.append(pid)
+                    break
+    return found
 
-    def __init__(self, ports: list[int]) -> None:
+
+def _client_inode(pid: int, client_port: int, route_port: int) -> int | None:
+    """The socket inode of the connection from ``client_port`` to ``route_port`` in ``pid``'s network namespace."""
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rpartition(":")[2], 16) == client_port and (
+                    int(fields[2].rpartition(":")[2], 16) == route_port
+                ):
+                    return int(fields[9])
+    return None
+
+
+def from_program(conn: socket.socket, members: list[int]) -> bool:
+    """Whether the execution's code itself (its PID namespace's init: the harness program) holds the other end of
+    ``conn``, not a process it started (the model's commands). A route's servers answer whoever connects: verifiers'
+    MCP tool servers take calls without its secret (a command calling a task's tool directly skipped the tool gate,
+    the trace and the turn limits while its state writes landed), and its interception server answered a command's
+    flood of unauthenticated requests at 3 s of this host's CPU per 0.6 s of the code's."""
+    try:
+        client_port, route_port = conn.getpeername()[1], conn.getsockname()[1]
+    except OSError:
+        return False
+    for pid in _inits(members):
+        inode = _client_inode(pid, client_port, route_port)
+        if inode is None:
+            continue
+        with contextlib.suppress(OSError):
+            return f"socket:[{inode}]" in {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    return False
+
+
+class Relay:
+    """The relay of one execution: the ports it may reach, and the connections it holds. ``members``, where the
+    pool has the execution's cgroup: the host pids of its processes, so that only the program's own connections
+    are relayed (:func:`from_program`)."""
+
+    def __init__(self, ports: list[int], members: Callable[[], list[int]] | None = None) -> None:
         self.ports = list(dict.fromkeys(ports))
+        self.members = members
         self.connections = 0  # relayed so far (for tests and logs)
         self.refused = 0  # refused over MAX_CONNECTIONS
+        self.not_program = 0  # refused: opened by a process the program started, not by the program
         self._parent: socket.socket | None = None
         self._listeners: list[socket.socket] = []
         self._open: set[asyncio.StreamWriter] = set()
@@ -150,8 +201,11 @@ class Relay:
                 return
             if self._slots.locked():  # over the cap: refused now (reset), not left waiting (see MAX_CONNECTIONS)
                 self.refused += 1
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                conn.close()
+                _reset(conn)
+                continue
+            if self.members is not None and not await asyncio.to_thread(from_program, conn, self.members()):
+                self.not_program += 1
+                _reset(conn)
                 continue
             await self._slots.acquire()  # free: takes no time
             self.connections += 1
@@ -191,6 +245,11 @@ class Relay:
                 s.close()
         self._listeners.clear()
         self._parent = None
+
+
+def _reset(conn: socket.socket) -> None:
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.close()
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, both: list) -> None:
