@@ -9,6 +9,7 @@ the code sends (another Host header, a ``CONNECT``, a request naming another por
 which answers it or not. The URL inside is the host's own, so the runtime's ``host_url`` changes nothing. Whatever
 that server offers is the code's to drive (the model's commands run in the program's execution), so a route must be
 served by this process or one it started (:func:`foreign`), checked when the runtime is given the routes.
+Only the program's own connections are relayed, never those of the model's commands it runs (:func:`from_program`).
 
 Bounded: at most :data:`MAX_CONNECTIONS` connections at once (more are refused at once), each copying :data:`CHUNK`
 bytes at a time and waiting for the other side to take them (flow control), so the host holds at most a few of them per connection however much the code sends or leaves unread. Everything closes
