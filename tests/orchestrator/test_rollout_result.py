@@ -87,3 +87,29 @@ def test_a_sampled_node_shared_by_two_branches_trains_only_in_the_first():
     assert first.token_ids == [1, 2, 3, 4, 5] and first.loss_mask == [False, True, True, False, True]
     assert second.token_ids == [1, 2, 3, 6, 7] and second.loss_mask == [False, False, False, False, True]
     assert second.logprobs == [0.0, 0.0, 0.0, 0.0, -0.5] and result.completion_len == 4
+
+
+def test_a_seat_the_env_never_asked_keeps_the_reward_verifiers_gave_it():
+    """A two-seat card game where player 0 forfeits before player 1 acts: player 1's trace has no turn (no branch)
+    and a reward, which vf-eval reports. It was dropped: the row showed player 0 alone (reward -1, not the seats'
+    mean 0), its metrics unprefixed, and player 1's seat baseline missed it."""
+    from prime_orchestrator.sample_checks import check_sequences
+
+    task = TraceTask(type="Task", data=vf.TaskData(prompt="a"))
+    asked = [
+        MessageNode(message=UserMessage(content="p"), parent=None, sampled=False, token_ids=[1], mask=[False]),
+        MessageNode(message=AssistantMessage(content="r"), parent=0, sampled=True, token_ids=[2], mask=[True],
+                    logprobs=[-0.5]),
+    ]  # fmt: skip
+
+    def seat(name: str, nodes: list, payoff: float) -> Trace:
+        agent = AgentInfo(config=AgentConfig(), trainable=True, name=name)
+        return Trace(task=task, agent=agent, nodes=nodes, rewards={"payoff": Reward(score=payoff)})
+
+    result = to_result(Episode(task=task, ok=True, traces=[seat("p0", asked, -1.0), seat("p1", [], 1.0)]), "k", 0, 1.0)
+    assert [(t.seat, t.reward, t.num_turns) for t in result.traces] == [("p0", -1.0, 1), ("p1", 1.0, 0)]
+    assert result.reward == 0.0 and result.metrics == {"p0/reward/payoff": -1.0, "p1/reward/payoff": 1.0}
+    assert [s.token_ids for s in result.sequences] == [[1, 2]] and result.prompt_len == 1
+    # It trains nothing, so it is no server's empty completion (which fails the rollout): nobody asked the server.
+    assert [t.trainable for t in result.traces] == [True, False]
+    assert check_sequences(result, vocab=8) is None

@@ -139,13 +139,15 @@ def to_result(
             metrics=seat_metrics(recorded),
             num_turns=sum(t.num_turns for t in recorded),
         )
-    # An env where no seat trains (an eval of a fixed pair of agents) is scored over all of them, as vf-eval does.
-    trainable = [t for t in done if t.agent.trainable]
-    scored = trainable or done
-    traces = [trace_result(t, trains=bool(trainable)) for t in scored]
-    shown = scored[0].branches[-1]
+    # An env where no seat trains (an eval of a fixed pair of agents) is scored over all of them, as vf-eval does. A
+    # seat the env never asked (a hand folded before its turn) has no branch but a reward: verifiers scores it; it
+    # made no choice to credit, so it trains nothing and stays out of its seat's baseline (no empty completion).
+    trainable = [t for t in episode.traces if t.agent.trainable]
+    scored = trainable or episode.traces
+    traces = [trace_result(t, trains=bool(trainable) and bool(t.branches)) for t in scored]
+    shown = next((t for t in scored if t.branches), done[0]).branches[-1]
     first = next((i for i, n in enumerate(shown.nodes) if n.sampled), len(shown.nodes))
-    head = traces[0].sequences[0].loss_mask if traces[0].sequences else []
+    head = next((t.sequences[0].loss_mask for t in traces if t.sequences), [])
     return RolloutResult(
         env=env,
         example=example,
