@@ -96,8 +96,9 @@ async def case(pool: SandboxPool, device: str, codes: list[str], limits: Sandbox
 
 
 async def main(args: argparse.Namespace) -> dict:
-    (device,), hidden = read_devices(["/usr"])
-    files = largest_files()
+    usr = os.stat("/usr").st_dev  # /usr's own disk: another may be mounted below it (a GPU host's driver files)
+    files = [f for f in largest_files(count=64) if os.stat(f).st_dev == usr][:16]
+    (device,), hidden = read_devices(files[:1])
     cases = {}
     async with SandboxPool(SandboxPoolConfig(max_concurrency=max(4, args.parallel), zygotes=1)) as pool:
         defaults = pool.config.limits
