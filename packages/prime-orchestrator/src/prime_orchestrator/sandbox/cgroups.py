@@ -28,6 +28,7 @@ import resource
 import time
 from pathlib import Path
 
+from prime_orchestrator.sandbox.delegate import LEAF, delegate
 from prime_orchestrator.sandbox.memcap import limit_memory, memory_cap, memory_files, task_cap
 from prime_orchestrator.sandbox.stale import holds_processes
 
@@ -75,7 +76,7 @@ def _own_cgroups() -> dict[str, str]:
         _, controllers, path = line.split(":", 2)
         for c in controllers.split(",") if controllers else [""]:
             out[c] = path
-    if "" in out and os.path.basename(out[""]).startswith(ENV_SERVER_CGROUP):
+    if "" in out and (os.path.basename(out[""]).startswith(ENV_SERVER_CGROUP) or out[""].endswith("/" + LEAF)):
         out[""] = os.path.dirname(out[""])
     return out
 
@@ -189,8 +190,8 @@ class Cgroups:
                 delegated = {"memory", "pids"}
         except OSError as e:
             return None, f"{v2} does not delegate memory and pids ({e.strerror})"
-        if not {"memory", "pids"} <= delegated:
-            return None, f"{v2} does not delegate the memory and pids controllers (cgroup.subtree_control)"
+        if not {"memory", "pids"} <= delegated and (why := delegate(v2)):
+            return None, why
         return cls._make(2, {"": v2 / SHARED / name})
 
     @classmethod
