@@ -57,7 +57,7 @@ def lift_open_files(need: int) -> str | None:
 SHARED = "prime-sandbox"
 """The cgroup, beside this process's own in each hierarchy, that every pool of the host running there makes its own
 under (created by the first, never removed while a pool is in it): :func:`task_cap` bounds all of them together."""
-CREATE_TRIES = 5  # a pool closing may remove the shared cgroup between another's mkdir of it and of its own
+CREATE_TRIES = 50  # a pool closing may remove the shared cgroup between another's mkdir of it and of its own (5 ran out in one CI run under load, with a fifth hierarchy: blkio)
 # What a mkdir in (or of) a shared cgroup a pool is removing answers: gone (ENOENT), going (ENODEV), or there for
 # mkdir and gone for the check after it (EEXIST): 2 of 450 starts raced with closes in three threads failed so.
 RACES = (errno.ENOENT, errno.ENODEV, errno.EEXIST)
@@ -133,6 +133,7 @@ def _make_dir(path: Path, version: int) -> None:
         except OSError as e:  # removed, or being removed, by a pool closing: make it again
             if e.errno not in RACES or attempt == CREATE_TRIES - 1:
                 raise
+            time.sleep(0.001 * attempt)  # let the closing pool finish its rmdirs (at most 1.2 s over all tries)
 
 
 class Cgroups:
