@@ -144,3 +144,15 @@ def test_memory_only_the_reaper_kills_what_a_slots_memory_cgroup_lists(no_pids):
         left.wait()
         made.close()
     assert not [d for d in made.dirs() if d.exists()]
+
+
+def test_memory_only_a_pids_hierarchy_the_pool_cannot_use_leaves_memory_enforced(tmp_path):
+    # A pids hierarchy mounted but not writable (a container's read-only mount): the pool had no cgroups at all
+    (tmp_path / "memory").mkdir()  # no pids hierarchy there: its shared cgroup cannot be made
+    parents = {c: tmp_path / c / "shared" / "pool" for c in ("memory", "pids")}
+    made, why = cgroups.Cgroups._make(1, parents)
+    assert made is not None and set(made.parents) == {"memory"}, why
+    assert made.no_tasks.startswith(f"cannot create {parents['pids']}"), made.no_tasks
+    made._set_limits("s0", 64 << 20, 8)
+    assert (parents["memory"] / "s0" / "memory.limit_in_bytes").read_text() == str(64 << 20)
+    made.close()
