@@ -110,21 +110,22 @@ def test_memory_only_a_cancelled_execution_leaves_no_process(no_pids):
     code += "print('forked', flush=True)\ntime.sleep(60)"
     limits = SandboxLimits(wall_s=60, cpu_s=60, processes=16)
 
-    async def cancel_one(pool) -> None:
+    async def cancel_one(pool) -> int:
         task = asyncio.ensure_future(pool.execute(ExecRequest(code=code, limits=limits)))
-        while len(pool._cgroups.pids("s0")) < 9 and not task.done():
+        while (listed := len(pool._cgroups.pids("s0"))) < 9 and not task.done():
             await asyncio.sleep(0.01)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         while pool.health().running:  # the slot comes back once the reaper found its cgroup empty
             await asyncio.sleep(0.01)
+        return listed
 
     with own_pool(uid_base=4_960_000, max_concurrency=2) as client:
         pool = client.pool
         assert pool._cgroups is not None and pool._cgroups.no_tasks, pool.unenforced
-        client.call(cancel_one(pool)).result(timeout=60)
+        listed = client.call(cancel_one(pool)).result(timeout=60)
         left = pool._cgroups.pids("s0"), sandbox_pids(uid_span(SESSION_UIDS + 4_960_001, 2))
-    assert left == ([], []), left
+    assert listed == 9 and left == ([], []), (listed, left)  # the runner and its 8 children, then nothing
 
 
 def test_memory_only_the_reaper_kills_what_a_slots_memory_cgroup_lists(no_pids):
