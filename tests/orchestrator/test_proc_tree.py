@@ -119,8 +119,8 @@ def test_a_sandbox_pool_in_an_env_servers_cgroup_counts_the_parent_as_its_own():
     path, why = create("test-pool")
     if path is None:
         pytest.skip(why)
-    code = ("from prime_orchestrator.server_cgroup import join; from prime_orchestrator.sandbox.cgroups import "
-            f"_own_cgroups; join({str(path)!r}); print(_own_cgroups()[''])")  # fmt: skip
+    code = ("from prime_orchestrator.server_cgroup import join; from prime_orchestrator.sandbox.hierarchies import "
+            f"own_cgroups; join({str(path)!r}); print(own_cgroups()[''])")  # fmt: skip
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert out.stdout.strip() == Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split()[0], out.stderr

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from prime_orchestrator.proc_tree import command, kill_left, marked_by
-from prime_orchestrator.sandbox.cgroups import ENV_SERVER_CGROUP, _mounts, _own_cgroups, _path
+from prime_orchestrator.sandbox.hierarchies import ENV_SERVER_CGROUP, mounts, own_cgroups, path_of
 
 logger = logging.getLogger("prime.orchestrator.env")
 
@@ -32,7 +32,7 @@ logger = logging.getLogger("prime.orchestrator.env")
 def create(token: str) -> tuple[Path | None, str]:
     """A new v2 cgroup ``prime-env-<token>`` below this process's own, or None and why there is none."""
     try:
-        parent = _path("", _mounts(), _own_cgroups())
+        parent = path_of("", mounts(), own_cgroups())
     except OSError as e:
         return None, f"cannot read this process's cgroups ({e.strerror})"
     if parent is None:

@@ -2,18 +2,21 @@
 
 RLIMIT_AS bounds each process's address space, but not what an execution holds outside it: pages of files in its
 tmpfs, pipe and socket buffers, several processes at once; RLIMIT_CPU bounds each process's CPU time, not their sum.
-A cgroup counts all of it. The pool makes one cgroup per execution slot (memory and pids controllers, and v1's
-cpuacct where it is mounted; v2 counts CPU time in every cgroup; the cpu controller where it is mounted or delegated,
+A cgroup counts all of it. The pool makes one cgroup per execution slot (memory controller, pids where it is given,
+and v1's cpuacct where it is mounted; v2 counts CPU time in every cgroup; the cpu controller where it is mounted or delegated,
 which gives each execution one CPU weight however many processes it runs) under its own cgroup, itself under a
 ``prime-sandbox`` cgroup that every pool of the host running in the same cgroup shares (:data:`SHARED`: the task cap
 bounds them all together, and on a CPU hierarchy all the pools weigh as one group against the host), where the host
 lets it:
 
-- cgroup v2, when the pool's cgroup delegates ``memory`` and ``pids`` to its children (``cgroup.subtree_control``,
-  as systemd's ``Delegate=yes``), or the pool runs in the root cgroup;
-- cgroup v1, when the ``memory`` and ``pids`` hierarchies are mounted writable (root on a v1 host).
+- cgroup v2, when the pool's cgroup delegates ``memory`` (and ``pids``) to its children (``cgroup.subtree_control``,
+  as systemd's ``Delegate=yes``; :mod:`delegate`), or the pool runs in the root cgroup;
+- cgroup v1, when the ``memory`` hierarchy (and ``pids``) is mounted writable (root on a v1 host).
 
-Otherwise :meth:`Cgroups.detect` says why, and the pool logs that these limits are not enforced. A runner joins its
+Otherwise :meth:`Cgroups.detect` says why, and the pool logs that these limits are not enforced. Where ``pids`` is
+not there (a job system's cgroup given ``memory`` only; :attr:`Cgroups.no_tasks` says why), the slots' cgroups are
+memory ones and the rest holds: an execution's tasks are then bounded by RLIMIT_NPROC of its own uid alone, and
+those of every pool together by nothing (the pool says so). A runner joins its
 slot's cgroups by writing ``0`` to the ``tasks`` (v1) or ``cgroup.procs`` (v2) files the pool opened for it (the
 kernel checks the opener's credentials), before it drops its privileges; nothing of the cgroup filesystem is
 visible inside.
@@ -28,7 +31,8 @@ import resource
 import time
 from pathlib import Path
 
-from prime_orchestrator.sandbox.delegate import LEAF, delegate
+from prime_orchestrator.sandbox.delegate import delegate
+from prime_orchestrator.sandbox.hierarchies import mounts, own_cgroups, path_of
 from prime_orchestrator.sandbox.memcap import limit_memory, memory_cap, memory_files, task_cap
 from prime_orchestrator.sandbox.stale import holds_processes
 
@@ -63,52 +67,10 @@ CREATE_TRIES = 50  # a pool closing may remove the shared cgroup between another
 RACES = (errno.ENOENT, errno.ENODEV, errno.EEXIST)
 
 
-ENV_SERVER_CGROUP = "prime-env-"
-"""The name prefix of an env server's own v2 cgroup (``prime_orchestrator.server_cgroup``): a pool started in one
-counts its parent as its own (a cgroup that holds processes cannot delegate controllers to its children)."""
-
-
-def _own_cgroups() -> dict[str, str]:
-    """Controller (``""`` for v2) -> this process's cgroup path, from /proc/self/cgroup (an env server's own v2 cgroup
-    counts as its parent)."""
-    out = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        for c in controllers.split(",") if controllers else [""]:
-            out[c] = path
-    if "" in out and (os.path.basename(out[""]).startswith(ENV_SERVER_CGROUP) or out[""].endswith("/" + LEAF)):
-        out[""] = os.path.dirname(out[""])
-    return out
-
-
-def _mounts() -> dict[str, tuple[str, str]]:
-    """Controller (``""`` for v2) -> (mount root inside the hierarchy, mount point), from mountinfo."""
-    out: dict[str, tuple[str, str]] = {}
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        sep = fields.index("-")
-        fstype, options = fields[sep + 1], fields[sep + 3].split(",")
-        root, point = fields[3], fields[4].replace("\\040", " ")
-        if fstype == "cgroup2":
-            out.setdefault("", (root, point))
-        elif fstype == "cgroup":
-            for c in ("memory", "pids", "cpuacct", "cpu", "blkio"):
-                if c in options:
-                    out.setdefault(c, (root, point))
-    return out
-
-
-def _path(controller: str, mounts: dict, own: dict) -> Path | None:
-    if controller not in mounts or controller not in own:
-        return None
-    root, point = mounts[controller]
-    rel = os.path.relpath(own[controller], root)
-    return Path(point) / ("" if rel == "." else rel)
-
-
-def _make_dir(path: Path, version: int) -> None:
+def _make_dir(path: Path, version: int, enable: str = "+memory +pids") -> None:
     """Make a pool's cgroup ``path`` and, where it is not yet, the shared one above it with the host-wide task cap
-    (on the pids hierarchy's, or v2's: the slots' pids cgroups are below it, so it bounds every pool's together).
+    (on the pids hierarchy's, or v2's: the slots' pids cgroups are below it, so it bounds every pool's together);
+    v2: ``enable`` the controllers for the children of both (``+memory`` alone where ``pids`` is not delegated).
     Every pool writes the same cap and the same controllers, so which of two starting pools makes the shared cgroup
     does not matter; a closing pool removes it only when empty (the kernel refuses otherwise), and a pool that finds
     it gone, or going, between its two mkdirs makes it again."""
@@ -122,13 +84,13 @@ def _make_dir(path: Path, version: int) -> None:
                 with contextlib.suppress(OSError):  # EBUSY: the pools already hold more (the cap is the same for all)
                     limit_memory(shared, memory)
             if version == 2:
-                (shared / "cgroup.subtree_control").write_text("+memory +pids")
+                (shared / "cgroup.subtree_control").write_text(enable)
                 for optional in ("+cpu", "+io"):  # where delegated (see place_zygote, diskio)
                     with contextlib.suppress(OSError):
                         (shared / "cgroup.subtree_control").write_text(optional)
             path.mkdir(exist_ok=True)
             if version == 2:
-                (path / "cgroup.subtree_control").write_text("+memory +pids")
+                (path / "cgroup.subtree_control").write_text(enable)
             return
         except OSError as e:  # removed, or being removed, by a pool closing: make it again
             if e.errno not in RACES or attempt == CREATE_TRIES - 1:
@@ -137,14 +99,18 @@ def _make_dir(path: Path, version: int) -> None:
 
 
 class Cgroups:
-    """Memory+pids cgroups under the pool's own, one per key (``s<slot>`` for an execution slot, ``w<uid>`` for a
+    """Memory(+pids) cgroups under the pool's own, one per key (``s<slot>`` for an execution slot, ``w<uid>`` for a
     workspace, whose files stay charged to it), created on first use."""
 
-    def __init__(self, version: int, parents: dict[str, Path], cpu_parent: Path | None = None) -> None:
+    def __init__(
+        self, version: int, parents: dict[str, Path], cpu_parent: Path | None = None, no_tasks: str = ""
+    ) -> None:
         self.version = version
         self.parents = parents  # controller -> this pool's cgroup directory ("" for v2)
         # This pool's directory in the CPU controller's hierarchy, where its zygotes run (see place_zygote)
         self.cpu_parent = cpu_parent
+        self.no_tasks = no_tasks
+        """Why there is no pids controller ('' where there is): no pids.max per slot nor the host-wide task cap."""
         self._limits: dict[str, tuple[int, int]] = {}
         self.total_mb: int | None = None  # see limit_total
         self._ooms: dict[str, int] = {}
@@ -167,51 +133,61 @@ class Cgroups:
         """The pool's cgroups (named ``name``; with ``io``, v1's blkio one where mounted, see :meth:`io_dir`), or None
         and the reason they cannot be used here."""
         try:
-            own, mounts = _own_cgroups(), _mounts()
+            own, mounted = own_cgroups(), mounts()
         except OSError as e:
             return None, f"cannot read this process's cgroups ({e})"
-        v1 = {c: _path(c, mounts, own) for c in ("memory", "pids")}
-        if all(v1.values()):
+        if (memory := path_of("memory", mounted, own)) is not None:
+            v1, no_tasks = {"memory": memory}, "no cgroup v1 pids hierarchy is mounted"
+            if (pids := path_of("pids", mounted, own)) is not None:
+                v1["pids"], no_tasks = pids, ""
             # cpuacct when mounted: the CPU time of an execution's processes together (see cpu_fd)
-            cpu = {"cpuacct": path} if (path := _path("cpuacct", mounts, own)) else {}
+            cpu = {"cpuacct": path} if (path := path_of("cpuacct", mounted, own)) else {}
             # cpu: each execution's weight (see place_zygote); mounted with cpuacct, the cpuacct join moves it too
-            if (weight := _path("cpu", mounts, own)) is not None and weight != cpu.get("cpuacct"):
+            if (weight := path_of("cpu", mounted, own)) is not None and weight != cpu.get("cpuacct"):
                 cpu["cpu"] = weight
-            if io and (blkio := _path("blkio", mounts, own)):  # each execution's disk reads (see diskio)
+            if io and (blkio := path_of("blkio", mounted, own)):  # each execution's disk reads (see diskio)
                 cpu["blkio"] = blkio
             parents = {c: p / SHARED / name for c, p in {**v1, **cpu}.items()}
-            return cls._make(1, parents, weight and weight / SHARED / name)
-        v2 = _path("", mounts, own)
+            return cls._make(1, parents, weight and weight / SHARED / name, no_tasks)
+        v2 = path_of("", mounted, own)
         if v2 is None:
-            return None, "no cgroup v2 mount and no writable cgroup v1 memory and pids hierarchies"
+            return None, "no cgroup v2 mount and no writable cgroup v1 memory hierarchy"
         try:
             delegated = set((v2 / "cgroup.subtree_control").read_text().split())
-            if not {"memory", "pids"} <= delegated and v2 == Path(mounts[""][1]):  # the root cgroup may enable them
-                (v2 / "cgroup.subtree_control").write_text("+memory +pids")
-                delegated = {"memory", "pids"}
+            if not {"memory", "pids"} <= delegated and v2 == Path(mounted[""][1]):  # the root cgroup may enable them
+                (v2 / "cgroup.subtree_control").write_text("+memory")
+                with contextlib.suppress(OSError):  # where the host has it on cgroup v2
+                    (v2 / "cgroup.subtree_control").write_text("+pids")
+                delegated = set((v2 / "cgroup.subtree_control").read_text().split())
+            if not {"memory", "pids"} <= delegated:
+                if why := delegate(v2):
+                    return None, why
+                delegated = set((v2 / "cgroup.subtree_control").read_text().split())
         except OSError as e:
-            return None, f"{v2} does not delegate memory and pids ({e.strerror})"
-        if not {"memory", "pids"} <= delegated and (why := delegate(v2)):
-            return None, why
-        return cls._make(2, {"": v2 / SHARED / name})
+            return None, f"{v2} does not delegate memory ({e.strerror})"
+        no_tasks = "" if "pids" in delegated else f"the pids controller is not enabled below {v2}"
+        return cls._make(2, {"": v2 / SHARED / name}, no_tasks=no_tasks)
 
     @classmethod
     def _make(
-        cls, version: int, parents: dict[str, Path], cpu_parent: Path | None = None
+        cls, version: int, parents: dict[str, Path], cpu_parent: Path | None = None, no_tasks: str = ""
     ) -> tuple[Cgroups | None, str]:
         """The pool's cgroups at ``parents`` (controller -> ``<own cgroup>/<SHARED>/<pool>``), each made under the
         shared cgroup of every pool of the host (made here where it is not yet, with the host-wide task cap)."""
-        for optional in ("cpuacct", "cpu", "blkio"):  # without them the CPU total or weight, or disk reads, go free
+        # Without them the tasks, CPU total or weight, or disk reads go free (the pool says which)
+        for optional in ("pids", "cpuacct", "cpu", "blkio"):
             if optional in parents:
                 try:
                     _make_dir(parents[optional], 1)
-                except OSError:
+                except OSError as e:
+                    if optional == "pids":
+                        no_tasks = f"cannot create {parents[optional]} ({e.strerror})"
                     parents = {c: p for c, p in parents.items() if c != optional}
         if version == 1 and cpu_parent not in parents.values():  # its hierarchy (cpu, or cpu,cpuacct) is not usable
             cpu_parent = None
         try:
             for path in parents.values():
-                _make_dir(path, version)
+                _make_dir(path, version, "+memory" if no_tasks else "+memory +pids")
             if version == 2:
                 with contextlib.suppress(OSError):  # where the host delegates it (see place_zygote)
                     (parents[""] / "cgroup.subtree_control").write_text("+cpu")
@@ -221,7 +197,7 @@ class Cgroups:
         except OSError as e:
             cls(version, parents).close()
             return None, f"cannot create {next(iter(parents.values()))} ({e.strerror})"
-        return cls(version, parents, cpu_parent), ""
+        return cls(version, parents, cpu_parent, no_tasks), ""
 
     def limit_total(self, mb: int | None) -> None:
         """Bound the memory of this pool's executions together to ``mb`` (``SandboxPoolConfig.total_memory_mb``; None:
@@ -291,16 +267,16 @@ class Cgroups:
                 files.append("memory.memsw.limit_in_bytes")
             for name in files if memory < old else reversed(files):  # memsw may never be below the limit
                 self._write(mem / name, str(memory))
-            self._write(dirs["pids"] / "pids.max", str(pids))
         else:
             d = dirs[""]
             self._write(d / "memory.max", str(memory))
             with contextlib.suppress(OSError):  # no swap accounting on this host: nothing to bound
                 self._write(d / "memory.swap.max", "0")
-            self._write(d / "pids.max", str(pids))
             if key not in self._limits:
                 with contextlib.suppress(OSError):  # Linux < 4.19: each OOM kill is reported (and the pool says so)
                     self._write(d / "memory.oom.group", "1")
+        if not self.no_tasks:  # else RLIMIT_NPROC of the key's own uid alone bounds its tasks (see runner)
+            self._write(dirs["pids" if self.version == 1 else ""] / "pids.max", str(pids))
         self._limits[key] = (memory, pids)
 
     def enter(self, key: str, memory_mb: int, processes: int) -> list[int]:
@@ -452,7 +428,8 @@ class Cgroups:
             return None
 
     def pids(self, key: str) -> list[int]:
-        """Host pids of the processes in the slot."""
+        """Host pids of the processes in the slot (each of its hierarchies lists them all: its memory cgroup alone
+        where there is no pids one)."""
         found: set[int] = set()
         for d in self._dirs(key).values():
             with contextlib.suppress(FileNotFoundError):

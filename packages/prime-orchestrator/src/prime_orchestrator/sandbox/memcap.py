@@ -47,7 +47,8 @@ def task_cap() -> int | None:
     (``cgroups.SHARED``). Each execution's pids cgroup bounds it alone, and ``max_concurrency × processes`` may add up to more than the
     host has (512 × 64 is the whole pid space of the test VM, 32,768): every fork and thread start on the host, the
     trainer's and the inference server's, then failed. On each pool's own cgroup, two pools of one host (two env
-    servers, an orchestrator and an eval) each took half: together, all of it."""
+    servers, an orchestrator and an eval) each took half: together, all of it. Where the pool has no pids cgroup
+    (a cgroup given ``memory`` alone) nothing writes it, and the pool lists it as not enforced."""
     try:
         pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
         return min(pid_max, int(Path("/proc/sys/kernel/threads-max").read_text())) // 2

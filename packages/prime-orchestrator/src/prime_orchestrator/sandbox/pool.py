@@ -143,6 +143,11 @@ class SandboxPool:
             self.unenforced.append(f"{what} ({why}); RLIMIT_AS, RLIMIT_CPU per process and sized tmpfs still apply")
             return None
         cgroups.limit_total(self.config.total_memory_mb)
+        if cgroups.no_tasks:  # a uid per slot (see leases): RLIMIT_NPROC still bounds each execution alone
+            self.unenforced.append(
+                f"the host-wide task cap, half the host's tasks for the executions of all its pools together (no pids "
+                f"cgroup: {cgroups.no_tasks}); RLIMIT_NPROC of each execution's own uid still bounds its processes and threads"
+            )
         self._disk = pool_limits(cgroups, devices, hidden, self.config, self.unenforced)
         if not cgroups.counts_cpu:
             self.unenforced.append("CPU time of an execution's processes together (no cgroup v1 cpuacct hierarchy)")

@@ -120,7 +120,7 @@ def ownerless(roots: list[Path]) -> dict[str, list[Path]]:
 
 def _keep(name: str, cgroups: list[Path]) -> str:
     """Why the cgroups of pool ``name`` must stay ('' when none): judged across hierarchies, as one pool's. A live
-    pool's zygotes hold its CPU cgroup only, and its memory and pids cgroups are empty while nothing runs."""
+    pool's zygotes hold its CPU cgroup only, and its memory (and pids) cgroups are empty while nothing runs."""
     if busy := next((c for c in cgroups if holds_processes(c)), None):
         return f"a process is in {busy}"
     if (folder := Path(tempfile.gettempdir()) / name).exists():
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m prime_orchestrator.sandbox.stale",
         description="Ownerless prime-sandbox-* cgroups (of pools before their cgroups named their owner, or other "
         "tools), which no pool's start removes. Run it when no pool runs on the host: an idle pool of before holds "
-        "no process in its memory and pids cgroups. A pool with a process in any of its cgroups, or whose folder is "
+        "no process in its memory (and pids) cgroups. A pool with a process in any of its cgroups, or whose folder is "
         "in the temporary directory, is kept.",
     )
     parser.add_argument("--ownerless", action="store_true", required=True, help="the cgroups without an owner")
