@@ -83,3 +83,22 @@ def test_processes_that_never_leave_are_one_line_not_a_hang(tmp_path):
     cgroup = _cgroup(tmp_path, "memory pids", procs="4242\n")
     why = delegate(cgroup)
     assert "\n" not in why and "kept appearing" in why and str(cgroup) in why
+
+
+def test_a_v2_slot_reports_its_peak_from_memory_peak_which_each_execution_resets(tmp_path, monkeypatch):
+    # Linux 6.12+: a write to memory.peak resets the peak its descriptor reads. Before, every v2 execution had
+    # memory_peak_mb None, and a pool's total_memory_mb could not be told from the slot's own limit.
+    _cgroup(tmp_path / "job", "memory pids", procs="")
+    monkeypatch.setattr(cgroups, "own_cgroups", lambda: {"": "/job"})
+    monkeypatch.setattr(cgroups, "mounts", lambda: {"": ("/", str(tmp_path))})
+    made, why = cgroups.Cgroups.detect("pool")
+    assert made is not None, why
+    slot = tmp_path / "job" / cgroups.SHARED / "pool" / "s0"
+    slot.mkdir()
+    (slot / "cgroup.procs").write_text("")
+    (slot / "memory.peak").write_text("x" * 12)  # the kernel's file: any write resets it
+    made.enter("s0", 64, 8)
+    assert (slot / "memory.peak").read_text().startswith("0")  # reset before the execution
+    (slot / "memory.peak").write_text(f"{96 << 20}\n")
+    assert made.peak_mb("s0") == 96.0
+    made.close()

@@ -98,6 +98,21 @@ def _make_dir(path: Path, version: int, enable: str = "+memory +pids") -> None:
             time.sleep(0.001 * attempt)  # let the closing pool finish its rmdirs (at most 1.2 s over all tries)
 
 
+def _resettable_peak(cgroup: Path) -> int | None:
+    """A descriptor of v2 ``memory.peak`` that a write resets (Linux 6.12+: each open file keeps a peak of its own
+    since its last write), or None (older kernels refuse the write: no per-execution peak there)."""
+    try:
+        fd = os.open(cgroup / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b"0")
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class Cgroups:
     """Memory(+pids) cgroups under the pool's own, one per key (``s<slot>`` for an execution slot, ``w<uid>`` for a
     workspace, whose files stay charged to it), created on first use."""
@@ -294,6 +309,8 @@ class Cgroups:
             self._procs[key] = [os.open(d / name, os.O_WRONLY | os.O_CLOEXEC) for d in dirs.values()]
             if self.version == 1:
                 self._peak[key] = os.open(dirs["memory"] / "memory.max_usage_in_bytes", os.O_RDWR | os.O_CLOEXEC)
+            elif (peak := _resettable_peak(dirs[""])) is not None:
+                self._peak[key] = peak
         if key in self._peak:
             os.write(self._peak[key], b"0")
         return self._procs[key]
@@ -419,7 +436,8 @@ class Cgroups:
         return killed
 
     def peak_mb(self, key: str) -> float | None:
-        """The slot's peak memory since :meth:`enter` (v1; v2 keeps no resettable peak before Linux 6.12)."""
+        """The slot's peak memory since :meth:`enter` (v1; v2 from Linux 6.12, whose ``memory.peak`` a write resets
+        for the descriptor that wrote it; None before)."""
         if key not in self._peak:
             return None
         try:
