@@ -12,7 +12,7 @@ from prime_core.config.sandbox import SandboxLimits
 from prime_orchestrator.sandbox.supervisor import REAP_S
 
 from tests.sandbox.conftest import assert_serving, own_pool, run
-from tests.sandbox.test_disk_bandwidth import _large_files
+from tests.sandbox.test_disk_bandwidth import MB, _large_files, _throttled_pool
 
 pytestmark = pytest.mark.xdist_group("sandbox")
 
@@ -57,3 +57,50 @@ def test_verdict_a_namespace_held_past_its_kill_is_a_timeout_and_its_slot_waits(
         assert elapsed < limits.wall_s + REAP_S + 2.5, elapsed
         assert client.pool.health().quarantined == 1  # its threads still read: the slot is not lent
         assert_serving(client)  # in another slot
+
+
+# Read-ahead requested for cold bound files (each call queues a window behind the slot's disk throttle, and returns).
+READ_AHEAD = {
+    "fadvise": "os.posix_fadvise(fd, off, 1 << 20, os.POSIX_FADV_WILLNEED)",
+    "madvise": "mmap.mmap(fd, 0, prot=mmap.PROT_READ).madvise(mmap.MADV_WILLNEED, off, 1 << 20)",
+    "readahead": "libc.readahead(fd, ctypes.c_longlong(off), ctypes.c_size_t(1 << 20))",
+}
+QUEUE_READS = """
+import ctypes, mmap, os
+libc = ctypes.CDLL(None)
+for path in {paths!r}:
+    fd = os.open(path, os.O_RDONLY)
+    for off in range(0, os.fstat(fd).st_size & ~4095, 1 << 20):
+        {call}
+print("queued")
+"""
+
+
+def _evict(paths: list[str]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how", sorted(READ_AHEAD))
+def test_neighbours_no_disk_reads_outlive_the_execution_that_asked_for_them(how):
+    """Before, the host's disk went on reading for an execution after its verdict: read-ahead of 289 MiB of cold bound
+    files, queued in 0.2 s, kept the slot reading 6 s after, where the next execution in the slot (anyone's) read a
+    cold 29 MiB file in 6.4 s (0.6 s alone) and a host process reading a queued file waited 5.6 s for 76 MB. Here
+    the host reads the first file queued right after the verdict: behind the slot's 20 MB/s, about 4 s."""
+    paths = _large_files(3)
+    if sum(map(os.path.getsize, paths)) < 40 * MB:
+        pytest.skip("not 40 MB of large files under /usr/share to read")
+    limits = SandboxLimits(wall_s=10, cpu_s=10, disk_read_mbps=20)
+    with own_pool(27_100, max_concurrency=1) as client:
+        _throttled_pool(client)
+        _evict(paths)
+        result = run(client, QUEUE_READS.format(paths=paths, call=READ_AHEAD[how]), limits=limits)
+        assert (result.status, result.stdout) == ("ok", "queued\n"), result
+        start = time.monotonic()
+        with open(paths[0], "rb") as f:
+            while f.read(1 << 20):
+                pass
+        waited = time.monotonic() - start
+        assert waited < 2.0, waited
