@@ -281,6 +281,9 @@ class SandboxPool:
             self._progress.finished(id(job))
             if job.relay is not None:  # its listeners and connections end with the execution
                 job.relay.close()
+        # A verdict written before the killed PID namespace was gone (supervisor.REAP_S): processes of it still wait
+        # out an uninterruptible call, so the slot is reaped like one that had no verdict.
+        reaped = clean and not raw.pop("unreaped", False)
         if clean and self._cgroups is not None:
             self._memory_verdict(raw, job)
         self._counts["sandbox_errors" if raw["status"] == "sandbox_error" else "executions_completed"] += 1
@@ -288,7 +291,7 @@ class SandboxPool:
             job.verdict.set_result(raw)
         if job.pipe is not None:
             job.pipe.close()
-        if clean:  # a verdict: the supervisor saw the PID namespace's init reaped, so nothing of it is left
+        if reaped:  # the supervisor saw the PID namespace's init reaped, so nothing of it is left
             try:
                 await self._leases.settle(job.lease)
             finally:

@@ -23,7 +23,9 @@ The policy is an allowlist in the spirit of Docker's default profile, narrowed f
   147 MiB of the host's page cache (whole large folios) with 1.2 MiB charged to the execution;
 - ``fsync``, ``fdatasync``, ``sync_file_range`` and ``msync`` with ``MS_SYNC`` return 0 without running
   (:data:`NOOP`): they do nothing on the tmpfs the code writes, and on a read-only bind's descriptor they wrote back
-  the host's dirty data of that file, waiting for it uninterruptibly;
+  the host's dirty data of that file, waiting for it uninterruptibly; so do the requests for read-ahead
+  (``readahead``, ``fadvise64``'s and ``madvise``'s ``WILLNEED``), whose reads of bound files outlived the execution
+  behind its slot's disk throttle;
 - ``fcntl`` is allowed but for ``F_NOTIFY`` (``inotify``'s older form) and ``fadvise64`` but for
   ``POSIX_FADV_DONTNEED``, which drops a bound host file's pages from the host's page cache;
 - ``prctl`` is allowed but for ``PR_SCHED_CORE`` (``EPERM``): a core-scheduling cookie of its own forces the SMT
@@ -68,7 +70,7 @@ def _names(text: str) -> tuple[str, ...]:
 ALLOWED = _names(
     # files and descriptors
     "read write readv writev pread64 pwrite64 preadv pwritev pwritev2 open openat openat2 creat close "
-    "close_range lseek dup dup2 dup3 ioctl truncate ftruncate fallocate readahead "
+    "close_range lseek dup dup2 dup3 ioctl truncate ftruncate fallocate "
     "tee copy_file_range pipe pipe2 "
     # metadata and directories
     "stat lstat fstat newfstatat statx statfs fstatfs access faccessat faccessat2 readlink readlinkat getdents "
@@ -132,7 +134,7 @@ DENIED = _names(
 # Return 0 without running (msync: with MS_SYNC). Everything the code can write is a tmpfs, where they do nothing;
 # on a descriptor of a read-only bind they wrote back the host's dirty data of that file (256 MiB of a checkpoint
 # being written, in 0.16 s) and fsync committed the host filesystem's journal, waiting for it uninterruptibly.
-NOOP = _names("fsync fdatasync sync_file_range")
+NOOP = _names("fsync fdatasync sync_file_range readahead")
 MS_SYNC = 4
 # The host's reserved huge pages are not charged to the memory cgroup: an execution limited to 64 MiB took 22 of
 # 32 (ENOMEM: what a host without reserved huge pages answers, so allocators fall back to ordinary pages).
@@ -140,6 +142,12 @@ MAP_HUGETLB = 0x40000
 RWF_NOWAIT = 0x8  # preadv2's flags (its sixth argument on every architecture)
 F_NOTIFY = 1026
 POSIX_FADV_DONTNEED = 4
+# Read-ahead on request (readahead, fadvise64's and madvise's WILLNEED, return 0 without running): it queues the reads
+# behind the slot's disk throttle and returns at once, and they outlive the execution. 289 MiB of bound files queued
+# in 0.2 s kept the disk reading for the slot 6 s after the verdict: the next execution in the slot read a cold 29 MiB
+# file in 6.4 s (0.6 s alone), its memory cgroup charged with the 289 MiB meanwhile, and a host process reading a
+# queued file waited 5.6 s for 76 MB.
+POSIX_FADV_WILLNEED = MADV_WILLNEED = 3
 # Core scheduling: a cookie of its own keeps every other task off the SMT sibling of the core the code runs on (forced
 # idle, charged to nobody), so one execution's CPU took a whole core and the neighbours' (the trainer's) share of it.
 PR_SCHED_CORE = 62
@@ -232,9 +240,9 @@ def _rules(lib, ctx) -> None:
     for flag in (MPOL_MF_MOVE, MPOL_MF_MOVE_ALL):
         _add(lib, ctx, _errno(errno.EPERM), "mbind", (5, _CMP_MASKED_EQ, flag, flag))
     _allow_unless(lib, ctx, "fcntl", 1, {F_NOTIFY: errno.EPERM})
-    _allow_unless(lib, ctx, "fadvise64", 3, {POSIX_FADV_DONTNEED: errno.EPERM})
+    _allow_unless(lib, ctx, "fadvise64", 3, {POSIX_FADV_DONTNEED: errno.EPERM, POSIX_FADV_WILLNEED: 0})
     _allow_unless(lib, ctx, "prctl", 0, {PR_SCHED_CORE: errno.EPERM, PR_SET_MEMORY_MERGE: errno.EINVAL})
-    _allow_unless(lib, ctx, "madvise", 2, {MADV_MERGEABLE: errno.EINVAL})
+    _allow_unless(lib, ctx, "madvise", 2, {MADV_MERGEABLE: errno.EINVAL, MADV_WILLNEED: 0})
 
 
 def _allow_unless(lib, ctx, name: str, arg: int, refused: dict[int, int]) -> None:
