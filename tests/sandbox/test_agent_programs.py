@@ -282,3 +282,20 @@ def test_a_script_without_dependencies_runs_on_a_pool_of_another_interpreter():
     assert argv[0] == other and list(written.values()) == [b"print(1)\n"]
     with pytest.raises(SandboxError, match="program_packages"):
         asyncio.run(runtime.prepare_uv_script('# /// script\n# dependencies = ["openai"]\n# ///\nprint(1)\n'))
+
+
+def test_the_models_command_cannot_interrupt_its_harness_program():
+    """The program is PID 1 of its namespace; Python's SIGINT handler made it the one signal a command could end it
+    with (`kill -INT 1`: exit 130, a failed rollout that trains nothing, where the episode should score). Now the
+    program goes on and the command's own later output reaches the model."""
+    _require_root()
+
+    async def main():
+        host = Host("kill -INT 1; kill -TERM 1; kill -HUP 1; sleep 0.2; echo still-here")
+        async with host, _provisioned() as runtime:
+            return host, await _bash_agent(host, runtime)
+
+    host, result = asyncio.run(main())
+    assert result.exit_code == 0, result.stderr[-2000:]
+    (output,) = host.tool_outputs
+    assert "still-here" in output, output

@@ -33,9 +33,13 @@ _BLOCK = re.compile(r"(?m)^# /// (?P<type>[a-zA-Z0-9-]+)$\s(?P<content>(^#(| .*)
 # site-packages (bound with its ``lib``) held older copies (a typing_extensions without ``sentinel``) that shadowed
 # the offered ones. The script lies in the workspace, which the model's commands write: it runs only if the bytes
 # read are those its name's sha256 names, and it runs those bytes (``runpy.run_path`` read the file again). A file
-# the code replaced ran as the next segment's harness, with the interception secret in its argv.
+# the code replaced ran as the next segment's harness, with the interception secret in its argv. The program is PID 1
+# of its namespace, which the kernel sends from inside only the signals it handles: Python's SIGINT handler let the
+# model's command `kill -INT 1` end it (exit 130, a failed rollout, which trains nothing, where the episode should
+# score). A handler that does nothing, not SIG_IGN: execve resets it, so the commands the program starts keep SIGINT.
 _BOOT = (
-    f"import hashlib, os, site, sys, types; site.addsitedir({PROGRAM_SITE!r}); sys.argv = sys.argv[1:]; "
+    f"import hashlib, os, signal, site, sys, types; site.addsitedir({PROGRAM_SITE!r}); sys.argv = sys.argv[1:]; "
+    "signal.signal(signal.SIGINT, lambda *_: None); "
     "path = sys.argv[0]; source = open(path, 'rb').read(); "
     "hashlib.sha256(source).hexdigest() == os.path.basename(path)[:-3] or "
     "sys.exit(f'{path}: the harness script was changed after the runtime wrote it'); "
