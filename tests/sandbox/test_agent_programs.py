@@ -30,8 +30,8 @@ def _require_root() -> None:
 class Host:
     """A scripted model on one port and a bystander service on another, both on the host's 127.0.0.1."""
 
-    def __init__(self, command: str) -> None:
-        self.command = command
+    def __init__(self, command: str, *more: str) -> None:
+        self.command, self.more = command, more  # one bash call a turn, then a final message
         self.tool_outputs: list[str] = []
         self.bystander_hits = 0
 
@@ -66,11 +66,13 @@ class Host:
         tools = [m for m in body["messages"] if m.get("role") == "tool"]
         if tools:
             self.tool_outputs.append(str(tools[-1].get("content")))
+        commands = [self.command, *self.more]
+        if len(tools) >= len(commands):
             delta = {"role": "assistant", "content": "done"}
             finish = "stop"
         else:
-            call = {"index": 0, "id": "call_1", "type": "function"}
-            call["function"] = {"name": "bash", "arguments": json.dumps({"command": self.command})}
+            call = {"index": 0, "id": f"call_{len(tools) + 1}", "type": "function"}
+            call["function"] = {"name": "bash", "arguments": json.dumps({"command": commands[len(tools)]})}
             delta, finish = {"role": "assistant", "tool_calls": [call]}, "tool_calls"
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)

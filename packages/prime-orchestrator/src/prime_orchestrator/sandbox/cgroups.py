@@ -135,6 +135,7 @@ class Cgroups:
         self._peak: dict[str, int] = {}
         self._cpu: dict[str, int] = {}
         self._usage: dict[str, int] = {}
+        self._members: dict[str, int] = {}
         self._oom_events: dict[str, int | None] = {}
 
     @property
@@ -371,11 +372,9 @@ class Cgroups:
 
     def usage(self, key: str) -> int:
         """The key's memory charge in bytes (v1 ``memory.usage_in_bytes``, v2 ``memory.current``; kept open)."""
-        if key not in self._usage:
-            d = self._dirs(key)
-            path = d["memory"] / "memory.usage_in_bytes" if self.version == 1 else d[""] / "memory.current"
-            self._usage[key] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        return int(os.pread(self._usage[key], 32, 0))
+        d = self._dirs(key)
+        path = d["memory"] / "memory.usage_in_bytes" if self.version == 1 else d[""] / "memory.current"
+        return int(os.pread(self._kept(self._usage, key, path), 32, 0))
 
     def left_over(self, key: str, small: int) -> int:
         """Bytes charged to the key that are not the page cache of files read (which the kernel reclaims when the next
@@ -410,11 +409,19 @@ class Cgroups:
         bounds each process, not their sum: a chain of children, each under it, ran a 1 s execution for 6 s."""
         if not self.counts_cpu:
             return None
-        if key not in self._cpu:
-            d = self._dirs(key)
-            path = d["cpuacct"] / "cpuacct.usage" if self.version == 1 else d[""] / "cpu.stat"
-            self._cpu[key] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        return self._cpu[key]
+        d = self._dirs(key)
+        return self._kept(self._cpu, key, d["cpuacct"] / "cpuacct.usage" if self.version == 1 else d[""] / "cpu.stat")
+
+    def commands_fds(self, key: str) -> list[int]:
+        """For a harness program's supervisor (``supervisor.Commands``): read-only descriptors of the key's
+        ``cgroup.procs`` and of the host's ``/proc`` (kept with them; the runner closes both before the code runs)."""
+        procs = self._dirs(key)["memory" if self.version == 1 else ""] / "cgroup.procs"
+        return [self._kept(self._members, key, procs), self._kept(self._members, "/proc", Path("/proc"))]
+
+    def _kept(self, store: dict[str, int], key: str, path: Path) -> int:
+        if key not in store:
+            store[key] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return store[key]
 
     def _oom_count(self, key: str) -> int:
         d = self._dirs(key)
@@ -455,7 +462,8 @@ class Cgroups:
         return sorted(found)
 
     def _close_fds(self, key: str) -> None:
-        fds = [*self._procs.pop(key, []), *(d.pop(key) for d in (self._peak, self._cpu, self._usage) if key in d)]
+        kept = (self._peak, self._cpu, self._usage, self._members)
+        fds = [*self._procs.pop(key, []), *(d.pop(key) for d in kept if key in d)]
         for fd in [*fds, self._oom_events.pop(key, None)]:
             if fd is not None:
                 os.close(fd)
@@ -471,7 +479,7 @@ class Cgroups:
     def close(self) -> None:
         """Remove the pool's cgroups once its processes are gone (the zygotes killed first; waited for up to
         :data:`CLOSE_WAIT_S`); those still holding a process stay, and a later pool's start sweeps them."""
-        for key in {*self._procs, *self._cpu, *self._usage, *self._oom_events}:
+        for key in {*self._procs, *self._cpu, *self._usage, *self._members, *self._oom_events}:
             self._close_fds(key)
         deadline = time.monotonic() + CLOSE_WAIT_S
         while any(holds_processes(d) for d in self.dirs()) and time.monotonic() < deadline:

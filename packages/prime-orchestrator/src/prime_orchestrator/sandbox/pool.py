@@ -309,7 +309,7 @@ class SandboxPool:
 
     def _enter_cgroups(self, job: _Job) -> None:
         """Set the slot's limits; its descriptors for the execution: ``cgroup.procs`` (the runner joins them), then
-        the CPU counter, the OOM eventfd and the memory usage (the supervisor's, sent last, in that order)."""
+        the CPU counter, the OOM eventfd, the memory usage and a program's commands (the supervisor's, in order)."""
         if (cg := self._cgroups) is not None:
             key, limits, ws = job.lease.cgroup, job.limits, job.lease.workspace
             mb = limits.memory_mb + (ws.disk_mb if ws else limits.disk_mb)
@@ -318,6 +318,8 @@ class SandboxPool:
                 self._disk.limit(key, limits.disk_read_mbps, limits.disk_read_iops)
             supervisor_fds = (cg.cpu_fd(key), cg.oom_event(key), cg.oom_usage(key))
             job.cgroup_fds += [fd for fd in supervisor_fds if fd is not None]
+            if job.relay is not None:  # a harness program's, sent after those: its commands (supervisor.Commands)
+                job.cgroup_fds += cg.commands_fds(key)
 
     def _body(self, job: _Job) -> bytes:
         self._enter_cgroups(job)
@@ -337,6 +339,7 @@ class SandboxPool:
                 "oom_event": self._cgroups is not None and self._cgroups.watches_oom(job.lease.cgroup),
                 "oom_limit": self._cgroups.oom_limit(job.lease.cgroup) if self._cgroups is not None else None,
                 "program": job.relay is not None,
+                "commands": job.relay is not None and self._cgroups is not None,
                 "listen": job.relay.ports if job.relay is not None else [],
             }
         ).encode()

@@ -127,6 +127,9 @@ class ExecResult(BaseModel):
     """The CPU time of the execution's processes together that its supervisor read when it found them past the CPU
     budget (then it killed them: ``timeout``, "... exceeded (all its processes)"); None otherwise, and where the pool
     has no cgroup CPU counter. ``cpu_s`` is what they spent until the kill took them, higher on a loaded host."""
+    commands_killed: int = 0
+    """A harness program's commands (its child processes) that its supervisor killed at the execution's memory or
+    CPU limit in the program's place, which went on (see ``supervisor.Commands``)."""
     supervisor_cpu_s: float = 0.0
     """CPU time of the execution's trusted supervisor (sandbox overhead, for capacity planning)."""
     memory_peak_mb: float | None = None

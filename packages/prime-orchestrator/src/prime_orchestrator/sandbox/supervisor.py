@@ -62,11 +62,13 @@ def supervise(fds: list[int], ctl_fd: int, zygote_pid: int, seccomp) -> None:
         os.close(request_fd)
         stdin_fd = extra.pop(0) if req.get("stdin") else None
         relay_fd = extra.pop(0) if req.get("listen") else None  # after stdin's: see SandboxPool._send
-        usage_fd = extra.pop() if req.get("oom_limit") and extra else None  # the pool sends it last
+        commands = Commands(*reversed([extra.pop(), extra.pop()])) if req.get("commands") else None  # sent last
+        usage_fd = extra.pop() if req.get("oom_limit") and extra else None  # then this one
         oom_fd = extra.pop() if req.get("oom_event") and extra else None  # then this one
         cpu_fd = extra.pop() if req.get("cpu_usage") and extra else None  # then this one
         oom = OomWatch(oom_fd, usage_fd, req.get("oom_limit")) if oom_fd is not None else None
-        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd, oom, relay_fd)
+        verdict = _execute(req, stdin_fd, extra, seccomp, cpu_fd, oom, relay_fd, commands)
+        verdict["commands_killed"] = commands.killed if commands is not None else 0
     except Exception as e:  # a verdict, never a silent EOF: the pool reports it as a sandbox error
         verdict = {"status": "sandbox_error", "reason": f"supervisor: {type(e).__name__}: {e}"}
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -130,10 +132,14 @@ class CpuClock:
     # burning 0.8 s of process_time under a 1 s RLIMIT_CPU ended at 0.77 s without writing its byte, and its parent,
     # blocked on their pipe, ran into the wall limit.
     BACKSTOP = 2
+    # A harness program's own CPU past a budget its commands spent (see spend): verifiers' chat program used 5.3 s for
+    # its start and 5 turns on the loaded 2-core VM.
+    RESERVE, MIN_RESERVE_S, SPENT_CHECK_S = 0.1, 2.0, 0.05
 
     def __init__(self, fd: int, cpu_s: float) -> None:
         self.fd = fd
         self.budget = max(1, math.ceil(cpu_s)) + self.GRACE_S
+        self.spent = False
         self.cpus = max(1, len(os.sched_getaffinity(0)))
         self.base = self._read()
         self.detected: float | None = None  # what was read when the budget was found spent (the verdict's)
@@ -152,8 +158,71 @@ class CpuClock:
     def used(self) -> float:
         return self._read() - self.base
 
+    def spend(self) -> None:
+        """A harness program's commands ran the budget out (see :class:`Commands`): from now on each read kills its
+        commands, and the program alone may spend :data:`RESERVE` of the budget more to finish its episode."""
+        if not self.spent:
+            self.spent = True
+            # at most half the budget more: RLIMIT_CPU (BACKSTOP times it) must not stop the program before this does
+            self.budget += min(max(self.MIN_RESERVE_S, self.RESERVE * self.budget), self.budget / 2)
+
     def next_read(self, now: float, used: float) -> float:
+        if self.spent:  # a command started now runs at most this long on every CPU before it is killed
+            return now + self.SPENT_CHECK_S
         return now + max(self.MIN_CHECK_S, (self.budget - used) / self.cpus)
+
+
+class Commands:
+    """A harness program's commands: every process of its execution's cgroup but the program itself (the runner, PID 1
+    of the namespace). At the execution's memory or CPU limit the supervisor kills them in the program's place, and
+    the program goes on: its tool call returns what the command printed until then (bash adds ``Killed`` for a child
+    it waited for), the episode ends and is scored. Killing the program failed the rollout, which trains nothing: a
+    way out of a bad attempt's negative advantage (two 1.1 GB buffers under program_limits' 2 GiB, or two threads
+    spinning through its CPU budget). With no command left the program is the one past the limit: it ends as before.
+
+    Host pids from the slot's ``cgroup.procs`` (this process is in the host's PID namespace; the processes of a
+    workspace's other executions running at that moment count as commands too), their resident memory from the
+    host's ``/proc``: two descriptors the pool sent, which the runner closes before the code runs."""
+
+    def __init__(self, members_fd: int, proc_fd: int) -> None:
+        self.members_fd, self.proc_fd = members_fd, proc_fd
+        self.killed = 0
+
+    def _members(self) -> set[int]:
+        return {int(p) for p in os.pread(self.members_fd, 1 << 20, 0).split()}
+
+    def kill_all(self, program: int) -> int:
+        """Kill every command (``program``: the runner's pid); how many."""
+        return self._kill(self._members() - {program})
+
+    def kill_largest(self, program: int) -> int:
+        """Kill the command holding the most resident memory, the one the kernel's OOM killer would take; 0: none."""
+        sizes = {}
+        for pid in self._members() - {program}:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                fd = os.open(f"{pid}/statm", os.O_RDONLY, dir_fd=self.proc_fd)
+                try:
+                    sizes[pid] = int(os.read(fd, 256).split()[1])
+                finally:
+                    os.close(fd)
+        return self._kill([max(sizes, key=sizes.__getitem__)] if sizes else [])
+
+    def _kill(self, pids) -> int:
+        """SIGKILL those of ``pids`` still in the slot; how many. Each pidfd is opened before the slot is listed
+        again, so a pid freed and taken by a process outside the slot meanwhile is never signalled."""
+        fds = {}
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                fds[pid] = os.pidfd_open(pid)
+        members, killed = self._members(), 0
+        for pid, fd in fds.items():
+            with contextlib.suppress(OSError):
+                if pid in members:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    killed += 1
+            os.close(fd)
+        self.killed += killed
+        return killed
 
 
 class OomWatch:
@@ -173,9 +242,22 @@ class OomWatch:
             or int(os.pread(self.usage_fd, 32, 0)) >= self.limit - self.SLACK
         ):
             return True  # left counted: every execution of a workspace at its limit (one eventfd) must see it
-        with contextlib.suppress(BlockingIOError):  # re-armed: the next OOM wakes the poll, this one does not spin it
-            os.eventfd_read(self.fd)
+        self.rearm()
         return False
+
+    def rearm(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # the next OOM wakes the poll, this one does not spin it
+            os.eventfd_read(self.fd)
+
+    def breached(self, commands: Commands | None, program: int) -> bool:
+        """Whether the execution is at its own limit and ends; a harness program's largest command dies in its place
+        while it has one (the program goes on)."""
+        if not self.own():
+            return False
+        if commands is not None and commands.kill_largest(program):
+            self.rearm()
+            return False
+        return True  # a process waits at the limit (the kernel kills none here): the execution ends
 
 
 def _execute(
@@ -186,6 +268,7 @@ def _execute(
     cpu_fd: int | None = None,
     oom: OomWatch | None = None,
     relay_fd: int | None = None,
+    commands: Commands | None = None,
 ) -> dict:
     _mount_work(req)
     if relay_fd is not None:
@@ -218,7 +301,7 @@ def _execute(
     for fd in (out_w, err_w, test_w, alive_r, setup_w, *cgroup_fds) + ((stdin_fd,) if stdin_fd is not None else ()):
         os.close(fd)
     names = {out_r: "stdout", err_r: "stderr", test_r: "tests", setup_r: "setup"}
-    streams, breach = _drain(pid, pidfd, names, req["limits"], start, cpu, oom)
+    streams, breach = _drain(pid, pidfd, names, req["limits"], start, cpu, oom, commands)
     # Unkilled, the pidfd said the whole namespace was gone; killed, it may not go at once (see REAP_S).
     reaped = breach is None or bool(select.select([pidfd], [], [], REAP_S)[0])
     _, status, usage = os.wait4(pid, 0 if reaped else os.WNOHANG)
@@ -247,6 +330,7 @@ def _drain(
     start: float,
     cpu: CpuClock | None = None,
     oom: OomWatch | None = None,
+    commands: Commands | None = None,
 ) -> tuple[dict, str | None]:
     """Read the runner's pipes until it has exited and they are drained, or until the wall clock, the output cap,
     the CPU budget of all its processes or the memory limit (``oom``, see ``Cgroups.oom_event``) is hit (then kill
@@ -268,13 +352,15 @@ def _drain(
             break
         if now >= next_cpu:
             used = cpu.used()
+            if commands is not None and (cpu.spent or used > cpu.budget) and commands.kill_all(pid):
+                cpu.spend()  # its commands ran the budget out: they die, the program goes on
             if used > cpu.budget:
                 breach, cpu.detected = "cpu", used
                 break
             next_cpu = cpu.next_read(now, used)
         for fd, _ in poller.poll(min(left, next_cpu - now) * 1000):
             if fd == oom_fd:
-                if oom.own():  # a process waits at the limit (the kernel kills none here): the execution ends
+                if oom.breached(commands, pid):
                     breach = "memory"
                     break
                 continue

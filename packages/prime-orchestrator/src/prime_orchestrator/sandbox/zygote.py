@@ -70,7 +70,9 @@ PRELOAD = [
 ]
 DEVICES = ("null", "zero", "full", "random", "urandom")
 ETC_FILES = ("ld.so.cache", "localtime", "nsswitch.conf", "alternatives")
-MAX_FDS = 12  # request, result, stdin, a program's relay, 4 cgroup.procs/tasks, CPU counter, OOM eventfd, usage
+# request, result, stdin, a program's relay, 5 cgroup.procs/tasks, CPU counter, OOM eventfd, usage, a program's
+# cgroup.procs and /proc (supervisor.Commands)
+MAX_FDS = 14
 PR_SET_MEMORY_MERGE = 67
 PROGRAMS_HIDDEN, PROGRAM_SITE = supervisor.PROGRAMS_HIDDEN, supervisor.PROGRAM_SITE
 WORKSPACE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
