@@ -51,3 +51,17 @@ def test_a_task_with_another_workdir_or_an_image_is_refused_in_one_line(monkeypa
     assert "/work" in workdir and "docker or prime runtime" in workdir
     image = str(_provision(monkeypatch, {"image": "python:3.12"}))
     assert "\n" not in image and "image 'python:3.12'" in image and "docker or prime runtime" in image
+
+
+def test_program_limits_given_in_part_keep_the_programs_defaults_for_the_rest():
+    """`program_limits = {memory_mb = 4096}` kept a command's defaults for every other field (a 10 s wall, 16
+    processes): every harness program ended 10 s into its rollout. The rest are now the program's defaults."""
+    from prime_orchestrator.sandbox import verifiers_runtime
+    from verifiers.v1.configs.agent import AgentConfig
+
+    config = AgentConfig(runtime={"type": "sandbox_pool", "program_limits": {"memory_mb": 4096}}).runtime
+    limits = config.program_limits
+    assert limits.memory_mb == 4096
+    given = {k: getattr(limits, k) for k in verifiers_runtime.PROGRAM_LIMITS if k != "memory_mb"}
+    assert given == {k: v for k, v in verifiers_runtime.PROGRAM_LIMITS.items() if k != "memory_mb"}
+    assert verifiers_runtime.SandboxPoolRuntimeConfig().program_limits.wall_s == 900

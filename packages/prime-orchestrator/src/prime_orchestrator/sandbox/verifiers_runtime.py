@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import verifiers.v1.runtimes as vr
 from prime_core.config.sandbox import SandboxClientConfig, SandboxLimits
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_config import BaseConfig
 from verifiers.v1.errors import SandboxError
 from verifiers.v1.runtimes.base import BaseRuntimeInfo, ProgramResult, Runtime
@@ -119,6 +119,10 @@ except OSError as e:
 """
 
 
+PROGRAM_LIMITS = dict(wall_s=900, cpu_s=900, memory_mb=2048, processes=256, open_files=1024, output_bytes=8 << 20)
+"""A harness program's limits where ``program_limits`` does not name them: sized for a whole rollout."""
+
+
 class SandboxPoolRuntimeConfig(BaseConfig):
     type: Literal["sandbox_pool"] = "sandbox_pool"
     urls: list[str] = Field(default_factory=list)
@@ -127,18 +131,22 @@ class SandboxPoolRuntimeConfig(BaseConfig):
     """Environment variable holding the nodes' bearer token."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Limits of each command run in the runtime."""
-    program_limits: SandboxLimits = Field(
-        default_factory=lambda: SandboxLimits(
-            wall_s=900, cpu_s=900, memory_mb=2048, processes=256, open_files=1024, output_bytes=8 << 20
-        )
-    )
+    program_limits: SandboxLimits = Field(default_factory=lambda: SandboxLimits(**PROGRAM_LIMITS))
     """Limits of the harness program (``run_program``: verifiers' ``bash`` agent or chat loop, the whole rollout, the
     model's commands included, which run as its children), sized for a rollout: past ``wall_s`` it is killed and the
-    rollout fails naming this field. ``disk_mb`` of the workspace stays ``limits.disk_mb``."""
+    rollout fails naming this field. The fields given replace those of the program's defaults (``PROGRAM_LIMITS``),
+    not of a command's. ``disk_mb`` of the workspace stays ``limits.disk_mb``."""
     workdir: Literal["/work"] = WORKDIR
     """The folder commands run in: the leased workspace, always ``/work``. verifiers reads it as every container
     runtime's (its ``isolated-verifier`` places relative artifacts there). A task that names another ``workdir`` (or
     an ``image``) is refused in one line when its runtime is made."""
+
+    @field_validator("program_limits", mode="before")
+    @classmethod
+    def _over_program_defaults(cls, value):
+        # Given as a table, {memory_mb = 4096} kept the command defaults for the rest: a 10 s wall and 16 processes
+        # ended every harness program 10 s into its rollout.
+        return {**PROGRAM_LIMITS, **value} if isinstance(value, dict) else value
 
     def client_config(self) -> SandboxClientConfig:
         return SandboxClientConfig(urls=self.urls, api_key_var=self.api_key_var)
