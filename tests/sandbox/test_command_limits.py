@@ -17,14 +17,12 @@ HOG = "python3 -c \"import time; b = b'x' * (300 << 20); time.sleep(3)\""
 
 
 def _episode(*commands: str, **program_limits):
-    """verifiers' bash agent running ``commands`` under the default program_limits, ``program_limits`` changed."""
-    from prime_orchestrator.sandbox.verifiers_runtime import SandboxPoolRuntimeConfig
-
-    limits = {**SandboxPoolRuntimeConfig().program_limits.model_dump(), **program_limits}
+    """verifiers' bash agent running ``commands`` under the default program_limits, ``program_limits`` changed (a
+    table naming some fields keeps the program's defaults for the rest)."""
 
     async def main():
         host = Host(*commands)
-        async with host, _provisioned(program_limits=limits) as runtime:
+        async with host, _provisioned(program_limits=program_limits) as runtime:
             result = await _bash_agent(host, runtime)
             after = await runtime.run(["echo", "served"], {})  # the workspace and the pool go on
             return host, result, after

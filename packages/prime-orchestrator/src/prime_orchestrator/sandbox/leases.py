@@ -4,9 +4,8 @@ The pool's uids: ``uid_base`` is its zygotes' root, ``uid_base + 1 + slot`` the 
 concurrent execution), and above those one uid per open workspace. An execution that ended with a verdict has no
 process left (its supervisor returned from ``wait4`` of the PID namespace's init), so its slot is free at once. Any
 other end (a verdict marked ``unreaped``, cancelled, its supervisor or zygote killed, no verdict in time) puts the
-slot in quarantine: the pool
-kills what still runs in it (its cgroup, or every host process of its uid where there are no cgroups) and lends it
-again only when nothing is left, however long that takes. A uid is never shared by two executions that might both
+slot in quarantine: the pool kills what still runs in it (its cgroup, or every host process of its uid where there
+are no cgroups) and lends it again only when nothing is left, however long that takes. A uid is never shared by two executions that might both
 have a live process.
 """
 
